@@ -1,0 +1,316 @@
+"""The one typed config tree. Each field is declared once, with its default and metadata.
+
+The GUI builds its widgets from this metadata, `--set` overrides walk it, `validate` checks it
+and `docs/config.md` is generated from it (`scripts/gen_config_docs.py`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from modules.config.fields import setting
+
+CONFIG_VERSION = 1
+
+BUILTIN_PREFIX = "builtin:"
+BUILTIN_TINY_SD15 = "builtin:tiny-sd15"
+BUILTIN_SHAPES = "builtin:shapes"
+
+
+class ModelType(str, Enum):
+    SD15 = "SD15"
+    SD2 = "SD2"
+    SDXL = "SDXL"
+
+
+class DType(str, Enum):
+    FLOAT32 = "FLOAT32"
+    FLOAT16 = "FLOAT16"
+    BFLOAT16 = "BFLOAT16"
+
+
+class PredictionType(str, Enum):
+    AUTO = "AUTO"
+    EPSILON = "EPSILON"
+    V_PREDICTION = "V_PREDICTION"
+
+
+class TrainingMethod(str, Enum):
+    LORA = "LORA"
+    FINE_TUNE = "FINE_TUNE"
+
+
+class Optimizer(str, Enum):
+    ADAMW = "ADAMW"
+    ADAMW_8BIT = "ADAMW_8BIT"
+
+
+class LRScheduler(str, Enum):
+    CONSTANT = "CONSTANT"
+    COSINE = "COSINE"
+    LINEAR = "LINEAR"
+
+
+class MixedPrecision(str, Enum):
+    NO = "NO"
+    FP16 = "FP16"
+    BF16 = "BF16"
+
+
+class CompileBackend(str, Enum):
+    NONE = "NONE"
+    DEFAULT = "DEFAULT"
+    INDUCTOR = "INDUCTOR"
+    TRITON = "TRITON"
+    AOT_EAGER = "AOT_EAGER"
+
+
+class CompileScope(str, Enum):
+    FULL = "FULL"
+    REGIONAL = "REGIONAL"
+
+
+class CompileMode(str, Enum):
+    DEFAULT = "DEFAULT"
+    REDUCE_OVERHEAD = "REDUCE_OVERHEAD"
+    MAX_AUTOTUNE = "MAX_AUTOTUNE"
+    MAX_AUTOTUNE_NO_CUDAGRAPHS = "MAX_AUTOTUNE_NO_CUDAGRAPHS"
+
+
+class DynamicShapes(str, Enum):
+    DYNAMIC = "DYNAMIC"
+    AUTO = "AUTO"
+    STATIC = "STATIC"
+
+
+class SaveFormat(str, Enum):
+    DIFFUSERS = "DIFFUSERS"
+    KOHYA = "KOHYA"
+    SINGLE_FILE = "SINGLE_FILE"
+
+
+class Device(str, Enum):
+    AUTO = "AUTO"
+    CPU = "CPU"
+    CUDA = "CUDA"
+
+
+@dataclass
+class GeneralConfig:
+    device: Device = setting(Device.AUTO, label="Device", group="General",
+                             help="Where to train. AUTO picks CUDA when a GPU is visible, else the CPU.")
+    cache_dir: str = setting("", label="Cache folder", group="General", path=True, advanced=True,
+                             help="Where built-in models, datasets and latent caches are kept. "
+                                  "Empty means ~/.cache/tempera.")
+
+
+@dataclass
+class ModelConfig:
+    path: str = setting(BUILTIN_TINY_SD15, label="Base model", group="Model", path=True,
+                        help="A diffusers model folder, or a built-in model such as "
+                             "'builtin:tiny-sd15' (a tiny random-weight model built locally).")
+    type: ModelType = setting(ModelType.SD15, label="Model type", group="Model",
+                              help="The model family: decides which components exist and how "
+                                   "they are conditioned.")
+    weight_dtype: DType = setting(DType.FLOAT32, label="Frozen weights dtype", group="Model",
+                                  help="Data type of the weights that are not trained.")
+    train_dtype: DType = setting(DType.FLOAT32, label="Trained weights dtype", group="Model",
+                                 help="Data type of the weights being trained (the optimizer "
+                                      "keeps its state in this type).")
+    prediction_type: PredictionType = setting(
+        PredictionType.AUTO, label="Prediction type", group="Model", advanced=True,
+        help="What the UNet predicts. AUTO reads it from the model's scheduler config "
+             "(SD 1.x: EPSILON, SD 2.x 768: V_PREDICTION).")
+
+
+@dataclass
+class DatasetConfig:
+    path: str = setting(BUILTIN_SHAPES, label="Folder", group="Data", path=True,
+                        help="A folder of images with same-name .txt captions, or "
+                             "'builtin:shapes' (a generated set of coloured shapes).")
+    repeats: int = setting(1, label="Repeats", group="Data", min=1, max=10_000,
+                           help="How many times each image of this folder is seen per epoch.")
+
+
+@dataclass
+class DataConfig:
+    datasets: list[DatasetConfig] = setting(
+        default_factory=lambda: [DatasetConfig()], label="Datasets", group="Data",
+        help="One or more image folders, each with its own repeat count.")
+    resolution: int = setting(512, label="Resolution", group="Data", min=64, max=4096,
+                              help="Training side length in pixels; must be a multiple of 64.")
+    center_crop: bool = setting(True, label="Center crop", group="Data",
+                                help="Crop the center after resizing; off means a random crop.")
+    random_flip: bool = setting(False, label="Random flip", group="Data",
+                                help="Flip images horizontally at random.")
+    cache_latents: bool = setting(False, label="Cache latents", group="Data",
+                                  help="Encode every image with the VAE once and keep the latents "
+                                       "on disk; the VAE is then not needed during training.")
+    caption_extension: str = setting(".txt", label="Caption extension", group="Data", advanced=True,
+                                     help="File extension of the caption next to each image.")
+    workers: int = setting(0, label="Dataloader workers", group="Data", min=0, max=64, advanced=True,
+                           help="Background processes that load images; 0 loads in the trainer.")
+
+
+@dataclass
+class TrainingConfig:
+    method: TrainingMethod = setting(TrainingMethod.LORA, label="Method", group="Training",
+                                     help="LORA trains small adapter matrices; FINE_TUNE trains the "
+                                          "full weights of the selected components.")
+    lora_rank: int = setting(16, label="LoRA rank", group="Training", min=1, max=1024,
+                             help="Rank of the LoRA matrices.")
+    lora_alpha: float = setting(16.0, label="LoRA alpha", group="Training", min=0.0, max=100_000.0,
+                                help="LoRA scaling numerator: the update is scaled by alpha / rank.")
+    lora_target_modules: list[str] = setting(
+        default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"],
+        label="LoRA target modules", group="Training", advanced=True,
+        help="Names of the linear layers that get LoRA adapters in the UNet.")
+    optimizer: Optimizer = setting(Optimizer.ADAMW, label="Optimizer", group="Training",
+                                   help="ADAMW, or ADAMW_8BIT (needs bitsandbytes and a CUDA GPU).")
+    learning_rate: float = setting(1e-4, label="Learning rate", group="Training", min=0.0, max=1.0,
+                                   help="Base learning rate; a component may override it.")
+    weight_decay: float = setting(1e-2, label="Weight decay", group="Training", min=0.0, max=1.0,
+                                  advanced=True, help="AdamW weight decay.")
+    lr_scheduler: LRScheduler = setting(LRScheduler.CONSTANT, label="LR scheduler", group="Training",
+                                        help="How the learning rate changes over the run.")
+    lr_warmup_steps: int = setting(0, label="Warmup steps", group="Training", min=0, max=10_000_000,
+                                   help="Steps over which the learning rate ramps up from zero.")
+    epochs: int = setting(1, label="Epochs", group="Training", min=1, max=1_000_000,
+                          help="Passes over the dataset (ignored when max steps is set).")
+    max_steps: int = setting(0, label="Max steps", group="Training", min=0, max=100_000_000,
+                             help="Optimizer steps to train for; 0 means train for 'epochs'.")
+    batch_size: int = setting(1, label="Batch size", group="Training", min=1, max=4096,
+                              help="Images per forward pass.")
+    gradient_accumulation: int = setting(1, label="Gradient accumulation", group="Training",
+                                         min=1, max=4096,
+                                         help="Forward passes summed into one optimizer step.")
+    gradient_checkpointing: bool = setting(False, label="Gradient checkpointing", group="Training",
+                                           help="Recompute activations in backward to save memory.")
+    mixed_precision: MixedPrecision = setting(MixedPrecision.NO, label="Mixed precision",
+                                              group="Training",
+                                              help="Autocast the forward pass to FP16 or BF16.")
+    max_grad_norm: float = setting(1.0, label="Max gradient norm", group="Training", min=0.0,
+                                   max=1e6, advanced=True,
+                                   help="Clip gradients to this norm; 0 disables clipping.")
+    seed: int = setting(42, label="Seed", group="General", min=0, max=2**32 - 1,
+                        help="Seed for noise, timesteps, shuffling and weight init.")
+
+
+@dataclass
+class ComponentConfig:
+    train: bool = setting(False, label="Train", group="Training",
+                          help="Train this component (its LoRA adapters, or its full weights).")
+    learning_rate: float | None = setting(None, label="Learning rate", group="Training",
+                                          min=0.0, max=1.0,
+                                          help="Learning rate for this component; empty uses the "
+                                               "training learning rate.")
+
+
+@dataclass
+class ComponentsConfig:
+    unet: ComponentConfig = setting(default_factory=lambda: ComponentConfig(train=True),
+                                    label="UNet", group="Training", help="The denoising UNet.")
+    text_encoder: ComponentConfig = setting(default_factory=ComponentConfig, label="Text encoder",
+                                            group="Training", help="The (first) CLIP text encoder.")
+    text_encoder_2: ComponentConfig = setting(default_factory=ComponentConfig,
+                                              label="Text encoder 2", group="Training",
+                                              help="The second text encoder (SDXL only).")
+    vae: ComponentConfig = setting(default_factory=ComponentConfig, label="VAE", group="Training",
+                                   help="The autoencoder. Tempera does not train it; it can be "
+                                        "compiled.")
+
+
+@dataclass
+class CompileConfig:
+    backend: CompileBackend = setting(
+        CompileBackend.NONE, label="Backend", group="Advanced",
+        help="torch.compile backend. NONE: eager. DEFAULT: torch's default (inductor). "
+             "INDUCTOR: inductor with autotune and epilogue fusion, no CUDA graphs. TRITON: "
+             "inductor with CUDA graphs and shape padding too (there is no torch backend named "
+             "'triton'). AOT_EAGER: AOTAutograd graphs run with eager kernels.")
+    unet: bool = setting(True, label="Compile UNet", group="Advanced",
+                         help="Compile the UNet (the biggest gain).")
+    text_encoder: bool = setting(False, label="Compile text encoder", group="Advanced",
+                                 help="Compile every text encoder the model type has.")
+    vae: bool = setting(False, label="Compile VAE", group="Advanced",
+                        help="Compile the VAE encoder (training, latent caching) and decoder "
+                             "(sampling).")
+    scope: CompileScope = setting(
+        CompileScope.FULL, label="Scope", group="Advanced",
+        help="FULL compiles each component whole; REGIONAL compiles each repeated block "
+             "(transformer and resnet blocks) so the compiled code is reused across blocks.")
+    mode: CompileMode = setting(
+        CompileMode.DEFAULT, label="Mode", group="Advanced",
+        help="torch.compile mode, merged into the backend's inductor options.")
+    dynamic: DynamicShapes = setting(
+        DynamicShapes.DYNAMIC, label="Dynamic shapes", group="Advanced",
+        help="DYNAMIC: compile for varying batch and image sizes up front. AUTO: let torch "
+             "decide after a shape changes. STATIC: one compile per shape.")
+    fullgraph: bool = setting(False, label="Full graph", group="Advanced",
+                              help="Fail on any graph break (for diagnosing); off by default.")
+    cache_dir: str = setting("", label="Compile cache folder", group="Advanced", path=True,
+                             help="Persistent compile cache reused across runs. Empty means "
+                                  "<cache folder>/compile.")
+    strict: bool = setting(False, label="Strict", group="Advanced",
+                           help="Make any compile failure fatal instead of falling back to the "
+                                "next backend.")
+
+
+@dataclass
+class SamplingConfig:
+    prompts: list[str] = setting(default_factory=lambda: ["a red circle on a blue background"],
+                                 label="Prompts", group="Sampling", multiline=True,
+                                 help="Prompts sampled during training, one image each.")
+    every_steps: int = setting(0, label="Sample every N steps", group="Sampling", min=0,
+                               max=100_000_000, help="0 samples only at the end of the run.")
+    seed: int = setting(42, label="Sampling seed", group="Sampling", min=0, max=2**32 - 1,
+                        help="Seed for the sampling noise, so samples are comparable over time.")
+    steps: int = setting(20, label="Sampling steps", group="Sampling", min=1, max=1000,
+                         help="Denoising steps per sample.")
+    guidance_scale: float = setting(7.5, label="Guidance scale", group="Sampling", min=0.0,
+                                    max=100.0, help="Classifier-free guidance strength.")
+
+
+@dataclass
+class OutputConfig:
+    dir: str = setting("output", label="Output folder", group="General", path=True,
+                       help="Where checkpoints, samples, logs and the run record are written.")
+    save_every_steps: int = setting(0, label="Save every N steps", group="General", min=0,
+                                    max=100_000_000,
+                                    help="Periodic checkpoints; 0 saves only at the end.")
+    formats: list[SaveFormat] = setting(default_factory=lambda: [SaveFormat.DIFFUSERS],
+                                        label="Save formats", group="General",
+                                        help="DIFFUSERS: peft LoRA file or diffusers folder.")
+    overwrite: bool = setting(False, label="Overwrite previous run", group="General",
+                              help="Allow writing into an output folder that holds an earlier "
+                                   "run; off refuses to start so nothing is lost.")
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard: bool = setting(True, label="TensorBoard", group="General",
+                                help="Write loss, learning rate and samples for TensorBoard.")
+
+
+@dataclass
+class Config:
+    config_version: int = setting(CONFIG_VERSION, label="Config version", group="General",
+                                  advanced=True, help="Schema version of this file.")
+    general: GeneralConfig = setting(default_factory=GeneralConfig, label="General",
+                                     group="General", help="Device and caches.")
+    model: ModelConfig = setting(default_factory=ModelConfig, label="Model", group="Model",
+                                 help="The base model.")
+    data: DataConfig = setting(default_factory=DataConfig, label="Data", group="Data",
+                               help="Training images and captions.")
+    training: TrainingConfig = setting(default_factory=TrainingConfig, label="Training",
+                                       group="Training", help="Optimisation settings.")
+    components: ComponentsConfig = setting(default_factory=ComponentsConfig, label="Components",
+                                           group="Training", help="Per-component settings.")
+    compile: CompileConfig = setting(default_factory=CompileConfig, label="Model compilation",
+                                     group="Advanced", help="torch.compile settings.")
+    sampling: SamplingConfig = setting(default_factory=SamplingConfig, label="Sampling",
+                                       group="Sampling", help="Sample images during training.")
+    output: OutputConfig = setting(default_factory=OutputConfig, label="Output", group="General",
+                                   help="Where results go.")
+    logging: LoggingConfig = setting(default_factory=LoggingConfig, label="Logging",
+                                     group="General", help="Logging.")

@@ -1,0 +1,132 @@
+"""The narrow boundary between the trainer and any front end (headless CLI, GUI, cloud hook).
+
+The trainer emits events through a `TrainerCallbacks` object and polls a `TrainerCommands`
+object once per step. Neither knows about tkinter: the GUI adapts them onto its Tk-thread queue.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class Progress:
+    step: int
+    max_steps: int
+    epoch: int
+    max_epochs: int
+    loss: float
+    smoothed_loss: float
+    lr: float
+    seconds_per_step: float
+    eta_seconds: float
+
+
+@dataclass(frozen=True)
+class CompileEvent:
+    """Something the compile engine wants the user to see ("compiling UNet: graph 2, 34 s")."""
+    component: str
+    message: str
+    seconds: float = 0.0
+    kind: str = "progress"  # progress | done | fallback | degraded | recompile | warning
+
+
+class TrainerCallbacks(Protocol):
+    def on_status(self, text: str) -> None: ...
+    def on_progress(self, progress: Progress) -> None: ...
+    def on_sample(self, path: Path, prompt: str, step: int) -> None: ...
+    def on_compile(self, event: CompileEvent) -> None: ...
+    def on_saved(self, path: Path, step: int) -> None: ...
+    def on_error(self, message: str) -> None: ...
+
+
+class NullCallbacks:
+    """Callbacks that drop every event (for tests and library use)."""
+
+    def on_status(self, text: str) -> None:
+        pass
+
+    def on_progress(self, progress: Progress) -> None:
+        pass
+
+    def on_sample(self, path: Path, prompt: str, step: int) -> None:
+        pass
+
+    def on_compile(self, event: CompileEvent) -> None:
+        pass
+
+    def on_saved(self, path: Path, step: int) -> None:
+        pass
+
+    def on_error(self, message: str) -> None:
+        pass
+
+
+@dataclass
+class RecordingCallbacks(NullCallbacks):
+    """Callbacks that keep every event in lists (tests, and the run record's event log)."""
+    statuses: list[str] = field(default_factory=list)
+    progress: list[Progress] = field(default_factory=list)
+    samples: list[tuple[Path, str, int]] = field(default_factory=list)
+    compile_events: list[CompileEvent] = field(default_factory=list)
+    saves: list[tuple[Path, int]] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    def on_status(self, text: str) -> None:
+        self.statuses.append(text)
+
+    def on_progress(self, progress: Progress) -> None:
+        self.progress.append(progress)
+
+    def on_sample(self, path: Path, prompt: str, step: int) -> None:
+        self.samples.append((path, prompt, step))
+
+    def on_compile(self, event: CompileEvent) -> None:
+        self.compile_events.append(event)
+
+    def on_saved(self, path: Path, step: int) -> None:
+        self.saves.append((path, step))
+
+    def on_error(self, message: str) -> None:
+        self.errors.append(message)
+
+
+class TrainerCommands:
+    """Thread-safe requests from a front end, polled by the trainer once per step."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stop = False
+        self._save = False
+        self._sample = False
+
+    def request_stop(self) -> None:
+        with self._lock:
+            self._stop = True
+
+    def request_save(self) -> None:
+        with self._lock:
+            self._save = True
+
+    def request_sample(self) -> None:
+        with self._lock:
+            self._sample = True
+
+    @property
+    def stop_requested(self) -> bool:
+        with self._lock:
+            return self._stop
+
+    def take_save(self) -> bool:
+        """True once per `request_save` call."""
+        with self._lock:
+            taken, self._save = self._save, False
+            return taken
+
+    def take_sample(self) -> bool:
+        """True once per `request_sample` call."""
+        with self._lock:
+            taken, self._sample = self._sample, False
+            return taken
