@@ -1,0 +1,25 @@
+"""A config problem: where (dotted path), what was expected, what was given."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Problem:
+    path: str
+    expected: str
+    given: str
+    message: str = ""
+
+    def __str__(self) -> str:
+        text = f"{self.path}: expected {self.expected}, got {self.given}"
+        return f"{text} ({self.message})" if self.message else text
+
+
+class ConfigError(Exception):
+    """Raised with every problem found at once."""
+
+    def __init__(self, problems: list[Problem], source: str = "config") -> None:
+        self.problems = problems
+        lines = "\n".join(f"  - {p}" for p in problems)
+        super().__init__(f"{source} has {len(problems)} problem(s):\n{lines}")

@@ -1,0 +1,178 @@
+"""`validate(config)`: the one consistency check used by the CLI, the GUI and cloud runs.
+
+Type and range errors are caught when a config is loaded; this finds combinations that do not
+make sense and inputs on disk that are missing, each as a Problem with its dotted path.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+from modules.config.problems import Problem
+from modules.config.schema import (
+    BUILTIN_PREFIX,
+    BUILTIN_SHAPES,
+    Config,
+    Device,
+    MixedPrecision,
+    Optimizer,
+    SaveFormat,
+    TrainingMethod,
+)
+from modules.models.types import MODEL_TYPES
+
+BUILTIN_DATASETS = (BUILTIN_SHAPES,)
+SUPPORTED_FORMATS = {
+    TrainingMethod.LORA: {SaveFormat.DIFFUSERS},
+    TrainingMethod.FINE_TUNE: {SaveFormat.DIFFUSERS},
+}
+COMPONENT_NAMES = ("unet", "text_encoder", "text_encoder_2", "vae")
+
+
+def validate(config: Config, check_files: bool = True) -> list[Problem]:
+    """Every problem with the config's combinations (and, with check_files, its inputs on disk)."""
+    problems: list[Problem] = []
+    problems += _check_components(config)
+    problems += _check_training(config)
+    problems += _check_data(config)
+    problems += _check_output_and_sampling(config)
+    if check_files:
+        problems += _check_model_path(config)
+        problems += _check_dataset_paths(config)
+        problems += _check_output_dir(config)
+    return problems
+
+
+def _check_components(config: Config) -> list[Problem]:
+    spec = MODEL_TYPES[config.model.type]
+    problems = []
+    for name in COMPONENT_NAMES:
+        component = getattr(config.components, name)
+        if component.train and name not in spec.components:
+            problems.append(Problem(f"components.{name}.train", "false",
+                                    "true", f"{spec.label} has no {name}"))
+    if config.components.vae.train:
+        problems.append(Problem("components.vae.train", "false", "true",
+                                "Tempera trains the UNet and text encoders, not the VAE"))
+    if not any(getattr(config.components, n).train for n in spec.components):
+        problems.append(Problem("components", "at least one component with train = true",
+                                "none", "nothing would be trained"))
+    return problems
+
+
+def _check_training(config: Config) -> list[Problem]:
+    t = config.training
+    problems = []
+    if t.method == TrainingMethod.LORA and not t.lora_target_modules:
+        problems.append(Problem("training.lora_target_modules", "at least one module name",
+                                "[]", "LoRA needs layers to adapt"))
+    if t.optimizer == Optimizer.ADAMW_8BIT and importlib.util.find_spec("bitsandbytes") is None:
+        problems.append(Problem("training.optimizer", "ADAMW (bitsandbytes is not installed)",
+                                "ADAMW_8BIT", "pip install bitsandbytes, or use ADAMW"))
+    if config.general.device == Device.CPU and t.mixed_precision == MixedPrecision.FP16:
+        problems.append(Problem("training.mixed_precision", "NO or BF16 on the CPU", "FP16",
+                                "FP16 autocast needs a CUDA GPU"))
+    if config.general.device == Device.CUDA and not _cuda_available():
+        problems.append(Problem("general.device", "AUTO or CPU (no CUDA GPU is visible)",
+                                "CUDA"))
+    return problems
+
+
+def _check_data(config: Config) -> list[Problem]:
+    d = config.data
+    problems = []
+    if d.resolution % 64:
+        problems.append(Problem("data.resolution", "a multiple of 64", str(d.resolution),
+                                f"try {max(64, round(d.resolution / 64) * 64)}"))
+    if not d.datasets:
+        problems.append(Problem("data.datasets", "at least one dataset folder", "[]"))
+    if d.cache_latents and not d.center_crop:
+        problems.append(Problem("data.center_crop", "true when data.cache_latents is on", "false",
+                                "a random crop would be frozen into the cached latents"))
+    if not d.caption_extension.startswith(".") or len(d.caption_extension) < 2:
+        problems.append(Problem("data.caption_extension", "an extension such as '.txt'",
+                                repr(d.caption_extension)))
+    return problems
+
+
+def _check_output_and_sampling(config: Config) -> list[Problem]:
+    problems = []
+    if not config.output.formats:
+        problems.append(Problem("output.formats", "at least one format", "[]"))
+    supported = SUPPORTED_FORMATS[config.training.method]
+    for i, fmt in enumerate(config.output.formats):
+        if fmt not in supported:
+            problems.append(Problem(f"output.formats[{i}]",
+                                    " or ".join(sorted(f.value for f in supported)), fmt.value,
+                                    "not supported for this training method yet"))
+    if not config.output.dir:
+        problems.append(Problem("output.dir", "a folder path", "''"))
+    if config.sampling.every_steps and not config.sampling.prompts:
+        problems.append(Problem("sampling.prompts", "at least one prompt when sampling is on",
+                                "[]"))
+    for i, prompt in enumerate(config.sampling.prompts):
+        if not prompt.strip():
+            problems.append(Problem(f"sampling.prompts[{i}]", "a non-empty prompt", repr(prompt)))
+    return problems
+
+
+def _check_model_path(config: Config) -> list[Problem]:
+    path, spec = config.model.path, MODEL_TYPES[config.model.type]
+    builtins = {s.builtin: t for t, s in MODEL_TYPES.items()}
+    if path.startswith(BUILTIN_PREFIX):
+        if path not in builtins:
+            return [Problem("model.path", "one of " + ", ".join(builtins), repr(path))]
+        if builtins[path] != config.model.type:
+            return [Problem("model.type", builtins[path].value, config.model.type.value,
+                            f"{path} is a {MODEL_TYPES[builtins[path]].label} model")]
+        return []
+    p = Path(path)
+    if not p.exists():
+        return [Problem("model.path", "an existing diffusers model folder", repr(path),
+                        "no such file or folder")]
+    if p.is_file():
+        return [Problem("model.path", "a diffusers model folder", repr(path),
+                        "single-file checkpoints are not supported yet")]
+    index = p / "model_index.json"
+    if not index.is_file():
+        return [Problem("model.path", "a diffusers model folder (with model_index.json)",
+                        repr(path))]
+    try:
+        cls = json.loads(index.read_text(encoding="utf-8")).get("_class_name", "")
+    except (OSError, json.JSONDecodeError) as exc:
+        return [Problem("model.path", "a readable model_index.json", f"{index} ({exc})")]
+    if cls and cls != spec.pipeline_class:
+        return [Problem("model.type", f"the type of {cls}", config.model.type.value,
+                        f"{path} holds a {cls}, not a {spec.pipeline_class}")]
+    return []
+
+
+def _check_dataset_paths(config: Config) -> list[Problem]:
+    problems = []
+    for i, ds in enumerate(config.data.datasets):
+        where = f"data.datasets[{i}].path"
+        if ds.path.startswith(BUILTIN_PREFIX):
+            if ds.path not in BUILTIN_DATASETS:
+                problems.append(Problem(where, "one of " + ", ".join(BUILTIN_DATASETS),
+                                        repr(ds.path)))
+        elif not Path(ds.path).is_dir():
+            problems.append(Problem(where, "an existing folder of images", repr(ds.path),
+                                    "not a folder" if Path(ds.path).exists() else "no such folder"))
+    return problems
+
+
+def _check_output_dir(config: Config) -> list[Problem]:
+    out = Path(config.output.dir)
+    if out.exists() and not out.is_dir():
+        return [Problem("output.dir", "a folder", repr(config.output.dir), "it is a file")]
+    if (out / "run.json").exists() and not config.output.overwrite:
+        return [Problem("output.dir", "a folder without an earlier run (or output.overwrite = "
+                        "true)", repr(config.output.dir),
+                        "it holds an earlier run; choose another folder so nothing is lost")]
+    return []
+
+
+def _cuda_available() -> bool:
+    import torch
+    return torch.cuda.is_available()

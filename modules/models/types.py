@@ -1,0 +1,36 @@
+"""Which components each model type has, and how it is built: one table, read everywhere.
+
+Validation, the loader, the compile engine and the GUI all read `MODEL_TYPES` rather than
+hard-coding component names.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from modules.config.schema import ModelType
+
+
+@dataclass(frozen=True)
+class ModelTypeSpec:
+    label: str
+    pipeline_class: str           # diffusers pipeline class name
+    text_encoders: tuple[str, ...]  # attribute names on the pipeline, in order
+    tokenizers: tuple[str, ...]
+    default_resolution: int
+    builtin: str                  # the tiny locally built variant
+
+    @property
+    def components(self) -> tuple[str, ...]:
+        """Every trainable/compilable component this type has."""
+        return ("unet", *self.text_encoders, "vae")
+
+
+MODEL_TYPES: dict[ModelType, ModelTypeSpec] = {
+    ModelType.SD15: ModelTypeSpec("Stable Diffusion 1.x", "StableDiffusionPipeline",
+                                  ("text_encoder",), ("tokenizer",), 512, "builtin:tiny-sd15"),
+    ModelType.SD2: ModelTypeSpec("Stable Diffusion 2.x", "StableDiffusionPipeline",
+                                 ("text_encoder",), ("tokenizer",), 768, "builtin:tiny-sd2"),
+    ModelType.SDXL: ModelTypeSpec("Stable Diffusion XL", "StableDiffusionXLPipeline",
+                                  ("text_encoder", "text_encoder_2"), ("tokenizer", "tokenizer_2"),
+                                  1024, "builtin:tiny-sdxl"),
+}
