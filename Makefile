@@ -1,0 +1,37 @@
+# Tempera's two set-up commands (see README.md):
+#   make demo   set up .venv if needed, then train the tiny built-in model on the built-in dataset
+#   make test   set up .venv if needed, then run the test suite
+# Both are idempotent: the second run reuses .venv. GPU users pick their torch build with
+#   make demo TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu130"
+
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.tempera-installed
+
+.PHONY: demo test test-fast ui docs gpu-check
+
+$(STAMP): pyproject.toml requirements/constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# torch first, so the rest does not pull a different (multi-GB CUDA) build.
+	$(PY) -m pip install --quiet --disable-pip-version-check $(TORCH)
+	$(PY) -m pip install --quiet --disable-pip-version-check \
+		-c requirements/constraints.txt -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) scripts/train.py --config training_presets/demo.json
+
+test: $(STAMP)
+	bash scripts/ensure_xvfb.sh
+	$(PY) -m pytest
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not inductor and not gui"
+
+ui: $(STAMP)
+	$(PY) scripts/train_ui.py
+
+docs: $(STAMP)
+	$(PY) scripts/gen_config_docs.py

@@ -1,0 +1,87 @@
+"""`tempera-train` / `scripts/train.py`: train from a config file, headless.
+
+Exit codes: 0 the run finished (or was stopped cleanly), 2 the config or its inputs are invalid
+(every problem is printed and nothing is written to the output folder), 1 training failed after
+it started (files saved before the failure stay intact).
+"""
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from pathlib import Path
+
+EPILOG = """\
+--set takes dotted keys and parses the value by the field's type, e.g.
+  --set training.max_steps=200 --set compile.backend=aot_eager --set compile.vae=true
+  --set sampling.prompts='["a cat", "a dog"]' --set data.datasets[0].path=./images
+Paths in the config file are relative to the file's folder; paths given with --set are
+relative to the current folder. docs/config.md lists every field.
+
+Exit codes: 0 finished or stopped cleanly (Ctrl+C once stops with a save), 1 training failed,
+2 invalid config or input (nothing written)."""
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="tempera-train", description="Train a Stable Diffusion-style model from a config.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, type=Path,
+                        help="config JSON file (e.g. training_presets/demo.json)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="KEY=VALUE", help="override one field (repeatable)")
+    parser.add_argument("--check", action="store_true",
+                        help="validate the config and its inputs, then exit without training")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar or status lines")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from modules.config import ConfigError, apply_overrides, load_config, validate
+    from modules.events import TrainerCommands
+    from modules.train.trainer import TrainingError, train
+
+    try:
+        config = apply_overrides(load_config(args.config), args.overrides)
+        if args.check:
+            problems = validate(config)
+            if problems:
+                raise ConfigError(problems, str(args.config))
+            print(f"{args.config}: valid")
+            return 0
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+    from modules.cli.headless import TerminalCallbacks
+    callbacks = TerminalCallbacks(quiet=args.quiet)
+    commands = TrainerCommands()
+    previous = signal.signal(signal.SIGINT, _stop_on_first_interrupt(commands, callbacks))
+    try:
+        result = train(config, callbacks, commands)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except TrainingError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        callbacks.close()
+    print(f"{result.status}: {result.steps} steps; outputs in {result.output_dir}")
+    return 0
+
+
+def _stop_on_first_interrupt(commands, callbacks):
+    """First Ctrl+C asks the trainer to stop with a save; a second one interrupts at once."""
+    def handler(signum, frame):
+        if commands.stop_requested:
+            raise KeyboardInterrupt
+        callbacks.on_status("stop requested: finishing the step and saving (Ctrl+C again to abort)")
+        commands.request_stop()
+    return handler
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""Everything a run needs that can fail because of the user's input, done before any file is written.
+
+A problem found here is a ConfigError (exit code 2 from the CLI, a list in the GUI), never a crash
+after the output folder has been touched.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from modules.config.loader import from_dict, to_dict
+from modules.config.problems import ConfigError, Problem
+from modules.config.schema import BUILTIN_PREFIX, Config
+from modules.config.validate import validate
+from modules.data.folders import DatasetError, DatasetSource, ScanResult, scan_datasets
+from modules.events import TrainerCallbacks
+from modules.models.loader import TORCH_DTYPES, ModelBundle, load_model, resolve_model_path
+from modules.paths import cache_dir_for
+from modules.train.setup import pick_device
+
+
+@dataclass
+class PreparedRun:
+    config: Config          # fully resolved: real folders instead of builtin names
+    device: torch.device
+    cache_dir: Path
+    bundle: ModelBundle
+    scan: ScanResult
+
+
+def resolve_dataset_path(path: str, cache_dir: Path) -> Path:
+    """The real folder behind a dataset path; built-in datasets are generated into the cache."""
+    if path.startswith(BUILTIN_PREFIX):
+        from modules.data.shapes import ensure_shapes_dataset
+        return ensure_shapes_dataset(cache_dir)
+    return Path(path)
+
+
+def prepare_run(config: Config, callbacks: TrainerCallbacks) -> PreparedRun:
+    """Validate, build built-ins, scan the data and load the model; raise ConfigError on any problem."""
+    problems = validate(config)
+    if problems:
+        raise ConfigError(problems)
+    cache_dir = cache_dir_for(config.general.cache_dir)
+    resolved = from_dict(to_dict(config))
+    resolved.general.cache_dir = str(cache_dir)
+
+    callbacks.on_status("scanning datasets")
+    for ds in resolved.data.datasets:
+        ds.path = str(resolve_dataset_path(ds.path, cache_dir))
+    sources = [DatasetSource(Path(ds.path), ds.repeats) for ds in resolved.data.datasets]
+    try:
+        scan = scan_datasets(sources, caption_extension=resolved.data.caption_extension)
+    except DatasetError as exc:
+        raise ConfigError([Problem("data.datasets", "folders with at least one readable image",
+                                   str(exc))]) from exc
+    if scan.skipped:
+        callbacks.on_status(f"skipped {len(scan.skipped)} unreadable image(s); see the log")
+
+    callbacks.on_status("loading model")
+    model_path = resolve_model_path(config.model.path, cache_dir)
+    resolved.model.path = str(model_path)
+    try:
+        bundle = load_model(model_path, config.model.type, config.model.prediction_type,
+                            TORCH_DTYPES[config.model.weight_dtype])
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ConfigError([Problem("model.path", "a loadable diffusers model folder",
+                                   repr(str(model_path)), first_line)]) from exc
+    return PreparedRun(resolved, pick_device(config.general.device), cache_dir, bundle, scan)

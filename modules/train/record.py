@@ -1,0 +1,62 @@
+"""The run record (`<output>/run.json`): what ran, where, how fast, and what it wrote."""
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from modules.util.atomic import atomic_write_text
+
+
+def library_versions() -> dict[str, str]:
+    import diffusers
+    import peft
+    import transformers
+    return {"python": platform.python_version(), "torch": torch.__version__,
+            "diffusers": diffusers.__version__, "transformers": transformers.__version__,
+            "peft": peft.__version__}
+
+
+def device_description(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda: {torch.cuda.get_device_name(device)}"
+    return f"cpu: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+
+
+@dataclass
+class RunRecord:
+    """Everything run.json holds; written at start, after each save and at the end."""
+    path: Path
+    started: float = field(default_factory=time.time)
+    data: dict = field(default_factory=dict)
+    losses: list[float] = field(default_factory=list)
+    step_seconds: list[float] = field(default_factory=list)
+    files: list[str] = field(default_factory=list)
+
+    def add_file(self, path: Path) -> None:
+        text = str(path)
+        if text not in self.files:
+            self.files.append(text)
+
+    def summary(self) -> dict:
+        """Derived numbers: step counts, losses, median step time without the first step."""
+        later_steps = self.step_seconds[1:]
+        return {
+            "steps_done": len(self.step_seconds),
+            "final_loss": self.losses[-1] if self.losses else None,
+            "mean_loss": statistics.fmean(self.losses) if self.losses else None,
+            "first_step_seconds": self.step_seconds[0] if self.step_seconds else None,
+            "median_step_seconds": statistics.median(later_steps) if later_steps else None,
+            "wall_seconds": round(time.time() - self.started, 3),
+            "output_files": list(self.files),
+        }
+
+    def write(self, **updates) -> None:
+        self.data.update(updates)
+        payload = {**self.data, **self.summary(), "losses": self.losses}
+        atomic_write_text(self.path, json.dumps(payload, indent=2, default=str) + "\n")

@@ -1,0 +1,208 @@
+"""A started run: output folder, model on device, optimizer, data, compile guard, saving, sampling.
+
+`start_run` is the first thing that writes into the output folder. The `Run` methods are the small
+steps the training loop reads as one sentence each.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from modules.train.compile_step import build_compile_guard
+from modules.config.loader import save_config
+from modules.config.schema import Config, MixedPrecision, ModelType
+from modules.data.dataset import ImageCaptionDataset, make_dataloader
+from modules.events import TrainerCallbacks
+from modules.models.loader import TORCH_DTYPES, ModelBundle, encode_prompts
+from modules.train.prepare import PreparedRun
+from modules.train.record import RunRecord, device_description, library_versions
+from modules.train.sampling import sample_images
+from modules.train.setup import (
+    StepBudget,
+    autocast_context,
+    build_lr_scheduler,
+    build_optimizer,
+    step_budget,
+)
+from modules.train.weights import (
+    enable_gradient_checkpointing,
+    prepare_trainable,
+    save_weights,
+    trained_components,
+)
+
+
+@dataclass
+class Run:
+    config: Config
+    bundle: ModelBundle
+    device: torch.device
+    output_dir: Path
+    record: RunRecord
+    callbacks: TrainerCallbacks
+    dataset: ImageCaptionDataset
+    params: dict
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: object
+    budget: StepBudget
+    guard: object
+    scaler: torch.amp.GradScaler | None = None
+    writer: object = None
+    step: int = 0
+    trained: list[str] = field(default_factory=list)
+
+    @property
+    def trains_text_encoder(self) -> bool:
+        return any(name.startswith("text_encoder") for name in self.trained)
+
+    def loader_for_epoch(self, epoch: int):
+        return make_dataloader(self.dataset, batch_size=self.config.training.batch_size,
+                               seed=self.config.training.seed + epoch,
+                               num_workers=self.config.data.workers)
+
+    def autocast(self):
+        return autocast_context(self.config, self.device)
+
+    def pixel_shape(self, batch: dict) -> tuple[int, int, int]:
+        """(batch, height, width) in pixels, whether the batch holds pixels or cached latents."""
+        if "pixel_values" in batch:
+            b, _, h, w = batch["pixel_values"].shape
+            return b, h, w
+        factor = 2 ** (len(self.bundle.vae.config.block_out_channels) - 1)
+        b, _, h, w = batch["latents"].shape
+        return b, h * factor, w * factor
+
+    def encode_latents(self, batch: dict, vae_eps: torch.Tensor | None) -> torch.Tensor:
+        """Latents × scaling factor: from the cache, or the VAE posterior with pre-drawn noise."""
+        vae = self.bundle.vae
+        if "latents" in batch:
+            return batch["latents"].to(self.device, self.compute_dtype)
+        pixels = batch["pixel_values"].to(self.device, vae.dtype)
+        posterior = vae.encode(pixels).latent_dist
+        latents = posterior.mean + posterior.std * vae_eps.to(self.device, posterior.mean.dtype)
+        return (latents * vae.config.scaling_factor).to(self.compute_dtype)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.bundle.unet.dtype
+
+    def encode_captions(self, batch: dict):
+        sizes = None
+        if self.config.model.type == ModelType.SDXL:
+            b, h, w = self.pixel_shape(batch)
+            sizes = {"original_size": batch["original_size"],
+                     "crop_top_left": batch["crop_top_left"], "target_size": [(h, w)] * b}
+        return encode_prompts(self.bundle, list(batch["caption"]), self.device, sizes)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+
+    def optimizer_step(self) -> None:
+        """Clip, step the optimizer and the LR schedule, clear gradients."""
+        max_norm = self.config.training.max_grad_norm
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
+        if max_norm:
+            all_params = [p for plist in self.params.values() for p in plist]
+            torch.nn.utils.clip_grad_norm_(all_params, max_norm)
+        if self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def current_lr(self) -> float:
+        return float(self.lr_scheduler.get_last_lr()[0])
+
+    def log_scalars(self, loss: float, smoothed: float) -> None:
+        if self.writer:
+            self.writer.add_scalar("loss/step", loss, self.step)
+            self.writer.add_scalar("loss/smoothed", smoothed, self.step)
+            self.writer.add_scalar("lr", self.current_lr(), self.step)
+
+    def sample(self) -> None:
+        self.callbacks.on_status(f"sampling at step {self.step}")
+        rows = sample_images(self.bundle, self.config, self.device, self.step,
+                             self.output_dir / "samples")
+        for i, (path, prompt, image) in enumerate(rows):
+            self.record.add_file(path)
+            self.callbacks.on_sample(path, prompt, self.step)
+            if self.writer:
+                import numpy as np
+                self.writer.add_image(f"sample/{i}", np.asarray(image), self.step,
+                                      dataformats="HWC")
+
+    def save_checkpoint(self, name: str) -> None:
+        self._save(self.output_dir / "checkpoints" / name)
+
+    def save_final(self) -> None:
+        self._save(self.output_dir / "final")
+
+    def _save(self, folder: Path) -> None:
+        self.callbacks.on_status(f"saving {folder.name} at step {self.step}")
+        for path in save_weights(self.bundle, self.config, folder):
+            self.record.add_file(path)
+        self.record.write(step=self.step)
+        self.callbacks.on_saved(folder, self.step)
+
+    def close(self) -> None:
+        if self.writer:
+            self.writer.close()
+
+
+def start_run(prepared: PreparedRun, callbacks: TrainerCallbacks) -> Run:
+    """Create the output folder and everything the loop needs; the first write happens here."""
+    config, bundle, device = prepared.config, prepared.bundle, prepared.device
+    output_dir = Path(config.output.dir)
+    (output_dir / "samples").mkdir(parents=True, exist_ok=True)
+    save_config(config, output_dir / "config.json")
+    record = RunRecord(output_dir / "run.json")
+    record.write(status="running", versions=library_versions(),
+                 device=device_description(device), model_type=config.model.type.value,
+                 method=config.training.method.value,
+                 weight_dtype=config.model.weight_dtype.value,
+                 train_dtype=config.model.train_dtype.value,
+                 mixed_precision=config.training.mixed_precision.value,
+                 dataset={"images": len(prepared.scan.items), "skipped": len(prepared.scan.skipped),
+                          "skipped_files": [str(p) for p, _ in prepared.scan.skipped]})
+
+    torch.manual_seed(config.training.seed)  # LoRA init draws from the global generator
+    trained = trained_components(config)
+    params = prepare_trainable(bundle, config, TORCH_DTYPES[config.model.weight_dtype],
+                               TORCH_DTYPES[config.model.train_dtype])
+    if config.training.gradient_checkpointing:
+        enable_gradient_checkpointing(bundle, trained)
+    for module in bundle.components().values():
+        module.to(device)
+
+    dataset = build_dataset(prepared, callbacks)
+    batches_per_epoch = math.ceil(len(dataset) / config.training.batch_size)
+    budget = step_budget(config, batches_per_epoch)
+    optimizer = build_optimizer(config, params)
+    scaler = (torch.amp.GradScaler(device.type)
+              if config.training.mixed_precision == MixedPrecision.FP16 else None)
+    guard = build_compile_guard(config, bundle, device, params, callbacks)
+    writer = None
+    if config.logging.tensorboard:
+        from torch.utils.tensorboard import SummaryWriter
+        writer = SummaryWriter(str(output_dir / "tensorboard"))
+    return Run(config, bundle, device, output_dir, record, callbacks, dataset, params, optimizer,
+               build_lr_scheduler(config, optimizer, budget.total_steps), budget, guard,
+               scaler=scaler, writer=writer, trained=trained)
+
+
+def build_dataset(prepared: PreparedRun, callbacks: TrainerCallbacks) -> ImageCaptionDataset:
+    """The training dataset, with latents encoded into the on-disk cache first when enabled."""
+    config = prepared.config
+    dataset = ImageCaptionDataset(prepared.scan.items, resolution=config.data.resolution,
+                                  center_crop=config.data.center_crop,
+                                  random_flip=config.data.random_flip, seed=config.training.seed)
+    if not config.data.cache_latents:
+        return dataset
+    from modules.train.latents import cached_latent_dataset
+    return cached_latent_dataset(dataset, prepared, callbacks)

@@ -1,0 +1,47 @@
+"""Sample images from the model being trained, with fixed prompts and seed."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from modules.config.schema import Config
+from modules.models.loader import ModelBundle
+from modules.train.weights import build_pipeline
+from modules.util.atomic import atomic_file
+
+
+@torch.no_grad()
+def sample_images(bundle: ModelBundle, config: Config, device: torch.device, step: int,
+                  folder: Path) -> list[tuple[Path, str, Image.Image]]:
+    """Render one image per sampling prompt into `folder`; return (path, prompt, image) rows.
+
+    Every component is put in eval mode for sampling and restored afterwards, so sampling never
+    changes what training does next (the sampler uses its own seeded generator).
+    """
+    from diffusers import DDIMScheduler
+
+    modes = {name: m.training for name, m in bundle.components().items()}
+    for module in bundle.components().values():
+        module.eval()
+    try:
+        scheduler = DDIMScheduler.from_config(bundle.noise_scheduler.config)
+        pipeline = build_pipeline(bundle, config, scheduler=scheduler)
+        pipeline.set_progress_bar_config(disable=True)
+        rows = []
+        size = config.data.resolution
+        for i, prompt in enumerate(config.sampling.prompts):
+            generator = torch.Generator("cpu").manual_seed(config.sampling.seed + i)
+            image = pipeline(prompt, height=size, width=size,
+                             num_inference_steps=config.sampling.steps,
+                             guidance_scale=config.sampling.guidance_scale,
+                             generator=generator).images[0]
+            path = folder / f"step-{step:06d}-{i}.png"
+            with atomic_file(path) as tmp:
+                image.save(tmp, format="PNG")
+            rows.append((path, prompt, image))
+        return rows
+    finally:
+        for name, module in bundle.components().items():
+            module.train(modes[name])

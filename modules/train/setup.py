@@ -1,0 +1,114 @@
+"""Small pure helpers that turn the config into the objects the training loop uses."""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from modules.config.schema import (
+    Config,
+    Device,
+    LRScheduler,
+    MixedPrecision,
+    Optimizer,
+)
+
+AUTOCAST_DTYPES = {MixedPrecision.FP16: torch.float16, MixedPrecision.BF16: torch.bfloat16}
+SCHEDULER_NAMES = {LRScheduler.CONSTANT: "constant_with_warmup", LRScheduler.COSINE: "cosine",
+                   LRScheduler.LINEAR: "linear"}
+
+
+def pick_device(setting: Device) -> torch.device:
+    if setting == Device.CPU or (setting == Device.AUTO and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    return torch.device("cuda")
+
+
+def autocast_context(config: Config, device: torch.device):
+    """Autocast for mixed precision, or a no-op context when it is off."""
+    dtype = AUTOCAST_DTYPES.get(config.training.mixed_precision)
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def build_optimizer(config: Config, params: dict[str, list[nn.Parameter]]) -> torch.optim.Optimizer:
+    """AdamW (or bitsandbytes' 8-bit AdamW) with one parameter group per trained component."""
+    t = config.training
+    groups = []
+    for name, plist in params.items():
+        lr = getattr(config.components, name).learning_rate
+        groups.append({"params": plist, "lr": t.learning_rate if lr is None else lr,
+                       "name": name})
+    if t.optimizer == Optimizer.ADAMW_8BIT:
+        import bitsandbytes as bnb
+        return bnb.optim.AdamW8bit(groups, weight_decay=t.weight_decay)
+    return torch.optim.AdamW(groups, weight_decay=t.weight_decay)
+
+
+def build_lr_scheduler(config: Config, optimizer: torch.optim.Optimizer, total_steps: int):
+    from diffusers.optimization import get_scheduler
+    return get_scheduler(SCHEDULER_NAMES[config.training.lr_scheduler], optimizer,
+                         num_warmup_steps=config.training.lr_warmup_steps,
+                         num_training_steps=total_steps)
+
+
+@dataclass(frozen=True)
+class StepBudget:
+    total_steps: int
+    epochs: int
+    batches_per_epoch: int
+    steps_per_epoch: int
+
+
+def step_budget(config: Config, batches_per_epoch: int) -> StepBudget:
+    """How many optimizer steps and epochs the run takes (max_steps wins when set)."""
+    accumulation = config.training.gradient_accumulation
+    steps_per_epoch = max(1, math.ceil(batches_per_epoch / accumulation))
+    if config.training.max_steps:
+        total = config.training.max_steps
+        epochs = math.ceil(total / steps_per_epoch)
+    else:
+        epochs = config.training.epochs
+        total = epochs * steps_per_epoch
+    return StepBudget(total, epochs, batches_per_epoch, steps_per_epoch)
+
+
+@dataclass(frozen=True)
+class Draws:
+    """Every random number a training micro-step needs, drawn before the step runs.
+
+    Drawing them up front makes a step a pure function of (batch, draws), so a step that is
+    retried after a compile fallback sees exactly the same noise and timesteps.
+    """
+    vae_eps: torch.Tensor | None
+    noise: torch.Tensor
+    timesteps: torch.Tensor
+
+
+def draw_randomness(generator: torch.Generator, latent_shape: tuple[int, ...],
+                    num_train_timesteps: int, need_vae_eps: bool) -> Draws:
+    vae_eps = torch.randn(latent_shape, generator=generator) if need_vae_eps else None
+    noise = torch.randn(latent_shape, generator=generator)
+    timesteps = torch.randint(0, num_train_timesteps, (latent_shape[0],), generator=generator)
+    return Draws(vae_eps, noise, timesteps)
+
+
+def latent_shape(vae: nn.Module, batch_size: int, height: int, width: int) -> tuple[int, ...]:
+    factor = 2 ** (len(vae.config.block_out_channels) - 1)
+    return (batch_size, vae.config.latent_channels, height // factor, width // factor)
+
+
+class SmoothedValue:
+    """Exponential moving average for the displayed loss."""
+
+    def __init__(self, beta: float = 0.9) -> None:
+        self.beta, self.value, self.count = beta, 0.0, 0
+
+    def update(self, x: float) -> float:
+        self.count += 1
+        self.value = self.beta * self.value + (1 - self.beta) * x
+        return self.value / (1 - self.beta ** self.count)  # bias-corrected

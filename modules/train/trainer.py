@@ -1,0 +1,145 @@
+"""The training run: prepare (validate, load; nothing written), then the loop, top to bottom."""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from modules.config.problems import ConfigError
+from modules.config.schema import Config
+from modules.events import NullCallbacks, Progress, TrainerCallbacks, TrainerCommands
+from modules.train.prepare import PreparedRun, prepare_run
+from modules.train.run import Run, start_run
+from modules.train.setup import Draws, SmoothedValue, draw_randomness, latent_shape
+
+
+class TrainingError(Exception):
+    """Training failed after it started; files saved before the failure are intact."""
+
+
+@dataclass
+class RunResult:
+    status: str  # finished | stopped
+    steps: int
+    output_dir: Path
+    record: dict
+
+
+def train(config: Config, callbacks: TrainerCallbacks | None = None,
+          commands: TrainerCommands | None = None) -> RunResult:
+    """Validate, prepare and run one training; raise ConfigError before anything is written."""
+    callbacks = callbacks or NullCallbacks()
+    commands = commands or TrainerCommands()
+    prepared: PreparedRun = prepare_run(config, callbacks)  # may raise ConfigError
+    run = start_run(prepared, callbacks)
+    try:
+        return training_loop(run, callbacks, commands)
+    except ConfigError:
+        raise
+    except Exception as exc:
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        message = f"training failed at step {run.step}: {type(exc).__name__}: {first_line}"
+        run.record.write(status="failed", error=message)
+        callbacks.on_error(message)
+        raise TrainingError(message) from exc
+    finally:
+        run.close()
+
+
+def batches(run: Run, commands: TrainerCommands) -> Iterator[tuple[int, dict, bool]]:
+    """(epoch, batch, closes_accumulation_window) until the step budget is used or Stop."""
+    accumulation = run.config.training.gradient_accumulation
+    for epoch in range(run.budget.epochs):
+        loader = run.loader_for_epoch(epoch)
+        for i, batch in enumerate(loader):
+            if commands.stop_requested:
+                return
+            closes = (i + 1) % accumulation == 0 or i + 1 == len(loader)
+            yield epoch, batch, closes
+            if closes and run.step >= run.budget.total_steps:
+                return
+
+
+def micro_step(run: Run, batch: dict, draws: Draws) -> float:
+    """One forward + backward on a batch: encode, noise, predict, loss, backward."""
+    bundle, device = run.bundle, run.device
+    accumulation = run.config.training.gradient_accumulation
+    with run.autocast():
+        with torch.no_grad():
+            latents = run.encode_latents(batch, draws.vae_eps)
+        noise = draws.noise.to(device, latents.dtype)
+        timesteps = draws.timesteps.to(device)
+        noisy = bundle.noise_scheduler.add_noise(latents, noise, timesteps)
+        with torch.set_grad_enabled(run.trains_text_encoder):
+            hidden, added = run.encode_captions(batch)
+        prediction = bundle.unet(noisy, timesteps, hidden, added_cond_kwargs=added).sample
+        if bundle.prediction_type == "v_prediction":
+            target = bundle.noise_scheduler.get_velocity(latents, noise, timesteps)
+        else:
+            target = noise
+        loss = F.mse_loss(prediction.float(), target.float())
+    run.backward(loss / accumulation)
+    return loss.item()
+
+
+def training_loop(run: Run, callbacks: TrainerCallbacks, commands: TrainerCommands) -> RunResult:
+    """The loop: draw noise, guarded micro-step, optimizer step, log, sample, save, poll commands."""
+    config = run.config
+    generator = torch.Generator("cpu").manual_seed(config.training.seed)
+    smoothed = SmoothedValue()
+    window_loss, window_micro = 0.0, 0
+    step_started = time.perf_counter()
+    callbacks.on_status(f"training {run.budget.total_steps} steps on {run.device.type}")
+
+    for epoch, batch, closes_window in batches(run, commands):
+        shape = latent_shape(run.bundle.vae, *run.pixel_shape(batch))
+        draws = draw_randomness(generator, shape,
+                                run.bundle.noise_scheduler.config.num_train_timesteps,
+                                need_vae_eps="latents" not in batch)
+        window_loss += run.guard.run(lambda: micro_step(run, batch, draws))
+        window_micro += 1
+        if not closes_window:
+            continue
+
+        run.optimizer_step()
+        run.step += 1
+        loss = window_loss / window_micro
+        window_loss, window_micro = 0.0, 0
+        elapsed = time.perf_counter() - step_started
+        run.record.losses.append(loss)
+        run.record.step_seconds.append(elapsed)
+        smooth = smoothed.update(loss)
+        callbacks.on_progress(progress_event(run, epoch, loss, smooth))
+        run.log_scalars(loss, smooth)
+
+        every_sample = config.sampling.every_steps
+        if commands.take_sample() or (every_sample and run.step % every_sample == 0):
+            run.sample()
+        every_save = config.output.save_every_steps
+        if commands.take_save() or (every_save and run.step % every_save == 0
+                                    and run.step < run.budget.total_steps):
+            run.save_checkpoint(f"step-{run.step:06d}")
+        step_started = time.perf_counter()
+
+    status = "stopped" if commands.stop_requested else "finished"
+    callbacks.on_status(f"{status} after {run.step} steps; saving")
+    run.save_final()
+    if config.sampling.prompts and status == "finished":
+        run.sample()
+    run.record.write(status=status, compile=run.guard.report())
+    callbacks.on_status(f"{status}: {run.step} steps, outputs in {run.output_dir}")
+    return RunResult(status, run.step, run.output_dir, dict(run.record.data))
+
+
+def progress_event(run: Run, epoch: int, loss: float, smoothed_loss: float) -> Progress:
+    times = run.record.step_seconds[1:] or run.record.step_seconds
+    per_step = sorted(times)[len(times) // 2]
+    remaining = run.budget.total_steps - run.step
+    return Progress(step=run.step, max_steps=run.budget.total_steps, epoch=epoch + 1,
+                    max_epochs=run.budget.epochs, loss=loss, smoothed_loss=smoothed_loss,
+                    lr=run.current_lr(), seconds_per_step=per_step,
+                    eta_seconds=per_step * remaining)
