@@ -14,7 +14,7 @@ import torch
 from modules.train.compile_step import build_compile_guard
 from modules.config.loader import save_config
 from modules.config.schema import Config, MixedPrecision, ModelType
-from modules.data.dataset import ImageCaptionDataset, make_dataloader
+from modules.data.dataset import ImageCaptionDataset, build_dataloader, expand_repeats
 from modules.events import TrainerCallbacks
 from modules.models.loader import TORCH_DTYPES, ModelBundle, encode_prompts
 from modules.train.prepare import PreparedRun
@@ -52,6 +52,7 @@ class Run:
     scaler: torch.amp.GradScaler | None = None
     writer: object = None
     step: int = 0
+    last_sample_step: int = -1
     trained: list[str] = field(default_factory=list)
 
     @property
@@ -59,9 +60,9 @@ class Run:
         return any(name.startswith("text_encoder") for name in self.trained)
 
     def loader_for_epoch(self, epoch: int):
-        return make_dataloader(self.dataset, batch_size=self.config.training.batch_size,
-                               seed=self.config.training.seed + epoch,
-                               num_workers=self.config.data.workers)
+        return build_dataloader(self.dataset, batch_size=self.config.training.batch_size,
+                                seed=self.config.training.seed,
+                                num_workers=self.config.data.workers, start_epoch=epoch)
 
     def autocast(self):
         return autocast_context(self.config, self.device)
@@ -93,8 +94,8 @@ class Run:
         sizes = None
         if self.config.model.type == ModelType.SDXL:
             b, h, w = self.pixel_shape(batch)
-            sizes = {"original_size": batch["original_size"],
-                     "crop_top_left": batch["crop_top_left"], "target_size": [(h, w)] * b}
+            sizes = {"original_size": batch["original_size"].tolist(),
+                     "crop_top_left": batch["crop_top_left"].tolist(), "target_size": [(h, w)] * b}
         return encode_prompts(self.bundle, list(batch["caption"]), self.device, sizes)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -127,6 +128,7 @@ class Run:
 
     def sample(self) -> None:
         self.callbacks.on_status(f"sampling at step {self.step}")
+        self.last_sample_step = self.step
         rows = sample_images(self.bundle, self.config, self.device, self.step,
                              self.output_dir / "samples")
         for i, (path, prompt, image) in enumerate(rows):
@@ -199,7 +201,7 @@ def start_run(prepared: PreparedRun, callbacks: TrainerCallbacks) -> Run:
 def build_dataset(prepared: PreparedRun, callbacks: TrainerCallbacks) -> ImageCaptionDataset:
     """The training dataset, with latents encoded into the on-disk cache first when enabled."""
     config = prepared.config
-    dataset = ImageCaptionDataset(prepared.scan.items, resolution=config.data.resolution,
+    dataset = ImageCaptionDataset(expand_repeats(prepared.scan), resolution=config.data.resolution,
                                   center_crop=config.data.center_crop,
                                   random_flip=config.data.random_flip, seed=config.training.seed)
     if not config.data.cache_latents:

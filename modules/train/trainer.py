@@ -128,7 +128,7 @@ def training_loop(run: Run, callbacks: TrainerCallbacks, commands: TrainerComman
     status = "stopped" if commands.stop_requested else "finished"
     callbacks.on_status(f"{status} after {run.step} steps; saving")
     run.save_final()
-    if config.sampling.prompts and status == "finished":
+    if config.sampling.prompts and status == "finished" and run.last_sample_step != run.step:
         run.sample()
     run.record.write(status=status, compile=run.guard.report())
     callbacks.on_status(f"{status}: {run.step} steps, outputs in {run.output_dir}")

@@ -36,7 +36,8 @@ def prepare_trainable(bundle: ModelBundle, config: Config, weight_dtype: torch.d
     params: dict[str, list[nn.Parameter]] = {}
     for name, module in bundle.components().items():
         module.requires_grad_(False)
-        module.to(dtype=weight_dtype)
+        if module.dtype != weight_dtype:
+            module.to(dtype=weight_dtype)
         module.eval()
         if name not in trained:
             continue

@@ -1,0 +1,204 @@
+"""Scanning dataset folders: which images train, with which captions, and what was skipped.
+
+Layout (the kohya / OneTrainer convention): a folder of images, each with a same-name caption
+file next to it (`cat.png` + `cat.txt`). Every image is decoded once here, so a corrupt file is
+skipped with a reason at scan time instead of crashing a run hours in.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from modules.data.errors import DatasetError
+from modules.data.images import IMAGE_EXTENSIONS, check_image, is_image_file
+
+logger = logging.getLogger("tempera.data")
+
+# Image formats users bring from other tools that Tempera does not load: reported as skipped
+# (so nobody wonders why their .bmp files never trained) rather than ignored like a .json.
+UNSUPPORTED_IMAGE_EXTENSIONS = frozenset({".bmp", ".gif", ".tif", ".tiff", ".avif", ".heic",
+                                          ".heif", ".jxl"})
+_LISTED_NAMES = 5  # how many file names a summary message lists before "..."
+
+
+@dataclass(frozen=True)
+class DatasetSource:
+    """One dataset folder and how many times each of its images is seen per epoch."""
+    path: Path
+    repeats: int = 1
+
+
+@dataclass(frozen=True)
+class ScanItem:
+    """One usable image: its file, its caption ("" when it has none) and its source's index."""
+    path: Path
+    caption: str
+    source_index: int
+    has_caption: bool = True
+
+
+@dataclass
+class ScanResult:
+    """What `scan_datasets` found: usable items (sorted), skipped files with reasons, counts."""
+    sources: tuple[DatasetSource, ...]
+    items: list[ScanItem] = field(default_factory=list)
+    skipped: list[tuple[Path, str]] = field(default_factory=list)
+    missing_captions: list[Path] = field(default_factory=list)
+    hidden_ignored: int = 0
+    images_per_source: list[int] = field(default_factory=list)
+
+    @property
+    def num_images(self) -> int:
+        return len(self.items)
+
+    @property
+    def num_skipped(self) -> int:
+        return len(self.skipped)
+
+    @property
+    def num_missing_captions(self) -> int:
+        return len(self.missing_captions)
+
+    @property
+    def num_samples_per_epoch(self) -> int:
+        """Images per epoch once each source's repeats are applied."""
+        return sum(self.sources[item.source_index].repeats for item in self.items)
+
+    def summary(self) -> str:
+        """One line for the run log: images, samples per epoch, skips, missing captions."""
+        return (f"{self.num_images} images ({self.num_samples_per_epoch} samples per epoch with "
+                f"repeats) from {len(self.sources)} folder(s); {self.num_skipped} skipped; "
+                f"{self.num_missing_captions} without a caption file")
+
+
+def scan_datasets(sources: Sequence[DatasetSource], caption_extension: str = ".txt",
+                  recursive: bool = False, check_threads: int | None = None) -> ScanResult:
+    """Scan every source folder into a sorted list of usable images with captions.
+
+    Only files directly in each folder are read unless `recursive` (then subfolders too, each
+    image's caption next to it). Hidden files and folders (names starting with ".", e.g.
+    macOS "._x.jpg") are ignored and counted. Raises DatasetError when a folder is missing, a
+    repeat count is below 1, or no usable image is found anywhere (the message names the
+    folders and the skip reasons). Images are decoded on `check_threads` threads (default: up
+    to 8; PIL releases the GIL while decoding); the result does not depend on the count.
+    """
+    extension = normalize_caption_extension(caption_extension)
+    _check_sources(sources)
+    threads = check_threads or min(8, os.cpu_count() or 1)
+    result = ScanResult(sources=tuple(sources))
+    for index, source in enumerate(sources):
+        before = result.num_images
+        _scan_folder(Path(source.path), index, extension, recursive, threads, result)
+        found = result.num_images - before
+        result.images_per_source.append(found)
+        if found == 0:
+            logger.warning("dataset folder %s has no usable images", source.path)
+    _report_missing_captions(result, extension)
+    if result.hidden_ignored:
+        logger.info("ignored %d hidden file(s) in the dataset folders", result.hidden_ignored)
+    if result.num_images == 0:
+        raise DatasetError(_no_images_message(result))
+    logger.info("dataset: %s", result.summary())
+    return result
+
+
+def normalize_caption_extension(caption_extension: str) -> str:
+    """'.txt' for 'txt' or '.txt'; rejects an empty extension (it would match the image)."""
+    extension = caption_extension.strip()
+    if extension in ("", "."):
+        raise DatasetError("the caption extension is empty; use e.g. '.txt'")
+    return extension if extension.startswith(".") else f".{extension}"
+
+
+def _check_sources(sources: Sequence[DatasetSource]) -> None:
+    """Raise one DatasetError listing every bad source (missing folder, repeats < 1)."""
+    problems = []
+    if not sources:
+        problems.append("no dataset folders are configured")
+    for source in sources:
+        path = Path(source.path)
+        if not path.exists():
+            problems.append(f"dataset folder does not exist: {path}")
+        elif not path.is_dir():
+            problems.append(f"dataset path is not a folder: {path}")
+        if source.repeats < 1:
+            problems.append(f"repeats must be at least 1 for {path} (got {source.repeats})")
+    if problems:
+        raise DatasetError("; ".join(problems))
+
+
+def _scan_folder(folder: Path, source_index: int, caption_extension: str, recursive: bool,
+                 threads: int, result: ScanResult) -> None:
+    """Append this folder's usable images to `result.items`, its bad files to `skipped`."""
+    files, hidden = _list_files(folder, recursive)
+    result.hidden_ignored += hidden
+    captions = {(f.parent, f.name.lower()): f for f in files
+                if f.suffix.lower() == caption_extension.lower()}
+    for path in files:
+        if path.suffix.lower() in UNSUPPORTED_IMAGE_EXTENSIONS:
+            _skip(result, path, "unsupported image format (use "
+                                f"{'/'.join(sorted(IMAGE_EXTENSIONS))})")
+    images = [path for path in files if is_image_file(path)]
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        reasons = list(pool.map(check_image, images))  # map keeps the sorted order
+    for path, reason in zip(images, reasons):
+        if reason is not None:
+            _skip(result, path, reason)
+            continue
+        caption_path = captions.get((path.parent, (path.stem + caption_extension).lower()))
+        if caption_path is None:
+            result.missing_captions.append(path)
+            result.items.append(ScanItem(path, "", source_index, has_caption=False))
+            continue
+        try:
+            caption = caption_path.read_text(encoding="utf-8-sig").strip()  # -sig: Notepad BOM
+        except (OSError, UnicodeDecodeError) as exc:
+            _skip(result, path, f"caption file {caption_path.name} is unreadable: {exc}")
+            continue
+        result.items.append(ScanItem(path, caption, source_index))
+
+
+def _list_files(folder: Path, recursive: bool) -> tuple[list[Path], int]:
+    """Visible files under `folder`, sorted by relative path, and the number of hidden ones."""
+    candidates = folder.rglob("*") if recursive else folder.iterdir()
+    visible, hidden = [], 0
+    for path in candidates:
+        if not path.is_file():
+            continue
+        if any(part.startswith(".") for part in path.relative_to(folder).parts):
+            hidden += 1
+            continue
+        visible.append(path)
+    visible.sort(key=lambda p: p.relative_to(folder).as_posix())
+    return visible, hidden
+
+
+def _skip(result: ScanResult, path: Path, reason: str) -> None:
+    logger.warning("skipping %s: %s", path, reason)
+    result.skipped.append((path, reason))
+
+
+def _report_missing_captions(result: ScanResult, caption_extension: str) -> None:
+    if result.missing_captions:
+        logger.warning("%d image(s) have no %s caption file and train with an empty caption: %s",
+                       result.num_missing_captions, caption_extension,
+                       _list_names(result.missing_captions))
+
+
+def _no_images_message(result: ScanResult) -> str:
+    folders = ", ".join(str(s.path) for s in result.sources)
+    message = f"no usable images in {folders}"
+    if not result.skipped:
+        return message + f" (no {'/'.join(sorted(IMAGE_EXTENSIONS))} files found)"
+    shown = "; ".join(f"{path.name}: {reason}" for path, reason in result.skipped[:_LISTED_NAMES])
+    more = "; ..." if result.num_skipped > _LISTED_NAMES else ""
+    return f"{message}: {result.num_skipped} file(s) skipped ({shown}{more})"
+
+
+def _list_names(paths: Sequence[Path]) -> str:
+    names = ", ".join(p.name for p in paths[:_LISTED_NAMES])
+    return names + (", ..." if len(paths) > _LISTED_NAMES else "")

@@ -1,0 +1,210 @@
+"""Loading one training image: check it, fix orientation and colour mode, resize, crop, flip.
+
+Every function here works on one image and takes its randomness as an argument (a seeded
+`random.Random` or `torch.Generator`), so the dataset can make each item depend only on
+(seed, epoch, index) and dataloader workers agree with the main process.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import ExifTags, Image, ImageOps
+
+from modules.data.errors import DatasetError
+
+IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp"})
+
+Rng = random.Random | torch.Generator
+
+# Side of the reduced decode used by `check_image`: JPEG decodes at 1/2..1/8 scale (`draft`),
+# which still reads every byte of the file, so truncation is caught without a full decode.
+_CHECK_SIZE = 64
+# EXIF orientations 5-8 are rotations by 90 degrees: the stored width and height swap.
+_SWAPPING_ORIENTATIONS = frozenset({5, 6, 7, 8})
+_SIXTEEN_BIT_MODES = frozenset({"I;16", "I;16L", "I;16B", "I;16N", "I"})
+_WHITE = (255, 255, 255, 255)
+
+
+@dataclass(frozen=True)
+class PreparedImage:
+    """One image ready for training.
+
+    `pixels` is float32 CHW in [-1, 1]. `original_size` is (height, width) after EXIF rotation
+    and before resizing. `crop_top_left` is (top, left) in the resized image as the model sees
+    it, i.e. mirrored when `flipped` (the convention of diffusers' SDXL training script, used
+    for SDXL's crop conditioning).
+    """
+    pixels: torch.Tensor
+    original_size: tuple[int, int]
+    crop_top_left: tuple[int, int]
+    flipped: bool
+
+
+def is_image_file(path: Path) -> bool:
+    """True for a file whose extension is one Tempera trains on (case-insensitive)."""
+    return path.suffix.lower() in IMAGE_EXTENSIONS
+
+
+def check_image(path: Path) -> str | None:
+    """Why `path` cannot be trained on, or None when it loads.
+
+    Runs PIL's `verify` (catches most broken PNGs) and then a real, reduced decode plus the
+    same orientation and colour conversion training uses (catches truncated JPEGs and
+    unconvertible modes, which `verify` lets through). Called once per file at scan time so a
+    bad file is skipped with a reason instead of crashing the run later.
+    """
+    try:
+        with Image.open(path) as image:
+            image.verify()
+        with Image.open(path) as image:
+            image.draft("RGB", (_CHECK_SIZE, _CHECK_SIZE))  # JPEG only; other formats ignore it
+            image.load()
+            to_rgb(ImageOps.exif_transpose(image))
+    # PIL reports a bad file through many exception types (OSError, SyntaxError, ValueError,
+    # struct.error, EOFError, DecompressionBombError...); each becomes a reported skip reason.
+    except Exception as exc:  # noqa: BLE001 - converted to a reason, never swallowed
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """Convert any PIL mode to 8-bit RGB.
+
+    Transparency (RGBA, LA, PA, P or L with a transparent colour) is composited on white,
+    because a black background under transparent pixels teaches the model black halos.
+    16-bit greyscale is scaled down (plain `convert` would clip everything above 255 to white).
+    CMYK uses PIL's conversion, which ignores ICC profiles.
+    """
+    if image.mode == "RGB":
+        return image
+    if image.mode in _SIXTEEN_BIT_MODES:
+        return _sixteen_bit_to_rgb(image)
+    if image.has_transparency_data:
+        background = Image.new("RGBA", image.size, _WHITE)
+        return Image.alpha_composite(background, image.convert("RGBA")).convert("RGB")
+    return image.convert("RGB")
+
+
+def _sixteen_bit_to_rgb(image: Image.Image) -> Image.Image:
+    """Scale 16-bit greyscale (0..65535) to 8-bit RGB.
+
+    Mode "I" (32-bit int) is what PIL gives for some 16-bit PNGs, so it is read as 16-bit too.
+    """
+    values = np.asarray(image, dtype=np.float64) / 257.0
+    grey = np.clip(np.rint(values), 0, 255).astype(np.uint8)
+    return Image.fromarray(grey).convert("RGB")
+
+
+def open_rgb(path: Path) -> Image.Image:
+    """Decode `path` fully, apply its EXIF orientation and convert it to RGB.
+
+    Raises DatasetError naming the file when it cannot be decoded (e.g. it changed after the
+    scan).
+    """
+    try:
+        with Image.open(path) as image:
+            image.load()
+            oriented = ImageOps.exif_transpose(image)
+        return to_rgb(oriented)
+    except Exception as exc:  # noqa: BLE001 - re-raised with the file named
+        raise DatasetError(f"cannot load image {path}: {type(exc).__name__}: {exc}") from exc
+
+
+def oriented_size(path: Path) -> tuple[int, int]:
+    """(height, width) of `path` after EXIF rotation, read from the header without decoding."""
+    try:
+        with Image.open(path) as image:
+            width, height = image.size
+            orientation = image.getexif().get(ExifTags.Base.Orientation, 1)
+    except Exception as exc:  # noqa: BLE001 - re-raised with the file named
+        raise DatasetError(f"cannot read image {path}: {type(exc).__name__}: {exc}") from exc
+    if orientation in _SWAPPING_ORIENTATIONS:
+        width, height = height, width
+    return height, width
+
+
+def resized_size(height: int, width: int, resolution: int) -> tuple[int, int]:
+    """(height, width) after scaling so the short side equals `resolution` (aspect kept)."""
+    scale = resolution / min(height, width)
+    if height <= width:
+        return resolution, max(resolution, round(width * scale))
+    return max(resolution, round(height * scale)), resolution
+
+
+def random_int(rng: Rng, high: int) -> int:
+    """A uniform integer in [0, high] from `rng` (never the global RNG)."""
+    if isinstance(rng, torch.Generator):
+        return int(torch.randint(0, high + 1, (1,), generator=rng).item())
+    return rng.randint(0, high)
+
+
+def coin_flip(rng: Rng) -> bool:
+    """True with probability 1/2, drawn from `rng`."""
+    if isinstance(rng, torch.Generator):
+        return bool(torch.rand((), generator=rng).item() < 0.5)
+    return rng.random() < 0.5
+
+
+def plan_crop(original_size: tuple[int, int], resolution: int, center_crop: bool,
+              rng: Rng | None) -> tuple[int, int]:
+    """(top, left) of the resolution x resolution crop in the resized, unflipped image.
+
+    Depends only on the image size, so the latent cache can plan a crop from the header alone.
+    A random crop needs `rng`.
+    """
+    height, width = resized_size(*original_size, resolution)
+    if center_crop:
+        return (height - resolution) // 2, (width - resolution) // 2
+    if rng is None:
+        raise ValueError("a random crop needs an rng (random.Random or torch.Generator)")
+    return random_int(rng, height - resolution), random_int(rng, width - resolution)
+
+
+def prepare_image(image: Image.Image, resolution: int, crop_top_left: tuple[int, int],
+                  flip: bool) -> PreparedImage:
+    """Resize an RGB image (short side = resolution), crop at `crop_top_left`, maybe mirror.
+
+    `crop_top_left` is in the unflipped resized image (as `plan_crop` returns it); the result
+    reports it in the flipped image when `flip` is set (see `PreparedImage`).
+    """
+    original_size = (image.height, image.width)
+    height, width = resized_size(*original_size, resolution)
+    if (width, height) != image.size:
+        # reducing_gap: reduce by an integer factor first, then LANCZOS; fast on big photos
+        # with no visible difference at training resolutions.
+        image = image.resize((width, height), Image.Resampling.LANCZOS, reducing_gap=3.0)
+    top, left = crop_top_left
+    if not (0 <= top <= height - resolution and 0 <= left <= width - resolution):
+        raise ValueError(f"crop {crop_top_left} does not fit a {height}x{width} image "
+                         f"at resolution {resolution}")
+    image = image.crop((left, top, left + resolution, top + resolution))
+    if flip:
+        image = ImageOps.mirror(image)
+        left = width - resolution - left
+    return PreparedImage(pixels=pil_to_tensor(image), original_size=original_size,
+                         crop_top_left=(top, left), flipped=flip)
+
+
+def load_training_image(path: Path, resolution: int, center_crop: bool, random_flip: bool,
+                        rng: Rng | None = None) -> PreparedImage:
+    """Load `path` as one training sample: orientation, RGB, resize, crop, optional flip.
+
+    `rng` (seeded by the caller) draws the random crop first, then the flip; it may be None
+    only when neither is random.
+    """
+    if rng is None and (random_flip or not center_crop):
+        raise ValueError("a random crop or flip needs an rng (random.Random or torch.Generator)")
+    image = open_rgb(path)
+    crop = plan_crop((image.height, image.width), resolution, center_crop, rng)
+    flip = random_flip and coin_flip(rng)  # type: ignore[arg-type]  # rng checked above
+    return prepare_image(image, resolution, crop, flip)
+
+
+def pil_to_tensor(image: Image.Image) -> torch.Tensor:
+    """RGB PIL image -> float32 CHW tensor in [-1, 1] (the range the VAE expects)."""
+    array = np.array(image, dtype=np.uint8)  # a writable copy, so from_numpy does not warn
+    return torch.from_numpy(array).permute(2, 0, 1).float().div(127.5).sub(1.0)

@@ -1,0 +1,322 @@
+"""The on-disk latent cache: encode every training image with the VAE once, reuse it across runs.
+
+One `.safetensors` file per (image content, resolution, crop, flip, VAE). The key hashes the
+image *bytes*, not its path or mtime, so editing an image, changing the resolution or crop
+mode, or swapping the VAE never serves a stale latent. A file that cannot be read is treated
+as a miss (re-encoded and overwritten, with a warning), never a crash.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch.utils.data import Dataset
+
+from modules.data.dataset import ItemKey, derive_seed, item_rng, split_key
+from modules.data.errors import DatasetError
+from modules.data.folders import ScanItem
+from modules.data.images import coin_flip, open_rgb, oriented_size, plan_crop, prepare_image
+from modules.util.atomic import atomic_file
+
+logger = logging.getLogger("tempera.data")
+
+CACHE_FORMAT_VERSION = 1  # bump when what a cache file holds, or how keys are built, changes
+_HASH_CHUNK = 1 << 20
+# Bytes hashed from the start of each VAE tensor once the whole state dict is too big to hash.
+_SAMPLED_BYTES_PER_TENSOR = 16 * 1024
+
+EncodeFn = Callable[[torch.Tensor], torch.Tensor]
+ProgressCallback = Callable[[int, int], None]
+
+
+class ContentHasher:
+    """sha256 of a file's bytes, remembered per (path, size, mtime_ns) for this process.
+
+    Re-reading every image to hash it is the slow part of a warm cache check; the memo makes a
+    second check in the same run free, while any edit (new size or mtime) forces a re-hash.
+    """
+
+    def __init__(self) -> None:
+        self._memo: dict[tuple[str, int, int], str] = {}
+
+    def sha256(self, path: Path) -> str:
+        """Hex sha256 of `path`'s bytes; DatasetError naming the file if it cannot be read."""
+        try:
+            stat = os.stat(path)
+            memo_key = (str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns)
+            digest = self._memo.get(memo_key)
+            if digest is None:
+                digest = file_sha256(path)
+                self._memo[memo_key] = digest
+        except OSError as exc:
+            raise DatasetError(f"cannot read image {path}: {exc}") from exc
+        return digest
+
+
+def file_sha256(path: Path) -> str:
+    """Hex sha256 of the file's bytes."""
+    hasher = hashlib.sha256()
+    with open(path, "rb") as file:
+        for chunk in iter(lambda: file.read(_HASH_CHUNK), b""):
+            hasher.update(chunk)
+    return hasher.hexdigest()
+
+
+def vae_fingerprint(vae: Any, full_hash_limit_bytes: int = 64 * 2**20) -> str:
+    """A string that changes when the VAE (config or weights, incl. dtype) changes.
+
+    Hashes the config (minus private keys such as `_name_or_path`, so the same weights loaded
+    from another folder keep their cache) and every tensor's name, shape and dtype. Weight
+    bytes: all of them when the state dict is at most `full_hash_limit_bytes` (tiny VAEs);
+    otherwise the first 16 KiB of every tensor (the SD VAE is ~335 MB in fp32).
+    Trade-off of the sampled mode: any real fine-tune or re-save in another dtype changes those
+    bytes, but an edit confined to the tail of a tensor would go unnoticed; delete the cache
+    folder after such surgery. A trainer whose `encode_fn` changes behaviour (e.g. latent mean
+    vs sample) should append a tag to this string.
+    """
+    config = {k: v for k, v in dict(getattr(vae, "config", {})).items() if not k.startswith("_")}
+    hasher = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode("utf-8"))
+    state = vae.state_dict()
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    limit = None if total <= full_hash_limit_bytes else _SAMPLED_BYTES_PER_TENSOR
+    for name in sorted(state):
+        tensor = state[name]
+        hasher.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}".encode("utf-8"))
+        hasher.update(_tensor_bytes(tensor, limit))
+    mode = "full" if limit is None else "sampled"
+    return f"{mode}-{hasher.hexdigest()}"
+
+
+def _tensor_bytes(tensor: torch.Tensor, limit: int | None) -> bytes:
+    """Raw bytes of `tensor` (the first `limit` of them when given), copied to the CPU."""
+    flat = tensor.detach().reshape(-1)
+    if limit is not None:
+        flat = flat[: max(1, limit // max(1, tensor.element_size()))]
+    return flat.contiguous().cpu().view(torch.uint8).numpy().tobytes()
+
+
+def latent_key(content_sha256: str, resolution: int, center_crop: bool,
+               crop_top_left: tuple[int, int], flipped: bool, vae_fingerprint: str) -> str:
+    """The cache key of one latent: everything that changes what the VAE would produce.
+
+    The crop position is part of the key too: with a center crop it follows from the content
+    and resolution, with a random crop it is the one crop cached for the image.
+    """
+    fields = {"version": CACHE_FORMAT_VERSION, "content": content_sha256,
+              "resolution": resolution, "center_crop": center_crop,
+              "crop_top_left": list(crop_top_left), "flipped": flipped, "vae": vae_fingerprint}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode("utf-8")).hexdigest()
+
+
+@dataclass(frozen=True)
+class LatentEntry:
+    """A cached latent (as `encode_fn` returned it, on the CPU) and its SDXL size conditioning."""
+    latent: torch.Tensor
+    original_size: tuple[int, int]
+    crop_top_left: tuple[int, int]
+
+
+class LatentCache:
+    """A folder of `<key>.safetensors` latents for one VAE.
+
+    Writes are atomic (temporary file in the same folder, then `os.replace`), so an
+    interrupted run never leaves a half-written entry behind. `corrupt` counts unreadable
+    entries met so far (each was reported with a warning and served as a miss).
+    """
+
+    def __init__(self, cache_dir: Path, vae_fingerprint: str,
+                 hasher: ContentHasher | None = None) -> None:
+        self.cache_dir = Path(cache_dir)
+        self.vae_fingerprint = vae_fingerprint
+        self.hasher = hasher or ContentHasher()
+        self.corrupt = 0
+
+    def key_for(self, path: Path, resolution: int, center_crop: bool,
+                crop_top_left: tuple[int, int], flipped: bool) -> str:
+        """The key of image `path` (by content) under this cache's VAE."""
+        return latent_key(self.hasher.sha256(path), resolution, center_crop, crop_top_left,
+                          flipped, self.vae_fingerprint)
+
+    def path_for(self, key: str) -> Path:
+        return self.cache_dir / f"{key}.safetensors"
+
+    def get(self, key: str) -> torch.Tensor | None:
+        """The cached latent for `key`, or None on a miss (absent or unreadable file)."""
+        entry = self.get_entry(key)
+        return None if entry is None else entry.latent
+
+    def get_entry(self, key: str) -> LatentEntry | None:
+        """The cached latent and its metadata, or None on a miss (absent or unreadable)."""
+        path = self.path_for(key)
+        if not path.is_file():
+            return None
+        try:
+            with safe_open(str(path), framework="pt") as file:
+                metadata = file.metadata() or {}
+                latent = file.get_tensor("latent")
+            if metadata.get("vae_fingerprint") != self.vae_fingerprint:
+                raise ValueError("written for another VAE")
+            entry = LatentEntry(latent, _parse_pair(metadata["original_size"]),
+                                _parse_pair(metadata["crop_top_left"]))
+        # safetensors raises its own error type, OSError, KeyError or ValueError for a damaged
+        # file; all of them mean "re-encode this entry", reported below.
+        except Exception as exc:  # noqa: BLE001 - reported and counted, served as a miss
+            self.corrupt += 1
+            logger.warning("latent cache file %s is unreadable (%s: %s); it will be re-encoded",
+                           path, type(exc).__name__, exc)
+            return None
+        return entry
+
+    def put(self, key: str, latent: torch.Tensor, original_size: tuple[int, int] = (0, 0),
+            crop_top_left: tuple[int, int] = (0, 0)) -> Path:
+        """Store `latent` under `key` atomically (overwrites a previous or corrupt entry)."""
+        path = self.path_for(key)
+        metadata = {"format": str(CACHE_FORMAT_VERSION), "vae_fingerprint": self.vae_fingerprint,
+                    "original_size": _format_pair(original_size),
+                    "crop_top_left": _format_pair(crop_top_left)}
+        tensor = latent.detach().to("cpu").contiguous().clone()
+        with atomic_file(path) as tmp:
+            save_file({"latent": tensor}, str(tmp), metadata=metadata)
+        return path
+
+
+def _format_pair(pair: tuple[int, int]) -> str:
+    return f"{int(pair[0])},{int(pair[1])}"
+
+
+def _parse_pair(text: str) -> tuple[int, int]:
+    first, second = text.split(",")
+    return int(first), int(second)
+
+
+@dataclass(frozen=True)
+class CachedImage:
+    """The cache keys of one image: `keys[flipped]` (both orientations when flips are on)."""
+    path: Path
+    keys: Mapping[bool, str]
+
+
+@dataclass
+class CacheStats:
+    """What `cache_latents` did: entries found, encoded, found corrupt, and every image's keys."""
+    hits: int = 0
+    misses: int = 0
+    corrupt: int = 0
+    entries: dict[Path, CachedImage] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Pending:
+    path: Path
+    key: str
+    crop_top_left: tuple[int, int]
+    flipped: bool
+
+
+def cache_latents(items: Sequence[ScanItem], encode_fn: EncodeFn, cache: LatentCache,
+                  resolution: int, center_crop: bool = True, random_flip: bool = False,
+                  seed: int = 0, batch_size: int = 4,
+                  progress_callback: ProgressCallback | None = None) -> CacheStats:
+    """Make sure every image in `items` has its latent(s) in `cache`; encode the missing ones.
+
+    `encode_fn` maps a CPU float32 pixel batch (B, 3, R, R) in [-1, 1] to latents (B, ...):
+    the trainer moves it to its device/dtype and applies the VAE scaling factor. It runs under
+    `torch.no_grad()`. Repeated items are encoded once. With `random_flip` both orientations
+    are cached. With a random crop, each image gets one crop drawn from (seed, content), so the
+    cache stays valid across runs; a warning says new crops per epoch need caching off.
+    `progress_callback(done, total)` counts latents resolved (hit or encoded).
+    """
+    if not center_crop:
+        logger.warning("random crop with cached latents: each image keeps one random crop drawn "
+                       "once from the seed; turn latent caching off for a new crop every epoch")
+    stats = CacheStats()
+    corrupt_before = cache.corrupt
+    unique = list(dict.fromkeys(Path(item.path) for item in items))
+    flips = (False, True) if random_flip else (False,)
+    total, pending = len(unique) * len(flips), []
+    for path in unique:
+        content = cache.hasher.sha256(path)
+        crop_rng = None if center_crop else random.Random(derive_seed("crop", seed, content))
+        crop = plan_crop(oriented_size(path), resolution, center_crop, crop_rng)
+        keys = {flip: cache.key_for(path, resolution, center_crop, crop, flip) for flip in flips}
+        stats.entries[path] = CachedImage(path, keys)
+        for flip, key in keys.items():
+            if cache.get_entry(key) is not None:
+                stats.hits += 1
+                _report(progress_callback, stats.hits, total)
+            else:
+                pending.append(_Pending(path, key, crop, flip))
+    for start in range(0, len(pending), batch_size):
+        batch = pending[start:start + batch_size]
+        _encode_batch(batch, encode_fn, cache, resolution)
+        stats.misses += len(batch)
+        _report(progress_callback, stats.hits + stats.misses, total)
+    stats.corrupt = cache.corrupt - corrupt_before
+    logger.info("latent cache %s: %d hits, %d encoded (%d corrupt entries replaced)",
+                cache.cache_dir, stats.hits, stats.misses, stats.corrupt)
+    return stats
+
+
+def _encode_batch(batch: Sequence[_Pending], encode_fn: EncodeFn, cache: LatentCache,
+                  resolution: int) -> None:
+    """Load, encode and store one batch of missing latents."""
+    prepared = [prepare_image(open_rgb(p.path), resolution, p.crop_top_left, p.flipped)
+                for p in batch]
+    with torch.no_grad():
+        latents = encode_fn(torch.stack([image.pixels for image in prepared]))
+    if latents.shape[0] != len(batch):
+        raise ValueError(f"encode_fn returned {latents.shape[0]} latents for {len(batch)} images")
+    for pending, image, latent in zip(batch, prepared, latents):
+        cache.put(pending.key, latent, image.original_size, image.crop_top_left)
+
+
+def _report(callback: ProgressCallback | None, done: int, total: int) -> None:
+    if callback is not None:
+        callback(done, total)
+
+
+class CachedLatentDataset(Dataset):
+    """Training samples as cached latents; the same items and keys as `ImageCaptionDataset`.
+
+    Items: {"latents": tensor, "caption", "path", "original_size", "crop_top_left"}. The flip
+    of each item is drawn per (seed, epoch, index) like the pixel dataset's. Build it from the
+    `CacheStats.entries` of a `cache_latents` call over the same items.
+    """
+
+    def __init__(self, items: Sequence[ScanItem], entries: Mapping[Path, CachedImage],
+                 cache: LatentCache, random_flip: bool = False, seed: int = 0) -> None:
+        missing = [item.path for item in items if Path(item.path) not in entries]
+        if missing:
+            raise ValueError(f"{len(missing)} item(s) were not cached, e.g. {missing[0]}; "
+                             "run cache_latents over the same items first")
+        self.items = list(items)
+        self.entries = entries
+        self.cache = cache
+        self.random_flip = random_flip
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, key: int | ItemKey) -> dict[str, Any]:
+        epoch, index = split_key(key)
+        item = self.items[index]
+        flip = self.random_flip and coin_flip(item_rng(self.seed, epoch, index))
+        cache_key = self.entries[Path(item.path)].keys[flip]
+        entry = self.cache.get_entry(cache_key)
+        if entry is None:
+            raise DatasetError(f"the cached latent of {item.path} disappeared or was damaged "
+                               f"during the run ({self.cache.path_for(cache_key)}); restart "
+                               "to re-encode it")
+        return {"latents": entry.latent, "caption": item.caption, "path": str(item.path),
+                "original_size": entry.original_size, "crop_top_left": entry.crop_top_left}

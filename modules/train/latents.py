@@ -1,0 +1,36 @@
+"""Latent caching for a run: encode every image once with the run's VAE, then train on latents."""
+from __future__ import annotations
+
+import torch
+
+from modules.data.dataset import ImageCaptionDataset
+from modules.data.latent_cache import CachedLatentDataset, LatentCache, cache_latents, vae_fingerprint
+from modules.events import TrainerCallbacks
+from modules.train.prepare import PreparedRun
+
+
+def cached_latent_dataset(dataset: ImageCaptionDataset, prepared: PreparedRun,
+                          callbacks: TrainerCallbacks) -> CachedLatentDataset:
+    """Fill the on-disk latent cache for the dataset's images and return a latent dataset.
+
+    Cached latents are the VAE posterior's mean × scaling factor (deterministic, so the cache
+    is reusable across runs); the pixel path samples the posterior instead.
+    """
+    vae, device = prepared.bundle.vae, prepared.device
+    cache = LatentCache(prepared.cache_dir / "latents", vae_fingerprint(vae))
+
+    @torch.no_grad()
+    def encode(pixels: torch.Tensor) -> torch.Tensor:
+        posterior = vae.encode(pixels.to(device, vae.dtype)).latent_dist
+        return (posterior.mean * vae.config.scaling_factor).float().cpu()
+
+    def progress(done: int, total: int) -> None:
+        if done == total or done % 16 == 0:
+            callbacks.on_status(f"caching latents: {done}/{total}")
+
+    stats = cache_latents(dataset.items, encode, cache, dataset.resolution,
+                          center_crop=dataset.center_crop, random_flip=dataset.random_flip,
+                          seed=dataset.seed, progress_callback=progress)
+    callbacks.on_status(f"latent cache: {stats.hits} reused, {stats.misses} encoded")
+    return CachedLatentDataset(dataset.items, stats.entries, cache,
+                               random_flip=dataset.random_flip, seed=dataset.seed)

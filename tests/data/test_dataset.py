@@ -1,0 +1,122 @@
+"""The image/caption dataset, repeats, per-(seed, epoch, index) randomness and the DataLoader."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from modules.data.dataset import (EpochShuffleSampler, ImageCaptionDataset, build_dataloader,
+                                  collate_examples, expand_repeats)
+from modules.data.folders import DatasetSource, scan_datasets
+
+RES = 16
+
+
+def make_folder(folder: Path, count: int, size=(40, 24)) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(count):
+        Image.effect_noise(size, 60 + i).convert("RGB").save(folder / f"img{i:02d}.png")
+        (folder / f"img{i:02d}.txt").write_text(f"caption {folder.name} {i}", encoding="utf-8")
+    return folder
+
+
+def make_dataset(tmp_path: Path, count: int = 5, seed: int = 7, **kwargs) -> ImageCaptionDataset:
+    scan = scan_datasets([DatasetSource(make_folder(tmp_path / "set", count))])
+    options = {"center_crop": False, "random_flip": True} | kwargs
+    return ImageCaptionDataset(expand_repeats(scan), RES, seed=seed, **options)
+
+
+def test_repeats_expand_the_items(tmp_path: Path) -> None:
+    scan = scan_datasets([DatasetSource(make_folder(tmp_path / "a", 2), repeats=3),
+                          DatasetSource(make_folder(tmp_path / "b", 1), repeats=1)])
+
+    items = expand_repeats(scan)
+
+    assert len(items) == 7 == scan.num_samples_per_epoch
+    assert [i.path.name for i in items].count("img00.png") == 4  # 3 from a, 1 from b
+    assert len(ImageCaptionDataset(items, RES)) == 7
+
+
+def test_item_has_pixels_caption_and_sizes(tmp_path: Path) -> None:
+    dataset = make_dataset(tmp_path, center_crop=True, random_flip=False)
+
+    item = dataset[1]
+
+    assert item["pixel_values"].shape == (3, RES, RES)
+    assert item["caption"] == "caption set 1"
+    assert item["path"].endswith("img01.png")
+    assert item["original_size"] == (24, 40)
+    assert item["crop_top_left"] == (0, (round(40 * RES / 24) - RES) // 2)
+
+
+def test_items_depend_only_on_seed_epoch_and_index(tmp_path: Path) -> None:
+    dataset = make_dataset(tmp_path, seed=7)
+    same_seed = ImageCaptionDataset(dataset.items, RES, center_crop=False, random_flip=True,
+                                    seed=7)
+
+    def crops(ds, epoch):
+        return [(ds[(epoch, i)]["crop_top_left"], ds[(epoch, i)]["pixel_values"].sum().item())
+                for i in range(len(ds))]
+
+    assert crops(dataset, 0) == crops(same_seed, 0)
+    assert dataset[3]["crop_top_left"] == dataset[(0, 3)]["crop_top_left"]
+    epochs = [crops(dataset, epoch) for epoch in range(4)]
+    assert len({tuple(e) for e in epochs}) > 1  # a new crop/flip in a later epoch
+    torch.manual_seed(0)  # global RNG must not matter
+    assert crops(dataset, 2) == epochs[2]
+
+
+def test_sampler_shuffles_per_epoch_and_can_be_rewound() -> None:
+    sampler = EpochShuffleSampler(10, seed=1)
+
+    first, second = list(sampler), list(sampler)
+    sampler.set_epoch(0)
+
+    assert [e for e, _ in first] == [0] * 10 and [e for e, _ in second] == [1] * 10
+    assert sorted(i for _, i in first) == list(range(10))
+    assert [i for _, i in first] != [i for _, i in second]
+    assert list(sampler) == first
+    assert [i for _, i in EpochShuffleSampler(10, seed=2)] != [i for _, i in first]
+    assert [i for _, i in EpochShuffleSampler(4, seed=1, shuffle=False)] == [0, 1, 2, 3]
+
+
+def test_collate_stacks_tensors_and_sizes(tmp_path: Path) -> None:
+    dataset = make_dataset(tmp_path)
+
+    batch = collate_examples([dataset[0], dataset[1], dataset[2]])
+
+    assert batch["pixel_values"].shape == (3, 3, RES, RES)
+    assert batch["caption"] == ["caption set 0", "caption set 1", "caption set 2"]
+    assert batch["original_size"].tolist() == [[24, 40]] * 3
+    assert batch["crop_top_left"].shape == (3, 2) and batch["crop_top_left"].dtype == torch.long
+
+
+def run_epochs(loader, epochs: int) -> list[tuple[list[str], torch.Tensor]]:
+    return [(batch["path"], batch["pixel_values"]) for _ in range(epochs) for batch in loader]
+
+
+def test_dataloader_is_reproducible_from_the_seed(tmp_path: Path) -> None:
+    dataset = make_dataset(tmp_path, count=5)
+
+    first = run_epochs(build_dataloader(dataset, batch_size=2, seed=3), 2)
+    again = run_epochs(build_dataloader(dataset, batch_size=2, seed=3), 2)
+    other = run_epochs(build_dataloader(dataset, batch_size=2, seed=4), 2)
+
+    assert len(first) == 6  # 3 batches of 2, 2, 1 per epoch: the last partial batch is kept
+    assert [len(paths) for paths, _ in first[:3]] == [2, 2, 1]
+    assert all(p1 == p2 and torch.equal(x1, x2) for (p1, x1), (p2, x2) in zip(first, again))
+    assert [p for p, _ in first] != [p for p, _ in other]
+    assert [p for p, _ in first[:3]] != [p for p, _ in first[3:]]  # epoch 2 reshuffled
+    resumed = run_epochs(build_dataloader(dataset, batch_size=2, seed=3, start_epoch=1), 1)
+    assert all(p1 == p2 and torch.equal(x1, x2) for (p1, x1), (p2, x2) in zip(first[3:], resumed))
+
+
+def test_workers_give_the_same_batches_as_the_main_process(tmp_path: Path) -> None:
+    dataset = make_dataset(tmp_path, count=4)
+
+    main = run_epochs(build_dataloader(dataset, batch_size=2, seed=5, num_workers=0), 2)
+    workers = run_epochs(build_dataloader(dataset, batch_size=2, seed=5, num_workers=2), 2)
+
+    assert all(p1 == p2 and torch.equal(x1, x2) for (p1, x1), (p2, x2) in zip(main, workers))
+    assert len(workers) == 4
