@@ -1,0 +1,128 @@
+"""`tempera-train`: exit codes, messages, and that exit 2 writes nothing."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from modules.cli.train import main
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _write(path: Path, data: dict) -> Path:
+    path.write_text(json.dumps(data))
+    return path
+
+
+@pytest.fixture
+def small_config(tmp_path, tempera_cache):
+    return _write(tmp_path / "run.json5", {
+        "general": {"cache_dir": str(tempera_cache)},
+        "data": {"resolution": 64},
+        "training": {"max_steps": 2, "batch_size": 2},
+        "sampling": {"prompts": []},
+        "logging": {"tensorboard": False},
+        "output": {"dir": "out"},
+    })
+
+
+def test_success_exits_0_and_paths_resolve_against_the_config_folder(small_config, capsys):
+    assert main(["--config", str(small_config), "--quiet"]) == 0
+    out = small_config.parent / "out"
+    assert json.loads((out / "run.json").read_text())["status"] == "finished"
+    assert "finished: 2 steps" in capsys.readouterr().out
+
+
+def test_invalid_config_exits_2_lists_every_problem_and_writes_nothing(tmp_path, capsys):
+    config = _write(tmp_path / "bad.json", {
+        "training": {"max_steps": -5, "batch_size": "four"},
+        "compile": {"backend": "TURBO"},
+        "modle": {},
+        "output": {"dir": "out"},
+    })
+    assert main(["--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    for expected in ("training.max_steps", "training.batch_size", "compile.backend",
+                     "modle: expected a known key", "did you mean 'model'"):
+        assert expected in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_inconsistent_config_exits_2_and_writes_nothing(tmp_path, capsys, tempera_cache):
+    config = _write(tmp_path / "c.json", {
+        "general": {"cache_dir": str(tempera_cache)},
+        "data": {"datasets": [{"path": "missing-folder"}]},
+        "output": {"dir": "out"},
+    })
+    assert main(["--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "data.datasets[0].path" in err and "no such folder" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_empty_dataset_is_a_config_error(tmp_path, capsys, tempera_cache):
+    (tmp_path / "images").mkdir()
+    (tmp_path / "images" / "notes.txt").write_text("no images here")
+    config = _write(tmp_path / "c.json", {
+        "general": {"cache_dir": str(tempera_cache)},
+        "data": {"datasets": [{"path": "images"}], "resolution": 64},
+        "output": {"dir": "out"},
+    })
+    assert main(["--config", str(config)]) == 2
+    assert "data.datasets" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_set_values_exit_2(small_config, capsys):
+    code = main(["--config", str(small_config), "--set", "training.max_steps=lots",
+                 "--set", "compile.nope=1"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "training.max_steps" in err and "compile.nope" in err
+
+
+def test_missing_and_malformed_config_files_exit_2(tmp_path, capsys):
+    assert main(["--config", str(tmp_path / "absent.json")]) == 2
+    assert "absent.json" in capsys.readouterr().err
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"training": {"max_steps": 3,}}')
+    assert main(["--config", str(broken)]) == 2
+    assert "line 1" in capsys.readouterr().err
+
+
+def test_earlier_run_is_protected(small_config, capsys):
+    assert main(["--config", str(small_config), "--quiet"]) == 0
+    out = small_config.parent / "out"
+    before = (out / "final" / "pytorch_lora_weights.safetensors").read_bytes()
+    assert main(["--config", str(small_config), "--quiet"]) == 2
+    assert "earlier run" in capsys.readouterr().err
+    assert (out / "final" / "pytorch_lora_weights.safetensors").read_bytes() == before
+
+
+def test_check_validates_without_training(small_config, capsys):
+    assert main(["--config", str(small_config), "--check"]) == 0
+    assert "valid" in capsys.readouterr().out
+    assert not (small_config.parent / "out").exists()
+
+
+def test_failure_during_training_exits_1(small_config, capsys, monkeypatch):
+    import modules.train.trainer as trainer_module
+
+    def explode(run, batch, draws):
+        raise RuntimeError("CUDA error: device-side assert triggered")
+
+    monkeypatch.setattr(trainer_module, "micro_step", explode)
+    assert main(["--config", str(small_config), "--quiet"]) == 1
+    assert "training failed at step 0" in capsys.readouterr().err
+
+
+def test_script_runs_from_any_folder_and_documents_itself(tmp_path):
+    result = subprocess.run([sys.executable, str(REPO / "scripts" / "train.py"), "--help"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0
+    for text in ("--config", "--set", "--check", "Exit codes"):
+        assert text in result.stdout

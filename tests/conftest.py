@@ -1,0 +1,30 @@
+"""Shared fixtures: one cache of built-in models/datasets per test session, and tiny configs."""
+from __future__ import annotations
+
+import pytest
+
+from modules.config import Config, apply_overrides
+
+
+@pytest.fixture(scope="session")
+def tempera_cache(tmp_path_factory):
+    """A cache folder shared by the whole session, so each built-in model is built once."""
+    return tmp_path_factory.mktemp("tempera-cache")
+
+
+@pytest.fixture
+def tiny_config(tempera_cache, tmp_path):
+    """A config that trains the tiny SD 1.5 model on the shapes dataset in a few seconds."""
+    def make(*overrides: str) -> Config:
+        base = [
+            f"general.cache_dir={tempera_cache}",
+            f"output.dir={tmp_path / 'out'}",
+            "data.resolution=64",
+            "training.max_steps=3",
+            "training.batch_size=2",
+            "training.learning_rate=1e-3",
+            "sampling.prompts=[]",
+            "logging.tensorboard=false",
+        ]
+        return apply_overrides(Config(), base + list(overrides))
+    return make
