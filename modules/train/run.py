@@ -153,6 +153,7 @@ class Run:
         self.callbacks.on_saved(folder, self.step)
 
     def close(self) -> None:
+        self.guard.close()
         if self.writer:
             self.writer.close()
 

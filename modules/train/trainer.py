@@ -100,7 +100,7 @@ def training_loop(run: Run, callbacks: TrainerCallbacks, commands: TrainerComman
         draws = draw_randomness(generator, shape,
                                 run.bundle.noise_scheduler.config.num_train_timesteps,
                                 need_vae_eps="latents" not in batch)
-        window_loss += run.guard.run(lambda: micro_step(run, batch, draws))
+        window_loss += run.guard.run_guarded(lambda: micro_step(run, batch, draws))
         window_micro += 1
         if not closes_window:
             continue
