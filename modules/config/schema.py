@@ -148,6 +148,13 @@ class DataConfig:
                                        "on disk; the VAE is then not needed during training.")
     caption_extension: str = setting(".txt", label="Caption extension", group="Data", advanced=True,
                                      help="File extension of the caption next to each image.")
+    caption_dropout: float = setting(0.0, label="Caption dropout", group="Data", min=0.0, max=1.0,
+                                     help="Probability of training on an empty caption instead "
+                                          "(helps classifier-free guidance).")
+    cache_text_encoder_outputs: bool = setting(
+        False, label="Cache text encoder outputs", group="Data",
+        help="Encode each distinct caption once and reuse it (only when no text encoder is "
+             "trained).")
     workers: int = setting(0, label="Dataloader workers", group="Data", min=0, max=64, advanced=True,
                            help="Background processes that load images; 0 loads in the trainer.")
 
@@ -192,6 +199,19 @@ class TrainingConfig:
     max_grad_norm: float = setting(1.0, label="Max gradient norm", group="Training", min=0.0,
                                    max=1e6, advanced=True,
                                    help="Clip gradients to this norm; 0 disables clipping.")
+    noise_offset: float = setting(0.0, label="Noise offset", group="Training", min=0.0, max=1.0,
+                                  help="Add a per-channel constant to the noise so the model can "
+                                       "learn very dark and very bright images; 0 is off, 0.05 "
+                                       "to 0.1 is typical.")
+    min_snr_gamma: float = setting(0.0, label="Min-SNR gamma", group="Training", min=0.0,
+                                   max=100.0,
+                                   help="Min-SNR loss weighting (gamma 5 is the usual choice); "
+                                        "0 is off.")
+    ema: bool = setting(False, label="EMA", group="Training",
+                        help="Keep an exponential moving average of the trained weights; "
+                             "samples and saves use the average.")
+    ema_decay: float = setting(0.999, label="EMA decay", group="Training", min=0.0, max=1.0,
+                               advanced=True, help="How slowly the average follows the weights.")
     seed: int = setting(42, label="Seed", group="General", min=0, max=2**32 - 1,
                         help="Seed for noise, timesteps, shuffling and weight init.")
 

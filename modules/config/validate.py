@@ -55,7 +55,8 @@ def _check_components(config: Config) -> list[Problem]:
     if config.components.vae.train:
         problems.append(Problem("components.vae.train", "false", "true",
                                 "Tempera trains the UNet and text encoders, not the VAE"))
-    if not any(getattr(config.components, n).train for n in spec.components):
+    # The VAE is never trained, so training only the VAE also means nothing would be trained.
+    if not any(getattr(config.components, n).train for n in spec.components if n != "vae"):
         problems.append(Problem("components", "at least one component with train = true",
                                 "none", "nothing would be trained"))
     return problems
@@ -87,9 +88,18 @@ def _check_data(config: Config) -> list[Problem]:
                                 f"try {max(64, round(d.resolution / 64) * 64)}"))
     if not d.datasets:
         problems.append(Problem("data.datasets", "at least one dataset folder", "[]"))
+    for i, ds in enumerate(d.datasets):
+        if not ds.path.strip():
+            problems.append(Problem(f"data.datasets[{i}].path",
+                                    f"a folder of images or {BUILTIN_SHAPES}", repr(ds.path)))
     if d.cache_latents and not d.center_crop:
         problems.append(Problem("data.center_crop", "true when data.cache_latents is on", "false",
                                 "a random crop would be frozen into the cached latents"))
+    if d.cache_text_encoder_outputs and any(
+            getattr(config.components, n).train for n in ("text_encoder", "text_encoder_2")):
+        problems.append(Problem("data.cache_text_encoder_outputs",
+                                "false while a text encoder is trained", "true",
+                                "a trained encoder's outputs change every step"))
     if not d.caption_extension.startswith(".") or len(d.caption_extension) < 2:
         problems.append(Problem("data.caption_extension", "an extension such as '.txt'",
                                 repr(d.caption_extension)))
@@ -106,8 +116,11 @@ def _check_output_and_sampling(config: Config) -> list[Problem]:
             problems.append(Problem(f"output.formats[{i}]",
                                     " or ".join(sorted(f.value for f in supported)), fmt.value,
                                     "not supported for this training method yet"))
-    if not config.output.dir:
-        problems.append(Problem("output.dir", "a folder path", "''"))
+    if not config.output.dir.strip():
+        problems.append(Problem("output.dir", "a folder path", repr(config.output.dir)))
+    if not config.model.path.strip():
+        problems.append(Problem("model.path", "a diffusers model folder or a builtin: model",
+                                repr(config.model.path)))
     if config.sampling.every_steps and not config.sampling.prompts:
         problems.append(Problem("sampling.prompts", "at least one prompt when sampling is on",
                                 "[]"))
@@ -120,6 +133,8 @@ def _check_output_and_sampling(config: Config) -> list[Problem]:
 def _check_model_path(config: Config) -> list[Problem]:
     path, spec = config.model.path, MODEL_TYPES[config.model.type]
     builtins = {s.builtin: t for t, s in MODEL_TYPES.items()}
+    if not path.strip():
+        return []  # reported by _check_output_and_sampling without touching the disk
     if path.startswith(BUILTIN_PREFIX):
         if path not in builtins:
             return [Problem("model.path", "one of " + ", ".join(builtins), repr(path))]
@@ -133,17 +148,23 @@ def _check_model_path(config: Config) -> list[Problem]:
                         "no such file or folder")]
     if p.is_file():
         return [Problem("model.path", "a diffusers model folder", repr(path),
-                        "single-file checkpoints are not supported yet")]
+                        "it is a file; single-file checkpoints are not supported yet")]
     index = p / "model_index.json"
     if not index.is_file():
         return [Problem("model.path", "a diffusers model folder (with model_index.json)",
-                        repr(path))]
+                        repr(path), "it has no model_index.json")]
     try:
-        cls = json.loads(index.read_text(encoding="utf-8")).get("_class_name", "")
-    except (OSError, json.JSONDecodeError) as exc:
+        data = json.loads(index.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:  # ValueError covers bad JSON and bad UTF-8
         return [Problem("model.path", "a readable model_index.json", f"{index} ({exc})")]
+    cls = data.get("_class_name", "") if isinstance(data, dict) else ""
     if cls and cls != spec.pipeline_class:
-        return [Problem("model.type", f"the type of {cls}", config.model.type.value,
+        matching = [t.value for t, s in MODEL_TYPES.items() if s.pipeline_class == cls]
+        if not matching:
+            return [Problem("model.path", "a folder of a supported pipeline (" + ", ".join(
+                sorted({s.pipeline_class for s in MODEL_TYPES.values()})) + ")",
+                repr(path), f"its model_index.json names {cls}")]
+        return [Problem("model.type", " or ".join(matching), config.model.type.value,
                         f"{path} holds a {cls}, not a {spec.pipeline_class}")]
     return []
 
@@ -152,6 +173,8 @@ def _check_dataset_paths(config: Config) -> list[Problem]:
     problems = []
     for i, ds in enumerate(config.data.datasets):
         where = f"data.datasets[{i}].path"
+        if not ds.path.strip():
+            continue  # reported by _check_data without touching the disk
         if ds.path.startswith(BUILTIN_PREFIX):
             if ds.path not in BUILTIN_DATASETS:
                 problems.append(Problem(where, "one of " + ", ".join(BUILTIN_DATASETS),
@@ -163,6 +186,8 @@ def _check_dataset_paths(config: Config) -> list[Problem]:
 
 
 def _check_output_dir(config: Config) -> list[Problem]:
+    if not config.output.dir.strip():
+        return []  # reported by _check_output_and_sampling
     out = Path(config.output.dir)
     if out.exists() and not out.is_dir():
         return [Problem("output.dir", "a folder", repr(config.output.dir), "it is a file")]

@@ -79,12 +79,9 @@ def tokenize(tokenizer, captions: list[str]) -> torch.Tensor:
                      truncation=True, return_tensors="pt").input_ids
 
 
-def encode_prompts(bundle: ModelBundle, captions: list[str], device: torch.device,
-                   sizes: dict | None = None) -> tuple[torch.Tensor, dict | None]:
-    """Text conditioning for the UNet: hidden states, plus SDXL's pooled/time embeddings.
-
-    `sizes` (SDXL) holds per-sample original_size, crop_top_left and target_size tuples.
-    """
+def encode_text(bundle: ModelBundle, captions: list[str],
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-caption text conditioning: hidden states, and (SDXL) the pooled embedding."""
     spec = MODEL_TYPES[bundle.model_type]
     if bundle.model_type != ModelType.SDXL:
         (te_name,), (tok_name,) = spec.text_encoders, spec.tokenizers
@@ -96,15 +93,32 @@ def encode_prompts(bundle: ModelBundle, captions: list[str], device: torch.devic
         out = bundle.text_encoders[te_name](ids, output_hidden_states=True)
         hidden.append(out.hidden_states[-2])  # SDXL conditions on the penultimate layer
         pooled = out[0]  # the last encoder's projected pooled output
-    time_ids = sdxl_time_ids(captions, sizes, device, hidden[0].dtype)
-    return torch.cat(hidden, dim=-1), {"text_embeds": pooled, "time_ids": time_ids}
+    return torch.cat(hidden, dim=-1), pooled
 
 
-def sdxl_time_ids(captions: list[str], sizes: dict | None, device: torch.device,
-                  dtype: torch.dtype) -> torch.Tensor:
+def unet_conditioning(hidden: torch.Tensor, pooled: torch.Tensor | None,
+                      sizes: dict | None) -> tuple[torch.Tensor, dict | None]:
+    """The UNet's conditioning inputs: hidden states plus SDXL's added embeddings.
+
+    `sizes` (SDXL) holds per-sample original_size, crop_top_left and target_size pairs.
+    """
+    if pooled is None:
+        return hidden, None
+    time_ids = sdxl_time_ids(sizes, hidden.device, hidden.dtype)
+    return hidden, {"text_embeds": pooled, "time_ids": time_ids}
+
+
+def encode_prompts(bundle: ModelBundle, captions: list[str], device: torch.device,
+                   sizes: dict | None = None) -> tuple[torch.Tensor, dict | None]:
+    """Text conditioning for the UNet in one call (encode_text + unet_conditioning)."""
+    hidden, pooled = encode_text(bundle, captions, device)
+    return unet_conditioning(hidden, pooled, sizes)
+
+
+def sdxl_time_ids(sizes: dict, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """SDXL's size and crop conditioning: (original h, w, crop top, left, target h, w)."""
     rows = []
-    for i in range(len(captions)):
+    for i in range(len(sizes["target_size"])):
         original = sizes["original_size"][i]
         crop = sizes["crop_top_left"][i]
         target = sizes["target_size"][i]

@@ -5,6 +5,7 @@ steps the training loop reads as one sentence each.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,10 +17,11 @@ from modules.config.loader import save_config
 from modules.config.schema import Config, MixedPrecision, ModelType
 from modules.data.dataset import ImageCaptionDataset, build_dataloader, expand_repeats
 from modules.events import TrainerCallbacks
-from modules.models.loader import TORCH_DTYPES, ModelBundle, encode_prompts
+from modules.models.loader import TORCH_DTYPES, ModelBundle, encode_text, unet_conditioning
 from modules.train.prepare import PreparedRun
 from modules.train.record import RunRecord, device_description, library_versions
 from modules.train.sampling import sample_images
+from modules.train.text_cache import TextEncoderCache
 from modules.train.setup import (
     StepBudget,
     autocast_context,
@@ -51,6 +53,8 @@ class Run:
     guard: object
     scaler: torch.amp.GradScaler | None = None
     writer: object = None
+    ema: object = None
+    text_cache: TextEncoderCache | None = None
     step: int = 0
     last_sample_step: int = -1
     trained: list[str] = field(default_factory=list)
@@ -90,13 +94,18 @@ class Run:
     def compute_dtype(self) -> torch.dtype:
         return self.bundle.unet.dtype
 
-    def encode_captions(self, batch: dict):
+    def encode_captions(self, batch: dict, captions: list[str]):
+        """UNet conditioning for `captions` (the batch's, after caption dropout)."""
+        if self.text_cache is not None:
+            hidden, pooled = self.text_cache.encode(captions)
+        else:
+            hidden, pooled = encode_text(self.bundle, captions, self.device)
         sizes = None
         if self.config.model.type == ModelType.SDXL:
             b, h, w = self.pixel_shape(batch)
             sizes = {"original_size": batch["original_size"].tolist(),
                      "crop_top_left": batch["crop_top_left"].tolist(), "target_size": [(h, w)] * b}
-        return encode_prompts(self.bundle, list(batch["caption"]), self.device, sizes)
+        return unet_conditioning(hidden, pooled, sizes)
 
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
@@ -107,8 +116,7 @@ class Run:
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         if max_norm:
-            all_params = [p for plist in self.params.values() for p in plist]
-            torch.nn.utils.clip_grad_norm_(all_params, max_norm)
+            torch.nn.utils.clip_grad_norm_(self.all_params(), max_norm)
         if self.scaler:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -116,6 +124,24 @@ class Run:
             self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.ema is not None:
+            self.ema.step(self.all_params())
+
+    def all_params(self) -> list[torch.nn.Parameter]:
+        return [p for plist in self.params.values() for p in plist]
+
+    @contextlib.contextmanager
+    def averaged_weights(self):
+        """Swap the EMA weights in (for sampling and saving) and the live ones back after."""
+        if self.ema is None:
+            yield
+            return
+        self.ema.store(self.all_params())
+        self.ema.copy_to(self.all_params())
+        try:
+            yield
+        finally:
+            self.ema.restore(self.all_params())
 
     def current_lr(self) -> float:
         return float(self.lr_scheduler.get_last_lr()[0])
@@ -129,8 +155,9 @@ class Run:
     def sample(self) -> None:
         self.callbacks.on_status(f"sampling at step {self.step}")
         self.last_sample_step = self.step
-        rows = sample_images(self.bundle, self.config, self.device, self.step,
-                             self.output_dir / "samples")
+        with self.averaged_weights():
+            rows = sample_images(self.bundle, self.config, self.device, self.step,
+                                 self.output_dir / "samples")
         for i, (path, prompt, image) in enumerate(rows):
             self.record.add_file(path)
             self.callbacks.on_sample(path, prompt, self.step)
@@ -147,7 +174,9 @@ class Run:
 
     def _save(self, folder: Path) -> None:
         self.callbacks.on_status(f"saving {folder.name} at step {self.step}")
-        for path in save_weights(self.bundle, self.config, folder):
+        with self.averaged_weights():
+            written = save_weights(self.bundle, self.config, folder)
+        for path in written:
             self.record.add_file(path)
         self.record.write(step=self.step)
         self.callbacks.on_saved(folder, self.step)
@@ -190,13 +219,19 @@ def start_run(prepared: PreparedRun, callbacks: TrainerCallbacks) -> Run:
     scaler = (torch.amp.GradScaler(device.type)
               if config.training.mixed_precision == MixedPrecision.FP16 else None)
     guard = build_compile_guard(config, bundle, device, params, callbacks)
+    ema = None
+    if config.training.ema:
+        from diffusers.training_utils import EMAModel
+        ema = EMAModel([p for plist in params.values() for p in plist],
+                       decay=config.training.ema_decay)
+    text_cache = TextEncoderCache(bundle, device) if config.data.cache_text_encoder_outputs else None
     writer = None
     if config.logging.tensorboard:
         from torch.utils.tensorboard import SummaryWriter
         writer = SummaryWriter(str(output_dir / "tensorboard"))
     return Run(config, bundle, device, output_dir, record, callbacks, dataset, params, optimizer,
                build_lr_scheduler(config, optimizer, budget.total_steps), budget, guard,
-               scaler=scaler, writer=writer, trained=trained)
+               scaler=scaler, writer=writer, trained=trained, ema=ema, text_cache=text_cache)
 
 
 def build_dataset(prepared: PreparedRun, callbacks: TrainerCallbacks) -> ImageCaptionDataset:

@@ -87,14 +87,21 @@ class Draws:
     vae_eps: torch.Tensor | None
     noise: torch.Tensor
     timesteps: torch.Tensor
+    noise_offset: torch.Tensor    # (B, C, 1, 1), used when training.noise_offset > 0
+    caption_dropout: torch.Tensor  # (B,) uniform, used when data.caption_dropout > 0
 
 
 def draw_randomness(generator: torch.Generator, latent_shape: tuple[int, ...],
                     num_train_timesteps: int, need_vae_eps: bool) -> Draws:
+    """Draw everything in a fixed order, whether or not an option uses it, so switching an
+    option on does not shift the noise every other option sees."""
+    batch, channels = latent_shape[0], latent_shape[1]
     vae_eps = torch.randn(latent_shape, generator=generator) if need_vae_eps else None
     noise = torch.randn(latent_shape, generator=generator)
-    timesteps = torch.randint(0, num_train_timesteps, (latent_shape[0],), generator=generator)
-    return Draws(vae_eps, noise, timesteps)
+    timesteps = torch.randint(0, num_train_timesteps, (batch,), generator=generator)
+    offset = torch.randn((batch, channels, 1, 1), generator=generator)
+    dropout = torch.rand((batch,), generator=generator)
+    return Draws(vae_eps, noise, timesteps, offset, dropout)
 
 
 def latent_shape(vae: nn.Module, batch_size: int, height: int, width: int) -> tuple[int, ...]:

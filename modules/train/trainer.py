@@ -7,11 +7,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from modules.config.problems import ConfigError
 from modules.config.schema import Config
 from modules.events import NullCallbacks, Progress, TrainerCallbacks, TrainerCommands
+from modules.train.objectives import diffusion_mse, drop_captions, min_snr_weights, offset_noise
 from modules.train.prepare import PreparedRun, prepare_run
 from modules.train.run import Run, start_run
 from modules.train.setup import Draws, SmoothedValue, draw_randomness, latent_shape
@@ -66,23 +66,28 @@ def batches(run: Run, commands: TrainerCommands) -> Iterator[tuple[int, dict, bo
 
 def micro_step(run: Run, batch: dict, draws: Draws) -> float:
     """One forward + backward on a batch: encode, noise, predict, loss, backward."""
-    bundle, device = run.bundle, run.device
-    accumulation = run.config.training.gradient_accumulation
+    bundle, device, t = run.bundle, run.device, run.config.training
+    scheduler = bundle.noise_scheduler
     with run.autocast():
         with torch.no_grad():
             latents = run.encode_latents(batch, draws.vae_eps)
-        noise = draws.noise.to(device, latents.dtype)
+        noise = offset_noise(draws.noise.to(device, latents.dtype), draws.noise_offset,
+                             t.noise_offset)
         timesteps = draws.timesteps.to(device)
-        noisy = bundle.noise_scheduler.add_noise(latents, noise, timesteps)
+        noisy = scheduler.add_noise(latents, noise, timesteps)
+        captions = drop_captions(batch["caption"], draws.caption_dropout,
+                                 run.config.data.caption_dropout)
         with torch.set_grad_enabled(run.trains_text_encoder):
-            hidden, added = run.encode_captions(batch)
+            hidden, added = run.encode_captions(batch, captions)
         prediction = bundle.unet(noisy, timesteps, hidden, added_cond_kwargs=added).sample
         if bundle.prediction_type == "v_prediction":
-            target = bundle.noise_scheduler.get_velocity(latents, noise, timesteps)
+            target = scheduler.get_velocity(latents, noise, timesteps)
         else:
             target = noise
-        loss = F.mse_loss(prediction.float(), target.float())
-    run.backward(loss / accumulation)
+        weights = (min_snr_weights(scheduler.alphas_cumprod, timesteps, t.min_snr_gamma,
+                                   bundle.prediction_type) if t.min_snr_gamma else None)
+        loss = diffusion_mse(prediction, target, weights)
+    run.backward(loss / t.gradient_accumulation)
     return loss.item()
 
 

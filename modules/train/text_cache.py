@@ -1,0 +1,28 @@
+"""In-memory cache of frozen text encoder outputs, one entry per distinct caption."""
+from __future__ import annotations
+
+import torch
+
+from modules.models.loader import ModelBundle, encode_text
+
+
+class TextEncoderCache:
+    """Encodes each caption once; later batches reuse the stored hidden states (and pooled)."""
+
+    def __init__(self, bundle: ModelBundle, device: torch.device) -> None:
+        self.bundle, self.device = bundle, device
+        self.entries: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self.encoded = 0  # captions actually run through the text encoder(s)
+
+    @torch.no_grad()
+    def encode(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        missing = list(dict.fromkeys(c for c in captions if c not in self.entries))
+        if missing:
+            hidden, pooled = encode_text(self.bundle, missing, self.device)
+            for i, caption in enumerate(missing):
+                self.entries[caption] = (hidden[i], None if pooled is None else pooled[i])
+            self.encoded += len(missing)
+        rows = [self.entries[c] for c in captions]
+        hidden = torch.stack([h for h, _ in rows])
+        pooled = None if rows[0][1] is None else torch.stack([p for _, p in rows])
+        return hidden, pooled

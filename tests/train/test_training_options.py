@@ -1,0 +1,87 @@
+"""Noise offset, min-SNR, caption dropout, EMA and text encoder output caching each do their job."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from modules.train import objectives
+from modules.train.trainer import train
+
+
+def _losses(result) -> list[float]:
+    return json.loads((result.output_dir / "run.json").read_text())["losses"]
+
+
+def _lora(result) -> dict:
+    return load_file(result.output_dir / "final" / "pytorch_lora_weights.safetensors")
+
+
+def test_min_snr_weights_follow_the_formula():
+    alphas = torch.tensor([0.99, 0.5, 0.01])
+    t = torch.tensor([0, 1, 2])
+    snr = alphas / (1 - alphas)  # 99, 1, ~0.0101
+    eps = objectives.min_snr_weights(alphas, t, 5.0, "epsilon")
+    assert torch.allclose(eps, torch.minimum(snr, torch.tensor(5.0)) / snr)
+    assert eps[0] == pytest.approx(5 / 99) and eps[1] == pytest.approx(1.0)
+    v = objectives.min_snr_weights(alphas, t, 5.0, "v_prediction")
+    assert torch.allclose(v, torch.minimum(snr, torch.tensor(5.0)) / (snr + 1))
+
+
+def test_noise_offset_shifts_each_channel_by_a_constant():
+    noise = torch.zeros(2, 4, 8, 8)
+    draw = torch.randn(2, 4, 1, 1)
+    shifted = objectives.offset_noise(noise, draw, 0.1)
+    assert torch.allclose(shifted, 0.1 * draw.expand_as(noise))
+    assert objectives.offset_noise(noise, draw, 0.0) is noise
+
+
+def test_caption_dropout_empties_the_drawn_captions():
+    captions = ["a", "b", "c"]
+    assert objectives.drop_captions(captions, torch.tensor([0.05, 0.5, 0.09]), 0.1) == ["", "b", ""]
+    assert objectives.drop_captions(captions, torch.tensor([0.0, 0.0, 0.0]), 0.0) == captions
+
+
+def test_each_option_changes_the_losses_and_off_means_off(tiny_config, tmp_path):
+    def run(name, *overrides):
+        return _losses(train(tiny_config(f"output.dir={tmp_path / name}", *overrides)))
+
+    base = run("base")
+    assert run("zeroes", "training.noise_offset=0", "training.min_snr_gamma=0",
+               "data.caption_dropout=0") == base
+    for name, option in [("offset", "training.noise_offset=0.1"),
+                         ("snr", "training.min_snr_gamma=5"),
+                         ("dropout", "data.caption_dropout=0.5")]:
+        assert run(name, option) != base, f"{option} changed nothing"
+
+
+def test_ema_saves_averaged_weights_without_changing_training(tiny_config, tmp_path):
+    plain = train(tiny_config(f"output.dir={tmp_path / 'plain'}", "training.max_steps=4"))
+    ema = train(tiny_config(f"output.dir={tmp_path / 'ema'}", "training.max_steps=4",
+                            "training.ema=true", "training.ema_decay=0.9"))
+    assert _losses(plain) == _losses(ema), "EMA must not change the optimisation itself"
+    live, averaged = _lora(plain), _lora(ema)
+    assert live.keys() == averaged.keys()
+    assert any(not torch.allclose(live[k], averaged[k]) for k in live)
+
+
+def test_text_encoder_cache_encodes_each_caption_once_and_matches(tiny_config, tmp_path,
+                                                                  monkeypatch):
+    import modules.train.text_cache as text_cache
+    calls = []
+    real = text_cache.encode_text
+    monkeypatch.setattr(text_cache, "encode_text",
+                        lambda bundle, captions, device: calls.append(len(captions))
+                        or real(bundle, captions, device))
+    overrides = ["training.max_steps=30", "training.batch_size=4"]
+    cached = train(tiny_config(f"output.dir={tmp_path / 'c'}", "data.cache_text_encoder_outputs=true",
+                               *overrides))
+    plain = train(tiny_config(f"output.dir={tmp_path / 'p'}", *overrides))
+    dataset = Path(json.loads((cached.output_dir / "config.json").read_text())
+                   ["data"]["datasets"][0]["path"])
+    distinct = {caption.read_text().strip() for caption in dataset.glob("*.txt")}
+    assert sum(calls) <= len(distinct), "a caption was encoded twice"
+    assert _losses(cached) == pytest.approx(_losses(plain), rel=1e-5, abs=1e-6)
