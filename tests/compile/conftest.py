@@ -1,0 +1,108 @@
+"""Fixtures for the compile engine tests: a tiny UNet, a repeatable training loop, test backends."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+FAIL_COMPILE = "tempera_test_fail_compile"
+FAIL_BACKWARD = "tempera_test_fail_backward"
+
+
+def build_tiny_unet(lora: bool = False, checkpointing: bool = False) -> torch.nn.Module:
+    from diffusers import UNet2DConditionModel
+
+    torch.manual_seed(0)
+    unet = UNet2DConditionModel(
+        block_out_channels=(32, 64), layers_per_block=1, cross_attention_dim=32,
+        norm_num_groups=8, sample_size=8, attention_head_dim=4,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"))
+    if lora:
+        from peft import LoraConfig
+
+        unet.requires_grad_(False)
+        unet.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian",
+                                    target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
+    if checkpointing:
+        unet.enable_gradient_checkpointing()
+    unet.train()
+    return unet
+
+
+def train_losses(unet: torch.nn.Module, guard: Callable | None = None, steps: int = 3,
+                 sizes: tuple[int, ...] = (8,), accumulation: int = 1) -> list[float]:
+    """A few SGD steps; noise and timesteps are drawn outside the guarded micro-step."""
+    params = [p for p in unet.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(params, lr=0.05)
+    gen = torch.Generator().manual_seed(1)
+    losses: list[float] = []
+    for step in range(steps):
+        size = sizes[step % len(sizes)]
+        for _ in range(accumulation):
+            latents = torch.randn(2, 4, size, size, generator=gen)
+            noise = torch.randn(2, 4, size, size, generator=gen)
+            timesteps = torch.randint(0, 1000, (2,), generator=gen)
+            text = torch.randn(2, 7, 32, generator=gen)
+
+            def micro_step() -> torch.Tensor:
+                pred = unet(latents + noise, timesteps, text).sample
+                loss = F.mse_loss(pred, noise) / accumulation
+                loss.backward()
+                return loss.detach()
+
+            losses.append(float(guard(micro_step) if guard else micro_step()))
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses
+
+
+def _fail_compile(gm, example_inputs):
+    raise RuntimeError("tempera test backend refuses to compile\nsecond line")
+
+
+def _fail_backward(gm, example_inputs):
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def bw_compiler(bw_gm, bw_inputs):
+        def broken(*args):
+            raise RuntimeError("tempera test backend: compiled backward failed")
+        return make_boxed_func(broken)
+
+    return aot_autograd(fw_compiler=lambda fw_gm, _: make_boxed_func(fw_gm.forward),
+                        bw_compiler=bw_compiler)(gm, example_inputs)
+
+
+@pytest.fixture(scope="session")
+def failing_backends() -> tuple[str, str]:
+    """Dynamo backends that fail at compile time and in the compiled backward (test only)."""
+    import torch._dynamo
+
+    known = torch._dynamo.list_backends(exclude_tags=None)
+    for name, fn in ((FAIL_COMPILE, _fail_compile), (FAIL_BACKWARD, _fail_backward)):
+        if name not in known:
+            torch._dynamo.register_backend(compiler_fn=fn, name=name)
+    return FAIL_COMPILE, FAIL_BACKWARD
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test starts and ends with no compiled frames (dynamo caches are process-global)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
+def make_unet() -> Callable[..., torch.nn.Module]:
+    return build_tiny_unet
+
+
+@pytest.fixture
+def train() -> Callable[..., list[float]]:
+    return train_losses

@@ -1,0 +1,197 @@
+"""The backend table as handed to torch.compile, mode merging, capability degrade, selection."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from modules.compile import (BACKENDS, Capabilities, CompileEngine, build_plan, check_table,
+                             detect_capabilities)
+from modules.compile.backends import BackendRow
+from modules.config.schema import (CompileBackend, CompileConfig, CompileMode, CompileScope,
+                                   DynamicShapes)
+from modules.events import RecordingCallbacks
+
+# The product design's table, written out literally (docs/compilation.md).
+SEED_KWARGS = {
+    CompileBackend.DEFAULT: {"fullgraph": False, "dynamic": True},
+    CompileBackend.INDUCTOR: {"backend": "inductor", "fullgraph": False, "dynamic": True,
+                              "options": {"max_autotune": True, "epilogue_fusion": True,
+                                          "triton.cudagraphs": False}},
+    CompileBackend.TRITON: {"backend": "inductor", "fullgraph": False, "dynamic": True,
+                            "options": {"triton.cudagraphs": True, "shape_padding": True,
+                                        "max_autotune": True, "epilogue_fusion": True}},
+    CompileBackend.AOT_EAGER: {"backend": "aot_eager", "fullgraph": False, "dynamic": True},
+}
+GPU = Capabilities.everything("cuda")
+CPU = Capabilities("cpu", False, None, False, "no triton", "/usr/bin/g++")
+
+
+class Recorder:
+    """Stands in for torch.compile: records the kwargs, returns the function unchanged."""
+
+    def __init__(self):
+        self.calls: list[tuple[object, dict]] = []
+
+    def __call__(self, fn, **kwargs):
+        self.calls.append((getattr(fn, "__self__", fn), kwargs))
+        if kwargs.get("options") is not None and kwargs.get("mode") is not None:
+            raise AssertionError("mode and options passed together")
+        return fn
+
+
+@pytest.fixture
+def recorder(monkeypatch) -> Recorder:
+    rec = Recorder()
+    monkeypatch.setattr(torch, "compile", rec)
+    return rec
+
+
+def components():
+    return {"unet": nn.Linear(2, 2), "text_encoder": [nn.Linear(2, 2), nn.Linear(2, 2)],
+            "vae": nn.Sequential()}
+
+
+@pytest.mark.parametrize("backend", list(CompileBackend))
+def test_kwargs_handed_to_torch_compile_are_the_seed_table(recorder, backend):
+    unet = nn.Linear(2, 2)
+    engine = CompileEngine(CompileConfig(backend=backend), {"unet": unet}, capabilities=GPU)
+    engine.apply()
+    if backend == CompileBackend.NONE:
+        assert recorder.calls == []
+        assert unet._compiled_call_impl is None
+    else:
+        assert recorder.calls == [(unet, SEED_KWARGS[backend])]
+        assert engine.report()["unet"]["torch_compile_kwargs"] == SEED_KWARGS[backend]
+    engine.close()
+    assert unet._compiled_call_impl is None
+
+
+@pytest.mark.parametrize("dynamic, flag", [(DynamicShapes.DYNAMIC, True),
+                                           (DynamicShapes.AUTO, None),
+                                           (DynamicShapes.STATIC, False)])
+def test_dynamic_and_fullgraph_follow_the_config(recorder, dynamic, flag):
+    config = CompileConfig(backend=CompileBackend.AOT_EAGER, dynamic=dynamic, fullgraph=True)
+    CompileEngine(config, {"unet": nn.Linear(2, 2)}, capabilities=GPU).apply()
+    assert recorder.calls[0][1] == {"backend": "aot_eager", "fullgraph": True, "dynamic": flag}
+
+
+def test_every_table_option_exists_in_this_torch():
+    from torch._inductor import config as inductor_config
+
+    known = inductor_config.get_config_copy()
+    keys = [key for row in BACKENDS.values() if row for key in row.options]
+    assert keys and all(key in known for key in keys)
+    check_table()
+
+
+def test_unknown_option_is_a_clear_error():
+    table = {**BACKENDS, CompileBackend.INDUCTOR: BackendRow("inductor", True, {"no_such": 1})}
+    with pytest.raises(ValueError, match="INDUCTOR: inductor option 'no_such'"):
+        CompileEngine(CompileConfig(backend=CompileBackend.INDUCTOR), {}, capabilities=GPU,
+                      table=table)
+
+
+@pytest.mark.parametrize("mode", list(CompileMode))
+@pytest.mark.parametrize("backend", [b for b in CompileBackend if b != CompileBackend.NONE])
+def test_mode_is_merged_into_options_never_passed(mode, backend):
+    plan = build_plan(CompileConfig(backend=backend, mode=mode), "unet", GPU)
+    assert "mode" not in plan.torch_compile_kwargs
+    fn = torch.compile(lambda x: x, **plan.torch_compile_kwargs)  # torch refuses mode+options
+    assert callable(fn)
+    if BACKENDS[backend].inductor:
+        from torch._inductor import list_mode_options
+
+        from modules.compile.backends import MODE_NAMES
+        expected = {**list_mode_options(MODE_NAMES[mode]), **BACKENDS[backend].options}
+        assert plan.inductor_options == expected
+    else:
+        assert plan.inductor_options == {} and "options" not in plan.torch_compile_kwargs
+        assert bool(plan.notes) == (mode != CompileMode.DEFAULT)
+
+
+def test_backend_row_wins_over_mode():
+    plan = build_plan(CompileConfig(backend=CompileBackend.INDUCTOR,
+                                    mode=CompileMode.MAX_AUTOTUNE), "unet", GPU)
+    assert plan.inductor_options["triton.cudagraphs"] is False  # the mode would turn it on
+    assert plan.inductor_options["coordinate_descent_tuning"] is True  # added by the mode
+
+
+def test_cudagraph_mode_on_cpu_is_turned_off_and_reported():
+    plan = build_plan(CompileConfig(backend=CompileBackend.DEFAULT,
+                                    mode=CompileMode.REDUCE_OVERHEAD), "unet", CPU)
+    assert plan.inductor_options["triton.cudagraphs"] is False
+    assert "CUDA graphs" in plan.degraded
+
+
+def test_triton_degrades_on_this_cpu_with_a_reason(recorder):
+    caps = detect_capabilities("cpu")
+    callbacks = RecordingCallbacks()
+    engine = CompileEngine(CompileConfig(backend=CompileBackend.TRITON), {"unet": nn.Linear(2, 2)},
+                           callbacks=callbacks, capabilities=caps)
+    engine.apply()
+    report = engine.report()["unet"]
+    assert report["requested"] == "TRITON"
+    assert report["effective"] == ("INDUCTOR" if caps.cpp_compiler else "AOT_EAGER")
+    assert "CUDA GPU" in report["degraded"]
+    assert "triton.cudagraphs" not in recorder.calls[0][1].get("options", {}) or \
+        recorder.calls[0][1]["options"]["triton.cudagraphs"] is False
+    degraded = [e for e in callbacks.compile_events if e.kind == "degraded"]
+    assert degraded and "TRITON" in degraded[0].message
+
+
+@pytest.mark.parametrize("caps, backend, effective, words", [
+    (Capabilities("cuda", True, (6, 1), False, "compute capability 6.1 is below 7.0", None),
+     CompileBackend.TRITON, CompileBackend.AOT_EAGER, "6.1"),
+    (Capabilities("cuda", True, (6, 1), False, "compute capability 6.1 is below 7.0", None),
+     CompileBackend.INDUCTOR, CompileBackend.AOT_EAGER, "6.1"),
+    (Capabilities("cpu", False, None, False, "no triton", None),
+     CompileBackend.DEFAULT, CompileBackend.AOT_EAGER, "C++ compiler"),
+    (CPU, CompileBackend.AOT_EAGER, CompileBackend.AOT_EAGER, None),
+])
+def test_capability_degrade(caps, backend, effective, words):
+    plan = build_plan(CompileConfig(backend=backend), "unet", caps)
+    assert plan.effective == effective
+    assert (plan.degraded is None) if words is None else (words in plan.degraded)
+
+
+def test_only_selected_components_are_compiled(recorder):
+    parts = components()
+    config = CompileConfig(backend=CompileBackend.AOT_EAGER, unet=False, text_encoder=True,
+                           vae=False)
+    engine = CompileEngine(config, parts, capabilities=GPU)
+    engine.apply()
+    compiled = [module for module, _ in recorder.calls]
+    assert compiled == parts["text_encoder"]  # both text encoders, nothing else
+    report = engine.report()
+    assert [report[n]["effective"] for n in ("unet", "text_encoder", "vae")] == \
+        ["NONE", "AOT_EAGER", "NONE"]
+    assert report["unet"]["requested"] == "NONE"
+
+
+def test_vae_full_compiles_encoder_and_decoder(recorder):
+    vae = nn.Module()
+    vae.encoder, vae.decoder, vae.quant_conv = nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2)
+    config = CompileConfig(backend=CompileBackend.AOT_EAGER, unet=False, vae=True)
+    CompileEngine(config, {"vae": vae}, capabilities=GPU).apply()
+    assert [module for module, _ in recorder.calls] == [vae.encoder, vae.decoder]
+
+
+def test_regional_adds_only_a_recompile_limit():
+    plan = build_plan(CompileConfig(backend=CompileBackend.AOT_EAGER,
+                                    scope=CompileScope.REGIONAL), "unet", GPU)
+    extra = {k: v for k, v in plan.torch_compile_kwargs.items()
+             if k not in SEED_KWARGS[CompileBackend.AOT_EAGER]}
+    assert list(extra) == ["recompile_limit"] and extra["recompile_limit"] > 8
+
+
+def test_report_has_the_stable_keys():
+    engine = CompileEngine(CompileConfig(backend=CompileBackend.NONE), {}, capabilities=GPU)
+    engine.apply()
+    report = engine.report()
+    assert set(report) == {"unet", "text_encoder", "vae"}
+    assert set(report["unet"]) == {
+        "requested", "effective", "scope", "torch_compile_kwargs", "inductor_options",
+        "fallbacks", "degraded", "compile_seconds", "recompiles", "recompile_reasons", "cache",
+        "compiled_code_ran"}
+    assert report["unet"]["cache"] == "off" and report["unet"]["compiled_code_ran"] is False
