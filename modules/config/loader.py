@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import os
 import types
 import typing
@@ -37,18 +38,34 @@ def _type_name(tp: Any) -> str:
         return "an object"
     origin = typing.get_origin(tp)
     if origin is list:
-        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+        return f"a list of {_item_name(typing.get_args(tp)[0])}"
     if origin in (typing.Union, types.UnionType):
         return " or ".join("null" if a is type(None) else _type_name(a) for a in typing.get_args(tp))
     return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(
         tp, str(tp))
 
 
+def _item_name(tp: Any) -> str:
+    """How one item of a list type reads in a message ("a list of strings")."""
+    if isinstance(tp, type) and issubclass(tp, Enum):
+        return "values from " + ", ".join(m.value for m in tp)
+    if dataclasses.is_dataclass(tp):
+        return "objects"
+    return {bool: "true/false values", int: "integers", float: "numbers", str: "strings"}.get(
+        tp, str(tp))
+
+
 def _check_range(value: float, meta: dict, path: str, problems: list[Problem]) -> None:
+    """Append a Problem when `value` is outside the field's min/max (either may be absent)."""
     lo, hi = meta.get("min"), meta.get("max")
     if (lo is not None and value < lo) or (hi is not None and value > hi):
-        problems.append(Problem(path, f"a value between {_num(lo)} and {_num(hi)}",
-                                _describe(value)))
+        if lo is not None and hi is not None:
+            expected = f"a value between {_num(lo)} and {_num(hi)}"
+        elif lo is not None:
+            expected = f"a value of at least {_num(lo)}"
+        else:
+            expected = f"a value of at most {_num(hi)}"
+        problems.append(Problem(path, expected, _describe(value)))
 
 
 def _num(x: float) -> str:
@@ -63,7 +80,13 @@ def _parse(tp: Any, value: Any, path: str, meta: dict, problems: list[Problem]) 
         if value is None and type(None) in args:
             return None
         (inner,) = [a for a in args if a is not type(None)]
-        return _parse(inner, value, path, meta, problems)
+        inner_problems: list[Problem] = []
+        parsed = _parse(inner, value, path, meta, inner_problems)
+        # A value of the wrong type should hear that null is allowed too; range problems stay.
+        problems += [dataclasses.replace(p, expected=_type_name(tp))
+                     if p.path == path and p.expected == _type_name(inner) else p
+                     for p in inner_problems]
+        return parsed
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             problems.append(Problem(path, "an object", _describe(value)))
@@ -93,6 +116,10 @@ def _parse(tp: Any, value: Any, path: str, meta: dict, problems: list[Problem]) 
             return value
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            # Python's json accepts NaN and Infinity, and NaN passes every range comparison.
+            if not math.isfinite(value):
+                problems.append(Problem(path, "a finite number", _describe(value)))
+                return None
             _check_range(value, meta, path, problems)
             return float(value)
     elif tp is str:
@@ -165,18 +192,20 @@ _SAME = object()
 def read_json(path: Path) -> Any:
     """Read a JSON file; a missing or malformed file becomes a ConfigError naming it precisely."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        # utf-8-sig: editors such as Windows Notepad may start the file with a byte-order mark.
+        text = Path(path).read_text(encoding="utf-8-sig")
     except FileNotFoundError:
-        raise ConfigError([Problem("(file)", "an existing config file", str(path))], str(path))
+        raise ConfigError([Problem("(file)", "an existing config file", str(path),
+                                   "no such file")], str(path)) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError([Problem("(file)", "a readable UTF-8 file", f"{path} ({exc})")],
-                          str(path))
+                          str(path)) from exc
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
         raise ConfigError([Problem("(file)", "valid JSON",
                                    f"{exc.msg} at line {exc.lineno} column {exc.colno}")],
-                          str(path))
+                          str(path)) from exc
 
 
 def load_config(path: Path | str) -> Config:

@@ -5,6 +5,7 @@ migration means appending a function here and raising `CONFIG_VERSION` in the sc
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 
 from modules.config.problems import Problem
@@ -35,7 +36,7 @@ def migrate(data: dict, problems: list[Problem]) -> dict:
     version = data.get("config_version", 0)
     if not isinstance(version, int) or isinstance(version, bool) or version < 0:
         problems.append(Problem("config_version", f"an integer from 0 to {CONFIG_VERSION}",
-                                repr(version)))
+                                json.dumps(version)))
         return {k: v for k, v in data.items() if k != "config_version"}
     if version > CONFIG_VERSION:
         problems.append(Problem("config_version", f"at most {CONFIG_VERSION}", str(version),

@@ -8,6 +8,7 @@ Path values given on the command line are relative to the current folder.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import re
 import types
@@ -16,7 +17,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from modules.config.loader import from_dict, resolve_path_value, to_dict
+from modules.config.loader import from_dict, path_fields, resolve_path_value, to_dict
 from modules.config.problems import ConfigError, Problem
 from modules.config.schema import Config
 
@@ -88,48 +89,101 @@ def _text_to_json(tp: Any, text: str) -> Any:
 
 
 def _assign(data: Any, parts: list[str | int], value: Any) -> str | None:
-    """Set data[parts...] = value in nested JSON data; return an error text if a step is missing."""
-    for part in parts[:-1]:
+    """Set data[parts...] = value in nested JSON data; return an error text if a step is missing.
+
+    An earlier `--set` may have replaced a list or object with a value of another shape, so each
+    step checks what it indexes instead of trusting the schema.
+    """
+    for i, part in enumerate(parts):
+        where = _dotted(parts[:i]) or "the config"
         if isinstance(part, int):
-            if not isinstance(data, list) or part >= len(data):
-                return f"index {part} is out of range"
+            if not isinstance(data, list):
+                return f"{where} is not a list"
+            if part >= len(data):
+                return f"index {part} is out of range; {where} has {len(data)} item(s)"
+        elif not isinstance(data, dict):
+            return f"{where} is not an object"
+        if i == len(parts) - 1:
+            data[part] = value
+            return None
         data = data[part]
-    last = parts[-1]
-    if isinstance(last, int) and (not isinstance(data, list) or last >= len(data)):
-        return f"index {last} is out of range"
-    data[last] = value
     return None
 
 
+def _dotted(parts: list[str | int]) -> str:
+    """['data', 'datasets', 0, 'path'] -> 'data.datasets[0].path'."""
+    text = ""
+    for part in parts:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else part)
+    return text
+
+
+def _all_keys(cls: Any = Config, prefix: str = "") -> list[str]:
+    """Every dotted key `--set` accepts (list items as `name[0]`), for did-you-mean hints."""
+    keys = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        dotted = f"{prefix}.{f.name}" if prefix else f.name
+        keys.append(dotted)
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            keys += _all_keys(tp, dotted)
+        elif typing.get_origin(tp) is list and dataclasses.is_dataclass(typing.get_args(tp)[0]):
+            keys += _all_keys(typing.get_args(tp)[0], f"{dotted}[0]")
+    return keys
+
+
+def _unknown_key_problem(key: str, assignment: str) -> Problem:
+    if "=" not in assignment:
+        return Problem(key or assignment, "dotted.key=value", repr(assignment), "no '=' in it")
+    close = difflib.get_close_matches(key, _all_keys(), n=1)
+    hint = f"did you mean '{close[0]}'?" if close else "see docs/config.md for every key"
+    return Problem(key or assignment, "dotted.key=value naming a config field",
+                   repr(assignment), hint)
+
+
+def _within(dotted: str, prefix: str) -> bool:
+    return dotted == prefix or dotted.startswith((prefix + ".", prefix + "["))
+
+
 def apply_overrides(config: Config, assignments: list[str], cwd: Path | None = None) -> Config:
-    """A new Config with each `key=value` applied; every bad assignment reported at once."""
+    """A new Config with each `key=value` applied; every bad assignment reported at once.
+
+    Path values given here (also inside a JSON object such as `data.datasets=[{"path": "x"}]`)
+    are resolved against `cwd` (default: the current folder), not against the config file.
+    """
     data = to_dict(config)
     problems: list[Problem] = []
     cwd = Path.cwd() if cwd is None else Path(cwd)
+    assigned: list[str] = []
     for assignment in assignments:
         key, sep, text = assignment.partition("=")
         key = key.strip()
         parts = _split_path(key) if sep else None
         found = _field_at(parts) if parts else None
         if not sep or found is None:
-            problems.append(Problem(key or assignment, "dotted.key=value naming a config field",
-                                    repr(assignment)))
+            problems.append(_unknown_key_problem(key, assignment))
             continue
-        tp, meta = found
+        tp, _ = found
         try:
             value = _text_to_json(tp, text)
         except json.JSONDecodeError as exc:
-            problems.append(Problem(key, "valid JSON", repr(text), exc.msg))
+            problems.append(Problem(key, "valid JSON", repr(text),
+                                    f"{exc.msg} at column {exc.colno}"))
             continue
-        if meta.get("path") and isinstance(value, str):
-            value = resolve_path_value(value, cwd)
         error = _assign(data, parts, value)
         if error:
-            problems.append(Problem(key, "an existing list item", repr(assignment), error))
+            problems.append(Problem(key, "an existing list item or object", repr(assignment),
+                                    error))
+            continue
+        assigned.append(_dotted(parts))
     try:
         result = from_dict(data, source="--set")
     except ConfigError as exc:
         problems += exc.problems
     if problems:
         raise ConfigError(problems, "--set")
+    for owner, name, dotted in path_fields(result):
+        if any(_within(dotted, prefix) for prefix in assigned):
+            setattr(owner, name, resolve_path_value(getattr(owner, name), cwd))
     return result

@@ -1,0 +1,66 @@
+"""Explain what compiling a config's components would do, without training.
+
+`scripts/explain_compile.py` and the GUI's "Check compilation" button both call
+`explain_config`: it loads the model the config names, builds one example input per selected
+component at the config's resolution, and asks dynamo for graphs and graph breaks.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from modules.compile import detect_capabilities, explain, format_explanation
+from modules.config.problems import ConfigError
+from modules.config.schema import Config
+from modules.config.validate import validate
+from modules.models.loader import TORCH_DTYPES, load_model, resolve_model_path, unet_conditioning
+from modules.models.loader import encode_text
+from modules.paths import cache_dir_for
+from modules.train.setup import pick_device
+
+
+def _example_inputs(bundle, config: Config, device: torch.device) -> dict[str, tuple]:
+    """One realistic call per component: the UNet's noisy latents + conditioning, etc."""
+    res = config.data.resolution
+    factor = 2 ** (len(bundle.vae.config.block_out_channels) - 1)
+    latents = torch.randn(1, bundle.vae.config.latent_channels, res // factor, res // factor,
+                          device=device, dtype=bundle.unet.dtype)
+    with torch.no_grad():
+        hidden, pooled = encode_text(bundle, ["a photo"], device)
+    sizes = {"original_size": [(res, res)], "crop_top_left": [(0, 0)], "target_size": [(res, res)]}
+    hidden, added = unet_conditioning(hidden, pooled, sizes)
+    timesteps = torch.tensor([500], device=device)
+    first_encoder = next(iter(bundle.text_encoders.values()))
+    ids = torch.zeros(1, 77, dtype=torch.long, device=device)
+    pixels = torch.randn(1, 3, res, res, device=device, dtype=bundle.vae.dtype)
+    return {
+        "unet": (bundle.unet, ((latents, timesteps, hidden), {"added_cond_kwargs": added})),
+        "text_encoder": (first_encoder, ((ids,), {})),
+        "vae": (bundle.vae.encoder, ((pixels,), {})),
+    }
+
+
+def explain_config(config: Config) -> dict[str, Any]:
+    """Per selected component: the plan, the capability decision, graphs and graph breaks."""
+    problems = [p for p in validate(config) if not p.path.startswith("output.")]
+    if problems:
+        raise ConfigError(problems)
+    device = pick_device(config.general.device)
+    path = resolve_model_path(config.model.path, cache_dir_for(config.general.cache_dir))
+    bundle = load_model(path, config.model.type, config.model.prediction_type,
+                        TORCH_DTYPES[config.model.weight_dtype])
+    for module in bundle.components().values():
+        module.to(device).eval()
+    examples = _example_inputs(bundle, config, device)
+    selected = {name: examples[name] for name in ("unet", "text_encoder", "vae")
+                if getattr(config.compile, name)}
+    return explain(config.compile, selected, detect_capabilities(device))
+
+
+def explain_text(config: Config) -> str:
+    """`explain_config` as text for a terminal or a dialog."""
+    result = explain_config(config)
+    if not result:
+        return "No component is selected for compilation (compile.unet / text_encoder / vae)."
+    return format_explanation(result)

@@ -1,0 +1,261 @@
+"""`validate`: inconsistent combinations and missing inputs, each named by its dotted path."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from modules.config import Config, Problem, apply_overrides, validate
+
+
+def config_with(*assignments: str, cwd: Path | None = None) -> Config:
+    return apply_overrides(Config(), list(assignments), cwd=cwd or Path("/nonexistent"))
+
+
+def problems_of(config: Config, check_files: bool = False) -> dict[str, Problem]:
+    return {p.path: p for p in validate(config, check_files=check_files)}
+
+
+def test_text_encoder_2_on_sd15():
+    problems = problems_of(config_with("components.text_encoder_2.train=true"))
+    problem = problems["components.text_encoder_2.train"]
+    assert (problem.expected, problem.given) == ("false", "true")
+    assert "Stable Diffusion 1.x has no text_encoder_2" in problem.message
+    assert list(problems) == ["components.text_encoder_2.train"]
+
+
+def test_text_encoder_2_on_sdxl_is_fine():
+    config = config_with("model.type=SDXL", "model.path=builtin:tiny-sdxl",
+                         "components.text_encoder_2.train=true")
+    assert validate(config, check_files=True) == []
+
+
+def test_training_the_vae():
+    problems = problems_of(config_with("components.vae.train=true"))
+    assert "not the VAE" in problems["components.vae.train"].message
+    assert "components" not in problems  # the UNet is still trained
+
+
+def test_nothing_trained():
+    problem = problems_of(config_with("components.unet.train=false"))["components"]
+    assert problem.expected == "at least one component with train = true"
+
+
+def test_only_the_vae_trained_also_means_nothing_trained():
+    problems = problems_of(config_with("components.unet.train=false",
+                                       "components.vae.train=true"))
+    assert set(problems) == {"components", "components.vae.train"}
+
+
+def test_only_an_absent_component_trained_means_nothing_trained():
+    problems = problems_of(config_with("components.unet.train=false",
+                                       "components.text_encoder_2.train=true"))
+    assert set(problems) == {"components", "components.text_encoder_2.train"}
+
+
+@pytest.mark.parametrize("resolution, hint", [(500, "try 512"), (100, "try 128"),
+                                              (65, "try 64")])
+def test_resolution_not_a_multiple_of_64(resolution, hint):
+    problem = problems_of(config_with(f"data.resolution={resolution}"))["data.resolution"]
+    assert problem.expected == "a multiple of 64"
+    assert problem.given == str(resolution)
+    assert problem.message == hint
+
+
+def test_cache_latents_with_random_crop():
+    problems = problems_of(config_with("data.cache_latents=true", "data.center_crop=false"))
+    assert "cached latents" in problems["data.center_crop"].message
+
+
+def test_cache_latents_with_center_crop_is_fine():
+    assert validate(config_with("data.cache_latents=true"), check_files=False) == []
+
+
+def test_empty_prompts_with_sampling_on():
+    problem = problems_of(config_with("sampling.prompts=", "sampling.every_steps=10"))[
+        "sampling.prompts"]
+    assert problem.expected == "at least one prompt when sampling is on"
+
+
+def test_empty_prompts_with_sampling_off_is_fine():
+    assert validate(config_with("sampling.prompts="), check_files=False) == []
+
+
+def test_blank_prompt_is_named_by_index():
+    problems = problems_of(config_with('sampling.prompts=["a cat", "  "]'))
+    assert problems["sampling.prompts[1]"].expected == "a non-empty prompt"
+
+
+@pytest.mark.parametrize("method", ["lora", "fine_tune"])
+def test_unsupported_save_format(method):
+    problems = problems_of(config_with(f"training.method={method}",
+                                       "output.formats=diffusers,kohya"))
+    problem = problems["output.formats[1]"]
+    assert (problem.expected, problem.given) == ("DIFFUSERS", "KOHYA")
+    assert "output.formats[0]" not in problems
+
+
+def test_no_save_format():
+    assert problems_of(config_with("output.formats="))["output.formats"].given == "[]"
+
+
+def test_lora_without_target_modules():
+    problems = problems_of(config_with("training.lora_target_modules="))
+    assert "training.lora_target_modules" in problems
+
+
+def test_fp16_on_the_cpu():
+    problems = problems_of(config_with("general.device=cpu", "training.mixed_precision=fp16"))
+    assert problems["training.mixed_precision"].given == "FP16"
+
+
+def test_bad_caption_extension():
+    problems = problems_of(config_with("data.caption_extension=txt"))
+    assert problems["data.caption_extension"].given == "'txt'"
+
+
+def test_empty_paths_are_reported_without_checking_files():
+    problems = problems_of(config_with('data.datasets=[{"path": ""}]', "output.dir=",
+                                       "model.path="))
+    assert {"data.datasets[0].path", "output.dir", "model.path"} <= set(problems)
+
+
+def test_empty_paths_are_reported_once_with_file_checks(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    problems = validate(config_with('data.datasets=[{"path": ""}]', "output.dir=",
+                                    "model.path="), check_files=True)
+    assert sorted(p.path for p in problems) == ["data.datasets[0].path", "model.path",
+                                                "output.dir"]
+
+
+def test_all_problems_at_once():
+    config = config_with("components.text_encoder_2.train=true", "data.resolution=500",
+                         "data.cache_latents=true", "data.center_crop=false",
+                         "output.formats=kohya")
+    assert set(problems_of(config)) == {"components.text_encoder_2.train", "data.resolution",
+                                        "data.center_crop", "output.formats[0]"}
+
+
+# --- inputs on disk ----------------------------------------------------------------------------
+
+def _model_folder(root: Path, class_name: str | None = "StableDiffusionPipeline") -> Path:
+    folder = root / "model"
+    folder.mkdir()
+    index = {"_class_name": class_name} if class_name else {}
+    (folder / "model_index.json").write_text(json.dumps(index), encoding="utf-8")
+    return folder
+
+
+def _files_ok(tmp_path: Path, *assignments: str) -> dict[str, Problem]:
+    config = config_with(f"output.dir={tmp_path / 'out'}", *assignments, cwd=tmp_path)
+    return problems_of(config, check_files=True)
+
+
+def test_file_checks_are_skipped_without_check_files(tmp_path):
+    config = config_with(f"model.path={tmp_path / 'missing'}")
+    assert validate(config, check_files=False) == []
+
+
+def test_a_valid_model_folder(tmp_path):
+    folder = _model_folder(tmp_path)
+    assert _files_ok(tmp_path, f"model.path={folder}") == {}
+
+
+def test_missing_model_folder(tmp_path):
+    problem = _files_ok(tmp_path, "model.path=missing")["model.path"]
+    assert problem.expected == "an existing diffusers model folder"
+    assert str(tmp_path / "missing") in problem.given
+    assert problem.message == "no such file or folder"
+
+
+def test_file_where_a_model_folder_is_expected(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"x")
+    problem = _files_ok(tmp_path, "model.path=model.safetensors")["model.path"]
+    assert problem.expected == "a diffusers model folder"
+    assert "it is a file" in problem.message
+
+
+def test_model_folder_without_model_index(tmp_path):
+    (tmp_path / "model").mkdir()
+    problem = _files_ok(tmp_path, "model.path=model")["model.path"]
+    assert problem.expected == "a diffusers model folder (with model_index.json)"
+
+
+def test_unreadable_model_index(tmp_path):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "model_index.json").write_bytes(b"\xff\xfe{")
+    problem = _files_ok(tmp_path, "model.path=model")["model.path"]
+    assert problem.expected == "a readable model_index.json"
+
+
+def test_model_index_that_is_not_an_object_is_not_a_crash(tmp_path):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "model_index.json").write_text("[]", encoding="utf-8")
+    assert _files_ok(tmp_path, "model.path=model") == {}
+
+
+def test_model_index_class_that_does_not_match_model_type(tmp_path):
+    _model_folder(tmp_path, "StableDiffusionXLPipeline")
+    problem = _files_ok(tmp_path, "model.path=model", "model.type=SD15")["model.type"]
+    assert (problem.expected, problem.given) == ("SDXL", "SD15")
+    assert "holds a StableDiffusionXLPipeline, not a StableDiffusionPipeline" in problem.message
+
+
+def test_model_index_of_an_unsupported_pipeline(tmp_path):
+    _model_folder(tmp_path, "KandinskyPipeline")
+    problem = _files_ok(tmp_path, "model.path=model")["model.path"]
+    assert "KandinskyPipeline" in problem.message
+    assert "StableDiffusionPipeline" in problem.expected
+
+
+def test_builtin_model_that_does_not_match_model_type(tmp_path):
+    problem = _files_ok(tmp_path, "model.path=builtin:tiny-sdxl", "model.type=SD15")[
+        "model.type"]
+    assert (problem.expected, problem.given) == ("SDXL", "SD15")
+
+
+def test_unknown_builtin_model(tmp_path):
+    problem = _files_ok(tmp_path, "model.path=builtin:huge-sd15")["model.path"]
+    assert problem.expected == "one of builtin:tiny-sd15, builtin:tiny-sd2, builtin:tiny-sdxl"
+
+
+def test_missing_dataset_folder(tmp_path):
+    (tmp_path / "a").mkdir()
+    problems = _files_ok(tmp_path, 'data.datasets=[{"path": "a"}, {"path": "b"}]')
+    assert list(problems) == ["data.datasets[1].path"]
+    assert problems["data.datasets[1].path"].message == "no such folder"
+
+
+def test_dataset_path_that_is_a_file(tmp_path):
+    (tmp_path / "a.png").write_bytes(b"x")
+    problem = _files_ok(tmp_path, "data.datasets[0].path=a.png")["data.datasets[0].path"]
+    assert problem.message == "not a folder"
+
+
+def test_unknown_builtin_dataset(tmp_path):
+    problem = _files_ok(tmp_path, "data.datasets[0].path=builtin:faces")[
+        "data.datasets[0].path"]
+    assert problem.expected == "one of builtin:shapes"
+
+
+def test_output_dir_that_is_a_file(tmp_path):
+    (tmp_path / "out.txt").write_text("x", encoding="utf-8")
+    problem = _files_ok(tmp_path, "output.dir=out.txt")["output.dir"]
+    assert (problem.expected, problem.message) == ("a folder", "it is a file")
+
+
+def test_output_dir_holding_an_earlier_run(tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "run.json").write_text("{}", encoding="utf-8")
+    problem = _files_ok(tmp_path)["output.dir"]
+    assert "earlier run" in problem.message
+    assert _files_ok(tmp_path, "output.overwrite=true") == {}
+
+
+def test_existing_output_dir_without_a_run_is_fine(tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("x", encoding="utf-8")
+    assert _files_ok(tmp_path) == {}

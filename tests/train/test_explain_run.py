@@ -1,0 +1,31 @@
+"""explain_config / scripts/explain_compile.py: per component graphs, breaks and decisions."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from modules.train.explain_run import explain_config, explain_text
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "explain_compile.py"
+
+
+def test_explains_only_selected_components_and_reports_the_degrade(tiny_config):
+    config = tiny_config("compile.backend=TRITON", "compile.unet=true",
+                         "compile.text_encoder=true", "compile.vae=false")
+    result = explain_config(config)
+    assert set(result) == {"unet", "text_encoder"}
+    unet = result["unet"]
+    assert unet["requested"] == "TRITON"
+    assert unet["effective"] != "TRITON" and "CUDA" in unet["degraded"]
+    assert unet["regions"] and all(r["graphs"] >= 1 for r in unet["regions"])
+    assert "degraded" in explain_text(config)
+
+
+def test_script_exit_codes(tiny_config, tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("explain_compile", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"compile": {"backend": "FAST"}}')
+    assert module.main(["--config", str(bad)]) == 2
+    assert "compile.backend" in capsys.readouterr().err

@@ -1,0 +1,123 @@
+"""Atomic writes: an error half-way leaves the previous file or folder intact, no temp files."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from modules.util.atomic import atomic_file, atomic_write_dir, atomic_write_text
+
+
+class Boom(Exception):
+    pass
+
+
+def test_write_text_creates_parents_and_writes(tmp_path):
+    path = tmp_path / "a" / "b" / "c.txt"
+    atomic_write_text(path, "hello")
+    assert path.read_text(encoding="utf-8") == "hello"
+    assert sorted(p.name for p in path.parent.iterdir()) == ["c.txt"]
+
+
+def test_write_text_replaces(tmp_path):
+    path = tmp_path / "c.txt"
+    atomic_write_text(path, "old")
+    atomic_write_text(path, "new")
+    assert path.read_text(encoding="utf-8") == "new"
+    assert [p.name for p in tmp_path.iterdir()] == ["c.txt"]
+
+
+def test_write_text_failure_keeps_the_previous_file(tmp_path):
+    path = tmp_path / "c.txt"
+    path.write_text("old", encoding="utf-8")
+
+    class NotText:  # write_text raises TypeError on a non-str
+        pass
+
+    with pytest.raises(TypeError):
+        atomic_write_text(path, NotText())  # type: ignore[arg-type]
+    assert path.read_text(encoding="utf-8") == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["c.txt"]
+
+
+def test_atomic_file_error_midway_keeps_the_previous_file(tmp_path):
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"good")
+    with pytest.raises(Boom):
+        with atomic_file(path) as tmp:
+            assert tmp.parent == tmp_path and tmp != path
+            tmp.write_bytes(b"half")
+            raise Boom
+    assert path.read_bytes() == b"good"
+    assert [p.name for p in tmp_path.iterdir()] == ["weights.bin"]
+
+
+def test_atomic_file_error_before_first_write_leaves_nothing(tmp_path):
+    path = tmp_path / "new.bin"
+    with pytest.raises(Boom):
+        with atomic_file(path):
+            raise Boom
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_atomic_file_success_replaces(tmp_path):
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"old")
+    with atomic_file(path) as tmp:
+        tmp.write_bytes(b"new")
+        assert path.read_bytes() == b"old"  # not visible until the block ends
+    assert path.read_bytes() == b"new"
+    assert [p.name for p in tmp_path.iterdir()] == ["weights.bin"]
+
+
+def _fill(folder: Path, text: str) -> None:
+    (folder / "model.txt").write_text(text, encoding="utf-8")
+    (folder / "sub").mkdir()
+    (folder / "sub" / "part.txt").write_text(text, encoding="utf-8")
+
+
+def test_write_dir_creates(tmp_path):
+    path = tmp_path / "ckpt"
+    atomic_write_dir(path, lambda d: _fill(d, "v1"))
+    assert (path / "sub" / "part.txt").read_text(encoding="utf-8") == "v1"
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+
+
+def test_write_dir_replaces_the_whole_folder(tmp_path):
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    (path / "stale.txt").write_text("x", encoding="utf-8")
+    atomic_write_dir(path, lambda d: _fill(d, "v2"))
+    assert sorted(p.name for p in path.iterdir()) == ["model.txt", "sub"]
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+
+
+def test_write_dir_error_midway_keeps_the_previous_folder(tmp_path):
+    path = tmp_path / "ckpt"
+    atomic_write_dir(path, lambda d: _fill(d, "good"))
+
+    def half_then_fail(folder: Path) -> None:
+        (folder / "model.txt").write_text("half", encoding="utf-8")
+        raise Boom
+
+    with pytest.raises(Boom):
+        atomic_write_dir(path, half_then_fail)
+    assert (path / "model.txt").read_text(encoding="utf-8") == "good"
+    assert (path / "sub" / "part.txt").read_text(encoding="utf-8") == "good"
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+
+
+def test_write_dir_error_with_no_previous_folder_leaves_nothing(tmp_path):
+    def fail(folder: Path) -> None:
+        raise Boom
+
+    with pytest.raises(Boom):
+        atomic_write_dir(tmp_path / "ckpt", fail)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_write_dir_clears_a_leftover_old_folder(tmp_path):
+    # A crash between the two renames of an earlier save leaves `.ckpt.old` behind.
+    (tmp_path / ".ckpt.old").mkdir()
+    atomic_write_dir(tmp_path / "ckpt", lambda d: _fill(d, "v1"))
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
