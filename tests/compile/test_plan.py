@@ -55,7 +55,7 @@ def components():
 @pytest.mark.parametrize("backend", list(CompileBackend))
 def test_kwargs_handed_to_torch_compile_are_the_seed_table(recorder, backend):
     unet = nn.Linear(2, 2)
-    engine = CompileEngine(CompileConfig(backend=backend), {"unet": unet}, capabilities=GPU)
+    engine = CompileEngine(CompileConfig(backend=backend, scope=CompileScope.FULL), {"unet": unet}, capabilities=GPU)
     engine.apply()
     if backend == CompileBackend.NONE:
         assert recorder.calls == []
@@ -71,7 +71,8 @@ def test_kwargs_handed_to_torch_compile_are_the_seed_table(recorder, backend):
                                            (DynamicShapes.AUTO, None),
                                            (DynamicShapes.STATIC, False)])
 def test_dynamic_and_fullgraph_follow_the_config(recorder, dynamic, flag):
-    config = CompileConfig(backend=CompileBackend.AOT_EAGER, dynamic=dynamic, fullgraph=True)
+    config = CompileConfig(backend=CompileBackend.AOT_EAGER, dynamic=dynamic, fullgraph=True,
+                           scope=CompileScope.FULL)
     CompileEngine(config, {"unet": nn.Linear(2, 2)}, capabilities=GPU).apply()
     assert recorder.calls[0][1] == {"backend": "aot_eager", "fullgraph": True, "dynamic": flag}
 
