@@ -83,11 +83,14 @@ class EpochShuffleSampler(Sampler[ItemKey]):
     `set_epoch` chooses the next epoch explicitly (resuming a run).
     """
 
-    def __init__(self, length: int, seed: int, shuffle: bool = True, start_epoch: int = 0) -> None:
+    def __init__(self, length: int, seed: int, shuffle: bool = True, start_epoch: int = 0,
+                 rank: int = 0, world_size: int = 1) -> None:
         self.length = length
         self.seed = seed
         self.shuffle = shuffle
         self.epoch = start_epoch
+        self.rank = rank
+        self.world_size = world_size
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next iteration run `epoch`."""
@@ -101,12 +104,19 @@ class EpochShuffleSampler(Sampler[ItemKey]):
         return torch.randperm(self.length, generator=generator).tolist()
 
     def __len__(self) -> int:
-        return self.length
+        return -(-self.length // self.world_size)  # every rank gets the same count
 
     def __iter__(self) -> Iterator[ItemKey]:
         epoch = self.epoch
         self.epoch += 1
-        return iter([(epoch, index) for index in self.epoch_order(epoch)])
+        order = self.epoch_order(epoch)
+        if self.world_size > 1:
+            # Pad by wrapping around so each rank gets as many items (ranks that ran out of
+            # batches first would otherwise wait forever for the others' gradients), then deal
+            # the shuffled order out round-robin.
+            order += order[:len(self) * self.world_size - len(order)]
+            order = order[self.rank::self.world_size]
+        return iter([(epoch, index) for index in order])
 
 
 def collate_examples(examples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -129,7 +139,7 @@ def collate_examples(examples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 def build_dataloader(dataset: Dataset, batch_size: int, seed: int, num_workers: int = 0,
                      shuffle: bool = True, start_epoch: int = 0,
-                     pin_memory: bool = False) -> DataLoader:
+                     pin_memory: bool = False, rank: int = 0, world_size: int = 1) -> DataLoader:
     """A DataLoader over `dataset` that is reproducible from the training seed.
 
     Uses `EpochShuffleSampler` (so the dataset must accept (epoch, index) keys, as both
@@ -138,7 +148,7 @@ def build_dataloader(dataset: Dataset, batch_size: int, seed: int, num_workers: 
     library code that draws from torch's RNG inside a worker.
     """
     sampler = EpochShuffleSampler(len(dataset), seed, shuffle=shuffle,  # type: ignore[arg-type]
-                                  start_epoch=start_epoch)
+                                  start_epoch=start_epoch, rank=rank, world_size=world_size)
     generator = torch.Generator().manual_seed(derive_seed("loader", seed))
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
                       collate_fn=collate_examples, drop_last=False, generator=generator,

@@ -32,6 +32,7 @@ def device_description(device: torch.device) -> str:
 class RunRecord:
     """Everything run.json holds; written at start, after each save and at the end."""
     path: Path
+    enabled: bool = True  # only one process of a multi-process run writes the record
     started: float = field(default_factory=time.time)
     data: dict = field(default_factory=dict)
     losses: list[float] = field(default_factory=list)
@@ -58,5 +59,7 @@ class RunRecord:
 
     def write(self, **updates) -> None:
         self.data.update(updates)
+        if not self.enabled:
+            return
         payload = {**self.data, **self.summary(), "losses": self.losses}
         atomic_write_text(self.path, json.dumps(payload, indent=2, default=str) + "\n")

@@ -18,6 +18,7 @@ from modules.config.schema import Config, MixedPrecision, ModelType
 from modules.data.dataset import ImageCaptionDataset, build_dataloader, expand_repeats
 from modules.events import TrainerCallbacks
 from modules.models.loader import TORCH_DTYPES, ModelBundle, encode_text, unet_conditioning
+from modules.train.distributed import Distributed, parameter_checksum
 from modules.train.prepare import PreparedRun
 from modules.train.record import RunRecord, device_description, library_versions
 from modules.train.sampling import sample_images
@@ -51,6 +52,7 @@ class Run:
     lr_scheduler: object
     budget: StepBudget
     guard: object
+    dist: Distributed
     scaler: torch.amp.GradScaler | None = None
     writer: object = None
     ema: object = None
@@ -66,7 +68,8 @@ class Run:
     def loader_for_epoch(self, epoch: int):
         return build_dataloader(self.dataset, batch_size=self.config.training.batch_size,
                                 seed=self.config.training.seed,
-                                num_workers=self.config.data.workers, start_epoch=epoch)
+                                num_workers=self.config.data.workers, start_epoch=epoch,
+                                rank=self.dist.rank, world_size=self.dist.world_size)
 
     def autocast(self):
         return autocast_context(self.config, self.device)
@@ -113,6 +116,7 @@ class Run:
     def optimizer_step(self) -> None:
         """Clip, step the optimizer and the LR schedule, clear gradients."""
         max_norm = self.config.training.max_grad_norm
+        self.dist.average_gradients(self.all_params())
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         if max_norm:
@@ -152,7 +156,19 @@ class Run:
             self.writer.add_scalar("loss/smoothed", smoothed, self.step)
             self.writer.add_scalar("lr", self.current_lr(), self.step)
 
+    def distributed_summary(self) -> dict:
+        """World size, and whether every rank ended with the same weights and ran compiled code."""
+        checksums = self.dist.gather(parameter_checksum(self.all_params()))
+        ran = [name for name, r in self.guard.report().items() if r.get("compiled_code_ran")]
+        ran_everywhere = {name: all(self.dist.gather(1.0 if name in ran else 0.0))
+                          for name in ("unet", "text_encoder", "vae")}
+        return {"world_size": self.dist.world_size, "backend": self.dist.backend,
+                "ranks_in_sync": max(checksums) - min(checksums) <= 1e-6 * max(1.0, abs(checksums[0])),
+                "weight_checksums": checksums, "compiled_code_ran_on_all_ranks": ran_everywhere}
+
     def sample(self) -> None:
+        if not self.dist.is_main:
+            return
         self.callbacks.on_status(f"sampling at step {self.step}")
         self.last_sample_step = self.step
         with self.averaged_weights():
@@ -173,6 +189,8 @@ class Run:
         self._save(self.output_dir / "final")
 
     def _save(self, folder: Path) -> None:
+        if not self.dist.is_main:
+            return
         self.callbacks.on_status(f"saving {folder.name} at step {self.step}")
         with self.averaged_weights():
             written = save_weights(self.bundle, self.config, folder)
@@ -187,13 +205,15 @@ class Run:
             self.writer.close()
 
 
-def start_run(prepared: PreparedRun, callbacks: TrainerCallbacks) -> Run:
+def start_run(prepared: PreparedRun, callbacks: TrainerCallbacks, dist: Distributed) -> Run:
     """Create the output folder and everything the loop needs; the first write happens here."""
-    config, bundle, device = prepared.config, prepared.bundle, prepared.device
+    config, bundle = prepared.config, prepared.bundle
+    device = dist.device or prepared.device
     output_dir = Path(config.output.dir)
-    (output_dir / "samples").mkdir(parents=True, exist_ok=True)
-    save_config(config, output_dir / "config.json")
-    record = RunRecord(output_dir / "run.json")
+    if dist.is_main:
+        (output_dir / "samples").mkdir(parents=True, exist_ok=True)
+        save_config(config, output_dir / "config.json")
+    record = RunRecord(output_dir / "run.json", enabled=dist.is_main)
     record.write(status="running", versions=library_versions(),
                  device=device_description(device), model_type=config.model.type.value,
                  method=config.training.method.value,
@@ -213,7 +233,8 @@ def start_run(prepared: PreparedRun, callbacks: TrainerCallbacks) -> Run:
         module.to(device)
 
     dataset = build_dataset(prepared, callbacks)
-    batches_per_epoch = math.ceil(len(dataset) / config.training.batch_size)
+    shard = math.ceil(len(dataset) / dist.world_size)
+    batches_per_epoch = math.ceil(shard / config.training.batch_size)
     budget = step_budget(config, batches_per_epoch)
     optimizer = build_optimizer(config, params)
     scaler = (torch.amp.GradScaler(device.type)
@@ -226,11 +247,11 @@ def start_run(prepared: PreparedRun, callbacks: TrainerCallbacks) -> Run:
                        decay=config.training.ema_decay)
     text_cache = TextEncoderCache(bundle, device) if config.data.cache_text_encoder_outputs else None
     writer = None
-    if config.logging.tensorboard:
+    if config.logging.tensorboard and dist.is_main:
         from torch.utils.tensorboard import SummaryWriter
         writer = SummaryWriter(str(output_dir / "tensorboard"))
     return Run(config, bundle, device, output_dir, record, callbacks, dataset, params, optimizer,
-               build_lr_scheduler(config, optimizer, budget.total_steps), budget, guard,
+               build_lr_scheduler(config, optimizer, budget.total_steps), budget, guard, dist,
                scaler=scaler, writer=writer, trained=trained, ema=ema, text_cache=text_cache)
 
 

@@ -12,6 +12,7 @@ from modules.config.problems import ConfigError
 from modules.config.schema import Config
 from modules.events import NullCallbacks, Progress, TrainerCallbacks, TrainerCommands
 from modules.train.objectives import diffusion_mse, drop_captions, min_snr_weights, offset_noise
+from modules.train.distributed import init_distributed
 from modules.train.prepare import PreparedRun, prepare_run
 from modules.train.run import Run, start_run
 from modules.train.setup import Draws, SmoothedValue, draw_randomness, latent_shape
@@ -32,10 +33,15 @@ class RunResult:
 def train(config: Config, callbacks: TrainerCallbacks | None = None,
           commands: TrainerCommands | None = None) -> RunResult:
     """Validate, prepare and run one training; raise ConfigError before anything is written."""
-    callbacks = callbacks or NullCallbacks()
     commands = commands or TrainerCommands()
-    prepared: PreparedRun = prepare_run(config, callbacks)  # may raise ConfigError
-    run = start_run(prepared, callbacks)
+    dist = init_distributed(config.general.device)
+    if not dist.is_main:  # one rank reports; the others train quietly
+        callbacks = None
+    callbacks = callbacks or NullCallbacks()
+    with dist.main_first():  # rank 0 builds cached built-ins before the others look for them
+        prepared: PreparedRun = prepare_run(config, callbacks)  # may raise ConfigError
+    dist.barrier()  # every rank validated before rank 0 writes the first file
+    run = start_run(prepared, callbacks, dist)
     try:
         return training_loop(run, callbacks, commands)
     except ConfigError:
@@ -56,7 +62,7 @@ def batches(run: Run, commands: TrainerCommands) -> Iterator[tuple[int, dict, bo
     for epoch in range(run.budget.epochs):
         loader = run.loader_for_epoch(epoch)
         for i, batch in enumerate(loader):
-            if commands.stop_requested:
+            if run.dist.any(commands.stop_requested):
                 return
             closes = (i + 1) % accumulation == 0 or i + 1 == len(loader)
             yield epoch, batch, closes
@@ -94,7 +100,8 @@ def micro_step(run: Run, batch: dict, draws: Draws) -> float:
 def training_loop(run: Run, callbacks: TrainerCallbacks, commands: TrainerCommands) -> RunResult:
     """The loop: draw noise, guarded micro-step, optimizer step, log, sample, save, poll commands."""
     config = run.config
-    generator = torch.Generator("cpu").manual_seed(config.training.seed)
+    # Each rank draws its own noise; rank 0 draws what a single-process run would.
+    generator = torch.Generator("cpu").manual_seed(config.training.seed + run.dist.rank)
     smoothed = SmoothedValue()
     window_loss, window_micro = 0.0, 0
     step_started = time.perf_counter()
@@ -112,7 +119,7 @@ def training_loop(run: Run, callbacks: TrainerCallbacks, commands: TrainerComman
 
         run.optimizer_step()
         run.step += 1
-        loss = window_loss / window_micro
+        loss = run.dist.mean(window_loss / window_micro)
         window_loss, window_micro = 0.0, 0
         elapsed = time.perf_counter() - step_started
         run.record.losses.append(loss)
@@ -130,12 +137,13 @@ def training_loop(run: Run, callbacks: TrainerCallbacks, commands: TrainerComman
             run.save_checkpoint(f"step-{run.step:06d}")
         step_started = time.perf_counter()
 
-    status = "stopped" if commands.stop_requested else "finished"
+    status = "stopped" if run.dist.any(commands.stop_requested) else "finished"
     callbacks.on_status(f"{status} after {run.step} steps; saving")
     run.save_final()
     if config.sampling.prompts and status == "finished" and run.last_sample_step != run.step:
         run.sample()
-    run.record.write(status=status, compile=run.guard.report())
+    run.record.write(status=status, compile=run.guard.report(),
+                     distributed=run.distributed_summary())
     callbacks.on_status(f"{status}: {run.step} steps, outputs in {run.output_dir}")
     return RunResult(status, run.step, run.output_dir, dict(run.record.data))
 

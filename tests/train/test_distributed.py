@@ -1,0 +1,48 @@
+"""Two processes on the CPU (gloo), launched by torchrun like `accelerate launch` would."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.timeout(600)
+def test_two_processes_stay_in_sync_and_write_once(tmp_path, tempera_cache):
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    assert torchrun, "torchrun comes with torch"
+    config = tmp_path / "ddp.json"
+    config.write_text(json.dumps({
+        "general": {"cache_dir": str(tempera_cache), "device": "CPU"},
+        "data": {"resolution": 64},
+        "training": {"max_steps": 0, "epochs": 1, "batch_size": 8, "learning_rate": 1e-3},
+        "compile": {"backend": "AOT_EAGER", "scope": "FULL", "dynamic": "STATIC",
+                    "unet": True},
+        "sampling": {"prompts": ["a red circle"], "steps": 2},
+        "logging": {"tensorboard": False},
+        "output": {"dir": "out"},
+    }))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [torchrun, "--nproc_per_node", "2", "--master_port", "29533",
+         str(REPO / "scripts" / "train.py"), "--config", str(config), "--quiet"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=540)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    out = tmp_path / "out"
+    record = json.loads((out / "run.json").read_text())
+    dist = record["distributed"]
+    assert dist["world_size"] == 2 and dist["backend"] == "gloo"
+    assert dist["ranks_in_sync"], dist["weight_checksums"]
+    assert dist["compiled_code_ran_on_all_ranks"]["unet"]
+    # 48 images sharded over 2 ranks, batch 8: 3 steps make one epoch.
+    assert record["steps_done"] == 3
+    assert sorted(p.name for p in (out / "samples").iterdir()) == ["step-000003-0.png"]
+    assert (out / "final" / "pytorch_lora_weights.safetensors").is_file()
+    assert result.stdout.count("finished: 3 steps") == 2  # each rank reports its exit
