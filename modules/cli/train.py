@@ -33,6 +33,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--check", action="store_true",
                         help="validate the config and its inputs, then exit without training")
     parser.add_argument("--quiet", action="store_true", help="no progress bar or status lines")
+    # Cloud runs (docs/cloud.md): machine-local overrides and where a run came from.
+    parser.add_argument("--local", type=Path, metavar="FILE",
+                        help='machine-local overrides: a JSON file of {"dotted.key": value} pairs, '
+                             "applied after the config and before --set (never committed)")
+    parser.add_argument("--run-meta", dest="run_meta", action="append", default=[],
+                        metavar="KEY=VALUE",
+                        help='recorded under "meta" in run.json, e.g. commit=<sha> (repeatable)')
     return parser.parse_args(argv)
 
 
@@ -42,8 +49,15 @@ def main(argv: list[str] | None = None) -> int:
     from modules.events import TrainerCommands
     from modules.train.trainer import TrainingError, train
 
+    from modules.cloud.local_overrides import apply_local_overrides  # --local
+    from modules.cloud.run_meta import add_run_meta, parse_run_meta  # --run-meta
+
     try:
-        config = apply_overrides(load_config(args.config), args.overrides)
+        config = load_config(args.config)
+        if args.local:
+            config = apply_local_overrides(config, args.local)
+        config = apply_overrides(config, args.overrides)
+        run_meta = parse_run_meta(args.run_meta)
         if args.check:
             problems = validate(config)
             if problems:
@@ -64,11 +78,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except TrainingError as exc:
+        add_run_meta(Path(config.output.dir) / "run.json", run_meta)  # --run-meta, if any
         print(f"error: {exc}", file=sys.stderr)
         return 1
     finally:
         signal.signal(signal.SIGINT, previous)
         callbacks.close()
+    add_run_meta(result.output_dir / "run.json", run_meta)  # --run-meta, if any
     print(f"{result.status}: {result.steps} steps; outputs in {result.output_dir}")
     return 0
 
