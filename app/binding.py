@@ -1,0 +1,249 @@
+"""The GUI's one Config object and the typed get/set-by-dotted-path layer over it.
+
+Widgets never hold settings of their own: they write text or values here, this parses them by
+the field's type (the same bounds the loader checks) and records a per-field error when the
+text does not fit. No tkinter here, so all of it is testable without a window.
+"""
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from enum import Enum
+from typing import Any
+
+from modules.config import Config, Problem, from_dict, to_dict, validate
+from app.fields import FieldInfo, field_map, iter_fields
+
+_INDEX = re.compile(r"\[(\d+)\]")
+
+
+class FieldError(ValueError):
+    """Text that does not fit a field: what was expected and what was given."""
+
+    def __init__(self, expected: str, given: str) -> None:
+        self.expected, self.given = expected, given
+        super().__init__(f"expected {expected}, got {given}")
+
+
+def split_path(path: str) -> list[str | int]:
+    """'data.datasets[0].path' -> ['data', 'datasets', 0, 'path']."""
+    parts: list[str | int] = []
+    for segment in path.split("."):
+        name = _INDEX.sub("", segment)
+        if name:
+            parts.append(name)
+        parts.extend(int(i) for i in _INDEX.findall(segment))
+    return parts
+
+
+def schema_path(path: str) -> str:
+    """The schema path of a concrete path: 'data.datasets[3].path' -> 'data.datasets[].path'."""
+    return _INDEX.sub("[]", path)
+
+
+def _number(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() and abs(x) < 1e15 else f"{x:g}"
+
+
+def _bounds_text(meta: dict) -> str:
+    lo, hi = meta.get("min"), meta.get("max")
+    if lo is not None and hi is not None:
+        return f" between {_number(lo)} and {_number(hi)}"
+    if lo is not None:
+        return f" of at least {_number(lo)}"
+    if hi is not None:
+        return f" of at most {_number(hi)}"
+    return ""
+
+
+def _check_bounds(value: float, meta: dict, what: str, text: str) -> None:
+    lo, hi = meta.get("min"), meta.get("max")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise FieldError(what + _bounds_text(meta), repr(text))
+
+
+def parse_text(info: FieldInfo, text: str) -> Any:
+    """Turn widget text into the field's value; FieldError when it does not fit."""
+    meta, stripped = info.metadata, text.strip()
+    if info.kind == "int":
+        try:
+            value = int(stripped)
+        except ValueError:
+            raise FieldError("a whole number" + _bounds_text(meta), repr(text)) from None
+        _check_bounds(value, meta, "a whole number", text)
+        return value
+    if info.kind in ("float", "optional_float"):
+        if info.kind == "optional_float" and stripped == "":
+            return None
+        what = "a number" + (" (or empty)" if info.kind == "optional_float" else "")
+        try:
+            value = float(stripped)
+        except ValueError:
+            raise FieldError(what + _bounds_text(meta), repr(text)) from None
+        if not math.isfinite(value):
+            raise FieldError(what + _bounds_text(meta), repr(text))
+        _check_bounds(value, meta, what, text)
+        return value
+    if info.kind in ("str", "path"):
+        return text
+    if info.kind == "list_str":
+        separator = "\n" if meta.get("multiline") else ","
+        return [item.strip() for item in text.split(separator) if item.strip()]
+    if info.kind in ("enum", "list_enum"):
+        enum_type = info.enum_type
+        names = [t.strip() for t in (text.split(",") if info.kind == "list_enum" else [text])]
+        members = []
+        for name in filter(None, names):
+            match = [m for m in enum_type if m.value.lower() == name.lower()]
+            if not match:
+                raise FieldError("one of " + ", ".join(m.value for m in enum_type), repr(name))
+            members.append(match[0])
+        return members if info.kind == "list_enum" else members[0]
+    if info.kind == "bool":
+        low = stripped.lower()
+        if low in ("true", "1", "yes", "on"):
+            return True
+        if low in ("false", "0", "no", "off"):
+            return False
+        raise FieldError("true or false", repr(text))
+    raise FieldError(f"a value for a {info.kind} field", repr(text))
+
+
+def format_value(info: FieldInfo, value: Any) -> str:
+    """The text a widget shows for a value (the inverse of `parse_text`)."""
+    if value is None:
+        return ""
+    if isinstance(value, Enum):
+        return value.value
+    if info.kind == "list_str":
+        return ("\n" if info.metadata.get("multiline") else ", ").join(value)
+    if info.kind == "list_enum":
+        return ", ".join(v.value for v in value)
+    if isinstance(value, float):
+        return repr(value) if abs(value) >= 1e-4 or value == 0 else f"{value:g}"
+    return str(value)
+
+
+Listener = Callable[[str | None, object | None], None]
+
+
+class ConfigBinding:
+    """Holds the GUI's Config; set/get by dotted path; per-field errors; change listeners."""
+
+    def __init__(self, config: Config | None = None) -> None:
+        self.config = config if config is not None else Config()
+        self.errors: dict[str, FieldError] = {}
+        self.fields = field_map(Config)
+        self._listeners: list[Listener] = []
+
+    # --- reading -------------------------------------------------------------------------
+    def info(self, path: str) -> FieldInfo:
+        """FieldInfo for a concrete path, including list items ('data.datasets[0].path')."""
+        parts = split_path(path)
+        for i, part in enumerate(parts):
+            if isinstance(part, int):
+                head = schema_path(path).split("[]")[0]
+                list_info = self.fields[head]
+                rest = ".".join(str(p) for p in parts[i + 1:])
+                item_fields = field_map(list_info.item_type)
+                return item_fields[rest]
+        return self.fields[path]
+
+    def get(self, path: str) -> Any:
+        value: Any = self.config
+        for part in split_path(path):
+            value = value[part] if isinstance(part, int) else getattr(value, part)
+        return value
+
+    def text(self, path: str) -> str:
+        return format_value(self.info(path), self.get(path))
+
+    # --- writing -------------------------------------------------------------------------
+    def subscribe(self, listener: Listener) -> None:
+        """listener(path, source) after a change; path None means 'everything changed'."""
+        self._listeners.append(listener)
+
+    def _notify(self, path: str | None, source: object | None) -> None:
+        for listener in list(self._listeners):
+            listener(path, source)
+
+    def _assign(self, path: str, value: Any) -> None:
+        parts = split_path(path)
+        owner: Any = self.config
+        for part in parts[:-1]:
+            owner = owner[part] if isinstance(part, int) else getattr(owner, part)
+        last = parts[-1]
+        if isinstance(last, int):
+            owner[last] = value
+        else:
+            setattr(owner, last, value)
+
+    def set_value(self, path: str, value: Any, source: object | None = None) -> None:
+        """Set an already typed value (checkbox, option menu) and clear the field's error."""
+        self._assign(path, value)
+        self.errors.pop(path, None)
+        self._notify(path, source)
+
+    def set_text(self, path: str, text: str, source: object | None = None) -> FieldError | None:
+        """Parse widget text by the field's type; on failure keep the error (shown at the field)."""
+        try:
+            value = parse_text(self.info(path), text)
+        except FieldError as error:
+            self.errors[path] = error
+            self._notify(path, source)
+            return error
+        self.set_value(path, value, source)
+        return None
+
+    def replace(self, config: Config) -> None:
+        """Load a whole new config (a preset): every error is dropped, every widget refreshes."""
+        self.config = config
+        self.errors.clear()
+        self._notify(None, None)
+
+    def add_list_item(self, path: str) -> int:
+        """Append a default item to a list-of-objects field; returns its index."""
+        items = self.get(path)
+        items.append(self.info(path).item_type())
+        self._notify(path, None)
+        return len(items) - 1
+
+    def remove_list_item(self, path: str, index: int) -> None:
+        """Remove one item; errors of that list's rows are dropped (rows show config values again)."""
+        del self.get(path)[index]
+        for key in [k for k in self.errors if k.startswith(path + "[")]:
+            del self.errors[key]
+        self._notify(path, None)
+
+    # --- checking ------------------------------------------------------------------------
+    def field_problems(self) -> list[Problem]:
+        return [Problem(path, err.expected, err.given, "not applied: fix the text in this field")
+                for path, err in sorted(self.errors.items())]
+
+    def problems(self, check_files: bool = True) -> list[Problem]:
+        """Unparsable fields first, then the one `validate(config)` the CLI also runs."""
+        return self.field_problems() + validate(self.config, check_files=check_files)
+
+    def snapshot(self) -> Config:
+        """An independent copy (the worker trains on this while the GUI stays editable)."""
+        return from_dict(to_dict(self.config))
+
+
+def leaf_paths(config: Config) -> list[str]:
+    """Every concrete widget path for a config, list items expanded ('data.datasets[0].path')."""
+    paths = []
+    for info in iter_fields(Config):
+        paths.append(info.dotted_path)
+        if info.kind == "list_dataclass":
+            items = config
+            for part in split_path(info.dotted_path):
+                items = getattr(items, part)
+            for i in range(len(items)):
+                for sub in iter_fields(info.item_type):
+                    paths.append(f"{info.dotted_path}[{i}].{sub.dotted_path}")
+    return paths
+
+
+__all__ = ["ConfigBinding", "FieldError", "format_value", "leaf_paths", "parse_text",
+           "schema_path", "split_path"]

@@ -1,0 +1,108 @@
+"""The Advanced Options tab's Model Compilation section: hand-placed, because order matters.
+
+Backend first with a line saying what it does and what it maps to in torch.compile, then the
+component checkboxes, then the details, then "Check compilation". The views themselves are the
+generic ones built from the schema; any other field of the group is generated below this panel.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import customtkinter as ctk
+
+from app.binding import ConfigBinding
+from app.compile_info import BACKEND_DESCRIPTIONS, describe_backend
+from app.form import FieldRegistry
+from app.widgets import BoolView, FieldView, make_view
+from modules.config.schema import CompileBackend
+
+TAB = "Advanced Options"
+COMPONENT_TOGGLES = (("compile.unet", "UNet"), ("compile.text_encoder", "Text Encoder"),
+                     ("compile.vae", "VAE"))
+DETAILS = ("compile.scope", "compile.mode", "compile.dynamic", "compile.fullgraph",
+           "compile.cache_dir", "compile.strict")
+PLACED = {"compile.backend", *(p for p, _ in COMPONENT_TOGGLES), *DETAILS}
+
+
+class CompilePanel:
+    def __init__(self, parent: Any, binding: ConfigBinding, registry: FieldRegistry,
+                 on_check: Callable[[], None]) -> None:
+        self.binding = binding
+        self.box = ctk.CTkFrame(parent, corner_radius=8)
+        self.box.pack(fill="x", anchor="nw", pady=(0, 12))
+        ctk.CTkLabel(self.box, text="Model Compilation (torch.compile)",
+                     font=ctk.CTkFont(size=15, weight="bold"), anchor="w").pack(
+            anchor="w", padx=10, pady=(8, 2))
+
+        self.backend = make_view(self.box, binding, "compile.backend", label="Backend")
+        self.backend.frame.pack(fill="x", padx=10)
+        registry.add(self.backend, TAB)
+        self.description = ctk.CTkLabel(self.box, text="", anchor="w", justify="left",
+                                        wraplength=900, text_color=("gray25", "gray75"))
+        self.description.pack(fill="x", padx=10 + 208, pady=(0, 6))
+
+        row = ctk.CTkFrame(self.box, fg_color="transparent")
+        row.pack(fill="x", padx=10, pady=2)
+        ctk.CTkLabel(row, text="Compile components", anchor="w", width=200).pack(side="left",
+                                                                                padx=(0, 8))
+        self.toggles: dict[str, BoolView] = {}
+        for path, label in COMPONENT_TOGGLES:
+            view = BoolView(row, binding, path, label=label, style="checkbox")
+            view.frame.pack(side="left", padx=(0, 16))
+            registry.add(view, TAB)
+            self.toggles[path] = view
+
+        self.details: list[FieldView] = []
+        for path in DETAILS:
+            view = make_view(self.box, binding, path)
+            view.frame.pack(fill="x", padx=10, pady=1)
+            registry.add(view, TAB)
+            self.details.append(view)
+
+        check_row = ctk.CTkFrame(self.box, fg_color="transparent")
+        check_row.pack(fill="x", padx=10, pady=(8, 4))
+        self.check_button = ctk.CTkButton(check_row, text="Check compilation", width=160,
+                                          command=on_check)
+        self.check_button.pack(side="left")
+        ctk.CTkLabel(check_row, text="graph breaks and what this machine can compile with",
+                     text_color=("gray35", "gray65")).pack(side="left", padx=10)
+        self.report = ctk.CTkTextbox(self.box, height=150, wrap="word")
+        self.report.pack(fill="x", padx=10, pady=(0, 10))
+        self.show_report("Press “Check compilation” to see graph breaks and backend support "
+                         "for the current settings.")
+        self._summaries = False  # the torch.compile mapping needs torch: filled in after idle
+        binding.subscribe(self._on_change)
+        self._update()
+        self._pending: str | None = self.box.after(150, self._load_summaries)
+
+    def cancel_pending(self) -> None:
+        if self._pending is not None:
+            self.box.after_cancel(self._pending)
+            self._pending = None
+
+    def _load_summaries(self) -> None:
+        self._pending = None
+        self._summaries = True
+        self._update()
+
+    def _on_change(self, path: str | None, _source: object | None) -> None:
+        if path is None or path == "compile.backend":
+            self._update()
+
+    def _update(self) -> None:
+        backend: CompileBackend = self.binding.config.compile.backend
+        text = describe_backend(backend) if self._summaries else BACKEND_DESCRIPTIONS[backend]
+        self.description.configure(text=text)
+        enabled = backend != CompileBackend.NONE
+        for view in [*self.toggles.values(), *self.details]:
+            view.set_enabled(enabled)
+
+    def show_report(self, text: str) -> None:
+        self.report.configure(state="normal")
+        self.report.delete("1.0", "end")
+        self.report.insert("1.0", text)
+        self.report.configure(state="disabled")
+
+    def report_text(self) -> str:
+        return self.report.get("1.0", "end-1c")

@@ -1,0 +1,175 @@
+"""Tabs of field views generated from the config schema's metadata.
+
+Each field's `group` names its tab; its parent object names its section; `advanced=True`
+fields go into the tab's collapsible "More options". A new field with metadata appears here
+without new GUI code. `FieldRegistry` maps dotted paths to views (problems jump through it).
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import customtkinter as ctk
+
+from app.binding import ConfigBinding
+from app.fields import FieldInfo, container_labels, iter_fields
+from app.widgets import FieldView, ListView, make_view
+from modules.config import Config
+
+TAB_TITLES = {"Advanced": "Advanced Options"}
+TAB_ORDER = ("General", "Model", "Data", "Training", "Sampling", "Advanced")
+READ_ONLY = {"config_version"}  # shown, not edited: the loader's migrations own it
+_TRAILING_INDEX = re.compile(r"\[\d+\]$")
+
+
+def tab_title(group: str) -> str:
+    return TAB_TITLES.get(group, group)
+
+
+def groups_in_order() -> list[str]:
+    """TAB_ORDER first, then any other group the schema declares, in schema order."""
+    seen = list(TAB_ORDER)
+    for info in iter_fields(Config):
+        if info.group not in seen:
+            seen.append(info.group)
+    return seen
+
+
+class MoreSection:
+    """A collapsible frame for a tab's advanced fields."""
+
+    def __init__(self, parent: Any, count: int) -> None:
+        self.count = count
+        self.button = ctk.CTkButton(parent, text="", anchor="w", fg_color="transparent",
+                                    text_color=("gray10", "gray90"), hover=False,
+                                    command=self.toggle)
+        self.body = ctk.CTkFrame(parent, fg_color="transparent")
+        self.expanded = False
+        self._label()
+
+    def _label(self) -> None:
+        arrow = "▾" if self.expanded else "▸"
+        self.button.configure(text=f"{arrow} More options ({self.count})")
+
+    def pack(self) -> None:
+        self.button.pack(anchor="w", pady=(12, 0))
+
+    def toggle(self) -> None:
+        self.expand() if not self.expanded else self.collapse()
+
+    def expand(self) -> None:
+        if not self.expanded:
+            self.body.pack(fill="x", after=self.button)
+            self.expanded = True
+            self._label()
+
+    def collapse(self) -> None:
+        if self.expanded:
+            self.body.pack_forget()
+            self.expanded = False
+            self._label()
+
+
+class FieldRegistry:
+    """Dotted path -> views, the tab each lives on, and the More section that hides it."""
+
+    def __init__(self) -> None:
+        self.views: dict[str, list[FieldView]] = {}
+        self.tab_of: dict[str, str] = {}
+        self.more_of: dict[str, MoreSection] = {}
+
+    def add(self, view: FieldView, tab: str, more: MoreSection | None = None) -> None:
+        self.views.setdefault(view.path, []).append(view)
+        self.tab_of.setdefault(view.path, tab)
+        if more is not None:
+            self.more_of[view.path] = more
+
+    def all_views(self) -> Iterator[FieldView]:
+        for views in self.views.values():
+            for view in views:
+                yield view
+                if isinstance(view, ListView):
+                    yield from view.item_views
+
+    def find(self, path: str) -> FieldView | None:
+        """The view for a problem's path: exact, else the list it indexes, else the first under it."""
+        by_path: dict[str, FieldView] = {}
+        for view in self.all_views():
+            by_path.setdefault(view.path, view)
+        if path in by_path:
+            return by_path[path]
+        trimmed = _TRAILING_INDEX.sub("", path)
+        if trimmed in by_path:
+            return by_path[trimmed]
+        for candidate, view in by_path.items():
+            if candidate.startswith(path + ".") or candidate.startswith(path + "["):
+                return view
+        return None
+
+    def top_path(self, path: str) -> str:
+        """The registered (top-level) path a concrete path belongs to ('data.datasets[0].x' -> 'data.datasets')."""
+        return path.split("[", 1)[0] if "[" in path else path
+
+    def on_change(self, path: str | None, source: object | None) -> None:
+        """Binding listener: refresh the other views of a changed path (all views on replace)."""
+        if path is None:
+            for views in self.views.values():
+                for view in views:
+                    view.refresh()
+            return
+        for view in self.views.get(path, []):
+            if view is not source:
+                view.refresh()
+
+
+def _section_title(parent: str, labels: dict[str, str]) -> str:
+    return labels.get(parent, "File") if parent else "File"
+
+
+def _place_sections(parent: Any, sections: dict[str, list[FieldInfo]], labels: dict[str, str],
+                    binding: ConfigBinding, registry: FieldRegistry, tab: str,
+                    more: MoreSection | None, columns: int) -> None:
+    """Sections of views, dealt into `columns` columns, shortest column first."""
+    cols = [ctk.CTkFrame(parent, fg_color="transparent") for _ in range(columns)]
+    heights = [0] * columns
+    for i, col in enumerate(cols):
+        col.grid(row=0, column=i, sticky="nw", padx=(0, 24))
+    for parent_path, infos in sections.items():
+        index = heights.index(min(heights))
+        heights[index] += len(infos) + 2
+        box = ctk.CTkFrame(cols[index], corner_radius=8)
+        box.pack(fill="x", pady=(0, 12), anchor="n")
+        ctk.CTkLabel(box, text=_section_title(parent_path, labels),
+                     font=ctk.CTkFont(size=14, weight="bold"), anchor="w").pack(
+            anchor="w", padx=10, pady=(6, 2))
+        for info in infos:
+            view = make_view(box, binding, info.dotted_path)
+            view.frame.pack(fill="x", padx=10, pady=1)
+            if info.dotted_path in READ_ONLY:
+                view.set_enabled(False)
+            registry.add(view, tab, more)
+        ctk.CTkFrame(box, height=6, fg_color="transparent").pack()
+
+
+def build_fields(parent: Any, infos: Iterable[FieldInfo], binding: ConfigBinding,
+                 registry: FieldRegistry, tab: str, columns: int = 2) -> MoreSection | None:
+    """Sections of views for `infos` in `parent`; advanced ones in a collapsible More section."""
+    labels = container_labels(Config)
+    normal: dict[str, list[FieldInfo]] = {}
+    advanced: dict[str, list[FieldInfo]] = {}
+    for info in infos:
+        (advanced if info.advanced else normal).setdefault(info.parent, []).append(info)
+    main = ctk.CTkFrame(parent, fg_color="transparent")
+    main.pack(fill="x", anchor="nw")
+    _place_sections(main, normal, labels, binding, registry, tab, None, columns)
+    more = None
+    if advanced:
+        more = MoreSection(parent, sum(len(v) for v in advanced.values()))
+        more.pack()
+        _place_sections(more.body, advanced, labels, binding, registry, tab, more, columns)
+    return more
+
+
+def fields_of_group(group: str, skip: set[str] = frozenset()) -> list[FieldInfo]:
+    return [i for i in iter_fields(Config) if i.group == group and i.dotted_path not in skip]

@@ -1,0 +1,145 @@
+"""The run controls (bottom bar) and the Run tab (loss curve, latest sample, log).
+
+Every method that changes a widget is marked `tk_thread_only`: the window calls them while
+draining the event queue on the Tk thread, and the guard records any call from elsewhere.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import customtkinter as ctk
+from PIL import Image
+
+from app.loss_plot import LossPlot
+from app.thread_guard import ThreadGuard, tk_thread_only
+from app.widgets import ERROR_COLOR
+from modules.events import Progress
+
+SAMPLE_SIZE = 320
+
+
+def format_duration(seconds: float) -> str:
+    seconds = max(0, int(round(seconds)))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+class RunPanel:
+    def __init__(self, bar_parent: Any, tab_parent: Any, guard: ThreadGuard,
+                 actions: dict[str, Callable[[], None]]) -> None:
+        self.guard = guard
+        self._build_bar(bar_parent, actions)
+        self._build_tab(tab_parent)
+        self.sample_path: Path | None = None
+        self.set_running(False)
+
+    def _build_bar(self, parent: Any, actions: dict[str, Callable[[], None]]) -> None:
+        self.bar = ctk.CTkFrame(parent)
+        self.bar.grid_columnconfigure(1, weight=1)
+        buttons = ctk.CTkFrame(self.bar, fg_color="transparent")
+        buttons.grid(row=0, column=0, sticky="w", padx=8, pady=6)
+        self.buttons: dict[str, Any] = {}
+        for key, text, width in (("start", "Start training", 130), ("stop", "Stop", 70),
+                                 ("sample", "Sample now", 100), ("save", "Save now", 90),
+                                 ("open_output", "Open output folder", 150),
+                                 ("tensorboard", "TensorBoard", 110)):
+            button = ctk.CTkButton(buttons, text=text, width=width, command=actions[key])
+            button.pack(side="left", padx=3)
+            self.buttons[key] = button
+        self.buttons["start"].configure(fg_color=("#2e7d32", "#2e7d32"),
+                                        hover_color=("#1b5e20", "#1b5e20"))
+        self.status = ctk.CTkLabel(self.bar, text="Ready.", anchor="w", justify="left",
+                                   wraplength=560)
+        self.status.grid(row=0, column=1, sticky="w", padx=8)
+        progress = ctk.CTkFrame(self.bar, fg_color="transparent")
+        progress.grid(row=1, column=0, columnspan=2, sticky="ew", padx=8, pady=(0, 6))
+        progress.grid_columnconfigure(1, weight=1)
+        ctk.CTkLabel(progress, text="Step", width=48, anchor="w").grid(row=0, column=0)
+        self.step_bar = ctk.CTkProgressBar(progress)
+        self.step_bar.grid(row=0, column=1, sticky="ew")
+        self.step_label = ctk.CTkLabel(progress, text="", width=380, anchor="w")
+        self.step_label.grid(row=0, column=2, padx=8)
+        ctk.CTkLabel(progress, text="Epoch", width=48, anchor="w").grid(row=1, column=0)
+        self.epoch_bar = ctk.CTkProgressBar(progress)
+        self.epoch_bar.grid(row=1, column=1, sticky="ew")
+        self.epoch_label = ctk.CTkLabel(progress, text="", width=380, anchor="w")
+        self.epoch_label.grid(row=1, column=2, padx=8)
+        self._status_color = self.status.cget("text_color")
+        self.step_bar.set(0)
+        self.epoch_bar.set(0)
+
+    def _build_tab(self, parent: Any) -> None:
+        parent.grid_columnconfigure(0, weight=3)
+        parent.grid_columnconfigure(1, weight=2)
+        parent.grid_rowconfigure(1, weight=1)
+        self.plot = LossPlot(parent)
+        self.plot.canvas.grid(row=0, column=0, sticky="nsew", padx=(0, 8), pady=(0, 8))
+        sample_box = ctk.CTkFrame(parent)
+        sample_box.grid(row=0, column=1, sticky="nsew", pady=(0, 8))
+        self.sample_image = ctk.CTkLabel(sample_box, text="the latest sample appears here",
+                                         width=SAMPLE_SIZE, height=SAMPLE_SIZE)
+        self.sample_image.pack(padx=8, pady=(8, 2))
+        self.sample_caption = ctk.CTkLabel(sample_box, text="", wraplength=SAMPLE_SIZE)
+        self.sample_caption.pack(padx=8, pady=(0, 8))
+        self.log_box = ctk.CTkTextbox(parent, height=160, wrap="word")
+        self.log_box.grid(row=1, column=0, columnspan=2, sticky="nsew")
+        self.log_box.configure(state="disabled")
+
+    # --- updates (Tk thread only) ----------------------------------------------------------
+    @tk_thread_only
+    def set_running(self, running: bool) -> None:
+        self.buttons["start"].configure(state="disabled" if running else "normal")
+        for key in ("stop", "sample", "save"):
+            self.buttons[key].configure(state="normal" if running else "disabled")
+
+    @tk_thread_only
+    def reset(self) -> None:
+        self.step_bar.set(0)
+        self.epoch_bar.set(0)
+        self.step_label.configure(text="")
+        self.epoch_label.configure(text="")
+        self.plot.clear()
+
+    @tk_thread_only
+    def set_status(self, text: str, error: bool = False) -> None:
+        self.status.configure(text=text, text_color=ERROR_COLOR if error else self._status_color)
+
+    @tk_thread_only
+    def log(self, line: str) -> None:
+        self.log_box.configure(state="normal")
+        self.log_box.insert("end", time.strftime("%H:%M:%S ") + line.rstrip() + "\n")
+        self.log_box.see("end")
+        self.log_box.configure(state="disabled")
+
+    def log_text(self) -> str:
+        return self.log_box.get("1.0", "end-1c")
+
+    @tk_thread_only
+    def show_progress(self, p: Progress) -> None:
+        self.step_bar.set(p.step / max(p.max_steps, 1))
+        rate = f"{1 / p.seconds_per_step:.2f} it/s" if p.seconds_per_step > 0 else "– it/s"
+        self.step_label.configure(text=f"{p.step}/{p.max_steps} · {rate} · ETA "
+                                       f"{format_duration(p.eta_seconds)} · loss "
+                                       f"{p.smoothed_loss:.4f}")
+        self.epoch_bar.set(p.epoch / max(p.max_epochs, 1))
+        self.epoch_label.configure(text=f"epoch {p.epoch}/{p.max_epochs} · lr {p.lr:.2e}")
+        self.plot.add(p.step, p.loss, p.smoothed_loss)
+
+    @tk_thread_only
+    def redraw_plot(self) -> None:
+        self.plot.redraw()
+
+    @tk_thread_only
+    def show_sample(self, path: Path, prompt: str, step: int) -> None:
+        with Image.open(path) as image:
+            image.load()
+            scale = SAMPLE_SIZE / max(image.size)
+            size = (max(1, int(image.width * scale)), max(1, int(image.height * scale)))
+            self._sample_ctk = ctk.CTkImage(light_image=image.copy(), size=size)
+        self.sample_image.configure(image=self._sample_ctk, text="")
+        self.sample_caption.configure(text=f"step {step}: {prompt}")
+        self.sample_path = Path(path)

@@ -1,0 +1,521 @@
+"""The Tempera window: preset bar, tabs generated from the config schema, run controls.
+
+The window holds one Config (in `ConfigBinding`). Training runs in a worker thread
+(`app.runner`); its events arrive on a queue that `_poll` drains on the Tk thread via `after()`.
+"""
+from __future__ import annotations
+
+import queue
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from tkinter import filedialog, messagebox
+from typing import Any
+
+import customtkinter as ctk
+
+from app import external
+from app.binding import ConfigBinding
+from app.compile_info import find_explain, format_report
+from app.compile_panel import PLACED, TAB as ADVANCED_TAB, CompilePanel
+from app.fields import container_labels
+from app.form import FieldRegistry, build_fields, fields_of_group, groups_in_order, tab_title
+from app.presets import (BUILTIN_PRESETS_DIR, BuiltinPresetError, PresetEntry, is_builtin,
+                         list_presets, save_preset)
+from app.run_panel import RunPanel
+from app.runner import Event, TrainFn, TrainingWorker, run_in_thread
+from app.settings import DEFAULT_SETTINGS_PATH, SCALES, UISettings, load_settings, save_settings
+from app.thread_guard import ThreadGuard, tk_thread_only
+from app.widgets import make_view
+from modules.config import Config, ConfigError, Problem, load_config
+from modules.models.types import MODEL_TYPES
+
+RUN_TAB = "Run"
+NO_PRESET = "(no presets found)"
+
+
+def ask_yes_no(title: str, message: str) -> bool:
+    return messagebox.askyesno(title, message)
+
+
+class TemperaApp(ctk.CTk):
+    def __init__(self, settings_path: Path | None = None, builtin_presets_dir: Path | None = None,
+                 train_fn: TrainFn | None = None, confirm: Callable[[str, str], bool] | None = None,
+                 ask_save_path: Callable[[Path], str | None] | None = None,
+                 explain_fn: Callable[[Config], Any] | None = None, poll_ms: int = 50,
+                 initial_preset: Path | None = None) -> None:
+        self.settings_path = Path(settings_path or DEFAULT_SETTINGS_PATH).expanduser()
+        self.settings, settings_warning = load_settings(self.settings_path)
+        apply_scaling(self.settings.scaling)
+        super().__init__()
+        self.title("Tempera")
+        self.geometry(self.settings.geometry)
+        self.minsize(960, 640)
+        self.builtin_dir = Path(builtin_presets_dir or BUILTIN_PRESETS_DIR)
+        self.train_fn, self.explain_fn, self.poll_ms = train_fn, explain_fn, poll_ms
+        self.confirm = confirm or ask_yes_no
+        self.ask_save_path = ask_save_path or self._ask_save_path
+        self.guard = ThreadGuard()
+        self.binding = ConfigBinding()
+        self.registry = FieldRegistry()
+        self.binding.subscribe(self.registry.on_change)
+        self.events: "queue.Queue[Event]" = queue.Queue()
+        self.worker: TrainingWorker | None = None
+        self.current_preset: Path | None = None
+        self.tensorboard: subprocess.Popen | None = None
+        self.problem_buttons: list[Any] = []
+        self.closing = False
+        self.last_result: Any = None
+
+        self.grid_columnconfigure(0, weight=1)
+        self.grid_rowconfigure(1, weight=1)
+        self.tabview = ctk.CTkTabview(self)
+        self.tabview.grid(row=1, column=0, sticky="nsew", padx=8)
+        self._build_tabs()
+        self._build_top_bar()
+        self._build_problems_panel()
+        self.run_panel = RunPanel(self, self.tabview.tab(RUN_TAB), self.guard, {
+            "start": self.start_training, "stop": self.stop_training,
+            "sample": self.sample_now, "save": self.save_now,
+            "open_output": self.open_output_folder, "tensorboard": self.start_tensorboard})
+        self.run_panel.bar.grid(row=3, column=0, sticky="ew", padx=8, pady=(4, 8))
+        self.binding.subscribe(self._on_config_change)
+        self.protocol("WM_DELETE_WINDOW", self.on_close)
+        if settings_warning:
+            self.run_panel.log(settings_warning)
+        self._load_initial(initial_preset)
+        self._update_component_states()
+        self._poll_id = self.after(self.poll_ms, self._poll)
+
+    # --- layout ------------------------------------------------------------------------------
+    def _build_tabs(self) -> None:
+        self.scroll_frames: dict[str, Any] = {}
+        for group in groups_in_order():
+            title = tab_title(group)
+            scroll = ctk.CTkScrollableFrame(self.tabview.add(title), fg_color="transparent")
+            scroll.pack(fill="both", expand=True)
+            self.scroll_frames[title] = scroll
+            if group == "Advanced":
+                self.compile_panel = CompilePanel(scroll, self.binding, self.registry,
+                                                  self.check_compilation)
+                build_fields(scroll, fields_of_group(group, skip=PLACED), self.binding,
+                             self.registry, title)
+            else:
+                build_fields(scroll, fields_of_group(group), self.binding, self.registry, title)
+        self.tabview.add(RUN_TAB)
+        self.tabview.set(tab_title(groups_in_order()[0]))
+
+    def _build_top_bar(self) -> None:
+        bar = ctk.CTkFrame(self)
+        bar.grid(row=0, column=0, sticky="ew", padx=8, pady=(8, 0))
+        ctk.CTkLabel(bar, text="Preset").pack(side="left", padx=(10, 6), pady=6)
+        self.preset_menu = ctk.CTkOptionMenu(bar, values=[NO_PRESET], width=300,
+                                             dynamic_resizing=False)
+        self.preset_menu.pack(side="left")
+        for text, command in (("Load", self.load_selected_preset), ("Save", self.save),
+                              ("Save as…", self.save_as)):
+            ctk.CTkButton(bar, text=text, width=80, command=command).pack(side="left", padx=3)
+        self.model_type_view = make_view(bar, self.binding, "model.type", label_width=80)
+        self.model_type_view.frame.pack(side="left", padx=(20, 0))
+        self.registry.add(self.model_type_view, "Model")
+        self.scale_menu = ctk.CTkOptionMenu(bar, values=[f"{int(s * 100)}%" for s in SCALES],
+                                            width=90, command=self._scale_chosen)
+        self.scale_menu.set(f"{int(self.settings.scaling * 100)}%")
+        self.scale_menu.pack(side="right", padx=(4, 10))
+        ctk.CTkLabel(bar, text="UI scale").pack(side="right")
+        self.refresh_presets()
+
+    def _build_problems_panel(self) -> None:
+        self.problems_frame = ctk.CTkFrame(self, border_width=2, border_color=("#c62828", "#ef5350"))
+        head = ctk.CTkFrame(self.problems_frame, fg_color="transparent")
+        head.pack(fill="x", padx=8, pady=(6, 0))
+        self.problems_title = ctk.CTkLabel(head, text="", anchor="w",
+                                           font=ctk.CTkFont(weight="bold"))
+        self.problems_title.pack(side="left")
+        ctk.CTkButton(head, text="✕", width=28, command=self.hide_problems).pack(side="right")
+        self.problems_list = ctk.CTkScrollableFrame(self.problems_frame, height=110,
+                                                    fg_color="transparent")
+        self.problems_list.pack(fill="x", padx=4, pady=(0, 6))
+
+    # --- presets -----------------------------------------------------------------------------
+    def refresh_presets(self) -> None:
+        self.presets: list[PresetEntry] = list_presets(self.builtin_dir,
+                                                       self.settings.user_presets_path)
+        labels = [p.label for p in self.presets] or [NO_PRESET]
+        self.preset_menu.configure(values=labels)
+        current = next((p.label for p in self.presets if self.current_preset
+                        and p.path.resolve() == self.current_preset.resolve()), None)
+        self.preset_menu.set(current or labels[0])
+
+    def _load_initial(self, initial: Path | None) -> None:
+        candidates = [initial, Path(self.settings.last_preset) if self.settings.last_preset
+                      else None, self.builtin_dir / "demo.json"]
+        for path in candidates:
+            if path is not None and Path(path).is_file():
+                self.load_preset(Path(path))
+                return
+        self.run_panel.set_status("Ready: default settings (no preset loaded).")
+
+    def load_selected_preset(self) -> bool:
+        entry = next((p for p in self.presets if p.label == self.preset_menu.get()), None)
+        return self.load_preset(entry.path) if entry else False
+
+    def load_preset(self, path: Path) -> bool:
+        """Load a preset file into the window; its problems are listed, nothing crashes."""
+        try:
+            config = load_config(path)
+        except ConfigError as exc:
+            self.show_problems(exc.problems, f"{path} could not be loaded")
+            self.run_panel.set_status(f"Could not load {path}: {len(exc.problems)} problem(s).",
+                                      error=True)
+            return False
+        self.binding.replace(config)
+        self.current_preset = Path(path)
+        self.settings.last_preset = str(Path(path).resolve())
+        self.title(f"Tempera — {Path(path).name}")
+        self.refresh_presets()
+        self.hide_problems()
+        self.run_panel.set_status(f"Loaded {path}.")
+        return True
+
+    def save(self) -> Path | None:
+        """Save onto the current preset; a built-in (or no) preset goes through Save as…."""
+        if self.current_preset is None or is_builtin(self.current_preset, self.builtin_dir):
+            return self.save_as()
+        return self._write_preset(self.current_preset)
+
+    def save_as(self, target: Path | None = None) -> Path | None:
+        if target is None:
+            chosen = self.ask_save_path(self.settings.user_presets_path)
+            if not chosen:
+                return None
+            target = Path(chosen)
+        allow_new_builtin = False
+        if is_builtin(target, self.builtin_dir) and not target.with_suffix(".json").exists():
+            allow_new_builtin = self.confirm(
+                "Add a built-in preset?", f"{target} is inside the built-in presets folder. "
+                "Add it there (for Tempera's developers)?")
+            if not allow_new_builtin:
+                return None
+        return self._write_preset(target, allow_new_builtin)
+
+    def _write_preset(self, target: Path, allow_new_builtin: bool = False) -> Path | None:
+        if self.binding.errors:
+            self.show_problems(self.binding.field_problems(), "Fix these fields before saving")
+            return None
+        try:
+            written = save_preset(self.binding.config, target, self.builtin_dir, allow_new_builtin)
+        except (BuiltinPresetError, OSError) as exc:
+            self.run_panel.set_status(f"Not saved: {exc}", error=True)
+            self.run_panel.log(f"not saved: {exc}")
+            return None
+        self.current_preset = written
+        self.settings.last_preset = str(written.resolve())
+        self.title(f"Tempera — {written.name}")
+        self.refresh_presets()
+        self.run_panel.set_status(f"Saved {written}.")
+        self.run_panel.log(f"saved preset {written}")
+        return written
+
+    def _ask_save_path(self, initial_dir: Path) -> str | None:
+        initial_dir.mkdir(parents=True, exist_ok=True)
+        return filedialog.asksaveasfilename(parent=self, initialdir=str(initial_dir),
+                                            defaultextension=".json",
+                                            filetypes=[("Tempera preset", "*.json")]) or None
+
+    # --- config-dependent widget states ------------------------------------------------------
+    def _on_config_change(self, path: str | None, _source: object | None) -> None:
+        if path is None or path == "model.type":
+            self._update_component_states()
+
+    def _update_component_states(self) -> None:
+        present = MODEL_TYPES[self.binding.config.model.type].components
+        for container in container_labels(Config):
+            if container.startswith("components."):
+                enabled = container.split(".", 1)[1] in present
+                for view in self.registry.all_views():
+                    if view.path.startswith(container + "."):
+                        view.set_enabled(enabled)
+
+    # --- problems ----------------------------------------------------------------------------
+    def show_problems(self, problems: list[Problem], title: str | None = None) -> None:
+        """List every problem; clicking one jumps to its field. Fields show theirs in red too."""
+        for button in self.problem_buttons:
+            button.destroy()
+        self.problem_buttons = []
+        self.problems = list(problems)
+        self.problems_title.configure(
+            text=title or f"Cannot start: {len(problems)} problem(s). Click one to go to its field.")
+        for problem in problems:
+            button = ctk.CTkButton(self.problems_list, text=f"• {problem}", anchor="w",
+                                   fg_color="transparent", text_color=("#b71c1c", "#ef9a9a"),
+                                   hover_color=("gray85", "gray25"),
+                                   command=lambda p=problem: self.jump_to(p.path))
+            button.pack(fill="x")
+            self.problem_buttons.append(button)
+            view = self.registry.find(problem.path)
+            if view is not None and not view.error:
+                view.show_error(str(problem))
+        self.problems_list.configure(height=min(max(len(problems), 1), 5) * 28)
+        self.problems_frame.grid(row=2, column=0, sticky="ew", padx=8, pady=(4, 0))
+
+    def hide_problems(self) -> None:
+        self.problems_frame.grid_remove()
+
+    def jump_to(self, path: str) -> bool:
+        """Switch to the field's tab, open its More section, scroll to it and focus it."""
+        view = self.registry.find(path)
+        if view is None:
+            self.run_panel.set_status(f"{path}: no field in this window shows it", error=True)
+            return False
+        top = self.registry.top_path(view.path)
+        tab = self.registry.tab_of.get(top) or self.registry.tab_of.get(view.path)
+        self.tabview.set(tab)
+        more = self.registry.more_of.get(top)
+        if more is not None:
+            more.expand()
+        self.update_idletasks()
+        scroll = self.scroll_frames.get(tab)
+        if scroll is not None:
+            inner_height = max(scroll.winfo_height(), scroll._parent_frame.winfo_height(), 1)
+            content_height = max(scroll.winfo_reqheight(), 1)
+            offset = view.frame.winfo_rooty() - scroll.winfo_rooty()
+            if content_height > inner_height:
+                scroll._parent_canvas.yview_moveto(max(0.0, (offset - 40) / content_height))
+        view.focus()
+        self.jumped_to = view
+        return True
+
+    # --- training ----------------------------------------------------------------------------
+    @property
+    def training(self) -> bool:
+        return self.worker is not None and self.worker.running
+
+    def start_training(self) -> bool:
+        """Validate (the one `validate`) and start the worker; problems are listed instead."""
+        if self.worker is not None:
+            return False
+        problems = self.binding.problems()
+        if problems:
+            self.show_problems(problems)
+            self.run_panel.set_status(f"Cannot start: {len(problems)} problem(s).", error=True)
+            return False
+        self.hide_problems()
+        config = self.binding.snapshot()
+        self.run_panel.reset()
+        self.run_panel.set_running(True)
+        self.run_panel.set_status("Starting…")
+        self.run_panel.log(f"starting training into {config.output.dir}")
+        self.tabview.set(RUN_TAB)
+        self.last_result = None
+        self.worker = TrainingWorker(config, self.events, self.train_fn)
+        self.worker.start()
+        return True
+
+    def stop_training(self) -> None:
+        if self.worker is not None:
+            self.worker.commands.request_stop()
+            self.run_panel.set_status("Stopping: finishing the step and saving…")
+
+    def sample_now(self) -> None:
+        if self.worker is not None:
+            self.worker.commands.request_sample()
+            self.run_panel.log("sample requested")
+
+    def save_now(self) -> None:
+        if self.worker is not None:
+            self.worker.commands.request_save()
+            self.run_panel.log("checkpoint requested")
+
+    def _poll(self) -> None:
+        try:
+            self._drain_events()
+        finally:
+            if not self.closed:
+                self._poll_id = self.after(self.poll_ms, self._poll)
+
+    @property
+    def closed(self) -> bool:
+        return getattr(self, "_tempera_closed", False)
+
+    @tk_thread_only
+    def _drain_events(self) -> None:
+        redraw = False
+        while True:
+            try:
+                event = self.events.get_nowait()
+            except queue.Empty:
+                break
+            redraw |= event.kind == "progress"
+            try:
+                self._handle(event)
+            except Exception:  # a display bug must not stop the queue: report it, go on
+                import traceback
+                self.run_panel.log(f"ERROR (window) could not show a {event.kind!r} event:\n"
+                                   + traceback.format_exc())
+                self.run_panel.set_status(f"Window error while showing {event.kind!r}; "
+                                          "see the log in the Run tab.", error=True)
+            if self.closed:
+                return
+        if redraw:
+            self.run_panel.redraw_plot()
+
+    def _handle(self, event: Event) -> None:
+        panel, kind, data = self.run_panel, event.kind, event.payload
+        if kind == "status":
+            panel.set_status(data)
+            panel.log(data)
+        elif kind == "progress":
+            panel.show_progress(data)
+        elif kind == "sample":
+            self._show_sample(*data)
+        elif kind == "compile":
+            seconds = f" ({data.seconds:.1f} s)" if data.seconds else ""
+            text = f"compile {data.component}: {data.message}{seconds}"
+            warn = data.kind in ("fallback", "degraded", "warning")
+            panel.set_status(text, error=warn)
+            panel.log(("WARNING " if warn else "") + text)
+        elif kind == "saved":
+            panel.log(f"saved {data[0]} at step {data[1]}")
+        elif kind == "error":
+            panel.set_status(data, error=True)
+            panel.log("ERROR " + data)
+        elif kind == "done":
+            self.last_result = data
+            panel.set_status(f"{data.status}: {data.steps} steps; outputs in {data.output_dir}")
+        elif kind == "config_error":
+            self.show_problems(data)
+            panel.set_status(f"Cannot start: {len(data)} problem(s).", error=True)
+        elif kind in ("failed", "crashed"):
+            last = data.strip().splitlines()[-1] if data.strip() else kind
+            panel.set_status(f"Training {kind}: {last}", error=True)
+            panel.log(f"ERROR training {kind}: {data}")
+        elif kind == "exit":
+            self.worker = None
+            panel.set_running(False)
+            if self.closing:
+                self._finish_close()
+        elif kind == "report":
+            self._show_report(*data)
+
+    def _show_sample(self, path: Path, prompt: str, step: int) -> None:
+        try:
+            self.run_panel.show_sample(path, prompt, step)
+        except OSError as exc:
+            self.run_panel.log(f"ERROR could not show sample {path}: {exc}")
+            return
+        self.run_panel.log(f"sample at step {step}: {path}")
+
+    # --- compile check -----------------------------------------------------------------------
+    def check_compilation(self) -> None:
+        explain = self.explain_fn or find_explain()
+        panel = self.compile_panel
+        if explain is None:
+            panel.show_report("Check compilation is not available in this build: the engine "
+                              "has no modules.train.explain_run.explain_text().")
+            self.run_panel.log("check compilation: explain_text is not available")
+            return
+        if self.binding.errors:
+            self.show_problems(self.binding.field_problems(), "Fix these fields first")
+            return
+        config = self.binding.snapshot()
+        panel.check_button.configure(state="disabled")
+        panel.show_report(f"Checking {config.compile.backend.value}… (this traces the model "
+                          "once; it can take a while)")
+        run_in_thread(lambda: explain(config), self.events, "report")
+
+    def _show_report(self, ok: bool, value: Any) -> None:
+        self.compile_panel.check_button.configure(state="normal")
+        if not ok and isinstance(value, ConfigError):
+            self.show_problems(value.problems)
+            text = f"Cannot check: {len(value.problems)} problem(s), listed below the tabs."
+        elif not ok:
+            text = f"The check failed:\n{getattr(value, 'formatted_traceback', value)}"
+        else:
+            text = format_report(value)
+        self.compile_panel.show_report(text)
+        self.run_panel.log("compilation check " + ("done" if ok else "failed"))
+
+    # --- outputs -----------------------------------------------------------------------------
+    def output_dir(self) -> Path:
+        return Path(self.binding.config.output.dir).expanduser()
+
+    def open_output_folder(self) -> bool:
+        try:
+            external.open_folder(self.output_dir())
+        except OSError as exc:
+            self.run_panel.set_status(f"Could not open the output folder: {exc}", error=True)
+            self.run_panel.log(f"could not open output folder: {exc}")
+            return False
+        self.run_panel.log(f"opened {self.output_dir()}")
+        return True
+
+    def start_tensorboard(self) -> bool:
+        if self.tensorboard is not None and self.tensorboard.poll() is None:
+            self.run_panel.log("TensorBoard is already running: http://127.0.0.1:6006")
+            return True
+        logdir = self.output_dir() / "tensorboard"
+        try:
+            self.tensorboard = external.start_tensorboard(logdir)
+        except OSError as exc:
+            self.run_panel.set_status(f"Could not start TensorBoard: {exc}", error=True)
+            self.run_panel.log(f"could not start TensorBoard: {exc}")
+            return False
+        self.run_panel.log(f"TensorBoard started for {logdir}: http://127.0.0.1:6006")
+        return True
+
+    # --- scaling and closing -----------------------------------------------------------------
+    def _scale_chosen(self, text: str) -> None:
+        self.settings.scaling = int(text.rstrip("%")) / 100
+        apply_scaling(self.settings.scaling)
+        save_settings(self.settings, self.settings_path)
+
+    def on_close(self) -> None:
+        """Closing while training asks, requests stop and waits for the clean save first."""
+        if self.closing:
+            return
+        if self.training:
+            if not self.confirm("Training is running",
+                                "Stop training, save a checkpoint and close the window?"):
+                return
+            self.closing = True
+            self.stop_training()
+            self.run_panel.set_status("Stopping and saving before the window closes…")
+            return
+        self._finish_close()
+
+    def _finish_close(self) -> None:
+        self.settings.geometry = self.geometry()
+        try:
+            save_settings(self.settings, self.settings_path)
+        except OSError as exc:
+            print(f"[tempera] could not save GUI settings {self.settings_path}: {exc}")
+        if self.tensorboard is not None and self.tensorboard.poll() is None:
+            self.tensorboard.terminate()
+        self.compile_panel.cancel_pending()
+        self._tempera_closed = True
+        forget_scaling_registration(self)
+        self.destroy()
+
+
+def apply_scaling(scale: float) -> None:
+    """HiDPI: scale widgets and window sizes together (customtkinter's two factors)."""
+    from customtkinter import ScalingTracker
+    if ScalingTracker.widget_scaling != scale or ScalingTracker.window_scaling != scale:
+        ctk.set_widget_scaling(scale)
+        ctk.set_window_scaling(scale)
+
+
+def forget_scaling_registration(window: Any) -> None:
+    """Drop a closing window from customtkinter's scaling registry.
+
+    customtkinter keeps every window it has seen in class-level dicts and calls their widgets
+    on each scale change; a destroyed window's widgets would then raise TclError when a later
+    window (the next session in one process, e.g. tests) changes the scale.
+    """
+    from customtkinter import ScalingTracker
+    ScalingTracker.window_widgets_dict.pop(window, None)
+    ScalingTracker.window_dpi_scaling_dict.pop(window, None)
+
+
+__all__ = ["TemperaApp", "apply_scaling"]

@@ -1,0 +1,104 @@
+#!/usr/bin/env python3
+"""Screenshots of every tab for docs/gui.md: `python scripts/screenshot_ui.py [--out docs/images]`.
+
+Uses $DISPLAY, or starts its own Xvfb when there is none. With --train-steps N (default 6) it
+also trains the demo preset for N steps so the Run tab shows a loss curve and a sample.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run from any folder
+
+TABS = {"General": "gui-general.png", "Model": "gui-model.png", "Data": "gui-data.png",
+        "Training": "gui-training.png", "Sampling": "gui-sampling.png",
+        "Advanced Options": "gui-advanced.png"}
+
+
+def ensure_display() -> subprocess.Popen | None:
+    if os.environ.get("DISPLAY"):
+        return None
+    if not shutil.which("Xvfb"):
+        sys.exit("no DISPLAY and no Xvfb (apt-get install xvfb)")
+    read_fd, write_fd = os.pipe()
+    proc = subprocess.Popen(["Xvfb", "-displayfd", str(write_fd), "-screen", "0", "1400x950x24",
+                             "-nolisten", "tcp"], pass_fds=(write_fd,),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    os.close(write_fd)
+    with os.fdopen(read_fd) as pipe:
+        os.environ["DISPLAY"] = ":" + pipe.readline().strip()
+    return proc
+
+
+def settle(app, seconds: float = 0.4) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        app.update()
+        time.sleep(0.02)
+
+
+def grab(app, path: Path) -> None:
+    from PIL import ImageGrab
+    settle(app)
+    x, y = app.winfo_rootx(), app.winfo_rooty()
+    box = (x, y, x + app.winfo_width(), y + app.winfo_height())
+    ImageGrab.grab(bbox=box, xdisplay=os.environ["DISPLAY"]).save(path)
+    print(f"wrote {path}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "images")
+    parser.add_argument("--train-steps", type=int, default=6,
+                        help="train the demo this many steps for the Run tab (0: skip)")
+    args = parser.parse_args()
+    xvfb = ensure_display()
+    args.out.mkdir(parents=True, exist_ok=True)
+    from app.window import TemperaApp
+    work = Path(tempfile.mkdtemp(prefix="tempera-shots-"))
+    app = TemperaApp(settings_path=work / "ui.json", confirm=lambda title, message: True,
+                     initial_preset=ROOT / "training_presets" / "demo.json")
+    app.geometry("1280x860+0+0")
+    try:
+        app.compile_panel._load_summaries()
+        app.compile_panel.backend.menu._dropdown_callback("INDUCTOR")
+        for tab, name in TABS.items():
+            app.tabview.set(tab)
+            grab(app, args.out / name)
+        app.registry.find("training.batch_size").var.set("four")
+        app.registry.find("data.resolution").var.set("100")
+        app.start_training()
+        app.tabview.set("Training")
+        grab(app, args.out / "gui-problems.png")
+        app.registry.find("training.batch_size").var.set("1")
+        app.registry.find("data.resolution").var.set("64")
+        app.hide_problems()
+        if args.train_steps:
+            app.compile_panel.backend.menu._dropdown_callback("NONE")
+            for path, text in (("training.max_steps", str(args.train_steps)),
+                               ("sampling.every_steps", "0"), ("sampling.steps", "10"),
+                               ("output.save_every_steps", "0"),
+                               ("output.dir", str(work / "output"))):
+                app.registry.find(path).var.set(text)
+            app.start_training()
+            while app.worker is not None:
+                settle(app, 0.2)
+        app.tabview.set("Run")
+        grab(app, args.out / "gui-run.png")
+    finally:
+        app._finish_close()
+        if xvfb is not None:
+            xvfb.terminate()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""Advanced Options: backend choice, component toggles and details land in the saved JSON."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from app.compile_panel import TAB
+from modules.config import load_config
+from modules.config.schema import CompileBackend, CompileConfig, CompileMode, CompileScope
+
+BACKEND_MAPPING = {
+    "NONE": ["not called"],
+    "DEFAULT": ["torch.compile(model)", "inductor"],
+    "INDUCTOR": ['backend="inductor"', '"max_autotune": True', '"epilogue_fusion": True',
+                 '"triton.cudagraphs": False'],
+    "TRITON": ['backend="inductor"', '"triton.cudagraphs": True', '"shape_padding": True',
+               'no torch backend named "triton"'],
+    "AOT_EAGER": ['backend="aot_eager"'],
+}
+
+
+def saved_compile(app, path) -> dict:
+    assert app.save_as(path) == path
+    return json.loads(path.read_text()).get("compile", {})
+
+
+@pytest.mark.parametrize("backend", [b.value for b in CompileBackend])
+def test_each_backend_is_saved_and_described(app, tmp_path, backend):
+    panel = app.compile_panel
+    panel._load_summaries()
+    panel.backend.menu._dropdown_callback(backend)        # as if picked from the menu
+    saved = saved_compile(app, tmp_path / "p.json")
+    assert saved.get("backend", "NONE") == backend        # sparse: the default may be omitted
+    assert load_config(tmp_path / "p.json").compile.backend == CompileBackend(backend)
+    text = panel.description.cget("text")
+    for fragment in BACKEND_MAPPING[backend]:
+        assert fragment in text, (backend, text)
+    enabled = panel.toggles["compile.unet"].toggle.cget("state") == "normal"
+    assert enabled == (backend != "NONE")
+
+
+def test_component_toggles_and_details_are_saved(app, tmp_path):
+    panel = app.compile_panel
+    panel.backend.menu._dropdown_callback("INDUCTOR")
+    defaults = saved_compile(app, tmp_path / "a.json")
+    assert defaults == {"backend": "INDUCTOR"}            # UNet on, TE/VAE off by default
+
+    for path in ("compile.unet", "compile.text_encoder", "compile.vae"):
+        panel.toggles[path].toggle.toggle()               # a click on each checkbox
+    views = {v.path: v for v in panel.details}
+    other_scope = next(s for s in CompileScope if s != CompileConfig().scope).value
+    views["compile.scope"].menu._dropdown_callback(other_scope)
+    views["compile.mode"].menu._dropdown_callback("MAX_AUTOTUNE")
+    views["compile.dynamic"].menu._dropdown_callback("STATIC")
+    views["compile.fullgraph"].toggle.toggle()
+    views["compile.strict"].toggle.toggle()
+    views["compile.cache_dir"].var.set(str(tmp_path / "cc"))
+    saved = saved_compile(app, tmp_path / "b.json")
+    assert saved == {"backend": "INDUCTOR", "unet": False, "text_encoder": True, "vae": True,
+                     "scope": other_scope, "mode": "MAX_AUTOTUNE", "dynamic": "STATIC",
+                     "fullgraph": True, "strict": True, "cache_dir": "cc"}  # relative to preset
+    loaded = load_config(tmp_path / "b.json").compile
+    assert (loaded.scope, loaded.mode) == (CompileScope(other_scope), CompileMode.MAX_AUTOTUNE)
+    assert loaded.cache_dir == str(tmp_path / "cc")
+
+
+def test_compile_panel_sits_in_advanced_options_in_design_order(app):
+    assert app.registry.tab_of["compile.backend"] == TAB
+    panel = app.compile_panel
+    ys = [panel.backend.frame.winfo_y(), panel.toggles["compile.unet"].frame.master.winfo_y(),
+          *[v.frame.winfo_y() for v in panel.details], panel.check_button.master.winfo_y()]
+    assert ys == sorted(ys)
+
+
+def test_check_compilation_reports_missing_engine_or_shows_report(app, monkeypatch):
+    import app.window as window
+    monkeypatch.setattr(window, "find_explain", lambda: None)
+    app.compile_panel.check_button.invoke()
+    assert "not available in this build" in app.compile_panel.report_text()
+
+    calls = []
+
+    def fake_explain(config):
+        calls.append(config.compile.backend)
+        return f"UNet: {config.compile.backend.value} -> {config.compile.backend.value}, graph_breaks 0"
+
+    app.explain_fn = fake_explain
+    app.compile_panel.backend.menu._dropdown_callback("AOT_EAGER")
+    app.compile_panel.check_button.invoke()
+    from tests.app.conftest import pump
+    pump(app, lambda: "graph_breaks" in app.compile_panel.report_text())
+    assert calls == [CompileBackend.AOT_EAGER]
+    assert app.guard.violations == []

@@ -1,0 +1,126 @@
+"""The generated form: every field has a widget, widgets write the config, presets fill widgets."""
+from __future__ import annotations
+
+import json
+
+from app.binding import leaf_paths
+from app.fields import iter_fields
+from app.widgets import (BoolView, EntryView, EnumView, ListView, MultiEnumView, PathView,
+                         TextBoxView)
+from modules.config import Config
+from modules.config.schema import (CompileBackend, LRScheduler, ModelType, Optimizer,
+                                   SaveFormat)
+from tests.app.conftest import pump
+
+EXPECTED_VIEW = {"bool": BoolView, "int": EntryView, "float": EntryView,
+                 "optional_float": EntryView, "str": EntryView, "path": PathView,
+                 "enum": EnumView, "list_enum": MultiEnumView, "list_dataclass": ListView}
+
+
+def view(app, path):
+    found = app.registry.find(path)
+    assert found is not None and found.path == path, f"no widget for {path}"
+    return found
+
+
+def test_every_config_field_has_a_widget_of_its_kind(app):
+    paths = leaf_paths(app.binding.config)
+    assert "data.datasets[0].path" in paths and "compile.backend" in paths
+    for path in paths:
+        view(app, path)
+    for info in iter_fields(Config):
+        widget = view(app, info.dotted_path)
+        if info.kind == "list_str":
+            expected = TextBoxView if info.metadata.get("multiline") else EntryView
+        else:
+            expected = EXPECTED_VIEW[info.kind]
+        assert isinstance(widget, expected), info.dotted_path
+        tab = app.registry.tab_of[info.dotted_path]
+        assert tab == {"Advanced": "Advanced Options"}.get(info.group, info.group)
+
+
+def test_each_kind_of_widget_updates_the_config(app):
+    cfg = app.binding.config
+    view(app, "training.max_steps").var.set("17")
+    view(app, "training.learning_rate").var.set("2e-4")
+    view(app, "components.unet.learning_rate").var.set("5e-5")
+    assert (cfg.training.max_steps, cfg.training.learning_rate) == (17, 2e-4)
+    assert cfg.components.unet.learning_rate == 5e-5
+    view(app, "components.unet.learning_rate").var.set("")
+    assert cfg.components.unet.learning_rate is None          # empty means None
+
+    view(app, "training.gradient_checkpointing").toggle.toggle()   # a click
+    assert cfg.training.gradient_checkpointing is True
+    view(app, "data.center_crop").toggle.deselect()
+    assert cfg.data.center_crop is False
+
+    view(app, "training.lr_scheduler").menu._dropdown_callback("LINEAR")  # a pick
+    view(app, "training.optimizer").menu.set("ADAMW_8BIT")
+    assert cfg.training.lr_scheduler == LRScheduler.LINEAR
+    assert cfg.training.optimizer == Optimizer.ADAMW_8BIT
+
+    view(app, "output.dir").var.set("/tmp/somewhere")
+    assert cfg.output.dir == "/tmp/somewhere"
+    view(app, "sampling.prompts").set_text("a cat\n\n  a dog  \n")
+    assert cfg.sampling.prompts == ["a cat", "a dog"]
+    view(app, "training.lora_target_modules").var.set("to_q, to_v")
+    assert cfg.training.lora_target_modules == ["to_q", "to_v"]
+    view(app, "output.formats").boxes[SaveFormat.KOHYA].select()
+    assert cfg.output.formats == [SaveFormat.DIFFUSERS, SaveFormat.KOHYA]
+
+    datasets = view(app, "data.datasets")
+    datasets.add_button.invoke()
+    pump(app)
+    assert len(cfg.data.datasets) == 2
+    view(app, "data.datasets[1].repeats").var.set("5")
+    view(app, "data.datasets[1].path").var.set("/data/cats")
+    datasets.remove_buttons[0].invoke()
+    pump(app)
+    assert [(d.path, d.repeats) for d in cfg.data.datasets] == [("/data/cats", 5)]
+    assert view(app, "data.datasets[0].repeats").var.get() == "5"
+    assert app.binding.errors == {}
+
+
+def test_model_type_in_the_top_bar_and_model_tab_stay_in_sync(app):
+    te2 = view(app, "components.text_encoder_2.train")
+    assert te2.toggle.cget("state") == "disabled"           # SD 1.x has no second encoder
+    app.model_type_view.menu._dropdown_callback("SDXL")
+    assert app.binding.config.model.type == ModelType.SDXL
+    assert view(app, "model.type").menu.get() == "SDXL"
+    assert te2.toggle.cget("state") == "normal"
+
+
+def test_loading_a_preset_updates_the_widgets(app, tmp_path):
+    data_dir = tmp_path / "images"
+    data_dir.mkdir()
+    preset = tmp_path / "p.json"
+    preset.write_text(json.dumps({
+        "config_version": 1,
+        "data": {"datasets": [{"path": "images", "repeats": 3},
+                              {"path": "builtin:shapes", "repeats": 2}], "resolution": 128},
+        "training": {"max_steps": 9, "gradient_checkpointing": True, "optimizer": "ADAMW"},
+        "components": {"text_encoder": {"train": True, "learning_rate": 1e-5}},
+        "compile": {"backend": "TRITON", "vae": True},
+        "sampling": {"prompts": ["one", "two"]},
+    }))
+    assert app.load_preset(preset)
+    assert view(app, "training.max_steps").var.get() == "9"
+    assert view(app, "data.resolution").var.get() == "128"
+    assert view(app, "training.gradient_checkpointing").var.get() is True
+    assert view(app, "components.text_encoder.learning_rate").var.get() == "1e-05"
+    assert view(app, "compile.backend").menu.get() == "TRITON"
+    assert view(app, "compile.vae").var.get() is True
+    assert view(app, "sampling.prompts").textbox.get("1.0", "end-1c") == "one\ntwo"
+    assert view(app, "data.datasets[0].path").var.get() == str(data_dir)  # resolved
+    assert view(app, "data.datasets[1].repeats").var.get() == "2"
+    assert app.title().endswith("p.json")
+
+
+def test_a_broken_preset_lists_its_problems_and_keeps_the_window(app, tmp_path):
+    preset = tmp_path / "bad.json"
+    preset.write_text(json.dumps({"training": {"max_stepz": 3, "batch_size": "big"}}))
+    assert not app.load_preset(preset)
+    texts = [b.cget("text") for b in app.problem_buttons]
+    assert any("training.max_stepz" in t for t in texts)
+    assert any("training.batch_size" in t for t in texts)
+    assert app.binding.config == Config()

@@ -1,0 +1,95 @@
+"""Preset picker, built-in presets protection, and the remembered GUI settings."""
+from __future__ import annotations
+
+import json
+import shutil
+
+from app.presets import list_presets
+from app.settings import UISettings, load_settings
+from app.window import apply_scaling
+from tests.app.conftest import REPO
+
+
+def test_presets_are_listed_grouped_by_folder_then_the_users(tmp_path):
+    builtin, mine = tmp_path / "builtin", tmp_path / "mine"
+    for path in (builtin / "demo.json", builtin / "sd15" / "lora.json",
+                 builtin / "sdxl" / "full.json", mine / "cats.json"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("{}")
+    labels = [(p.label, p.builtin) for p in list_presets(builtin, mine)]
+    assert labels == [("demo", True), ("sd15 / lora", True), ("sdxl / full", True),
+                      ("mine / cats", False)]
+
+
+def test_built_in_presets_are_never_silently_overwritten(make_app, tmp_path):
+    builtin = tmp_path / "training_presets"
+    builtin.mkdir()
+    shutil.copy(REPO / "training_presets" / "demo.json", builtin / "demo.json")
+    original = (builtin / "demo.json").read_text()
+    answers, asked_paths = [], []
+    app = make_app(builtin_presets_dir=builtin, confirm=lambda t, m: answers.pop(0),
+                   ask_save_path=lambda folder: asked_paths.append(folder) or None)
+    assert app.current_preset == builtin / "demo.json"
+    assert app.preset_menu.get() == "demo"
+    app.registry.find("training.max_steps").var.set("7")
+
+    assert app.save() is None                       # built-in: Save goes to "Save as…"
+    assert asked_paths == [app.settings.user_presets_path]
+    assert app.save_as(builtin / "demo.json") is None   # refused outright
+    assert "built-in preset" in app.run_panel.status.cget("text")
+    assert (builtin / "demo.json").read_text() == original
+    answers.append(False)
+    assert app.save_as(builtin / "new.json") is None    # asked, declined
+    assert not (builtin / "new.json").exists()
+    answers.append(True)
+    assert app.save_as(builtin / "new.json") == builtin / "new.json"
+
+    mine = tmp_path / "mine.json"
+    assert app.save_as(mine) == mine
+    assert json.loads(mine.read_text())["training"]["max_steps"] == 7
+    app.registry.find("training.max_steps").var.set("8")
+    assert app.save() == mine                       # a user preset is saved in place
+    assert json.loads(mine.read_text())["training"]["max_steps"] == 8
+
+
+def test_picker_loads_the_chosen_preset(make_app, tmp_path):
+    builtin = tmp_path / "presets"
+    (builtin / "group").mkdir(parents=True)
+    (builtin / "group" / "a.json").write_text(json.dumps({"training": {"max_steps": 11}}))
+    (builtin / "b.json").write_text(json.dumps({"training": {"max_steps": 22}}))
+    app = make_app(builtin_presets_dir=builtin)
+    assert app.preset_menu.cget("values") == ["b", "group / a"]
+    app.preset_menu.set("group / a")
+    assert app.load_selected_preset()
+    assert app.binding.config.training.max_steps == 11
+    assert app.registry.find("training.max_steps").var.get() == "11"
+
+
+def test_window_size_scale_and_last_preset_are_remembered(make_app, tmp_path):
+    settings = tmp_path / "ui-settings.json"
+    try:
+        app = make_app(settings_path=settings)
+        app.geometry("1100x720")
+        app.update()
+        # (customtkinter pins the window size for a second after a scale change, so resize first)
+        app.scale_menu._dropdown_callback("125%")
+        assert load_settings(settings)[0].scaling == 1.25
+        app.update()
+        app._finish_close()
+        saved, warning = load_settings(settings)
+        assert warning is None
+        assert saved.geometry.startswith("1100x720")
+        assert saved.last_preset.endswith("demo.json")
+        again = make_app(settings_path=settings)
+        assert again.scale_menu.get() == "125%"
+        assert again.settings.geometry.startswith("1100x720")
+    finally:
+        apply_scaling(1.0)
+
+
+def test_unreadable_settings_are_reported_not_fatal(make_app, tmp_path):
+    settings = tmp_path / "ui.json"
+    settings.write_text("{not json")
+    app = make_app(settings_path=settings)
+    assert "ignored unreadable GUI settings" in app.run_panel.log_text()
+    assert app.settings == UISettings(last_preset=app.settings.last_preset)
