@@ -107,7 +107,8 @@ class GeneralConfig:
 @dataclass
 class ModelConfig:
     path: str = setting(BUILTIN_TINY_SD15, label="Base model", group="Model", path=True,
-                        help="A diffusers model folder, or a built-in model such as "
+                        help="A diffusers model folder, a single-file checkpoint in the original "
+                             "SD/SDXL layout (.safetensors), or a built-in model such as "
                              "'builtin:tiny-sd15' (a tiny random-weight model built locally).")
     type: ModelType = setting(ModelType.SD15, label="Model type", group="Model",
                               help="The model family: decides which components exist and how "
@@ -117,6 +118,19 @@ class ModelConfig:
     train_dtype: DType = setting(DType.FLOAT32, label="Trained weights dtype", group="Model",
                                  help="Data type of the weights being trained (the optimizer "
                                       "keeps its state in this type).")
+    tokenizer_path: str = setting(
+        "", label="Tokenizer folder", group="Model", path=True, advanced=True,
+        help="For a single-file checkpoint: a diffusers folder of the same family whose "
+             "tokenizer/ (and tokenizer_2/) Tempera uses, since checkpoints carry no tokenizer. "
+             "Empty looks next to the checkpoint.")
+    config_path: str = setting(
+        "", label="Architecture config folder", group="Model", path=True, advanced=True,
+        help="For a single-file checkpoint: a diffusers folder whose config.json files describe "
+             "its architecture. Empty uses the SD 1.x / 2.x / XL configs shipped with Tempera.")
+    allow_pickle: bool = setting(
+        False, label="Allow pickle checkpoints", group="Model", advanced=True,
+        help="Load .ckpt/.pt/.bin checkpoints. Unpickling can run code hidden in a file, so this "
+             "is off; when on, Tempera loads them with torch.load(weights_only=True).")
     prediction_type: PredictionType = setting(
         PredictionType.AUTO, label="Prediction type", group="Model", advanced=True,
         help="What the UNet predicts. AUTO reads it from the model's scheduler config "
@@ -299,9 +313,11 @@ class OutputConfig:
     save_every_steps: int = setting(0, label="Save every N steps", group="General", min=0,
                                     max=100_000_000,
                                     help="Periodic checkpoints; 0 saves only at the end.")
-    formats: list[SaveFormat] = setting(default_factory=lambda: [SaveFormat.DIFFUSERS],
-                                        label="Save formats", group="General",
-                                        help="DIFFUSERS: peft LoRA file or diffusers folder.")
+    formats: list[SaveFormat] = setting(
+        default_factory=lambda: [SaveFormat.DIFFUSERS], label="Save formats", group="General",
+        help="DIFFUSERS: LoRA as pytorch_lora_weights.safetensors (diffusers' load_lora_weights), "
+             "fine-tune as a diffusers folder. KOHYA (LoRA): lora_kohya.safetensors for ComfyUI "
+             "and A1111. SINGLE_FILE (fine-tune): model.safetensors in the original SD layout.")
     overwrite: bool = setting(False, label="Overwrite previous run", group="General",
                               help="Allow writing into an output folder that holds an earlier "
                                    "run; off refuses to start so nothing is lost.")

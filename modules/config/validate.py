@@ -24,8 +24,8 @@ from modules.models.types import MODEL_TYPES
 
 BUILTIN_DATASETS = (BUILTIN_SHAPES,)
 SUPPORTED_FORMATS = {
-    TrainingMethod.LORA: {SaveFormat.DIFFUSERS},
-    TrainingMethod.FINE_TUNE: {SaveFormat.DIFFUSERS},
+    TrainingMethod.LORA: {SaveFormat.DIFFUSERS, SaveFormat.KOHYA},
+    TrainingMethod.FINE_TUNE: {SaveFormat.DIFFUSERS, SaveFormat.SINGLE_FILE},
 }
 COMPONENT_NAMES = ("unet", "text_encoder", "text_encoder_2", "vae")
 
@@ -115,7 +115,7 @@ def _check_output_and_sampling(config: Config) -> list[Problem]:
         if fmt not in supported:
             problems.append(Problem(f"output.formats[{i}]",
                                     " or ".join(sorted(f.value for f in supported)), fmt.value,
-                                    "not supported for this training method yet"))
+                                    f"{fmt.value} does not apply to {config.training.method.value}"))
     if not config.output.dir.strip():
         problems.append(Problem("output.dir", "a folder path", repr(config.output.dir)))
     if not config.model.path.strip():
@@ -147,8 +147,7 @@ def _check_model_path(config: Config) -> list[Problem]:
         return [Problem("model.path", "an existing diffusers model folder", repr(path),
                         "no such file or folder")]
     if p.is_file():
-        return [Problem("model.path", "a diffusers model folder", repr(path),
-                        "it is a file; single-file checkpoints are not supported yet")]
+        return _check_single_file(config, p)
     index = p / "model_index.json"
     if not index.is_file():
         return [Problem("model.path", "a diffusers model folder (with model_index.json)",
@@ -166,6 +165,34 @@ def _check_model_path(config: Config) -> list[Problem]:
                 repr(path), f"its model_index.json names {cls}")]
         return [Problem("model.type", " or ".join(matching), config.model.type.value,
                         f"{path} holds a {cls}, not a {spec.pipeline_class}")]
+    return []
+
+
+def _check_single_file(config: Config, path: Path) -> list[Problem]:
+    """A checkpoint file: its format, that it is a whole model of `model.type`, its tokenizer."""
+    from modules.models.single_file import (
+        SingleFileError,
+        detect_model_type,
+        find_tokenizer_folder,
+        is_single_file,
+    )
+    if not is_single_file(path):
+        return [Problem("model.path", "a diffusers model folder or a .safetensors checkpoint",
+                        repr(str(path)), "unknown file type")]
+    try:
+        detect_model_type(path, expected=config.model.type, allow_pickle=config.model.allow_pickle)
+    except SingleFileError as exc:
+        return [Problem("model.path", f"a {MODEL_TYPES[config.model.type].label} checkpoint",
+                        repr(str(path)), str(exc))]
+    if config.model.config_path:
+        return []  # the architecture folder may carry its own tokenizer; the loader checks it
+    try:
+        find_tokenizer_folder(path, config.model.type,
+                              Path(config.model.tokenizer_path) if config.model.tokenizer_path
+                              else None)
+    except SingleFileError as exc:
+        return [Problem("model.tokenizer_path", "a folder with the model's tokenizer",
+                        repr(config.model.tokenizer_path), str(exc))]
     return []
 
 

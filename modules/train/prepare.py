@@ -38,6 +38,19 @@ def resolve_dataset_path(path: str, cache_dir: Path) -> Path:
     return Path(path)
 
 
+def load_bundle(model_path: Path, config: Config) -> ModelBundle:
+    """Load a diffusers folder, or a single-file checkpoint through the shipped configs."""
+    dtype = TORCH_DTYPES[config.model.weight_dtype]
+    from modules.models.single_file import is_single_file, load_single_file_bundle
+    if is_single_file(model_path):
+        m = config.model
+        return load_single_file_bundle(model_path, m.type, m.prediction_type, dtype,
+                                       allow_pickle=m.allow_pickle,
+                                       tokenizer_folder=m.tokenizer_path or None,
+                                       config_folder=m.config_path or None)
+    return load_model(model_path, config.model.type, config.model.prediction_type, dtype)
+
+
 def prepare_run(config: Config, callbacks: TrainerCallbacks) -> PreparedRun:
     """Validate, build built-ins, scan the data and load the model; raise ConfigError on any problem."""
     problems = validate(config)
@@ -63,8 +76,7 @@ def prepare_run(config: Config, callbacks: TrainerCallbacks) -> PreparedRun:
     model_path = resolve_model_path(config.model.path, cache_dir)
     resolved.model.path = str(model_path)
     try:
-        bundle = load_model(model_path, config.model.type, config.model.prediction_type,
-                            TORCH_DTYPES[config.model.weight_dtype])
+        bundle = load_bundle(model_path, config)
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ConfigError([Problem("model.path", "a loadable diffusers model folder",

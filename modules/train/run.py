@@ -193,7 +193,7 @@ class Run:
             return
         self.callbacks.on_status(f"saving {folder.name} at step {self.step}")
         with self.averaged_weights():
-            written = save_weights(self.bundle, self.config, folder)
+            written = save_weights(self.bundle, self.config, folder, self.step)
         for path in written:
             self.record.add_file(path)
         self.record.write(step=self.step)

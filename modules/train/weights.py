@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from modules.config.schema import Config, TrainingMethod
+from modules.config.schema import Config, SaveFormat, TrainingMethod
 from modules.models.loader import ModelBundle
 from modules.models.types import MODEL_TYPES
 from modules.util.atomic import atomic_write_dir
@@ -68,10 +68,17 @@ def enable_gradient_checkpointing(bundle: ModelBundle, trained: list[str]) -> No
             module.gradient_checkpointing_enable()
 
 
-def save_lora(bundle: ModelBundle, config: Config, folder: Path) -> Path:
-    """Save the LoRA adapters in the diffusers/peft layout (`load_lora_weights` reads it)."""
+KOHYA_WEIGHT_NAME = "lora_kohya.safetensors"
+SINGLE_FILE_NAME = "model.safetensors"
+
+
+def write_lora_diffusers(bundle: ModelBundle, config: Config, folder: Path) -> Path:
+    """LoRA adapters in the diffusers/peft layout (`load_lora_weights` reads it).
+
+    The peft state dict is saved as it is: diffusers' conversion to its older key names only
+    covers attention layers, and a file mixing both namings loses the other layers on load.
+    """
     from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
-    from diffusers.utils import convert_state_dict_to_diffusers
     from peft.utils import get_peft_model_state_dict
 
     pipeline_cls = {"StableDiffusionPipeline": StableDiffusionPipeline,
@@ -80,30 +87,73 @@ def save_lora(bundle: ModelBundle, config: Config, folder: Path) -> Path:
     kwargs = {}
     for name in trained_components(config):
         module = bundle.component(name)
-        layers = convert_state_dict_to_diffusers(get_peft_model_state_dict(module))
         kwargs[f"{name}_lora_layers"] = {k: v.detach().to(torch.float32).contiguous()
-                                         for k, v in layers.items()}
+                                         for k, v in get_peft_model_state_dict(module).items()}
         kwargs[f"{name}_lora_adapter_metadata"] = module.peft_config["default"].to_dict()
-
-    def write(tmp: Path) -> None:
-        pipeline_cls.save_lora_weights(save_directory=tmp, weight_name=LORA_WEIGHT_NAME,
-                                       safe_serialization=True, **kwargs)
-    atomic_write_dir(folder, write)
+    pipeline_cls.save_lora_weights(save_directory=folder, weight_name=LORA_WEIGHT_NAME,
+                                   safe_serialization=True, **kwargs)
     return folder / LORA_WEIGHT_NAME
 
 
-def save_full(bundle: ModelBundle, config: Config, folder: Path) -> Path:
-    """Save the whole model as a diffusers folder (`from_pretrained` reads it)."""
-    pipeline = build_pipeline(bundle, config)
-    atomic_write_dir(folder, lambda tmp: pipeline.save_pretrained(tmp, safe_serialization=True))
+def write_lora_kohya(bundle: ModelBundle, config: Config, folder: Path, step: int) -> Path:
+    """LoRA adapters in the kohya layout ComfyUI and A1111 read, with training metadata."""
+    from modules.models.kohya import save_kohya_lora
+    path = folder / KOHYA_WEIGHT_NAME
+    save_kohya_lora({n: bundle.component(n) for n in trained_components(config)}, path,
+                    config.training.lora_alpha, config.model.type,
+                    _metadata(bundle, config, "lora", "kohya", step))
+    return path
+
+
+def write_full_diffusers(bundle: ModelBundle, config: Config, folder: Path) -> Path:
+    """The whole model as a diffusers folder (`from_pretrained` reads it)."""
+    build_pipeline(bundle, config).save_pretrained(folder, safe_serialization=True)
     return folder
 
 
-def save_weights(bundle: ModelBundle, config: Config, folder: Path) -> list[Path]:
-    """Save what this run trains, in every configured format; return the files written."""
-    if config.training.method == TrainingMethod.LORA:
-        return [save_lora(bundle, config, folder)]
-    return [save_full(bundle, config, folder)]
+def write_full_single_file(bundle: ModelBundle, config: Config, folder: Path, step: int) -> Path:
+    """The whole model as one .safetensors in the original SD/SDXL layout."""
+    from modules.models.single_file import save_single_file
+    path = folder / SINGLE_FILE_NAME
+    components = {"unet": bundle.unet, "vae": bundle.vae, **bundle.text_encoders,
+                  "scheduler": bundle.noise_scheduler}
+    save_single_file(components, path, config.model.type,
+                     _metadata(bundle, config, "checkpoint", "single_file", step))
+    return path
+
+
+def _metadata(bundle: ModelBundle, config: Config, kind: str, layout: str, step: int) -> dict:
+    from modules.config.loader import to_dict
+    from modules.models.metadata import training_metadata
+    return training_metadata(to_dict(config), config.model.type, config.training.method, kind,
+                             layout=layout, prediction_type=bundle.prediction_type, steps=step)
+
+
+def save_weights(bundle: ModelBundle, config: Config, folder: Path, step: int) -> list[Path]:
+    """Save what this run trains into `folder`, in every configured format, atomically.
+
+    Everything is written into a temporary folder first and swapped in at the end, so an
+    interrupted save leaves the previous checkpoint of that name intact.
+    """
+    formats = set(config.output.formats)
+    lora = config.training.method == TrainingMethod.LORA
+    writers = [
+        (lora and SaveFormat.DIFFUSERS in formats, lambda t: write_lora_diffusers(bundle, config, t)),
+        (lora and SaveFormat.KOHYA in formats, lambda t: write_lora_kohya(bundle, config, t, step)),
+        (not lora and SaveFormat.DIFFUSERS in formats,
+         lambda t: write_full_diffusers(bundle, config, t)),
+        (not lora and SaveFormat.SINGLE_FILE in formats,
+         lambda t: write_full_single_file(bundle, config, t, step)),
+    ]
+    written: list[Path] = []
+
+    def write(tmp: Path) -> None:
+        for wanted, writer in writers:
+            if wanted:
+                written.append(folder / writer(tmp).relative_to(tmp))
+
+    atomic_write_dir(folder, write)
+    return written
 
 
 def build_pipeline(bundle: ModelBundle, config: Config, scheduler=None):

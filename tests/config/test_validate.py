@@ -87,13 +87,21 @@ def test_blank_prompt_is_named_by_index():
     assert problems["sampling.prompts[1]"].expected == "a non-empty prompt"
 
 
-@pytest.mark.parametrize("method", ["lora", "fine_tune"])
-def test_unsupported_save_format(method):
+@pytest.mark.parametrize("method,wrong,right", [("lora", "single_file", "DIFFUSERS or KOHYA"),
+                                                ("fine_tune", "kohya", "DIFFUSERS or SINGLE_FILE")])
+def test_save_format_that_does_not_fit_the_method(method, wrong, right):
     problems = problems_of(config_with(f"training.method={method}",
-                                       "output.formats=diffusers,kohya"))
+                                       f"output.formats=diffusers,{wrong}"))
     problem = problems["output.formats[1]"]
-    assert (problem.expected, problem.given) == ("DIFFUSERS", "KOHYA")
+    assert (problem.expected, problem.given) == (right, wrong.upper())
     assert "output.formats[0]" not in problems
+
+
+@pytest.mark.parametrize("method,formats", [("lora", "diffusers,kohya"),
+                                            ("fine_tune", "diffusers,single_file")])
+def test_save_formats_that_fit(method, formats):
+    problems = problems_of(config_with(f"training.method={method}", f"output.formats={formats}"))
+    assert not [k for k in problems if k.startswith("output.formats")]
 
 
 def test_no_save_format():
@@ -132,7 +140,7 @@ def test_empty_paths_are_reported_once_with_file_checks(tmp_path, monkeypatch):
 def test_all_problems_at_once():
     config = config_with("components.text_encoder_2.train=true", "data.resolution=500",
                          "data.cache_latents=true", "data.center_crop=false",
-                         "output.formats=kohya")
+                         "output.formats=single_file")
     assert set(problems_of(config)) == {"components.text_encoder_2.train", "data.resolution",
                                         "data.center_crop", "output.formats[0]"}
 
@@ -169,11 +177,37 @@ def test_missing_model_folder(tmp_path):
     assert problem.message == "no such file or folder"
 
 
-def test_file_where_a_model_folder_is_expected(tmp_path):
+def test_damaged_checkpoint_file(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"x")
     problem = _files_ok(tmp_path, "model.path=model.safetensors")["model.path"]
-    assert problem.expected == "a diffusers model folder"
-    assert "it is a file" in problem.message
+    assert problem.expected == "a Stable Diffusion 1.x checkpoint"
+    assert "not a readable .safetensors file" in problem.message
+
+
+def test_file_of_an_unknown_kind(tmp_path):
+    (tmp_path / "model.zip").write_bytes(b"x")
+    problem = _files_ok(tmp_path, "model.path=model.zip")["model.path"]
+    assert problem.message == "unknown file type"
+
+
+@pytest.mark.parametrize("suffix", [".ckpt", ".pt", ".bin"])
+def test_pickle_checkpoint_is_refused_without_opt_in(tmp_path, suffix):
+    import torch
+    path = tmp_path / f"model{suffix}"
+    torch.save({"model.diffusion_model.x": torch.zeros(1)}, path)
+    before = path.read_bytes()
+    problem = _files_ok(tmp_path, f"model.path={path.name}")["model.path"]
+    assert "arbitrary code" in problem.message and "weights_only=True" in problem.message
+    assert path.read_bytes() == before
+
+
+def test_lora_file_given_as_the_base_model(tmp_path):
+    from safetensors.torch import save_file
+    import torch
+    save_file({"lora_unet_down_blocks_0_attentions_0_proj_in.lora_down.weight": torch.zeros(1, 1)},
+              tmp_path / "style.safetensors")
+    problem = _files_ok(tmp_path, "model.path=style.safetensors")["model.path"]
+    assert "looks like a LoRA" in problem.message
 
 
 def test_model_folder_without_model_index(tmp_path):

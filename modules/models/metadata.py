@@ -1,0 +1,136 @@
+"""The safetensors metadata that tools in this field read from saved LoRAs and checkpoints.
+
+Two conventions, both str -> str (safetensors metadata holds only strings):
+- `modelspec.*`, Stability AI's model spec (https://github.com/Stability-AI/ModelSpec), read by
+  A1111/Forge/ComfyUI model browsers and by hubs to tell architecture and resolution;
+- kohya-ss' `ss_*` training keys, read by A1111's LoRA info panel, Civitai and many extensions
+  (network dim/alpha, base model version, training settings).
+A `tempera.config` key keeps the full run config as JSON, so a file says how it was made.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import json
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from modules.config.schema import ModelType
+
+SAI_MODEL_SPEC_VERSION = "1.0.0"
+# modelspec.implementation: LoRAs and ldm checkpoints follow the original (Stability) layout,
+# diffusers folders and peft-layout LoRAs follow diffusers'.
+IMPL_STABILITY = "https://github.com/Stability-AI/generative-models"
+IMPL_DIFFUSERS = "diffusers"
+KINDS = ("lora", "checkpoint")
+LAYOUTS = ("kohya", "single_file", "diffusers")
+
+# kohya's `ss_base_model_version` values.
+BASE_MODEL_VERSIONS = {ModelType.SD15: "sd_v1", ModelType.SD2: "sd_v2",
+                       ModelType.SDXL: "sdxl_base_v1-0"}
+
+
+def modelspec_architecture(model_type: ModelType, v_prediction: bool, kind: str) -> str:
+    """The modelspec architecture id, e.g. ``stable-diffusion-v1/lora``."""
+    if model_type == ModelType.SDXL:
+        arch = "stable-diffusion-xl-v1-base"
+    elif model_type == ModelType.SD2:
+        arch = "stable-diffusion-v2-768-v" if v_prediction else "stable-diffusion-v2-512"
+    else:
+        arch = "stable-diffusion-v1"
+    return f"{arch}/lora" if kind == "lora" else arch
+
+
+def training_metadata(config_dict: dict, model_type: ModelType, method: Any, kind: str,
+                      layout: str = "kohya", prediction_type: str | None = None,
+                      title: str | None = None, steps: int | None = None,
+                      now: dt.datetime | None = None) -> dict[str, str]:
+    """modelspec + kohya `ss_*` metadata for a file saved from the run described by `config_dict`.
+
+    `config_dict` is `modules.config.loader.to_dict(config)`; `kind` is "lora" or "checkpoint";
+    `layout` is how the file is laid out ("kohya", "single_file" or "diffusers");
+    `prediction_type` is the resolved scheduler value ("epsilon" / "v_prediction") when the
+    config says AUTO; `steps` the steps actually trained. LoRA-only `ss_network_*` keys are
+    left out of checkpoints.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    model, data = config_dict.get("model", {}), config_dict.get("data", {})
+    training = config_dict.get("training", {})
+    v_pred = _is_v_prediction(prediction_type or _plain(model.get("prediction_type")), model_type)
+    resolution = int(data.get("resolution", 0))
+    when = (now or dt.datetime.now(dt.timezone.utc)).replace(microsecond=0)
+    meta = {
+        "modelspec.sai_model_spec": SAI_MODEL_SPEC_VERSION,
+        "modelspec.architecture": modelspec_architecture(model_type, v_pred, kind),
+        "modelspec.implementation": IMPL_DIFFUSERS if layout == "diffusers" else IMPL_STABILITY,
+        "modelspec.title": title or _default_title(config_dict),
+        "modelspec.resolution": f"{resolution}x{resolution}",
+        "modelspec.date": when.isoformat(),
+        "modelspec.prediction_type": "v" if v_pred else "epsilon",
+    }
+    max_steps = steps if steps is not None else training.get("max_steps", 0)
+    meta.update({
+        "ss_base_model_version": BASE_MODEL_VERSIONS[model_type],
+        "ss_v2": str(model_type == ModelType.SD2),
+        "ss_v_parameterization": str(v_pred),
+        "ss_sd_model_name": Path(str(model.get("path", ""))).name,  # no local folders in shared files
+        "ss_resolution": f"({resolution}, {resolution})",
+        "ss_learning_rate": str(training.get("learning_rate", "")),
+        "ss_unet_lr": str(_component_lr(config_dict, "unet")),
+        "ss_text_encoder_lr": str(_component_lr(config_dict, "text_encoder")),
+        "ss_max_train_steps": str(max_steps),
+        "ss_num_epochs": str(training.get("epochs", "")),
+        "ss_batch_size_per_device": str(training.get("batch_size", "")),
+        "ss_gradient_accumulation_steps": str(training.get("gradient_accumulation", "")),
+        "ss_gradient_checkpointing": str(bool(training.get("gradient_checkpointing", False))),
+        "ss_lr_scheduler": str(_plain(training.get("lr_scheduler", ""))).lower(),
+        "ss_lr_warmup_steps": str(training.get("lr_warmup_steps", "")),
+        "ss_optimizer": str(_plain(training.get("optimizer", ""))),
+        "ss_mixed_precision": str(_plain(training.get("mixed_precision", ""))).lower(),
+        "ss_seed": str(training.get("seed", "")),
+        "ss_training_started_at": str(int(when.timestamp())),
+        "ss_training_comment": f"trained with Tempera ({_plain(method)})",
+        "tempera.config": json.dumps(config_dict, sort_keys=True, default=_plain),
+    })
+    if kind == "lora":
+        meta.update({
+            "ss_network_module": "networks.lora",
+            "ss_network_dim": str(training.get("lora_rank", "")),
+            "ss_network_alpha": _number(training.get("lora_alpha", "")),
+            "ss_network_args": json.dumps(
+                {"target_modules": training.get("lora_target_modules", [])}),
+        })
+    return meta
+
+
+def _plain(value: Any) -> Any:
+    return value.value if isinstance(value, Enum) else value
+
+
+def _is_v_prediction(prediction_type: Any, model_type: ModelType) -> bool:
+    value = str(prediction_type or "AUTO").lower()
+    if value in ("auto", ""):
+        # AUTO follows the base model's scheduler; of the built-in configs only SD 2 (768-v)
+        # predicts v. Callers that know the loaded scheduler pass `prediction_type`.
+        return model_type == ModelType.SD2
+    return value in ("v", "v_prediction")
+
+
+def _component_lr(config_dict: dict, name: str) -> Any:
+    component = config_dict.get("components", {}).get(name, {})
+    if component.get("learning_rate") is not None:
+        return component["learning_rate"]
+    return config_dict.get("training", {}).get("learning_rate", "")
+
+
+def _number(value: Any) -> str:
+    """kohya writes alpha as a number; 16.0 reads better as '16.0' than '16'."""
+    return str(float(value)) if isinstance(value, (int, float)) else str(value)
+
+
+def _default_title(config_dict: dict) -> str:
+    out_dir = str(config_dict.get("output", {}).get("dir", "")).rstrip("/\\")
+    return out_dir.replace("\\", "/").rsplit("/", 1)[-1] or "tempera"

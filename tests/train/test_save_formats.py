@@ -1,0 +1,105 @@
+"""Every save format through the trainer, read back by the tools users load them with."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from modules.config.schema import ModelType
+from modules.models.single_file import load_single_file, save_single_file
+from modules.models.tiny import ensure_builtin_model
+from modules.train.trainer import train
+
+
+def _pipeline(model_folder: Path):
+    from diffusers import StableDiffusionPipeline
+    pipe = StableDiffusionPipeline.from_pretrained(model_folder, safety_checker=None,
+                                                   local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _image(pipe) -> torch.Tensor:
+    out = pipe("a red circle", height=64, width=64, num_inference_steps=2,
+               generator=torch.Generator().manual_seed(0), output_type="pt")
+    return out.images
+
+
+def _base_folder(result) -> Path:
+    return Path(json.loads((result.output_dir / "config.json").read_text())["model"]["path"])
+
+
+def _lora_layers(module: torch.nn.Module) -> set[str]:
+    return {n.split(".lora_A")[0] for n, _ in module.named_parameters() if ".lora_A" in n}
+
+
+def test_lora_in_both_layouts_loads_in_diffusers_with_every_adapted_layer(tiny_config):
+    # proj_in / proj_out / ff layers are outside diffusers' attention-only key conversion: a
+    # save that converts keys would drop them on load.
+    targets = '["to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out", "ff.net.2"]'
+    result = train(tiny_config("training.max_steps=4", f"training.lora_target_modules={targets}",
+                               "components.text_encoder.train=true",
+                               "training.lora_rank=4", "output.formats=diffusers,kohya"))
+    final = result.output_dir / "final"
+    assert {p.name for p in final.iterdir()} == {"pytorch_lora_weights.safetensors",
+                                                 "lora_kohya.safetensors"}
+    pipe = _pipeline(_base_folder(result))
+    before = _image(pipe)
+    images, layers = {}, {}
+    for name in ("pytorch_lora_weights.safetensors", "lora_kohya.safetensors"):
+        pipe.load_lora_weights(str(final), weight_name=name, adapter_name=name.split(".")[0])
+        pipe.set_adapters(name.split(".")[0])
+        images[name] = _image(pipe)
+        layers[name] = _lora_layers(pipe.unet)
+        pipe.unload_lora_weights()
+    assert torch.allclose(_image(pipe), before), "unloading did not restore the base model"
+    for name, image in images.items():
+        assert not torch.allclose(image, before, atol=1e-4), f"{name} did not change the output"
+        for kind in ("proj_in", "proj_out", "ff.net.2", "to_q"):
+            assert any(layer.endswith(kind) for layer in layers[name]), f"{name}: no {kind} LoRA"
+    assert torch.allclose(images["pytorch_lora_weights.safetensors"],
+                          images["lora_kohya.safetensors"], atol=1e-4), \
+        "the two layouts of the same LoRA render differently"
+    with safe_open(str(final / "lora_kohya.safetensors"), "pt") as f:
+        meta = f.metadata()
+    assert meta["ss_network_dim"] == "4" and meta["ss_max_train_steps"] == "4"
+
+
+def test_fine_tune_single_file_loads_back_with_the_trained_weights(tiny_config):
+    result = train(tiny_config("training.method=FINE_TUNE", "training.max_steps=2",
+                               "output.formats=diffusers,single_file"))
+    final = result.output_dir / "final"
+    single = final / "model.safetensors"
+    assert single.is_file() and (final / "model_index.json").is_file()
+    base = _base_folder(result)
+    loaded = load_single_file(single, ModelType.SD15, config_folder=base)
+    tuned = _pipeline(final)
+    for name in ("unet", "vae", "text_encoder"):
+        expected = getattr(tuned, name).state_dict()
+        got = loaded[name].state_dict()
+        assert expected.keys() == got.keys()
+        assert all(torch.equal(expected[k], got[k]) for k in expected), name
+    assert not torch.equal(loaded["unet"].conv_in.weight, _pipeline(base).unet.conv_in.weight)
+    with safe_open(str(single), "pt") as f:
+        assert f.metadata()["modelspec.architecture"].startswith("stable-diffusion-v1")
+
+
+def test_training_starts_from_a_single_file_checkpoint(tiny_config, tempera_cache, tmp_path):
+    from diffusers import StableDiffusionPipeline
+    folder = ensure_builtin_model("builtin:tiny-sd15", tempera_cache)
+    pipe = StableDiffusionPipeline.from_pretrained(folder, safety_checker=None,
+                                                   local_files_only=True)
+    checkpoint = save_single_file({"unet": pipe.unet, "vae": pipe.vae,
+                                   "text_encoder": pipe.text_encoder,
+                                   "scheduler": pipe.scheduler},
+                                  tmp_path / "my-model.safetensors", ModelType.SD15)
+    before = checkpoint.read_bytes()
+    result = train(tiny_config(f"model.path={checkpoint}", f"model.config_path={folder}",
+                               "training.max_steps=3"))
+    assert result.status == "finished" and result.steps == 3
+    assert (result.output_dir / "final" / "pytorch_lora_weights.safetensors").is_file()
+    assert checkpoint.read_bytes() == before, "training modified the user's checkpoint"
+    resolved = json.loads((result.output_dir / "config.json").read_text())["model"]
+    assert resolved["path"] == str(checkpoint)
