@@ -15,6 +15,7 @@ from typing import Any
 import customtkinter as ctk
 
 from app import external
+from app.benchmark_panel import BenchFn, BenchmarkSection
 from app.binding import ConfigBinding
 from app.compile_info import find_explain, format_report
 from app.compile_panel import PLACED, TAB as ADVANCED_TAB, CompilePanel
@@ -43,6 +44,7 @@ class TemperaApp(ctk.CTk):
                  train_fn: TrainFn | None = None, confirm: Callable[[str, str], bool] | None = None,
                  ask_save_path: Callable[[Path], str | None] | None = None,
                  explain_fn: Callable[[Config], Any] | None = None, poll_ms: int = 50,
+                 bench_fn: BenchFn | None = None,
                  initial_preset: Path | None = None) -> None:
         self.settings_path = Path(settings_path or DEFAULT_SETTINGS_PATH).expanduser()
         self.settings, settings_warning = load_settings(self.settings_path)
@@ -53,6 +55,7 @@ class TemperaApp(ctk.CTk):
         self.minsize(960, 640)
         self.builtin_dir = Path(builtin_presets_dir or BUILTIN_PRESETS_DIR)
         self.train_fn, self.explain_fn, self.poll_ms = train_fn, explain_fn, poll_ms
+        self.bench_fn = bench_fn
         self.confirm = confirm or ask_yes_no
         self.ask_save_path = ask_save_path or self._ask_save_path
         self.guard = ThreadGuard()
@@ -98,6 +101,10 @@ class TemperaApp(ctk.CTk):
             if group == "Advanced":
                 self.compile_panel = CompilePanel(scroll, self.binding, self.registry,
                                                   self.check_compilation)
+                self.benchmark = BenchmarkSection(
+                    self.compile_panel.box, self.binding,
+                    lambda problems, title: self.show_problems(problems, title),
+                    lambda: self.training, self.bench_fn)
                 build_fields(scroll, fields_of_group(group, skip=PLACED), self.binding,
                              self.registry, title)
             else:
@@ -294,6 +301,10 @@ class TemperaApp(ctk.CTk):
     def start_training(self) -> bool:
         """Validate (the one `validate`) and start the worker; problems are listed instead."""
         if self.worker is not None:
+            return False
+        if self.benchmark.running:
+            self.run_panel.set_status("A benchmark is running (Advanced Options); stop it or "
+                                      "wait, so the two do not share the machine.", error=True)
             return False
         problems = self.binding.problems()
         if problems:
@@ -493,6 +504,7 @@ class TemperaApp(ctk.CTk):
         if self.tensorboard is not None and self.tensorboard.poll() is None:
             self.tensorboard.terminate()
         self.compile_panel.cancel_pending()
+        self.benchmark.stop()
         self._tempera_closed = True
         forget_scaling_registration(self)
         self.destroy()

@@ -1,0 +1,184 @@
+"""Advanced Options' "Benchmark…": a short side-by-side run of the current config, as a table.
+
+The short version times eager against the backend picked in the panel (AOT_EAGER and DEFAULT
+when the panel says NONE), a few steps each, each cell in its own process exactly as
+``scripts/benchmark_compile.py`` does (both call `modules.bench.run_benchmark`). "Use fastest"
+copies the winning cell's compile settings into the form; nothing is saved until the user saves.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import customtkinter as ctk
+
+from app.binding import ConfigBinding
+from modules.config import Config, ConfigError, Problem
+
+SHORT_STEPS, SHORT_WARMUP = 4, 3
+POLL_MS = 100
+BenchFn = Callable[..., Any]  # modules.bench.run_benchmark's signature
+
+
+def short_backends(config: Config) -> list[str]:
+    """Eager plus the chosen backend (plus the two cheapest when none is chosen)."""
+    chosen = config.compile.backend.value
+    return ["NONE", "AOT_EAGER", "DEFAULT"] if chosen == "NONE" else ["NONE", chosen]
+
+
+def default_bench_fn() -> BenchFn:
+    from modules.bench import run_benchmark  # torch is imported only when a benchmark starts
+    return run_benchmark
+
+
+def result_table(result: Any) -> str:
+    """The result as an aligned plain-text table for the report box."""
+    from modules.bench.report import plain_table
+    return plain_table(result)
+
+
+class BenchmarkSection:
+    """The button row, the live progress line and the result table, under the compile panel."""
+
+    def __init__(self, parent: Any, binding: ConfigBinding,
+                 show_problems: Callable[[list[Problem], str], None],
+                 training_active: Callable[[], bool], bench_fn: BenchFn | None = None) -> None:
+        self.binding = binding
+        self.show_problems = show_problems
+        self.training_active = training_active
+        self.bench_fn = bench_fn
+        self.events: "queue.Queue[tuple[str, Any]]" = queue.Queue()
+        self.stop_requested = threading.Event()
+        self.thread: threading.Thread | None = None
+        self.result: Any = None
+        self._poll_id: str | None = None
+
+        row = ctk.CTkFrame(parent, fg_color="transparent")
+        row.pack(fill="x", padx=10, pady=(4, 4))
+        self.button = ctk.CTkButton(row, text="Benchmark…", width=160, command=self.start)
+        self.button.pack(side="left")
+        self.apply_button = ctk.CTkButton(row, text="Use fastest", width=120,
+                                          command=self.use_fastest, state="disabled")
+        self.apply_button.pack(side="left", padx=(8, 0))
+        self.status = ctk.CTkLabel(row, text="eager vs the chosen backend, a few steps each, on "
+                                             "the current settings", anchor="w",
+                                   text_color=("gray35", "gray65"))
+        self.status.pack(side="left", padx=10, fill="x", expand=True)
+        self.table = ctk.CTkTextbox(parent, height=120, wrap="none",
+                                    font=ctk.CTkFont(family="Courier", size=12))
+        self.table.pack(fill="x", padx=10, pady=(0, 10))
+        self._show("")
+
+    @property
+    def running(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
+
+    def start(self) -> bool:
+        """Validate the form, then benchmark a snapshot of it in a worker thread."""
+        if self.running:
+            self.stop_requested.set()  # the button reads "Stop" while a benchmark runs
+            self.status.configure(text="stopping…")
+            return False
+        if self.training_active():
+            self.status.configure(text="Stop training first: both would share the machine and "
+                                       "the numbers would mean nothing.")
+            return False
+        problems = self.binding.problems(check_files=True)
+        if problems:
+            self.show_problems(problems, "Fix these before benchmarking")
+            return False
+        config = self.binding.snapshot()
+        backends = short_backends(config)
+        bench = self.bench_fn or default_bench_fn()
+        self.stop_requested.clear()
+        self.result = None
+        self.apply_button.configure(state="disabled")
+        self.button.configure(text="Stop benchmark")
+        self._show(f"Benchmarking {', '.join(backends)} on the current settings: each cell is "
+                   "a fresh process that compiles and trains a few steps.")
+
+        def work() -> None:
+            try:
+                result = bench(config, backends=backends, steps=SHORT_STEPS,
+                               warmup=SHORT_WARMUP, warm_start=False,
+                               progress=lambda e: self.events.put(("progress", e)),
+                               should_stop=self.stop_requested.is_set)
+                self.events.put(("done", result))
+            except ConfigError as exc:
+                self.events.put(("problems", exc.problems))
+            except Exception as exc:  # shown in the box, never swallowed
+                self.events.put(("failed", f"{type(exc).__name__}: {exc}"))
+
+        self.thread = threading.Thread(target=work, name="tempera-benchmark", daemon=True)
+        self.thread.start()
+        self._poll_id = self.button.after(POLL_MS, self._poll)
+        return True
+
+    def stop(self) -> None:
+        """Ask a running benchmark to kill its cell (window closing)."""
+        self.stop_requested.set()
+        if self._poll_id is not None:
+            self.button.after_cancel(self._poll_id)
+            self._poll_id = None
+
+    def _poll(self) -> None:
+        self._poll_id = None
+        while True:
+            try:
+                kind, data = self.events.get_nowait()
+            except queue.Empty:
+                break
+            self._handle(kind, data)
+        if self.running or not self.events.empty():
+            self._poll_id = self.button.after(POLL_MS, self._poll)
+        else:
+            self.button.configure(text="Benchmark…")
+
+    def _handle(self, kind: str, data: Any) -> None:
+        if kind == "progress":
+            self.status.configure(text=f"[{data.index}/{data.total}] {data.cell}: {data.message}")
+        elif kind == "done":
+            self.result = data
+            self._show(result_table(data))
+            if data.baseline() is not None and data.baseline()["status"] == "ok":
+                self.apply_button.configure(state="normal")
+            self.status.configure(text=self.summary(data))
+        elif kind == "problems":
+            self.show_problems(data, "Fix these before benchmarking")
+            self._show(f"Cannot benchmark: {len(data)} problem(s), listed below the tabs.")
+        else:
+            self._show(f"The benchmark failed: {data}")
+            self.status.configure(text="benchmark failed")
+
+    @staticmethod
+    def summary(result: Any) -> str:
+        fastest = result.fastest()
+        if fastest is None:
+            return "no compiled cell ran cleanly; see the table"
+        if (fastest.get("speedup") or 0) <= 1.0:
+            return f"eager was fastest here ({fastest['label']}: {fastest['speedup']}× eager)"
+        return f"fastest: {fastest['label']}, {fastest['speedup']:.2f}× eager"
+
+    def use_fastest(self) -> None:
+        """Copy the recommended compile settings into the form (the same rule as --apply)."""
+        from modules.bench.apply import ApplyError, recommended_settings
+        try:
+            values, note, _ = recommended_settings(self.result)
+        except ApplyError as exc:
+            self.status.configure(text=str(exc))
+            return
+        for path, value in values.items():
+            self.binding.set_value(path, value)
+        self.status.configure(text=f"set backend {values['compile.backend'].value} ({note}); "
+                                   "save the preset to keep it")
+
+    def _show(self, text: str) -> None:
+        self.table.configure(state="normal")
+        self.table.delete("1.0", "end")
+        self.table.insert("1.0", text)
+        self.table.configure(state="disabled")
+
+    def text(self) -> str:
+        return self.table.get("1.0", "end-1c")
