@@ -16,13 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from modules.config.schema import BUILTIN_PREFIX, ModelType
+from modules.util.atomic import publish_dir_once
 from modules.models.tiny import (
     _VAE,
     TINY_SPECS,
     TOKENIZER_FILES,
     TextEncoderSpec,
     TinySpec,
-    _publish_atomically,
     build_tiny_components,
     spec_fingerprint,
 )
@@ -199,5 +199,5 @@ def ensure_bench_model(name: str, cache_dir: Path) -> str:
     spec = bench_spec(name)
     target = Path(cache_dir) / "bench-models" / f"{name}-{spec_fingerprint(spec)}"
     if not target.is_dir():
-        _publish_atomically(target, lambda tmp: _build_folder(spec, tmp, name in _SAVE_HALF))
+        publish_dir_once(target, lambda tmp: _build_folder(spec, tmp, name in _SAVE_HALF))
     return str(target)

@@ -6,16 +6,14 @@ minutes on a CPU. The set is generated from a fixed seed and is byte-identical e
 """
 from __future__ import annotations
 
-import os
 import random
-import shutil
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 from PIL import Image, ImageDraw
 
 from modules.config.schema import BUILTIN_SHAPES
+from modules.util.atomic import publish_dir_once
 
 DATASET_VERSION = "v1"
 SEED = 1234
@@ -105,19 +103,7 @@ def ensure_shapes_dataset(cache_dir: Path, count: int = 48, size: int = 64) -> P
     target = shapes_dataset_dir(cache_dir, count, size)
     if target.is_dir():
         return target
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    try:
-        write_shapes(tmp, count, size)
-        try:
-            os.replace(tmp, target)
-        except OSError:
-            # A concurrent run published the same folder first; its contents are identical.
-            if not target.is_dir():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-    return target
+    return publish_dir_once(target, lambda tmp: write_shapes(tmp, count, size))
 
 
 BUILTIN_DATASETS: dict[str, Callable[[Path], Path]] = {BUILTIN_SHAPES: ensure_shapes_dataset}

@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import tempfile
-import uuid
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -27,6 +25,7 @@ from typing import Any
 import torch
 
 from modules.config.schema import BUILTIN_PREFIX, ModelType
+from modules.util.atomic import publish_dir_once
 
 # Bump when the builder changes in a way the spec table does not show (e.g. tokenizer layout):
 # it is part of the cache fingerprint, so old cached folders are not reused.
@@ -371,7 +370,7 @@ def ensure_builtin_model(name: str, cache_dir: Path) -> Path:
     if target.is_dir():
         return target
     model_type = _builtin_type(name)
-    return _publish_atomically(target, lambda tmp: build_tiny_pipeline(model_type, tmp))
+    return publish_dir_once(target, lambda tmp: build_tiny_pipeline(model_type, tmp))
 
 
 def _builtin_type(name: str) -> ModelType:
@@ -380,22 +379,3 @@ def _builtin_type(name: str) -> ModelType:
     return BUILTIN_MODELS[name]
 
 
-def _publish_atomically(target: Path, build: Callable[[Path], Any]) -> Path:
-    """Run `build` into a temporary sibling folder, then rename it to `target` in one step.
-
-    If another process published `target` first, its folder is kept and ours is discarded.
-    """
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    tmp.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        build(tmp)
-        try:
-            os.replace(tmp, target)
-        except OSError:
-            # A concurrent build of the same target won the rename; its folder is equally valid.
-            if not target.is_dir():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-    return target

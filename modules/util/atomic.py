@@ -53,3 +53,26 @@ def atomic_write_dir(path: Path, write: Callable[[Path], None]) -> None:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
+
+
+def publish_dir_once(target: Path, build: Callable[[Path], object]) -> Path:
+    """Build a folder with `build(tmp_dir)` next to `target`, then rename it to `target`.
+
+    For caches whose contents depend only on their name (built-in models, datasets): if
+    another process published `target` first, its folder is kept and ours is discarded, and an
+    interrupted build leaves nothing under `target`, so it is simply redone next time.
+    """
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    try:
+        build(tmp)
+        try:
+            os.replace(tmp, target)
+        except OSError:
+            if not target.is_dir():  # a concurrent build of the same name won the rename
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return target
