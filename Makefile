@@ -10,7 +10,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tempera-installed
 
-.PHONY: demo test test-fast ui docs gpu-check
+.PHONY: demo test test-fast ui docs
 
 $(STAMP): pyproject.toml requirements/constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

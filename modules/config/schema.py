@@ -157,6 +157,15 @@ class DataConfig:
                                 help="Crop the center after resizing; off means a random crop.")
     random_flip: bool = setting(False, label="Random flip", group="Data",
                                 help="Flip images horizontally at random.")
+    aspect_buckets: bool = setting(
+        False, label="Aspect-ratio buckets", group="Data",
+        help="Train each image at the bucket size nearest its aspect ratio (sides multiples of "
+             "64, about resolution x resolution pixels) instead of a square crop; each batch "
+             "holds one bucket. Off crops every image to a square.")
+    bucket_max_aspect: float = setting(
+        2.0, label="Max bucket aspect", group="Data", min=1.0, max=4.0, advanced=True,
+        help="Longest over shortest side of the most elongated bucket; images beyond it go to "
+             "that bucket and lose more to the crop. Only used with aspect-ratio buckets.")
     cache_latents: bool = setting(False, label="Cache latents", group="Data",
                                   help="Encode every image with the VAE once and keep the latents "
                                        "on disk; the VAE is then not needed during training.")

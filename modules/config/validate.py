@@ -5,8 +5,10 @@ make sense and inputs on disk that are missing, each as a Problem with its dotte
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
+import math
 from pathlib import Path
 
 from modules.config.problems import Problem
@@ -14,6 +16,7 @@ from modules.config.schema import (
     BUILTIN_PREFIX,
     BUILTIN_SHAPES,
     Config,
+    DataConfig,
     Device,
     MixedPrecision,
     Optimizer,
@@ -28,6 +31,8 @@ SUPPORTED_FORMATS = {
     TrainingMethod.FINE_TUNE: {SaveFormat.DIFFUSERS, SaveFormat.SINGLE_FILE},
 }
 COMPONENT_NAMES = ("unet", "text_encoder", "text_encoder_2", "vae")
+BUCKET_MAX_ASPECT_LIMIT = next(f.metadata["max"] for f in dataclasses.fields(DataConfig)
+                               if f.name == "bucket_max_aspect")
 
 
 def validate(config: Config, check_files: bool = True) -> list[Problem]:
@@ -92,6 +97,9 @@ def _check_data(config: Config) -> list[Problem]:
         if not ds.path.strip():
             problems.append(Problem(f"data.datasets[{i}].path",
                                     f"a folder of images or {BUILTIN_SHAPES}", repr(ds.path)))
+    if d.aspect_buckets and d.resolution >= 64 and d.resolution % 64 == 0 \
+            and d.bucket_max_aspect >= 1.0:  # out-of-range values are the loader's to report
+        problems += _check_buckets(d.resolution, d.bucket_max_aspect)
     if d.cache_latents and not d.center_crop:
         problems.append(Problem("data.center_crop", "true when data.cache_latents is on", "false",
                                 "a random crop would be frozen into the cached latents"))
@@ -104,6 +112,23 @@ def _check_data(config: Config) -> list[Problem]:
         problems.append(Problem("data.caption_extension", "an extension such as '.txt'",
                                 repr(d.caption_extension)))
     return problems
+
+
+def _check_buckets(resolution: int, max_aspect: float) -> list[Problem]:
+    """Bucketing that can only produce the square bucket is a mistake the user should hear of."""
+    from modules.data.buckets import bucket_sizes, narrowest_non_square
+    if len(bucket_sizes(resolution, max_aspect)) > 1:
+        return []
+    narrowest = narrowest_non_square(resolution)
+    if narrowest is None or narrowest > BUCKET_MAX_ASPECT_LIMIT:
+        hint = (f"at resolution {resolution} only the square bucket has sides that are "
+                "multiples of 64; use a larger resolution (192 allows 2:3 buckets)")
+    else:
+        enough = math.ceil(narrowest * 100) / 100
+        hint = (f"at resolution {resolution} the least elongated non-square bucket has aspect "
+                f"{narrowest:.2f}; raise data.bucket_max_aspect to {enough} or the resolution")
+    return [Problem("data.aspect_buckets", "a resolution and data.bucket_max_aspect that allow "
+                    "more than the square bucket (or aspect_buckets = false)", "true", hint)]
 
 
 def _check_output_and_sampling(config: Config) -> list[Problem]:
@@ -119,8 +144,9 @@ def _check_output_and_sampling(config: Config) -> list[Problem]:
     if not config.output.dir.strip():
         problems.append(Problem("output.dir", "a folder path", repr(config.output.dir)))
     if not config.model.path.strip():
-        problems.append(Problem("model.path", "a diffusers model folder or a builtin: model",
-                                repr(config.model.path)))
+        problems.append(Problem("model.path", "a diffusers model folder, a .safetensors "
+                                "checkpoint or a builtin: model", repr(config.model.path),
+                                "choose the base model to train"))
     if config.sampling.every_steps and not config.sampling.prompts:
         problems.append(Problem("sampling.prompts", "at least one prompt when sampling is on",
                                 "[]"))

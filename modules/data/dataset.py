@@ -1,20 +1,20 @@
-"""The image/caption dataset, its epoch-aware shuffling sampler, collate and DataLoader helper.
+"""The image/caption dataset, its epoch-aware samplers, collate and DataLoader helper.
 
 Determinism: every random choice for an item (crop, flip) comes from an RNG seeded by
-(seed, epoch, index), and the shuffle order of an epoch from a generator seeded by
-(seed, epoch). Nothing depends on global RNG state or on which process loads the item, so
-`num_workers=0` and `num_workers=4` give the same batches, and a resumed run can rebuild any
-epoch exactly.
+(seed, epoch, index), and the shuffle order of an epoch (or, with aspect-ratio buckets, the
+order within each bucket and of the batches) from a generator seeded by (seed, epoch).
+Nothing depends on global RNG state or on which process loads the item, so `num_workers=0`
+and `num_workers=4` give the same batches, and a resumed run can rebuild any epoch exactly.
 """
 from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
 
 from modules.data.folders import ScanItem, ScanResult
 from modules.data.images import load_training_image
@@ -47,21 +47,32 @@ def split_key(key: int | ItemKey) -> ItemKey:
     return 0, int(key)
 
 
+def square_sizes(count: int, resolution: int) -> list[tuple[int, int]]:
+    """`count` times (resolution, resolution): every item's target size without buckets."""
+    return [(resolution, resolution)] * count
+
+
 class ImageCaptionDataset(Dataset):
     """Training samples as pixels: one dict per (repeated) image.
 
     Items: {"pixel_values": float CHW in [-1, 1], "caption": str, "path": str,
     "original_size": (h, w), "crop_top_left": (top, left)}. Index with an int (epoch 0) or an
-    (epoch, index) pair as `EpochShuffleSampler` yields.
+    (epoch, index) pair as `EpochShuffleSampler` yields. `target_sizes` holds each item's
+    (height, width), its aspect-ratio bucket; by default every item is a `resolution` square.
     """
 
     def __init__(self, items: Sequence[ScanItem], resolution: int, center_crop: bool = True,
-                 random_flip: bool = False, seed: int = 0) -> None:
+                 random_flip: bool = False, seed: int = 0,
+                 target_sizes: Sequence[tuple[int, int]] | None = None) -> None:
         self.items = list(items)
         self.resolution = resolution
         self.center_crop = center_crop
         self.random_flip = random_flip
         self.seed = seed
+        self.target_sizes = (square_sizes(len(self.items), resolution) if target_sizes is None
+                             else [tuple(size) for size in target_sizes])
+        if len(self.target_sizes) != len(self.items):
+            raise ValueError(f"{len(self.target_sizes)} target sizes for {len(self.items)} items")
 
     def __len__(self) -> int:
         return len(self.items)
@@ -69,7 +80,7 @@ class ImageCaptionDataset(Dataset):
     def __getitem__(self, key: int | ItemKey) -> dict[str, Any]:
         epoch, index = split_key(key)
         item = self.items[index]
-        image = load_training_image(item.path, self.resolution, self.center_crop,
+        image = load_training_image(item.path, self.target_sizes[index], self.center_crop,
                                     self.random_flip, item_rng(self.seed, epoch, index))
         return {"pixel_values": image.pixels, "caption": item.caption, "path": str(item.path),
                 "original_size": image.original_size, "crop_top_left": image.crop_top_left}
@@ -110,13 +121,88 @@ class EpochShuffleSampler(Sampler[ItemKey]):
         epoch = self.epoch
         self.epoch += 1
         order = self.epoch_order(epoch)
-        if self.world_size > 1:
-            # Pad by wrapping around so each rank gets as many items (ranks that ran out of
-            # batches first would otherwise wait forever for the others' gradients), then deal
-            # the shuffled order out round-robin.
-            order += order[:len(self) * self.world_size - len(order)]
-            order = order[self.rank::self.world_size]
+        order = rank_share(order, self.rank, self.world_size)
         return iter([(epoch, index) for index in order])
+
+
+def rank_share(order: list[int], rank: int, world_size: int) -> list[int]:
+    """`rank`'s part of `order`: every rank gets ceil(len / world_size) indices.
+
+    Pads by wrapping around (repeating from the start) so each rank gets as many items (ranks
+    that ran out of batches first would otherwise wait forever for the others' gradients),
+    then deals the order out round-robin.
+    """
+    if world_size == 1 or not order:
+        return order
+    per_rank = -(-len(order) // world_size)
+    padded = [order[i % len(order)] for i in range(per_rank * world_size)]
+    return padded[rank::world_size]
+
+
+class BucketBatchSampler(Sampler[list[ItemKey]]):
+    """Batches of (epoch, index) keys in which every item has the same bucket.
+
+    `buckets` holds one key per item (its target (height, width)). Each epoch, per (seed,
+    epoch): the items of each bucket are shuffled, each rank takes its share of every bucket
+    (`rank_share`, so all ranks get the same number of batches from each bucket), cuts it into
+    batches, and the batches of all buckets are shuffled together in the same order on every
+    rank, so the ranks train the same bucket at the same step. A bucket's last batch may be
+    short (drop_last=False): no image is skipped, but it is one more batch shape to compile.
+    """
+
+    def __init__(self, buckets: Sequence[Hashable], batch_size: int, seed: int,
+                 shuffle: bool = True, start_epoch: int = 0, rank: int = 0,
+                 world_size: int = 1) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        self.members: dict[Hashable, list[int]] = {}
+        for index, bucket in enumerate(buckets):
+            self.members.setdefault(bucket, []).append(index)
+        self.batch_size = batch_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = start_epoch
+        self.rank = rank
+        self.world_size = world_size
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next iteration run `epoch`."""
+        self.epoch = epoch
+
+    def _share_size(self, bucket: Hashable) -> int:
+        return -(-len(self.members[bucket]) // self.world_size)
+
+    def __len__(self) -> int:
+        return sum(-(-self._share_size(b) // self.batch_size) for b in self.members)
+
+    def short_batches(self) -> int:
+        """Batches per epoch (on each rank) with fewer than batch_size items."""
+        return sum(1 for b in self.members if self._share_size(b) % self.batch_size)
+
+    def epoch_batches(self, epoch: int) -> list[list[int]]:
+        """This rank's batches of item indices in `epoch` (a pure function of seed and epoch)."""
+        generator = torch.Generator().manual_seed(derive_seed("buckets", self.seed, epoch))
+        batches: list[list[int]] = []
+        for bucket in self.members:  # first-appearance order: fixed by the items
+            members = self.members[bucket]
+            if self.shuffle:
+                members = [members[i] for i in torch.randperm(len(members),
+                                                              generator=generator).tolist()]
+            share = rank_share(members, self.rank, self.world_size)
+            batches += [share[i:i + self.batch_size]
+                        for i in range(0, len(share), self.batch_size)]
+        if self.shuffle:
+            batches = [batches[i] for i in torch.randperm(len(batches),
+                                                          generator=generator).tolist()]
+        return batches
+
+    def __iter__(self) -> Iterator[list[ItemKey]]:
+        # A generator, so the epoch advances at the first batch drawn, not at `iter()`: a
+        # DataLoader with workers calls `iter()` on its batch sampler twice and keeps the second.
+        epoch = self.epoch
+        self.epoch += 1
+        for batch in self.epoch_batches(epoch):
+            yield [(epoch, index) for index in batch]
 
 
 def collate_examples(examples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -137,19 +223,40 @@ def collate_examples(examples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return batch
 
 
+def epoch_batch_sampler(length: int, batch_size: int, seed: int, shuffle: bool = True,
+                        start_epoch: int = 0, rank: int = 0, world_size: int = 1,
+                        buckets: Sequence[Hashable] | None = None) -> Sampler[list[ItemKey]]:
+    """The batches of (epoch, index) keys a run trains on; `len()` is batches per epoch.
+
+    Without `buckets`: `EpochShuffleSampler` cut into batches (the last one may be short).
+    With `buckets` (one key per item): `BucketBatchSampler`, every batch from one bucket.
+    """
+    if buckets is None:
+        sampler = EpochShuffleSampler(length, seed, shuffle=shuffle, start_epoch=start_epoch,
+                                      rank=rank, world_size=world_size)
+        return BatchSampler(sampler, batch_size, drop_last=False)
+    if len(buckets) != length:
+        raise ValueError(f"{len(buckets)} bucket keys for {length} items")
+    return BucketBatchSampler(buckets, batch_size, seed, shuffle=shuffle,
+                              start_epoch=start_epoch, rank=rank, world_size=world_size)
+
+
 def build_dataloader(dataset: Dataset, batch_size: int, seed: int, num_workers: int = 0,
                      shuffle: bool = True, start_epoch: int = 0,
-                     pin_memory: bool = False, rank: int = 0, world_size: int = 1) -> DataLoader:
+                     pin_memory: bool = False, rank: int = 0, world_size: int = 1,
+                     buckets: Sequence[Hashable] | None = None) -> DataLoader:
     """A DataLoader over `dataset` that is reproducible from the training seed.
 
-    Uses `EpochShuffleSampler` (so the dataset must accept (epoch, index) keys, as both
-    Tempera datasets do) and keeps the last partial batch (drop_last=False). The loader also
-    gets a `torch.Generator` seeded from `seed`, which fixes the workers' base seed for any
-    library code that draws from torch's RNG inside a worker.
+    Batches come from `epoch_batch_sampler` (so the dataset must accept (epoch, index) keys,
+    as both Tempera datasets do); the last partial batch is kept (drop_last=False), and with
+    `buckets` every batch holds one bucket. The loader also gets a `torch.Generator` seeded
+    from `seed`, which fixes the workers' base seed for any library code that draws from
+    torch's RNG inside a worker.
     """
-    sampler = EpochShuffleSampler(len(dataset), seed, shuffle=shuffle,  # type: ignore[arg-type]
-                                  start_epoch=start_epoch, rank=rank, world_size=world_size)
+    batches = epoch_batch_sampler(len(dataset), batch_size, seed,  # type: ignore[arg-type]
+                                  shuffle=shuffle, start_epoch=start_epoch, rank=rank,
+                                  world_size=world_size, buckets=buckets)
     generator = torch.Generator().manual_seed(derive_seed("loader", seed))
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
-                      collate_fn=collate_examples, drop_last=False, generator=generator,
+    return DataLoader(dataset, batch_sampler=batches, num_workers=num_workers,
+                      collate_fn=collate_examples, generator=generator,
                       pin_memory=pin_memory, persistent_workers=False)

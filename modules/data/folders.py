@@ -2,7 +2,8 @@
 
 Layout (the kohya / OneTrainer convention): a folder of images, each with a same-name caption
 file next to it (`cat.png` + `cat.txt`). Every image is decoded once here, so a corrupt file is
-skipped with a reason at scan time instead of crashing a run hours in.
+skipped with a reason at scan time instead of crashing a run hours in; the same pass reads
+each image's oriented size, which aspect-ratio bucketing needs.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from modules.data.errors import DatasetError
-from modules.data.images import IMAGE_EXTENSIONS, check_image, is_image_file
+from modules.data.images import IMAGE_EXTENSIONS, inspect_image, is_image_file
 
 logger = logging.getLogger("tempera.data")
 
@@ -34,11 +35,16 @@ class DatasetSource:
 
 @dataclass(frozen=True)
 class ScanItem:
-    """One usable image: its file, its caption ("" when it has none) and its source's index."""
+    """One usable image: its file, its caption ("" when it has none) and its source's index.
+
+    `size` is (height, width) after EXIF rotation, as the scan read it (None for an item made
+    by hand; bucketing then reads the file's header).
+    """
     path: Path
     caption: str
     source_index: int
     has_caption: bool = True
+    size: tuple[int, int] | None = None
 
 
 @dataclass
@@ -144,22 +150,23 @@ def _scan_folder(folder: Path, source_index: int, caption_extension: str, recurs
                                 f"{'/'.join(sorted(IMAGE_EXTENSIONS))})")
     images = [path for path in files if is_image_file(path)]
     with ThreadPoolExecutor(max_workers=threads) as pool:
-        reasons = list(pool.map(check_image, images))  # map keeps the sorted order
-    for path, reason in zip(images, reasons):
-        if reason is not None:
-            _skip(result, path, reason)
+        checks = list(pool.map(inspect_image, images))  # map keeps the sorted order
+    for path, check in zip(images, checks):
+        if check.reason is not None:
+            _skip(result, path, check.reason)
             continue
         caption_path = captions.get((path.parent, (path.stem + caption_extension).lower()))
         if caption_path is None:
             result.missing_captions.append(path)
-            result.items.append(ScanItem(path, "", source_index, has_caption=False))
+            result.items.append(ScanItem(path, "", source_index, has_caption=False,
+                                         size=check.size))
             continue
         try:
             caption = caption_path.read_text(encoding="utf-8-sig").strip()  # -sig: Notepad BOM
         except (OSError, UnicodeDecodeError) as exc:
             _skip(result, path, f"caption file {caption_path.name} is unreadable: {exc}")
             continue
-        result.items.append(ScanItem(path, caption, source_index))
+        result.items.append(ScanItem(path, caption, source_index, size=check.size))
 
 
 def _list_files(folder: Path, recursive: bool) -> tuple[list[Path], int]:

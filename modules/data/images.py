@@ -19,6 +19,9 @@ from modules.data.errors import DatasetError
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp"})
 
 Rng = random.Random | torch.Generator
+# What an image is cropped to: a square side (`data.resolution`) or an aspect-ratio bucket's
+# (height, width).
+TargetSize = int | tuple[int, int]
 
 # Side of the reduced decode used by `check_image`: JPEG decodes at 1/2..1/8 scale (`draft`),
 # which still reads every byte of the file, so truncation is caught without a full decode.
@@ -49,26 +52,44 @@ def is_image_file(path: Path) -> bool:
     return path.suffix.lower() in IMAGE_EXTENSIONS
 
 
+@dataclass(frozen=True)
+class ImageCheck:
+    """What the scan learns about one file: its (height, width) after EXIF rotation when it
+    loads, or why it cannot be trained on."""
+    size: tuple[int, int] | None
+    reason: str | None
+
+
 def check_image(path: Path) -> str | None:
-    """Why `path` cannot be trained on, or None when it loads.
+    """Why `path` cannot be trained on, or None when it loads (see `inspect_image`)."""
+    return inspect_image(path).reason
+
+
+def inspect_image(path: Path) -> ImageCheck:
+    """Check that `path` loads and read its oriented size, without a full-size decode.
 
     Runs PIL's `verify` (catches most broken PNGs) and then a real, reduced decode plus the
     same orientation and colour conversion training uses (catches truncated JPEGs and
     unconvertible modes, which `verify` lets through). Called once per file at scan time so a
-    bad file is skipped with a reason instead of crashing the run later.
+    bad file is skipped with a reason instead of crashing the run later; the size it reads on
+    the way is what aspect-ratio bucketing needs, so no second pass over the files is made.
     """
     try:
         with Image.open(path) as image:
             image.verify()
         with Image.open(path) as image:
+            width, height = image.size  # the header's size; `draft` below may shrink it
             image.draft("RGB", (_CHECK_SIZE, _CHECK_SIZE))  # JPEG only; other formats ignore it
             image.load()
+            orientation = image.getexif().get(ExifTags.Base.Orientation, 1)
             to_rgb(ImageOps.exif_transpose(image))
     # PIL reports a bad file through many exception types (OSError, SyntaxError, ValueError,
     # struct.error, EOFError, DecompressionBombError...); each becomes a reported skip reason.
     except Exception as exc:  # noqa: BLE001 - converted to a reason, never swallowed
-        return f"{type(exc).__name__}: {exc}"
-    return None
+        return ImageCheck(None, f"{type(exc).__name__}: {exc}")
+    if orientation in _SWAPPING_ORIENTATIONS:
+        width, height = height, width
+    return ImageCheck((height, width), None)
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
@@ -115,7 +136,11 @@ def open_rgb(path: Path) -> Image.Image:
 
 
 def oriented_size(path: Path) -> tuple[int, int]:
-    """(height, width) of `path` after EXIF rotation, read from the header without decoding."""
+    """(height, width) of `path` after EXIF rotation, read from the header.
+
+    JPEG and WebP keep EXIF in the header; PIL loads a PNG's pixels to find an EXIF chunk, so
+    prefer the size the scan already read (`ScanItem.size`).
+    """
     try:
         with Image.open(path) as image:
             width, height = image.size
@@ -127,12 +152,23 @@ def oriented_size(path: Path) -> tuple[int, int]:
     return height, width
 
 
-def resized_size(height: int, width: int, resolution: int) -> tuple[int, int]:
-    """(height, width) after scaling so the short side equals `resolution` (aspect kept)."""
-    scale = resolution / min(height, width)
-    if height <= width:
-        return resolution, max(resolution, round(width * scale))
-    return max(resolution, round(height * scale)), resolution
+def target_hw(target: TargetSize) -> tuple[int, int]:
+    """(height, width) of a target: a square side, or an aspect-ratio bucket's size."""
+    if isinstance(target, int):
+        return target, target
+    height, width = target
+    return int(height), int(width)
+
+
+def resized_size(height: int, width: int, target: TargetSize) -> tuple[int, int]:
+    """(height, width) after scaling, aspect kept, so the image just covers `target`.
+
+    For a square target that is "short side = resolution"; for a bucket, the side that is
+    short relative to the bucket's shape matches and the other overhangs (cropped later).
+    """
+    target_h, target_w = target_hw(target)
+    scale = max(target_h / height, target_w / width)
+    return max(target_h, round(height * scale)), max(target_w, round(width * scale))
 
 
 def random_int(rng: Rng, high: int) -> int:
@@ -149,59 +185,62 @@ def coin_flip(rng: Rng) -> bool:
     return rng.random() < 0.5
 
 
-def plan_crop(original_size: tuple[int, int], resolution: int, center_crop: bool,
+def plan_crop(original_size: tuple[int, int], target: TargetSize, center_crop: bool,
               rng: Rng | None) -> tuple[int, int]:
-    """(top, left) of the resolution x resolution crop in the resized, unflipped image.
+    """(top, left) of the `target`-sized crop in the resized, unflipped image.
 
     Depends only on the image size, so the latent cache can plan a crop from the header alone.
     A random crop needs `rng`.
     """
-    height, width = resized_size(*original_size, resolution)
+    target_h, target_w = target_hw(target)
+    height, width = resized_size(*original_size, target)
     if center_crop:
-        return (height - resolution) // 2, (width - resolution) // 2
+        return (height - target_h) // 2, (width - target_w) // 2
     if rng is None:
         raise ValueError("a random crop needs an rng (random.Random or torch.Generator)")
-    return random_int(rng, height - resolution), random_int(rng, width - resolution)
+    return random_int(rng, height - target_h), random_int(rng, width - target_w)
 
 
-def prepare_image(image: Image.Image, resolution: int, crop_top_left: tuple[int, int],
+def prepare_image(image: Image.Image, target: TargetSize, crop_top_left: tuple[int, int],
                   flip: bool) -> PreparedImage:
-    """Resize an RGB image (short side = resolution), crop at `crop_top_left`, maybe mirror.
+    """Resize an RGB image to cover `target`, crop at `crop_top_left`, maybe mirror.
 
     `crop_top_left` is in the unflipped resized image (as `plan_crop` returns it); the result
     reports it in the flipped image when `flip` is set (see `PreparedImage`).
     """
+    target_h, target_w = target_hw(target)
     original_size = (image.height, image.width)
-    height, width = resized_size(*original_size, resolution)
+    height, width = resized_size(*original_size, target)
     if (width, height) != image.size:
         # reducing_gap: reduce by an integer factor first, then LANCZOS; fast on big photos
         # with no visible difference at training resolutions.
         image = image.resize((width, height), Image.Resampling.LANCZOS, reducing_gap=3.0)
     top, left = crop_top_left
-    if not (0 <= top <= height - resolution and 0 <= left <= width - resolution):
+    if not (0 <= top <= height - target_h and 0 <= left <= width - target_w):
         raise ValueError(f"crop {crop_top_left} does not fit a {height}x{width} image "
-                         f"at resolution {resolution}")
-    image = image.crop((left, top, left + resolution, top + resolution))
+                         f"for a {target_h}x{target_w} target")
+    image = image.crop((left, top, left + target_w, top + target_h))
     if flip:
         image = ImageOps.mirror(image)
-        left = width - resolution - left
+        left = width - target_w - left
     return PreparedImage(pixels=pil_to_tensor(image), original_size=original_size,
                          crop_top_left=(top, left), flipped=flip)
 
 
-def load_training_image(path: Path, resolution: int, center_crop: bool, random_flip: bool,
+def load_training_image(path: Path, target: TargetSize, center_crop: bool, random_flip: bool,
                         rng: Rng | None = None) -> PreparedImage:
     """Load `path` as one training sample: orientation, RGB, resize, crop, optional flip.
 
+    `target` is `data.resolution` (a square) or the (height, width) of the image's bucket.
     `rng` (seeded by the caller) draws the random crop first, then the flip; it may be None
     only when neither is random.
     """
     if rng is None and (random_flip or not center_crop):
         raise ValueError("a random crop or flip needs an rng (random.Random or torch.Generator)")
     image = open_rgb(path)
-    crop = plan_crop((image.height, image.width), resolution, center_crop, rng)
+    crop = plan_crop((image.height, image.width), target, center_crop, rng)
     flip = random_flip and coin_flip(rng)  # type: ignore[arg-type]  # rng checked above
-    return prepare_image(image, resolution, crop, flip)
+    return prepare_image(image, target, crop, flip)
 
 
 def pil_to_tensor(image: Image.Image) -> torch.Tensor:

@@ -1,9 +1,10 @@
 """The on-disk latent cache: encode every training image with the VAE once, reuse it across runs.
 
-One `.safetensors` file per (image content, resolution, crop, flip, VAE). The key hashes the
-image *bytes*, not its path or mtime, so editing an image, changing the resolution or crop
-mode, or swapping the VAE never serves a stale latent. A file that cannot be read is treated
-as a miss (re-encoded and overwritten, with a warning), never a crash.
+One `.safetensors` file per (image content, target size, crop, flip, VAE). The key hashes the
+image *bytes*, not its path or mtime, so editing an image, changing the resolution, its
+aspect-ratio bucket or the crop mode, or swapping the VAE never serves a stale latent. A file
+that cannot be read is treated as a miss (re-encoded and overwritten, with a warning), never a
+crash.
 """
 from __future__ import annotations
 
@@ -25,12 +26,15 @@ from torch.utils.data import Dataset
 from modules.data.dataset import ItemKey, derive_seed, item_rng, split_key
 from modules.data.errors import DatasetError
 from modules.data.folders import ScanItem
-from modules.data.images import coin_flip, open_rgb, oriented_size, plan_crop, prepare_image
+from modules.data.images import (TargetSize, coin_flip, open_rgb, oriented_size, plan_crop,
+                                 prepare_image, target_hw)
 from modules.util.atomic import atomic_file
 
 logger = logging.getLogger("tempera.data")
 
-CACHE_FORMAT_VERSION = 1  # bump when what a cache file holds, or how keys are built, changes
+# Bump when what a cache file holds, or how keys are built, changes. 2: the key holds the
+# target (height, width) instead of a square resolution (aspect-ratio buckets).
+CACHE_FORMAT_VERSION = 2
 _HASH_CHUNK = 1 << 20
 # Bytes hashed from the start of each VAE tensor once the whole state dict is too big to hash.
 _SAMPLED_BYTES_PER_TENSOR = 16 * 1024
@@ -105,15 +109,16 @@ def _tensor_bytes(tensor: torch.Tensor, limit: int | None) -> bytes:
     return flat.contiguous().cpu().view(torch.uint8).numpy().tobytes()
 
 
-def latent_key(content_sha256: str, resolution: int, center_crop: bool,
+def latent_key(content_sha256: str, target: TargetSize, center_crop: bool,
                crop_top_left: tuple[int, int], flipped: bool, vae_fingerprint: str) -> str:
     """The cache key of one latent: everything that changes what the VAE would produce.
 
-    The crop position is part of the key too: with a center crop it follows from the content
-    and resolution, with a random crop it is the one crop cached for the image.
+    `target` is the square resolution or the image's bucket (height, width). The crop position
+    is part of the key too: with a center crop it follows from the content and target, with a
+    random crop it is the one crop cached for the image.
     """
     fields = {"version": CACHE_FORMAT_VERSION, "content": content_sha256,
-              "resolution": resolution, "center_crop": center_crop,
+              "target_size": list(target_hw(target)), "center_crop": center_crop,
               "crop_top_left": list(crop_top_left), "flipped": flipped, "vae": vae_fingerprint}
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode("utf-8")).hexdigest()
 
@@ -141,10 +146,10 @@ class LatentCache:
         self.hasher = hasher or ContentHasher()
         self.corrupt = 0
 
-    def key_for(self, path: Path, resolution: int, center_crop: bool,
+    def key_for(self, path: Path, target: TargetSize, center_crop: bool,
                 crop_top_left: tuple[int, int], flipped: bool) -> str:
         """The key of image `path` (by content) under this cache's VAE."""
-        return latent_key(self.hasher.sha256(path), resolution, center_crop, crop_top_left,
+        return latent_key(self.hasher.sha256(path), target, center_crop, crop_top_left,
                           flipped, self.vae_fingerprint)
 
     def path_for(self, key: str) -> Path:
@@ -219,6 +224,7 @@ class CacheStats:
 class _Pending:
     path: Path
     key: str
+    target: tuple[int, int]
     crop_top_left: tuple[int, int]
     flipped: bool
 
@@ -226,14 +232,17 @@ class _Pending:
 def cache_latents(items: Sequence[ScanItem], encode_fn: EncodeFn, cache: LatentCache,
                   resolution: int, center_crop: bool = True, random_flip: bool = False,
                   seed: int = 0, batch_size: int = 4,
-                  progress_callback: ProgressCallback | None = None) -> CacheStats:
+                  progress_callback: ProgressCallback | None = None,
+                  target_sizes: Sequence[tuple[int, int]] | None = None) -> CacheStats:
     """Make sure every image in `items` has its latent(s) in `cache`; encode the missing ones.
 
-    `encode_fn` maps a CPU float32 pixel batch (B, 3, R, R) in [-1, 1] to latents (B, ...):
+    `encode_fn` maps a CPU float32 pixel batch (B, 3, H, W) in [-1, 1] to latents (B, ...):
     the trainer moves it to its device/dtype and applies the VAE scaling factor. It runs under
-    `torch.no_grad()`. Repeated items are encoded once. With `random_flip` both orientations
-    are cached. With a random crop, each image gets one crop drawn from (seed, content), so the
-    cache stays valid across runs; a warning says new crops per epoch need caching off.
+    `torch.no_grad()`. Each image is cropped to its entry in `target_sizes` (its aspect-ratio
+    bucket; default a `resolution` square) and an encoded batch holds one size only.
+    Repeated items are encoded once. With `random_flip` both orientations are cached. With a
+    random crop, each image gets one crop drawn from (seed, content), so the cache stays valid
+    across runs; a warning says new crops per epoch need caching off.
     `progress_callback(done, total)` counts latents resolved (hit or encoded).
     """
     if not center_crop:
@@ -241,24 +250,25 @@ def cache_latents(items: Sequence[ScanItem], encode_fn: EncodeFn, cache: LatentC
                        "once from the seed; turn latent caching off for a new crop every epoch")
     stats = CacheStats()
     corrupt_before = cache.corrupt
-    unique = list(dict.fromkeys(Path(item.path) for item in items))
+    targets = _target_per_image(items, resolution, target_sizes)
+    scanned = {Path(item.path): item.size for item in items if item.size is not None}
     flips = (False, True) if random_flip else (False,)
-    total, pending = len(unique) * len(flips), []
-    for path in unique:
+    total, pending = len(targets) * len(flips), []
+    for path, target in targets.items():
         content = cache.hasher.sha256(path)
         crop_rng = None if center_crop else random.Random(derive_seed("crop", seed, content))
-        crop = plan_crop(oriented_size(path), resolution, center_crop, crop_rng)
-        keys = {flip: cache.key_for(path, resolution, center_crop, crop, flip) for flip in flips}
+        size = scanned.get(path) or oriented_size(path)  # the header, for items made by hand
+        crop = plan_crop(size, target, center_crop, crop_rng)
+        keys = {flip: cache.key_for(path, target, center_crop, crop, flip) for flip in flips}
         stats.entries[path] = CachedImage(path, keys)
         for flip, key in keys.items():
             if cache.get_entry(key) is not None:
                 stats.hits += 1
                 _report(progress_callback, stats.hits, total)
             else:
-                pending.append(_Pending(path, key, crop, flip))
-    for start in range(0, len(pending), batch_size):
-        batch = pending[start:start + batch_size]
-        _encode_batch(batch, encode_fn, cache, resolution)
+                pending.append(_Pending(path, key, target, crop, flip))
+    for batch in _same_size_batches(pending, batch_size):
+        _encode_batch(batch, encode_fn, cache)
         stats.misses += len(batch)
         _report(progress_callback, stats.hits + stats.misses, total)
     stats.corrupt = cache.corrupt - corrupt_before
@@ -267,10 +277,34 @@ def cache_latents(items: Sequence[ScanItem], encode_fn: EncodeFn, cache: LatentC
     return stats
 
 
-def _encode_batch(batch: Sequence[_Pending], encode_fn: EncodeFn, cache: LatentCache,
-                  resolution: int) -> None:
-    """Load, encode and store one batch of missing latents."""
-    prepared = [prepare_image(open_rgb(p.path), resolution, p.crop_top_left, p.flipped)
+def _target_per_image(items: Sequence[ScanItem], resolution: int,
+                      target_sizes: Sequence[tuple[int, int]] | None
+                      ) -> dict[Path, tuple[int, int]]:
+    """Each distinct image's target size, in first-appearance order (repeats share one)."""
+    if target_sizes is None:
+        target_sizes = [(resolution, resolution)] * len(items)
+    if len(target_sizes) != len(items):
+        raise ValueError(f"{len(target_sizes)} target sizes for {len(items)} items")
+    targets: dict[Path, tuple[int, int]] = {}
+    for item, target in zip(items, target_sizes):
+        path, target = Path(item.path), target_hw(target)
+        if targets.setdefault(path, target) != target:
+            raise ValueError(f"{path} has two target sizes, {targets[path]} and {target}")
+    return targets
+
+
+def _same_size_batches(pending: Sequence[_Pending], batch_size: int) -> list[list[_Pending]]:
+    """`pending` cut into batches of at most `batch_size` that share one target size."""
+    by_size: dict[tuple[int, int], list[_Pending]] = {}
+    for entry in pending:
+        by_size.setdefault(entry.target, []).append(entry)
+    return [group[i:i + batch_size] for group in by_size.values()
+            for i in range(0, len(group), batch_size)]
+
+
+def _encode_batch(batch: Sequence[_Pending], encode_fn: EncodeFn, cache: LatentCache) -> None:
+    """Load, encode and store one batch of missing latents (all of one target size)."""
+    prepared = [prepare_image(open_rgb(p.path), p.target, p.crop_top_left, p.flipped)
                 for p in batch]
     with torch.no_grad():
         latents = encode_fn(torch.stack([image.pixels for image in prepared]))
@@ -290,16 +324,19 @@ class CachedLatentDataset(Dataset):
 
     Items: {"latents": tensor, "caption", "path", "original_size", "crop_top_left"}. The flip
     of each item is drawn per (seed, epoch, index) like the pixel dataset's. Build it from the
-    `CacheStats.entries` of a `cache_latents` call over the same items.
+    `CacheStats.entries` of a `cache_latents` call over the same items; `target_sizes` (the
+    items' buckets, as given to `cache_latents`) is kept for the bucket batch sampler.
     """
 
     def __init__(self, items: Sequence[ScanItem], entries: Mapping[Path, CachedImage],
-                 cache: LatentCache, random_flip: bool = False, seed: int = 0) -> None:
+                 cache: LatentCache, random_flip: bool = False, seed: int = 0,
+                 target_sizes: Sequence[tuple[int, int]] | None = None) -> None:
         missing = [item.path for item in items if Path(item.path) not in entries]
         if missing:
             raise ValueError(f"{len(missing)} item(s) were not cached, e.g. {missing[0]}; "
                              "run cache_latents over the same items first")
         self.items = list(items)
+        self.target_sizes = None if target_sizes is None else [tuple(t) for t in target_sizes]
         self.entries = entries
         self.cache = cache
         self.random_flip = random_flip

@@ -30,7 +30,9 @@ def cached_latent_dataset(dataset: ImageCaptionDataset, prepared: PreparedRun,
 
     stats = cache_latents(dataset.items, encode, cache, dataset.resolution,
                           center_crop=dataset.center_crop, random_flip=dataset.random_flip,
-                          seed=dataset.seed, progress_callback=progress)
+                          seed=dataset.seed, progress_callback=progress,
+                          target_sizes=dataset.target_sizes)
     callbacks.on_status(f"latent cache: {stats.hits} reused, {stats.misses} encoded")
     return CachedLatentDataset(dataset.items, stats.entries, cache,
-                               random_flip=dataset.random_flip, seed=dataset.seed)
+                               random_flip=dataset.random_flip, seed=dataset.seed,
+                               target_sizes=dataset.target_sizes)

@@ -6,18 +6,21 @@ steps the training loop reads as one sentence each.
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from modules.compile.dynamic_dims import mark_latents_dynamic
 from modules.train.compile_step import build_compile_guard
 from modules.config.loader import save_config
 from modules.config.schema import Config, MixedPrecision, ModelType
-from modules.data.dataset import ImageCaptionDataset, build_dataloader, expand_repeats
+from modules.data.buckets import assign_buckets, bucket_counts, describe_buckets
+from modules.data.dataset import (ImageCaptionDataset, build_dataloader, epoch_batch_sampler,
+                                  expand_repeats)
 from modules.events import TrainerCallbacks
 from modules.models.loader import TORCH_DTYPES, ModelBundle, encode_text, unet_conditioning
+from modules.train.batch_shapes import BatchShapeLog
 from modules.train.distributed import Distributed, parameter_checksum
 from modules.train.prepare import PreparedRun
 from modules.train.record import RunRecord, device_description, library_versions
@@ -57,6 +60,7 @@ class Run:
     writer: object = None
     ema: object = None
     text_cache: TextEncoderCache | None = None
+    shape_log: BatchShapeLog = field(default_factory=BatchShapeLog)
     step: int = 0
     last_sample_step: int = -1
     trained: list[str] = field(default_factory=list)
@@ -69,7 +73,20 @@ class Run:
         return build_dataloader(self.dataset, batch_size=self.config.training.batch_size,
                                 seed=self.config.training.seed,
                                 num_workers=self.config.data.workers, start_epoch=epoch,
-                                rank=self.dist.rank, world_size=self.dist.world_size)
+                                rank=self.dist.rank, world_size=self.dist.world_size,
+                                buckets=item_buckets(self.config, self.dataset))
+
+    def varying_shape(self, tensor: torch.Tensor) -> torch.Tensor:
+        """With aspect-ratio buckets the batch's size, height and width change between batches:
+        under compile.dynamic AUTO mark them dynamic up front, so a compiled whole UNet or VAE
+        does not first compile static and then recompile at the second bucket."""
+        if not self.config.data.aspect_buckets:
+            return tensor
+        return mark_latents_dynamic(tensor, self.config.compile.dynamic)
+
+    def recompiles(self) -> int:
+        """Recompiles so far, summed over the compiled components."""
+        return sum(report["recompiles"] for report in self.guard.report().values())
 
     def autocast(self):
         return autocast_context(self.config, self.device)
@@ -88,7 +105,7 @@ class Run:
         vae = self.bundle.vae
         if "latents" in batch:
             return batch["latents"].to(self.device, self.compute_dtype)
-        pixels = batch["pixel_values"].to(self.device, vae.dtype)
+        pixels = self.varying_shape(batch["pixel_values"].to(self.device, vae.dtype))
         posterior = vae.encode(pixels).latent_dist
         latents = posterior.mean + posterior.std * vae_eps.to(self.device, posterior.mean.dtype)
         return (latents * vae.config.scaling_factor).to(self.compute_dtype)
@@ -105,9 +122,8 @@ class Run:
             hidden, pooled = encode_text(self.bundle, captions, self.device)
         sizes = None
         if self.config.model.type == ModelType.SDXL:
-            b, h, w = self.pixel_shape(batch)
-            sizes = {"original_size": batch["original_size"].tolist(),
-                     "crop_top_left": batch["crop_top_left"].tolist(), "target_size": [(h, w)] * b}
+            _, height, width = self.pixel_shape(batch)
+            sizes = size_conditioning(batch, height, width)
         return unet_conditioning(hidden, pooled, sizes)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -233,9 +249,15 @@ def start_run(prepared: PreparedRun, callbacks: TrainerCallbacks, dist: Distribu
         module.to(device)
 
     dataset = build_dataset(prepared, callbacks)
-    shard = math.ceil(len(dataset) / dist.world_size)
-    batches_per_epoch = math.ceil(shard / config.training.batch_size)
-    budget = step_budget(config, batches_per_epoch)
+    batches = epoch_batch_sampler(len(dataset), config.training.batch_size,
+                                  config.training.seed, rank=dist.rank,
+                                  world_size=dist.world_size,
+                                  buckets=item_buckets(config, dataset))
+    budget = step_budget(config, len(batches))
+    if config.data.aspect_buckets:
+        record.write(buckets=bucket_record(dataset.target_sizes, batches))
+        callbacks.on_status(f"aspect buckets: {describe_buckets(dataset.target_sizes)}; "
+                            f"{len(batches)} batches per epoch, {batches.short_batches()} short")
     optimizer = build_optimizer(config, params)
     scaler = (torch.amp.GradScaler(device.type)
               if config.training.mixed_precision == MixedPrecision.FP16 else None)
@@ -255,12 +277,40 @@ def start_run(prepared: PreparedRun, callbacks: TrainerCallbacks, dist: Distribu
                scaler=scaler, writer=writer, trained=trained, ema=ema, text_cache=text_cache)
 
 
+def size_conditioning(batch: dict, height: int, width: int) -> dict:
+    """SDXL's per-sample sizes: each image's real original size and crop, and the batch's
+    (its bucket's) height and width as the target size."""
+    count = len(batch["caption"])
+    return {"original_size": batch["original_size"].tolist(),
+            "crop_top_left": batch["crop_top_left"].tolist(),
+            "target_size": [(height, width)] * count}
+
+
+def item_buckets(config: Config, dataset) -> list[tuple[int, int]] | None:
+    """Each item's bucket for the batch sampler, or None when buckets are off."""
+    return dataset.target_sizes if config.data.aspect_buckets else None
+
+
+def bucket_record(target_sizes: list[tuple[int, int]], batches) -> dict:
+    """run.json's `buckets` section: items per bucket and this rank's batches per epoch."""
+    return {"sizes": bucket_counts(target_sizes), "batches_per_epoch": len(batches),
+            "short_batches_per_epoch": batches.short_batches()}
+
+
 def build_dataset(prepared: PreparedRun, callbacks: TrainerCallbacks) -> ImageCaptionDataset:
-    """The training dataset, with latents encoded into the on-disk cache first when enabled."""
+    """The training dataset, with latents encoded into the on-disk cache first when enabled.
+
+    With `data.aspect_buckets` each item gets the bucket nearest its aspect ratio, from the
+    size the scan read.
+    """
     config = prepared.config
-    dataset = ImageCaptionDataset(expand_repeats(prepared.scan), resolution=config.data.resolution,
+    items = expand_repeats(prepared.scan)
+    target_sizes = (assign_buckets(items, config.data.resolution, config.data.bucket_max_aspect)
+                    if config.data.aspect_buckets else None)
+    dataset = ImageCaptionDataset(items, resolution=config.data.resolution,
                                   center_crop=config.data.center_crop,
-                                  random_flip=config.data.random_flip, seed=config.training.seed)
+                                  random_flip=config.data.random_flip, seed=config.training.seed,
+                                  target_sizes=target_sizes)
     if not config.data.cache_latents:
         return dataset
     from modules.train.latents import cached_latent_dataset

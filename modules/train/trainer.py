@@ -85,7 +85,8 @@ def micro_step(run: Run, batch: dict, draws: Draws) -> float:
                                  run.config.data.caption_dropout)
         with torch.set_grad_enabled(run.trains_text_encoder):
             hidden, added = run.encode_captions(batch, captions)
-        prediction = bundle.unet(noisy, timesteps, hidden, added_cond_kwargs=added).sample
+        prediction = bundle.unet(run.varying_shape(noisy), timesteps, hidden,
+                                 added_cond_kwargs=added).sample
         if bundle.prediction_type == "v_prediction":
             target = scheduler.get_velocity(latents, noise, timesteps)
         else:
@@ -108,11 +109,12 @@ def training_loop(run: Run, callbacks: TrainerCallbacks, commands: TrainerComman
     callbacks.on_status(f"training {run.budget.total_steps} steps on {run.device.type}")
 
     for epoch, batch, closes_window in batches(run, commands):
-        shape = latent_shape(run.bundle.vae, *run.pixel_shape(batch))
-        draws = draw_randomness(generator, shape,
+        pixel_shape = run.pixel_shape(batch)
+        draws = draw_randomness(generator, latent_shape(run.bundle.vae, *pixel_shape),
                                 run.bundle.noise_scheduler.config.num_train_timesteps,
                                 need_vae_eps="latents" not in batch)
         window_loss += run.guard.run_guarded(lambda: micro_step(run, batch, draws))
+        run.shape_log.add(pixel_shape, run.recompiles)
         window_micro += 1
         if not closes_window:
             continue
@@ -143,6 +145,7 @@ def training_loop(run: Run, callbacks: TrainerCallbacks, commands: TrainerComman
     if config.sampling.prompts and status == "finished" and run.last_sample_step != run.step:
         run.sample()
     run.record.write(status=status, compile=run.guard.report(),
+                     batch_shapes=run.shape_log.report(run.recompiles()),
                      distributed=run.distributed_summary())
     callbacks.on_status(f"{status}: {run.step} steps, outputs in {run.output_dir}")
     return RunResult(status, run.step, run.output_dir, dict(run.record.data))

@@ -293,3 +293,31 @@ def test_existing_output_dir_without_a_run_is_fine(tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "notes.txt").write_text("x", encoding="utf-8")
     assert _files_ok(tmp_path) == {}
+
+
+def test_aspect_buckets_are_off_by_default_and_fine_at_a_usual_resolution():
+    config = Config()
+    assert config.data.aspect_buckets is False and config.data.bucket_max_aspect == 2.0
+    assert validate(config_with("data.aspect_buckets=true", "data.resolution=512"),
+                    check_files=False) == []
+
+
+@pytest.mark.parametrize("settings, hint", [
+    (["data.resolution=256", "data.bucket_max_aspect=1.5"],
+     "least elongated non-square bucket has aspect 1.67; raise data.bucket_max_aspect to 1.67"),
+    (["data.resolution=128"], "aspect 4.00; raise data.bucket_max_aspect to 4.0"),
+    (["data.resolution=64", "data.bucket_max_aspect=4"], "only the square bucket"),
+])
+def test_aspect_buckets_that_can_only_make_the_square_are_a_problem(settings, hint):
+    problems = problems_of(config_with("data.aspect_buckets=true", *settings))
+    problem = problems["data.aspect_buckets"]
+    assert problem.given == "true" and "more than the square bucket" in problem.expected
+    assert hint in problem.message
+    assert list(problems) == ["data.aspect_buckets"]
+    assert "data.aspect_buckets" not in problems_of(config_with(*settings))  # off: no problem
+
+
+def test_bucket_max_aspect_out_of_range_is_a_load_error():
+    from modules.config import ConfigError
+    with pytest.raises(ConfigError, match="data.bucket_max_aspect"):
+        config_with("data.bucket_max_aspect=5")

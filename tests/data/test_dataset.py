@@ -3,11 +3,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from PIL import Image
 
-from modules.data.dataset import (EpochShuffleSampler, ImageCaptionDataset, build_dataloader,
-                                  collate_examples, expand_repeats)
+from modules.data.dataset import (BucketBatchSampler, EpochShuffleSampler, ImageCaptionDataset,
+                                  build_dataloader, collate_examples, epoch_batch_sampler,
+                                  expand_repeats)
 from modules.data.folders import DatasetSource, scan_datasets
 
 RES = 16
@@ -120,3 +122,83 @@ def test_workers_give_the_same_batches_as_the_main_process(tmp_path: Path) -> No
 
     assert all(p1 == p2 and torch.equal(x1, x2) for (p1, x1), (p2, x2) in zip(main, workers))
     assert len(workers) == 4
+
+
+# -- aspect-ratio buckets: one bucket per batch, deterministic, sharded -----------------------
+
+BUCKETS = ["wide"] * 5 + ["square"] * 2 + ["tall"] * 4  # one bucket key per item
+
+
+def bucket_of(batch: list[tuple[int, int]]) -> set[str]:
+    return {BUCKETS[index] for _, index in batch}
+
+
+def test_bucket_sampler_gives_one_bucket_per_batch_and_every_item_once() -> None:
+    sampler = BucketBatchSampler(BUCKETS, batch_size=2, seed=1)
+
+    batches = list(sampler)
+
+    assert all(len(bucket_of(batch)) == 1 for batch in batches)
+    assert sorted(i for batch in batches for _, i in batch) == list(range(len(BUCKETS)))
+    assert len(batches) == len(sampler) == 3 + 1 + 2  # wide 2+2+1, square 2, tall 2+2
+    assert sampler.short_batches() == 1
+    assert sorted(len(b) for b in batches) == [1, 2, 2, 2, 2, 2]
+    assert {e for batch in batches for e, _ in batch} == {0}
+
+
+def test_bucket_sampler_is_a_function_of_seed_and_epoch() -> None:
+    sampler = BucketBatchSampler(BUCKETS, batch_size=2, seed=1)
+
+    first, second = list(sampler), list(sampler)
+    sampler.set_epoch(0)
+
+    assert {e for batch in second for e, _ in batch} == {1}
+    assert list(sampler) == first
+    assert list(BucketBatchSampler(BUCKETS, batch_size=2, seed=1, start_epoch=1)) == second
+    indices = [[i for _, i in batch] for batch in first]
+    assert indices != [[i for _, i in batch] for batch in second]  # reshuffled
+    assert indices != [[i for _, i in b] for b in BucketBatchSampler(BUCKETS, 2, seed=2)]
+    # buckets are interleaved, not trained one after another
+    orders = {tuple(sorted(bucket_of(b))[0] for b in BucketBatchSampler(BUCKETS, 2, seed=s))
+              for s in range(10)}
+    assert len(orders) > 1
+    plain = BucketBatchSampler(BUCKETS, batch_size=2, seed=1, shuffle=False)
+    assert [[i for _, i in b] for b in plain] == [[0, 1], [2, 3], [4], [5, 6], [7, 8], [9, 10]]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_bucket_sampler_shards_ranks_evenly_and_in_step(world_size: int) -> None:
+    ranks = [BucketBatchSampler(BUCKETS, batch_size=2, seed=4, rank=r, world_size=world_size)
+             for r in range(world_size)]
+
+    per_rank = [list(sampler) for sampler in ranks]
+
+    assert len({len(batches) for batches in per_rank}) == 1
+    assert all(len(batches) == len(ranks[0]) for batches in per_rank)
+    for step in zip(*per_rank):  # every rank trains the same bucket and batch size at a step
+        assert len({frozenset(bucket_of(batch)) for batch in step}) == 1
+        assert len({len(batch) for batch in step}) == 1
+    seen = {i for batches in per_rank for batch in batches for _, i in batch}
+    assert seen == set(range(len(BUCKETS)))  # padding repeats items, never drops one
+
+
+def test_bucketed_dataloader_stacks_one_size_per_batch_and_counts_batches(tmp_path: Path) -> None:
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    for i, size in enumerate([(40, 24), (40, 24), (24, 40), (30, 30), (40, 24)]):
+        Image.effect_noise(size, 70 + i).convert("RGB").save(folder / f"img{i}.png")
+    items = expand_repeats(scan_datasets([DatasetSource(folder)]))
+    sizes = [(16, 32) if item.size[0] < item.size[1] else (32, 16) if item.size[0] > item.size[1]
+             else (24, 24) for item in items]
+    dataset = ImageCaptionDataset(items, RES, seed=1, target_sizes=sizes)
+
+    loader = build_dataloader(dataset, batch_size=2, seed=3, buckets=sizes)
+    batches = run_epochs(loader, 1)
+    again = run_epochs(build_dataloader(dataset, batch_size=2, seed=3, buckets=sizes,
+                                        num_workers=2), 1)
+
+    assert sorted(tuple(x.shape) for _, x in batches) == [
+        (1, 3, 16, 32), (1, 3, 24, 24), (1, 3, 32, 16), (2, 3, 16, 32)]
+    assert len(batches) == len(loader) == len(epoch_batch_sampler(5, 2, 3, buckets=sizes))
+    assert len(epoch_batch_sampler(5, 2, 3)) == 3  # without buckets: ceil(5 / 2)
+    assert all(p1 == p2 and torch.equal(x1, x2) for (p1, x1), (p2, x2) in zip(batches, again))

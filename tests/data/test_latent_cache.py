@@ -160,6 +160,43 @@ def test_both_flips_are_cached_and_the_dataset_serves_them(tmp_path: Path) -> No
                                                                            "caption 1"]
 
 
+class SizeCheckingEncoder(PoolEncoder):
+    """A PoolEncoder that records the (height, width) of every batch it gets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batch_sizes: list[tuple[int, int]] = []
+
+    def __call__(self, pixels: torch.Tensor) -> torch.Tensor:
+        self.batch_sizes.append(tuple(pixels.shape[2:]))
+        return super().__call__(pixels)
+
+
+def test_bucketed_latents_have_their_bucket_size_and_encode_one_size_per_batch(
+        tmp_path: Path) -> None:
+    items = make_items(tmp_path / "data", count=3, repeats=2)  # 24 wide x 16 high, repeated
+    buckets = [(16, 24), (16, 24), (16, 16), (16, 16), (16, 24), (16, 24)]
+    cache, encoder = LatentCache(tmp_path / "cache", "vae-a"), SizeCheckingEncoder()
+
+    stats = run_cache(items, cache, encoder, target_sizes=buckets, batch_size=4)
+    dataset = CachedLatentDataset(items, stats.entries, cache, target_sizes=buckets)
+    square = run_cache(items, LatentCache(tmp_path / "cache", "vae-a"), encoder)
+
+    assert (stats.hits, stats.misses) == (0, 3)
+    assert sorted(encoder.batch_sizes[:2]) == [(16, 16), (16, 24)]  # never a mixed batch
+    shapes = [tuple(dataset[i]["latents"].shape) for i in (0, 2, 4)]
+    assert shapes == [(3, 2, 3), (3, 2, 2), (3, 2, 3)]
+    assert dataset[0]["original_size"] == (16, 24) and dataset[0]["crop_top_left"] == (0, 0)
+    assert dataset.target_sizes == buckets
+    # img1 was cached as a 16x16 square both times: the same key, a hit; the others differ.
+    assert (square.hits, square.misses) == (1, 2)
+    again = run_cache(items, LatentCache(tmp_path / "cache", "vae-a"), encoder,
+                      target_sizes=buckets)
+    assert (again.hits, again.misses) == (3, 0)
+    with pytest.raises(ValueError, match="two target sizes"):
+        run_cache(items, cache, encoder, target_sizes=[(16, 24), (16, 16)] * 3)
+
+
 def tiny_vae(seed: int = 0):
     from diffusers import AutoencoderKL
 
