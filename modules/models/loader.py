@@ -79,18 +79,24 @@ def tokenize(tokenizer, captions: list[str]) -> torch.Tensor:
                      truncation=True, return_tensors="pt").input_ids
 
 
-def encode_text(bundle: ModelBundle, captions: list[str],
-                device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-caption text conditioning: hidden states, and (SDXL) the pooled embedding."""
+def encode_text(bundle: ModelBundle, captions: list[str], device: torch.device,
+                encoders: dict | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-caption text conditioning: hidden states, and (SDXL) the pooled embedding.
+
+    `encoders` may stand in for some of the bundle's text encoders by name (the trainer's
+    DistributedDataParallel wrappers); the others are the bundle's.
+    """
     spec = MODEL_TYPES[bundle.model_type]
+    encoders = {**bundle.text_encoders, **{n: m for n, m in (encoders or {}).items()
+                                           if n in bundle.text_encoders}}
     if bundle.model_type != ModelType.SDXL:
         (te_name,), (tok_name,) = spec.text_encoders, spec.tokenizers
         ids = tokenize(bundle.tokenizers[tok_name], captions).to(device)
-        return bundle.text_encoders[te_name](ids)[0], None
+        return encoders[te_name](ids)[0], None
     hidden, pooled = [], None
     for te_name, tok_name in zip(spec.text_encoders, spec.tokenizers):
         ids = tokenize(bundle.tokenizers[tok_name], captions).to(device)
-        out = bundle.text_encoders[te_name](ids, output_hidden_states=True)
+        out = encoders[te_name](ids, output_hidden_states=True)
         hidden.append(out.hidden_states[-2])  # SDXL conditions on the penultimate layer
         pooled = out[0]  # the last encoder's projected pooled output
     return torch.cat(hidden, dim=-1), pooled

@@ -1,11 +1,13 @@
 """Multi-process training on Accelerate's process state (launched by `accelerate launch` or torchrun).
 
-Each rank holds a full copy of the model, trains on its own shard of every epoch, and averages
-gradients with the others before each optimizer step, so the weights stay identical on every
-rank. Rank 0 alone writes files (config, run record, samples, checkpoints, TensorBoard).
+Each rank holds a full copy of the model and trains on its own shard of every epoch. Each trained
+component is wrapped in DistributedDataParallel after it was compiled (compile, then wrap), so
+the training step calls the wrapper, which calls the compiled module, and DDP averages the
+gradients over the ranks during backward; the weights stay identical on every rank. Rank 0
+alone writes files (config, run record, samples, checkpoints, TensorBoard).
 
-Compilation is applied per rank exactly as in a single process (compile, then train: there is no
-DDP wrapper for the compiler to see through).
+The wrappers only route the training forward: the model bundle keeps the unwrapped modules, so
+saving, sampling and state-dict keys are the same as in a single process.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from modules.config.schema import Device
 
@@ -48,16 +51,38 @@ class Distributed:
             if self.is_main:
                 self.barrier()
 
-    def average_gradients(self, params: list[torch.nn.Parameter]) -> None:
-        """All-reduce (mean) every gradient, as DDP would after backward."""
+    def wrap_trained(self, modules: dict[str, nn.Module]) -> dict[str, nn.Module]:
+        """The modules the training step calls: each trained one in DistributedDataParallel.
+
+        Call after compiling. Text encoders may leave weights unused (SDXL conditions on the
+        first encoder's penultimate layer, so its last layer gets no gradient), which DDP must be
+        told about; the UNet uses every trained weight, and skipping the search saves a graph
+        walk per step. Buffers (position ids) never change, so they are not re-broadcast.
+        """
         if not self.enabled:
-            return
-        grads = [p.grad for p in params if p.grad is not None]
-        handles = [torch.distributed.all_reduce(g, async_op=True) for g in grads]
-        for handle in handles:
-            handle.wait()
-        for g in grads:
-            g.div_(self.world_size)
+            return dict(modules)
+        from torch.nn.parallel import DistributedDataParallel
+        device_ids = [self.device.index] if self.device is not None and self.device.type == "cuda" else None
+        wrapped: dict[str, nn.Module] = {}
+        for name, module in modules.items():
+            if not any(p.requires_grad for p in module.parameters()):
+                wrapped[name] = module
+                continue
+            wrapped[name] = DistributedDataParallel(
+                module, device_ids=device_ids, broadcast_buffers=False,
+                find_unused_parameters=name.startswith("text_encoder"))
+        return wrapped
+
+    @contextlib.contextmanager
+    def gradient_sync(self, modules: dict[str, nn.Module], sync: bool):
+        """Skip DDP's gradient exchange on micro-batches that do not close an accumulation
+        window (the gradients accumulate locally and are averaged once, on the closing one)."""
+        with contextlib.ExitStack() as stack:
+            if not sync:
+                for module in modules.values():
+                    if hasattr(module, "no_sync"):
+                        stack.enter_context(module.no_sync())
+            yield
 
     def mean(self, value: float) -> float:
         """The mean of a number over all ranks (for the logged loss)."""

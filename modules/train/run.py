@@ -60,6 +60,9 @@ class Run:
     writer: object = None
     ema: object = None
     text_cache: TextEncoderCache | None = None
+    # What the training forward calls, per component: the bundle's modules, or (several
+    # processes) their DistributedDataParallel wrappers. Saving and sampling use the bundle.
+    forward: dict = field(default_factory=dict)
     shape_log: BatchShapeLog = field(default_factory=BatchShapeLog)
     step: int = 0
     last_sample_step: int = -1
@@ -119,12 +122,21 @@ class Run:
         if self.text_cache is not None:
             hidden, pooled = self.text_cache.encode(captions)
         else:
-            hidden, pooled = encode_text(self.bundle, captions, self.device)
+            hidden, pooled = encode_text(self.bundle, captions, self.device,
+                                         encoders=self.forward)
         sizes = None
         if self.config.model.type == ModelType.SDXL:
             _, height, width = self.pixel_shape(batch)
             sizes = size_conditioning(batch, height, width)
         return unet_conditioning(hidden, pooled, sizes)
+
+    def unet(self, *args, **kwargs):
+        """The UNet's training forward (through DDP when several processes train)."""
+        return self.forward.get("unet", self.bundle.unet)(*args, **kwargs)
+
+    def gradient_sync(self, closes_window: bool):
+        """Average gradients over the processes only on the micro-batch that closes a window."""
+        return self.dist.gradient_sync(self.forward, closes_window)
 
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
@@ -132,7 +144,6 @@ class Run:
     def optimizer_step(self) -> None:
         """Clip, step the optimizer and the LR schedule, clear gradients."""
         max_norm = self.config.training.max_grad_norm
-        self.dist.average_gradients(self.all_params())
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         if max_norm:
@@ -179,6 +190,8 @@ class Run:
         ran_everywhere = {name: all(self.dist.gather(1.0 if name in ran else 0.0))
                           for name in ("unet", "text_encoder", "vae")}
         return {"world_size": self.dist.world_size, "backend": self.dist.backend,
+                "data_parallel": {name: type(module).__name__
+                                  for name, module in self.forward.items()},
                 "ranks_in_sync": max(checksums) - min(checksums) <= 1e-6 * max(1.0, abs(checksums[0])),
                 "weight_checksums": checksums, "compiled_code_ran_on_all_ranks": ran_everywhere}
 
@@ -262,6 +275,8 @@ def start_run(prepared: PreparedRun, callbacks: TrainerCallbacks, dist: Distribu
     scaler = (torch.amp.GradScaler(device.type)
               if config.training.mixed_precision == MixedPrecision.FP16 else None)
     guard = build_compile_guard(config, bundle, device, params, callbacks)
+    components = bundle.components()
+    forward = dist.wrap_trained({name: components[name] for name in trained})  # compile, then wrap
     ema = None
     if config.training.ema:
         from diffusers.training_utils import EMAModel
@@ -274,7 +289,8 @@ def start_run(prepared: PreparedRun, callbacks: TrainerCallbacks, dist: Distribu
         writer = SummaryWriter(str(output_dir / "tensorboard"))
     return Run(config, bundle, device, output_dir, record, callbacks, dataset, params, optimizer,
                build_lr_scheduler(config, optimizer, budget.total_steps), budget, guard, dist,
-               scaler=scaler, writer=writer, trained=trained, ema=ema, text_cache=text_cache)
+               scaler=scaler, writer=writer, trained=trained, ema=ema, text_cache=text_cache,
+               forward=forward)
 
 
 def size_conditioning(batch: dict, height: int, width: int) -> dict:

@@ -85,8 +85,8 @@ def micro_step(run: Run, batch: dict, draws: Draws) -> float:
                                  run.config.data.caption_dropout)
         with torch.set_grad_enabled(run.trains_text_encoder):
             hidden, added = run.encode_captions(batch, captions)
-        prediction = bundle.unet(run.varying_shape(noisy), timesteps, hidden,
-                                 added_cond_kwargs=added).sample
+        prediction = run.unet(run.varying_shape(noisy), timesteps, hidden,
+                              added_cond_kwargs=added).sample
         if bundle.prediction_type == "v_prediction":
             target = scheduler.get_velocity(latents, noise, timesteps)
         else:
@@ -113,7 +113,8 @@ def training_loop(run: Run, callbacks: TrainerCallbacks, commands: TrainerComman
         draws = draw_randomness(generator, latent_shape(run.bundle.vae, *pixel_shape),
                                 run.bundle.noise_scheduler.config.num_train_timesteps,
                                 need_vae_eps="latents" not in batch)
-        window_loss += run.guard.run_guarded(lambda: micro_step(run, batch, draws))
+        with run.gradient_sync(closes_window):
+            window_loss += run.guard.run_guarded(lambda: micro_step(run, batch, draws))
         run.shape_log.add(pixel_shape, run.recompiles)
         window_micro += 1
         if not closes_window:
