@@ -28,3 +28,27 @@ def tiny_config(tempera_cache, tmp_path):
         ]
         return apply_overrides(Config(), base + list(overrides))
     return make
+
+
+class Pipelines:
+    """Load a saved SD 1.x diffusers folder as a pipeline and render one fixed-seed image."""
+
+    @staticmethod
+    def load(model_folder):
+        from diffusers import StableDiffusionPipeline
+        pipe = StableDiffusionPipeline.from_pretrained(model_folder, safety_checker=None,
+                                                       local_files_only=True)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    @staticmethod
+    def image(pipe, prompt: str = "a red circle"):
+        import torch
+        out = pipe(prompt, height=64, width=64, num_inference_steps=2,
+                   generator=torch.Generator().manual_seed(0), output_type="pt")
+        return out.images
+
+
+@pytest.fixture
+def pipelines() -> Pipelines:
+    return Pipelines()

@@ -86,17 +86,12 @@ class ImageCaptionDataset(Dataset):
                 "original_size": image.original_size, "crop_top_left": image.crop_top_left}
 
 
-class EpochShuffleSampler(Sampler[ItemKey]):
-    """Yields (epoch, index) for every index once per epoch, shuffled per (seed, epoch).
+class EpochCounter:
+    """Seed, epoch and rank bookkeeping shared by the samplers: each `iter()` runs the current
+    epoch and advances it; `set_epoch` chooses the next one (resuming a run)."""
 
-    Each `iter()` runs the current epoch and then advances it, so a training loop that simply
-    iterates the DataLoader once per epoch gets a new order (and new crops/flips) each time.
-    `set_epoch` chooses the next epoch explicitly (resuming a run).
-    """
-
-    def __init__(self, length: int, seed: int, shuffle: bool = True, start_epoch: int = 0,
-                 rank: int = 0, world_size: int = 1) -> None:
-        self.length = length
+    def __init__(self, seed: int, shuffle: bool, start_epoch: int, rank: int,
+                 world_size: int) -> None:
         self.seed = seed
         self.shuffle = shuffle
         self.epoch = start_epoch
@@ -106,6 +101,26 @@ class EpochShuffleSampler(Sampler[ItemKey]):
     def set_epoch(self, epoch: int) -> None:
         """Make the next iteration run `epoch`."""
         self.epoch = epoch
+
+    def next_epoch(self) -> int:
+        """The epoch this iteration runs; the following one is next."""
+        epoch = self.epoch
+        self.epoch += 1
+        return epoch
+
+
+class EpochShuffleSampler(EpochCounter, Sampler[ItemKey]):
+    """Yields (epoch, index) for every index once per epoch, shuffled per (seed, epoch).
+
+    Each `iter()` runs the current epoch and then advances it, so a training loop that simply
+    iterates the DataLoader once per epoch gets a new order (and new crops/flips) each time.
+    `set_epoch` chooses the next epoch explicitly (resuming a run).
+    """
+
+    def __init__(self, length: int, seed: int, shuffle: bool = True, start_epoch: int = 0,
+                 rank: int = 0, world_size: int = 1) -> None:
+        super().__init__(seed, shuffle, start_epoch, rank, world_size)
+        self.length = length
 
     def epoch_order(self, epoch: int) -> list[int]:
         """The order of indices in `epoch` (a pure function of seed and epoch)."""
@@ -118,8 +133,7 @@ class EpochShuffleSampler(Sampler[ItemKey]):
         return -(-self.length // self.world_size)  # every rank gets the same count
 
     def __iter__(self) -> Iterator[ItemKey]:
-        epoch = self.epoch
-        self.epoch += 1
+        epoch = self.next_epoch()
         order = self.epoch_order(epoch)
         order = rank_share(order, self.rank, self.world_size)
         return iter([(epoch, index) for index in order])
@@ -139,7 +153,7 @@ def rank_share(order: list[int], rank: int, world_size: int) -> list[int]:
     return padded[rank::world_size]
 
 
-class BucketBatchSampler(Sampler[list[ItemKey]]):
+class BucketBatchSampler(EpochCounter, Sampler[list[ItemKey]]):
     """Batches of (epoch, index) keys in which every item has the same bucket.
 
     `buckets` holds one key per item (its target (height, width)). Each epoch, per (seed,
@@ -159,15 +173,7 @@ class BucketBatchSampler(Sampler[list[ItemKey]]):
         for index, bucket in enumerate(buckets):
             self.members.setdefault(bucket, []).append(index)
         self.batch_size = batch_size
-        self.seed = seed
-        self.shuffle = shuffle
-        self.epoch = start_epoch
-        self.rank = rank
-        self.world_size = world_size
-
-    def set_epoch(self, epoch: int) -> None:
-        """Make the next iteration run `epoch`."""
-        self.epoch = epoch
+        super().__init__(seed, shuffle, start_epoch, rank, world_size)
 
     def _share_size(self, bucket: Hashable) -> int:
         return -(-len(self.members[bucket]) // self.world_size)
@@ -199,8 +205,7 @@ class BucketBatchSampler(Sampler[list[ItemKey]]):
     def __iter__(self) -> Iterator[list[ItemKey]]:
         # A generator, so the epoch advances at the first batch drawn, not at `iter()`: a
         # DataLoader with workers calls `iter()` on its batch sampler twice and keeps the second.
-        epoch = self.epoch
-        self.epoch += 1
+        epoch = self.next_epoch()
         for batch in self.epoch_batches(epoch):
             yield [(epoch, index) for index in batch]
 

@@ -62,7 +62,8 @@ class Distributed:
         if not self.enabled:
             return dict(modules)
         from torch.nn.parallel import DistributedDataParallel
-        device_ids = [self.device.index] if self.device is not None and self.device.type == "cuda" else None
+        on_gpu = self.device is not None and self.device.type == "cuda"
+        device_ids = [self.device.index] if on_gpu else None
         wrapped: dict[str, nn.Module] = {}
         for name, module in modules.items():
             if not any(p.requires_grad for p in module.parameters()):

@@ -13,20 +13,6 @@ from modules.models.tiny import ensure_builtin_model
 from modules.train.trainer import train
 
 
-def _pipeline(model_folder: Path):
-    from diffusers import StableDiffusionPipeline
-    pipe = StableDiffusionPipeline.from_pretrained(model_folder, safety_checker=None,
-                                                   local_files_only=True)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-def _image(pipe) -> torch.Tensor:
-    out = pipe("a red circle", height=64, width=64, num_inference_steps=2,
-               generator=torch.Generator().manual_seed(0), output_type="pt")
-    return out.images
-
-
 def _base_folder(result) -> Path:
     return Path(json.loads((result.output_dir / "config.json").read_text())["model"]["path"])
 
@@ -35,7 +21,7 @@ def _lora_layers(module: torch.nn.Module) -> set[str]:
     return {n.split(".lora_A")[0] for n, _ in module.named_parameters() if ".lora_A" in n}
 
 
-def test_lora_in_both_layouts_loads_in_diffusers_with_every_adapted_layer(tiny_config):
+def test_lora_in_both_layouts_loads_in_diffusers_with_every_adapted_layer(tiny_config, pipelines):
     # proj_in / proj_out / ff layers are outside diffusers' attention-only key conversion: a
     # save that converts keys would drop them on load.
     targets = '["to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out", "ff.net.2"]'
@@ -45,16 +31,16 @@ def test_lora_in_both_layouts_loads_in_diffusers_with_every_adapted_layer(tiny_c
     final = result.output_dir / "final"
     assert {p.name for p in final.iterdir()} == {"pytorch_lora_weights.safetensors",
                                                  "lora_kohya.safetensors"}
-    pipe = _pipeline(_base_folder(result))
-    before = _image(pipe)
+    pipe = pipelines.load(_base_folder(result))
+    before = pipelines.image(pipe)
     images, layers = {}, {}
     for name in ("pytorch_lora_weights.safetensors", "lora_kohya.safetensors"):
         pipe.load_lora_weights(str(final), weight_name=name, adapter_name=name.split(".")[0])
         pipe.set_adapters(name.split(".")[0])
-        images[name] = _image(pipe)
+        images[name] = pipelines.image(pipe)
         layers[name] = _lora_layers(pipe.unet)
         pipe.unload_lora_weights()
-    assert torch.allclose(_image(pipe), before), "unloading did not restore the base model"
+    assert torch.allclose(pipelines.image(pipe), before), "unloading did not restore the base model"
     for name, image in images.items():
         assert not torch.allclose(image, before, atol=1e-4), f"{name} did not change the output"
         for kind in ("proj_in", "proj_out", "ff.net.2", "to_q"):
@@ -67,7 +53,7 @@ def test_lora_in_both_layouts_loads_in_diffusers_with_every_adapted_layer(tiny_c
     assert meta["ss_network_dim"] == "4" and meta["ss_max_train_steps"] == "4"
 
 
-def test_fine_tune_single_file_loads_back_with_the_trained_weights(tiny_config):
+def test_fine_tune_single_file_loads_back_with_the_trained_weights(tiny_config, pipelines):
     result = train(tiny_config("training.method=FINE_TUNE", "training.max_steps=2",
                                "output.formats=diffusers,single_file"))
     final = result.output_dir / "final"
@@ -75,13 +61,13 @@ def test_fine_tune_single_file_loads_back_with_the_trained_weights(tiny_config):
     assert single.is_file() and (final / "model_index.json").is_file()
     base = _base_folder(result)
     loaded = load_single_file(single, ModelType.SD15, config_folder=base)
-    tuned = _pipeline(final)
+    tuned = pipelines.load(final)
     for name in ("unet", "vae", "text_encoder"):
         expected = getattr(tuned, name).state_dict()
         got = loaded[name].state_dict()
         assert expected.keys() == got.keys()
         assert all(torch.equal(expected[k], got[k]) for k in expected), name
-    assert not torch.equal(loaded["unet"].conv_in.weight, _pipeline(base).unet.conv_in.weight)
+    assert not torch.equal(loaded["unet"].conv_in.weight, pipelines.load(base).unet.conv_in.weight)
     with safe_open(str(single), "pt") as f:
         assert f.metadata()["modelspec.architecture"].startswith("stable-diffusion-v1")
 

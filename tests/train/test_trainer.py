@@ -12,21 +12,7 @@ from modules.events import RecordingCallbacks, TrainerCommands
 from modules.train.trainer import TrainingError, train
 
 
-def _load_pipeline(model_folder: Path):
-    from diffusers import StableDiffusionPipeline
-    pipe = StableDiffusionPipeline.from_pretrained(model_folder, safety_checker=None,
-                                                   local_files_only=True)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-def _image(pipe) -> torch.Tensor:
-    out = pipe("a red circle on a blue background", height=64, width=64, num_inference_steps=2,
-               generator=torch.Generator().manual_seed(0), output_type="pt")
-    return out.images
-
-
-def test_lora_run_saves_a_file_diffusers_loads_and_that_changes_the_output(tiny_config):
+def test_lora_run_saves_a_file_diffusers_loads_and_that_changes_the_output(tiny_config, pipelines):
     config = tiny_config("training.max_steps=4")
     result = train(config)
     lora = result.output_dir / "final" / "pytorch_lora_weights.safetensors"
@@ -34,10 +20,10 @@ def test_lora_run_saves_a_file_diffusers_loads_and_that_changes_the_output(tiny_
     assert lora.is_file()
 
     base_folder = Path(json.loads((result.output_dir / "config.json").read_text())["model"]["path"])
-    pipe = _load_pipeline(base_folder)
-    before = _image(pipe)
+    pipe = pipelines.load(base_folder)
+    before = pipelines.image(pipe)
     pipe.load_lora_weights(str(lora.parent), weight_name=lora.name)
-    after = _image(pipe)
+    after = pipelines.image(pipe)
     assert not torch.allclose(before, after), "the LoRA did not change the model's output"
 
 
@@ -49,14 +35,14 @@ def test_lora_with_text_encoder_saves_both_parts(tiny_config):
     assert any(k.startswith("text_encoder.") for k in keys)
 
 
-def test_fine_tune_saves_a_diffusers_folder_with_changed_weights(tiny_config):
+def test_fine_tune_saves_a_diffusers_folder_with_changed_weights(tiny_config, pipelines):
     result = train(tiny_config("training.method=FINE_TUNE", "training.max_steps=3"))
     final = result.output_dir / "final"
     base_folder = Path(json.loads((result.output_dir / "config.json").read_text())["model"]["path"])
-    tuned, base = _load_pipeline(final), _load_pipeline(base_folder)
+    tuned, base = pipelines.load(final), pipelines.load(base_folder)
     assert not torch.allclose(tuned.unet.conv_in.weight, base.unet.conv_in.weight)
     assert torch.equal(tuned.vae.decoder.conv_in.weight, base.vae.decoder.conv_in.weight)
-    assert not torch.allclose(_image(tuned), _image(base))
+    assert not torch.allclose(pipelines.image(tuned), pipelines.image(base))
 
 
 def test_loss_goes_down_on_the_shapes_dataset(tiny_config):
