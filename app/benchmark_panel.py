@@ -15,6 +15,7 @@ from typing import Any
 import customtkinter as ctk
 
 from app.binding import ConfigBinding
+from app.widgets import set_readonly_text
 from modules.config import Config, ConfigError, Problem
 
 SHORT_STEPS, SHORT_WARMUP = 4, 3
@@ -175,10 +176,7 @@ class BenchmarkSection:
                                    "save the preset to keep it")
 
     def _show(self, text: str) -> None:
-        self.table.configure(state="normal")
-        self.table.delete("1.0", "end")
-        self.table.insert("1.0", text)
-        self.table.configure(state="disabled")
+        set_readonly_text(self.table, text)
 
     def text(self) -> str:
         return self.table.get("1.0", "end-1c")

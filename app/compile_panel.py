@@ -14,7 +14,7 @@ import customtkinter as ctk
 from app.binding import ConfigBinding
 from app.compile_info import BACKEND_DESCRIPTIONS, describe_backend
 from app.form import FieldRegistry
-from app.widgets import BoolView, FieldView, make_view
+from app.widgets import BoolView, FieldView, make_view, set_readonly_text
 from modules.config.schema import CompileBackend
 
 TAB = "Advanced Options"
@@ -99,10 +99,7 @@ class CompilePanel:
             view.set_enabled(enabled)
 
     def show_report(self, text: str) -> None:
-        self.report.configure(state="normal")
-        self.report.delete("1.0", "end")
-        self.report.insert("1.0", text)
-        self.report.configure(state="disabled")
+        set_readonly_text(self.report, text)
 
     def report_text(self) -> str:
         return self.report.get("1.0", "end-1c")

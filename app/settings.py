@@ -1,4 +1,5 @@
-"""GUI-only settings (not training settings): UI scale, window size, user presets folder.
+"""GUI-only settings (not training settings): UI scale, window size, user presets folder,
+the Cloud tab's repository, remote, branch and status location.
 
 Kept in a small JSON file, by default ~/.config/tempera/ui.json; tests pass their own path.
 """
@@ -21,6 +22,11 @@ class UISettings:
     geometry: str = "1280x860"
     user_presets_dir: str = DEFAULT_USER_PRESETS
     last_preset: str = ""
+    # Cloud tab: where this computer pushes runs and reads their status (never in a config).
+    cloud_repo: str = ""
+    cloud_remote: str = "origin"
+    cloud_branch: str = "main"
+    cloud_status: str = ""
 
     @property
     def user_presets_path(self) -> Path:

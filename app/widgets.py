@@ -309,3 +309,11 @@ def make_view(parent: Any, binding: ConfigBinding, path: str, **kwargs: Any) -> 
     else:
         cls = VIEW_CLASSES[info.kind]
     return cls(parent, binding, path, **kwargs)
+
+
+def set_readonly_text(box: Any, text: str) -> None:
+    """Replace the whole text of a read-only CTkTextbox (reports, tables, logs)."""
+    box.configure(state="normal")
+    box.delete("1.0", "end")
+    box.insert("1.0", text)
+    box.configure(state="disabled")

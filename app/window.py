@@ -17,6 +17,7 @@ import customtkinter as ctk
 from app import external
 from app.benchmark_panel import BenchFn, BenchmarkSection
 from app.binding import ConfigBinding
+from app.cloud_panel import TAB as CLOUD_TAB, CloudPanel
 from app.compile_info import find_explain, format_report
 from app.compile_panel import PLACED, TAB as ADVANCED_TAB, CompilePanel
 from app.fields import container_labels
@@ -110,6 +111,11 @@ class TemperaApp(ctk.CTk):
             else:
                 build_fields(scroll, fields_of_group(group), self.binding, self.registry, title)
         self.tabview.add(RUN_TAB)
+        self.cloud_panel = CloudPanel(
+            self.tabview.add(CLOUD_TAB), self.binding, self.settings,
+            lambda fn, kind: run_in_thread(fn, self.events, kind),
+            lambda: self.current_preset.stem if self.current_preset else "run",
+            self._save_settings)
         self.tabview.set(tab_title(groups_in_order()[0]))
 
     def _build_top_bar(self) -> None:
@@ -408,6 +414,11 @@ class TemperaApp(ctk.CTk):
                 self._finish_close()
         elif kind == "report":
             self._show_report(*data)
+        elif kind == "cloud_push":
+            self.cloud_panel.on_pushed(*data)
+            self.run_panel.log("cloud: " + self.cloud_panel.status.cget("text"))
+        elif kind == "cloud_status":
+            self.cloud_panel.on_status(*data)
 
     def _show_sample(self, path: Path, prompt: str, step: int) -> None:
         try:
@@ -479,7 +490,13 @@ class TemperaApp(ctk.CTk):
     def _scale_chosen(self, text: str) -> None:
         self.settings.scaling = int(text.rstrip("%")) / 100
         apply_scaling(self.settings.scaling)
-        save_settings(self.settings, self.settings_path)
+        self._save_settings()
+
+    def _save_settings(self) -> None:
+        try:
+            save_settings(self.settings, self.settings_path)
+        except OSError as exc:
+            self.run_panel.log(f"could not save GUI settings {self.settings_path}: {exc}")
 
     def on_close(self) -> None:
         """Closing while training asks, requests stop and waits for the clean save first."""

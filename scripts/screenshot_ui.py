@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT))  # run from any folder
 
 TABS = {"General": "gui-general.png", "Model": "gui-model.png", "Data": "gui-data.png",
         "Training": "gui-training.png", "Sampling": "gui-sampling.png",
-        "Advanced Options": "gui-advanced.png"}
+        "Advanced Options": "gui-advanced.png", "Cloud": "gui-cloud.png"}
 
 
 def ensure_display() -> subprocess.Popen | None:
@@ -70,6 +70,11 @@ def main() -> int:
     try:
         app.compile_panel._load_summaries()
         app.compile_panel.backend.menu._dropdown_callback("INDUCTOR")
+        cloud = app.cloud_panel  # example locations, so the Cloud tab shows what goes where
+        for entry, text in ((cloud.entries["cloud_repo"], "~/cats-training"),
+                            (cloud.entries["cloud_status"], "me@gpu-box:/srv/tempera-work"),
+                            (cloud.name_entry, "cats-v1")):
+            cloud.set_entry(entry, text)
         for tab, name in TABS.items():
             app.tabview.set(tab)
             grab(app, args.out / name)

@@ -5,6 +5,8 @@ machine's `local.json` are ignored. Its pre-push hook and `push-and-train` refus
 """
 from __future__ import annotations
 
+import os
+import re
 import shutil
 import sys
 from dataclasses import dataclass, field
@@ -14,8 +16,10 @@ from modules.cloud.git import CloudError, git, git_text
 from modules.cloud.hook import TEMPLATES, render_template, write_hook
 from modules.cloud.portable import portability_problems
 from modules.cloud.secrets import format_findings, scan_files, scan_outgoing
-from modules.config import ConfigError, from_dict, validate
-from modules.config.loader import read_json
+from modules.config import Config, ConfigError, from_dict, save_config, validate
+from modules.config.loader import path_fields, read_json, to_dict
+from modules.config.schema import BUILTIN_PREFIX, OutputConfig
+from modules.util.atomic import atomic_write_bytes
 
 RUNS_DIR = "runs"
 PRE_PUSH_MARKER = "tempera-cloud pre-push hook"
@@ -122,3 +126,53 @@ def push_and_train(config: Path, repo: Path, remote: str = "origin", branch: str
     proc = git(["push", "--no-verify", remote, f"HEAD:refs/heads/{branch}"], cwd=repo)
     output = (proc.stdout + proc.stderr).decode("utf-8", errors="replace")
     return PushResult(rel, commit, warnings, output)
+
+
+RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+
+
+def config_for_repo(config: Config, repo: Path) -> Config:
+    """A copy of `config` to commit under runs/: paths inside the repository relative to runs/,
+    and no output folder of this machine (cloud runs write to their own)."""
+    repo = Path(repo).resolve()
+    runs = repo / RUNS_DIR
+    config = from_dict(to_dict(config))
+    for owner, name, dotted in path_fields(config):
+        value = getattr(owner, name)
+        if not value or value.startswith(BUILTIN_PREFIX) or not Path(value).is_absolute():
+            continue
+        if dotted == "output.dir" and not Path(value).resolve().is_relative_to(repo):
+            setattr(owner, name, OutputConfig().dir)
+        elif Path(value).resolve().is_relative_to(repo):
+            setattr(owner, name, os.path.relpath(Path(value).resolve(), runs))
+    return config
+
+
+def push_current_config(config: Config, repo: Path, name: str, remote: str = "origin",
+                        branch: str = "main") -> PushResult:
+    """Write `config` as runs/<name>.json, then check, commit and push it (`push_and_train`).
+
+    When the checks refuse it, runs/<name>.json is left as it was before (restored, or removed
+    when it did not exist), so a refused config never lingers in the work tree.
+    """
+    if not RUN_NAME.match(name):
+        raise CloudError(f"run name {name!r}: use letters, digits, '.', '_' and '-' "
+                         "(it becomes runs/<name>.json)")
+    repo = Path(repo).expanduser().resolve()
+    if not (repo / ".git").exists():
+        raise CloudError(f"{repo} is not a training repository (tempera-cloud init {repo})")
+    target = repo / RUNS_DIR / f"{name}.json"
+    previous = target.read_bytes() if target.is_file() else None
+    target.parent.mkdir(exist_ok=True)
+    save_config(config_for_repo(config, repo), target, sparse=True)
+    try:
+        return push_and_train(target, repo, remote, branch)
+    except CloudError:
+        committed = not git(["diff", "--quiet", "HEAD", "--", target.relative_to(repo).as_posix()],
+                            cwd=repo, check=False).returncode
+        if not committed:
+            if previous is None:
+                target.unlink(missing_ok=True)
+            else:
+                atomic_write_bytes(target, previous)
+        raise

@@ -15,6 +15,12 @@ def atomic_write_text(path: Path, text: str) -> None:
         tmp.write_text(text, encoding="utf-8")
 
 
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """`atomic_write_text` for bytes."""
+    with atomic_file(path) as tmp:
+        tmp.write_bytes(data)
+
+
 @contextmanager
 def atomic_file(path: Path) -> Iterator[Path]:
     """Yield a temporary path next to `path`; on success it replaces `path`, on error it is removed."""

@@ -139,3 +139,26 @@ def test_tempera_train_local_flag_supplies_the_machine_dataset(tmp_path, capsys)
     assert train_main(["--config", str(config), "--local", str(local), "--check"]) == 0
     assert train_main(["--config", str(config), "--local", str(tmp_path / "nope.json"),
                        "--check"]) == 2
+
+
+def test_pushing_the_current_settings_writes_repo_paths_relative_to_runs(repo_and_remote,
+                                                                          tmp_path):
+    from modules.cloud.git import CloudError
+    from modules.cloud.repo import push_current_config
+    repo, bare = repo_and_remote
+    (repo / "data" / "cats").mkdir(parents=True)
+    config = apply_overrides(Config(), [f"data.datasets=[{{\"path\": \"{repo / 'data' / 'cats'}\"}}]",
+                                        f"output.dir={tmp_path / 'local-out'}",
+                                        "compile.backend=AOT_EAGER"])
+    result = push_current_config(config, repo, "cats")
+    assert result.config == "runs/cats.json"
+    pushed = json.loads(git(bare, "show", "main:runs/cats.json"))
+    assert pushed["data"]["datasets"][0]["path"] == "../data/cats"
+    assert "output" not in pushed  # this computer's output folder stays here
+    assert pushed["compile"]["backend"] == "AOT_EAGER"
+
+    with pytest.raises(CloudError, match="run name"):
+        push_current_config(config, repo, "runs/../../x")
+    with pytest.raises(CloudError, match="not a training repository"):
+        push_current_config(config, tmp_path / "elsewhere", "cats")
+    assert not (tmp_path / "elsewhere").exists()
