@@ -122,14 +122,22 @@ class EntryView(FieldView):
 
 
 class PathView(EntryView):
-    """A folder path: entry plus a browse button."""
+    """A path: entry plus a folder chooser, and a file chooser when the field accepts files
+    (its `files` patterns, e.g. a base model that is a folder or a single checkpoint)."""
 
     def _build_input(self, parent: Any) -> Any:
         box = ctk.CTkFrame(parent, fg_color="transparent")
         super()._build_input(box)
         self.entry.pack(side="left")
-        self.browse = ctk.CTkButton(box, text="…", width=32, command=self._browse)
+        self.patterns: tuple[str, ...] = self.info.metadata.get("files", ())
+        self.browse = ctk.CTkButton(box, text="Folder…" if self.patterns else "…",
+                                    width=70 if self.patterns else 32, command=self._browse)
         self.browse.pack(side="left", padx=(4, 0))
+        self.browse_file = None
+        if self.patterns:
+            self.browse_file = ctk.CTkButton(box, text="File…", width=60,
+                                             command=self._browse_file)
+            self.browse_file.pack(side="left", padx=(4, 0))
         return box
 
     def _browse(self) -> None:
@@ -137,9 +145,18 @@ class PathView(EntryView):
         if chosen:
             self.var.set(chosen)
 
+    def _browse_file(self) -> None:
+        chosen = filedialog.askopenfilename(
+            parent=self.frame, title=self.info.label,
+            filetypes=[(self.info.label, " ".join(self.patterns)), ("All files", "*")])
+        if chosen:
+            self.var.set(chosen)
+
     def set_enabled(self, enabled: bool) -> None:
         super().set_enabled(enabled)
-        self.browse.configure(state="normal" if enabled else "disabled")
+        for button in (self.browse, self.browse_file):
+            if button is not None:
+                button.configure(state="normal" if enabled else "disabled")
 
 
 class BoolView(FieldView):

@@ -17,11 +17,14 @@ def setting(
     path: bool = False,
     advanced: bool = False,
     multiline: bool = False,
+    files: tuple[str, ...] = (),
 ) -> Any:
     """Declare a config field once: default, help text, GUI label and tab, and value bounds.
 
     `path=True` marks a filesystem path that is resolved relative to the config file's folder
     (a value starting with ``builtin:`` names something Tempera builds locally instead).
+    `files` (with `path=True`): the path may also be a file matching these patterns, so the GUI
+    offers a file chooser next to the folder chooser.
     """
     metadata = {
         "help": help,
@@ -32,6 +35,7 @@ def setting(
         "path": path,
         "advanced": advanced,
         "multiline": multiline,
+        "files": tuple(files),
     }
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=metadata)

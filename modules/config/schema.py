@@ -107,6 +107,7 @@ class GeneralConfig:
 @dataclass
 class ModelConfig:
     path: str = setting(BUILTIN_TINY_SD15, label="Base model", group="Model", path=True,
+                        files=("*.safetensors", "*.ckpt", "*.pt", "*.bin"),
                         help="A diffusers model folder, a single-file checkpoint in the original "
                              "SD/SDXL layout (.safetensors), or a built-in model such as "
                              "'builtin:tiny-sd15' (a tiny random-weight model built locally).")

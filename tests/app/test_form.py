@@ -124,3 +124,22 @@ def test_a_broken_preset_lists_its_problems_and_keeps_the_window(app, tmp_path):
     assert any("training.max_stepz" in t for t in texts)
     assert any("training.batch_size" in t for t in texts)
     assert app.binding.config == Config()
+
+
+def test_base_model_can_be_chosen_as_a_folder_or_a_single_checkpoint(app, monkeypatch, tmp_path):
+    from app import widgets
+    model = view(app, "model.path")
+    assert model.browse_file is not None and view(app, "data.datasets[0].path").browse_file is None
+    checkpoint = tmp_path / "sd15.safetensors"
+    asked = {}
+
+    def fake_open(**kwargs):
+        asked.update(kwargs)
+        return str(checkpoint)
+    monkeypatch.setattr(widgets.filedialog, "askopenfilename", fake_open)
+    monkeypatch.setattr(widgets.filedialog, "askdirectory", lambda **kwargs: str(tmp_path))
+    model.browse_file.invoke()
+    assert app.binding.config.model.path == str(checkpoint)
+    assert "*.safetensors" in asked["filetypes"][0][1]
+    model.browse.invoke()
+    assert app.binding.config.model.path == str(tmp_path)
