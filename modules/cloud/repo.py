@@ -114,9 +114,12 @@ def push_and_train(config: Path, repo: Path, remote: str = "origin", branch: str
         raise
     git(["add", "--", rel], cwd=repo)
     if not git(["diff", "--cached", "--quiet", "--", rel], cwd=repo, check=False).returncode:
-        raise CloudError(f"{rel} is already committed unchanged; a push would start nothing "
-                         "(change it, or copy it under a new name to train it again)")
-    git(["commit", "-q", "-m", f"Train {rel}", "--", rel], cwd=repo)
+        if reached_remote(repo, remote, branch):
+            raise CloudError(f"{rel} is already committed unchanged; a push would start nothing "
+                             "(change it, or copy it under a new name to train it again)")
+        # committed by an earlier try whose push failed (offline, wrong remote): push it now
+    else:
+        git(["commit", "-q", "-m", f"Train {rel}", "--", rel], cwd=repo)
     commit = git_text(["rev-parse", "HEAD"], cwd=repo)
     findings = scan_outgoing(repo, remote)
     if findings:
@@ -126,6 +129,12 @@ def push_and_train(config: Path, repo: Path, remote: str = "origin", branch: str
     proc = git(["push", "--no-verify", remote, f"HEAD:refs/heads/{branch}"], cwd=repo)
     output = (proc.stdout + proc.stderr).decode("utf-8", errors="replace")
     return PushResult(rel, commit, warnings, output)
+
+
+def reached_remote(repo: Path, remote: str, branch: str) -> bool:
+    """Whether HEAD is already on `remote`/`branch`, as far as the last fetch or push knows."""
+    return not git(["merge-base", "--is-ancestor", "HEAD", f"refs/remotes/{remote}/{branch}"],
+                   cwd=repo, check=False).returncode
 
 
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")

@@ -162,3 +162,18 @@ def test_pushing_the_current_settings_writes_repo_paths_relative_to_runs(repo_an
     with pytest.raises(CloudError, match="not a training repository"):
         push_current_config(config, tmp_path / "elsewhere", "cats")
     assert not (tmp_path / "elsewhere").exists()
+
+
+def test_a_push_that_failed_is_retried_without_a_second_commit(repo_and_remote, tmp_path):
+    repo, bare = repo_and_remote
+    config = write_json(tmp_path / "cats.json", sparse_config(sampling={"prompts": []}))
+    moved = bare.rename(tmp_path / "away.git")  # the machine is unreachable
+    assert cloud_main(["push-and-train", str(config), "--repo", str(repo)]) == 1
+    committed = git(repo, "rev-parse", "HEAD")
+    assert git(repo, "log", "-1", "--format=%s") == "Train runs/cats.json"
+    moved.rename(bare)  # back online: the same command pushes the commit it made
+    assert cloud_main(["push-and-train", str(config), "--repo", str(repo)]) == 0
+    assert git(repo, "rev-parse", "HEAD") == committed
+    assert git(bare, "rev-parse", "main") == committed
+    # and now that it is there, pushing it again is refused: it would start nothing
+    assert cloud_main(["push-and-train", str(config), "--repo", str(repo)]) == 1
