@@ -28,13 +28,8 @@ def ensure_display() -> subprocess.Popen | None:
         return None
     if not shutil.which("Xvfb"):
         sys.exit("no DISPLAY and no Xvfb (apt-get install xvfb)")
-    read_fd, write_fd = os.pipe()
-    proc = subprocess.Popen(["Xvfb", "-displayfd", str(write_fd), "-screen", "0", "1400x950x24",
-                             "-nolisten", "tcp"], pass_fds=(write_fd,),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    os.close(write_fd)
-    with os.fdopen(read_fd) as pipe:
-        os.environ["DISPLAY"] = ":" + pipe.readline().strip()
+    from app.display import start_xvfb
+    proc, os.environ["DISPLAY"] = start_xvfb()
     return proc
 
 

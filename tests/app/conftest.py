@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
+from app.display import start_xvfb
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -29,20 +30,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.gui)
 
 
-def _start_xvfb() -> tuple[subprocess.Popen, str]:
-    read_fd, write_fd = os.pipe()
-    proc = subprocess.Popen(["Xvfb", "-displayfd", str(write_fd), "-screen", "0", "1400x950x24",
-                             "-nolisten", "tcp"], pass_fds=(write_fd,),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    os.close(write_fd)
-    with os.fdopen(read_fd) as pipe:
-        number = pipe.readline().strip()
-    if not number:
-        proc.kill()
-        raise RuntimeError("Xvfb did not report a display number")
-    return proc, f":{number}"
-
-
 @pytest.fixture(scope="session")
 def display() -> str:
     try:
@@ -52,7 +39,7 @@ def display() -> str:
     proc = None
     if shutil.which("Xvfb"):
         try:
-            proc, name = _start_xvfb()
+            proc, name = start_xvfb()
         except (OSError, RuntimeError) as exc:
             pytest.skip(f"could not start Xvfb: {exc}")
         os.environ["DISPLAY"] = name
