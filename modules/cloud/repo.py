@@ -5,7 +5,6 @@ machine's `local.json` are ignored. Its pre-push hook and `push-and-train` refus
 """
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import sys
@@ -16,9 +15,9 @@ from modules.cloud.git import CloudError, git, git_text
 from modules.cloud.hook import TEMPLATES, render_template, write_hook
 from modules.cloud.portable import portability_problems
 from modules.cloud.secrets import format_findings, scan_files, scan_outgoing
-from modules.config import Config, ConfigError, from_dict, save_config, validate
-from modules.config.loader import path_fields, read_json, to_dict
-from modules.config.schema import BUILTIN_PREFIX, OutputConfig
+from modules.config import Config, ConfigError, from_dict, relativize_paths, save_config, validate
+from modules.config.loader import read_json
+from modules.config.schema import OutputConfig
 from modules.util.atomic import atomic_write_bytes
 
 RUNS_DIR = "runs"
@@ -144,16 +143,9 @@ def config_for_repo(config: Config, repo: Path) -> Config:
     """A copy of `config` to commit under runs/: paths inside the repository relative to runs/,
     and no output folder of this machine (cloud runs write to their own)."""
     repo = Path(repo).resolve()
-    runs = repo / RUNS_DIR
-    config = from_dict(to_dict(config))
-    for owner, name, dotted in path_fields(config):
-        value = getattr(owner, name)
-        if not value or value.startswith(BUILTIN_PREFIX) or not Path(value).is_absolute():
-            continue
-        if dotted == "output.dir" and not Path(value).resolve().is_relative_to(repo):
-            setattr(owner, name, OutputConfig().dir)
-        elif Path(value).resolve().is_relative_to(repo):
-            setattr(owner, name, os.path.relpath(Path(value).resolve(), runs))
+    config = relativize_paths(config, repo / RUNS_DIR, root=repo)
+    if Path(config.output.dir).is_absolute():  # outside the repository: this machine's
+        config.output.dir = OutputConfig().dir
     return config
 
 

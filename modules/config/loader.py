@@ -254,13 +254,15 @@ def resolve_paths(config: Config, base_dir: Path) -> Config:
     return config
 
 
-def relativize_paths(config: Config, base_dir: Path) -> Config:
-    """A copy with paths inside `base_dir` written relative to it (portable presets)."""
+def relativize_paths(config: Config, base_dir: Path, root: Path | None = None) -> Config:
+    """A copy with paths inside `root` (default `base_dir`) written relative to `base_dir`
+    (portable presets; a training repository's configs, whose `root` is the repository)."""
     config = from_dict(to_dict(config))
     base = Path(base_dir).resolve()
+    inside = Path(root).resolve() if root is not None else base
     for owner, name, _ in path_fields(config):
         value = getattr(owner, name)
         if value and not value.startswith(BUILTIN_PREFIX) and Path(value).is_absolute():
-            if Path(value).resolve().is_relative_to(base):
+            if Path(value).resolve().is_relative_to(inside):
                 setattr(owner, name, os.path.relpath(Path(value).resolve(), base))
     return config

@@ -17,7 +17,6 @@ from collections import Counter
 from collections.abc import Sequence
 
 from modules.data.folders import ScanItem
-from modules.data.images import oriented_size
 
 Size = tuple[int, int]  # (height, width) in pixels
 
@@ -71,15 +70,10 @@ def nearest_bucket(size: Size, buckets: Sequence[Size]) -> Size:
     return min(buckets, key=lambda bucket: abs(math.log(aspect_of(bucket)) - log_aspect))
 
 
-def item_size(item: ScanItem) -> Size:
-    """The (height, width) after EXIF rotation the scan read, or the file header's."""
-    return item.size if item.size is not None else oriented_size(item.path)
-
-
 def assign_buckets(items: Sequence[ScanItem], resolution: int, max_aspect: float) -> list[Size]:
     """The bucket of every item, in item order (an image's repeats share its bucket)."""
     buckets = bucket_sizes(resolution, max_aspect)
-    return [nearest_bucket(item_size(item), buckets) for item in items]
+    return [nearest_bucket(item.oriented_size(), buckets) for item in items]
 
 
 def narrowest_non_square(resolution: int, step: int = BUCKET_STEP) -> float | None:

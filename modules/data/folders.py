@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from modules.data.errors import DatasetError
-from modules.data.images import IMAGE_EXTENSIONS, inspect_image, is_image_file
+from modules.data.images import IMAGE_EXTENSIONS, inspect_image, is_image_file, oriented_size
 
 logger = logging.getLogger("tempera.data")
 
@@ -45,6 +45,10 @@ class ScanItem:
     source_index: int
     has_caption: bool = True
     size: tuple[int, int] | None = None
+
+    def oriented_size(self) -> tuple[int, int]:
+        """(height, width) after EXIF rotation: the scan's, or the file header's."""
+        return self.size if self.size is not None else oriented_size(self.path)
 
 
 @dataclass

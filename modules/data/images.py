@@ -87,9 +87,7 @@ def inspect_image(path: Path) -> ImageCheck:
     # struct.error, EOFError, DecompressionBombError...); each becomes a reported skip reason.
     except Exception as exc:  # noqa: BLE001 - converted to a reason, never swallowed
         return ImageCheck(None, f"{type(exc).__name__}: {exc}")
-    if orientation in _SWAPPING_ORIENTATIONS:
-        width, height = height, width
-    return ImageCheck((height, width), None)
+    return ImageCheck(_displayed_hw(width, height, orientation), None)
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
@@ -147,8 +145,13 @@ def oriented_size(path: Path) -> tuple[int, int]:
             orientation = image.getexif().get(ExifTags.Base.Orientation, 1)
     except Exception as exc:  # noqa: BLE001 - re-raised with the file named
         raise DatasetError(f"cannot read image {path}: {type(exc).__name__}: {exc}") from exc
+    return _displayed_hw(width, height, orientation)
+
+
+def _displayed_hw(width: int, height: int, orientation: int) -> tuple[int, int]:
+    """(height, width) as shown after EXIF rotation, from the stored width, height and tag."""
     if orientation in _SWAPPING_ORIENTATIONS:
-        width, height = height, width
+        return width, height
     return height, width
 
 

@@ -23,10 +23,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.utils.data import Dataset
 
-from modules.data.dataset import ItemKey, derive_seed, item_rng, split_key
+from modules.data.dataset import ItemKey, derive_seed, item_rng, split_key, square_sizes
 from modules.data.errors import DatasetError
 from modules.data.folders import ScanItem
-from modules.data.images import (TargetSize, coin_flip, open_rgb, oriented_size, plan_crop,
+from modules.data.images import (TargetSize, coin_flip, open_rgb, plan_crop,
                                  prepare_image, target_hw)
 from modules.util.atomic import atomic_file
 
@@ -251,14 +251,13 @@ def cache_latents(items: Sequence[ScanItem], encode_fn: EncodeFn, cache: LatentC
     stats = CacheStats()
     corrupt_before = cache.corrupt
     targets = _target_per_image(items, resolution, target_sizes)
-    scanned = {Path(item.path): item.size for item in items if item.size is not None}
+    item_of = {Path(item.path): item for item in items}
     flips = (False, True) if random_flip else (False,)
     total, pending = len(targets) * len(flips), []
     for path, target in targets.items():
         content = cache.hasher.sha256(path)
         crop_rng = None if center_crop else random.Random(derive_seed("crop", seed, content))
-        size = scanned.get(path) or oriented_size(path)  # the header, for items made by hand
-        crop = plan_crop(size, target, center_crop, crop_rng)
+        crop = plan_crop(item_of[path].oriented_size(), target, center_crop, crop_rng)
         keys = {flip: cache.key_for(path, target, center_crop, crop, flip) for flip in flips}
         stats.entries[path] = CachedImage(path, keys)
         for flip, key in keys.items():
@@ -282,7 +281,7 @@ def _target_per_image(items: Sequence[ScanItem], resolution: int,
                       ) -> dict[Path, tuple[int, int]]:
     """Each distinct image's target size, in first-appearance order (repeats share one)."""
     if target_sizes is None:
-        target_sizes = [(resolution, resolution)] * len(items)
+        target_sizes = square_sizes(len(items), resolution)
     if len(target_sizes) != len(items):
         raise ValueError(f"{len(target_sizes)} target sizes for {len(items)} items")
     targets: dict[Path, tuple[int, int]] = {}
