@@ -1,0 +1,107 @@
+"""Aspect-ratio buckets under compilation: compile time and recompiles per scope x dynamic.
+
+Each setting trains the tiny SD 1.5 model in its own `tempera-train` process (fresh compiler
+state) on a generated dataset with three aspect ratios, and the numbers are read back from the
+run's own `run.json` (`compile.unet`, `batch_shapes`). Writes `buckets.json` and `buckets.md`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from modules.bench.report import machine_info
+from modules.config import Config, apply_overrides, save_config
+
+REPO = Path(__file__).resolve().parents[2]
+# PIL (width, height): wide, square and tall images, two of each; at resolution 256 they land
+# in the buckets 192x320, 256x256 and 320x192 (height x width).
+IMAGE_SIZES = [(120, 60), (120, 60), (64, 64), (64, 64), (60, 120), (60, 120)]
+SCOPES, DYNAMIC = ("REGIONAL", "FULL"), ("DYNAMIC", "AUTO", "STATIC")
+
+
+def make_dataset(folder: Path) -> Path:
+    from PIL import Image
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, size in enumerate(IMAGE_SIZES):
+        Image.effect_noise(size, 30 + i).convert("RGB").save(folder / f"img{i:02d}.png")
+        (folder / f"img{i:02d}.txt").write_text(f"a noisy picture number {i}", encoding="utf-8")
+    return folder
+
+
+def run_setting(out: Path, data: Path, cache_dir: str, backend: str, scope: str,
+                dynamic: str, epochs: int) -> dict[str, Any]:
+    """Train one setting in a fresh process; its row from the run's run.json."""
+    name = f"{scope.lower()}-{dynamic.lower()}"
+    config = apply_overrides(Config(), [
+        f"general.cache_dir={cache_dir}", "general.device=CPU",
+        f"data.datasets=[{{\"path\": \"{data}\"}}]", "data.resolution=256",
+        "data.aspect_buckets=true", "training.batch_size=2", f"training.epochs={epochs}",
+        "training.max_steps=0", "training.learning_rate=1e-3", f"compile.backend={backend}",
+        "compile.unet=true", f"compile.scope={scope}", f"compile.dynamic={dynamic}",
+        "sampling.prompts=[]", "logging.tensorboard=false", f"output.dir={out / name}",
+        "output.overwrite=true"])
+    config_file = out / f"{name}.json"
+    save_config(config, config_file)
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "train.py"), "--config",
+                           str(config_file), "--quiet"], capture_output=True, text=True)
+    row: dict[str, Any] = {"scope": scope, "dynamic": dynamic, "exit_code": proc.returncode}
+    if proc.returncode != 0:
+        row["error"] = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return row
+    record = json.loads((out / name / "run.json").read_text())
+    shapes, unet = record["batch_shapes"], record["compile"]["unet"]
+    row.update(steps=record["steps_done"], shapes=shapes["distinct"],
+               compile_seconds=unet["compile_seconds"],
+               recompiles_in_first_pass=shapes["recompiles_in_first_pass"],
+               recompiles_after_first_pass=shapes["recompiles_after_first_pass"],
+               compiled_code_ran=unet["compiled_code_ran"])
+    return row
+
+
+def markdown(result: dict[str, Any]) -> str:
+    m = result["machine"]
+    lines = [f"{result['backend']}, tiny SD 1.5 UNet, resolution 256 (buckets 192x320, 256x256, "
+             f"320x192), two images per bucket, batch 2, {result['epochs']} epochs.",
+             f"Device: CPU {m['cpu']}, {m['cpu_cores']} cores; torch {m['torch']}; {m['date']}; "
+             f"load average at start {m.get('load_average_start', ['?'])[0]}.", "",
+             "| scope | dynamic | steps | shapes | UNet compile s | recompiles (first pass) "
+             "| recompiles after first pass |", "|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        if r["exit_code"] != 0:
+            lines.append(f"| {r['scope']} | {r['dynamic']} | failed: {r['error']} | | | | |")
+            continue
+        lines.append(f"| {r['scope']} | {r['dynamic']} | {r['steps']} | {r['shapes']} | "
+                     f"{r['compile_seconds']:.1f} | {r['recompiles_in_first_pass']} | "
+                     f"{r['recompiles_after_first_pass']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="output folder")
+    parser.add_argument("--backend", default="AOT_EAGER")
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--scopes", default=",".join(SCOPES), help="comma list")
+    parser.add_argument("--dynamic", default=",".join(DYNAMIC), help="comma list")
+    parser.add_argument("--cache-dir", default="",
+                        help="general.cache_dir, where the built-in tiny model is built")
+    args = parser.parse_args(argv)
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    data = make_dataset(out / "data")
+    result = {"machine": machine_info(), "backend": args.backend, "epochs": args.epochs,
+              "rows": []}
+    settings = [(scope, dynamic) for scope in args.scopes.split(",")
+                for dynamic in args.dynamic.split(",")]
+    for scope, dynamic in settings:
+        row = run_setting(out, data, args.cache_dir, args.backend, scope, dynamic, args.epochs)
+        print(f"{scope} {dynamic}: {row}", flush=True)
+        result["rows"].append(row)
+    (out / "buckets.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "buckets.md").write_text(markdown(result))
+    print(markdown(result))
+    return 0 if all(r["exit_code"] == 0 for r in result["rows"]) else 1
