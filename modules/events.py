@@ -26,11 +26,16 @@ class Progress:
 
 @dataclass(frozen=True)
 class CompileEvent:
-    """Something the compile engine wants the user to see ("compiling UNet: graph 2, 34 s")."""
+    """Something the compile engine wants the user to see ("compiling UNet: graph 2, 34 s").
+
+    ``message`` is one short sentence for a status line; ``detail`` holds the full text (for
+    example dynamo's guard failures) for the log, empty when the message says it all.
+    """
     component: str
     message: str
     seconds: float = 0.0
     kind: str = "progress"  # progress | done | fallback | degraded | recompile | warning
+    detail: str = ""
 
 
 class TrainerCallbacks(Protocol):

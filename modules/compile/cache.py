@@ -1,7 +1,7 @@
-"""The persistent compile cache: inductor's FX graph cache and AOTAutograd cache in one folder.
+"""The persistent compile cache: inductor's FX graph and AOTAutograd caches and Triton's kernels.
 
-A second run with the same config, model and torch finds its compiled kernels there and skips
-inductor's code generation (dynamo still traces; that part is not cached by default).
+A second run with the same config, model and torch finds its compiled kernels in the folder
+and skips inductor's code generation (dynamo still traces; that part is not cached).
 """
 from __future__ import annotations
 
@@ -12,15 +12,38 @@ from pathlib import Path
 # Inductor reads its cache folder from this variable each time it compiles
 # (torch/_inductor/runtime/cache_dir_utils.py: cache_dir()); there is no config field for it.
 CACHE_DIR_ENV = "TORCHINDUCTOR_CACHE_DIR"
+# Triton's kernel cache. Inductor sets it to <its cache folder>/triton/<device> at its first
+# GPU kernel when it is unset (torch/_inductor/runtime/triton_heuristics.py) and never again, so
+# a second run in the same process (the GUI) with another cache folder would write its Triton
+# kernels into the first run's folder unless this is set and restored together with the above.
+TRITON_CACHE_ENV = "TRITON_CACHE_DIR"
+
+
+def compile_cache_folder(compile_cache_dir: str, general_cache_dir: str | Path) -> Path:
+    """`compile.cache_dir`, or `<general.cache_dir>/compile` when it is empty."""
+    if compile_cache_dir:
+        return Path(compile_cache_dir)
+    return Path(general_cache_dir) / "compile"
+
+
+def _clear_inductor_path_caches() -> None:
+    """Inductor memoises paths derived from its cache folder; forget them when it changes (what
+    torch's own ``temporary_cache_dir`` does)."""
+    from torch._inductor import utils as inductor_utils
+
+    clear = getattr(inductor_utils, "clear_caches", None)
+    if clear is not None:
+        clear()
 
 
 def use_compile_cache(cache_dir: str | Path | None) -> Callable[[], None]:
-    """Point inductor's on-disk caches at ``cache_dir`` and return a function that undoes it.
+    """Point inductor's and Triton's on-disk caches at ``cache_dir``; return the undo function.
 
     Called explicitly by the compile engine when it applies compilation, undone by its
-    ``close()``. An environment variable is the only switch torch offers for the folder, and it
-    must stay set while compiles can happen (they are lazy), hence set-and-restore instead of a
-    context manager. ``cache_dir`` None or "" turns nothing on (the report then says "off").
+    ``close()``. Environment variables are the only switch torch and Triton offer for these
+    folders, and they must stay set while compiles can happen (they are lazy), hence
+    set-and-restore instead of a context manager. ``cache_dir`` None or "" turns nothing on
+    (the report then says "off").
     """
     if not cache_dir:
         return lambda: None
@@ -29,42 +52,21 @@ def use_compile_cache(cache_dir: str | Path | None) -> Callable[[], None]:
 
     path = Path(cache_dir).expanduser().resolve()
     path.mkdir(parents=True, exist_ok=True)
-    previous_env = os.environ.get(CACHE_DIR_ENV)
+    previous_env = {name: os.environ.get(name) for name in (CACHE_DIR_ENV, TRITON_CACHE_ENV)}
     previous = (inductor_config.fx_graph_cache, functorch_config.enable_autograd_cache)
     os.environ[CACHE_DIR_ENV] = str(path)
+    os.environ[TRITON_CACHE_ENV] = str(path / "triton")
     inductor_config.fx_graph_cache = True
     functorch_config.enable_autograd_cache = True
+    _clear_inductor_path_caches()
 
     def restore() -> None:
-        if previous_env is None:
-            os.environ.pop(CACHE_DIR_ENV, None)
-        else:
-            os.environ[CACHE_DIR_ENV] = previous_env
+        for name, value in previous_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         inductor_config.fx_graph_cache, functorch_config.enable_autograd_cache = previous
+        _clear_inductor_path_caches()
 
     return restore
-
-
-def save_portable_cache(path: str | Path) -> bool:
-    """Write this process's compile artifacts to one file (``torch.compiler.save_cache_artifacts``).
-
-    For moving a warm cache to another machine with the same torch and GPU (cloud runs).
-    Returns False when there was nothing to save.
-    """
-    import torch
-
-    saved = torch.compiler.save_cache_artifacts()
-    if saved is None:
-        return False
-    Path(path).write_bytes(saved[0])
-    return True
-
-
-def load_portable_cache(path: str | Path) -> bool:
-    """Load a file written by `save_portable_cache` into the local caches; False if none."""
-    import torch
-
-    path = Path(path)
-    if not path.is_file():
-        return False
-    return torch.compiler.load_cache_artifacts(path.read_bytes()) is not None

@@ -1,11 +1,14 @@
-"""What this machine can compile with, checked once before the first step.
+"""What this machine and this torch can compile with, checked once before the first step.
 
-`detect_capabilities` looks at the device; `backend_problem` says why a backend cannot run
-here (or None). Tests pass their own `Capabilities` instead of detecting.
+`detect_capabilities` looks at the device and the installed torch; `backend_problem` says why a
+backend cannot run here (or None). Tests pass their own `Capabilities` instead of detecting.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import inspect
+import os
+import shutil
+from dataclasses import dataclass, field
 
 import torch
 
@@ -13,6 +16,15 @@ from modules.config.schema import CompileBackend
 
 # Triton (and therefore inductor's GPU code generation) needs compute capability 7.0 or newer.
 MIN_TRITON_COMPUTE_CAPABILITY = (7, 0)
+
+
+def torch_compile_keywords() -> frozenset[str]:
+    """The keyword arguments the installed ``torch.compile`` accepts.
+
+    They change between releases (``recompile_limit`` arrived in torch 2.12), so the plan asks
+    this instead of assuming the newest signature.
+    """
+    return frozenset(inspect.signature(torch.compile).parameters)
 
 
 @dataclass(frozen=True)
@@ -23,11 +35,31 @@ class Capabilities:
     triton_ok: bool
     triton_problem: str | None
     cpp_compiler: str | None              # path of the C++ compiler CPU inductor would use
+    # keyword arguments of this torch's torch.compile (default: the installed torch's)
+    compile_keywords: frozenset[str] = field(default_factory=torch_compile_keywords)
 
     @classmethod
     def everything(cls, device_type: str = "cuda") -> "Capabilities":
         """A machine on which every backend works (tests that must not degrade)."""
-        return cls(device_type, True, (9, 0), True, None, "/usr/bin/g++")
+        return cls(device_type, True, (9, 0), True, None, "/usr/bin/g++",
+                   torch_compile_keywords() | {"recompile_limit"})
+
+    @property
+    def per_call_recompile_limit(self) -> bool:
+        """Whether ``torch.compile(recompile_limit=...)`` exists (torch >= 2.12)."""
+        return "recompile_limit" in self.compile_keywords
+
+
+def triton_c_compiler() -> str | None:
+    """The C compiler Triton would build its GPU launcher with: ``$CC``, else gcc, else clang.
+
+    Triton compiles a small C launcher for every kernel on first use and fails with "Failed to
+    find C compiler" when there is none, which would otherwise surface mid-compile.
+    """
+    chosen = os.environ.get("CC")
+    if chosen:
+        return shutil.which(chosen) or (chosen if os.path.isfile(chosen) else None)
+    return shutil.which("gcc") or shutil.which("clang")
 
 
 def _triton_status(device: torch.device) -> tuple[bool, str | None]:
@@ -41,6 +73,9 @@ def _triton_status(device: torch.device) -> tuple[bool, str | None]:
 
     if not has_triton():
         return False, "triton is installed but torch reports it unusable on this GPU"
+    if triton_c_compiler() is None:
+        return False, ("triton needs a C compiler to build its kernel launcher and none was "
+                       "found (install gcc, or set CC)")
     return True, None
 
 
@@ -56,7 +91,7 @@ def _cpp_compiler() -> str | None:
 
 
 def detect_capabilities(device: torch.device | str) -> Capabilities:
-    """Look at ``device``: CUDA, compute capability, a working triton, a C++ compiler."""
+    """Look at ``device``: CUDA, compute capability, a working triton, a C/C++ compiler."""
     device = torch.device(device)
     cuda = device.type == "cuda" and torch.cuda.is_available()
     capability = torch.cuda.get_device_capability(device) if cuda else None

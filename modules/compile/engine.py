@@ -1,16 +1,24 @@
 """The compile engine the trainer drives: apply plans, guard micro-steps, fall back, report.
 
 Compilation is lazy: ``torch.compile`` returns at once and the real work (and most failures)
-happen inside the first forward and backward. So the trainer runs each micro-step through
-`CompileEngine.run_guarded`. During a component's probation (its first few successful calls)
-a failure restores the gradients and RNG state from before the call, moves the failing
-component one backend down the chain (TRITON -> INDUCTOR -> DEFAULT -> AOT_EAGER -> NONE), and
-runs the same call again. No step is lost and none is counted twice, because the trainer calls
-``optimizer.step()`` only after the guarded call returned.
+happen inside a forward or backward, at the first step and again whenever a new shape, a new
+bucket or a short last batch makes dynamo compile. So the trainer runs every micro-step of an
+optimizer step through a `GuardedWindow`. A call is guarded when a compile happened during it,
+or when a compiled component is still in its first calls after a compile (CUDA graphs warm up
+and record there). A failure in a guarded call moves the failing component one backend down the
+chain (TRITON -> INDUCTOR -> DEFAULT -> AOT_EAGER -> NONE), resets the gradients to their state
+at the window's start (clear: the optimizer has just zeroed them) and the random state, and
+replays every micro-step of the window with the same batches and pre-drawn noise. Nothing is
+copied, no step is lost and none is counted twice, because the trainer calls
+``optimizer.step()`` only after the window's last micro-step returned.
+
+An out-of-memory error is not a compile failure: it propagates unchanged unless it was raised
+while compiling (autotuning, for example).
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -21,25 +29,19 @@ from torch import nn
 from modules.compile.backends import BACKENDS, BackendRow, check_table
 from modules.compile.cache import use_compile_cache
 from modules.compile.capabilities import Capabilities, detect_capabilities
+from modules.compile.dynamic_dims import input_dims, mark_input
+from modules.compile.guards import late_recompile_sentence, summarize_guard_failure
 from modules.compile.plan import (COMPONENT_LABELS, COMPONENTS, CompileError, CompilePlan,
-                                  build_plan, next_backend)
+                                  ComponentTraining, build_plan, next_backend)
 from modules.compile.regions import REPEATED_BLOCKS, compile_targets
 from modules.compile.tracking import CompileTracker, ComponentStats, TrackedCall
 from modules.config.schema import CompileBackend, CompileConfig, CompileScope
 from modules.events import CompileEvent, NullCallbacks, TrainerCallbacks
+from modules.util.errors import first_line, is_out_of_memory
 
 T = TypeVar("T")
 INDUCTOR_FAMILY = {CompileBackend.DEFAULT, CompileBackend.INDUCTOR, CompileBackend.TRITON}
-
-
-def first_line(err: BaseException) -> str:
-    """The first informative line of an error ("backend='x' raised:" is followed by the cause)."""
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    if not lines:
-        return type(err).__name__
-    if lines[0].endswith(":") and len(lines) > 1:
-        return f"{lines[0]} {lines[1]}"
-    return lines[0]
+MAX_KEPT_REASONS = 20
 
 
 @dataclass
@@ -47,11 +49,12 @@ class _Component:
     name: str
     modules: list[nn.Module]
     plan: CompilePlan
+    training: ComponentTraining = ComponentTraining()
     targets: list[nn.Module] = field(default_factory=list)
     scope: CompileScope = CompileScope.FULL
     fallbacks: list[dict[str, str]] = field(default_factory=list)
     degraded: list[str] = field(default_factory=list)
-    successes: int = 0
+    quiet_calls: int = 0        # successful calls since this component last compiled
     announced: bool = False
 
     @property
@@ -59,29 +62,13 @@ class _Component:
         return COMPONENT_LABELS[self.name]
 
 
-class _Snapshot:
-    """Gradients and RNG state before a guarded call, to undo a failed attempt exactly."""
-
-    def __init__(self, params: Sequence[torch.Tensor]):
-        self.params = params
-        self.grads = [None if p.grad is None else p.grad.detach().clone() for p in params]
-        self.cpu_rng = torch.get_rng_state()
-        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-
-    def restore(self) -> None:
-        for param, grad in zip(self.params, self.grads):
-            param.grad = None if grad is None else grad.clone()
-        torch.set_rng_state(self.cpu_rng)
-        if self.cuda_rng is not None:
-            torch.cuda.set_rng_state_all(self.cuda_rng)
-
-
 class CompileEngine:
-    """Compiles the selected components in place and guards the first steps against failures.
+    """Compiles the selected components in place and guards training steps against failures.
 
     ``components`` maps "unet" / "text_encoder" / "vae" to a module or a list of modules (every
     text encoder of the model). ``trainable_params`` are the tensors whose ``.grad`` a failed
-    attempt must not leave changed (default: every parameter with ``requires_grad``).
+    attempt resets (default: every parameter with ``requires_grad``). ``training`` says how each
+    component is trained (checkpointing, accumulation), which decides CUDA graphs.
     ``capabilities``, ``table`` and ``regional_blocks`` exist for tests (a forced machine; rows
     with failing backends; fewer block classes so a real inductor test stays affordable).
     """
@@ -92,6 +79,7 @@ class CompileEngine:
                  device: torch.device | str = "cpu",
                  capabilities: Capabilities | None = None,
                  trainable_params: Iterable[torch.Tensor] | None = None,
+                 training: Mapping[str, ComponentTraining] | None = None,
                  cache_dir: str | Path | None = None,
                  probation_steps: int = 3,
                  recompile_warning_after: int = 2,
@@ -116,15 +104,22 @@ class CompileEngine:
             found = components.get(name)
             modules = [] if found is None else (
                 [found] if isinstance(found, nn.Module) else list(found))
-            self.components[name] = _Component(name, modules,
-                                               build_plan(config, name, self.caps, table))
+            how = (training or {}).get(name, ComponentTraining())
+            self.components[name] = _Component(name, modules, self._plan(name, how), how)
         if trainable_params is None:
             trainable_params = [p for c in self.components.values() for m in c.modules
                                 for p in m.parameters() if p.requires_grad]
         self.params = list(trainable_params)
+        self.calls = 0                      # successful guarded calls, all windows together
+        self._new_shape = False             # the call in flight trains a shape not seen before
         self._late_recompiles: dict[str, int] = {}
-        self._restore_cache: Callable[[], None] | None = None
+        self._restore: list[Callable[[], None]] = []
         self._applied = False
+
+    def _plan(self, name: str, training: ComponentTraining,
+              backend: CompileBackend | None = None) -> CompilePlan:
+        return build_plan(self.config, name, self.caps, self.table, backend=backend,
+                          training=training)
 
     # -- applying -----------------------------------------------------------------------------
     def apply(self) -> dict[str, CompilePlan]:
@@ -133,7 +128,14 @@ class CompileEngine:
             raise RuntimeError("CompileEngine.apply() was already called")
         self._applied = True
         if any(c.plan.compiled for c in self.components.values()):
-            self._restore_cache = use_compile_cache(self.cache_dir)
+            import torch._dynamo
+
+            # A clean compiler state per run: compiled frames left by an earlier run in this
+            # process (the GUI trains several) would be reused without a compile, and this
+            # run's report would then say its compiled code never ran.
+            torch._dynamo.reset()
+            self._restore.append(use_compile_cache(self.cache_dir))
+            self._raise_process_recompile_limit()
             self.tracker.install()
         for comp in self.components.values():
             if comp.plan.degraded:
@@ -146,13 +148,39 @@ class CompileEngine:
     def plans(self) -> dict[str, CompilePlan]:
         return {name: comp.plan for name, comp in self.components.items()}
 
+    @property
+    def persistent_grads(self) -> bool:
+        """Whether the trainer must keep gradients allocated and zero them in place."""
+        return any(c.plan.persistent_grads for c in self.components.values())
+
+    @property
+    def cudagraphs(self) -> bool:
+        return any(c.plan.cudagraphs for c in self.components.values())
+
+    def mark_varying_input(self, component: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Mark the input of ``component`` whose batch shapes vary (aspect-ratio buckets), as its
+        current plan allows (see dynamic_dims); returns the same tensor."""
+        plan = self.components[component].plan
+        return mark_input(tensor, *input_dims(plan, self.config.dynamic))
+
+    def _raise_process_recompile_limit(self) -> None:
+        """Where torch.compile has no per-call ``recompile_limit`` (torch < 2.12), raise dynamo's
+        process-wide one for as long as this engine is applied (restored by `close`)."""
+        import torch._dynamo
+
+        wanted = max((c.plan.process_recompile_limit or 0) for c in self.components.values())
+        previous = torch._dynamo.config.recompile_limit
+        if wanted > previous:
+            torch._dynamo.config.recompile_limit = wanted
+            self._restore.append(
+                lambda: setattr(torch._dynamo.config, "recompile_limit", previous))
+
     def _apply_component(self, comp: _Component) -> None:
         if not comp.plan.compiled:
             return
         if not comp.modules:
             self._degrade(comp, f"{comp.label} is not part of this run; not compiled")
-            comp.plan = build_plan(self.config, comp.name, self.caps, self.table,
-                                   backend=CompileBackend.NONE)
+            comp.plan = self._plan(comp.name, comp.training, CompileBackend.NONE)
             return
         targets, note = compile_targets(comp.name, comp.modules, self.config.scope,
                                         self.regional_blocks)
@@ -166,7 +194,7 @@ class CompileEngine:
             module._compiled_call_impl = TrackedCall(module._compiled_call_impl, self.tracker,
                                                      comp.name)
         comp.targets = targets
-        comp.successes = 0
+        comp.quiet_calls = 0
         comp.announced = False
         where = (f"regional, {len(targets)} blocks" if comp.scope == CompileScope.REGIONAL
                  else "full")
@@ -179,49 +207,51 @@ class CompileEngine:
         comp.targets = []
 
     def close(self) -> None:
-        """Undo every compilation and the engine's hooks (cache folder, dynamo callbacks)."""
+        """Undo every compilation and the engine's process-wide settings (cache folders,
+        recompile limit, dynamo callbacks)."""
         for comp in self.components.values():
             self._undo_component(comp)
         self.tracker.uninstall()
-        if self._restore_cache is not None:
-            self._restore_cache()
-            self._restore_cache = None
+        while self._restore:
+            self._restore.pop()()
 
     # -- guarded calls --------------------------------------------------------------------------
-    def _in_probation(self) -> list[_Component]:
-        return [c for c in self.components.values()
-                if c.plan.compiled and c.successes < self.probation_steps]
+    def window(self) -> "GuardedWindow":
+        """A new accumulation window; open it when the gradients are clear (after zero_grad)."""
+        return GuardedWindow(self)
 
     def run_guarded(self, step_fn: Callable[[], T]) -> T:
-        """Run ``step_fn`` (forward + loss + backward, no optimizer step) with compile fallback.
+        """``step_fn`` as a window of one micro-step (see `GuardedWindow.run`)."""
+        return self.window().run(step_fn)
 
-        ``step_fn`` must be repeatable: draw noise and timesteps outside it. After every
-        component's probation, errors propagate unchanged.
+    @contextlib.contextmanager
+    def bypassed(self) -> Iterator[None]:
+        """Run the block with every compiled module eager (``set_stance("force_eager")``).
+
+        For sampling: it runs the models in eval mode, without gradients and at another batch
+        size, so the compiled training code would recompile (minutes per graph with autotuning
+        on a GPU, a CUDA graph tree of its own with TRITON) for work that is not the hot path.
         """
-        if not self._in_probation():
-            return step_fn()
-        snapshot = _Snapshot(self.params)
-        while True:
-            self.tracker.last_failure = None
-            try:
-                result = step_fn()
-            except Exception as err:
-                failing = self._attribute()
-                if not failing:
-                    raise
-                if self.config.strict:
-                    raise CompileError(self._strict_message(failing, err)) from err
-                snapshot.restore()
-                self._fall_back(failing, err)
-                continue
-            self._after_success()
-            return result
+        import torch.compiler
 
-    run = run_guarded  # the trainer's guard protocol: guard.run(step_fn), guard.report()
+        paused = self.tracker.paused
+        self.tracker.paused = True
+        try:
+            with torch.compiler.set_stance("force_eager"):
+                yield
+        finally:
+            self.tracker.paused = paused
 
-    def _attribute(self) -> list[_Component]:
-        """The component(s) to blame: the compiled module the error came out of, else all."""
-        suspects = self._in_probation()
+    def _suspects(self, compiled_during: set[str]) -> list[_Component]:
+        """The compiled components a failure in this call may come from."""
+        return [c for c in self.components.values() if c.plan.compiled
+                and (c.name in compiled_during or c.quiet_calls < self.probation_steps)]
+
+    def _failing(self, err: Exception, compiled_during: set[str]) -> list[_Component]:
+        """The component(s) to fall back for ``err``; empty when it is not a compile failure."""
+        if is_out_of_memory(err) and not self.tracker.raised_while_compiling(err):
+            return []
+        suspects = self._suspects(compiled_during)
         named = [c for c in suspects if c.name == self.tracker.last_failure]
         return named or suspects
 
@@ -239,7 +269,7 @@ class CompileEngine:
         for comp in failing:
             old = comp.plan.effective
             new = next_backend(old, self.caps)
-            comp.plan = build_plan(self.config, comp.name, self.caps, self.table, backend=new)
+            comp.plan = self._plan(comp.name, comp.training, new)
             comp.fallbacks.append({"from": old.value, "to": new.value, "reason": reason})
             stats = self.tracker.component(comp.name)
             stats.graphs = stats.calls_after_graph = 0  # "ran" is about the backend now in use
@@ -251,33 +281,57 @@ class CompileEngine:
         for comp in self.components.values():
             self._apply_component(comp)
 
-    def _after_success(self) -> None:
+    def _begin_call(self, new_shape: bool) -> dict[str, int]:
+        self.tracker.last_failure = None
+        self._new_shape = new_shape
+        if self.cudagraphs:
+            # Each micro-step is a new CUDA-graph generation: outputs of the previous one may
+            # be overwritten from here on (the trainer keeps none of them).
+            torch.compiler.cudagraph_mark_step_begin()
+        return self.tracker.compile_counts()
+
+    def _compiled_since(self, before: dict[str, int]) -> set[str]:
+        after = self.tracker.compile_counts()
+        return {name for name, count in after.items() if count != before.get(name, 0)}
+
+    def _after_success(self, compiled_during: set[str]) -> None:
+        self.calls += 1
+        self._new_shape = False
         for comp in self.components.values():
             if not comp.plan.compiled:
                 continue
-            comp.successes += 1
             stats = self.tracker.component(comp.name)
-            if comp.announced:
-                continue
-            if stats.calls == 0:
-                if comp.name == "unet":  # every training step calls the UNet
-                    comp.announced = True
-                    self._emit(comp, "UNet is compiled but its compiled code was never called: "
-                                     "the step bypasses the compiled modules", kind="warning")
-                continue
-            comp.announced = True
-            if stats.graphs == 0:
-                self._emit(comp, f"{comp.label} was called but dynamo produced no graph: its "
-                                 "compiled code did not run", kind="warning")
+            if comp.name in compiled_during:
+                comp.quiet_calls = 0
+                if comp.announced:
+                    self._emit(comp, f"{comp.label}: compiled {stats.graphs} graphs so far "
+                                     f"({stats.compile_seconds:.1f} s in all)",
+                               seconds=stats.compile_seconds)
             else:
-                self._emit(comp, f"{comp.label} compiled in {stats.compile_seconds:.1f} s "
-                                 f"({stats.graphs} graphs)", seconds=stats.compile_seconds,
-                           kind="done")
+                comp.quiet_calls += 1
+            if not comp.announced:
+                self._announce(comp, stats)
+
+    def _announce(self, comp: _Component, stats: ComponentStats) -> None:
+        if stats.calls == 0:
+            if comp.name == "unet":  # every training step calls the UNet
+                comp.announced = True
+                self._emit(comp, "UNet is compiled but its compiled code was never called: "
+                                 "the step bypasses the compiled modules", kind="warning")
+            return
+        comp.announced = True
+        if stats.graphs == 0:
+            self._emit(comp, f"{comp.label} was called but dynamo produced no graph: its "
+                             "compiled code did not run", kind="warning")
+        else:
+            self._emit(comp, f"{comp.label} compiled in {stats.compile_seconds:.1f} s "
+                             f"({stats.graphs} graphs)", seconds=stats.compile_seconds,
+                       kind="done")
 
     # -- events -------------------------------------------------------------------------------
     def _emit(self, comp: _Component, message: str, seconds: float = 0.0,
-              kind: str = "progress") -> None:
-        self.callbacks.on_compile(CompileEvent(comp.name, message, seconds, kind))
+              kind: str = "progress", detail: str = "") -> None:
+        self.callbacks.on_compile(CompileEvent(comp.name, message, seconds, kind, detail))
 
     def _degrade(self, comp: _Component, reason: str) -> None:
         comp.degraded.append(reason)
@@ -290,16 +344,20 @@ class CompileEngine:
                              f"({stats.compile_seconds:.1f} s so far)", seconds=seconds)
 
     def _on_recompile(self, name: str, stats: ComponentStats, reasons: list[str]) -> None:
+        """A recompile during warm-up or for a new input shape is expected; any other one
+        throws compiled code away mid-training and is reported, in one short sentence."""
+        if self.calls < self.probation_steps or self._new_shape:
+            return
         comp = self.components[name]
-        if comp.successes < self.probation_steps:
-            return  # warm-up: new block shapes and the first dynamic sizes are expected
         late = self._late_recompiles[name] = self._late_recompiles.get(name, 0) + 1
-        why = reasons[-1].splitlines()[0] if reasons else "unknown reason"
-        self._emit(comp, f"{comp.label} recompiled: {why}", kind="recompile")
+        stats.late_recompiles = late
+        why = summarize_guard_failure(reasons[-1] if reasons else "")
+        detail = "\n".join(reasons[-3:])
+        self._emit(comp, late_recompile_sentence(comp.label, why, late), kind="recompile",
+                   detail=detail)
         if late == self.recompile_warning_after:
-            self._emit(comp, f"{comp.label} keeps recompiling after warm-up ({late} times); "
-                             "varying shapes or Python values in the step are the usual cause "
-                             f"(last: {why})", kind="warning")
+            self._emit(comp, f"{comp.label} keeps recompiling after warm-up ({late} times) "
+                             f"because {why}.", kind="warning", detail=detail)
 
     def _on_recompile_limit(self, name: str, stats: ComponentStats) -> None:
         comp = self.components[name]
@@ -317,18 +375,98 @@ class CompileEngine:
         stats = self.tracker.component(comp.name)
         plan = comp.plan
         cache_on = bool(self.cache_dir) and plan.effective in INDUCTOR_FAMILY
+        limit = plan.torch_compile_kwargs.get("recompile_limit") or plan.process_recompile_limit
         return {
             "requested": plan.requested.value,
             "effective": plan.effective.value,
             "scope": comp.scope.value if plan.compiled else self.config.scope.value,
             "torch_compile_kwargs": dict(plan.torch_compile_kwargs),
             "inductor_options": dict(plan.inductor_options),
+            "cudagraphs": plan.cudagraphs,
+            "persistent_grads": plan.persistent_grads,
+            "recompile_limit": None if not limit else {
+                "value": limit,
+                "where": "process" if plan.process_recompile_limit else "torch.compile"},
+            "notes": list(plan.notes),
             "fallbacks": list(comp.fallbacks),
             "degraded": "; ".join(comp.degraded) or None,
             "compile_seconds": round(stats.compile_seconds, 3),
             "recompiles": stats.recompiles,
-            "recompile_reasons": list(stats.recompile_reasons),
+            "late_recompiles": stats.late_recompiles,
+            "recompile_reasons": list(stats.recompile_reasons[-MAX_KEPT_REASONS:]),
             "cache": ("off" if not cache_on else
                       "hit" if stats.cache_hits and not stats.cache_misses else "miss"),
             "compiled_code_ran": plan.compiled and stats.compiled_code_ran,
         }
+
+
+class GuardedWindow:
+    """The micro-steps of one optimizer step, run so that a compile failure can be undone.
+
+    ``run(step_fn)`` runs one micro-step (forward + loss + backward, no optimizer step); its
+    results are kept in ``results`` in order. ``step_fn`` must be repeatable: draw noise and
+    timesteps outside it. On a compile failure every micro-step of the window so far is run
+    again on the fallback backend, from clear gradients and the random state of the window's
+    start, and ``results`` is rebuilt from that replay.
+    """
+
+    def __init__(self, engine: CompileEngine):
+        self.engine = engine
+        self.steps: list[Callable[[], Any]] = []
+        self.results: list[Any] = []
+        self._rng = _RandomState.capture()
+        if not engine.persistent_grads and any(p.grad is not None for p in engine.params):
+            raise RuntimeError("a guarded window must start with clear gradients "
+                               "(optimizer.zero_grad(set_to_none=True) first)")
+
+    def run(self, step_fn: Callable[[], T], *, new_shape: bool = False) -> T:
+        """Run ``step_fn`` guarded; ``new_shape`` says its batch has a shape not trained yet."""
+        engine = self.engine
+        self.steps.append(step_fn)
+        pending = [step_fn]
+        while True:
+            before = engine._begin_call(new_shape)
+            try:
+                outputs = [fn() for fn in pending]
+            except Exception as err:
+                compiled_during = engine._compiled_since(before)
+                failing = engine._failing(err, compiled_during)
+                if not failing:
+                    raise
+                if engine.config.strict:
+                    raise CompileError(engine._strict_message(failing, err)) from err
+                self._reset()
+                engine._fall_back(failing, err)
+                pending, self.results = list(self.steps), []
+                continue
+            engine._after_success(engine._compiled_since(before))
+            self.results.extend(outputs)
+            return outputs[-1]
+
+    def _reset(self) -> None:
+        """Gradients and random state back to the window's start, without copying anything."""
+        for param in self.engine.params:
+            if param.grad is None:
+                continue
+            if self.engine.persistent_grads:
+                param.grad.zero_()
+            else:
+                param.grad = None
+        self._rng.restore()
+
+
+@dataclass
+class _RandomState:
+    """The global CPU (and CUDA) generator states: a few KB, taken at each window's start."""
+    cpu: torch.Tensor
+    cuda: list[torch.Tensor] | None
+
+    @classmethod
+    def capture(cls) -> "_RandomState":
+        return cls(torch.get_rng_state(),
+                   torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None)
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state_all(self.cuda)

@@ -19,6 +19,7 @@ The callbacks are registered by `install` and removed by `uninstall` (never at i
 from __future__ import annotations
 
 import re
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ class ComponentStats:
     cache_hits: int = 0
     cache_misses: int = 0
     recompile_limit_hits: int = 0  # frames dynamo gave up on: those calls ran eager
+    late_recompiles: int = 0       # recompiles after warm-up at shapes already trained
 
     @property
     def compiled_code_ran(self) -> bool:
@@ -96,18 +98,35 @@ class CompileTracker:
         self._compile_ids: dict[str, str] = {}
         self._guard_failures_seen = 0
         self.last_failure: str | None = None
+        self.paused = False  # calls run with compiled code bypassed (sampling) are not counted
+        self._compile_errors: list[BaseException] = []  # raised inside a dynamo compile
         self._installed = False
 
     def component(self, name: str) -> ComponentStats:
         return self.stats.setdefault(name, ComponentStats())
 
+    def compile_counts(self) -> dict[str, int]:
+        """Compiles so far per component (dynamo and lazy backward; failed ones included)."""
+        return {name: stats.compiles for name, stats in self.stats.items()}
+
+    def raised_while_compiling(self, err: BaseException) -> bool:
+        """Whether ``err`` (or an exception it wraps) escaped from inside a dynamo compile."""
+        from modules.util.errors import error_chain
+
+        seen = {id(e) for e in self._compile_errors}
+        return any(id(e) in seen for e in error_chain(err))
+
     # -- TrackedCall side -------------------------------------------------------------------
     def enter(self, name: str) -> None:
+        if self.paused:
+            return
         self._active.append(name)
         self._limit_hits_before.append(_recompile_limit_hits())
         self.component(name).calls += 1
 
     def leave(self, name: str) -> None:
+        if self.paused:
+            return
         self._active.pop()
         new_limit_hits = _recompile_limit_hits() - self._limit_hits_before.pop()
         stats = self.component(name)
@@ -168,6 +187,10 @@ class CompileTracker:
         from torch._dynamo.callback import CallbackTrigger
 
         name, self._compiling = self._compiling, None
+        # The end callbacks run in a ``finally``: an exception in flight is the compile's own.
+        in_flight = sys.exc_info()[1]
+        if in_flight is not None:
+            self._compile_errors = [*self._compile_errors[-7:], in_flight]
         if name is None:
             return
         seconds = time.perf_counter() - self._compile_started
@@ -186,8 +209,8 @@ class CompileTracker:
             self._guard_failures_seen += len(reasons)
             if match and int(match.group(2)) > 0:
                 stats.recompiles += 1
-                # dynamo records one reason per cache entry it tried; keep them short
-                stats.recompile_reasons.extend(r.splitlines()[0] for r in reasons[-3:])
+                # dynamo records one reason per cache entry it tried; the newest few are kept
+                stats.recompile_reasons.extend(reasons[-3:])
                 if self.on_recompile is not None:
                     self.on_recompile(name, stats, reasons)
         if self.on_graph is not None:

@@ -220,6 +220,11 @@ class TrainingConfig:
     mixed_precision: MixedPrecision = setting(MixedPrecision.NO, label="Mixed precision",
                                               group="Training",
                                               help="Autocast the forward pass to FP16 or BF16.")
+    allow_tf32: bool = setting(True, label="Allow TF32", group="Training", advanced=True,
+                               help="Let float32 matrix products and convolutions on NVIDIA "
+                                    "GPUs (Ampere and newer) use TF32 tensor cores: several "
+                                    "times faster, with a 10-bit mantissa. Off keeps full "
+                                    "float32. No effect on the CPU.")
     max_grad_norm: float = setting(1.0, label="Max gradient norm", group="Training", min=0.0,
                                    max=1e6, advanced=True,
                                    help="Clip gradients to this norm; 0 disables clipping.")
@@ -288,9 +293,11 @@ class CompileConfig:
         CompileMode.DEFAULT, label="Mode", group="Advanced",
         help="torch.compile mode, merged into the backend's inductor options.")
     dynamic: DynamicShapes = setting(
-        DynamicShapes.DYNAMIC, label="Dynamic shapes", group="Advanced",
-        help="DYNAMIC: compile for varying batch and image sizes up front. AUTO: let torch "
-             "decide after a shape changes. STATIC: one compile per shape.")
+        DynamicShapes.AUTO, label="Dynamic shapes", group="Advanced",
+        help="AUTO (recommended): compile for the first shapes, and for varying sizes only "
+             "where they vary (aspect-ratio buckets are marked up front). DYNAMIC: every size "
+             "symbolic from the first compile (slower to compile). STATIC: one compile per "
+             "shape.")
     fullgraph: bool = setting(False, label="Full graph", group="Advanced",
                               help="Fail on any graph break (for diagnosing); off by default.")
     cache_dir: str = setting("", label="Compile cache folder", group="Advanced", path=True,

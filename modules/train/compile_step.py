@@ -1,29 +1,37 @@
 """The trainer's side of compilation: hand the run's components to the compile engine.
 
-The engine compiles what `compile.*` selects, guards the first micro-steps against lazy compile
-failures (falling back one backend at a time), and reports per component for run.json.
+The engine compiles what `compile.*` selects, guards every training micro-step against lazy
+compile failures (falling back one backend at a time), and reports per component for run.json.
+How each component is trained (checkpointing, accumulation) is passed along because it decides
+whether CUDA graphs can stay on.
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
-from modules.compile import CompileEngine
+from modules.compile import CompileEngine, ComponentTraining, compile_cache_folder
 from modules.config.schema import Config
 from modules.events import TrainerCallbacks
 from modules.models.loader import ModelBundle
 
 
-def compile_cache_dir(config: Config) -> Path:
-    """`compile.cache_dir`, or `<general.cache_dir>/compile` when it is empty."""
-    if config.compile.cache_dir:
-        return Path(config.compile.cache_dir)
-    return Path(config.general.cache_dir) / "compile"
+def component_training(config: Config, trained: list[str]) -> dict[str, ComponentTraining]:
+    """Per compile component, how this run trains it (text encoders count as one component)."""
+    t = config.training
+
+    def how(is_trained: bool) -> ComponentTraining:
+        return ComponentTraining(trained=is_trained,
+                                 gradient_checkpointing=is_trained and t.gradient_checkpointing,
+                                 accumulation=t.gradient_accumulation)
+
+    return {"unet": how("unet" in trained),
+            "text_encoder": how(any(n.startswith("text_encoder") for n in trained)),
+            "vae": how(False)}
 
 
 def build_compile_guard(config: Config, bundle: ModelBundle, device: torch.device,
-                        params: dict, callbacks: TrainerCallbacks) -> CompileEngine:
+                        params: dict, trained: list[str],
+                        callbacks: TrainerCallbacks) -> CompileEngine:
     """Compile the selected components in place and return the engine that guards each step."""
     engine = CompileEngine(
         config.compile,
@@ -31,6 +39,7 @@ def build_compile_guard(config: Config, bundle: ModelBundle, device: torch.devic
          "vae": bundle.vae},
         callbacks=callbacks, device=device,
         trainable_params=[p for plist in params.values() for p in plist],
-        cache_dir=compile_cache_dir(config))
+        training=component_training(config, trained),
+        cache_dir=compile_cache_folder(config.compile.cache_dir, config.general.cache_dir))
     engine.apply()
     return engine

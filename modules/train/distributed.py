@@ -131,5 +131,7 @@ def init_distributed(device_setting: Device) -> Distributed:
 
 def parameter_checksum(params: list[torch.nn.Parameter]) -> float:
     """A float64 sum over every trained weight: equal on every rank when they are in sync."""
-    with torch.no_grad():
-        return float(sum(p.detach().double().sum().item() for p in params))
+    if not params:
+        return 0.0
+    with torch.no_grad():  # summed on the device, read once
+        return float(torch.stack([p.detach().double().sum() for p in params]).sum().item())

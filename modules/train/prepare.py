@@ -18,6 +18,7 @@ from modules.data.folders import DatasetError, DatasetSource, ScanResult, scan_d
 from modules.events import TrainerCallbacks
 from modules.models.loader import TORCH_DTYPES, ModelBundle, load_model, resolve_model_path
 from modules.paths import cache_dir_for
+from modules.runtime import runtime_problems
 from modules.train.setup import pick_device
 
 
@@ -53,7 +54,7 @@ def load_bundle(model_path: Path, config: Config) -> ModelBundle:
 
 def prepare_run(config: Config, callbacks: TrainerCallbacks) -> PreparedRun:
     """Validate, build built-ins, scan the data and load the model; raise ConfigError on any problem."""
-    problems = validate(config)
+    problems = runtime_problems() + validate(config)
     if problems:
         raise ConfigError(problems)
     cache_dir = cache_dir_for(config.general.cache_dir)

@@ -11,14 +11,14 @@ from pathlib import Path
 
 import torch
 
-from modules.compile.dynamic_dims import mark_latents_dynamic
+from modules.compile import CompileEngine
 from modules.train.compile_step import build_compile_guard
 from modules.config.loader import save_config
 from modules.config.schema import Config, MixedPrecision, ModelType
 from modules.data.buckets import assign_buckets, bucket_counts, describe_buckets
 from modules.data.dataset import (ImageCaptionDataset, build_dataloader, epoch_batch_sampler,
                                   expand_repeats)
-from modules.events import TrainerCallbacks
+from modules.events import TrainerCallbacks, TrainerCommands
 from modules.models.loader import TORCH_DTYPES, ModelBundle, encode_text, unet_conditioning
 from modules.train.batch_shapes import BatchShapeLog
 from modules.train.distributed import Distributed, parameter_checksum
@@ -29,6 +29,7 @@ from modules.train.text_cache import TextEncoderCache
 from modules.train.setup import (
     StepBudget,
     autocast_context,
+    float32_precision,
     build_lr_scheduler,
     build_optimizer,
     step_budget,
@@ -54,7 +55,7 @@ class Run:
     optimizer: torch.optim.Optimizer
     lr_scheduler: object
     budget: StepBudget
-    guard: object
+    guard: CompileEngine
     dist: Distributed
     scaler: torch.amp.GradScaler | None = None
     writer: object = None
@@ -67,6 +68,11 @@ class Run:
     step: int = 0
     last_sample_step: int = -1
     trained: list[str] = field(default_factory=list)
+    restore_precision: object = None  # undoes `float32_precision` when the run closes
+
+    # Several processes agree on Stop through a collective, so they look only every this many
+    # optimizer steps (a collective per step would stall CUDA graphs and the GPU queue).
+    STOP_CHECK_EVERY_STEPS = 10
 
     @property
     def trains_text_encoder(self) -> bool:
@@ -76,16 +82,26 @@ class Run:
         return build_dataloader(self.dataset, batch_size=self.config.training.batch_size,
                                 seed=self.config.training.seed,
                                 num_workers=self.config.data.workers, start_epoch=epoch,
+                                pin_memory=self.device.type == "cuda",
                                 rank=self.dist.rank, world_size=self.dist.world_size,
                                 buckets=item_buckets(self.config, self.dataset))
 
-    def varying_shape(self, tensor: torch.Tensor) -> torch.Tensor:
+    def stop_requested(self, commands: TrainerCommands) -> bool:
+        """Stop, as seen by every process (only every few steps when there are several)."""
+        if not self.dist.enabled:
+            return commands.stop_requested
+        if self.step % self.STOP_CHECK_EVERY_STEPS:
+            return False
+        return self.dist.any(commands.stop_requested)
+
+    def varying_shape(self, tensor: torch.Tensor, component: str) -> torch.Tensor:
         """With aspect-ratio buckets the batch's size, height and width change between batches:
-        under compile.dynamic AUTO mark them dynamic up front, so a compiled whole UNet or VAE
-        does not first compile static and then recompile at the second bucket."""
+        under compile.dynamic AUTO the compiled component's input is marked up front, so a
+        whole UNet or VAE does not first compile static and then recompile at the second
+        bucket (modules/compile/dynamic_dims.py)."""
         if not self.config.data.aspect_buckets:
             return tensor
-        return mark_latents_dynamic(tensor, self.config.compile.dynamic)
+        return self.guard.mark_varying_input(component, tensor)
 
     def recompiles(self) -> int:
         """Recompiles so far, summed over the compiled components."""
@@ -107,8 +123,9 @@ class Run:
         """Latents × scaling factor: from the cache, or the VAE posterior with pre-drawn noise."""
         vae = self.bundle.vae
         if "latents" in batch:
-            return batch["latents"].to(self.device, self.compute_dtype)
-        pixels = self.varying_shape(batch["pixel_values"].to(self.device, vae.dtype))
+            return batch["latents"].to(self.device, self.compute_dtype, non_blocking=True)
+        pixels = self.varying_shape(batch["pixel_values"].to(self.device, vae.dtype,
+                                                             non_blocking=True), "vae")
         posterior = vae.encode(pixels).latent_dist
         latents = posterior.mean + posterior.std * vae_eps.to(self.device, posterior.mean.dtype)
         return (latents * vae.config.scaling_factor).to(self.compute_dtype)
@@ -154,7 +171,9 @@ class Run:
         else:
             self.optimizer.step()
         self.lr_scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        # CUDA graphs on a trained component need gradients that stay allocated (see
+        # modules/compile/plan.py: cudagraph_rules); otherwise free them between steps.
+        self.optimizer.zero_grad(set_to_none=not self.guard.persistent_grads)
         if self.ema is not None:
             self.ema.step(self.all_params())
 
@@ -200,7 +219,9 @@ class Run:
             return
         self.callbacks.on_status(f"sampling at step {self.step}")
         self.last_sample_step = self.step
-        with self.averaged_weights():
+        # Compiled code is bypassed: sampling (eval mode, no gradients, another batch size)
+        # would otherwise recompile the training graphs for work that is not the hot path.
+        with self.averaged_weights(), self.guard.bypassed():
             rows = sample_images(self.bundle, self.config, self.device, self.step,
                                  self.output_dir / "samples")
         for i, (path, prompt, image) in enumerate(rows):
@@ -230,6 +251,8 @@ class Run:
 
     def close(self) -> None:
         self.guard.close()
+        if self.restore_precision is not None:
+            self.restore_precision()
         if self.writer:
             self.writer.close()
 
@@ -274,7 +297,14 @@ def start_run(prepared: PreparedRun, callbacks: TrainerCallbacks, dist: Distribu
     optimizer = build_optimizer(config, params)
     scaler = (torch.amp.GradScaler(device.type)
               if config.training.mixed_precision == MixedPrecision.FP16 else None)
-    guard = build_compile_guard(config, bundle, device, params, callbacks)
+    restore_precision, precision = float32_precision(config, device)
+    guard = build_compile_guard(config, bundle, device, params, trained, callbacks)
+    if guard.persistent_grads:
+        for plist in params.values():
+            for p in plist:
+                p.grad = torch.zeros_like(p)
+    record.write(precision=precision,
+                 sampling="eager: compiled code is bypassed while sampling")
     components = bundle.components()
     forward = dist.wrap_trained({name: components[name] for name in trained})  # compile, then wrap
     ema = None
@@ -290,7 +320,7 @@ def start_run(prepared: PreparedRun, callbacks: TrainerCallbacks, dist: Distribu
     return Run(config, bundle, device, output_dir, record, callbacks, dataset, params, optimizer,
                build_lr_scheduler(config, optimizer, budget.total_steps), budget, guard, dist,
                scaler=scaler, writer=writer, trained=trained, ema=ema, text_cache=text_cache,
-               forward=forward)
+               forward=forward, restore_precision=restore_precision)
 
 
 def size_conditioning(batch: dict, height: int, width: int) -> dict:

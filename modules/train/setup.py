@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,33 @@ def autocast_context(config: Config, device: torch.device):
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def float32_precision(config: Config, device: torch.device) -> tuple[Callable[[], None], dict]:
+    """Let float32 matrix products and convolutions on CUDA use TF32 tensor cores, or not.
+
+    The one place a run sets torch's precision switches (`training.allow_tf32`); returns the
+    function that puts them back (the GUI trains several runs in one process) and what was set,
+    for run.json. Only CUDA has TF32: on the CPU the same switch would let oneDNN round float32
+    matrix products, so nothing is changed there. The legacy setters are used on purpose:
+    torch >= 2.9 refuses to read a TF32 state that was set through a mix of its old and new
+    APIs, and inductor still reads the old ones.
+    """
+    allow = config.training.allow_tf32
+    if device.type != "cuda":
+        return (lambda: None), {"allow_tf32": allow, "applied": False,
+                                "why": "TF32 exists only on CUDA GPUs"}
+    previous = (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32)
+    torch.set_float32_matmul_precision("high" if allow else "highest")
+    torch.backends.cudnn.allow_tf32 = allow
+
+    def restore() -> None:
+        torch.set_float32_matmul_precision(previous[0])
+        torch.backends.cudnn.allow_tf32 = previous[1]
+
+    return restore, {"allow_tf32": allow, "applied": True,
+                     "float32_matmul_precision": torch.get_float32_matmul_precision(),
+                     "cudnn_allow_tf32": allow}
 
 
 def build_optimizer(config: Config, params: dict[str, list[nn.Parameter]]) -> torch.optim.Optimizer:

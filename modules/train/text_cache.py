@@ -1,4 +1,10 @@
-"""In-memory cache of frozen text encoder outputs, one entry per distinct caption."""
+"""In-memory cache of frozen text encoder outputs, one entry per distinct caption.
+
+Entries are copies, never views of the encoder's output: a compiled encoder under CUDA graphs
+returns tensors in the graph's memory pool, which the next replay overwrites, so a cached view
+would silently turn into another caption's conditioning. A view would also keep the whole
+batch's output alive for one caption.
+"""
 from __future__ import annotations
 
 import torch
@@ -20,7 +26,8 @@ class TextEncoderCache:
         if missing:
             hidden, pooled = encode_text(self.bundle, missing, self.device)
             for i, caption in enumerate(missing):
-                self.entries[caption] = (hidden[i], None if pooled is None else pooled[i])
+                self.entries[caption] = (hidden[i].clone(),
+                                         None if pooled is None else pooled[i].clone())
             self.encoded += len(missing)
         rows = [self.entries[c] for c in captions]
         hidden = torch.stack([h for h, _ in rows])

@@ -1,6 +1,7 @@
 """The training run: prepare (validate, load; nothing written), then the loop, top to bottom."""
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,6 +17,11 @@ from modules.train.distributed import init_distributed
 from modules.train.prepare import PreparedRun, prepare_run
 from modules.train.run import Run, start_run
 from modules.train.setup import Draws, SmoothedValue, draw_randomness, latent_shape
+from modules.util.errors import describe, is_out_of_memory
+
+OUT_OF_MEMORY_ADVICE = ("lower training.batch_size or data.resolution, turn on "
+                        "training.gradient_checkpointing, train LORA instead of FINE_TUNE, or "
+                        "use less precision (training.mixed_precision, model.weight_dtype)")
 
 
 class TrainingError(Exception):
@@ -47,8 +53,7 @@ def train(config: Config, callbacks: TrainerCallbacks | None = None,
     except ConfigError:
         raise
     except Exception as exc:
-        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        message = f"training failed at step {run.step}: {type(exc).__name__}: {first_line}"
+        message = failure_message(exc, run.step)
         run.record.write(status="failed", error=message)
         callbacks.on_error(message)
         raise TrainingError(message) from exc
@@ -56,13 +61,24 @@ def train(config: Config, callbacks: TrainerCallbacks | None = None,
         run.close()
 
 
+def failure_message(exc: Exception, step: int) -> str:
+    """One line for a failed run; out of memory says what to change."""
+    if is_out_of_memory(exc):
+        return f"out of memory at step {step} ({describe(exc)}): {OUT_OF_MEMORY_ADVICE}"
+    return f"training failed at step {step}: {describe(exc)}"
+
+
 def batches(run: Run, commands: TrainerCommands) -> Iterator[tuple[int, dict, bool]]:
-    """(epoch, batch, closes_accumulation_window) until the step budget is used or Stop."""
+    """(epoch, batch, closes_accumulation_window) until the step budget is used or Stop.
+
+    Stop is looked at when a window starts, so a stopped run never leaves half a window's
+    gradients behind.
+    """
     accumulation = run.config.training.gradient_accumulation
     for epoch in range(run.budget.epochs):
         loader = run.loader_for_epoch(epoch)
         for i, batch in enumerate(loader):
-            if run.dist.any(commands.stop_requested):
+            if i % accumulation == 0 and run.stop_requested(commands):
                 return
             closes = (i + 1) % accumulation == 0 or i + 1 == len(loader)
             yield epoch, batch, closes
@@ -70,8 +86,12 @@ def batches(run: Run, commands: TrainerCommands) -> Iterator[tuple[int, dict, bo
                 return
 
 
-def micro_step(run: Run, batch: dict, draws: Draws) -> float:
-    """One forward + backward on a batch: encode, noise, predict, loss, backward."""
+def micro_step(run: Run, batch: dict, draws: Draws) -> torch.Tensor:
+    """One forward + backward on a batch: encode, noise, predict, loss, backward.
+
+    Returns the loss as a tensor on the device: reading it (a host sync) waits for the
+    optimizer step, so CUDA graphs and asynchronous kernels are not stalled every micro-step.
+    """
     bundle, device, t = run.bundle, run.device, run.config.training
     scheduler = bundle.noise_scheduler
     with run.autocast():
@@ -85,7 +105,7 @@ def micro_step(run: Run, batch: dict, draws: Draws) -> float:
                                  run.config.data.caption_dropout)
         with torch.set_grad_enabled(run.trains_text_encoder):
             hidden, added = run.encode_captions(batch, captions)
-        prediction = run.unet(run.varying_shape(noisy), timesteps, hidden,
+        prediction = run.unet(run.varying_shape(noisy, "unet"), timesteps, hidden,
                               added_cond_kwargs=added).sample
         if bundle.prediction_type == "v_prediction":
             target = scheduler.get_velocity(latents, noise, timesteps)
@@ -95,7 +115,7 @@ def micro_step(run: Run, batch: dict, draws: Draws) -> float:
                                    bundle.prediction_type) if t.min_snr_gamma else None)
         loss = diffusion_mse(prediction, target, weights)
     run.backward(loss / t.gradient_accumulation)
-    return loss.item()
+    return loss.detach()
 
 
 def training_loop(run: Run, callbacks: TrainerCallbacks, commands: TrainerCommands) -> RunResult:
@@ -104,7 +124,7 @@ def training_loop(run: Run, callbacks: TrainerCallbacks, commands: TrainerComman
     # Each rank draws its own noise; rank 0 draws what a single-process run would.
     generator = torch.Generator("cpu").manual_seed(config.training.seed + run.dist.rank)
     smoothed = SmoothedValue()
-    window_loss, window_micro = 0.0, 0
+    window = None
     step_started = time.perf_counter()
     callbacks.on_status(f"training {run.budget.total_steps} steps on {run.device.type}")
 
@@ -113,17 +133,19 @@ def training_loop(run: Run, callbacks: TrainerCallbacks, commands: TrainerComman
         draws = draw_randomness(generator, latent_shape(run.bundle.vae, *pixel_shape),
                                 run.bundle.noise_scheduler.config.num_train_timesteps,
                                 need_vae_eps="latents" not in batch)
+        if window is None:  # a compile failure replays the whole window
+            window = run.guard.window()
         with run.gradient_sync(closes_window):
-            window_loss += run.guard.run_guarded(lambda: micro_step(run, batch, draws))
+            window.run(functools.partial(micro_step, run, batch, draws),
+                       new_shape=run.shape_log.is_new(pixel_shape))
         run.shape_log.add(pixel_shape, run.recompiles)
-        window_micro += 1
         if not closes_window:
             continue
 
         run.optimizer_step()
         run.step += 1
-        loss = run.dist.mean(window_loss / window_micro)
-        window_loss, window_micro = 0.0, 0
+        loss = run.dist.mean(window_mean(window.results))  # the step's one host sync
+        window = None
         elapsed = time.perf_counter() - step_started
         run.record.losses.append(loss)
         run.record.step_seconds.append(elapsed)
@@ -150,6 +172,11 @@ def training_loop(run: Run, callbacks: TrainerCallbacks, commands: TrainerComman
                      distributed=run.distributed_summary())
     callbacks.on_status(f"{status}: {run.step} steps, outputs in {run.output_dir}")
     return RunResult(status, run.step, run.output_dir, dict(run.record.data))
+
+
+def window_mean(losses: list[torch.Tensor]) -> float:
+    """The mean loss of an accumulation window's micro-steps, read from the device once."""
+    return float(torch.stack(losses).float().mean().item())
 
 
 def progress_event(run: Run, epoch: int, loss: float, smoothed_loss: float) -> Progress:

@@ -32,28 +32,35 @@ def build_tiny_unet(lora: bool = False, checkpointing: bool = False) -> torch.nn
     return unet
 
 
-def train_losses(unet: torch.nn.Module, guard: Callable | None = None, steps: int = 3,
+def train_losses(unet: torch.nn.Module, engine=None, steps: int = 3,
                  sizes: tuple[int, ...] = (8,), accumulation: int = 1) -> list[float]:
-    """A few SGD steps; noise and timesteps are drawn outside the guarded micro-step."""
+    """A few SGD steps; noise and timesteps are drawn outside the guarded micro-steps, and each
+    optimizer step's micro-steps run in one of ``engine``'s guarded windows."""
     params = [p for p in unet.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(params, lr=0.05)
     gen = torch.Generator().manual_seed(1)
     losses: list[float] = []
     for step in range(steps):
         size = sizes[step % len(sizes)]
+        window = engine.window() if engine is not None else None
+        results = []
         for _ in range(accumulation):
             latents = torch.randn(2, 4, size, size, generator=gen)
             noise = torch.randn(2, 4, size, size, generator=gen)
             timesteps = torch.randint(0, 1000, (2,), generator=gen)
             text = torch.randn(2, 7, 32, generator=gen)
 
-            def micro_step() -> torch.Tensor:
+            def micro_step(latents=latents, noise=noise, timesteps=timesteps, text=text):
                 pred = unet(latents + noise, timesteps, text).sample
                 loss = F.mse_loss(pred, noise) / accumulation
                 loss.backward()
                 return loss.detach()
 
-            losses.append(float(guard(micro_step) if guard else micro_step()))
+            if window is None:
+                results.append(micro_step())
+            else:
+                window.run(micro_step)
+        losses.extend(float(x) for x in (window.results if window is not None else results))
         optimizer.step()
         optimizer.zero_grad()
     return losses
@@ -96,6 +103,33 @@ def fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+class Mlp(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(),
+                                       torch.nn.Linear(8, 1))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def mlp_step(model: torch.nn.Module, batch: int = 2) -> Callable[[], None]:
+    """One micro-step of the Mlp, from clear gradients."""
+    model.zero_grad(set_to_none=True)
+    return lambda: model(torch.ones(batch, 4)).sum().backward()
+
+
+@pytest.fixture
+def mlp() -> Callable[[], torch.nn.Module]:
+    return Mlp
+
+
+@pytest.fixture
+def step() -> Callable[..., Callable[[], None]]:
+    return mlp_step
 
 
 @pytest.fixture

@@ -32,7 +32,7 @@ def test_compiled_lora_training_matches_eager(make_unet, train):
     callbacks = RecordingCallbacks()
     engine = CompileEngine(aot_eager(), {"unet": unet}, callbacks=callbacks, capabilities=GPU)
     engine.apply()
-    compiled = train(unet, engine.run_guarded)
+    compiled = train(unet, engine)
     assert compiled == pytest.approx(eager, rel=1e-5, abs=1e-6)
     assert list(unet.state_dict()) == keys
     assert not any("_orig_mod" in key for key in unet.state_dict())
@@ -57,7 +57,7 @@ def test_fallback_through_compile_and_backward_failures(make_unet, train, failin
                            {"unet": unet}, callbacks=callbacks, capabilities=GPU,
                            table=failing_table(*failing_backends))
     engine.apply()
-    losses = train(unet, engine.run_guarded)
+    losses = train(unet, engine)
     assert losses == pytest.approx(eager, rel=1e-5, abs=1e-6)  # nothing lost, nothing twice
     report = engine.report()["unet"]
     assert [(f["from"], f["to"]) for f in report["fallbacks"]] == [
@@ -80,7 +80,7 @@ def test_regional_lora_checkpointing_backward_fallback_restores_grads(
                       dynamic=DynamicShapes.STATIC),
         {"unet": unet}, capabilities=GPU, table=failing_table(*failing_backends))
     engine.apply()
-    losses = train(unet, engine.run_guarded, accumulation=2)
+    losses = train(unet, engine, accumulation=2)
     assert losses == pytest.approx(eager, rel=1e-5, abs=1e-6)
     assert list(unet.state_dict()) == keys
     blocks = [m for m in unet.modules() if m._compiled_call_impl is not None]
@@ -91,18 +91,8 @@ def test_regional_lora_checkpointing_backward_fallback_restores_grads(
     assert report["compiled_code_ran"] is True
 
 
-class Mlp(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
-
-    def forward(self, x):
-        return self.net(x)
-
-
-def test_strict_makes_a_compile_failure_fatal(failing_backends):
-    model = Mlp()
+def test_strict_makes_a_compile_failure_fatal(failing_backends, mlp):
+    model = mlp()
     config = CompileConfig(backend=CompileBackend.TRITON, strict=True)
     engine = CompileEngine(config, {"unet": model}, capabilities=GPU,
                            table=failing_table(*failing_backends))
@@ -111,24 +101,26 @@ def test_strict_makes_a_compile_failure_fatal(failing_backends):
         engine.run_guarded(lambda: model(torch.ones(2, 4)).sum().backward())
 
 
-def test_errors_after_probation_propagate_unchanged():
-    model = Mlp()
+def test_errors_in_calls_without_a_compile_after_probation_propagate_unchanged(mlp, step):
+    model = mlp()
     engine = CompileEngine(aot_eager(), {"unet": model}, capabilities=GPU, probation_steps=1)
     engine.apply()
-    engine.run_guarded(lambda: model(torch.ones(2, 4)).sum().backward())
+    engine.run_guarded(step(model))  # compiles
+    engine.run_guarded(step(model))  # the quiet call that ends probation
+    model.zero_grad(set_to_none=True)
     with pytest.raises(ValueError, match="user bug"):
         engine.run_guarded(lambda: (_ for _ in ()).throw(ValueError("user bug")))
     assert engine.report()["unet"]["fallbacks"] == []
 
 
-def test_recompiles_after_warm_up_are_counted_and_warned():
-    model = Mlp()
+def test_recompiles_after_warm_up_are_counted_and_warned(mlp, step):
+    model = mlp()
     callbacks = RecordingCallbacks()
     engine = CompileEngine(aot_eager(), {"unet": model}, callbacks=callbacks, capabilities=GPU,
                            probation_steps=1, recompile_warning_after=2)
     engine.apply()
     for batch in (2, 3, 5):  # STATIC: every new batch size is a recompile
-        engine.run_guarded(lambda: model(torch.ones(batch, 4)).sum().backward())
+        engine.run_guarded(step(model, batch))
     report = engine.report()["unet"]
     assert report["recompiles"] >= 2
     assert any("size mismatch" in reason for reason in report["recompile_reasons"])
@@ -148,14 +140,14 @@ class Bypassing(nn.Module):
         return self.block.forward(x)
 
 
-def test_compiled_code_that_never_runs_is_detected():
+def test_compiled_code_that_never_runs_is_detected(step):
     model = Bypassing()
     callbacks = RecordingCallbacks()
     engine = CompileEngine(aot_eager(scope=CompileScope.REGIONAL), {"unet": model},
                            callbacks=callbacks, capabilities=GPU)
     engine.apply()
     assert model.block._compiled_call_impl is not None
-    engine.run_guarded(lambda: model(torch.ones(2, 4)).sum().backward())
+    engine.run_guarded(step(model))
     assert engine.report()["unet"]["compiled_code_ran"] is False
     assert any(e.kind == "warning" and "never called" in e.message
                for e in callbacks.compile_events)
@@ -166,9 +158,9 @@ def test_three_resolutions_do_not_recompile_after_warm_up(make_unet, train):
     engine = CompileEngine(aot_eager(scope=CompileScope.REGIONAL, dynamic=DynamicShapes.DYNAMIC),
                            {"unet": unet}, capabilities=GPU, probation_steps=1)
     engine.apply()
-    train(unet, engine.run_guarded, steps=1, sizes=(8,))
+    train(unet, engine, steps=1, sizes=(8,))
     warm = engine.report()["unet"]["recompiles"]
-    train(unet, engine.run_guarded, steps=3, sizes=(16, 12, 8))
+    train(unet, engine, steps=3, sizes=(16, 12, 8))
     assert engine.report()["unet"]["recompiles"] - warm == 0
 
 

@@ -26,7 +26,7 @@ def test_regional_inductor_training_matches_eager(make_unet, train, tmp_path):
                            regional_blocks={"unet": ("BasicTransformerBlock",),
                                             "text_encoder": (), "vae": ()})
     engine.apply()
-    losses = train(unet, engine.run_guarded, steps=2)
+    losses = train(unet, engine, steps=2)
     engine.close()
     report = engine.report()["unet"]
     assert report["effective"] == "INDUCTOR" and report["fallbacks"] == []

@@ -1,6 +1,8 @@
 """The backend table as handed to torch.compile, mode merging, capability degrade, selection."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -8,23 +10,28 @@ from torch import nn
 from modules.compile import (BACKENDS, Capabilities, CompileEngine, build_plan, check_table,
                              detect_capabilities)
 from modules.compile.backends import BackendRow
+from modules.compile.plan import RECOMPILE_LIMIT
 from modules.config.schema import (CompileBackend, CompileConfig, CompileMode, CompileScope,
                                    DynamicShapes)
 from modules.events import RecordingCallbacks
 
-# The product design's table, written out literally (docs/compilation.md).
+# The product design's table, written out literally (docs/compilation.md). Dynamic shapes
+# default to torch's automatic ones (dynamic=None, compile.dynamic AUTO): measured faster to
+# compile than dynamic=True, which also crashes full-UNet inductor (docs/compilation.md).
 SEED_KWARGS = {
-    CompileBackend.DEFAULT: {"fullgraph": False, "dynamic": True},
-    CompileBackend.INDUCTOR: {"backend": "inductor", "fullgraph": False, "dynamic": True,
+    CompileBackend.DEFAULT: {"fullgraph": False, "dynamic": None},
+    CompileBackend.INDUCTOR: {"backend": "inductor", "fullgraph": False, "dynamic": None,
                               "options": {"max_autotune": True, "epilogue_fusion": True,
                                           "triton.cudagraphs": False}},
-    CompileBackend.TRITON: {"backend": "inductor", "fullgraph": False, "dynamic": True,
+    CompileBackend.TRITON: {"backend": "inductor", "fullgraph": False, "dynamic": None,
                             "options": {"triton.cudagraphs": True, "shape_padding": True,
                                         "max_autotune": True, "epilogue_fusion": True}},
-    CompileBackend.AOT_EAGER: {"backend": "aot_eager", "fullgraph": False, "dynamic": True},
+    CompileBackend.AOT_EAGER: {"backend": "aot_eager", "fullgraph": False, "dynamic": None},
 }
 GPU = Capabilities.everything("cuda")
 CPU = Capabilities("cpu", False, None, False, "no triton", "/usr/bin/g++")
+# Every compiled plan raises dynamo's recompile limit (plan.RECOMPILE_LIMIT), per call here.
+LIMIT = {"recompile_limit": RECOMPILE_LIMIT}
 
 
 class Recorder:
@@ -61,8 +68,8 @@ def test_kwargs_handed_to_torch_compile_are_the_seed_table(recorder, backend):
         assert recorder.calls == []
         assert unet._compiled_call_impl is None
     else:
-        assert recorder.calls == [(unet, SEED_KWARGS[backend])]
-        assert engine.report()["unet"]["torch_compile_kwargs"] == SEED_KWARGS[backend]
+        assert recorder.calls == [(unet, {**SEED_KWARGS[backend], **LIMIT})]
+        assert engine.report()["unet"]["torch_compile_kwargs"] == {**SEED_KWARGS[backend], **LIMIT}
     engine.close()
     assert unet._compiled_call_impl is None
 
@@ -74,7 +81,8 @@ def test_dynamic_and_fullgraph_follow_the_config(recorder, dynamic, flag):
     config = CompileConfig(backend=CompileBackend.AOT_EAGER, dynamic=dynamic, fullgraph=True,
                            scope=CompileScope.FULL)
     CompileEngine(config, {"unet": nn.Linear(2, 2)}, capabilities=GPU).apply()
-    assert recorder.calls[0][1] == {"backend": "aot_eager", "fullgraph": True, "dynamic": flag}
+    assert recorder.calls[0][1] == {"backend": "aot_eager", "fullgraph": True, "dynamic": flag,
+                                    **LIMIT}
 
 
 def test_every_table_option_exists_in_this_torch():
@@ -178,12 +186,13 @@ def test_vae_full_compiles_encoder_and_decoder(recorder):
     assert [module for module, _ in recorder.calls] == [vae.encoder, vae.decoder]
 
 
-def test_regional_adds_only_a_recompile_limit():
-    plan = build_plan(CompileConfig(backend=CompileBackend.AOT_EAGER,
-                                    scope=CompileScope.REGIONAL), "unet", GPU)
+@pytest.mark.parametrize("scope", list(CompileScope))
+def test_both_scopes_add_only_a_recompile_limit(scope):
+    plan = build_plan(CompileConfig(backend=CompileBackend.AOT_EAGER, scope=scope), "unet", GPU)
     extra = {k: v for k, v in plan.torch_compile_kwargs.items()
              if k not in SEED_KWARGS[CompileBackend.AOT_EAGER]}
-    assert list(extra) == ["recompile_limit"] and extra["recompile_limit"] > 8
+    assert extra == LIMIT and RECOMPILE_LIMIT > 8
+    assert plan.process_recompile_limit is None
 
 
 def test_report_has_the_stable_keys():
@@ -193,6 +202,120 @@ def test_report_has_the_stable_keys():
     assert set(report) == {"unet", "text_encoder", "vae"}
     assert set(report["unet"]) == {
         "requested", "effective", "scope", "torch_compile_kwargs", "inductor_options",
-        "fallbacks", "degraded", "compile_seconds", "recompiles", "recompile_reasons", "cache",
+        "cudagraphs", "persistent_grads", "recompile_limit", "notes", "fallbacks", "degraded",
+        "compile_seconds", "recompiles", "late_recompiles", "recompile_reasons", "cache",
         "compiled_code_ran"}
     assert report["unet"]["cache"] == "off" and report["unet"]["compiled_code_ran"] is False
+
+
+# -- torch without a per-call recompile_limit (the GPU image's torch 2.11) --------------------
+OLD_TORCH = Capabilities("cuda", True, (9, 0), True, None, None,
+                         frozenset({"model", "fullgraph", "dynamic", "backend", "mode",
+                                    "options", "disable"}))
+
+
+def test_without_a_per_call_limit_the_process_limit_is_raised_and_restored(recorder):
+    import torch._dynamo
+
+    before = torch._dynamo.config.recompile_limit
+    unet = nn.Linear(2, 2)
+    engine = CompileEngine(CompileConfig(backend=CompileBackend.AOT_EAGER), {"unet": unet},
+                           capabilities=OLD_TORCH)
+    engine.apply()
+    assert "recompile_limit" not in recorder.calls[0][1]
+    assert torch._dynamo.config.recompile_limit == RECOMPILE_LIMIT
+    report = engine.report()["unet"]
+    assert report["recompile_limit"] == {"value": RECOMPILE_LIMIT, "where": "process"}
+    engine.close()
+    assert torch._dynamo.config.recompile_limit == before
+
+
+def test_the_installed_torch_accepts_every_planned_keyword():
+    caps = detect_capabilities("cpu")
+    for backend in CompileBackend:
+        plan = build_plan(CompileConfig(backend=backend), "unet", caps)
+        assert set(plan.torch_compile_kwargs) <= caps.compile_keywords
+
+
+# -- CUDA graphs against the training settings -----------------------------------------------
+def _trained(checkpointing: bool, accumulation: int = 1):
+    from modules.compile import ComponentTraining
+    return ComponentTraining(trained=True, gradient_checkpointing=checkpointing,
+                             accumulation=accumulation)
+
+
+@pytest.mark.parametrize("scope", list(CompileScope))
+def test_cudagraphs_with_checkpointing_are_off_for_regional_blocks_only(scope):
+    plan = build_plan(CompileConfig(backend=CompileBackend.TRITON, scope=scope), "unet", GPU,
+                      training=_trained(checkpointing=True))
+    if scope == CompileScope.REGIONAL:
+        assert plan.cudagraphs is False and "154306" in plan.degraded
+    else:
+        assert plan.cudagraphs is True and plan.degraded is None
+
+
+def test_cudagraphs_on_a_trained_component_keep_gradients_allocated():
+    trained = build_plan(CompileConfig(backend=CompileBackend.TRITON), "unet", GPU,
+                         training=_trained(checkpointing=False, accumulation=4))
+    frozen = build_plan(CompileConfig(backend=CompileBackend.TRITON, text_encoder=True),
+                        "text_encoder", GPU)
+    assert trained.cudagraphs and trained.persistent_grads
+    assert any("169545" in note for note in trained.notes)
+    assert frozen.cudagraphs and not frozen.persistent_grads
+
+
+def test_a_mode_that_adds_cudagraphs_follows_the_same_rules():
+    plan = build_plan(CompileConfig(backend=CompileBackend.DEFAULT,
+                                    mode=CompileMode.REDUCE_OVERHEAD,
+                                    scope=CompileScope.REGIONAL), "unet", GPU,
+                      training=_trained(checkpointing=True))
+    assert plan.cudagraphs is False and "154306" in plan.degraded
+
+
+PRESETS = sorted((Path(__file__).resolve().parents[2] / "training_presets").rglob("*.json"))
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: str(p.relative_to(p.parents[1])))
+@pytest.mark.parametrize("backend, mode", [(CompileBackend.TRITON, CompileMode.DEFAULT),
+                                           (CompileBackend.DEFAULT, CompileMode.REDUCE_OVERHEAD),
+                                           (CompileBackend.INDUCTOR, CompileMode.MAX_AUTOTUNE)])
+def test_every_preset_gets_a_safe_cudagraph_plan_on_a_gpu(preset, backend, mode):
+    from modules.config import load_config
+    from modules.train.compile_step import component_training
+    from modules.train.weights import trained_components
+
+    config = load_config(preset)
+    config.compile.backend, config.compile.mode = backend, mode
+    training = component_training(config, trained_components(config))
+    for name in ("unet", "text_encoder", "vae"):
+        plan = build_plan(config.compile, name, GPU, training=training[name])
+        how = training[name]
+        if plan.cudagraphs:
+            assert not (how.gradient_checkpointing and plan.scope == CompileScope.REGIONAL)
+            assert plan.persistent_grads == how.trained
+        if backend == CompileBackend.INDUCTOR:
+            assert not plan.cudagraphs  # INDUCTOR promises no CUDA graphs, whatever the mode
+
+
+# -- sizes the compiler cannot take symbolic --------------------------------------------------
+@pytest.mark.parametrize("backend", [CompileBackend.INDUCTOR, CompileBackend.DEFAULT])
+def test_full_inductor_keeps_unet_height_and_width_static(backend):
+    from modules.compile.dynamic_dims import input_dims
+
+    full = build_plan(CompileConfig(backend=backend, scope=CompileScope.FULL,
+                                    dynamic=DynamicShapes.DYNAMIC), "unet", GPU)
+    assert full.static_spatial and full.torch_compile_kwargs["dynamic"] is None
+    assert "AUTO with static height and width" in full.degraded
+    assert input_dims(full, DynamicShapes.AUTO) == ((0,), (2, 3))
+    regional = build_plan(CompileConfig(backend=backend, scope=CompileScope.REGIONAL),
+                          "unet", GPU)
+    assert regional.static_spatial is None
+    assert input_dims(regional, DynamicShapes.AUTO) == ((0, 2, 3), ())
+    eager_kernels = build_plan(CompileConfig(backend=CompileBackend.AOT_EAGER,
+                                             scope=CompileScope.FULL,
+                                             dynamic=DynamicShapes.DYNAMIC), "unet", GPU)
+    assert eager_kernels.static_spatial is None and eager_kernels.degraded is None
+
+
+def test_the_default_dynamic_shapes_are_auto():
+    assert CompileConfig().dynamic == DynamicShapes.AUTO

@@ -1,0 +1,243 @@
+"""The guard: compile failures at any step fall back and replay the window; nothing is copied;
+out-of-memory is not a compile failure; sampling bypasses compiled code."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from modules.compile import BACKENDS, Capabilities, CompileEngine
+from modules.compile.backends import BackendRow
+from modules.config.schema import CompileBackend, CompileConfig, CompileScope, DynamicShapes
+from modules.events import RecordingCallbacks
+
+GPU = Capabilities.everything("cuda")
+SECOND_COMPILE_FAILS = "tempera_test_second_compile_fails"
+OOM_WHILE_COMPILING = "tempera_test_oom_while_compiling"
+
+
+@pytest.fixture(scope="module")
+def late_failing_backends():
+    """A backend whose first compile works (eager kernels) and every later one fails, and one
+    that runs out of memory while compiling (as autotuning can)."""
+    import torch._dynamo
+
+    compiles = {"count": 0}
+
+    def second_fails(gm, example_inputs):
+        compiles["count"] += 1
+        if compiles["count"] > 1:
+            raise RuntimeError("tempera test backend: this later compile failed")
+        return gm.forward
+
+    def oom(gm, example_inputs):
+        raise torch.OutOfMemoryError("CUDA out of memory while benchmarking a kernel choice")
+
+    known = torch._dynamo.list_backends(exclude_tags=None)
+    for name, fn in ((SECOND_COMPILE_FAILS, second_fails), (OOM_WHILE_COMPILING, oom)):
+        if name not in known:
+            torch._dynamo.register_backend(compiler_fn=fn, name=name)
+    return compiles
+
+
+def table(first: str) -> dict:
+    """TRITON runs ``first``; INDUCTOR below it is aot_eager (works)."""
+    return {**BACKENDS, CompileBackend.TRITON: BackendRow(first, inductor=False),
+            CompileBackend.INDUCTOR: BackendRow("aot_eager", inductor=False)}
+
+
+def micro_batches(sizes, accumulation, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return [[(torch.randn(2, 4, s, s, generator=gen), torch.randn(2, 4, s, s, generator=gen),
+              torch.randint(0, 1000, (2,), generator=gen), torch.randn(2, 7, 32, generator=gen))
+             for _ in range(accumulation)] for s in sizes]
+
+
+def train_windows(unet, windows, engine=None):
+    """SGD over ``windows`` (lists of micro-batches); returns the losses and final weights."""
+    params = [p for p in unet.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(params, lr=0.05)
+    losses = []
+    for micro in windows:
+        window = engine.window() if engine else None
+        results = []
+        for latents, noise, timesteps, text in micro:
+            def step(latents=latents, noise=noise, timesteps=timesteps, text=text):
+                loss = F.mse_loss(unet(latents + noise, timesteps, text).sample, noise)
+                (loss / len(micro)).backward()
+                return loss.detach()
+            results.append(window.run(step) if window else step())
+        losses.extend(float(x) for x in (window.results if window else results))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return losses, [p.detach().clone() for p in params]
+
+
+def static_triton() -> CompileConfig:
+    return CompileConfig(backend=CompileBackend.TRITON, dynamic=DynamicShapes.STATIC,
+                         scope=CompileScope.FULL)
+
+
+def test_a_compile_failure_long_after_the_first_steps_falls_back(make_unet,
+                                                                  late_failing_backends):
+    # Three bucket shapes, the third first seen at step 6: its compile fails then.
+    late_failing_backends["count"] = 0
+    windows = micro_batches([8, 8, 12, 12, 8, 12, 16, 8], accumulation=1)
+    eager, eager_weights = train_windows(make_unet(), windows)
+    unet = make_unet()
+    callbacks = RecordingCallbacks()
+    engine = CompileEngine(static_triton(), {"unet": unet}, callbacks=callbacks,
+                           capabilities=GPU, table=table(SECOND_COMPILE_FAILS))
+    engine.apply()
+    losses, weights = train_windows(unet, windows, engine)
+    report = engine.report()["unet"]
+    assert [(f["from"], f["to"]) for f in report["fallbacks"]] == [("TRITON", "INDUCTOR")]
+    assert "later compile failed" in report["fallbacks"][0]["reason"]
+    assert losses == pytest.approx(eager, rel=1e-5, abs=1e-6)
+    for got, want in zip(weights, eager_weights):
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert any(e.kind == "fallback" for e in callbacks.compile_events)
+
+
+def test_a_failure_in_the_middle_of_a_window_replays_the_whole_window(make_unet,
+                                                                      late_failing_backends):
+    # Accumulation 2; the failing compile happens at the second micro-step of a window whose
+    # first micro-step already added its gradients: exact only if the window is replayed.
+    late_failing_backends["count"] = 0
+    windows = micro_batches([8, 8, 8], accumulation=2)
+    gen = torch.Generator().manual_seed(7)
+    windows[2][1] = tuple(torch.randn(*t.shape[:2], 12, 12, generator=gen) if t.dim() == 4
+                          else t for t in windows[2][1])
+    eager, eager_weights = train_windows(make_unet(lora=True), windows)
+    unet = make_unet(lora=True)
+    engine = CompileEngine(static_triton(), {"unet": unet}, capabilities=GPU,
+                           table=table(SECOND_COMPILE_FAILS))
+    engine.apply()
+    losses, weights = train_windows(unet, windows, engine)
+    assert len(engine.report()["unet"]["fallbacks"]) == 1
+    assert losses == pytest.approx(eager, rel=1e-5, abs=1e-6)
+    for got, want in zip(weights, eager_weights):
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_guard_copies_no_gradients(make_unet, monkeypatch, failing_backends):
+    unet = make_unet(lora=True)
+    params = [p for p in unet.parameters() if p.requires_grad]
+    engine = CompileEngine(CompileConfig(backend=CompileBackend.TRITON,
+                                         dynamic=DynamicShapes.STATIC),
+                           {"unet": unet}, capabilities=GPU,
+                           table={**BACKENDS,
+                                  CompileBackend.TRITON: BackendRow(failing_backends[1], False),
+                                  CompileBackend.INDUCTOR: BackendRow("aot_eager", False)})
+    engine.apply()
+    cloned: list[int] = []
+    real_clone = torch.Tensor.clone
+
+    def spy(self, *args, **kwargs):
+        cloned.append(self.untyped_storage().data_ptr())
+        return real_clone(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "clone", spy)
+    windows = micro_batches([8, 8], accumulation=2)
+    train_windows(unet, windows, engine)  # the first backward fails: fall back and replay
+    monkeypatch.undo()
+    grads = {p.grad.untyped_storage().data_ptr() for p in params if p.grad is not None}
+    assert engine.report()["unet"]["fallbacks"]
+    assert not grads & set(cloned)
+
+
+def test_out_of_memory_is_not_a_compile_failure(make_unet):
+    unet = make_unet()
+    engine = CompileEngine(CompileConfig(backend=CompileBackend.AOT_EAGER), {"unet": unet},
+                           capabilities=GPU)
+    engine.apply()
+
+    def step():
+        unet(torch.randn(2, 4, 8, 8), torch.tensor([1, 2]), torch.randn(2, 7, 32))
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    with pytest.raises(torch.OutOfMemoryError):
+        engine.run_guarded(step)  # the first step: compiled during it, still not a fallback
+    assert engine.report()["unet"]["fallbacks"] == []
+    assert engine.report()["unet"]["effective"] == "AOT_EAGER"
+
+
+def test_out_of_memory_while_compiling_falls_back(make_unet, late_failing_backends):
+    unet = make_unet()
+    engine = CompileEngine(static_triton(), {"unet": unet}, capabilities=GPU,
+                           table=table(OOM_WHILE_COMPILING))
+    engine.apply()
+    windows = micro_batches([8], accumulation=1)
+    train_windows(unet, windows, engine)
+    fallbacks = engine.report()["unet"]["fallbacks"]
+    assert [(f["from"], f["to"]) for f in fallbacks] == [("TRITON", "INDUCTOR")]
+    assert "out of memory" in fallbacks[0]["reason"]
+
+
+def test_a_window_refuses_to_start_on_gradients_it_could_not_restore(make_unet):
+    unet = make_unet(lora=True)
+    engine = CompileEngine(CompileConfig(backend=CompileBackend.AOT_EAGER), {"unet": unet},
+                           capabilities=GPU)
+    engine.apply()
+    param = next(p for p in unet.parameters() if p.requires_grad)
+    param.grad = torch.zeros_like(param)
+    with pytest.raises(RuntimeError, match="clear gradients"):
+        engine.window()
+
+
+def test_sampling_bypasses_compiled_code_without_recompiling(make_unet):
+    unet = make_unet(lora=True)
+    callbacks = RecordingCallbacks()
+    engine = CompileEngine(CompileConfig(backend=CompileBackend.AOT_EAGER), {"unet": unet},
+                           callbacks=callbacks, capabilities=GPU, probation_steps=1)
+    engine.apply()
+    windows = micro_batches([8, 8, 8, 8], accumulation=1)
+    train_windows(unet, windows[:2], engine)
+    calls = engine.tracker.component("unet").calls
+    recompiles = engine.report()["unet"]["recompiles"]  # the blocks' warm-up compiles
+    unet.eval()
+    with engine.bypassed(), torch.no_grad():  # eval mode, no grad, another batch size
+        unet(torch.randn(1, 4, 8, 8), torch.tensor([3]), torch.randn(1, 7, 32))
+    unet.train()
+    train_windows(unet, windows[2:], engine)
+    report = engine.report()["unet"]
+    assert report["recompiles"] == recompiles and report["late_recompiles"] == 0
+    per_step = calls // 2  # compiled block calls per training step
+    assert engine.tracker.component("unet").calls == calls + 2 * per_step  # sample not counted
+    assert not any(e.kind in ("recompile", "warning") for e in callbacks.compile_events)
+
+
+def test_a_late_recompile_is_one_short_sentence_with_the_guard_text_as_detail(mlp, step):
+    model = mlp()
+    callbacks = RecordingCallbacks()
+    engine = CompileEngine(CompileConfig(backend=CompileBackend.AOT_EAGER,
+                                         dynamic=DynamicShapes.STATIC),
+                           {"unet": model}, callbacks=callbacks, capabilities=GPU,
+                           probation_steps=1)
+    engine.apply()
+    engine.run_guarded(step(model, 2))
+    engine.run_guarded(step(model, 2))
+    late = step(model, 3)
+    engine.window().run(late)  # not flagged as a new shape: a late recompile
+    recompiles = [e for e in callbacks.compile_events if e.kind == "recompile"]
+    assert len(recompiles) == 1
+    message = recompiles[0].message
+    assert "\n" not in message and len(message) < 120 and message.endswith(".")
+    assert "size of" in message and "2 -> 3" in message
+    assert "size mismatch" in recompiles[0].detail  # dynamo's own words, for the log
+
+
+def test_a_recompile_for_a_new_shape_is_expected_not_warned(mlp, step):
+    model = mlp()
+    callbacks = RecordingCallbacks()
+    engine = CompileEngine(CompileConfig(backend=CompileBackend.AOT_EAGER,
+                                         dynamic=DynamicShapes.STATIC),
+                           {"unet": model}, callbacks=callbacks, capabilities=GPU,
+                           probation_steps=1)
+    engine.apply()
+    for batch in (2, 2, 3, 5):
+        fn = step(model, batch)
+        engine.window().run(fn, new_shape=batch != 2)
+    assert engine.report()["unet"]["recompiles"] >= 2
+    assert engine.report()["unet"]["late_recompiles"] == 0
+    assert not any(e.kind in ("recompile", "warning") for e in callbacks.compile_events)

@@ -1,0 +1,180 @@
+"""What a CUDA run needs from the trainer, checked on the CPU: no recompiles from sampling, one
+host sync per optimizer step, persistent gradients, copied text-encoder outputs, TF32, OOM
+reported as OOM, stop checks across processes, pinned memory, the torch floor."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from modules.compile import CompileEngine
+from modules.config.problems import ConfigError
+from modules.events import RecordingCallbacks, TrainerCommands
+from modules.runtime import runtime_problems, version_tuple
+from modules.train import trainer as trainer_module
+from modules.train.run import Run
+from modules.train.setup import float32_precision
+from modules.train.trainer import TrainingError, failure_message, train
+
+
+def _record(result) -> dict:
+    return json.loads((result.output_dir / "run.json").read_text())
+
+
+def test_sampling_every_few_steps_does_not_recompile_the_compiled_unet(tiny_config):
+    callbacks = RecordingCallbacks()
+    result = train(tiny_config("training.max_steps=6", "compile.backend=AOT_EAGER",
+                               "compile.unet=true", "sampling.every_steps=2",
+                               "sampling.steps=2", 'sampling.prompts=["a red circle"]'),
+                   callbacks)
+    record = _record(result)
+    unet = record["compile"]["unet"]
+    assert len(callbacks.samples) == 3 and unet["compiled_code_ran"]
+    assert unet["late_recompiles"] == 0
+    assert record["batch_shapes"]["recompiles_after_first_pass"] == 0
+    assert not [e for e in callbacks.compile_events if e.kind in ("recompile", "warning")]
+    assert record["sampling"].startswith("eager")
+
+
+def test_the_loss_is_read_from_the_device_once_per_optimizer_step(tiny_config, monkeypatch):
+    reads = {"count": 0}
+    real_item = torch.Tensor.item
+    train_code = str(Path(trainer_module.__file__).parent)
+
+    def counting_item(self):
+        if sys._getframe(1).f_code.co_filename.startswith(train_code):  # the trainer's own reads
+            reads["count"] += 1
+        return real_item(self)
+
+    config = tiny_config("training.max_steps=3", "training.gradient_accumulation=2")
+    monkeypatch.setattr(torch.Tensor, "item", counting_item)
+    result = train(config)
+    monkeypatch.undo()
+    # once per optimizer step (not per micro-step: 6), plus the end-of-run weight checksum
+    assert result.steps == 3 and reads["count"] == 3 + 1
+
+
+def test_persistent_gradients_train_exactly_like_freed_ones(tiny_config, tmp_path, monkeypatch):
+    freed = train(tiny_config(f"output.dir={tmp_path / 'a'}", "training.max_steps=3",
+                              "training.gradient_accumulation=2", "compile.backend=AOT_EAGER"))
+    monkeypatch.setattr(CompileEngine, "persistent_grads", property(lambda self: True))
+    zero_grad_calls = []
+    real_zero_grad = torch.optim.AdamW.zero_grad
+
+    def spy(self, set_to_none=True):
+        zero_grad_calls.append(set_to_none)
+        return real_zero_grad(self, set_to_none=set_to_none)
+
+    monkeypatch.setattr(torch.optim.AdamW, "zero_grad", spy)
+    kept = train(tiny_config(f"output.dir={tmp_path / 'b'}", "training.max_steps=3",
+                             "training.gradient_accumulation=2", "compile.backend=AOT_EAGER"))
+    assert zero_grad_calls and not any(zero_grad_calls)  # zeroed in place, never freed
+    assert _record(kept)["losses"] == pytest.approx(_record(freed)["losses"], rel=1e-6)
+
+
+def test_cached_text_encoder_outputs_are_copies_not_views(tiny_config):
+    from modules.events import NullCallbacks
+    from modules.train.prepare import prepare_run
+    from modules.train.text_cache import TextEncoderCache
+
+    bundle = prepare_run(tiny_config(), NullCallbacks()).bundle
+    cache = TextEncoderCache(bundle, torch.device("cpu"))
+    cache.encode(["a red circle", "a blue square"])
+    storages = set()
+    for hidden, pooled in cache.entries.values():
+        assert not hidden._is_view() and pooled is None
+        storages.add(hidden.untyped_storage().data_ptr())
+    assert len(storages) == 2  # one storage per caption, not one batch shared by both
+
+
+@pytest.mark.parametrize("allow, precision", [(True, "high"), (False, "highest")])
+def test_tf32_is_set_on_cuda_and_put_back(tiny_config, allow, precision):
+    before = (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32)
+    restore, record = float32_precision(tiny_config(f"training.allow_tf32={allow}"),
+                                        torch.device("cuda"))
+    assert torch.get_float32_matmul_precision() == precision
+    assert torch.backends.cudnn.allow_tf32 is allow
+    assert record == {"allow_tf32": allow, "applied": True,
+                      "float32_matmul_precision": precision, "cudnn_allow_tf32": allow}
+    restore()
+    assert (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32) == before
+
+
+def test_tf32_is_not_touched_on_the_cpu_and_the_run_records_it(tiny_config):
+    before = torch.get_float32_matmul_precision()
+    result = train(tiny_config("training.max_steps=1"))
+    assert torch.get_float32_matmul_precision() == before
+    assert _record(result)["precision"]["applied"] is False
+
+
+def test_out_of_memory_stops_the_run_with_advice_and_no_fallback(tiny_config, monkeypatch):
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+
+    monkeypatch.setattr(trainer_module, "diffusion_mse", out_of_memory)
+    config = tiny_config("compile.backend=AOT_EAGER")
+    with pytest.raises(TrainingError, match="out of memory at step 0.*batch_size"):
+        train(config)
+    record = json.loads((Path(config.output.dir) / "run.json").read_text())
+    assert record["status"] == "failed" and "gradient_checkpointing" in record["error"]
+
+
+def test_failure_messages():
+    oom = failure_message(torch.OutOfMemoryError("CUDA out of memory"), 12)
+    assert oom.startswith("out of memory at step 12") and "training.batch_size" in oom
+    other = failure_message(ValueError("bad shape\nmore"), 3)
+    assert other == "training failed at step 3: ValueError: bad shape"
+
+
+class CountingDist:
+    enabled = True
+
+    def __init__(self):
+        self.collectives = 0
+
+    def any(self, flag: bool) -> bool:
+        self.collectives += 1
+        return flag
+
+
+def test_several_processes_agree_on_stop_only_every_few_steps():
+    dist = CountingDist()
+    commands = TrainerCommands()
+    fake = SimpleNamespace(dist=dist, step=0, STOP_CHECK_EVERY_STEPS=10)
+    seen = []
+    for step in range(25):
+        fake.step = step
+        seen.append(Run.stop_requested(fake, commands))
+    assert dist.collectives == 3 and not any(seen)  # steps 0, 10, 20
+    commands.request_stop()
+    fake.step = 30
+    assert Run.stop_requested(fake, commands) is True
+
+
+def test_pinned_memory_on_cuda_only(monkeypatch, tiny_config):
+    import modules.train.run as run_module
+
+    seen = {}
+    monkeypatch.setattr(run_module, "build_dataloader", lambda *a, **kw: seen.update(kw))
+    fake = SimpleNamespace(config=tiny_config(), dataset=[], dist=SimpleNamespace(rank=0,
+                                                                                 world_size=1))
+    for device, pinned in (("cuda", True), ("cpu", False)):
+        fake.device = torch.device(device)
+        Run.loader_for_epoch(fake, 0)
+        assert seen["pin_memory"] is pinned
+
+
+def test_a_torch_older_than_the_tested_floor_is_refused(tiny_config, monkeypatch):
+    assert version_tuple("2.11.0+cu130") == (2, 11, 0)
+    assert runtime_problems("2.11.0+cu130") == [] and runtime_problems("2.13.0") == []
+    [problem] = runtime_problems("2.10.1")
+    assert problem.path == "torch" and "2.11" in problem.expected
+    monkeypatch.setattr(torch, "__version__", "2.9.0")
+    config = tiny_config()
+    with pytest.raises(ConfigError, match=r"torch: expected torch >= 2\.11"):
+        train(config)
+    assert not Path(config.output.dir).exists()  # nothing written
