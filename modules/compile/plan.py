@@ -174,10 +174,8 @@ def build_plan(config: CompileConfig, component: str, caps: Capabilities,
     process_limit = None
     if caps.per_call_recompile_limit:
         kwargs["recompile_limit"] = RECOMPILE_LIMIT
-    else:
+    else:  # run.json says where the limit was set (report "recompile_limit")
         process_limit = RECOMPILE_LIMIT
-        notes.append("this torch has no per-call recompile_limit: dynamo's process-wide "
-                     f"limit is raised to {RECOMPILE_LIMIT} while training runs")
     return CompilePlan(component, requested, effective, config.scope, kwargs,
                        dict(options) if row.inductor else {}, degraded, tuple(notes),
                        process_limit, persistent_grads, static_spatial)

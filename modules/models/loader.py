@@ -1,6 +1,7 @@
 """Load a model's components from a diffusers folder (or a built-in tiny model) into a bundle."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,6 +43,23 @@ class ModelBundle:
         return self.noise_scheduler.config.prediction_type
 
 
+# One dtype for every component, or a dtype per component name ("unet", "vae", "text_encoder"...)
+Dtypes = torch.dtype | Mapping[str, torch.dtype]
+
+
+def dtype_of(dtypes: Dtypes, name: str) -> torch.dtype:
+    return dtypes if isinstance(dtypes, torch.dtype) else dtypes[name]
+
+
+def widest_dtype(dtypes: Dtypes) -> torch.dtype:
+    """One dtype to read a file at, so that each component is rounded once, to its own: the
+    common dtype when all agree, else float32 (holds both float16 and bfloat16 exactly)."""
+    if isinstance(dtypes, torch.dtype):
+        return dtypes
+    distinct = set(dtypes.values())
+    return distinct.pop() if len(distinct) == 1 else torch.float32
+
+
 def resolve_model_path(path: str, cache_dir: Path) -> Path:
     """The real folder behind a model path; built-in models are built once into the cache."""
     if path.startswith(BUILTIN_PREFIX):
@@ -51,22 +69,24 @@ def resolve_model_path(path: str, cache_dir: Path) -> Path:
 
 
 def load_model(path: Path, model_type: ModelType, prediction_type: PredictionType,
-               dtype: torch.dtype = torch.float32) -> ModelBundle:
-    """Load the components of a diffusers folder; no network access is ever attempted."""
+               dtype: Dtypes = torch.float32) -> ModelBundle:
+    """Load the components of a diffusers folder, each at its dtype; never from the network."""
     from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
     from transformers import AutoTokenizer, CLIPTextModel, CLIPTextModelWithProjection
 
     spec = MODEL_TYPES[model_type]
     common = {"local_files_only": True}
-    unet = UNet2DConditionModel.from_pretrained(path, subfolder="unet", torch_dtype=dtype, **common)
-    vae = AutoencoderKL.from_pretrained(path, subfolder="vae", torch_dtype=dtype, **common)
+    unet = UNet2DConditionModel.from_pretrained(path, subfolder="unet",
+                                                torch_dtype=dtype_of(dtype, "unet"), **common)
+    vae = AutoencoderKL.from_pretrained(path, subfolder="vae", torch_dtype=dtype_of(dtype, "vae"),
+                                        **common)
     text_encoders: dict[str, nn.Module] = {}
     tokenizers: dict[str, object] = {}
     for i, (te_name, tok_name) in enumerate(zip(spec.text_encoders, spec.tokenizers)):
         # SDXL's second encoder carries the projection that gives the pooled embedding.
         cls = CLIPTextModelWithProjection if i == 1 else CLIPTextModel
-        text_encoders[te_name] = cls.from_pretrained(path, subfolder=te_name, torch_dtype=dtype,
-                                                     **common)
+        text_encoders[te_name] = cls.from_pretrained(path, subfolder=te_name,
+                                                     torch_dtype=dtype_of(dtype, te_name), **common)
         tokenizers[tok_name] = AutoTokenizer.from_pretrained(path, subfolder=tok_name, **common)
     scheduler = DDPMScheduler.from_pretrained(path, subfolder="scheduler", **common)
     if prediction_type != PredictionType.AUTO:

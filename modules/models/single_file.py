@@ -232,17 +232,24 @@ def _check_all_loaded(path: Path, parts: dict[str, Any]) -> None:
 
 
 def load_single_file_bundle(path: str | Path, model_type: ModelType, prediction_type,
-                            dtype: torch.dtype = torch.float32, allow_pickle: bool = False,
+                            dtype=torch.float32, allow_pickle: bool = False,
                             tokenizer_folder: str | Path | None = None,
                             config_folder: str | Path | None = None):
-    """A `ModelBundle` from a checkpoint file, like `loader.load_model` gives for a folder."""
+    """A `ModelBundle` from a checkpoint file, like `loader.load_model` gives for a folder.
+
+    ``dtype`` is one dtype or one per component: the file is read once at the most precise of
+    them and each component is then rounded once to its own.
+    """
     from diffusers import DDPMScheduler
 
     from modules.config.schema import PredictionType
-    from modules.models.loader import PREDICTION_TYPES, ModelBundle
+    from modules.models.loader import PREDICTION_TYPES, ModelBundle, dtype_of, widest_dtype
 
-    parts = load_single_file(path, model_type, dtype, allow_pickle, config_folder, tokenizer_folder)
+    parts = load_single_file(path, model_type, widest_dtype(dtype), allow_pickle, config_folder,
+                             tokenizer_folder)
     spec = MODEL_TYPES[model_type]
+    for name in ("unet", "vae", *spec.text_encoders):
+        parts[name].to(dtype=dtype_of(dtype, name))
     scheduler = DDPMScheduler.from_config(parts["scheduler"].config)
     if prediction_type != PredictionType.AUTO:
         scheduler.register_to_config(prediction_type=PREDICTION_TYPES[prediction_type])

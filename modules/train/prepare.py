@@ -16,10 +16,11 @@ from modules.config.schema import BUILTIN_PREFIX, Config
 from modules.config.validate import validate
 from modules.data.folders import DatasetError, DatasetSource, ScanResult, scan_datasets
 from modules.events import TrainerCallbacks
-from modules.models.loader import TORCH_DTYPES, ModelBundle, load_model, resolve_model_path
+from modules.models.loader import ModelBundle, load_model, resolve_model_path
 from modules.paths import cache_dir_for
 from modules.runtime import runtime_problems
 from modules.train.setup import pick_device
+from modules.train.weights import component_dtypes
 
 
 @dataclass
@@ -40,16 +41,17 @@ def resolve_dataset_path(path: str, cache_dir: Path) -> Path:
 
 
 def load_bundle(model_path: Path, config: Config) -> ModelBundle:
-    """Load a diffusers folder, or a single-file checkpoint through the shipped configs."""
-    dtype = TORCH_DTYPES[config.model.weight_dtype]
+    """Load a diffusers folder, or a single-file checkpoint through the shipped configs, each
+    component at the dtype it trains at (`weights.component_dtypes`)."""
+    dtypes = component_dtypes(config)
     from modules.models.single_file import is_single_file, load_single_file_bundle
     if is_single_file(model_path):
         m = config.model
-        return load_single_file_bundle(model_path, m.type, m.prediction_type, dtype,
+        return load_single_file_bundle(model_path, m.type, m.prediction_type, dtypes,
                                        allow_pickle=m.allow_pickle,
                                        tokenizer_folder=m.tokenizer_path or None,
                                        config_folder=m.config_path or None)
-    return load_model(model_path, config.model.type, config.model.prediction_type, dtype)
+    return load_model(model_path, config.model.type, config.model.prediction_type, dtypes)
 
 
 def prepare_run(config: Config, callbacks: TrainerCallbacks) -> PreparedRun:

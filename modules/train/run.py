@@ -19,7 +19,7 @@ from modules.data.buckets import assign_buckets, bucket_counts, describe_buckets
 from modules.data.dataset import (ImageCaptionDataset, build_dataloader, epoch_batch_sampler,
                                   expand_repeats)
 from modules.events import TrainerCallbacks, TrainerCommands
-from modules.models.loader import TORCH_DTYPES, ModelBundle, encode_text, unet_conditioning
+from modules.models.loader import ModelBundle, encode_text, unet_conditioning
 from modules.train.batch_shapes import BatchShapeLog
 from modules.train.distributed import Distributed, parameter_checksum
 from modules.train.prepare import PreparedRun
@@ -141,6 +141,10 @@ class Run:
         else:
             hidden, pooled = encode_text(self.bundle, captions, self.device,
                                          encoders=self.forward)
+        # Text encoders may be kept at another dtype than the UNet (a fine-tuned UNet trains
+        # at model.train_dtype while frozen encoders stay at model.weight_dtype).
+        hidden = hidden.to(self.compute_dtype)
+        pooled = None if pooled is None else pooled.to(self.compute_dtype)
         sizes = None
         if self.config.model.type == ModelType.SDXL:
             _, height, width = self.pixel_shape(batch)
@@ -277,8 +281,7 @@ def start_run(prepared: PreparedRun, callbacks: TrainerCallbacks, dist: Distribu
 
     torch.manual_seed(config.training.seed)  # LoRA init draws from the global generator
     trained = trained_components(config)
-    params = prepare_trainable(bundle, config, TORCH_DTYPES[config.model.weight_dtype],
-                               TORCH_DTYPES[config.model.train_dtype])
+    params = prepare_trainable(bundle, config)
     if config.training.gradient_checkpointing:
         enable_gradient_checkpointing(bundle, trained)
     for module in bundle.components().values():

@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from modules.config.schema import Config, SaveFormat, TrainingMethod
-from modules.models.loader import ModelBundle
+from modules.config.schema import Config, DType, ModelType, SaveFormat, TrainingMethod
+from modules.models.loader import TORCH_DTYPES, ModelBundle
 from modules.models.types import MODEL_TYPES
 from modules.util.atomic import atomic_write_dir
 
@@ -23,21 +23,41 @@ def trained_components(config: Config) -> list[str]:
     return [n for n in spec.components if getattr(config.components, n).train]
 
 
-def prepare_trainable(bundle: ModelBundle, config: Config, weight_dtype: torch.dtype,
-                      train_dtype: torch.dtype) -> dict[str, list[nn.Parameter]]:
+def component_dtypes(config: Config) -> dict[str, torch.dtype]:
+    """The dtype each component is loaded and kept at.
+
+    Frozen weights use `model.weight_dtype`; fully trained components their training dtype from
+    the start (loading them at a 16-bit weight dtype first would round the weights the run
+    starts from); SDXL's VAE stays float32 under FLOAT16, where its activations overflow to NaN.
+    """
+    spec = MODEL_TYPES[config.model.type]
+    weight = TORCH_DTYPES[config.model.weight_dtype]
+    dtypes = {name: weight for name in ("unet", *spec.text_encoders, "vae")}
+    if config.training.method == TrainingMethod.FINE_TUNE:
+        for name in trained_components(config):
+            dtypes[name] = TORCH_DTYPES[config.model.train_dtype]
+    if config.model.type == ModelType.SDXL and config.model.weight_dtype == DType.FLOAT16:
+        dtypes["vae"] = torch.float32
+    return dtypes
+
+
+def prepare_trainable(bundle: ModelBundle, config: Config) -> dict[str, list[nn.Parameter]]:
     """Freeze everything, then make the trained parts trainable; return their parameters.
 
     LoRA adds peft adapters in place (`add_adapter`) so each component keeps its class and its
-    state-dict keys, which the compile engine and the savers rely on.
+    state-dict keys, which the compile engine and the savers rely on. Trainable tensors (full
+    weights or adapters) are kept at `model.train_dtype`.
     """
     from peft import LoraConfig
 
     trained = trained_components(config)
+    dtypes = component_dtypes(config)
+    train_dtype = TORCH_DTYPES[config.model.train_dtype]
     params: dict[str, list[nn.Parameter]] = {}
     for name, module in bundle.components().items():
         module.requires_grad_(False)
-        if module.dtype != weight_dtype:
-            module.to(dtype=weight_dtype)
+        if module.dtype != dtypes[name]:
+            module.to(dtype=dtypes[name])
         module.eval()
         if name not in trained:
             continue

@@ -30,8 +30,11 @@ SEED_KWARGS = {
 }
 GPU = Capabilities.everything("cuda")
 CPU = Capabilities("cpu", False, None, False, "no triton", "/usr/bin/g++")
-# Every compiled plan raises dynamo's recompile limit (plan.RECOMPILE_LIMIT), per call here.
-LIMIT = {"recompile_limit": RECOMPILE_LIMIT}
+# Every compiled plan raises dynamo's recompile limit (plan.RECOMPILE_LIMIT): per call where
+# this torch has the argument (>= 2.12), else process-wide (tested below with OLD_TORCH).
+LIMIT = {"recompile_limit": RECOMPILE_LIMIT} if GPU.per_call_recompile_limit else {}
+NEW_TORCH = Capabilities("cuda", True, (9, 0), True, None, None,
+                         GPU.compile_keywords | {"recompile_limit"})
 
 
 class Recorder:
@@ -188,10 +191,11 @@ def test_vae_full_compiles_encoder_and_decoder(recorder):
 
 @pytest.mark.parametrize("scope", list(CompileScope))
 def test_both_scopes_add_only_a_recompile_limit(scope):
-    plan = build_plan(CompileConfig(backend=CompileBackend.AOT_EAGER, scope=scope), "unet", GPU)
+    plan = build_plan(CompileConfig(backend=CompileBackend.AOT_EAGER, scope=scope), "unet",
+                      NEW_TORCH)
     extra = {k: v for k, v in plan.torch_compile_kwargs.items()
              if k not in SEED_KWARGS[CompileBackend.AOT_EAGER]}
-    assert extra == LIMIT and RECOMPILE_LIMIT > 8
+    assert extra == {"recompile_limit": RECOMPILE_LIMIT} and RECOMPILE_LIMIT > 8
     assert plan.process_recompile_limit is None
 
 

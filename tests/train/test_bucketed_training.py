@@ -54,9 +54,10 @@ def fresh_dynamo():
 
 
 @pytest.mark.parametrize("settings", [
-    (),  # the defaults: REGIONAL scope, DYNAMIC shapes
+    (),  # the defaults: REGIONAL scope, AUTO shapes
+    ("compile.dynamic=DYNAMIC",),
     ("compile.scope=FULL", "compile.dynamic=AUTO"),  # latents marked dynamic up front
-], ids=["regional-dynamic", "full-auto"])
+], ids=["regional-auto", "regional-dynamic", "full-auto"])
 def test_compiled_buckets_do_not_recompile_after_the_first_pass(tiny_config, tmp_path,
                                                                 fresh_dynamo, settings):
     folder = make_images(tmp_path / "data", [WIDE, WIDE, SQUARE, SQUARE, TALL, TALL])
@@ -75,7 +76,7 @@ def test_compiled_buckets_do_not_recompile_after_the_first_pass(tiny_config, tmp
     assert shapes["recompiles_after_first_pass"] == 0
     assert shapes["recompiles"] == record["compile"]["unet"]["recompiles"]
     assert record["compile"]["unet"]["compiled_code_ran"]
-    if "compile.dynamic=AUTO" in settings:  # marked dynamic: one compile serves every bucket
+    if "compile.scope=FULL" in settings:  # marked dynamic: one compile serves every bucket
         assert shapes["recompiles"] == 0
     assert [(b["height"], b["width"], b["items"]) for b in record["buckets"]["sizes"]] == \
         [(h, w, 2) for h, w in BUCKETS]

@@ -178,3 +178,40 @@ def test_a_torch_older_than_the_tested_floor_is_refused(tiny_config, monkeypatch
     with pytest.raises(ConfigError, match=r"torch: expected torch >= 2\.11"):
         train(config)
     assert not Path(config.output.dir).exists()  # nothing written
+
+
+def test_component_dtypes(tiny_config):
+    from modules.train.weights import component_dtypes
+
+    lora = component_dtypes(tiny_config("model.weight_dtype=BFLOAT16"))
+    assert set(lora.values()) == {torch.bfloat16}
+    fine = component_dtypes(tiny_config("model.weight_dtype=BFLOAT16", "training.method=FINE_TUNE",
+                                        "model.train_dtype=FLOAT32"))
+    assert fine == {"unet": torch.float32, "text_encoder": torch.bfloat16, "vae": torch.bfloat16}
+    sdxl = component_dtypes(tiny_config("model.type=SDXL", "model.weight_dtype=FLOAT16"))
+    assert sdxl["vae"] == torch.float32 and sdxl["unet"] == torch.float16
+
+
+def test_a_fine_tuned_unet_is_loaded_at_its_training_dtype_not_rounded(tiny_config):
+    from modules.events import NullCallbacks
+    from modules.models.loader import load_model
+    from modules.train.prepare import prepare_run
+
+    config = tiny_config("model.weight_dtype=BFLOAT16", "training.method=FINE_TUNE",
+                         "model.train_dtype=FLOAT32")
+    prepared = prepare_run(config, NullCallbacks())
+    exact = load_model(prepared.bundle.path, config.model.type, config.model.prediction_type)
+    got, want = prepared.bundle.unet.state_dict(), exact.unet.state_dict()
+    assert prepared.bundle.unet.dtype == torch.float32
+    assert all(torch.equal(got[k], want[k]) for k in want)  # not rounded through bfloat16
+    assert prepared.bundle.vae.dtype == torch.bfloat16
+
+
+def test_sdxl_keeps_its_vae_in_float32_under_float16(tiny_config):
+    from modules.events import NullCallbacks
+    from modules.train.prepare import prepare_run
+
+    config = tiny_config("model.path=builtin:tiny-sdxl", "model.type=SDXL",
+                         "model.weight_dtype=FLOAT16")
+    bundle = prepare_run(config, NullCallbacks()).bundle
+    assert bundle.vae.dtype == torch.float32 and bundle.unet.dtype == torch.float16

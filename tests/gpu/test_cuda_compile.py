@@ -1,0 +1,145 @@
+"""The compile engine on CUDA, through the real trainer on the tiny model: what a CPU cannot
+show of the CUDA-readiness work (sampling recompiles, late compile failures, OOM, CUDA graphs
+with checkpointing / accumulation / buckets, text-encoder cache under CUDA graphs)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from modules.compile import backend_problem, detect_capabilities
+from modules.compile.backends import BACKENDS, BackendRow
+from modules.compile.capabilities import triton_c_compiler
+from modules.config.schema import CompileBackend
+from modules.events import RecordingCallbacks
+from modules.train import trainer as trainer_module
+from modules.train.trainer import TrainingError, train
+
+FP32 = ("training.allow_tf32=false",)  # exact enough to compare compiled with eager losses
+
+
+def record_of(result) -> dict:
+    return json.loads((result.output_dir / "run.json").read_text())
+
+
+def bucket_images(folder: Path) -> Path:
+    """Two wide, two square, two tall images: three buckets at resolution 256."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, size in enumerate([(120, 60), (120, 60), (64, 64), (64, 64), (60, 120), (60, 120)]):
+        Image.effect_noise(size, 30 + i).convert("RGB").save(folder / f"img{i}.png")
+        (folder / f"img{i}.txt").write_text(f"a noisy picture number {i}")
+    return folder
+
+
+def buckets(folder: Path) -> tuple[str, ...]:
+    return (f"data.datasets[0].path={folder}", "data.resolution=256", "data.aspect_buckets=true")
+
+
+def test_this_gpu_runs_every_backend():
+    caps = detect_capabilities("cuda")
+    assert caps.triton_ok, caps.triton_problem
+    assert triton_c_compiler() is not None
+    assert all(backend_problem(b, caps) is None for b in CompileBackend)
+
+
+@pytest.mark.parametrize("backend", ["INDUCTOR", "TRITON"])
+def test_sampling_with_a_compiled_unet_does_not_recompile(cuda_config, backend):  # item 1
+    callbacks = RecordingCallbacks()
+    result = train(cuda_config(f"compile.backend={backend}", "training.max_steps=6",
+                               "sampling.every_steps=2", "sampling.steps=2",
+                               'sampling.prompts=["a red circle"]'), callbacks)
+    record = record_of(result)
+    unet = record["compile"]["unet"]
+    assert unet["effective"] == backend and unet["fallbacks"] == []
+    assert unet["compiled_code_ran"] and unet["late_recompiles"] == 0
+    assert record["batch_shapes"]["recompiles_after_first_pass"] == 0
+    assert len(callbacks.samples) == 3
+
+
+def test_a_compile_failure_at_a_late_bucket_falls_back(cuda_config, tmp_path,
+                                                       monkeypatch):  # item 2
+    import torch._dynamo
+
+    compiles = {"n": 0}
+
+    def fails_after_first(gm, example_inputs):
+        compiles["n"] += 1
+        if compiles["n"] > 1:
+            raise RuntimeError("tempera gpu test: a later compile failed")
+        return gm.forward
+
+    if "tempera_gpu_late_fail" not in torch._dynamo.list_backends(exclude_tags=None):
+        torch._dynamo.register_backend(compiler_fn=fails_after_first, name="tempera_gpu_late_fail")
+    monkeypatch.setitem(BACKENDS, CompileBackend.TRITON,
+                        BackendRow("tempera_gpu_late_fail", inductor=False))
+    result = train(cuda_config(*buckets(bucket_images(tmp_path / "data")), "training.epochs=2",
+                               "training.max_steps=0", "compile.backend=TRITON",
+                               "compile.scope=FULL", "compile.dynamic=STATIC"))
+    unet = record_of(result)["compile"]["unet"]
+    assert result.status == "finished"
+    assert [(f["from"], f["to"]) for f in unet["fallbacks"]] == [("TRITON", "INDUCTOR")]
+
+
+def test_out_of_memory_is_reported_as_such(cuda_config, monkeypatch):  # item 3
+    def huge(*args, **kwargs):
+        return torch.empty(1 << 45, device="cuda")  # 32 TiB: a real CUDA OOM
+
+    monkeypatch.setattr(trainer_module, "diffusion_mse", huge)
+    config = cuda_config("compile.backend=INDUCTOR")
+    with pytest.raises(TrainingError, match="out of memory at step 0.*batch_size"):
+        train(config)
+    record = json.loads((Path(config.output.dir) / "run.json").read_text())
+    assert record["status"] == "failed"
+
+
+@pytest.mark.parametrize("scope", ["FULL", "REGIONAL"])
+def test_cuda_graphs_with_accumulation_and_checkpointing_train_like_eager(cuda_config, tmp_path,
+                                                                          scope):  # item 4
+    options = (*FP32, "training.max_steps=4", "training.gradient_accumulation=2",
+               "training.gradient_checkpointing=true")
+    eager = train(cuda_config(f"output.dir={tmp_path / 'eager'}", *options))
+    graphs = train(cuda_config(f"output.dir={tmp_path / 'triton'}", *options,
+                               "compile.backend=TRITON", f"compile.scope={scope}"))
+    unet = record_of(graphs)["compile"]["unet"]
+    assert unet["fallbacks"] == [] and unet["compiled_code_ran"]
+    if scope == "FULL":
+        assert unet["cudagraphs"] and unet["persistent_grads"]
+    else:
+        assert not unet["cudagraphs"] and "154306" in unet["degraded"]
+    assert record_of(graphs)["losses"] == pytest.approx(record_of(eager)["losses"], rel=2e-3)
+
+
+def test_triton_through_three_buckets_never_crashes_mid_epoch(cuda_config, tmp_path):  # item 4
+    result = train(cuda_config(*buckets(bucket_images(tmp_path / "data")), "training.epochs=3",
+                               "training.max_steps=0", "training.gradient_accumulation=2",
+                               "training.gradient_checkpointing=true", "compile.backend=TRITON"))
+    record = record_of(result)
+    assert result.status == "finished" and record["batch_shapes"]["distinct"] == 3
+    assert record["compile"]["unet"]["fallbacks"] == []
+    assert record["batch_shapes"]["recompiles_after_first_pass"] == 0
+
+
+def test_cached_captions_stay_themselves_under_cuda_graphs(cuda_config, monkeypatch):  # item 5
+    from modules.models.loader import encode_text
+    from modules.train import text_cache
+
+    caches = []
+
+    class Kept(text_cache.TextEncoderCache):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            caches.append(self)
+
+    import modules.train.run as run_module
+    monkeypatch.setattr(run_module, "TextEncoderCache", Kept)
+    train(cuda_config("compile.backend=TRITON", "compile.text_encoder=true",
+                      "data.cache_text_encoder_outputs=true", "training.max_steps=8"))
+    [cache] = caches
+    assert len(cache.entries) > 2  # several batches of captions, each a CUDA-graph replay
+    with torch.no_grad():
+        for caption, (hidden, _) in cache.entries.items():
+            fresh, _ = encode_text(cache.bundle, [caption], torch.device("cuda"))
+            assert torch.allclose(hidden, fresh[0], atol=1e-4), caption
