@@ -9,6 +9,7 @@ and `num_workers=4` give the same batches, and a resumed run can rebuild any epo
 from __future__ import annotations
 
 import hashlib
+import itertools
 import random
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from typing import Any
@@ -246,21 +247,38 @@ def epoch_batch_sampler(length: int, batch_size: int, seed: int, shuffle: bool =
                               start_epoch=start_epoch, rank=rank, world_size=world_size)
 
 
+class SkipFirstBatches(Sampler[list[ItemKey]]):
+    """A batch sampler without its first `count` batches: a resumed run continues mid-epoch
+    with exactly the batches it had not trained yet, without loading the ones before."""
+
+    def __init__(self, inner: Sampler[list[ItemKey]], count: int) -> None:
+        self.inner, self.count = inner, count
+
+    def __len__(self) -> int:
+        return max(0, len(self.inner) - self.count)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[list[ItemKey]]:
+        return itertools.islice(iter(self.inner), self.count, None)
+
+
 def build_dataloader(dataset: Dataset, batch_size: int, seed: int, num_workers: int = 0,
                      shuffle: bool = True, start_epoch: int = 0,
                      pin_memory: bool = False, rank: int = 0, world_size: int = 1,
-                     buckets: Sequence[Hashable] | None = None) -> DataLoader:
+                     buckets: Sequence[Hashable] | None = None,
+                     skip_batches: int = 0) -> DataLoader:
     """A DataLoader over `dataset` that is reproducible from the training seed.
 
     Batches come from `epoch_batch_sampler` (so the dataset must accept (epoch, index) keys,
     as both Tempera datasets do); the last partial batch is kept (drop_last=False), and with
     `buckets` every batch holds one bucket. The loader also gets a `torch.Generator` seeded
     from `seed`, which fixes the workers' base seed for any library code that draws from
-    torch's RNG inside a worker.
+    torch's RNG inside a worker. `skip_batches` leaves out the epoch's first batches (resume).
     """
     batches = epoch_batch_sampler(len(dataset), batch_size, seed,  # type: ignore[arg-type]
                                   shuffle=shuffle, start_epoch=start_epoch, rank=rank,
                                   world_size=world_size, buckets=buckets)
+    if skip_batches:
+        batches = SkipFirstBatches(batches, skip_batches)
     generator = torch.Generator().manual_seed(derive_seed("loader", seed))
     return DataLoader(dataset, batch_sampler=batches, num_workers=num_workers,
                       collate_fn=collate_examples, generator=generator,

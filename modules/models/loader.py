@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,7 +26,6 @@ class ModelBundle:
     text_encoders: dict[str, nn.Module]
     tokenizers: dict[str, object]
     noise_scheduler: object
-    extra: dict = field(default_factory=dict)
 
     def component(self, name: str) -> nn.Module:
         if name == "unet":
@@ -41,6 +40,16 @@ class ModelBundle:
     @property
     def prediction_type(self) -> str:
         return self.noise_scheduler.config.prediction_type
+
+    @property
+    def latent_downscale(self) -> int:
+        """How many pixels one latent cell covers per side (8 for every SD model)."""
+        return vae_downscale(self.vae)
+
+
+def vae_downscale(vae: nn.Module) -> int:
+    """The VAE's spatial reduction: one halving per down block after the first."""
+    return 2 ** (len(vae.config.block_out_channels) - 1)
 
 
 # One dtype for every component, or a dtype per component name ("unet", "vae", "text_encoder"...)
@@ -132,13 +141,6 @@ def unet_conditioning(hidden: torch.Tensor, pooled: torch.Tensor | None,
         return hidden, None
     time_ids = sdxl_time_ids(sizes, hidden.device, hidden.dtype)
     return hidden, {"text_embeds": pooled, "time_ids": time_ids}
-
-
-def encode_prompts(bundle: ModelBundle, captions: list[str], device: torch.device,
-                   sizes: dict | None = None) -> tuple[torch.Tensor, dict | None]:
-    """Text conditioning for the UNet in one call (encode_text + unet_conditioning)."""
-    hidden, pooled = encode_text(bundle, captions, device)
-    return unet_conditioning(hidden, pooled, sizes)
 
 
 def sdxl_time_ids(sizes: dict, device: torch.device, dtype: torch.dtype) -> torch.Tensor:

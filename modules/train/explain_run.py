@@ -17,13 +17,13 @@ from modules.config.validate import validate
 from modules.models.loader import TORCH_DTYPES, load_model, resolve_model_path, unet_conditioning
 from modules.models.loader import encode_text
 from modules.paths import cache_dir_for
-from modules.train.setup import pick_device
+from modules.train.builders import pick_device
 
 
 def _example_inputs(bundle, config: Config, device: torch.device) -> dict[str, tuple]:
     """One realistic call per component: the UNet's noisy latents + conditioning, etc."""
     res = config.data.resolution
-    factor = 2 ** (len(bundle.vae.config.block_out_channels) - 1)
+    factor = bundle.latent_downscale
     latents = torch.randn(1, bundle.vae.config.latent_channels, res // factor, res // factor,
                           device=device, dtype=bundle.unet.dtype)
     with torch.no_grad():

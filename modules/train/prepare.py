@@ -19,7 +19,8 @@ from modules.events import TrainerCallbacks
 from modules.models.loader import ModelBundle, load_model, resolve_model_path
 from modules.paths import cache_dir_for
 from modules.runtime import runtime_problems
-from modules.train.setup import pick_device
+from modules.train.builders import pick_device
+from modules.util.errors import first_line
 from modules.train.weights import component_dtypes
 
 
@@ -81,7 +82,6 @@ def prepare_run(config: Config, callbacks: TrainerCallbacks) -> PreparedRun:
     try:
         bundle = load_bundle(model_path, config)
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
-        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ConfigError([Problem("model.path", "a loadable diffusers model folder",
-                                   repr(str(model_path)), first_line)]) from exc
+                                   repr(str(model_path)), first_line(exc))]) from exc
     return PreparedRun(resolved, pick_device(config.general.device), cache_dir, bundle, scan)

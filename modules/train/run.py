@@ -6,13 +6,15 @@ steps the training loop reads as one sentence each.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from modules.compile import CompileEngine
-from modules.train.compile_step import build_compile_guard
+from modules.train.compile_guard import build_compile_guard
 from modules.config.loader import save_config
 from modules.config.schema import Config, MixedPrecision, ModelType
 from modules.data.buckets import assign_buckets, bucket_counts, describe_buckets
@@ -25,8 +27,9 @@ from modules.train.distributed import Distributed, parameter_checksum
 from modules.train.prepare import PreparedRun
 from modules.train.record import RunRecord, device_description, library_versions
 from modules.train.sampling import sample_images
+from modules.train.state import TrainingState, draws_generator
 from modules.train.text_cache import TextEncoderCache
-from modules.train.setup import (
+from modules.train.builders import (
     StepBudget,
     autocast_context,
     float32_precision,
@@ -41,9 +44,19 @@ from modules.train.weights import (
     trained_components,
 )
 
+if TYPE_CHECKING:  # imported where a run builds them, only when the option is on
+    from diffusers.training_utils import EMAModel
+    from torch.utils.tensorboard import SummaryWriter
+
 
 @dataclass
 class Run:
+    """One training run's objects and state, owned in one place.
+
+    What a backup saves and restores (train/backup.py) is exactly: the trained weights in
+    `bundle`, `optimizer`, `lr_scheduler`, `scaler`, `ema` and `state`. Everything else is
+    rebuilt from the config when a run starts.
+    """
     config: Config
     bundle: ModelBundle
     device: torch.device
@@ -51,24 +64,28 @@ class Run:
     record: RunRecord
     callbacks: TrainerCallbacks
     dataset: ImageCaptionDataset
-    params: dict
+    params: dict[str, list[torch.nn.Parameter]]  # trained parameters, per component
     optimizer: torch.optim.Optimizer
-    lr_scheduler: object
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler
     budget: StepBudget
     guard: CompileEngine
     dist: Distributed
+    state: TrainingState
     scaler: torch.amp.GradScaler | None = None
-    writer: object = None
-    ema: object = None
+    writer: SummaryWriter | None = None
+    ema: EMAModel | None = None
     text_cache: TextEncoderCache | None = None
     # What the training forward calls, per component: the bundle's modules, or (several
     # processes) their DistributedDataParallel wrappers. Saving and sampling use the bundle.
-    forward: dict = field(default_factory=dict)
+    forward: dict[str, torch.nn.Module] = field(default_factory=dict)
     shape_log: BatchShapeLog = field(default_factory=BatchShapeLog)
-    step: int = 0
-    last_sample_step: int = -1
     trained: list[str] = field(default_factory=list)
-    restore_precision: object = None  # undoes `float32_precision` when the run closes
+    restore_precision: Callable[[], None] = lambda: None  # undoes `float32_precision`
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken so far."""
+        return self.state.step
 
     # Several processes agree on Stop through a collective, so they look only every this many
     # optimizer steps (a collective per step would stall CUDA graphs and the GPU queue).
@@ -78,8 +95,9 @@ class Run:
     def trains_text_encoder(self) -> bool:
         return any(name.startswith("text_encoder") for name in self.trained)
 
-    def loader_for_epoch(self, epoch: int):
+    def loader_for_epoch(self, epoch: int, skip_batches: int = 0):
         return build_dataloader(self.dataset, batch_size=self.config.training.batch_size,
+                                skip_batches=skip_batches,
                                 seed=self.config.training.seed,
                                 num_workers=self.config.data.workers, start_epoch=epoch,
                                 pin_memory=self.device.type == "cuda",
@@ -115,7 +133,7 @@ class Run:
         if "pixel_values" in batch:
             b, _, h, w = batch["pixel_values"].shape
             return b, h, w
-        factor = 2 ** (len(self.bundle.vae.config.block_out_channels) - 1)
+        factor = self.bundle.latent_downscale
         b, _, h, w = batch["latents"].shape
         return b, h * factor, w * factor
 
@@ -222,7 +240,7 @@ class Run:
         if not self.dist.is_main:
             return
         self.callbacks.on_status(f"sampling at step {self.step}")
-        self.last_sample_step = self.step
+        self.state.last_sample_step = self.step
         # Compiled code is bypassed: sampling (eval mode, no gradients, another batch size)
         # would otherwise recompile the training graphs for work that is not the hot path.
         with self.averaged_weights(), self.guard.bypassed():
@@ -255,8 +273,7 @@ class Run:
 
     def close(self) -> None:
         self.guard.close()
-        if self.restore_precision is not None:
-            self.restore_precision()
+        self.restore_precision()
         if self.writer:
             self.writer.close()
 
@@ -320,9 +337,10 @@ def start_run(prepared: PreparedRun, callbacks: TrainerCallbacks, dist: Distribu
     if config.logging.tensorboard and dist.is_main:
         from torch.utils.tensorboard import SummaryWriter
         writer = SummaryWriter(str(output_dir / "tensorboard"))
+    state = TrainingState(generator=draws_generator(config.training.seed, dist.rank))
     return Run(config, bundle, device, output_dir, record, callbacks, dataset, params, optimizer,
                build_lr_scheduler(config, optimizer, budget.total_steps), budget, guard, dist,
-               scaler=scaler, writer=writer, trained=trained, ema=ema, text_cache=text_cache,
+               state, scaler=scaler, writer=writer, trained=trained, ema=ema, text_cache=text_cache,
                forward=forward, restore_precision=restore_precision)
 
 

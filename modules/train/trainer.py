@@ -16,7 +16,7 @@ from modules.train.objectives import diffusion_mse, drop_captions, min_snr_weigh
 from modules.train.distributed import init_distributed
 from modules.train.prepare import PreparedRun, prepare_run
 from modules.train.run import Run, start_run
-from modules.train.setup import Draws, SmoothedValue, draw_randomness, latent_shape
+from modules.train.builders import Draws, draw_randomness, latent_shape
 from modules.util.errors import describe, is_out_of_memory
 
 OUT_OF_MEMORY_ADVICE = ("lower training.batch_size or data.resolution, turn on "
@@ -69,21 +69,26 @@ def failure_message(exc: Exception, step: int) -> str:
 
 
 def batches(run: Run, commands: TrainerCommands) -> Iterator[tuple[int, dict, bool]]:
-    """(epoch, batch, closes_accumulation_window) until the step budget is used or Stop.
+    """(index in epoch, batch, closes_accumulation_window) until the step budget is used or Stop.
 
-    Stop is looked at when a window starts, so a stopped run never leaves half a window's
-    gradients behind.
+    Starts where `run.state` says (a resumed run skips the batches it already trained). Stop
+    is looked at when a window starts, so a stopped run never leaves half a window's gradients
+    behind.
     """
     accumulation = run.config.training.gradient_accumulation
-    for epoch in range(run.budget.epochs):
-        loader = run.loader_for_epoch(epoch)
-        for i, batch in enumerate(loader):
+    state = run.state
+    while state.epoch < run.budget.epochs:
+        loader = run.loader_for_epoch(state.epoch, skip_batches=state.batches_done)
+        in_epoch = state.batches_done + len(loader)
+        for i, batch in enumerate(loader, start=state.batches_done):
             if i % accumulation == 0 and run.stop_requested(commands):
                 return
-            closes = (i + 1) % accumulation == 0 or i + 1 == len(loader)
-            yield epoch, batch, closes
+            closes = (i + 1) % accumulation == 0 or i + 1 == in_epoch
+            yield i, batch, closes
             if closes and run.step >= run.budget.total_steps:
                 return
+        state.epoch += 1
+        state.batches_done = 0
 
 
 def micro_step(run: Run, batch: dict, draws: Draws) -> torch.Tensor:
@@ -120,17 +125,14 @@ def micro_step(run: Run, batch: dict, draws: Draws) -> torch.Tensor:
 
 def training_loop(run: Run, callbacks: TrainerCallbacks, commands: TrainerCommands) -> RunResult:
     """The loop: draw noise, guarded micro-step, optimizer step, log, sample, save, poll commands."""
-    config = run.config
-    # Each rank draws its own noise; rank 0 draws what a single-process run would.
-    generator = torch.Generator("cpu").manual_seed(config.training.seed + run.dist.rank)
-    smoothed = SmoothedValue()
+    config, state = run.config, run.state
     window = None
     step_started = time.perf_counter()
     callbacks.on_status(f"training {run.budget.total_steps} steps on {run.device.type}")
 
-    for epoch, batch, closes_window in batches(run, commands):
+    for index, batch, closes_window in batches(run, commands):
         pixel_shape = run.pixel_shape(batch)
-        draws = draw_randomness(generator, latent_shape(run.bundle.vae, *pixel_shape),
+        draws = draw_randomness(state.generator, latent_shape(run.bundle.vae, *pixel_shape),
                                 run.bundle.noise_scheduler.config.num_train_timesteps,
                                 need_vae_eps="latents" not in batch)
         if window is None:  # a compile failure replays the whole window
@@ -143,14 +145,15 @@ def training_loop(run: Run, callbacks: TrainerCallbacks, commands: TrainerComman
             continue
 
         run.optimizer_step()
-        run.step += 1
+        state.step += 1
+        state.batches_done = index + 1
         loss = run.dist.mean(window_mean(window.results))  # the step's one host sync
         window = None
         elapsed = time.perf_counter() - step_started
         run.record.losses.append(loss)
         run.record.step_seconds.append(elapsed)
-        smooth = smoothed.update(loss)
-        callbacks.on_progress(progress_event(run, epoch, loss, smooth))
+        smooth = state.smoothed.update(loss)
+        callbacks.on_progress(progress_event(run, loss, smooth))
         run.log_scalars(loss, smooth)
 
         every_sample = config.sampling.every_steps
@@ -165,7 +168,7 @@ def training_loop(run: Run, callbacks: TrainerCallbacks, commands: TrainerComman
     status = "stopped" if run.dist.any(commands.stop_requested) else "finished"
     callbacks.on_status(f"{status} after {run.step} steps; saving")
     run.save_final()
-    if config.sampling.prompts and status == "finished" and run.last_sample_step != run.step:
+    if config.sampling.prompts and status == "finished" and state.last_sample_step != run.step:
         run.sample()
     run.record.write(status=status, compile=run.guard.report(),
                      batch_shapes=run.shape_log.report(run.recompiles()),
@@ -179,11 +182,11 @@ def window_mean(losses: list[torch.Tensor]) -> float:
     return float(torch.stack(losses).float().mean().item())
 
 
-def progress_event(run: Run, epoch: int, loss: float, smoothed_loss: float) -> Progress:
+def progress_event(run: Run, loss: float, smoothed_loss: float) -> Progress:
     times = run.record.step_seconds[1:] or run.record.step_seconds
     per_step = sorted(times)[len(times) // 2]
     remaining = run.budget.total_steps - run.step
-    return Progress(step=run.step, max_steps=run.budget.total_steps, epoch=epoch + 1,
+    return Progress(step=run.step, max_steps=run.budget.total_steps, epoch=run.state.epoch + 1,
                     max_epochs=run.budget.epochs, loss=loss, smoothed_loss=smoothed_loss,
                     lr=run.current_lr(), seconds_per_step=per_step,
                     eta_seconds=per_step * remaining)

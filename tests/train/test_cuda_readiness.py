@@ -17,7 +17,7 @@ from modules.events import RecordingCallbacks, TrainerCommands
 from modules.runtime import runtime_problems, version_tuple
 from modules.train import trainer as trainer_module
 from modules.train.run import Run
-from modules.train.setup import float32_precision
+from modules.train.builders import float32_precision
 from modules.train.trainer import TrainingError, failure_message, train
 
 

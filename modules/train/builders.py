@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from modules.models.loader import vae_downscale
 from modules.config.schema import (
     Config,
     Device,
@@ -133,17 +134,5 @@ def draw_randomness(generator: torch.Generator, latent_shape: tuple[int, ...],
 
 
 def latent_shape(vae: nn.Module, batch_size: int, height: int, width: int) -> tuple[int, ...]:
-    factor = 2 ** (len(vae.config.block_out_channels) - 1)
+    factor = vae_downscale(vae)
     return (batch_size, vae.config.latent_channels, height // factor, width // factor)
-
-
-class SmoothedValue:
-    """Exponential moving average for the displayed loss."""
-
-    def __init__(self, beta: float = 0.9) -> None:
-        self.beta, self.value, self.count = beta, 0.0, 0
-
-    def update(self, x: float) -> float:
-        self.count += 1
-        self.value = self.beta * self.value + (1 - self.beta) * x
-        return self.value / (1 - self.beta ** self.count)  # bias-corrected

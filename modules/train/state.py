@@ -1,0 +1,72 @@
+"""What changes while a run trains, apart from the weights and the optimizer: its position in the
+data, the generator every step's noise is drawn from, and the displayed loss's smoothing.
+
+`Run` (train/run.py) owns one `TrainingState` beside its model parts, optimizer, LR schedule,
+GradScaler and EMA; a backup (train/backup.py) saves and restores exactly these.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+class SmoothedValue:
+    """Exponential moving average for the displayed loss."""
+
+    def __init__(self, beta: float = 0.9) -> None:
+        self.beta, self.value, self.count = beta, 0.0, 0
+
+    def update(self, x: float) -> float:
+        self.count += 1
+        self.value = self.beta * self.value + (1 - self.beta) * x
+        return self.current()
+
+    def current(self) -> float:
+        """The bias-corrected average (0 before the first value)."""
+        return self.value / (1 - self.beta ** self.count) if self.count else 0.0
+
+    def state_dict(self) -> dict:
+        return {"beta": self.beta, "value": self.value, "count": self.count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.beta, self.value, self.count = (float(state["beta"]), float(state["value"]),
+                                             int(state["count"]))
+
+
+def draws_generator(seed: int, rank: int) -> torch.Generator:
+    """The generator a rank draws each step's noise from: rank 0 draws what a single-process
+    run would, the others their own."""
+    return torch.Generator("cpu").manual_seed(seed + rank)
+
+
+@dataclass
+class TrainingState:
+    """A run's position and the randomness still to come.
+
+    `batches_done` counts this rank's micro-batches of `epoch` already trained: the data order is
+    a pure function of (seed, epoch), so a resumed run skips exactly these and sees the same
+    batches next. It is only ever saved at a window boundary (after an optimizer step).
+    """
+    generator: torch.Generator
+    step: int = 0
+    epoch: int = 0
+    batches_done: int = 0
+    last_sample_step: int = -1
+    bad_steps: int = 0        # non-finite optimizer steps in a row (skipped)
+    skipped_steps: int = 0    # non-finite optimizer steps in all
+    smoothed: SmoothedValue = field(default_factory=SmoothedValue)
+
+    def state_dict(self) -> dict:
+        """Plain JSON values, and the generator's state as a uint8 tensor."""
+        return {"step": self.step, "epoch": self.epoch, "batches_done": self.batches_done,
+                "last_sample_step": self.last_sample_step, "bad_steps": self.bad_steps,
+                "skipped_steps": self.skipped_steps, "smoothed": self.smoothed.state_dict(),
+                "generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        for name in ("step", "epoch", "batches_done", "last_sample_step", "bad_steps",
+                     "skipped_steps"):
+            setattr(self, name, int(state[name]))
+        self.smoothed.load_state_dict(state["smoothed"])
+        self.generator.set_state(state["generator"])
