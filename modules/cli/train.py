@@ -1,8 +1,8 @@
 """`tempera-train` / `scripts/train.py`: train from a config file, headless.
 
-Exit codes: 0 the run finished (or was stopped cleanly), 2 the config or its inputs are invalid
-(every problem is printed and nothing is written to the output folder), 1 training failed after
-it started (files saved before the failure stay intact).
+Exit codes: 0 the run finished, 2 the config or its inputs are invalid (every problem is printed
+and nothing is written to the output folder), 1 training failed after it started (files saved
+before the failure stay intact), 130 / 143 stopped by SIGINT / SIGTERM after a backup.
 """
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ EPILOG = """\
 Paths in the config file are relative to the file's folder; paths given with --set are
 relative to the current folder. docs/config.md lists every field.
 
-Exit codes: 0 finished or stopped cleanly (Ctrl+C once stops with a save), 1 training failed,
-2 invalid config or input (nothing written)."""
+Exit codes: 0 finished (or stopped from a front end), 1 training failed, 2 invalid config or
+input (nothing written), 130 / 143 stopped cleanly by Ctrl+C (SIGINT) / SIGTERM: the step was
+finished, a backup and the final weights were written; --resume continues it (docs/resume.md)."""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -33,6 +34,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--check", action="store_true",
                         help="validate the config and its inputs, then exit without training")
     parser.add_argument("--quiet", action="store_true", help="no progress bar or status lines")
+    parser.add_argument("--resume", nargs="?", const="latest", metavar="latest|PATH",
+                        help="continue an interrupted run from its newest backup (or the backup "
+                             "folder PATH); the same as --set training.resume_from=...")
     # Cloud runs (docs/cloud.md): machine-local overrides and where a run came from.
     parser.add_argument("--local", type=Path, metavar="FILE",
                         help='machine-local overrides: a JSON file of {"dotted.key": value} pairs, '
@@ -57,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.local:
             config = apply_local_overrides(config, args.local)
         config = apply_overrides(config, args.overrides)
+        if args.resume:
+            config.training.resume_from = resume_value(args.resume)
         run_meta = parse_run_meta(args.run_meta)
         if args.check:
             problems = validate(config)
@@ -71,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     from modules.cli.headless import TerminalCallbacks
     callbacks = TerminalCallbacks(quiet=args.quiet)
     commands = TrainerCommands()
-    previous = signal.signal(signal.SIGINT, _stop_on_first_interrupt(commands, callbacks))
+    stop_signal = StopSignal(commands, callbacks)
+    previous = {sig: signal.signal(sig, stop_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         result = train(config, callbacks, commands)
     except ConfigError as exc:
@@ -82,21 +89,39 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         callbacks.close()
     add_run_meta(result.output_dir / "run.json", run_meta)  # --run-meta, if any
     print(f"{result.status}: {result.steps} steps; outputs in {result.output_dir}")
+    if result.status == "stopped":
+        print(f"resume with: --config {args.config} --resume latest", file=sys.stderr)
+        if stop_signal.received:  # the shell's convention: 128 + the signal's number
+            return 128 + stop_signal.received
     return 0
 
 
-def _stop_on_first_interrupt(commands, callbacks):
-    """First Ctrl+C asks the trainer to stop with a save; a second one interrupts at once."""
-    def handler(signum, frame):
-        if commands.stop_requested:
+def resume_value(given: str) -> str:
+    """`--resume`'s value for training.resume_from: "latest", or a folder made absolute
+    against the current folder (the config field reads relative paths inside the output)."""
+    return given if given == "latest" else str(Path(given).expanduser().resolve())
+
+
+class StopSignal:
+    """SIGINT (Ctrl+C) or SIGTERM: finish the step, write a backup and the final save, exit
+    130 / 143. A second signal interrupts at once."""
+
+    def __init__(self, commands, callbacks) -> None:
+        self.commands, self.callbacks = commands, callbacks
+        self.received = 0
+
+    def __call__(self, signum, frame) -> None:
+        if self.commands.stop_requested:
             raise KeyboardInterrupt
-        callbacks.on_status("stop requested: finishing the step and saving (Ctrl+C again to abort)")
-        commands.request_stop()
-    return handler
+        self.received = signum
+        self.callbacks.on_status(f"{signal.Signals(signum).name}: finishing the step, writing a "
+                                 "backup and saving (send it again to abort)")
+        self.commands.request_stop()
 
 
 if __name__ == "__main__":

@@ -241,6 +241,15 @@ class TrainingConfig:
                              "samples and saves use the average.")
     ema_decay: float = setting(0.999, label="EMA decay", group="Training", min=0.0, max=1.0,
                                advanced=True, help="How slowly the average follows the weights.")
+    max_bad_steps: int = setting(
+        5, label="Max non-finite steps", group="Training", min=1, max=1000, advanced=True,
+        help="A step whose loss or gradients are NaN/inf is skipped (the weights stay good); "
+             "this many in a row stop the run with an error.")
+    resume_from: str = setting(
+        "", label="Resume from", group="Training", advanced=True,
+        help='Continue an interrupted run: "latest" (the newest backup in the output folder) or '
+             "a backup folder (relative paths are inside the output folder). The config must "
+             "match the backup's in what changes the math (docs/resume.md); empty starts anew.")
     seed: int = setting(42, label="Seed", group="General", min=0, max=2**32 - 1,
                         help="Seed for noise, timesteps, shuffling and weight init.")
 
@@ -338,6 +347,18 @@ class OutputConfig:
     overwrite: bool = setting(False, label="Overwrite previous run", group="General",
                               help="Allow writing into an output folder that holds an earlier "
                                    "run; off refuses to start so nothing is lost.")
+    backup_every_steps: int = setting(
+        0, label="Backup every N steps", group="General", min=0, max=100_000_000, advanced=True,
+        help="Write a backup (everything needed to resume exactly: weights, optimizer, LR "
+             "schedule, EMA, random states, position in the data) every N steps; 0 = none by "
+             "step count. A backup is also written on Stop, on SIGTERM/SIGINT and after a failure.")
+    backup_every_minutes: float = setting(
+        30.0, label="Backup every N minutes", group="General", min=0.0, max=10_000.0,
+        advanced=True, help="Also write a backup when this many minutes passed since the last "
+                            "one; 0 = none by time.")
+    keep_backups: int = setting(2, label="Backups kept", group="General", min=1, max=1000,
+                                advanced=True,
+                                help="Older backups beyond this many are removed (docs/resume.md).")
 
 
 @dataclass

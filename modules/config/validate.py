@@ -244,7 +244,11 @@ def _check_output_dir(config: Config) -> list[Problem]:
     out = Path(config.output.dir)
     if out.exists() and not out.is_dir():
         return [Problem("output.dir", "a folder", repr(config.output.dir), "it is a file")]
-    if (out / "run.json").exists() and not config.output.overwrite:
+    resuming = bool(config.training.resume_from.strip())  # continues the run that is there
+    if resuming and config.output.overwrite:
+        return [Problem("output.overwrite", "false when training.resume_from is set", "true",
+                        "overwriting would remove the run being resumed")]
+    if (out / "run.json").exists() and not config.output.overwrite and not resuming:
         return [Problem("output.dir", "a folder without an earlier run (or output.overwrite = "
                         "true)", repr(config.output.dir),
                         "it holds an earlier run; choose another folder so nothing is lost")]

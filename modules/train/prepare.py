@@ -19,7 +19,9 @@ from modules.events import TrainerCallbacks
 from modules.models.loader import ModelBundle, load_model, resolve_model_path
 from modules.paths import cache_dir_for
 from modules.runtime import runtime_problems
+from modules.train.backup import BackupError, ResumePoint, resume_point
 from modules.train.builders import pick_device
+from modules.train.output_lock import busy_message
 from modules.util.errors import first_line
 from modules.train.weights import component_dtypes
 
@@ -31,6 +33,7 @@ class PreparedRun:
     cache_dir: Path
     bundle: ModelBundle
     scan: ScanResult
+    resume: ResumePoint | None = None  # the backup this run continues from
 
 
 def resolve_dataset_path(path: str, cache_dir: Path) -> Path:
@@ -58,6 +61,10 @@ def load_bundle(model_path: Path, config: Config) -> ModelBundle:
 def prepare_run(config: Config, callbacks: TrainerCallbacks) -> PreparedRun:
     """Validate, build built-ins, scan the data and load the model; raise ConfigError on any problem."""
     problems = runtime_problems() + validate(config)
+    busy = busy_message(Path(config.output.dir)) if config.output.dir.strip() else None
+    if busy:
+        problems.append(Problem("output.dir", "a folder no other training is writing into",
+                                repr(config.output.dir), busy))
     if problems:
         raise ConfigError(problems)
     cache_dir = cache_dir_for(config.general.cache_dir)
@@ -79,9 +86,24 @@ def prepare_run(config: Config, callbacks: TrainerCallbacks) -> PreparedRun:
     callbacks.on_status("loading model")
     model_path = resolve_model_path(config.model.path, cache_dir)
     resolved.model.path = str(model_path)
+    resume = check_resume(resolved)
     try:
         bundle = load_bundle(model_path, config)
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         raise ConfigError([Problem("model.path", "a loadable diffusers model folder",
                                    repr(str(model_path)), first_line(exc))]) from exc
-    return PreparedRun(resolved, pick_device(config.general.device), cache_dir, bundle, scan)
+    return PreparedRun(resolved, pick_device(config.general.device), cache_dir, bundle, scan,
+                       resume)
+
+
+def check_resume(resolved: Config) -> ResumePoint | None:
+    """The backup `training.resume_from` names, checked against this config (exit 2 if not)."""
+    if not resolved.training.resume_from:
+        return None
+    try:
+        return resume_point(Path(resolved.output.dir), resolved.training.resume_from,
+                            to_dict(resolved))
+    except BackupError as exc:
+        raise ConfigError([Problem("training.resume_from", '"latest" or a backup folder that '
+                                   "fits this config", repr(resolved.training.resume_from),
+                                   str(exc))]) from exc

@@ -38,6 +38,7 @@ class RunRecord:
     losses: list[float] = field(default_factory=list)
     step_seconds: list[float] = field(default_factory=list)
     files: list[str] = field(default_factory=list)
+    steps_before: int = 0  # steps of earlier segments (a resumed run)
 
     def add_file(self, path: Path) -> None:
         text = str(path)
@@ -47,15 +48,31 @@ class RunRecord:
     def summary(self) -> dict:
         """Derived numbers: step counts, losses, median step time without the first step."""
         later_steps = self.step_seconds[1:]
+        finite = [x for x in self.losses if x is not None]  # a skipped (NaN) step holds None
         return {
-            "steps_done": len(self.step_seconds),
-            "final_loss": self.losses[-1] if self.losses else None,
-            "mean_loss": statistics.fmean(self.losses) if self.losses else None,
+            "steps_done": self.steps_before + len(self.step_seconds),
+            "final_loss": finite[-1] if finite else None,
+            "mean_loss": statistics.fmean(finite) if finite else None,
             "first_step_seconds": self.step_seconds[0] if self.step_seconds else None,
             "median_step_seconds": statistics.median(later_steps) if later_steps else None,
             "wall_seconds": round(time.time() - self.started, 3),
             "output_files": list(self.files),
         }
+
+    def continue_from(self, previous: dict, step: int, **resume) -> None:
+        """Carry an interrupted run's record on from the backup's `step`: its losses up to
+        there, its files, the ended segment's wall time in `segments`, and `resume`."""
+        summary_keys = set(self.summary()) | {"losses"}
+        self.data = {k: v for k, v in previous.items() if k not in summary_keys}
+        self.losses = list(previous.get("losses", []))[:step]
+        self.files = list(previous.get("output_files", []))
+        self.steps_before = step
+        ended = {"from_step": previous.get("resumed_at_step", 0),
+                 "steps_done": previous.get("steps_done"), "status": previous.get("status"),
+                 "wall_seconds": previous.get("wall_seconds")}
+        self.data.update(resume_count=int(previous.get("resume_count", 0)) + 1,
+                         segments=[*previous.get("segments", []), ended],
+                         resumed_at_step=step, **resume)
 
     def write(self, **updates) -> None:
         self.data.update(updates)

@@ -6,6 +6,8 @@ steps the training loop reads as one sentence each.
 from __future__ import annotations
 
 import contextlib
+import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,14 +18,18 @@ import torch
 from modules.compile import CompileEngine
 from modules.train.compile_guard import build_compile_guard
 from modules.config.loader import save_config
+from modules.config.problems import ConfigError, Problem
 from modules.config.schema import Config, MixedPrecision, ModelType
 from modules.data.buckets import assign_buckets, bucket_counts, describe_buckets
 from modules.data.dataset import (ImageCaptionDataset, build_dataloader, epoch_batch_sampler,
                                   expand_repeats)
 from modules.events import TrainerCallbacks, TrainerCommands
 from modules.models.loader import ModelBundle, encode_text, unet_conditioning
+from modules.train.backup import (BoundaryState, ResumePoint, backups_folder, load_states,
+                                  remove_partial_backups, restore_run, save_backup)
 from modules.train.batch_shapes import BatchShapeLog
 from modules.train.distributed import Distributed, parameter_checksum
+from modules.train.output_lock import OutputBusy, OutputLock, describe_owner
 from modules.train.prepare import PreparedRun
 from modules.train.record import RunRecord, device_description, library_versions
 from modules.train.sampling import sample_images
@@ -37,6 +43,7 @@ from modules.train.builders import (
     build_optimizer,
     step_budget,
 )
+from modules.util.disk import guarded_write
 from modules.train.weights import (
     enable_gradient_checkpointing,
     prepare_trainable,
@@ -81,6 +88,10 @@ class Run:
     shape_log: BatchShapeLog = field(default_factory=BatchShapeLog)
     trained: list[str] = field(default_factory=list)
     restore_precision: Callable[[], None] = lambda: None  # undoes `float32_precision`
+    lock: OutputLock | None = None       # held by the main process until the run closes
+    boundary: BoundaryState | None = None  # the small states after the last optimizer step
+    last_backup_step: int = -1
+    last_backup_time: float = field(default_factory=time.monotonic)
 
     @property
     def step(self) -> int:
@@ -180,24 +191,64 @@ class Run:
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
-    def optimizer_step(self) -> None:
-        """Clip, step the optimizer and the LR schedule, clear gradients."""
-        max_norm = self.config.training.max_grad_norm
+    def gradient_norm(self) -> torch.Tensor:
+        """Unscale (fp16) and clip the gradients; return their total norm, still on the device
+        (it is read with the loss, in the step's one host sync)."""
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
+        params = self.all_params()
+        max_norm = self.config.training.max_grad_norm
         if max_norm:
-            torch.nn.utils.clip_grad_norm_(self.all_params(), max_norm)
+            return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+
+    def optimizer_step(self, finite: bool) -> None:
+        """Step the optimizer and the LR schedule and clear the gradients. A step whose loss
+        or gradients are not finite leaves the weights (and the EMA) as they were."""
         if self.scaler:
-            self.scaler.step(self.optimizer)
+            self.scaler.step(self.optimizer)  # skips by itself when the gradients hold inf/NaN
             self.scaler.update()
-        else:
+        elif finite:
             self.optimizer.step()
         self.lr_scheduler.step()
         # CUDA graphs on a trained component need gradients that stay allocated (see
         # modules/compile/plan.py: cudagraph_rules); otherwise free them between steps.
         self.optimizer.zero_grad(set_to_none=not self.guard.persistent_grads)
-        if self.ema is not None:
+        if self.ema is not None and finite:
             self.ema.step(self.all_params())
+
+    def mark_boundary(self) -> None:
+        """Remember the small states as they are now, between two optimizer steps."""
+        self.boundary = BoundaryState.capture(self)
+
+    def backup_due(self) -> bool:
+        out = self.config.output
+        by_steps = out.backup_every_steps and self.step % out.backup_every_steps == 0
+        by_time = (out.backup_every_minutes
+                   and time.monotonic() - self.last_backup_time >= 60 * out.backup_every_minutes)
+        # not while steps are being skipped as non-finite: keep the backups from before that
+        return (bool(by_steps or by_time) and self.step < self.budget.total_steps
+                and self.state.bad_steps == 0)
+
+    def backup(self, reason: str) -> Path | None:
+        """Write a backup at the last step boundary (once per step; the main process only)."""
+        if (not self.dist.is_main or self.boundary is None
+                or self.boundary.training["step"] in (0, self.last_backup_step)):
+            return None
+        self.callbacks.on_status(f"writing a backup at step {self.boundary.training['step']} "
+                                 f"({reason})")
+        folder = guarded_write(lambda: save_backup(self, self.boundary, reason),
+                               backups_folder(self.output_dir), self.backup_bytes())
+        self.last_backup_step = self.boundary.training["step"]
+        self.last_backup_time = time.monotonic()
+        self.record.write(last_backup=str(folder), last_backup_step=self.last_backup_step)
+        return folder
+
+    def backup_bytes(self) -> int:
+        """About what one backup takes: trained weights, optimizer state and EMA copies."""
+        weights = sum(p.numel() * p.element_size() for p in self.all_params())
+        moments = sum(p.numel() * 4 * 2 for p in self.all_params())  # AdamW's two fp32 moments
+        return weights * (2 if self.ema is not None else 1) + moments
 
     def all_params(self) -> list[torch.nn.Parameter]:
         return [p for plist in self.params.values() for p in plist]
@@ -216,7 +267,8 @@ class Run:
             self.ema.restore(self.all_params())
 
     def current_lr(self) -> float:
-        return float(self.lr_scheduler.get_last_lr()[0])
+        """The first parameter group's learning rate for the next step."""
+        return float(self.optimizer.param_groups[0]["lr"])
 
     def log_scalars(self, loss: float, smoothed: float) -> None:
         if self.writer:
@@ -265,7 +317,9 @@ class Run:
             return
         self.callbacks.on_status(f"saving {folder.name} at step {self.step}")
         with self.averaged_weights():
-            written = save_weights(self.bundle, self.config, folder, self.step)
+            written = guarded_write(lambda: save_weights(self.bundle, self.config, folder,
+                                                         self.step),
+                                    folder, self.backup_bytes())
         for path in written:
             self.record.add_file(path)
         self.record.write(step=self.step)
@@ -276,6 +330,8 @@ class Run:
         self.restore_precision()
         if self.writer:
             self.writer.close()
+        if self.lock is not None:
+            self.lock.release()
 
 
 def start_run(prepared: PreparedRun, callbacks: TrainerCallbacks, dist: Distributed) -> Run:
@@ -283,10 +339,14 @@ def start_run(prepared: PreparedRun, callbacks: TrainerCallbacks, dist: Distribu
     config, bundle = prepared.config, prepared.bundle
     device = dist.device or prepared.device
     output_dir = Path(config.output.dir)
+    lock = None
     if dist.is_main:
+        lock = take_output_lock(output_dir, callbacks)  # the first write
         (output_dir / "samples").mkdir(parents=True, exist_ok=True)
         save_config(config, output_dir / "config.json")
     record = RunRecord(output_dir / "run.json", enabled=dist.is_main)
+    if prepared.resume is not None:
+        continue_record(record, prepared.resume)
     record.write(status="running", versions=library_versions(),
                  device=device_description(device), model_type=config.model.type.value,
                  method=config.training.method.value,
@@ -338,10 +398,53 @@ def start_run(prepared: PreparedRun, callbacks: TrainerCallbacks, dist: Distribu
         from torch.utils.tensorboard import SummaryWriter
         writer = SummaryWriter(str(output_dir / "tensorboard"))
     state = TrainingState(generator=draws_generator(config.training.seed, dist.rank))
-    return Run(config, bundle, device, output_dir, record, callbacks, dataset, params, optimizer,
-               build_lr_scheduler(config, optimizer, budget.total_steps), budget, guard, dist,
-               state, scaler=scaler, writer=writer, trained=trained, ema=ema, text_cache=text_cache,
-               forward=forward, restore_precision=restore_precision)
+    run = Run(config, bundle, device, output_dir, record, callbacks, dataset, params, optimizer,
+              build_lr_scheduler(config, optimizer, budget.total_steps), budget, guard, dist,
+              state, scaler=scaler, writer=writer, trained=trained, ema=ema,
+              text_cache=text_cache, forward=forward, restore_precision=restore_precision,
+              lock=lock)
+    if prepared.resume is not None:
+        resume_run(run, prepared.resume)
+    run.mark_boundary()
+    return run
+
+
+def take_output_lock(output_dir: Path, callbacks: TrainerCallbacks) -> OutputLock:
+    """Hold the output folder for this run; a lock left by a dead run is taken over, out loud."""
+    try:
+        lock = OutputLock(output_dir).acquire()
+    except OutputBusy as exc:  # another start won the race since prepare_run looked
+        raise ConfigError([Problem("output.dir", "a folder no other training is writing into",
+                                   repr(str(output_dir)), str(exc))]) from exc
+    if lock.previous:
+        callbacks.on_status(f"took over the output folder's lock from a run that ended without "
+                            f"releasing it ({describe_owner(lock.previous)})")
+    freed = remove_partial_backups(output_dir)
+    if freed:
+        callbacks.on_status(f"removed partly written backups of an interrupted run "
+                            f"({freed / 2**20:,.1f} MB freed)")
+    return lock
+
+
+def continue_record(record: RunRecord, resume: ResumePoint) -> None:
+    """A resumed run's run.json goes on from the interrupted one's."""
+    try:
+        previous = json.loads(record.path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        previous = {}  # resuming from a backup copied elsewhere: a new record
+    record.continue_from(previous, resume.step, resumed_from=str(resume.folder),
+                         resume_changed=resume.changed,
+                         compile_state="not in backups: the persistent compile cache makes "
+                                       "the resumed run's compile warm")
+
+
+def resume_run(run: Run, resume: ResumePoint) -> None:
+    """Load the backup into the freshly built run (weights, optimizer, schedule, states)."""
+    run.callbacks.on_status(f"resuming from {resume.folder} (step {resume.step})")
+    _, states = load_states(resume.folder)
+    restore_run(run, states)
+    apply_changed_learning_rates(run)
+    run.last_backup_step = run.step
 
 
 def size_conditioning(batch: dict, height: int, width: int) -> dict:
@@ -382,3 +485,18 @@ def build_dataset(prepared: PreparedRun, callbacks: TrainerCallbacks) -> ImageCa
         return dataset
     from modules.train.latents import cached_latent_dataset
     return cached_latent_dataset(dataset, prepared, callbacks)
+
+
+def apply_changed_learning_rates(run: Run) -> None:
+    """After a restore, each parameter group's base learning rate is the config's (a resume may
+    change it) and its current rate is the schedule's at the restored step. With an unchanged
+    config this recomputes exactly the rate the backup held."""
+    scheduler = run.lr_scheduler
+    for i, group in enumerate(run.optimizer.param_groups):
+        own = getattr(run.config.components, group["name"]).learning_rate
+        base = run.config.training.learning_rate if own is None else own
+        group["initial_lr"] = base
+        scheduler.base_lrs[i] = base
+        lmbda = getattr(scheduler, "lr_lambdas", [None])[i]
+        if lmbda is not None:
+            group["lr"] = base * lmbda(scheduler.last_epoch)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -10,13 +11,14 @@ from pathlib import Path
 import torch
 
 from modules.config.problems import ConfigError
-from modules.config.schema import Config
+from modules.config.schema import Config, MixedPrecision
 from modules.events import NullCallbacks, Progress, TrainerCallbacks, TrainerCommands
 from modules.train.objectives import diffusion_mse, drop_captions, min_snr_weights, offset_noise
 from modules.train.distributed import init_distributed
 from modules.train.prepare import PreparedRun, prepare_run
 from modules.train.run import Run, start_run
 from modules.train.builders import Draws, draw_randomness, latent_shape
+from modules.util.disk import DiskFull
 from modules.util.errors import describe, is_out_of_memory
 
 OUT_OF_MEMORY_ADVICE = ("lower training.batch_size or data.resolution, turn on "
@@ -26,6 +28,10 @@ OUT_OF_MEMORY_ADVICE = ("lower training.batch_size or data.resolution, turn on "
 
 class TrainingError(Exception):
     """Training failed after it started; files saved before the failure are intact."""
+
+
+class NonFiniteTraining(Exception):
+    """Too many optimizer steps in a row had a NaN/inf loss or gradients (all were skipped)."""
 
 
 @dataclass
@@ -53,7 +59,7 @@ def train(config: Config, callbacks: TrainerCallbacks | None = None,
     except ConfigError:
         raise
     except Exception as exc:
-        message = failure_message(exc, run.step)
+        message = failure_message(exc, run.step) + backup_after_failure(run, exc)
         run.record.write(status="failed", error=message)
         callbacks.on_error(message)
         raise TrainingError(message) from exc
@@ -62,10 +68,28 @@ def train(config: Config, callbacks: TrainerCallbacks | None = None,
 
 
 def failure_message(exc: Exception, step: int) -> str:
-    """One line for a failed run; out of memory says what to change."""
+    """One line for a failed run; out of memory and a full disk say what to change."""
     if is_out_of_memory(exc):
         return f"out of memory at step {step} ({describe(exc)}): {OUT_OF_MEMORY_ADVICE}"
+    if isinstance(exc, (NonFiniteTraining, DiskFull)):
+        return f"training stopped at step {step}: {exc}"
     return f"training failed at step {step}: {describe(exc)}"
+
+
+def backup_after_failure(run: Run, exc: Exception) -> str:
+    """Write a backup of the last good step after a failure, when one can help: not after
+    non-finite steps (the last backup from before them is the one to go back to) nor when
+    the disk is full. Returns what to add to the failure message."""
+    if isinstance(exc, (NonFiniteTraining, DiskFull)) or run.step == 0:
+        return RESUME_HINT.format(output=run.output_dir) if run.last_backup_step > 0 else ""
+    try:
+        folder = run.backup("after a failure")
+    except Exception as backup_exc:  # noqa: BLE001 - reported in the failure message
+        return f"; the backup after the failure failed too ({describe(backup_exc)})"
+    return RESUME_HINT.format(output=run.output_dir) if folder or run.last_backup_step > 0 else ""
+
+
+RESUME_HINT = "; resume with --resume latest (backups in {output}/backups)"
 
 
 def batches(run: Run, commands: TrainerCommands) -> Iterator[tuple[int, dict, bool]]:
@@ -128,7 +152,8 @@ def training_loop(run: Run, callbacks: TrainerCallbacks, commands: TrainerComman
     config, state = run.config, run.state
     window = None
     step_started = time.perf_counter()
-    callbacks.on_status(f"training {run.budget.total_steps} steps on {run.device.type}")
+    callbacks.on_status(f"training {run.budget.total_steps} steps on {run.device.type}"
+                        + (f", from step {run.step}" if run.step else ""))
 
     for index, batch, closes_window in batches(run, commands):
         pixel_shape = run.pixel_shape(batch)
@@ -144,17 +169,20 @@ def training_loop(run: Run, callbacks: TrainerCallbacks, commands: TrainerComman
         if not closes_window:
             continue
 
-        run.optimizer_step()
+        loss, finite = read_step(run, window.results, run.gradient_norm())  # one host sync
+        run.optimizer_step(finite)
         state.step += 1
         state.batches_done = index + 1
-        loss = run.dist.mean(window_mean(window.results))  # the step's one host sync
         window = None
-        elapsed = time.perf_counter() - step_started
-        run.record.losses.append(loss)
-        run.record.step_seconds.append(elapsed)
-        smooth = state.smoothed.update(loss)
-        callbacks.on_progress(progress_event(run, loss, smooth))
-        run.log_scalars(loss, smooth)
+        run.record.step_seconds.append(time.perf_counter() - step_started)
+        if finite:
+            state.bad_steps = 0
+            run.record.losses.append(loss)
+            smooth = state.smoothed.update(loss)
+            callbacks.on_progress(progress_event(run, loss, smooth))
+            run.log_scalars(loss, smooth)
+        else:
+            skip_non_finite_step(run, loss)
 
         every_sample = config.sampling.every_steps
         if commands.take_sample() or (every_sample and run.step % every_sample == 0):
@@ -163,23 +191,54 @@ def training_loop(run: Run, callbacks: TrainerCallbacks, commands: TrainerComman
         if commands.take_save() or (every_save and run.step % every_save == 0
                                     and run.step < run.budget.total_steps):
             run.save_checkpoint(f"step-{run.step:06d}")
+        run.mark_boundary()
+        if run.backup_due():
+            run.backup("scheduled")
         step_started = time.perf_counter()
 
     status = "stopped" if run.dist.any(commands.stop_requested) else "finished"
     callbacks.on_status(f"{status} after {run.step} steps; saving")
+    if status == "stopped":
+        run.backup("stopped")
     run.save_final()
     if config.sampling.prompts and status == "finished" and state.last_sample_step != run.step:
         run.sample()
     run.record.write(status=status, compile=run.guard.report(),
+                     skipped_steps=state.skipped_steps,
                      batch_shapes=run.shape_log.report(run.recompiles()),
                      distributed=run.distributed_summary())
-    callbacks.on_status(f"{status}: {run.step} steps, outputs in {run.output_dir}")
+    hint = RESUME_HINT.format(output=run.output_dir) if status == "stopped" else ""
+    callbacks.on_status(f"{status}: {run.step} steps, outputs in {run.output_dir}{hint}")
     return RunResult(status, run.step, run.output_dir, dict(run.record.data))
 
 
-def window_mean(losses: list[torch.Tensor]) -> float:
-    """The mean loss of an accumulation window's micro-steps, read from the device once."""
-    return float(torch.stack(losses).float().mean().item())
+def read_step(run: Run, losses: list[torch.Tensor], grad_norm: torch.Tensor) -> tuple[float, bool]:
+    """The window's mean loss (over every process) and whether loss and gradients are finite,
+    read from the device together: the step's one host sync."""
+    loss_mean = torch.stack(losses).float().mean()
+    loss, norm = torch.stack([loss_mean, grad_norm.float().to(loss_mean.device)]).tolist()
+    loss = run.dist.mean(loss)
+    finite = math.isfinite(loss) and (run.scaler is not None or math.isfinite(norm))
+    return loss, finite
+
+
+def skip_non_finite_step(run: Run, loss: float) -> None:
+    """Count a skipped step; too many in a row stop the run (no weight was changed by them)."""
+    state, t = run.state, run.config.training
+    state.bad_steps += 1
+    state.skipped_steps += 1
+    run.record.losses.append(None)
+    run.callbacks.on_status(f"step {run.step}: loss {loss} or its gradients are not finite; "
+                            f"the step was skipped ({state.bad_steps} in a row)")
+    if state.bad_steps < t.max_bad_steps:
+        return
+    cause = ("fp16 overflow: use BF16 mixed precision, or a lower learning rate"
+             if t.mixed_precision == MixedPrecision.FP16 or
+             t.mixed_precision == MixedPrecision.NO and run.compute_dtype == torch.float16
+             else f"the learning rate ({t.learning_rate:g}) is probably too high")
+    raise NonFiniteTraining(f"{state.bad_steps} steps in a row (up to step {run.step}) had a "
+                            f"non-finite loss or gradients ({cause}); no weights were changed "
+                            "by them and nothing non-finite was saved")
 
 
 def progress_event(run: Run, loss: float, smoothed_loss: float) -> Progress:

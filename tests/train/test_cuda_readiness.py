@@ -42,19 +42,22 @@ def test_sampling_every_few_steps_does_not_recompile_the_compiled_unet(tiny_conf
 
 def test_the_loss_is_read_from_the_device_once_per_optimizer_step(tiny_config, monkeypatch):
     reads = {"count": 0}
-    real_item = torch.Tensor.item
     train_code = str(Path(trainer_module.__file__).parent)
 
-    def counting_item(self):
-        if sys._getframe(1).f_code.co_filename.startswith(train_code):  # the trainer's own reads
-            reads["count"] += 1
-        return real_item(self)
+    def counting(real):
+        def read(self):
+            if sys._getframe(1).f_code.co_filename.startswith(train_code):  # the trainer's own
+                reads["count"] += 1
+            return real(self)
+        return read
 
     config = tiny_config("training.max_steps=3", "training.gradient_accumulation=2")
-    monkeypatch.setattr(torch.Tensor, "item", counting_item)
+    monkeypatch.setattr(torch.Tensor, "item", counting(torch.Tensor.item))
+    monkeypatch.setattr(torch.Tensor, "tolist", counting(torch.Tensor.tolist))
     result = train(config)
     monkeypatch.undo()
-    # once per optimizer step (not per micro-step: 6), plus the end-of-run weight checksum
+    # once per optimizer step (loss and gradient norm together, not per micro-step: 6), plus
+    # the end-of-run weight checksum
     assert result.steps == 3 and reads["count"] == 3 + 1
 
 

@@ -1,0 +1,322 @@
+"""Backups: everything a run needs to continue bit-for-bit where it stopped.
+
+A backup is one folder `<output>/backups/step-NNNNNN/` written atomically (built under a hidden
+temporary name, renamed into place last): `backup.json` (format, step, the resolved config, the
+JSON structure of every state) beside `tensors.safetensors` (every tensor of that structure).
+No pickle: a backup can be inspected with any safetensors reader and loading one runs no code.
+
+What it holds is what `Run` owns and the config does not rebuild: the trained parameters, the
+optimizer, the LR schedule, the GradScaler, the EMA weights, `TrainingState` (step, epoch,
+position in the epoch, draws generator, loss smoothing) and every global random state (Python,
+numpy, torch CPU and CUDA). The state saved is the one at the last optimizer-step boundary
+(`BoundaryState`), so a backup written after a failure mid-window is still exact.
+"""
+from __future__ import annotations
+
+import json
+import random
+import re
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from modules.util.atomic import atomic_write_dir
+
+FORMAT = 1
+BACKUPS = "backups"
+INFO = "backup.json"
+TENSORS = "tensors.safetensors"
+NAME = re.compile(r"^step-(\d{6,})$")
+
+
+class BackupError(Exception):
+    """A backup cannot be read or does not fit this run."""
+
+
+# ---------------------------------------------------------------- JSON + tensors, no pickle
+def flatten(value: Any, tensors: dict[str, torch.Tensor], prefix: str) -> Any:
+    """`value` as JSON, with each tensor moved into `tensors` under a key derived from `prefix`.
+
+    Dicts with non-string keys (an optimizer's per-parameter state), tuples and numpy arrays
+    are tagged so `unflatten` gives back exactly the types that went in.
+    """
+    if isinstance(value, torch.Tensor):
+        key = f"{prefix}#{len(tensors)}"
+        tensors[key] = value.detach().cpu().contiguous()
+        return {"__tensor__": key}
+    if isinstance(value, np.ndarray):
+        return {"__ndarray__": flatten(torch.from_numpy(value.copy()), tensors, prefix)}
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, dict):
+        if all(isinstance(k, str) for k in value):
+            return {k: flatten(v, tensors, f"{prefix}.{k}") for k, v in value.items()}
+        return {"__items__": [[k, flatten(v, tensors, f"{prefix}.{k}")] for k, v in value.items()]}
+    if isinstance(value, tuple):
+        return {"__tuple__": [flatten(v, tensors, f"{prefix}.{i}") for i, v in enumerate(value)]}
+    if isinstance(value, list):
+        return [flatten(v, tensors, f"{prefix}.{i}") for i, v in enumerate(value)]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise BackupError(f"cannot store a {type(value).__name__} at {prefix} in a backup")
+
+
+def unflatten(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(value, list):
+        return [unflatten(v, tensors) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if "__tensor__" in value:
+        return tensors[value["__tensor__"]]
+    if "__ndarray__" in value:
+        return unflatten(value["__ndarray__"], tensors).numpy()
+    if "__tuple__" in value:
+        return tuple(unflatten(v, tensors) for v in value["__tuple__"])
+    if "__items__" in value:
+        return {k: unflatten(v, tensors) for k, v in value["__items__"]}
+    return {k: unflatten(v, tensors) for k, v in value.items()}
+
+
+# ---------------------------------------------------------------- random states
+def random_states() -> dict[str, Any]:
+    """Every global generator a step may draw from (LoRA dropout draws from torch's)."""
+    states: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
+                              "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_random_states(states: dict[str, Any]) -> None:
+    version, internal, gauss = states["python"]
+    random.setstate((version, tuple(internal), gauss))
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+@dataclass
+class BoundaryState:
+    """The run's small states as they were right after the last optimizer step.
+
+    Taken once per step (a few kilobytes, no device sync): a failure in the middle of the next
+    accumulation window has already advanced the generators, and a backup must not include that.
+    """
+    training: dict
+    random: dict
+
+    @classmethod
+    def capture(cls, run) -> "BoundaryState":
+        return cls(training=_cloned(run.state.state_dict()), random=random_states())
+
+
+def _cloned(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return {k: _cloned(v) for k, v in value.items()}
+    return value
+
+
+# ---------------------------------------------------------------- what a run owns
+def trained_parameters(run) -> dict[str, torch.nn.Parameter]:
+    """The run's trained parameters by `component.parameter_name` (stable across processes)."""
+    wanted = {id(p) for plist in run.params.values() for p in plist}
+    named: dict[str, torch.nn.Parameter] = {}
+    for component in run.params:
+        for name, param in run.bundle.component(component).named_parameters():
+            if id(param) in wanted:
+                named[f"{component}.{name}"] = param
+    return named
+
+
+def run_states(run, boundary: BoundaryState) -> dict[str, Any]:
+    states = {"parameters": dict(trained_parameters(run)),
+              "optimizer": run.optimizer.state_dict(),
+              "lr_scheduler": run.lr_scheduler.state_dict(),
+              "training": boundary.training, "random": boundary.random}
+    if run.scaler is not None:
+        states["scaler"] = run.scaler.state_dict()
+    if run.ema is not None:
+        states["ema"] = run.ema.state_dict()
+    return states
+
+
+def save_backup(run, boundary: BoundaryState, reason: str) -> Path:
+    """Write a backup of `run` at its last step boundary and remove the oldest beyond
+    `output.keep_backups`. Returns the folder."""
+    folder = backups_folder(run.output_dir) / f"step-{boundary.training['step']:06d}"
+    tensors: dict[str, torch.Tensor] = {}
+    structure = flatten(run_states(run, boundary), tensors, "s")
+    from modules.config.loader import to_dict
+    info = {"format": FORMAT, "step": boundary.training["step"], "reason": reason,
+            "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "config": to_dict(run.config),
+            "states": structure}
+
+    def write(tmp: Path) -> None:
+        from safetensors.torch import save_file
+        save_file(tensors, str(tmp / TENSORS))
+        # backup.json last: a folder without it is not a backup (see `list_backups`)
+        (tmp / INFO).write_text(json.dumps(info, indent=1) + "\n", encoding="utf-8")
+
+    atomic_write_dir(folder, write)
+    rotate_backups(run.output_dir, run.config.output.keep_backups)
+    return folder
+
+
+def load_states(folder: Path) -> tuple[dict, dict]:
+    """(backup.json's info, its states with tensors restored)."""
+    from safetensors.torch import load_file
+    try:
+        info = json.loads((folder / INFO).read_text(encoding="utf-8"))
+        tensors = load_file(str(folder / TENSORS))
+    except (OSError, ValueError) as exc:
+        raise BackupError(f"{folder}: not a readable backup ({exc})") from exc
+    if info.get("format") != FORMAT:
+        raise BackupError(f"{folder}: backup format {info.get('format')!r}, this Tempera "
+                          f"reads format {FORMAT}")
+    return info, unflatten(info["states"], tensors)
+
+
+def restore_run(run, states: dict) -> None:
+    """Put a backup's states into a freshly started run (same config in what changes the math)."""
+    params = trained_parameters(run)
+    saved = states["parameters"]
+    if set(saved) != set(params):
+        missing = sorted(set(params) - set(saved))[:3]
+        extra = sorted(set(saved) - set(params))[:3]
+        raise BackupError(f"the backup's trained parameters do not match this run's "
+                          f"(missing {missing}, unexpected {extra})")
+    with torch.no_grad():
+        for name, param in params.items():
+            param.copy_(saved[name].to(param.device, param.dtype))
+    run.optimizer.load_state_dict(states["optimizer"])
+    run.lr_scheduler.load_state_dict(states["lr_scheduler"])
+    if run.scaler is not None and "scaler" in states:
+        run.scaler.load_state_dict(states["scaler"])
+    if run.ema is not None and "ema" in states:
+        run.ema.load_state_dict(states["ema"])
+    run.state.load_state_dict(states["training"])
+    set_random_states(states["random"])
+
+
+# ---------------------------------------------------------------- which config changes are allowed
+# Fields that change the math of what a backup holds: resuming with another value is refused
+# (exit 2, the fields listed). A prefix ending in "." covers a whole section; MAY_CHANGE names
+# the exceptions inside those sections (speed and memory switches that leave the math alone).
+MUST_MATCH = ("model.", "components.", "data.", "training.method", "training.lora_",
+              "training.optimizer", "training.batch_size", "training.gradient_accumulation",
+              "training.seed", "training.mixed_precision", "training.ema",
+              "training.noise_offset", "training.min_snr_gamma", "training.weight_decay")
+MAY_CHANGE = ("model.allow_pickle", "model.tokenizer_path", "data.workers",
+              "components.unet.learning_rate", "components.text_encoder.learning_rate",
+              "components.text_encoder_2.learning_rate", "components.vae.learning_rate")
+# Differences never worth mentioning: where the run is written and how it is resumed.
+IGNORED = ("output.dir", "training.resume_from", "general.", "logging.")
+
+
+def config_differences(saved: dict, current: dict) -> tuple[list[str], list[str]]:
+    """(fields that must match but differ, fields that differ and may) as "key: old -> new"."""
+    blocking, allowed = [], []
+    for key in sorted(set(_leaves(saved)) | set(_leaves(current))):
+        old, new = _leaves(saved).get(key), _leaves(current).get(key)
+        if old == new or key.startswith(IGNORED):
+            continue
+        line = f"{key}: {old!r} -> {new!r}"
+        must = key.startswith(MUST_MATCH) and not key.startswith(MAY_CHANGE)
+        (blocking if must else allowed).append(line)
+    return blocking, allowed
+
+
+def _leaves(tree: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_leaves(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """The backup a run continues from, found and checked before anything is written."""
+    folder: Path
+    step: int
+    changed: list[str]  # config fields that differ from the backup's and may
+
+
+def resume_point(output_dir: Path, resume_from: str, current: dict) -> ResumePoint:
+    """The backup `resume_from` names, checked against the current (resolved) config.
+
+    Raises BackupError naming every field that must match and does not."""
+    folder = find_backup(output_dir, resume_from)
+    try:
+        info = json.loads((folder / INFO).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise BackupError(f"{folder}: not a readable backup ({exc})") from exc
+    blocking, allowed = config_differences(info.get("config", {}), current)
+    if blocking:
+        raise BackupError(f"{folder} was written by a run whose config differs in what changes "
+                          "the training math: " + "; ".join(blocking)
+                          + ". Set these back, or start a new run in another folder")
+    return ResumePoint(folder, int(info["step"]), allowed)
+
+
+# ---------------------------------------------------------------- finding and rotating
+def backups_folder(output_dir: Path) -> Path:
+    return Path(output_dir) / BACKUPS
+
+
+def list_backups(output_dir: Path) -> list[tuple[int, Path]]:
+    """Complete backups, oldest first. Hidden temporary folders of an interrupted write and
+    folders without backup.json are never listed."""
+    root = backups_folder(output_dir)
+    found = []
+    for folder in root.iterdir() if root.is_dir() else []:
+        match = NAME.match(folder.name)
+        if match and (folder / INFO).is_file() and (folder / TENSORS).is_file():
+            found.append((int(match.group(1)), folder))
+    return sorted(found)
+
+
+def find_backup(output_dir: Path, resume_from: str) -> Path:
+    """The backup `training.resume_from` names: "latest" in the output folder, or a path."""
+    if resume_from == "latest":
+        found = list_backups(output_dir)
+        if not found:
+            raise BackupError(f"no backup to resume in {backups_folder(output_dir)}")
+        return found[-1][1]
+    folder = Path(output_dir) / Path(resume_from).expanduser()  # an absolute path stays itself
+    if not (folder / INFO).is_file():
+        raise BackupError(f"{folder}: not a backup folder (it has no {INFO})")
+    return folder
+
+
+def remove_partial_backups(output_dir: Path) -> int:
+    """Remove the hidden folders of backups whose writing was interrupted (a killed run);
+    called by the run that holds the output folder's lock, so none is being written. Returns
+    the bytes freed."""
+    root = backups_folder(output_dir)
+    freed = 0
+    for folder in root.iterdir() if root.is_dir() else []:
+        if folder.name.startswith(".") and folder.is_dir():
+            freed += sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+            shutil.rmtree(folder)
+    return freed
+
+
+def rotate_backups(output_dir: Path, keep: int) -> list[Path]:
+    """Remove the oldest complete backups beyond `keep`; return what was removed."""
+    found = list_backups(output_dir)
+    removed = [folder for _, folder in found[:max(0, len(found) - keep)]]
+    for folder in removed:
+        shutil.rmtree(folder)
+    return removed

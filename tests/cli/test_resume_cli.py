@@ -1,0 +1,110 @@
+"""Resume through `tempera-train`: SIGTERM stops with a backup and exit 143, kill -9 at any
+moment (also while a backup is being written) leaves a run that `--resume` finishes exactly."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from modules.cli.train import main
+from modules.train.backup import list_backups
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 12
+
+
+def write_config(folder: Path, cache: Path, name: str) -> Path:
+    path = folder / f"{name}.json"
+    path.write_text(json.dumps({
+        "general": {"cache_dir": str(cache)},
+        "data": {"resolution": 64},
+        "training": {"max_steps": STEPS, "batch_size": 2, "learning_rate": 1e-3},
+        "sampling": {"prompts": []},
+        "logging": {"tensorboard": False},
+        "output": {"dir": name, "backup_every_steps": 1, "keep_backups": 2},
+    }))
+    return path
+
+
+def start(config: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(REPO / "scripts" / "train.py"), "--config",
+                             str(config), "--quiet", *args], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def wait_for(condition, timeout: float = 240.0, every: float = 0.002) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(every)
+    return False
+
+
+def record(output: Path) -> dict:
+    return json.loads((output / "run.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tempera_cache) -> dict:
+    """The uninterrupted run every interrupted one must match."""
+    folder = tmp_path_factory.mktemp("reference")
+    assert main(["--config", str(write_config(folder, tempera_cache, "whole")), "--quiet"]) == 0
+    return record(folder / "whole")
+
+
+def test_sigterm_finishes_the_step_writes_a_backup_and_exits_143(tmp_path, tempera_cache,
+                                                                  reference):
+    config = write_config(tmp_path, tempera_cache, "run")
+    output = tmp_path / "run"
+    proc = start(config)
+    assert wait_for(lambda: list_backups(output)), proc.communicate()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode == 143, err
+    assert "--resume latest" in err
+    stopped = record(output)
+    assert stopped["status"] == "stopped"
+    assert list_backups(output)[-1][0] == stopped["steps_done"]
+    assert main(["--config", str(config), "--resume", "--quiet"]) == 0
+    assert record(output)["losses"] == reference["losses"]
+
+
+def test_kill_9_at_random_moments_then_resume_matches_the_uninterrupted_run(
+        tmp_path, tempera_cache, reference):
+    config = write_config(tmp_path, tempera_cache, "run")
+    output = tmp_path / "run"
+    rng = random.Random(1234)
+    backups = output / "backups"
+
+    def writing_a_backup() -> bool:  # a hidden temporary folder: a backup is being written
+        return backups.is_dir() and any(p.name.startswith(".") for p in backups.iterdir())
+
+    # 1st kill: while a later backup is being written (or as close as polling gets)
+    proc = start(config)
+    assert wait_for(lambda: bool(list_backups(output)))
+    wait_for(writing_a_backup, timeout=60, every=0.0005)
+    proc.kill()
+    proc.wait()
+    # 2nd kill: at a random moment after the resumed run wrote a backup of its own
+    steps_before = list_backups(output)[-1][0]
+    proc = start(config, "--resume")
+    wait_for(lambda: list_backups(output)[-1][0] > steps_before)
+    time.sleep(rng.uniform(0.0, 0.5))
+    proc.kill()
+    proc.wait()
+    assert record(output)["status"] == "running"  # what a killed process leaves behind
+    assert main(["--config", str(config), "--resume", "--quiet"]) == 0
+    final = record(output)
+    assert final["status"] == "finished" and final["resume_count"] >= 1
+    assert final["losses"] == reference["losses"]
+    # a partly written backup was never picked, and the next start removed it
+    assert not any(p.name.startswith(".") for p in (output / "backups").iterdir())

@@ -1,0 +1,212 @@
+"""Backups and resume: a run stopped at step K and resumed is the run that was never stopped,
+loss for loss and bit for bit; and the faults that end long runs leave a resumable state."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from modules.config.problems import ConfigError
+from modules.events import RecordingCallbacks, TrainerCommands
+from modules.train.backup import flatten, list_backups, unflatten
+from modules.train.trainer import TrainingError, train
+from tests.train.test_bucketed_training import RESOLUTION, SQUARE, TALL, WIDE, make_images
+
+STEPS = 6
+
+
+class StopAt(RecordingCallbacks):
+    """Asks the trainer to stop once step `at` is done (as the GUI's Stop or SIGTERM would)."""
+
+    def __init__(self, commands: TrainerCommands, at: int) -> None:
+        super().__init__()
+        self.commands, self.at = commands, at
+
+    def on_progress(self, progress) -> None:
+        super().on_progress(progress)
+        if progress.step == self.at:
+            self.commands.request_stop()
+
+
+def run_json(output: Path) -> dict:
+    return json.loads((output / "run.json").read_text())
+
+
+def final_tensors(output: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for path in sorted((output / "final").rglob("*.safetensors")):
+        for key, value in load_file(str(path)).items():
+            tensors[f"{path.relative_to(output)}:{key}"] = value
+    return tensors
+
+
+def stop_then_resume(config, at: int):
+    commands = TrainerCommands()
+    first = train(config, StopAt(commands, at), commands)
+    assert first.status == "stopped" and first.steps == at
+    config.training.resume_from = "latest"
+    return first, train(config, RecordingCallbacks())
+
+
+CASES = {
+    "lora-accumulation-ema": ("training.gradient_accumulation=2", "training.ema=true",
+                              "components.text_encoder.train=true"),
+    "fine-tune": ("training.method=FINE_TUNE", "training.learning_rate=1e-4"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_stopped_and_resumed_run_equals_the_uninterrupted_one(tiny_config, tmp_path, case):
+    settings = (f"training.max_steps={STEPS}", "training.lr_scheduler=COSINE",
+                "training.lr_warmup_steps=2", *CASES[case])
+    whole = tiny_config(*settings, f"output.dir={tmp_path / 'whole'}")
+    train(whole, RecordingCallbacks())
+    parts = tiny_config(*settings, f"output.dir={tmp_path / 'parts'}")
+    _, resumed = stop_then_resume(parts, at=STEPS // 2)
+
+    expected, got = run_json(tmp_path / "whole"), run_json(tmp_path / "parts")
+    assert got["losses"] == expected["losses"]  # every step, exactly
+    assert len(got["losses"]) == STEPS and resumed.steps == STEPS
+    want, have = final_tensors(tmp_path / "whole"), final_tensors(tmp_path / "parts")
+    assert want.keys() == have.keys() and want
+    for key in want:
+        assert torch.equal(want[key], have[key]), key
+    assert got["resume_count"] == 1 and got["resumed_at_step"] == STEPS // 2
+    assert got["segments"][0]["status"] == "stopped"
+    assert got["status"] == "finished" and "compile cache" in got["compile_state"]
+
+
+def test_resume_with_aspect_buckets_continues_mid_epoch(tiny_config, tmp_path):
+    images = make_images(tmp_path / "images", [WIDE, SQUARE, TALL] * 3)
+    settings = ("data.aspect_buckets=true", f"data.resolution={RESOLUTION}", f"training.max_steps={STEPS}",
+                f"data.datasets[0].path={images}", "training.batch_size=2")
+    whole = tiny_config(*settings, f"output.dir={tmp_path / 'whole'}")
+    train(whole, RecordingCallbacks())
+    parts = tiny_config(*settings, f"output.dir={tmp_path / 'parts'}")
+    stop_then_resume(parts, at=2)  # epoch 0 has 6 bucket batches: resumes inside it
+    assert run_json(tmp_path / "parts")["losses"] == run_json(tmp_path / "whole")["losses"]
+
+
+def test_backups_rotate_and_hold_no_pickle(tiny_config):
+    config = tiny_config("training.max_steps=5", "output.backup_every_steps=1",
+                         "output.keep_backups=2", "training.ema=true")
+    result = train(config)
+    found = list_backups(result.output_dir)
+    # steps 1-4 by schedule (none at the last step: the final save covers it), two kept
+    assert [step for step, _ in found] == [3, 4]
+    folder = found[-1][1]
+    assert sorted(p.name for p in folder.iterdir()) == ["backup.json", "tensors.safetensors"]
+    info = json.loads((folder / "backup.json").read_text())
+    assert info["step"] == 4 and info["config"]["training"]["max_steps"] == 5
+    assert {"parameters", "optimizer", "lr_scheduler", "ema", "training", "random"} <= set(
+        info["states"])
+    with safe_open(str(folder / "tensors.safetensors"), framework="pt") as f:
+        assert any(key.startswith("s.parameters.unet.") for key in f.keys())
+
+
+def test_flatten_round_trips_optimizer_like_state():
+    state = {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.ones(2)}},
+             "param_groups": [{"lr": 0.1, "betas": (0.9, 0.999), "params": [0], "name": "unet"}],
+             "nan": float("inf")}
+    tensors: dict = {}
+    structure = json.loads(json.dumps(flatten(state, tensors, "s")))
+    back = unflatten(structure, tensors)
+    assert back["param_groups"][0]["betas"] == (0.9, 0.999)
+    assert torch.equal(back["state"][0]["exp_avg"], torch.ones(2))
+    assert list(back["state"]) == [0]
+
+
+def test_resume_with_a_config_that_changes_the_math_is_refused_and_writes_nothing(tiny_config):
+    config = tiny_config("training.max_steps=4")
+    commands = TrainerCommands()
+    train(config, StopAt(commands, 2), commands)
+    before = {p: p.stat().st_mtime_ns for p in Path(config.output.dir).rglob("*")}
+    changed = tiny_config("training.max_steps=4", "training.lora_rank=4",
+                          "training.optimizer=ADAMW_8BIT", "training.resume_from=latest")
+    changed.training.optimizer = config.training.optimizer  # bitsandbytes may be absent
+    with pytest.raises(ConfigError) as err:
+        train(changed)
+    assert "training.lora_rank: 16 -> 4" in str(err.value)
+    assert {p: p.stat().st_mtime_ns for p in Path(config.output.dir).rglob("*")} == before
+
+
+def test_resume_may_change_the_step_budget_and_records_it(tiny_config):
+    config = tiny_config("training.max_steps=4")
+    commands = TrainerCommands()
+    train(config, StopAt(commands, 2), commands)
+    longer = tiny_config("training.max_steps=5", "training.resume_from=latest")
+    result = train(longer)
+    record = run_json(result.output_dir)
+    assert result.steps == 5 and len(record["losses"]) == 5
+    assert record["resume_changed"] == ["training.max_steps: 4 -> 5"]
+
+
+def test_resume_without_a_backup_is_a_clear_error(tiny_config):
+    with pytest.raises(ConfigError) as err:
+        train(tiny_config("training.resume_from=latest"))
+    assert "training.resume_from" in str(err.value) and "no backup" in str(err.value)
+
+
+def test_non_finite_loss_is_skipped_then_stops_with_no_nan_saved(tiny_config, monkeypatch):
+    """From step 3 on the loss is NaN (as after a learning rate that exploded): those steps
+    are skipped, two in a row stop the run, and every saved file holds finite weights."""
+    import modules.train.trainer as trainer
+    calls = {"n": 0}
+    real = trainer.diffusion_mse
+
+    def diverging(*args, **kwargs):
+        calls["n"] += 1
+        loss = real(*args, **kwargs)
+        return loss * float("nan") if calls["n"] > 2 else loss
+
+    monkeypatch.setattr(trainer, "diffusion_mse", diverging)
+    config = tiny_config("training.max_steps=40", "training.max_bad_steps=2",
+                         "output.save_every_steps=1", "output.backup_every_steps=1")
+    with pytest.raises(TrainingError) as err:
+        train(config)
+    message = str(err.value)
+    assert "2 steps in a row (up to step 4)" in message and "learning rate" in message
+    output = Path(config.output.dir)
+    record = run_json(output)
+    assert record["status"] == "failed" and record["losses"][2:] == [None, None]
+    assert [step for step, _ in list_backups(output)] == [1, 2]  # none after the bad steps
+    saved = list(output.rglob("*.safetensors"))
+    assert len(saved) >= 4
+    for path in saved:
+        for value in load_file(str(path)).values():
+            if value.is_floating_point():
+                assert torch.isfinite(value).all(), path
+
+
+def test_second_run_on_a_busy_output_folder_is_refused(tiny_config):
+    from modules.train.output_lock import OutputLock
+    config = tiny_config()
+    lock = OutputLock(Path(config.output.dir)).acquire()
+    try:
+        with pytest.raises(ConfigError) as err:
+            train(config)
+        assert "another training is writing into it" in str(err.value)
+    finally:
+        lock.release()
+    assert train(config).status == "finished"  # a released (or dead owner's) lock is taken
+
+
+def test_disk_full_during_a_backup_keeps_the_previous_one(tiny_config, monkeypatch):
+    import modules.train.backup as backup
+    config = tiny_config("training.max_steps=4", "output.backup_every_steps=1")
+    real = backup.atomic_write_dir
+
+    def fill_disk_at_step_2(folder, write):
+        if folder.name == "step-000002":
+            raise OSError(28, "No space left on device")
+        return real(folder, write)
+
+    monkeypatch.setattr(backup, "atomic_write_dir", fill_disk_at_step_2)
+    with pytest.raises(TrainingError) as err:
+        train(config)
+    assert "no space left" in str(err.value) and "MB free" in str(err.value)
+    assert [step for step, _ in list_backups(Path(config.output.dir))] == [1]
