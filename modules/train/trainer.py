@@ -60,7 +60,10 @@ def train(config: Config, callbacks: TrainerCallbacks | None = None,
         raise
     except Exception as exc:
         message = failure_message(exc, run.step) + backup_after_failure(run, exc)
-        run.record.write(status="failed", error=message)
+        try:
+            run.record.write(status="failed", error=message)
+        except OSError as record_exc:  # a full disk: the message still reaches the user
+            message += f"; run.json could not be updated ({describe(record_exc)})"
         callbacks.on_error(message)
         raise TrainingError(message) from exc
     finally:

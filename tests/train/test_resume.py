@@ -210,3 +210,48 @@ def test_disk_full_during_a_backup_keeps_the_previous_one(tiny_config, monkeypat
         train(config)
     assert "no space left" in str(err.value) and "MB free" in str(err.value)
     assert [step for step, _ in list_backups(Path(config.output.dir))] == [1]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 16 MB tmpfs (needs root and mount rights; skipped otherwise)."""
+    import os
+    import subprocess
+    mount_point = tmp_path / "disk"
+    mount_point.mkdir()
+    if os.geteuid() != 0 or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount_point)],
+            capture_output=True).returncode != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    yield mount_point
+    subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+class FillDiskBeforeBackup(RecordingCallbacks):
+    """Fills the disk just before the step-2 backup is written."""
+
+    def __init__(self, disk: Path) -> None:
+        super().__init__()
+        self.disk = disk
+
+    def on_status(self, message: str) -> None:
+        super().on_status(message)
+        if message.startswith("writing a backup at step 2"):
+            import shutil
+            free = shutil.disk_usage(self.disk).free
+            (self.disk / "filler").write_bytes(b"\0" * max(0, free - 4096))
+
+
+def test_a_really_full_disk_during_a_backup_keeps_the_previous_one(tiny_config, small_disk):
+    from modules.train.backup import load_states
+    config = tiny_config(f"output.dir={small_disk / 'out'}", "training.max_steps=4",
+                         "output.backup_every_steps=1")
+    with pytest.raises(TrainingError) as err:
+        train(config, FillDiskBeforeBackup(small_disk))
+    message = str(err.value)
+    assert "no space left on the disk of" in message and str(small_disk / "out") in message
+    assert "MB needed" in message and "MB free" in message
+    found = list_backups(small_disk / "out")
+    assert [step for step, _ in found] == [1]
+    info, states = load_states(found[0][1])  # the previous backup is whole and readable
+    assert info["step"] == 1 and states["parameters"]
