@@ -30,7 +30,7 @@ from app.settings import DEFAULT_SETTINGS_PATH, SCALES, UISettings, load_setting
 from app.thread_guard import ThreadGuard, tk_thread_only
 from app.widgets import make_view
 from modules.config import Config, ConfigError, Problem, load_config
-from modules.models.types import MODEL_TYPES
+from modules.model_types import MODEL_TYPES
 
 RUN_TAB = "Run"
 NO_PRESET = "(no presets found)"

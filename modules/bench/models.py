@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from modules.config.schema import BUILTIN_PREFIX, ModelType
+from modules.model_types import BUILTIN_PREFIX, ModelType
 from modules.util.atomic import publish_dir_once
 from modules.models.tiny import (
-    _VAE,
+    TINY_VAE,
     TINY_SPECS,
     TOKENIZER_FILES,
     TextEncoderSpec,
@@ -126,7 +126,7 @@ def _real_spec(family: str, model_type: ModelType) -> TinySpec:
 
 def _small_spec() -> TinySpec:
     base = TINY_SPECS[ModelType.SD15]
-    return TinySpec(pipeline_class=base.pipeline_class, unet=_SMALL_UNET, vae=_VAE,
+    return TinySpec(pipeline_class=base.pipeline_class, unet=_SMALL_UNET, vae=TINY_VAE,
                     text_encoders=(TextEncoderSpec("text_encoder", "tokenizer", "CLIPTextModel",
                                                    _SMALL_TEXT),),
                     scheduler=base.scheduler, pipeline_kwargs=base.pipeline_kwargs)

@@ -1,7 +1,7 @@
 """Render `docs/config.md`, the reference of every config field, from the schema's metadata.
 
 Nothing here lists fields by hand: the tables come from `iter_fields(Config)`, the built-in
-values from the model type table and `validate.BUILTIN_DATASETS`. `scripts/gen_config_docs.py`
+values from the model type table and `model_types.BUILTIN_DATASETS`. `scripts/gen_config_docs.py`
 writes the result, and a test checks that the committed file is current.
 """
 from __future__ import annotations
@@ -16,8 +16,7 @@ from modules.config.introspect import FieldInfo, container_labels, iter_fields
 from modules.config.loader import to_dict
 from modules.config.migrations import MIGRATIONS
 from modules.config.schema import CONFIG_VERSION, Config
-from modules.config.validate import BUILTIN_DATASETS
-from modules.models.types import MODEL_TYPES
+from modules.model_types import BUILTIN_DATASETS, MODEL_TYPES
 from modules.util.atomic import atomic_write_text
 
 DOC_PATH = "docs/config.md"

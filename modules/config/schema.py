@@ -9,18 +9,14 @@ from dataclasses import dataclass
 from enum import Enum
 
 from modules.config.fields import setting
+from modules.model_types import (  # noqa: F401 - the config's own names for them
+    BUILTIN_PREFIX,
+    BUILTIN_SHAPES,
+    BUILTIN_TINY_SD15,
+    ModelType,
+)
 
 CONFIG_VERSION = 1
-
-BUILTIN_PREFIX = "builtin:"
-BUILTIN_TINY_SD15 = "builtin:tiny-sd15"
-BUILTIN_SHAPES = "builtin:shapes"
-
-
-class ModelType(str, Enum):
-    SD15 = "SD15"
-    SD2 = "SD2"
-    SDXL = "SDXL"
 
 
 class DType(str, Enum):

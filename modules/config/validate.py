@@ -23,9 +23,8 @@ from modules.config.schema import (
     SaveFormat,
     TrainingMethod,
 )
-from modules.models.types import MODEL_TYPES
+from modules.model_types import BUILTIN_DATASETS, MODEL_TYPES
 
-BUILTIN_DATASETS = (BUILTIN_SHAPES,)
 SUPPORTED_FORMATS = {
     TrainingMethod.LORA: {SaveFormat.DIFFUSERS, SaveFormat.KOHYA},
     TrainingMethod.FINE_TUNE: {SaveFormat.DIFFUSERS, SaveFormat.SINGLE_FILE},

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 
-from modules.config.schema import BUILTIN_SHAPES
+from modules.model_types import BUILTIN_SHAPES
 from modules.util.atomic import publish_dir_once
 
 DATASET_VERSION = "v1"
@@ -106,4 +106,4 @@ def ensure_shapes_dataset(cache_dir: Path, count: int = 48, size: int = 64) -> P
     return publish_dir_once(target, lambda tmp: write_shapes(tmp, count, size))
 
 
-BUILTIN_DATASETS: dict[str, Callable[[Path], Path]] = {BUILTIN_SHAPES: ensure_shapes_dataset}
+DATASET_BUILDERS: dict[str, Callable[[Path], Path]] = {BUILTIN_SHAPES: ensure_shapes_dataset}

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from modules.config.schema import BUILTIN_PREFIX, DType, ModelType, PredictionType
-from modules.models.types import MODEL_TYPES
+from modules.model_types import MODEL_TYPES
 
 TORCH_DTYPES = {DType.FLOAT32: torch.float32, DType.FLOAT16: torch.float16,
                 DType.BFLOAT16: torch.bfloat16}

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from modules.config.schema import ModelType
-from modules.models.types import MODEL_TYPES
+from modules.model_types import MODEL_TYPES
 from modules.util.atomic import atomic_file
 
 CONFIGS_DIR = Path(__file__).parent / "configs"

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from modules.config.schema import BUILTIN_PREFIX, ModelType
+from modules.model_types import BUILTIN_PREFIX, ModelType
 from modules.util.atomic import publish_dir_once
 
 # Bump when the builder changes in a way the spec table does not show (e.g. tokenizer layout):
@@ -77,7 +77,7 @@ _CLIP_TEXT = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads":
 _OPEN_CLIP_TEXT = {**_CLIP_TEXT, "hidden_act": "gelu"}
 
 # 4 blocks -> 3 downsamplings -> 8x, like the real SD VAE (64 px images give 8x8 latents).
-_VAE = {"in_channels": 3, "out_channels": 3, "latent_channels": 4, "sample_size": 64,
+TINY_VAE = {"in_channels": 3, "out_channels": 3, "latent_channels": 4, "sample_size": 64,
         "block_out_channels": (8, 16, 32, 32), "layers_per_block": 1, "norm_num_groups": 4,
         "down_block_types": ("DownEncoderBlock2D",) * 4,
         "up_block_types": ("UpDecoderBlock2D",) * 4, "scaling_factor": 0.18215}
@@ -107,7 +107,7 @@ TINY_SPECS: dict[ModelType, TinySpec] = {
     ModelType.SD15: TinySpec(
         pipeline_class="StableDiffusionPipeline",
         unet=_UNET_SD15,
-        vae=_VAE,
+        vae=TINY_VAE,
         text_encoders=(TextEncoderSpec("text_encoder", "tokenizer", "CLIPTextModel", _CLIP_TEXT),),
         scheduler=_SCHEDULER,
         pipeline_kwargs=_SD_PIPELINE_KWARGS,
@@ -115,7 +115,7 @@ TINY_SPECS: dict[ModelType, TinySpec] = {
     ModelType.SD2: TinySpec(
         pipeline_class="StableDiffusionPipeline",
         unet={**_UNET_SD15, "use_linear_projection": True, "attention_head_dim": (2, 4)},
-        vae=_VAE,
+        vae=TINY_VAE,
         text_encoders=(TextEncoderSpec("text_encoder", "tokenizer", "CLIPTextModel",
                                        _OPEN_CLIP_TEXT),),
         scheduler={**_SCHEDULER, "prediction_type": "v_prediction"},
@@ -129,7 +129,7 @@ TINY_SPECS: dict[ModelType, TinySpec] = {
               "cross_attention_dim": _CLIP_TEXT["hidden_size"] + _OPEN_CLIP_TEXT["hidden_size"],
               "addition_embed_type": "text_time", "addition_time_embed_dim": _SDXL_TIME_EMBED_DIM,
               "projection_class_embeddings_input_dim": _SDXL_ADDED_COND_DIM},
-        vae={**_VAE, "scaling_factor": 0.13025},
+        vae={**TINY_VAE, "scaling_factor": 0.13025},
         text_encoders=(
             TextEncoderSpec("text_encoder", "tokenizer", "CLIPTextModel", _CLIP_TEXT),
             TextEncoderSpec("text_encoder_2", "tokenizer_2", "CLIPTextModelWithProjection",

@@ -9,7 +9,7 @@ from torch import nn
 
 from modules.config.schema import Config, DType, ModelType, SaveFormat, TrainingMethod
 from modules.models.loader import TORCH_DTYPES, ModelBundle
-from modules.models.types import MODEL_TYPES
+from modules.model_types import MODEL_TYPES
 from modules.util.atomic import atomic_write_dir
 
 # LoRA target layers of CLIP text encoders (the UNet's come from training.lora_target_modules).

@@ -48,7 +48,7 @@ def test_preset_loads_and_validates(preset):
 
 
 def test_every_model_type_has_a_lora_and_a_fine_tune_preset():
-    from modules.models.types import MODEL_TYPES
+    from modules.model_types import MODEL_TYPES
     found = {(p.parent.name, load_config(p).model.type, load_config(p).training.method.value)
              for p in TYPED}
     for model_type in MODEL_TYPES:
@@ -59,7 +59,7 @@ def test_every_model_type_has_a_lora_and_a_fine_tune_preset():
 
 @pytest.mark.parametrize("preset", TYPED, ids=_ids(TYPED))
 def test_typed_preset_asks_only_for_the_model_and_the_data(preset):
-    from modules.models.types import MODEL_TYPES
+    from modules.model_types import MODEL_TYPES
     config = load_config(preset)
     problems = validate(config, check_files=True)
     assert {p.path for p in problems} == USER_SUPPLIED, "\n".join(str(p) for p in problems)

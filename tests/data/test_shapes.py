@@ -89,4 +89,4 @@ def test_bad_arguments_are_rejected(tmp_path):
 
 
 def test_builtin_mapping():
-    assert shapes.BUILTIN_DATASETS[BUILTIN_SHAPES] is shapes.ensure_shapes_dataset
+    assert shapes.DATASET_BUILDERS[BUILTIN_SHAPES] is shapes.ensure_shapes_dataset

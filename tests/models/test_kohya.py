@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from modules.config.schema import ModelType
 from modules.models.kohya import KohyaError, save_kohya_lora
 from modules.models.tiny import ensure_builtin_model
-from modules.models.types import MODEL_TYPES
+from modules.model_types import MODEL_TYPES
 
 RANK, ALPHA = 4, 8.0  # alpha != rank, so a reader that ignores alpha gets a different image
 UNET_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "proj_in"]  # proj_in: a 1x1 conv in SD 1.x

@@ -12,7 +12,7 @@ from modules.models.single_file import (
     SingleFileError, config_folder_for, detect_model_type, load_single_file, save_single_file,
     to_ldm_state_dict)
 from modules.models.tiny import ensure_builtin_model
-from modules.models.types import MODEL_TYPES
+from modules.model_types import MODEL_TYPES
 
 
 def _tiny(model_type, cache):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from modules.config import apply_overrides, load_config
-from modules.models.types import MODEL_TYPES
+from modules.model_types import MODEL_TYPES
 from modules.train.trainer import train
 
 PRESETS_DIR = Path(__file__).resolve().parents[2] / "training_presets"

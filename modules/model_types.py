@@ -1,13 +1,24 @@
-"""Which components each model type has, and how it is built: one table, read everywhere.
+"""The bottom of the engine: which model types exist, what each has, and the `builtin:` names.
 
-Validation, the loader, the compile engine and the GUI all read `MODEL_TYPES` rather than
-hard-coding component names.
+Config, data, models, compile and the GUI all import from here; this module imports nothing of
+Tempera's, so the layers above it only ever point down. Validation, the loader, the compile
+engine and the GUI read `MODEL_TYPES` rather than hard-coding component names.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
-from modules.config.schema import ModelType
+BUILTIN_PREFIX = "builtin:"
+BUILTIN_TINY_SD15 = "builtin:tiny-sd15"
+BUILTIN_SHAPES = "builtin:shapes"
+BUILTIN_DATASETS = (BUILTIN_SHAPES,)
+
+
+class ModelType(str, Enum):
+    SD15 = "SD15"
+    SD2 = "SD2"
+    SDXL = "SDXL"
 
 
 @dataclass(frozen=True)
