@@ -1,7 +1,8 @@
-"""Compile benchmark: NONE vs every backend, side by side, one subprocess per cell.
+"""The benchmark's one command line, two subcommands (``matrix`` is the default):
 
-    python scripts/benchmark_compile.py --model tiny --resolution 64 --batch 4 \
+    python scripts/benchmark_compile.py [matrix] --model tiny --resolution 64 --batch 4 \
         --backends NONE,AOT_EAGER,INDUCTOR --scopes REGIONAL --dynamic STATIC --out bench-out
+    python scripts/benchmark_compile.py buckets --device cuda --out bucket-out
 
 See docs/benchmarks.md; the logic lives in modules/bench/.
 """

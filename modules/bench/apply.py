@@ -26,17 +26,30 @@ def is_builtin_preset(path: Path | str) -> bool:
     return Path(path).resolve().is_relative_to(BUILTIN_PRESETS_DIR.resolve())
 
 
+UNFINISHED = ("timeout", "skipped")
+
+
 def recommended_settings(result) -> tuple[dict[str, Any], str, dict[str, Any]]:
     """(compile.* values to set, a note saying why, the cell they came from) for ``result``.
 
     The fastest working compiled cell when it beats eager; eager (only ``compile.backend``
     changes, so the component switches stay for a later backend) when nothing compiled was
-    faster. Raises ApplyError when not even the eager cell ran.
+    faster. Raises ApplyError when the comparison is incomplete: a cell that timed out or was
+    skipped may be the fastest (an SD-size autotuned compile can outlast its limit), so no
+    finished cell is recommended over it; nor is anything without a finished eager baseline.
     """
+    unfinished = [c for c in result.cells if c["status"] in UNFINISHED]
+    if unfinished:
+        names = ", ".join(f"{c['label']} ({c['status']})" for c in unfinished)
+        raise ApplyError(f"not every cell finished: {names}; one of them may be the fastest. "
+                         "Run the benchmark again (with a larger --cell-timeout for a "
+                         "timeout), or without those backends, before applying")
     best = result.fastest()
     base = result.baseline()
-    if best is None and (base is None or base["status"] != "ok"):
-        raise ApplyError("no cell ran cleanly (not even eager); nothing to apply")
+    if base is None or base["status"] != "ok":
+        why = "it is missing" if base is None else f"{base['status']}: {base.get('error')}"
+        raise ApplyError(f"the eager baseline did not finish ({why}); without it no speedup "
+                         "is known, so nothing is applied")
     if best is None or not best.get("speedup") or best["speedup"] <= 1.0:
         why = ("no compiled cell ran its requested backend cleanly" if best is None else
                f"the fastest compiled cell, {best['label']}, ran at {best['speedup']}× eager")

@@ -5,9 +5,18 @@ kernels left by the previous cell) and an honest peak memory. The cell drives th
 (`modules.train.trainer.train`), so it measures what users run: the guarded step, the optimizer,
 the data loader.
 
-Timing: the trainer measures the first step itself (run.json ``first_step_seconds``); each later
-step is the interval between two progress events, taken after ``torch.cuda.synchronize()`` on a
-GPU (the trainer's ``loss.item()`` syncs too; the explicit sync keeps it honest if that changes).
+Timing: the first step is the trainer's own measurement (run.json ``first_step_seconds``, host
+clock, ending at the step's loss read, which waits for the device). Each later step is the
+interval between two optimizer-step ends: on CUDA two CUDA events recorded on the stream, read
+after one ``torch.cuda.synchronize()`` when the run is over (no extra sync inside the measured
+window); on the CPU ``time.perf_counter``.
+
+Which steps the median leaves out is decided by what happened, not by a fixed count: the first
+``warmup`` steps (at least the first, which compiles), every step during which the compile
+engine reported a compile (its `CompileEvent`s, or dynamo's graph counter moving), and, when a
+component runs CUDA graphs, the steps after each compile in which the new graph is warmed up and
+recorded. The cell keeps training until it has ``steps`` such clean steps (or a cap is reached),
+then stops the trainer.
 """
 from __future__ import annotations
 
@@ -18,10 +27,25 @@ import statistics
 import sys
 import time
 import traceback
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from modules.events import CompileEvent, NullCallbacks, Progress
+from modules.events import CompileEvent, NullCallbacks, Progress, TrainerCommands
+
+# After a compile, a CUDA-graph tree runs the new graph without a graph first (warm-up, in the
+# compile step itself), records it at the next call, and replays it from then on. So the step
+# after a compile records; one more is left out as margin (a backward graph may be recorded a
+# call after its forward). Not yet checked on a GPU: each cell's JSON keeps every step's
+# seconds and the compile steps, so the first GPU run can confirm the count.
+CUDAGRAPH_SETTLE_STEPS = 2
+KEPT_EVENT_KINDS = ("fallback", "degraded", "recompile", "warning")
+
+
+def step_cap(warmup: int, steps: int) -> int:
+    """The most steps a cell trains while it looks for ``steps`` clean ones: room for a few
+    later compiles (a fallback, a recompile) without training forever if every step compiles."""
+    return warmup + 2 * steps + CUDAGRAPH_SETTLE_STEPS
 
 
 def _dynamo_counter(group: str, key: str | None = None) -> int:
@@ -32,39 +56,106 @@ def _dynamo_counter(group: str, key: str | None = None) -> int:
     return counters[group][key]
 
 
-class StepTimer(NullCallbacks):
-    """Trainer callbacks that timestamp each optimizer step and count graphs per step."""
+def excluded_steps(count: int, warmup: int, compile_steps: Iterable[int],
+                   settle_steps: int) -> set[int]:
+    """0-based steps the median leaves out: the first ``warmup``, each step that compiled, and
+    the ``settle_steps`` after it (CUDA-graph warm-up and recording)."""
+    excluded = set(range(min(warmup, count)))
+    for step in compile_steps:
+        excluded.update(range(step, min(count, step + 1 + settle_steps)))
+    return excluded
 
-    def __init__(self, cuda: bool) -> None:
+
+class StepTimer(NullCallbacks):
+    """Trainer callbacks that timestamp each optimizer step and note the steps that compiled.
+
+    ``steps``/``warmup``/``settle_steps`` set when enough clean steps were seen: the timer then
+    asks ``commands`` to stop the run (the trainer looks at the start of the next step).
+    """
+
+    def __init__(self, cuda: bool, *, steps: int | None = None, warmup: int = 1,
+                 settle_steps: int = 0, commands: TrainerCommands | None = None) -> None:
         self.cuda = cuda
-        self.stamps: list[float] = []
-        self.graphs: list[int] = []  # dynamo's unique_graphs after each step
+        self.wanted, self.warmup, self.settle_steps = steps, warmup, settle_steps
+        self.commands = commands
+        self.stamps: list[float] = []        # perf_counter at each step's end
+        self.cuda_events: list[Any] = []     # torch.cuda.Event at each step's end (CUDA)
+        self.graphs: list[int] = []          # dynamo's unique_graphs after each step
+        self.compile_steps: set[int] = set()
         self.compile_events: list[dict[str, Any]] = []
 
-    def on_progress(self, progress: Progress) -> None:
-        if self.cuda:
-            import torch
-            torch.cuda.synchronize()
-        self.stamps.append(time.perf_counter())
-        self.graphs.append(_dynamo_counter("stats", "unique_graphs"))
+    @property
+    def step_in_flight(self) -> int:
+        return len(self.stamps)
 
     def on_compile(self, event: CompileEvent) -> None:
-        if event.kind in ("fallback", "degraded", "recompile", "warning"):
-            self.compile_events.append({"component": event.component, "kind": event.kind,
+        # Every compile the engine sees emits an event inside the call that compiled (progress
+        # while it compiles, done, a fallback's recompile...); events from apply() precede
+        # step 0, which is never timed anyway.
+        self.compile_steps.add(self.step_in_flight)
+        if event.kind in KEPT_EVENT_KINDS:
+            self.compile_events.append({"step": self.step_in_flight + 1,
+                                        "component": event.component, "kind": event.kind,
                                         "message": event.message})
 
+    def on_progress(self, progress: Progress) -> None:
+        step = self.step_in_flight
+        if self.cuda:
+            import torch
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.cuda_events.append(event)
+        self.stamps.append(time.perf_counter())
+        graphs = _dynamo_counter("stats", "unique_graphs")
+        if graphs != (self.graphs[-1] if self.graphs else 0):
+            self.compile_steps.add(step)  # a graph no engine event announced
+        self.graphs.append(graphs)
+        if self.commands is not None and self.wanted is not None and len(self.timed_steps(
+                self.settle_steps)) >= self.wanted:
+            self.commands.request_stop()
+
+    def timed_steps(self, settle_steps: int) -> list[int]:
+        skip = excluded_steps(len(self.stamps), self.warmup, self.compile_steps, settle_steps)
+        return [i for i in range(len(self.stamps)) if i not in skip]
+
     def step_seconds(self, first_step: float) -> list[float]:
-        return [first_step] + [b - a for a, b in zip(self.stamps, self.stamps[1:])]
+        """Every step's seconds; call after the run (on CUDA it synchronizes once, here)."""
+        if self.cuda and self.cuda_events:
+            import torch
+            torch.cuda.synchronize()
+            later = [a.elapsed_time(b) / 1000.0
+                     for a, b in zip(self.cuda_events, self.cuda_events[1:])]
+        else:
+            later = [b - a for a, b in zip(self.stamps, self.stamps[1:])]
+        return [first_step] + later
 
 
-def peak_memory(cuda: bool) -> tuple[int, str]:
-    """(bytes, what was measured): CUDA max allocated on a GPU, else this process's peak RSS."""
-    if cuda:
-        import torch
-        return int(torch.cuda.max_memory_allocated()), "cuda_max_allocated"
+def peak_memory(cuda: bool) -> dict[str, Any]:
+    """Peak memory of this process. On CUDA both the caching allocator's allocated and reserved
+    peaks (CUDA graphs keep private pools reserved that "allocated" does not show); the CPU has
+    no such counters, so there only the process's peak RSS is measured (RSS always included)."""
     # ru_maxrss is KiB on Linux (bytes on macOS).
     scale = 1 if sys.platform == "darwin" else 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale, "peak_rss"
+    memory: dict[str, Any] = {
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale,
+        "peak_allocated_bytes": None, "peak_reserved_bytes": None,
+        "memory_measured": "process peak RSS (CPU: no allocator counters)"}
+    if cuda:
+        import torch
+        memory.update(peak_allocated_bytes=int(torch.cuda.max_memory_allocated()),
+                      peak_reserved_bytes=int(torch.cuda.max_memory_reserved()),
+                      memory_measured="torch.cuda.max_memory_allocated / max_memory_reserved")
+    return memory
+
+
+def may_use_cudagraphs(config: Any, cuda: bool) -> bool:
+    """Whether the cell's backend and mode ask for CUDA graphs (the plan may still turn them
+    off; run.json says, after the run). Used only to decide when enough steps were seen."""
+    from modules.compile.backends import BACKENDS, merged_inductor_options
+
+    row = BACKENDS.get(config.compile.backend)
+    return cuda and row is not None and bool(
+        merged_inductor_options(row, config.compile.mode).get("triton.cudagraphs"))
 
 
 def summarize_compile(report: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -85,7 +176,7 @@ def summarize_compile(report: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def run_cell(spec: dict[str, Any]) -> dict[str, Any]:
-    """Train ``warmup + steps`` steps with the spec's config and return the cell's numbers."""
+    """Train until ``steps`` clean steps were timed (see the module doc); the cell's numbers."""
     import torch
 
     from modules.config import from_dict
@@ -94,28 +185,36 @@ def run_cell(spec: dict[str, Any]) -> dict[str, Any]:
     config = from_dict(spec["config"])
     warmup, steps = spec["warmup"], spec["steps"]
     cuda = torch.cuda.is_available() and config.general.device.value != "CPU"
-    timer = StepTimer(cuda)
+    commands = TrainerCommands()
+    timer = StepTimer(cuda, steps=steps, warmup=warmup, commands=commands,
+                      settle_steps=CUDAGRAPH_SETTLE_STEPS if may_use_cudagraphs(config, cuda)
+                      else 0)
     started = time.perf_counter()
-    result = train(config, timer)
+    result = train(config, timer, commands)
     wall = time.perf_counter() - started
     record = json.loads((result.output_dir / "run.json").read_text(encoding="utf-8"))
     step_seconds = timer.step_seconds(record["first_step_seconds"])
-    timed = step_seconds[warmup:]
+    cudagraphs = any(r.get("cudagraphs") for r in record["compile"].values()
+                     if r["effective"] != "NONE")
+    timed = timer.timed_steps(CUDAGRAPH_SETTLE_STEPS if cudagraphs else 0)
     if not timed:
-        raise RuntimeError(f"the run stopped after {len(step_seconds)} steps; "
-                           f"{warmup} warm-up + {steps} timed steps were asked for")
-    median = statistics.median(timed)
-    memory, memory_kind = peak_memory(cuda)
+        compiled = sorted(s + 1 for s in timer.compile_steps)
+        raise RuntimeError(f"no clean step to time: all {len(step_seconds)} steps were warm-up "
+                           f"or compiled (compiles in steps {compiled})")
+    median = statistics.median(step_seconds[i] for i in timed)
     graphs_after_warmup = timer.graphs[-1] - timer.graphs[warmup - 1] if warmup else None
     return {
         "status": "ok",
+        "timing": "cuda_events" if cuda else "perf_counter",
         "steps_run": len(step_seconds),
         "step_seconds": [round(s, 5) for s in step_seconds],
+        "timed_steps": [i + 1 for i in timed],          # 1-based, as the trainer counts
+        "compile_steps": sorted(s + 1 for s in timer.compile_steps if s < len(step_seconds)),
+        "cudagraphs": cudagraphs,
         "median_step_seconds": round(median, 5),
         "first_step_seconds": round(step_seconds[0], 4),
         "first_step_overhead_seconds": round(step_seconds[0] - median, 4),
-        "peak_memory_bytes": memory,
-        "peak_memory_kind": memory_kind,
+        **peak_memory(cuda),
         "graph_breaks": _dynamo_counter("graph_break"),
         "unique_graphs": _dynamo_counter("stats", "unique_graphs"),
         "graphs_after_warmup": graphs_after_warmup,

@@ -126,6 +126,14 @@ def model_config(base: Config, *, model_path: str, model_type, resolution: int, 
     return config
 
 
+def default_precision(config: Config) -> str:
+    """bf16 where the run will be on CUDA (what SD training uses there; fp32 would leave the
+    tensor cores idle and time the wrong thing), fp32 on the CPU (bf16 is emulated slowly)."""
+    from modules.train.setup import pick_device
+
+    return "bf16" if pick_device(config.general.device).type == "cuda" else "fp32"
+
+
 def set_precision(config: Config, precision: str | None) -> None:
     """fp32 / bf16 / fp16: autocast dtype and the frozen weights' dtype together; None keeps."""
     from modules.config.schema import DType, MixedPrecision

@@ -47,9 +47,22 @@ def _num(value: Any, fmt: str) -> str:
     return "—" if value is None else format(value, fmt)
 
 
-def _row(cell: dict[str, Any]) -> list[str]:
+def measured_on_cuda(cells: list[dict[str, Any]]) -> bool:
+    """Whether the cells carry CUDA allocator peaks (else only the process's RSS exists)."""
+    return any(c.get("peak_reserved_bytes") is not None for c in cells)
+
+
+def memory_columns(cuda: bool) -> list[str]:
+    return ["peak allocated MiB", "peak reserved MiB"] if cuda else ["peak RSS MiB"]
+
+
+def _mib(value: Any) -> str:
+    return _num(value if value is None else value / MIB, ".0f")
+
+
+def _row(cell: dict[str, Any], cuda: bool) -> dict[str, str]:
+    """One table row, keyed by column name."""
     warm = cell.get("warm") or {}
-    memory = cell.get("peak_memory_bytes")
     notes = cell.get("error") or "; ".join(cell.get("fallbacks") or []) or ""
     if cell["status"] != "ok":
         notes = f"**{cell['status']}**: {notes}"
@@ -59,40 +72,55 @@ def _row(cell: dict[str, Any]) -> list[str]:
     elif warm:
         warm_text = f"{warm.get('status')}: {warm.get('error')}"
     baseline = cell["backend"] == "NONE"
-    return [
-        cell["backend"], cell["components"], cell["scope"], cell["dynamic"],
-        _num(cell.get("median_step_seconds") and cell["median_step_seconds"] * 1000, ".1f"),
-        _num(cell.get("speedup"), ".2f"),
-        "—" if baseline else _num(cell.get("cold_start_seconds"), ".1f"),
-        "—" if baseline else _num(cell.get("compile_seconds"), ".1f"),
-        warm_text,
-        _num(memory and memory / MIB, ".0f"),
-        _num(cell.get("recompiles"), "d"),
-        _num(cell.get("graphs_after_warmup"), "d"),
-        _num(cell.get("graph_breaks"), "d"),
-        notes.replace("|", "\\|"),
-    ]
+    median = cell.get("median_step_seconds")
+    timed = cell.get("timed_steps")
+    row = {
+        "backend": cell["backend"], "components": cell["components"], "scope": cell["scope"],
+        "dynamic": cell["dynamic"],
+        "step ms (median)": _num(median and median * 1000, ".1f"),
+        "timed steps": "—" if timed is None else str(len(timed)),
+        "speedup": _num(cell.get("speedup"), ".2f"),
+        "cold start s": "—" if baseline else _num(cell.get("cold_start_seconds"), ".1f"),
+        "compile s": "—" if baseline else _num(cell.get("compile_seconds"), ".1f"),
+        "warm start s": warm_text,
+    }
+    if cuda:
+        row["peak allocated MiB"] = _mib(cell.get("peak_allocated_bytes"))
+        row["peak reserved MiB"] = _mib(cell.get("peak_reserved_bytes"))
+    else:
+        row["peak RSS MiB"] = _mib(cell.get("peak_rss_bytes"))
+    row.update({
+        "recompiles": _num(cell.get("recompiles"), "d"),
+        "new graphs after warm-up": _num(cell.get("graphs_after_warmup"), "d"),
+        "graph breaks": _num(cell.get("graph_breaks"), "d"),
+        "notes": notes.replace("|", "\\|"),
+    })
+    return row
 
 
-HEADER = ["backend", "components", "scope", "dynamic", "step ms (median)", "speedup",
-          "cold start s", "compile s", "warm start s", "peak MiB",
-          "recompiles", "new graphs after warm-up", "graph breaks", "notes"]
+def header(cuda: bool) -> list[str]:
+    return ["backend", "components", "scope", "dynamic", "step ms (median)", "timed steps",
+            "speedup", "cold start s", "compile s", "warm start s", *memory_columns(cuda),
+            "recompiles", "new graphs after warm-up", "graph breaks", "notes"]
 
 
 def markdown_table(cells: list[dict[str, Any]]) -> str:
-    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
-    lines += ["| " + " | ".join(_row(cell)) + " |" for cell in cells]
+    cuda = measured_on_cuda(cells)
+    names = header(cuda)
+    lines = ["| " + " | ".join(names) + " |", "|" + "---|" * len(names)]
+    lines += ["| " + " | ".join(_row(cell, cuda)[n] for n in names) + " |" for cell in cells]
     return "\n".join(lines)
 
 
-PLAIN_COLUMNS = (("backend", 0), ("components", 1), ("scope", 2), ("dynamic", 3),
-                 ("step ms", 4), ("speedup", 5), ("cold start s", 6), ("notes", 13))
+PLAIN_COLUMNS = ("backend", "components", "scope", "dynamic", "step ms (median)", "speedup",
+                 "cold start s", "notes")
 
 
 def plain_table(result) -> str:
     """The main columns as an aligned text table (the GUI's report box is not Markdown)."""
-    rows = [[name for name, _ in PLAIN_COLUMNS]]
-    rows += [[_row(cell)[i] for _, i in PLAIN_COLUMNS] for cell in result.cells]
+    cuda = measured_on_cuda(result.cells)
+    rows = [["step ms" if n == "step ms (median)" else n for n in PLAIN_COLUMNS]]
+    rows += [[_row(cell, cuda)[n] for n in PLAIN_COLUMNS] for cell in result.cells]
     widths = [max(len(r[i]) for r in rows) for i in range(len(PLAIN_COLUMNS) - 1)]
     lines = ["  ".join(value.ljust(w) for value, w in zip(row, widths)) + "  "
              + row[-1].replace("**", "").replace("\\|", "|")
@@ -100,35 +128,51 @@ def plain_table(result) -> str:
     return "\n".join(line.rstrip() for line in lines) + "\n"
 
 
+def _how_measured(result) -> str:
+    cuda = measured_on_cuda(result.cells)
+    timing = ("each later step is the time between two CUDA events recorded at optimizer-step "
+              "ends, read after one synchronize at the end of the run" if cuda else
+              "each later step is timed with time.perf_counter")
+    memory = ("peak allocated and peak reserved memory of torch's CUDA caching allocator over "
+              "the cell process (reserved includes the private pools CUDA graphs keep)" if cuda
+              else "the cell process's peak RSS (torch keeps no allocated/reserved counters on "
+              "the CPU)")
+    return (f"Step time is the median of the timed steps: the first {result.settings['warmup']} "
+            "step(s), every step that compiled and, with CUDA graphs, the steps that warm up "
+            f"and record them are left out; {timing}. Speedup is the NONE cell's median divided "
+            "by the cell's, from this run. Cold start is the cell's first step minus the eager "
+            "median step, in a fresh process with an empty compile cache; compile s is the part "
+            "of it the engine spent compiling; warm start is the cold start of the same cell in "
+            "a second process that finds the cache the first one filled. Peak memory: "
+            f"{memory}.")
+
+
 def markdown_report(result) -> str:
     """The table plus the settings and machine it came from, as one Markdown block."""
     m, s = result.machine, result.settings
-    device = m.get("cuda_device") or f"CPU {m['cpu']}, {m['cpu_cores']} cores"
+    device = (m.get("cuda_device") if measured_on_cuda(result.cells) else None) or \
+        f"CPU {m['cpu']}, {m['cpu_cores']} cores"
     load = m.get("load_average_start")
-    memory_kind = next((c.get("peak_memory_kind") for c in result.cells
-                        if c.get("peak_memory_kind")), "peak_rss")
     fastest = result.fastest()
     lines = [
         f"Model `{s.get('model', s['model_path'])}` ({s['model_type']}), {s['resolution']} px, "
-        f"batch {s['batch_size']}, {s['method']}, mixed precision {s['mixed_precision']}; "
-        f"{s['warmup']} warm-up + {s['steps']} timed steps per cell.",
+        f"batch {s['batch_size']}, {s['method']}, mixed precision {s['mixed_precision']}, "
+        f"frozen weights {s['weight_dtype']}; {s['warmup']} warm-up step(s), then {s['steps']} "
+        "timed steps per cell (steps that compiled are not timed).",
         f"Device: {device}; torch {m['torch']}; {m['date']}"
         + (f"; load average at start {load[0]:.2f}" if load else "") + ".",
         "",
         markdown_table(result.cells),
         "",
-        f"Step time is the median of the timed steps (first step and warm-up excluded); speedup "
-        f"is the NONE cell's median divided by the cell's, from this run. Cold start is the "
-        f"cell's first step minus the eager median step, in a fresh process with an empty "
-        f"compile cache; compile s is the part of it the engine spent compiling; warm start is "
-        f"the cold start of the same cell in a second process that finds the cache the first "
-        f"one filled. Peak memory: "
-        f"{'CUDA max allocated' if memory_kind == 'cuda_max_allocated' else 'peak RSS of the cell process'}.",
+        _how_measured(result),
         "",
         ("Fastest working compiled cell: "
          f"**{fastest['label']}** ({fastest['speedup']:.2f}× eager)." if fastest and
          fastest.get("speedup") else "No compiled cell ran its requested backend cleanly."),
     ]
+    unfinished = [c["label"] for c in result.cells if c["status"] in ("timeout", "skipped")]
+    if unfinished:
+        lines.append(f"Not finished (not compared): {', '.join(unfinished)}.")
     return "\n".join(lines) + "\n"
 
 

@@ -19,7 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from modules.bench.cell import step_cap
 from modules.bench.matrix import Cell, cell_config, expand_matrix
+from modules.bench.timeouts import cell_timeout_seconds, unet_parameters
 from modules.config import Config, to_dict
 
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
@@ -76,17 +78,20 @@ ProgressFn = Callable[[BenchProgress], None]
 def run_benchmark(config: Config, *, backends: Sequence[str] = ("NONE", "AOT_EAGER"),
                   components: Sequence[str] | None = None, scopes: Sequence[str] | None = None,
                   dynamic: Sequence[str] | None = None, steps: int = 5, warmup: int = 3,
-                  warm_start: bool = True, cell_timeout: float = 900.0,
+                  warm_start: bool = True, cell_timeout: float | None = None,
                   out_dir: Path | str | None = None, progress: ProgressFn | None = None,
                   should_stop: Callable[[], bool] | None = None,
                   extra_settings: dict[str, Any] | None = None) -> BenchmarkResult:
     """Benchmark ``config`` under each backend of the matrix; never raises for a failing cell.
 
     ``components``/``scopes``/``dynamic`` default to the config's own compile settings, so the
-    GUI's short version measures the user's current setup. ``warmup`` steps (at least 1: the
-    compile) are excluded from the median of the next ``steps``. ``out_dir`` keeps per-cell
-    logs and run records (a temporary folder when None). ``should_stop`` is polled while cells
-    run; when it returns True the running cell is killed and the rest are marked skipped.
+    GUI's short version measures the user's current setup. The median is taken over ``steps``
+    clean steps: after the first ``warmup`` (at least 1: the compile), steps that compiled or
+    recorded CUDA graphs are left out too (see `modules.bench.cell`). ``cell_timeout`` is the
+    seconds each cell process may run; None scales it with the UNet's size and the backend
+    (`modules.bench.timeouts`). ``out_dir`` keeps per-cell logs and run records (a temporary
+    folder when None). ``should_stop`` is polled while cells run; when it returns True the
+    running cell is killed and the rest are marked skipped.
     """
     if steps < 1 or warmup < 1:
         raise ValueError(f"need steps >= 1 and warmup >= 1 (the first step compiles), "
@@ -98,9 +103,11 @@ def run_benchmark(config: Config, *, backends: Sequence[str] = ("NONE", "AOT_EAG
                           list(components) if components else [_components_of(config)],
                           list(scopes) if scopes else [c.scope.value],
                           list(dynamic) if dynamic else [c.dynamic.value])
+    parameters, parameters_source = unet_parameters(config)
     result = BenchmarkResult(machine_info(), {
         "backends": list(backends), "steps": steps, "warmup": warmup, "warm_start": warm_start,
-        "cell_timeout": cell_timeout, "model_path": config.model.path,
+        "cell_timeout": cell_timeout, "unet_parameters": parameters,
+        "unet_parameters_source": parameters_source, "model_path": config.model.path,
         "model_type": config.model.type.value, "resolution": config.data.resolution,
         "batch_size": config.training.batch_size, "method": config.training.method.value,
         "mixed_precision": config.training.mixed_precision.value,
@@ -111,11 +118,17 @@ def run_benchmark(config: Config, *, backends: Sequence[str] = ("NONE", "AOT_EAG
         work = Path(out_dir) if out_dir is not None else Path(tmp)
         for index, cell in enumerate(cells, 1):
             row = _cell_row(cell)
+            timeout = (cell_timeout if cell_timeout is not None else
+                       cell_timeout_seconds(parameters, cell.backend, c.mode))
+            row["timeout_seconds"] = timeout
+            why = ("--cell-timeout" if cell_timeout is not None else
+                   f"scaled for a {parameters / 1e6:.1f} M-parameter UNet and {cell.backend}; "
+                   "--cell-timeout sets it")
             if stop():
                 row.update(status="skipped", error="benchmark stopped")
             else:
                 row.update(_run_cell(config, cell, work / "cells" / cell.cell_id, steps=steps,
-                                     warmup=warmup, warm_start=warm_start, timeout=cell_timeout,
+                                     warmup=warmup, warm_start=warm_start, timeout=(timeout, why),
                                      notify=lambda phase, msg, i=index, cl=cell: notify(
                                          BenchProgress(i, len(cells), cl.label, phase, msg)),
                                      stop=stop))
@@ -163,7 +176,7 @@ def add_speedups(result: BenchmarkResult) -> None:
 
 
 def _run_cell(base: Config, cell: Cell, folder: Path, *, steps: int, warmup: int,
-              warm_start: bool, timeout: float, notify: Callable[[str, str], None],
+              warm_start: bool, timeout: tuple[float, str], notify: Callable[[str, str], None],
               stop: Callable[[], bool]) -> dict[str, Any]:
     """The cold run and (for compiled cells) the warm run, each in a fresh subprocess."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -172,7 +185,7 @@ def _run_cell(base: Config, cell: Cell, folder: Path, *, steps: int, warmup: int
         shutil.rmtree(compile_cache)  # a cold start must start cold
     try:
         phases = ["cold"] + (["warm"] if warm_start and not cell.is_baseline else [])
-        configs = {phase: cell_config(base, cell, max_steps=warmup + steps,
+        configs = {phase: cell_config(base, cell, max_steps=step_cap(warmup, steps),
                                       output_dir=folder / f"run-{phase}",
                                       compile_cache_dir=compile_cache) for phase in phases}
     except ValueError as err:
@@ -191,7 +204,8 @@ def _run_cell(base: Config, cell: Cell, folder: Path, *, steps: int, warmup: int
 
 
 def _run_phase(config: Config, folder: Path, phase: str, steps: int, warmup: int,
-               timeout: float, compile_cache: Path, stop: Callable[[], bool]) -> dict[str, Any]:
+               timeout: tuple[float, str], compile_cache: Path,
+               stop: Callable[[], bool]) -> dict[str, Any]:
     spec_path, result_path = folder / f"spec-{phase}.json", folder / f"result-{phase}.json"
     spec_path.write_text(json.dumps({"config": to_dict(config), "steps": steps,
                                      "warmup": warmup, "phase": phase}, indent=2) + "\n",
@@ -215,16 +229,18 @@ def _run_phase(config: Config, folder: Path, phase: str, steps: int, warmup: int
     return json.loads(result_path.read_text(encoding="utf-8"))
 
 
-def _wait(command: list[str], env: dict[str, str], log, timeout: float,
+def _wait(command: list[str], env: dict[str, str], log, timeout: tuple[float, str],
           stop: Callable[[], bool]) -> tuple[str, str] | None:
-    """Run ``command``; (status, error) if it timed out or was stopped, else None."""
+    """Run ``command``; (status, error) if it timed out or was stopped, else None.
+    ``timeout`` is (seconds, where that limit came from)."""
     process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=log,
                                stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + timeout
+    seconds, why = timeout
+    deadline = time.monotonic() + seconds
     while process.poll() is None:
         if time.monotonic() > deadline:
             _kill(process)
-            return "timeout", f"timed out after {timeout:g} s (--cell-timeout)"
+            return "timeout", f"timed out after {seconds:g} s ({why})"
         if stop():
             _kill(process)
             return "skipped", "benchmark stopped"

@@ -49,8 +49,15 @@ def test_ratios_come_from_the_same_run(benchmark):
                                             / cell["median_step_seconds"], rel=1e-2)
     assert cell["cold_start_seconds"] == pytest.approx(
         cell["first_step_seconds"] - base["median_step_seconds"], abs=2e-3)
+    # warm-up 2, then 3 clean steps: REGIONAL aot_eager compiles only in the first step.
+    assert 1 in cell["compile_steps"] and cell["timed_steps"] == [3, 4, 5]
     assert len(cell["step_seconds"]) == 5 and cell["steps_run"] == 5
-    assert cell["median_step_seconds"] > 0 and cell["peak_memory_bytes"] > 50 * 2**20
+    assert cell["timing"] == "perf_counter" and not cell["cudagraphs"]
+    assert cell["median_step_seconds"] == pytest.approx(
+        sorted(cell["step_seconds"][2:])[1], abs=1e-5)
+    assert cell["median_step_seconds"] > 0 and cell["peak_rss_bytes"] > 50 * 2**20
+    assert cell["peak_allocated_bytes"] is None and cell["peak_reserved_bytes"] is None
+    assert "RSS" in cell["memory_measured"]
     assert cell["compile_seconds"] > 0 and cell["compiled_code_ran"]
     assert cell["effective"] == {"unet": "AOT_EAGER"} and cell["fallbacks"] == []
     assert cell["graphs_after_warmup"] == 0, "a recompile inside the timed steps"
@@ -63,7 +70,12 @@ def test_outputs_are_written_and_agree(benchmark):
     data = json.loads(paths["json"].read_text())
     assert data["cells"] == json.loads(json.dumps(result.cells))
     assert data["machine"]["cpu_cores"] >= 1 and data["machine"]["torch"]
+    # the timeout scales with the model: the tiny UNet gets the base limit
+    assert data["settings"]["unet_parameters"] == unet_parameter_count("tiny")
+    assert [c["timeout_seconds"] for c in data["cells"]] == [600, 600, 600]
     table = paths["markdown"].read_text()
+    assert "| peak RSS MiB |" in table and "allocated MiB" not in table
+    assert "perf_counter" in table and "peak RSS" in table
     assert "| AOT_EAGER | unet | REGIONAL | STATIC |" in table
     assert "**failed**: unknown compile backend" in table
     assert f"{result.cells[1]['speedup']:.2f}" in table
@@ -122,8 +134,9 @@ def test_apply_refuses_a_shipped_preset_before_running_anything(tmp_path, capsys
     assert preset.read_bytes() == before
 
 
-def test_bad_arguments_are_reported(tmp_path, capsys):
-    assert bench_main(["--model", "tiny", "--components", "unet,everything",
+@pytest.mark.parametrize("subcommand", [[], ["matrix"]])
+def test_bad_arguments_are_reported(tmp_path, capsys, subcommand):
+    assert bench_main([*subcommand, "--model", "tiny", "--components", "unet,everything",
                        "--out", str(tmp_path)]) == 2
     assert "unknown components 'everything'" in capsys.readouterr().err
 
@@ -132,8 +145,22 @@ def test_a_cell_that_hangs_is_killed_and_recorded(tiny_config, tmp_path):
     result = run_benchmark(tiny_config(), backends=["NONE"], steps=1, warmup=1,
                            cell_timeout=0.5, out_dir=tmp_path)
     assert result.cells[0]["status"] == "timeout"
-    assert "timed out after 0.5 s" in result.cells[0]["error"]
+    assert "timed out after 0.5 s (--cell-timeout)" in result.cells[0]["error"]
+    assert result.cells[0]["timeout_seconds"] == 0.5
     assert result.fastest() is None and "No compiled cell" in result.markdown()
+    assert "Not finished (not compared): NONE (eager)" in result.markdown()
+
+
+def test_the_scaled_timeout_says_where_it_came_from(tiny_config, tmp_path, monkeypatch):
+    import modules.bench.runner as runner
+    asked = []
+    monkeypatch.setattr(runner, "cell_timeout_seconds",
+                        lambda params, backend, mode: asked.append((params, backend)) or 0.5)
+    result = run_benchmark(tiny_config(), backends=["NONE"], steps=1, warmup=1,
+                           out_dir=tmp_path)
+    assert asked == [(unet_parameter_count("tiny"), "NONE")]
+    assert result.cells[0]["status"] == "timeout"
+    assert "scaled for a 0.4 M-parameter UNet and NONE" in result.cells[0]["error"]
 
 
 @pytest.mark.parametrize("name,millions", [("sd15", 859.5), ("sdxl", 2567.5)])
