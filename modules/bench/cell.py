@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from modules.events import CompileEvent, NullCallbacks, Progress, TrainerCommands
+from modules.util.errors import describe
 
 # After a compile, a CUDA-graph tree runs the new graph without a graph first (warm-up, in the
 # compile step itself), records it at the next call, and replays it from then on. So the step
@@ -225,11 +226,6 @@ def run_cell(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def first_error_line(err: BaseException) -> str:
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    return f"{type(err).__name__}: {lines[0] if lines else ''}".rstrip(": ")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Run one compile benchmark cell.")
     parser.add_argument("--spec", required=True, help="JSON file with config, warmup, steps")
@@ -241,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         code = 0
     except Exception as err:  # the cell's failure is its result: the parent records the row
         traceback.print_exc()
-        result = {"status": "failed", "error": first_error_line(err)}
+        result = {"status": "failed", "error": describe(err)}
         code = 1
     Path(args.result).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     return code

@@ -23,6 +23,7 @@ from modules.bench.cell import step_cap
 from modules.bench.matrix import Cell, cell_config, expand_matrix
 from modules.bench.timeouts import cell_timeout_seconds, unet_parameters
 from modules.config import Config, to_dict
+from modules.util.errors import first_line
 
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 POLL_SECONDS = 0.25
@@ -189,7 +190,7 @@ def _run_cell(base: Config, cell: Cell, folder: Path, *, steps: int, warmup: int
                                       output_dir=folder / f"run-{phase}",
                                       compile_cache_dir=compile_cache) for phase in phases}
     except ValueError as err:
-        return {"status": "failed", "error": str(err).splitlines()[0]}
+        return {"status": "failed", "error": first_line(err)}
     notify("cold", "cold start")
     row = _run_phase(configs["cold"], folder, "cold", steps, warmup, timeout, compile_cache, stop)
     if row["status"] == "ok" and "warm" in configs:

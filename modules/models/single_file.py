@@ -17,6 +17,7 @@ import torch
 from modules.config.schema import ModelType
 from modules.model_types import MODEL_TYPES
 from modules.util.atomic import atomic_file
+from modules.util.errors import first_line
 
 CONFIGS_DIR = Path(__file__).parent / "configs"
 CONFIG_FOLDERS = {ModelType.SD15: "sd15", ModelType.SD2: "sd2", ModelType.SDXL: "sdxl"}
@@ -104,7 +105,7 @@ def checkpoint_keys(path: Path, allow_pickle: bool = False) -> list[str]:
                 return list(f.keys())
         except Exception as exc:  # safetensors raises its own error type for a damaged header
             raise SingleFileError(f"{path}: not a readable .safetensors file "
-                                  f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__});"
+                                  f"({first_line(exc)});"
                                   " the download may be incomplete") from exc
     return list(load_pickle_checkpoint(path))
 
@@ -115,7 +116,7 @@ def load_pickle_checkpoint(path: Path) -> dict[str, torch.Tensor]:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # unpickling errors come in many types; all mean "cannot use it"
         raise SingleFileError(f"{path}: cannot be loaded with weights_only=True: "
-                              f"{(str(exc).splitlines() or [type(exc).__name__])[0]}") from exc
+                              f"{first_line(exc)}") from exc
     while isinstance(checkpoint, dict) and "state_dict" in checkpoint:
         checkpoint = checkpoint["state_dict"]  # Lightning-style checkpoints nest the weights
     if not isinstance(checkpoint, dict):
