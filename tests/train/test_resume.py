@@ -255,3 +255,27 @@ def test_a_really_full_disk_during_a_backup_keeps_the_previous_one(tiny_config, 
     assert [step for step, _ in found] == [1]
     info, states = load_states(found[0][1])  # the previous backup is whole and readable
     assert info["step"] == 1 and states["parameters"]
+
+
+def test_a_new_learning_rate_applies_from_the_resumed_step(tiny_config):
+    constant = ("training.lr_scheduler=CONSTANT", "training.lr_warmup_steps=0")
+    commands = TrainerCommands()
+    train(tiny_config("training.max_steps=4", *constant), StopAt(commands, 2), commands)
+    callbacks = RecordingCallbacks()
+    result = train(tiny_config("training.max_steps=4", *constant, "training.learning_rate=5e-4",
+                               "training.resume_from=latest"), callbacks)
+    assert [p.lr for p in callbacks.progress] == [5e-4, 5e-4]
+    assert "training.learning_rate: 0.001 -> 0.0005" in run_json(result.output_dir)[
+        "resume_changed"]
+
+
+def test_incomplete_backup_folders_are_never_picked(tmp_path):
+    from modules.train.backup import find_backup
+    root = tmp_path / "backups"
+    (root / "step-000004").mkdir(parents=True)        # no backup.json: written half-way
+    (root / ".step-000006.abc.tmp").mkdir()           # a write that was interrupted
+    (root / "step-000002").mkdir()
+    (root / "step-000002" / "backup.json").write_text("{}")
+    (root / "step-000002" / "tensors.safetensors").write_bytes(b"")
+    assert [step for step, _ in list_backups(tmp_path)] == [2]
+    assert find_backup(tmp_path, "latest").name == "step-000002"
