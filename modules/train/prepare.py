@@ -39,8 +39,8 @@ class PreparedRun:
 def resolve_dataset_path(path: str, cache_dir: Path) -> Path:
     """The real folder behind a dataset path; built-in datasets are generated into the cache."""
     if path.startswith(BUILTIN_PREFIX):
-        from modules.data.shapes import ensure_shapes_dataset
-        return ensure_shapes_dataset(cache_dir)
+        from modules.data.shapes import DATASET_BUILDERS
+        return DATASET_BUILDERS[path](cache_dir)  # validation accepted only known names
     return Path(path)
 
 
