@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from modules.data.dataset import derive_seed
+
 
 class SmoothedValue:
     """Exponential moving average for the displayed loss."""
@@ -35,9 +37,8 @@ class SmoothedValue:
 
 
 def draws_generator(seed: int, rank: int) -> torch.Generator:
-    """The generator a rank draws each step's noise from: rank 0 draws what a single-process
-    run would, the others their own."""
-    return torch.Generator("cpu").manual_seed(seed + rank)
+    """The generator a rank draws each step's noise from (reseeded at every step)."""
+    return torch.Generator("cpu").manual_seed(derive_seed("draws", seed, rank, 0))
 
 
 @dataclass
@@ -56,6 +57,12 @@ class TrainingState:
     bad_steps: int = 0        # non-finite optimizer steps in a row (skipped)
     skipped_steps: int = 0    # non-finite optimizer steps in all
     smoothed: SmoothedValue = field(default_factory=SmoothedValue)
+
+    def reseed_draws(self, seed: int, rank: int) -> None:
+        """Seed the draws of the step about to run from (seed, rank, step): every process of a
+        multi-GPU run draws its own noise, and a resumed process draws exactly what it would
+        have drawn, without any other process's generator state."""
+        self.generator.manual_seed(derive_seed("draws", seed, rank, self.step))
 
     def state_dict(self) -> dict:
         """Plain JSON values, and the generator's state as a uint8 tensor."""

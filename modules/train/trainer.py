@@ -160,6 +160,8 @@ def training_loop(run: Run, callbacks: TrainerCallbacks, commands: TrainerComman
 
     for index, batch, closes_window in batches(run, commands):
         pixel_shape = run.pixel_shape(batch)
+        if window is None:  # the first micro-batch of an optimizer step
+            state.reseed_draws(config.training.seed, run.dist.rank)
         draws = draw_randomness(state.generator, latent_shape(run.bundle.vae, *pixel_shape),
                                 run.bundle.noise_scheduler.config.num_train_timesteps,
                                 need_vae_eps="latents" not in batch)
