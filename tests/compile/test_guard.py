@@ -207,14 +207,20 @@ def test_sampling_bypasses_compiled_code_without_recompiling(make_unet):
     assert not any(e.kind in ("recompile", "warning") for e in callbacks.compile_events)
 
 
-def test_a_late_recompile_is_one_short_sentence_with_the_guard_text_as_detail(mlp, step):
-    model = mlp()
-    callbacks = RecordingCallbacks()
+def static_aot_engine(model, callbacks) -> CompileEngine:
+    """AOT_EAGER with static shapes: every new batch size is a recompile."""
     engine = CompileEngine(CompileConfig(backend=CompileBackend.AOT_EAGER,
                                          dynamic=DynamicShapes.STATIC),
                            {"unet": model}, callbacks=callbacks, capabilities=GPU,
                            probation_steps=1)
     engine.apply()
+    return engine
+
+
+def test_a_late_recompile_is_one_short_sentence_with_the_guard_text_as_detail(mlp, step):
+    model = mlp()
+    callbacks = RecordingCallbacks()
+    engine = static_aot_engine(model, callbacks)
     engine.run_guarded(step(model, 2))
     engine.run_guarded(step(model, 2))
     late = step(model, 3)
@@ -230,11 +236,7 @@ def test_a_late_recompile_is_one_short_sentence_with_the_guard_text_as_detail(ml
 def test_a_recompile_for_a_new_shape_is_expected_not_warned(mlp, step):
     model = mlp()
     callbacks = RecordingCallbacks()
-    engine = CompileEngine(CompileConfig(backend=CompileBackend.AOT_EAGER,
-                                         dynamic=DynamicShapes.STATIC),
-                           {"unet": model}, callbacks=callbacks, capabilities=GPU,
-                           probation_steps=1)
-    engine.apply()
+    engine = static_aot_engine(model, callbacks)
     for batch in (2, 2, 3, 5):
         fn = step(model, batch)
         engine.window().run(fn, new_shape=batch != 2)
