@@ -16,7 +16,8 @@ from modules.events import NullCallbacks, Progress, TrainerCallbacks, TrainerCom
 from modules.train.objectives import diffusion_mse, drop_captions, min_snr_weights, offset_noise
 from modules.train.distributed import init_distributed
 from modules.train.prepare import PreparedRun, prepare_run
-from modules.train.run import Run, start_run
+from modules.train.run import Run
+from modules.train.start import start_run
 from modules.train.builders import Draws, draw_randomness, latent_shape
 from modules.util.disk import DiskFull
 from modules.util.errors import describe, is_out_of_memory

@@ -133,8 +133,8 @@ def test_cached_captions_stay_themselves_under_cuda_graphs(cuda_config, monkeypa
             super().__init__(*args, **kwargs)
             caches.append(self)
 
-    import modules.train.run as run_module
-    monkeypatch.setattr(run_module, "TextEncoderCache", Kept)
+    import modules.train.start as start_module
+    monkeypatch.setattr(start_module, "TextEncoderCache", Kept)
     train(cuda_config("compile.backend=TRITON", "compile.text_encoder=true",
                       "data.cache_text_encoder_outputs=true", "training.max_steps=8"))
     [cache] = caches

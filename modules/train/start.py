@@ -1,0 +1,185 @@
+"""Starting a run: the first write into the output folder, then everything the loop needs.
+
+`start_run` takes the output folder's lock, writes config.json and run.json (continued when the
+run resumes), builds the trained weights, optimizer, schedule, data, compile guard, EMA and
+TensorBoard writer into one `Run`, and loads the backup being resumed into it.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from modules.config.loader import save_config
+from modules.config.problems import ConfigError, Problem
+from modules.config.schema import MixedPrecision
+from modules.data.buckets import assign_buckets, bucket_counts, describe_buckets
+from modules.data.dataset import ImageCaptionDataset, epoch_batch_sampler, expand_repeats
+from modules.events import TrainerCallbacks
+from modules.train.backup import ResumePoint, load_states, remove_partial_backups, restore_run
+from modules.train.builders import (build_lr_scheduler, build_optimizer, float32_precision,
+                                    step_budget)
+from modules.train.compile_guard import build_compile_guard
+from modules.train.distributed import Distributed
+from modules.train.output_lock import OutputBusy, OutputLock, describe_owner
+from modules.train.prepare import PreparedRun
+from modules.train.record import RunRecord, device_description, library_versions
+from modules.train.run import Run, item_buckets
+from modules.train.state import TrainingState, draws_generator
+from modules.train.text_cache import TextEncoderCache
+from modules.train.weights import enable_gradient_checkpointing, prepare_trainable, trained_components
+
+
+def start_run(prepared: PreparedRun, callbacks: TrainerCallbacks, dist: Distributed) -> Run:
+    """Create the output folder and everything the loop needs; the first write happens here."""
+    config, bundle = prepared.config, prepared.bundle
+    device = dist.device or prepared.device
+    output_dir = Path(config.output.dir)
+    lock = None
+    if dist.is_main:
+        lock = take_output_lock(output_dir, callbacks)  # the first write
+        (output_dir / "samples").mkdir(parents=True, exist_ok=True)
+        save_config(config, output_dir / "config.json")
+    record = RunRecord(output_dir / "run.json", enabled=dist.is_main)
+    if prepared.resume is not None:
+        continue_record(record, prepared.resume)
+    record.write(status="running", versions=library_versions(),
+                 device=device_description(device), model_type=config.model.type.value,
+                 method=config.training.method.value,
+                 weight_dtype=config.model.weight_dtype.value,
+                 train_dtype=config.model.train_dtype.value,
+                 mixed_precision=config.training.mixed_precision.value,
+                 dataset={"images": len(prepared.scan.items), "skipped": len(prepared.scan.skipped),
+                          "skipped_files": [str(p) for p, _ in prepared.scan.skipped]})
+
+    torch.manual_seed(config.training.seed)  # LoRA init draws from the global generator
+    trained = trained_components(config)
+    params = prepare_trainable(bundle, config)
+    if config.training.gradient_checkpointing:
+        enable_gradient_checkpointing(bundle, trained)
+    for module in bundle.components().values():
+        module.to(device)
+
+    dataset = build_dataset(prepared, callbacks)
+    batches = epoch_batch_sampler(len(dataset), config.training.batch_size,
+                                  config.training.seed, rank=dist.rank,
+                                  world_size=dist.world_size,
+                                  buckets=item_buckets(config, dataset))
+    budget = step_budget(config, len(batches))
+    if config.data.aspect_buckets:
+        record.write(buckets=bucket_record(dataset.target_sizes, batches))
+        callbacks.on_status(f"aspect buckets: {describe_buckets(dataset.target_sizes)}; "
+                            f"{len(batches)} batches per epoch, {batches.short_batches()} short")
+    optimizer = build_optimizer(config, params)
+    scaler = (torch.amp.GradScaler(device.type)
+              if config.training.mixed_precision == MixedPrecision.FP16 else None)
+    restore_precision, precision = float32_precision(config, device)
+    guard = build_compile_guard(config, bundle, device, params, trained, callbacks)
+    if guard.persistent_grads:
+        for plist in params.values():
+            for p in plist:
+                p.grad = torch.zeros_like(p)
+    record.write(precision=precision,
+                 sampling="eager: compiled code is bypassed while sampling")
+    components = bundle.components()
+    forward = dist.wrap_trained({name: components[name] for name in trained})  # compile, then wrap
+    ema = None
+    if config.training.ema:
+        from diffusers.training_utils import EMAModel
+        ema = EMAModel([p for plist in params.values() for p in plist],
+                       decay=config.training.ema_decay)
+    text_cache = TextEncoderCache(bundle, device) if config.data.cache_text_encoder_outputs else None
+    writer = None
+    if config.logging.tensorboard and dist.is_main:
+        from torch.utils.tensorboard import SummaryWriter
+        writer = SummaryWriter(str(output_dir / "tensorboard"))
+    state = TrainingState(generator=draws_generator(config.training.seed, dist.rank))
+    run = Run(config, bundle, device, output_dir, record, callbacks, dataset, params, optimizer,
+              build_lr_scheduler(config, optimizer, budget.total_steps), budget, guard, dist,
+              state, scaler=scaler, writer=writer, trained=trained, ema=ema,
+              text_cache=text_cache, forward=forward, restore_precision=restore_precision,
+              lock=lock)
+    if prepared.resume is not None:
+        resume_run(run, prepared.resume)
+    run.mark_boundary()
+    return run
+
+
+def take_output_lock(output_dir: Path, callbacks: TrainerCallbacks) -> OutputLock:
+    """Hold the output folder for this run; a lock left by a dead run is taken over, out loud."""
+    try:
+        lock = OutputLock(output_dir).acquire()
+    except OutputBusy as exc:  # another start won the race since prepare_run looked
+        raise ConfigError([Problem("output.dir", "a folder no other training is writing into",
+                                   repr(str(output_dir)), str(exc))]) from exc
+    if lock.previous:
+        callbacks.on_status(f"took over the output folder's lock from a run that ended without "
+                            f"releasing it ({describe_owner(lock.previous)})")
+    freed = remove_partial_backups(output_dir)
+    if freed:
+        callbacks.on_status(f"removed partly written backups of an interrupted run "
+                            f"({freed / 2**20:,.1f} MB freed)")
+    return lock
+
+
+def continue_record(record: RunRecord, resume: ResumePoint) -> None:
+    """A resumed run's run.json goes on from the interrupted one's."""
+    try:
+        previous = json.loads(record.path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        previous = {}  # resuming from a backup copied elsewhere: a new record
+    record.continue_from(previous, resume.step, resumed_from=str(resume.folder),
+                         resume_changed=resume.changed,
+                         compile_state="not in backups: the persistent compile cache makes "
+                                       "the resumed run's compile warm")
+
+
+def resume_run(run: Run, resume: ResumePoint) -> None:
+    """Load the backup into the freshly built run (weights, optimizer, schedule, states)."""
+    run.callbacks.on_status(f"resuming from {resume.folder} (step {resume.step})")
+    _, states = load_states(resume.folder)
+    restore_run(run, states)
+    apply_changed_learning_rates(run)
+    run.last_backup_step = run.step
+
+
+def bucket_record(target_sizes: list[tuple[int, int]], batches) -> dict:
+    """run.json's `buckets` section: items per bucket and this rank's batches per epoch."""
+    return {"sizes": bucket_counts(target_sizes), "batches_per_epoch": len(batches),
+            "short_batches_per_epoch": batches.short_batches()}
+
+
+def build_dataset(prepared: PreparedRun, callbacks: TrainerCallbacks) -> ImageCaptionDataset:
+    """The training dataset, with latents encoded into the on-disk cache first when enabled.
+
+    With `data.aspect_buckets` each item gets the bucket nearest its aspect ratio, from the
+    size the scan read.
+    """
+    config = prepared.config
+    items = expand_repeats(prepared.scan)
+    target_sizes = (assign_buckets(items, config.data.resolution, config.data.bucket_max_aspect)
+                    if config.data.aspect_buckets else None)
+    dataset = ImageCaptionDataset(items, resolution=config.data.resolution,
+                                  center_crop=config.data.center_crop,
+                                  random_flip=config.data.random_flip, seed=config.training.seed,
+                                  target_sizes=target_sizes)
+    if not config.data.cache_latents:
+        return dataset
+    from modules.train.latents import cached_latent_dataset
+    return cached_latent_dataset(dataset, prepared, callbacks)
+
+
+def apply_changed_learning_rates(run: Run) -> None:
+    """After a restore, each parameter group's base learning rate is the config's (a resume may
+    change it) and its current rate is the schedule's at the restored step. With an unchanged
+    config this recomputes exactly the rate the backup held."""
+    scheduler = run.lr_scheduler
+    for i, group in enumerate(run.optimizer.param_groups):
+        own = getattr(run.config.components, group["name"]).learning_rate
+        base = run.config.training.learning_rate if own is None else own
+        group["initial_lr"] = base
+        scheduler.base_lrs[i] = base
+        lmbda = getattr(scheduler, "lr_lambdas", [None])[i]
+        if lmbda is not None:
+            group["lr"] = base * lmbda(scheduler.last_epoch)
