@@ -65,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
             config.training.resume_from = resume_value(args.resume)
         run_meta = parse_run_meta(args.run_meta)
         if args.check:
-            problems = validate(config)
+            from modules.runtime import runtime_problems
+            problems = runtime_problems() + validate(config)
             if problems:
                 raise ConfigError(problems, str(args.config))
             print(f"{args.config}: valid")

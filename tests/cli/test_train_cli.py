@@ -126,3 +126,13 @@ def test_script_runs_from_any_folder_and_documents_itself(tmp_path):
     assert result.returncode == 0
     for text in ("--config", "--set", "--check", "Exit codes"):
         assert text in result.stdout
+
+
+def test_check_reports_an_installed_torch_below_the_tested_floor(small_config, capsys,
+                                                                 monkeypatch):
+    import modules.runtime
+    monkeypatch.setattr(modules.runtime, "MIN_TORCH", (99, 0))
+    assert main(["--config", str(small_config), "--check"]) == 2
+    err = capsys.readouterr().err
+    assert "torch: expected torch >= 99.0" in err
+    assert not (small_config.parent / "out").exists()
