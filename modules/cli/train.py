@@ -49,7 +49,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from modules.config import ConfigError, apply_overrides, load_config, validate
+    from modules.config import ConfigError, apply_overrides, load_config
     from modules.events import TrainerCommands
     from modules.train.trainer import TrainingError, train
 
@@ -64,12 +64,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.resume:
             config.training.resume_from = resume_value(args.resume)
         run_meta = parse_run_meta(args.run_meta)
-        if args.check:
-            from modules.runtime import runtime_problems
-            problems = runtime_problems() + validate(config)
-            if problems:
-                raise ConfigError(problems, str(args.config))
-            print(f"{args.config}: valid")
+        if args.check:  # every check a start runs, short of loading the model and training
+            from modules.events import NullCallbacks
+            from modules.train.prepare import check_run
+            checked = check_run(config, NullCallbacks())
+            print(f"{args.config}: valid ({len(checked.scan.items)} images; model "
+                  f"{checked.model_path})")
             return 0
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -89,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
         add_run_meta(Path(config.output.dir) / "run.json", run_meta)  # --run-meta, if any
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except (Exception, KeyboardInterrupt) as exc:  # before the loop (e.g. the output folder)
+        from modules.util.errors import describe
+        print(f"error: the run could not start: {describe(exc)}", file=sys.stderr)
+        return 130 if isinstance(exc, KeyboardInterrupt) else 1
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

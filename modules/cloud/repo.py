@@ -79,11 +79,11 @@ def check_config_for_push(config_file: Path, repo: Path) -> list[str]:
     except ConfigError as exc:
         raise CloudError(str(exc)) from None
     problems = portability_problems(config_file, repo)
-    blocking = [p for p in validate(config, check_files=False)
+    blocking = [p for p in validate(config)
                 if p.path.split("[")[0] not in MACHINE_DEPENDENT]
     if problems or blocking:
         raise CloudError(str(ConfigError(problems + blocking, str(config_file))))
-    return [f"{p} (the GPU machine decides)" for p in validate(config, check_files=False)
+    return [f"{p} (the GPU machine decides)" for p in validate(config)
             if p.path.split("[")[0] in MACHINE_DEPENDENT]
 
 

@@ -22,6 +22,7 @@ from modules.cloud.git import ZERO_SHA, CloudError, commit_exists, git, git_text
 from modules.cloud.local_overrides import apply_local_overrides
 from modules.cloud.queue import INVALID, QUEUED, RunStatus, new_run_id, write_status
 from modules.config import ConfigError, apply_overrides, load_config, validate
+from modules.train.inputs import check_inputs
 from modules.util.atomic import atomic_write_text
 
 
@@ -137,7 +138,7 @@ def check_config(config_file: Path, local_overrides: Path | None, output_dir: Pa
         if local_overrides:
             config = apply_local_overrides(config, local_overrides)
         config = apply_overrides(config, [f"output.dir={output_dir}"])
-        return [str(p) for p in validate(config)]
+        return [str(p) for p in validate(config) + check_inputs(config)]
     except ConfigError as exc:
         return [str(p) for p in exc.problems]
 

@@ -78,9 +78,11 @@ A config is one JSON file (the presets in `training_presets/` are examples). A f
 sparse: every key it leaves out takes the default listed below. Loading is strict: an unknown
 key, a value of the wrong type, a number outside its range or an unknown enum value is an
 error that names the field's dotted path, what was expected and what was given, and every
-such problem in the file is reported at once. `validate()` (run by `tempera-train` and the GUI
-before training) then checks combinations and the inputs on disk, e.g. that the resolution is a
-multiple of 64 or that the model folder exists."""
+such problem in the file is reported at once. `validate()` then checks combinations without
+opening any file (e.g. that the resolution is a multiple of 64), and before anything is written
+a start (and `tempera-train --check`, and the GUI's Start) checks the inputs on disk: the model
+folder's components, family and weight headers, the datasets, and that the output folder can be
+written and has room for a save."""
 
 
 def _paths_section() -> str:

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
 import math
-from pathlib import Path
 
 from modules.config.problems import Problem
 from modules.config.schema import (
@@ -34,17 +32,37 @@ BUCKET_MAX_ASPECT_LIMIT = next(f.metadata["max"] for f in dataclasses.fields(Dat
                                if f.name == "bucket_max_aspect")
 
 
-def validate(config: Config, check_files: bool = True) -> list[Problem]:
-    """Every problem with the config's combinations (and, with check_files, its inputs on disk)."""
+def validate(config: Config) -> list[Problem]:
+    """Every problem with the config's values and combinations. Nothing on disk is opened: the
+    inputs themselves (model, datasets, output folder) are checked by
+    `modules.train.inputs.check_inputs` when a run is prepared or `--check`ed."""
     problems: list[Problem] = []
     problems += _check_components(config)
     problems += _check_training(config)
     problems += _check_data(config)
     problems += _check_output_and_sampling(config)
-    if check_files:
-        problems += _check_model_path(config)
-        problems += _check_dataset_paths(config)
-        problems += _check_output_dir(config)
+    problems += _check_builtin_names(config)
+    return problems
+
+
+def _check_builtin_names(config: Config) -> list[Problem]:
+    """`builtin:` model and dataset names, and a built-in model's type (no file is opened)."""
+    problems = []
+    path = config.model.path
+    builtins = {s.builtin: t for t, s in MODEL_TYPES.items()}
+    if path.startswith(BUILTIN_PREFIX):
+        if path not in builtins:
+            problems.append(Problem("model.path", "one of " + ", ".join(builtins), repr(path)))
+        elif builtins[path] != config.model.type:
+            problems.append(Problem("model.type", builtins[path].value, config.model.type.value,
+                                    f"{path} is a {MODEL_TYPES[builtins[path]].label} model"))
+    for i, ds in enumerate(config.data.datasets):
+        if ds.path.startswith(BUILTIN_PREFIX) and ds.path not in BUILTIN_DATASETS:
+            problems.append(Problem(f"data.datasets[{i}].path",
+                                    "one of " + ", ".join(BUILTIN_DATASETS), repr(ds.path)))
+    if config.training.resume_from.strip() and config.output.overwrite:
+        problems.append(Problem("output.overwrite", "false when training.resume_from is set",
+                                "true", "overwriting would remove the run being resumed"))
     return problems
 
 
@@ -153,105 +171,6 @@ def _check_output_and_sampling(config: Config) -> list[Problem]:
         if not prompt.strip():
             problems.append(Problem(f"sampling.prompts[{i}]", "a non-empty prompt", repr(prompt)))
     return problems
-
-
-def _check_model_path(config: Config) -> list[Problem]:
-    path, spec = config.model.path, MODEL_TYPES[config.model.type]
-    builtins = {s.builtin: t for t, s in MODEL_TYPES.items()}
-    if not path.strip():
-        return []  # reported by _check_output_and_sampling without touching the disk
-    if path.startswith(BUILTIN_PREFIX):
-        if path not in builtins:
-            return [Problem("model.path", "one of " + ", ".join(builtins), repr(path))]
-        if builtins[path] != config.model.type:
-            return [Problem("model.type", builtins[path].value, config.model.type.value,
-                            f"{path} is a {MODEL_TYPES[builtins[path]].label} model")]
-        return []
-    p = Path(path)
-    if not p.exists():
-        return [Problem("model.path", "an existing diffusers model folder", repr(path),
-                        "no such file or folder")]
-    if p.is_file():
-        return _check_single_file(config, p)
-    index = p / "model_index.json"
-    if not index.is_file():
-        return [Problem("model.path", "a diffusers model folder (with model_index.json)",
-                        repr(path), "it has no model_index.json")]
-    try:
-        data = json.loads(index.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:  # ValueError covers bad JSON and bad UTF-8
-        return [Problem("model.path", "a readable model_index.json", f"{index} ({exc})")]
-    cls = data.get("_class_name", "") if isinstance(data, dict) else ""
-    if cls and cls != spec.pipeline_class:
-        matching = [t.value for t, s in MODEL_TYPES.items() if s.pipeline_class == cls]
-        if not matching:
-            return [Problem("model.path", "a folder of a supported pipeline (" + ", ".join(
-                sorted({s.pipeline_class for s in MODEL_TYPES.values()})) + ")",
-                repr(path), f"its model_index.json names {cls}")]
-        return [Problem("model.type", " or ".join(matching), config.model.type.value,
-                        f"{path} holds a {cls}, not a {spec.pipeline_class}")]
-    return []
-
-
-def _check_single_file(config: Config, path: Path) -> list[Problem]:
-    """A checkpoint file: its format, that it is a whole model of `model.type`, its tokenizer."""
-    from modules.models.single_file import (
-        SingleFileError,
-        detect_model_type,
-        find_tokenizer_folder,
-        is_single_file,
-    )
-    if not is_single_file(path):
-        return [Problem("model.path", "a diffusers model folder or a .safetensors checkpoint",
-                        repr(str(path)), "unknown file type")]
-    try:
-        detect_model_type(path, expected=config.model.type, allow_pickle=config.model.allow_pickle)
-    except SingleFileError as exc:
-        return [Problem("model.path", f"a {MODEL_TYPES[config.model.type].label} checkpoint",
-                        repr(str(path)), str(exc))]
-    if config.model.config_path:
-        return []  # the architecture folder may carry its own tokenizer; the loader checks it
-    try:
-        find_tokenizer_folder(path, config.model.type,
-                              Path(config.model.tokenizer_path) if config.model.tokenizer_path
-                              else None)
-    except SingleFileError as exc:
-        return [Problem("model.tokenizer_path", "a folder with the model's tokenizer",
-                        repr(config.model.tokenizer_path), str(exc))]
-    return []
-
-
-def _check_dataset_paths(config: Config) -> list[Problem]:
-    problems = []
-    for i, ds in enumerate(config.data.datasets):
-        where = f"data.datasets[{i}].path"
-        if not ds.path.strip():
-            continue  # reported by _check_data without touching the disk
-        if ds.path.startswith(BUILTIN_PREFIX):
-            if ds.path not in BUILTIN_DATASETS:
-                problems.append(Problem(where, "one of " + ", ".join(BUILTIN_DATASETS),
-                                        repr(ds.path)))
-        elif not Path(ds.path).is_dir():
-            problems.append(Problem(where, "an existing folder of images", repr(ds.path),
-                                    "not a folder" if Path(ds.path).exists() else "no such folder"))
-    return problems
-
-
-def _check_output_dir(config: Config) -> list[Problem]:
-    if not config.output.dir.strip():
-        return []  # reported by _check_output_and_sampling
-    out = Path(config.output.dir)
-    if out.exists() and not out.is_dir():
-        return [Problem("output.dir", "a folder", repr(config.output.dir), "it is a file")]
-    resuming = bool(config.training.resume_from.strip())  # continues the run that is there
-    if resuming and config.output.overwrite:
-        return [Problem("output.overwrite", "false when training.resume_from is set", "true",
-                        "overwriting would remove the run being resumed")]
-    if (out / "run.json").exists() and not config.output.overwrite and not resuming:
-        return [Problem("output.dir", "a folder without an earlier run (or output.overwrite = "
-                        "true)", repr(config.output.dir),
-                        "it holds an earlier run; choose another folder so nothing is lost")]
-    return []
 
 
 def _cuda_available() -> bool:

@@ -21,6 +21,7 @@ from modules.paths import cache_dir_for
 from modules.runtime import runtime_problems
 from modules.train.backup import BackupError, ResumePoint, resume_point
 from modules.train.builders import pick_device
+from modules.train.inputs import check_inputs
 from modules.train.output_lock import busy_message
 from modules.util.errors import first_line
 from modules.train.weights import component_dtypes
@@ -58,13 +59,27 @@ def load_bundle(model_path: Path, config: Config) -> ModelBundle:
     return load_model(model_path, config.model.type, config.model.prediction_type, dtypes)
 
 
-def prepare_run(config: Config, callbacks: TrainerCallbacks) -> PreparedRun:
-    """Validate, build built-ins, scan the data and load the model; raise ConfigError on any problem."""
+@dataclass
+class CheckedRun:
+    """Everything about a run's inputs that is known without loading the model."""
+    config: Config          # resolved: real folders instead of builtin names
+    cache_dir: Path
+    scan: ScanResult
+    model_path: Path
+    resume: ResumePoint | None
+
+
+def check_run(config: Config, callbacks: TrainerCallbacks) -> CheckedRun:
+    """Every check a start runs short of loading the model: software, config, inputs on disk
+    (model files' headers, datasets, output folder), the dataset scan, the backup to resume.
+    `tempera-train --check` stops here; raises ConfigError with every problem found."""
     problems = runtime_problems() + validate(config)
     busy = busy_message(Path(config.output.dir)) if config.output.dir.strip() else None
     if busy:
         problems.append(Problem("output.dir", "a folder no other training is writing into",
                                 repr(config.output.dir), busy))
+    if not problems:
+        problems = check_inputs(config)
     if problems:
         raise ConfigError(problems)
     cache_dir = cache_dir_for(config.general.cache_dir)
@@ -82,18 +97,22 @@ def prepare_run(config: Config, callbacks: TrainerCallbacks) -> PreparedRun:
                                    str(exc))]) from exc
     if scan.skipped:
         callbacks.on_status(f"skipped {len(scan.skipped)} unreadable image(s); see the log")
-
-    callbacks.on_status("loading model")
     model_path = resolve_model_path(config.model.path, cache_dir)
     resolved.model.path = str(model_path)
-    resume = check_resume(resolved)
+    return CheckedRun(resolved, cache_dir, scan, model_path, check_resume(resolved))
+
+
+def prepare_run(config: Config, callbacks: TrainerCallbacks) -> PreparedRun:
+    """Check everything (`check_run`), then load the model; raise ConfigError on any problem."""
+    checked = check_run(config, callbacks)
+    callbacks.on_status("loading model")
     try:
-        bundle = load_bundle(model_path, config)
+        bundle = load_bundle(checked.model_path, config)
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         raise ConfigError([Problem("model.path", "a loadable diffusers model folder",
-                                   repr(str(model_path)), first_line(exc))]) from exc
-    return PreparedRun(resolved, pick_device(config.general.device), cache_dir, bundle, scan,
-                       resume)
+                                   repr(str(checked.model_path)), first_line(exc))]) from exc
+    return PreparedRun(checked.config, pick_device(config.general.device), checked.cache_dir,
+                       bundle, checked.scan, checked.resume)
 
 
 def check_resume(resolved: Config) -> ResumePoint | None:

@@ -32,13 +32,24 @@ from modules.train.weights import enable_gradient_checkpointing, prepare_trainab
 
 
 def start_run(prepared: PreparedRun, callbacks: TrainerCallbacks, dist: Distributed) -> Run:
-    """Create the output folder and everything the loop needs; the first write happens here."""
+    """Create the output folder and everything the loop needs; the first write happens here.
+    The output folder's lock is let go again if building the run fails."""
+    lock = (take_output_lock(Path(prepared.config.output.dir), callbacks) if dist.is_main
+            else None)
+    try:
+        return build_run(prepared, callbacks, dist, lock)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+
+
+def build_run(prepared: PreparedRun, callbacks: TrainerCallbacks, dist: Distributed,
+              lock: OutputLock | None) -> Run:
     config, bundle = prepared.config, prepared.bundle
     device = dist.device or prepared.device
     output_dir = Path(config.output.dir)
-    lock = None
     if dist.is_main:
-        lock = take_output_lock(output_dir, callbacks)  # the first write
         (output_dir / "samples").mkdir(parents=True, exist_ok=True)
         save_config(config, output_dir / "config.json")
     record = RunRecord(output_dir / "run.json", enabled=dist.is_main)

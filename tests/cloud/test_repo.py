@@ -131,6 +131,8 @@ def test_local_overrides_sit_between_the_config_and_set(tmp_path):
 
 def test_tempera_train_local_flag_supplies_the_machine_dataset(tmp_path, capsys):
     (tmp_path / "disk" / "cats").mkdir(parents=True)
+    from PIL import Image
+    Image.new("RGB", (64, 64), "orange").save(tmp_path / "disk" / "cats" / "cat.png")
     config = write_json(tmp_path / "repo" / "runs" / "c.json", sparse_config(
         data={"datasets": [{"path": "../data/cats"}]}, output={"dir": "../outputs/c"}))
     local = write_json(tmp_path / "local.json", {"data.datasets[0].path": "disk/cats"})

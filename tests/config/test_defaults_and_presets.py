@@ -21,17 +21,23 @@ TYPED = [p for p in PRESETS if p.parent != PRESETS_DIR]
 USER_SUPPLIED = {"model.path", "data.datasets"}
 
 
+def all_problems(config):
+    """validate() and the checks of the inputs on disk, as a start runs them."""
+    from modules.train.inputs import check_inputs
+    return validate(config) + check_inputs(config)
+
+
 def _ids(paths):
     return [str(p.relative_to(PRESETS_DIR)) for p in paths]
 
 
 def test_defaults_are_consistent():
-    assert validate(Config(), check_files=False) == []
+    assert validate(Config()) == []
 
 
 def test_defaults_are_valid_against_builtins_on_disk(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the default output folder "output" is relative
-    assert validate(Config(), check_files=True) == []
+    assert all_problems(Config()) == []
 
 
 def test_presets_folder_holds_presets():
@@ -43,7 +49,7 @@ def test_presets_folder_holds_presets():
 @pytest.mark.parametrize("preset", RUNNABLE, ids=_ids(RUNNABLE))
 def test_preset_loads_and_validates(preset):
     config = load_config(preset)
-    problems = validate(config, check_files=True)
+    problems = all_problems(config)
     assert problems == [], "\n".join(str(p) for p in problems)
 
 
@@ -61,12 +67,12 @@ def test_every_model_type_has_a_lora_and_a_fine_tune_preset():
 def test_typed_preset_asks_only_for_the_model_and_the_data(preset):
     from modules.model_types import MODEL_TYPES
     config = load_config(preset)
-    problems = validate(config, check_files=True)
+    problems = all_problems(config)
     assert {p.path for p in problems} == USER_SUPPLIED, "\n".join(str(p) for p in problems)
     assert "choose the base model" in next(p for p in problems if p.path == "model.path").message
     config.model.path = MODEL_TYPES[config.model.type].builtin
     config.data.datasets = [DatasetConfig(path="builtin:shapes")]
-    assert validate(config, check_files=True) == []
+    assert all_problems(config) == []
     assert config.output.dir == str((preset.parent / "../../output").resolve()
                                     / Path(config.output.dir).name)
 

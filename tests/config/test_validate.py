@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from modules.config import Config, Problem, apply_overrides, validate
+from modules.train.inputs import check_inputs
 
 
 def config_with(*assignments: str, cwd: Path | None = None) -> Config:
@@ -14,7 +15,8 @@ def config_with(*assignments: str, cwd: Path | None = None) -> Config:
 
 
 def problems_of(config: Config, check_files: bool = False) -> dict[str, Problem]:
-    return {p.path: p for p in validate(config, check_files=check_files)}
+    inputs = check_inputs(config) if check_files else []
+    return {p.path: p for p in validate(config) + inputs}
 
 
 def test_text_encoder_2_on_sd15():
@@ -28,7 +30,7 @@ def test_text_encoder_2_on_sd15():
 def test_text_encoder_2_on_sdxl_is_fine():
     config = config_with("model.type=SDXL", "model.path=builtin:tiny-sdxl",
                          "components.text_encoder_2.train=true")
-    assert validate(config, check_files=True) == []
+    assert validate(config) + check_inputs(config) == []
 
 
 def test_training_the_vae():
@@ -69,7 +71,7 @@ def test_cache_latents_with_random_crop():
 
 
 def test_cache_latents_with_center_crop_is_fine():
-    assert validate(config_with("data.cache_latents=true"), check_files=False) == []
+    assert validate(config_with("data.cache_latents=true")) == []
 
 
 def test_empty_prompts_with_sampling_on():
@@ -79,7 +81,7 @@ def test_empty_prompts_with_sampling_on():
 
 
 def test_empty_prompts_with_sampling_off_is_fine():
-    assert validate(config_with("sampling.prompts="), check_files=False) == []
+    assert validate(config_with("sampling.prompts=")) == []
 
 
 def test_blank_prompt_is_named_by_index():
@@ -131,8 +133,8 @@ def test_empty_paths_are_reported_without_checking_files():
 
 def test_empty_paths_are_reported_once_with_file_checks(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    problems = validate(config_with('data.datasets=[{"path": ""}]', "output.dir=",
-                                    "model.path="), check_files=True)
+    config = config_with('data.datasets=[{"path": ""}]', "output.dir=", "model.path=")
+    problems = validate(config) + check_inputs(config)
     assert sorted(p.path for p in problems) == ["data.datasets[0].path", "model.path",
                                                 "output.dir"]
 
@@ -162,11 +164,12 @@ def _files_ok(tmp_path: Path, *assignments: str) -> dict[str, Problem]:
 
 def test_file_checks_are_skipped_without_check_files(tmp_path):
     config = config_with(f"model.path={tmp_path / 'missing'}")
-    assert validate(config, check_files=False) == []
+    assert validate(config) == []
 
 
-def test_a_valid_model_folder(tmp_path):
-    folder = _model_folder(tmp_path)
+def test_a_valid_model_folder(tmp_path, tempera_cache):
+    from modules.models.tiny import ensure_builtin_model
+    folder = ensure_builtin_model("builtin:tiny-sd15", tempera_cache)
     assert _files_ok(tmp_path, f"model.path={folder}") == {}
 
 
@@ -228,7 +231,8 @@ def test_model_index_that_is_not_an_object_is_not_a_crash(tmp_path):
     folder = tmp_path / "model"
     folder.mkdir()
     (folder / "model_index.json").write_text("[]", encoding="utf-8")
-    assert _files_ok(tmp_path, "model.path=model") == {}
+    # no crash on the index: the folder's real problem (no components) is what is reported
+    assert "has no unet/ folder" in _files_ok(tmp_path, "model.path=model")["model.path"].message
 
 
 def test_model_index_class_that_does_not_match_model_type(tmp_path):
@@ -298,8 +302,7 @@ def test_existing_output_dir_without_a_run_is_fine(tmp_path):
 def test_aspect_buckets_are_off_by_default_and_fine_at_a_usual_resolution():
     config = Config()
     assert config.data.aspect_buckets is False and config.data.bucket_max_aspect == 2.0
-    assert validate(config_with("data.aspect_buckets=true", "data.resolution=512"),
-                    check_files=False) == []
+    assert validate(config_with("data.aspect_buckets=true", "data.resolution=512")) == []
 
 
 @pytest.mark.parametrize("settings, hint", [
