@@ -31,7 +31,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = sub.add_parser("init", help="make a folder a training repository")
     p.add_argument("dir", type=Path)
 
-    p = sub.add_parser("install-hook", help="install the post-receive hook into a bare repository")
+    p = sub.add_parser("install-hook", help="install the pre-receive (secrets) and post-receive (train) hooks into a bare repository")
     p.add_argument("--bare", type=Path, required=True, help="the bare repository users push to")
     p.add_argument("--work-root", type=Path, required=True,
                    help="where checkouts, run statuses, logs and outputs go on this machine")
@@ -39,7 +39,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--local", type=Path, help="this machine's local overrides JSON file")
     p.add_argument("--tempera", help="the train command (default: this Python -m "
                                      "modules.cli.train), e.g. /opt/tempera/.venv/bin/tempera-train")
-    p.add_argument("--force", action="store_true", help="replace a post-receive hook not ours")
+    p.add_argument("--force", action="store_true", help="replace pre-/post-receive hooks not ours")
 
     p = sub.add_parser("push-and-train", help="commit a config under runs/ and push it")
     p.add_argument("config", type=Path)

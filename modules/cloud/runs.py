@@ -20,6 +20,7 @@ from pathlib import Path
 
 from modules.cloud.git import ZERO_SHA, CloudError, commit_exists, git, git_text
 from modules.cloud.local_overrides import apply_local_overrides
+from modules.cloud.secrets import scan_files
 from modules.cloud.queue import INVALID, QUEUED, RunStatus, new_run_id, write_status
 from modules.config import ConfigError, apply_overrides, load_config, validate
 from modules.util.atomic import atomic_write_text
@@ -120,7 +121,8 @@ def queue_run(checkout: Path, commit: str, config: str, settings: CloudSettings,
     status = RunStatus(run_id=run_id, state=QUEUED, commit=commit, config=config,
                        output_dir=str(output_dir), log=str(run_dir / "log.txt"),
                        command=command, checkout=str(checkout), ref=ref)
-    problems = check_config(config_file, settings.local_overrides, output_dir)
+    problems = secret_problems(config_file, settings.local_overrides)
+    problems = problems or check_config(config_file, settings.local_overrides, output_dir)
     if problems:
         status.state, status.problems = INVALID, problems
         status.error = f"{config} is invalid ({len(problems)} problem(s)); nothing was started"
@@ -128,6 +130,15 @@ def queue_run(checkout: Path, commit: str, config: str, settings: CloudSettings,
             f"{status.error}:\n" + "".join(f"  - {p}\n" for p in problems), encoding="utf-8")
     write_status(work_root, status)
     return status
+
+
+def secret_problems(config_file: Path, local_overrides: Path | None) -> list[str]:
+    """Secret-looking values in what a run copies into its folders (config.json holds the config
+    merged with the machine's overrides), so none reaches a run record, whatever path the config
+    took here (a push the pre-receive hook let in, GitHub Actions, a file put in by hand)."""
+    files = [config_file] + ([Path(local_overrides)] if local_overrides else [])
+    return [f"{finding} (a run record must not hold secrets)"
+            for finding in scan_files([f for f in files if f.is_file()])]
 
 
 def check_config(config_file: Path, local_overrides: Path | None, output_dir: Path) -> list[str]:
