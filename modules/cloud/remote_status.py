@@ -16,9 +16,10 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from modules.cloud.git import CloudError
-from modules.cloud.queue import (INTERRUPTED, RUNNING, RunStatus, cancel_path, list_statuses,
+from modules.cloud.queue import (FINISHED, INTERRUPTED, RUNNING, RunStatus, cancel_path, list_statuses,
                                  progress_path)
-from modules.cloud.supervise import is_alive, local_is_alive, parse_proc_start
+from modules.cloud.supervise import (is_alive, local_is_alive, parse_proc_start,
+                                     read_record_status)
 
 _SCP_LIKE = re.compile(r"^(?P<host>(?:[A-Za-z0-9._-]+@)?[A-Za-z0-9._-]+):(?P<path>.+)$")
 _RUN_ID = re.compile(r"^[A-Za-z0-9._-]+$")
@@ -135,13 +136,19 @@ def observe_command(path: str, statuses: list[RunStatus]) -> str:
         lines.append(f"printf 'progress %s ' {run}; tr -d '\\n' < {root}/runs/{run}/progress.json"
                      f" 2>/dev/null; echo")
         lines.append(f"printf 'cancel %s ' {run}; test -e {root}/runs/{run}/cancel && echo 1 || echo")
+        record = shlex.quote(f"{s.output_dir}/run.json")
+        lines.append(f"printf 'record %s ' {run}; grep -o '\"status\": *\"[a-z]*\"' {record} "
+                     f"2>/dev/null | head -n 1 | tr -dc 'a-z'; echo")
     return "; ".join(lines)
 
 
-def parse_observation(text: str) -> tuple[str, dict[int, str], dict[str, dict], set[str]]:
-    """(boot id, pid -> start time or '', run id -> progress, run ids being cancelled)."""
+def parse_observation(text: str) -> tuple[str, dict[int, str], dict[str, dict], set[str],
+                                           dict[str, str]]:
+    """(boot id, pid -> start time or '', run id -> progress, run ids being cancelled,
+    run id -> the status in its run.json)."""
     lines = text.splitlines()
     boot, starts, progress, cancelling = (lines[0].strip() if lines else ""), {}, {}, set()
+    records: dict[str, str] = {}
     for line in lines[1:]:
         kind, _, rest = line.partition(" ")
         key, _, value = rest.partition(" ")
@@ -154,11 +161,17 @@ def parse_observation(text: str) -> tuple[str, dict[int, str], dict[str, dict], 
                 pass  # a file being replaced right now; the next read shows it
         elif kind == "cancel" and value.strip():
             cancelling.add(key)
-    return boot, starts, progress, cancelling
+        elif kind == "record":
+            records[key] = value.strip().removeprefix("status")
+    return boot, starts, progress, cancelling, records
 
 
-def shown_state(status: RunStatus, alive: bool) -> str:
-    return INTERRUPTED if status.state == RUNNING and not alive else status.state
+def shown_state(status: RunStatus, alive: bool, record: str) -> str:
+    """A `running` run whose process is gone: what its run.json says it ended as (the next
+    worker start records it so), else interrupted."""
+    if status.state != RUNNING or alive:
+        return status.state
+    return FINISHED if record in ("finished", "stopped") else INTERRUPTED
 
 
 def read_views(remote: Remote) -> list[RunView]:
@@ -168,19 +181,21 @@ def read_views(remote: Remote) -> list[RunView]:
     active_ids = {s.run_id for s in active}
     if remote.host is None:
         root = Path(remote.path)
-        return [RunView(s, shown_state(s, local_is_alive(s.train_pid, s.boot_id, s.proc_start)),
+        return [RunView(s, shown_state(s, local_is_alive(s.train_pid, s.boot_id, s.proc_start),
+                                       read_record_status(Path(s.output_dir))),
                         _read_json(progress_path(root, s.run_id)),
                         cancel_path(root, s.run_id).exists())
                 if s.run_id in active_ids else RunView(s, s.state) for s in statuses]
     if not active:
         return [RunView(s, s.state) for s in statuses]
-    boot, starts, progress, cancelling = parse_observation(
+    boot, starts, progress, cancelling, records = parse_observation(
         _run_ssh(remote, observe_command(remote.path, active)))
     views = []
     for s in statuses:
         alive = s.state != RUNNING or is_alive(s.train_pid, s.boot_id, s.proc_start, boot,
                                                 starts.get(int(s.train_pid or 0), ""))
-        views.append(RunView(s, shown_state(s, alive), progress.get(s.run_id),
+        views.append(RunView(s, shown_state(s, alive, records.get(s.run_id, "")),
+                             progress.get(s.run_id),
                              s.run_id in cancelling))
     return views
 
@@ -206,7 +221,8 @@ def format_table(views: list[RunView]) -> str:
         s = v.status
         note = s.error or (s.output_dir if v.state in ("finished", "running") else "")
         if v.state != s.state:
-            note = "its training process is gone; the next worker start restarts it"
+            note = ("its training process is gone; the next worker start "
+                    + ("restarts it" if v.state == INTERRUPTED else "records it"))
         elif v.progress and v.progress.get("compile") and v.state == RUNNING:
             note = f"compile: {v.progress['compile']}"
         state = f"{v.state} (cancelling)" if v.cancelling and v.state in (RUNNING, "queued") \

@@ -32,10 +32,13 @@ def parse_proc_start(stat_line: str) -> str:
     """Field 22 (starttime, in clock ticks since boot) of a /proc/<pid>/stat line.
 
     The second field is the command name in parentheses and may hold spaces, so the fields are
-    counted after the last ')'.
+    counted after the last ')'. A zombie (state Z or X: ended, not yet reaped, as happens under a
+    container's init) counts as gone: ''.
     """
     fields = stat_line.rpartition(")")[2].split()
-    return fields[19] if len(fields) > 19 else ""
+    if len(fields) <= 19 or fields[0] in ("Z", "X"):
+        return ""
+    return fields[19]
 
 
 def process_start(pid: int) -> str:
