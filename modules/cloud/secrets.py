@@ -129,7 +129,7 @@ def scan_bytes(data: bytes, where: str, file_name: str | None = None) -> list[Fi
 def scan_files(paths: list[Path]) -> list[Finding]:
     findings = []
     for path in paths:
-        findings += scan_bytes(Path(path).read_bytes(), str(path))
+        findings += scan_bytes(Path(path).read_bytes(), str(path), Path(path).name)
     return findings
 
 

@@ -9,9 +9,9 @@ import shlex
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
-import pytest
 
 from modules.cli.progress import ProgressReporter, progress_line, watch_stop_file
 from modules.cloud.cli import main as cloud_main
@@ -197,3 +197,25 @@ def test_docs_and_readme_match_the_code():
     readme = (REPO / "README.md").read_text()
     assert "checkpoints/step-NNNNNN/" in readme
     assert (REPO / "templates" / "cloud" / "tempera-cloud-worker.service").is_file()
+
+
+def test_status_follow_shows_progress_until_no_run_is_active(tmp_path, capsys):
+    from modules.cloud.queue import RunStatus, write_status
+    from modules.cloud.supervise import identity
+    trainer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5)"])
+    try:
+        write_status(tmp_path, RunStatus(
+            run_id="r1", state="running", commit="a" * 40, config="runs/a.json",
+            output_dir=str(tmp_path / "o"), log=str(tmp_path / "runs" / "r1" / "log.txt"),
+            **identity(trainer.pid)))
+        write_json(tmp_path / "runs" / "r1" / "progress.json",
+                   {"step": 5, "max_steps": 50, "loss": 0.5, "eta_seconds": 90})
+        started = time.monotonic()
+        assert cloud_main(["status", "--remote", str(tmp_path), "--follow", "--every", "0.2"]) == 0
+        assert time.monotonic() - started < 30
+    finally:
+        trainer.kill()
+        trainer.wait()
+    tables = capsys.readouterr().out.split("\n\n")
+    assert len(tables) >= 2 and "5/50" in tables[0] and "1:30" in tables[0]
+    assert "interrupted" in tables[-1]  # its process ended without a worker to record it
