@@ -3,7 +3,8 @@
 Which configs to train is decided against what this runner has trained, by content: the runner
 keeps `<work-root>/trained-configs.json` (`{key: {config path: blob id}}`, key: the repository),
 so a force push or a fresh checkout does not retrain unchanged configs. The push's `before` is
-used only the first time, when the runner has no record for the repository. A cancelled job
+used only the first time, when the runner has no record for the repository (then the configs
+already there at `before` are recorded as handled). A cancelled job
 (SIGINT/SIGTERM from the runner) stops the training, records its runs `cancelled` and exits 130.
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ import signal
 from collections.abc import Callable
 from pathlib import Path
 
+from modules.cloud.git import ZERO_SHA, commit_exists
 from modules.cloud.queue import (CANCELLED, DONE_STATES, FINISHED, INVALID, process_queue,
                                  read_status, write_status)
 from modules.cloud.runs import (CloudSettings, changed_configs, config_blobs, describe,
@@ -49,6 +51,10 @@ def run_changed(repo: Path, before: str | None, after: str, settings: CloudSetti
     trained = load_trained(work_root, key)
     if trained is None and before:
         configs = changed_configs(git_dir, before, after, settings.runs_dir)
+        if before != ZERO_SHA and commit_exists(before, git_dir=git_dir):
+            # The runner's first job: configs already there before this push count as handled,
+            # or the next job would train every config this runner never saw.
+            save_trained(work_root, key, config_blobs(git_dir, before, settings.runs_dir))
     else:
         configs = untrained_configs(git_dir, after, trained or {}, settings.runs_dir)
     statuses = queue_changed_runs(git_dir, before or "", after, settings, configs=configs)

@@ -53,15 +53,17 @@ def test_actions_retrains_nothing_after_a_force_push_or_on_a_fresh_checkout(tmp_
                                                                              capsys):
     repo = tmp_path / "checkout"
     subprocess.run(["git", "init", "-q", "-b", "main", str(repo)], check=True)
+    base = commit(repo, {"runs/old.json": quick()}, "there before the workflow")
     first = commit(repo, {"runs/a.json": quick(), "runs/b.json": quick()}, "two runs")
     work = tmp_path / "work"
-    argv = ["run-changed", "--repo", str(repo), "--before", "0" * 40, "--after", first,
+    argv = ["run-changed", "--repo", str(repo), "--before", base, "--after", first,
             "--work-root", str(work), "--tempera", shlex.join(fake_train),
             "--record-key", "me/cats", "--copy-logs", str(tmp_path / "logs")]
     assert cloud_main(argv) == 0
     assert len(list(work.glob("runs/*"))) == 2
     assert sorted(p.suffix for p in (tmp_path / "logs").iterdir()) == [".log", ".log"]
     # Rewrite history (amend = a force push) and check it out fresh: a's content is unchanged.
+    assert "runs/old.json" not in [s.config for s in list_statuses(work)]
     git(repo, "commit", "-q", "--amend", "-m", "rewritten")
     after = commit(repo, {"runs/b.json": quick(2)}, "change b")
     fresh = tmp_path / "fresh"
@@ -70,7 +72,7 @@ def test_actions_retrains_nothing_after_a_force_push_or_on_a_fresh_checkout(tmp_
     assert cloud_main(argv[:2] + [str(fresh), "--before", "0" * 40, "--after", after]
                       + argv[7:]) == 0
     queued = [s.config for s in list_statuses(work)][2:]
-    assert queued == ["runs/b.json"]  # a is not trained again
+    assert queued == ["runs/b.json"]  # neither a nor old is trained
 
 
 def test_a_cancelled_actions_job_leaves_its_run_cancelled_without_a_traceback(tmp_path):
