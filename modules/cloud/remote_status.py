@@ -192,8 +192,9 @@ def read_views(remote: Remote) -> list[RunView]:
         _run_ssh(remote, observe_command(remote.path, active)))
     views = []
     for s in statuses:
-        alive = s.state != RUNNING or is_alive(s.train_pid, s.boot_id, s.proc_start, boot,
-                                                starts.get(int(s.train_pid or 0), ""))
+        # No boot id: a machine without /proc (macOS); nothing to tell, so it counts as alive.
+        start = starts.get(int(s.train_pid or 0), "") if boot else None
+        alive = s.state != RUNNING or is_alive(s.train_pid, s.boot_id, s.proc_start, boot, start)
         views.append(RunView(s, shown_state(s, alive, records.get(s.run_id, "")),
                              progress.get(s.run_id),
                              s.run_id in cancelling))
