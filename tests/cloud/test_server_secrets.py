@@ -59,7 +59,8 @@ def test_server_refuses_a_secret_pushed_with_no_verify_and_nothing_trains(make_c
     before = git(cloud.bare, "rev-parse", "main")
     proc = push(cloud.repo, "--no-verify")  # skips the laptop's pre-push hook
     assert proc.returncode != 0
-    assert "runs/leak.json" in proc.stderr and ":" in proc.stderr
+    assert "runs/leak.json (commit " in proc.stderr
+    assert ":1: looks like a Hugging Face token" in proc.stderr  # file, line, kind
     assert "Hugging Face token" in proc.stderr and HF not in proc.stderr
     assert "hf_…(39 chars)" in proc.stderr
     assert git(cloud.bare, "rev-parse", "main") == before
