@@ -230,7 +230,9 @@ def execute_run(work_root: Path, status: RunStatus, lock_fd: int | None = None,
         status.ended_at = time.time()
         write_status(work_root, status)
         return status
-    status.__dict__.update(identity(proc.pid))
+    found = identity(proc.pid)  # pid, boot id, start time: tells a live run after a reboot
+    status.train_pid, status.boot_id, status.proc_start = (found["train_pid"], found["boot_id"],
+                                                           found["proc_start"])
     write_status(work_root, status)
     try:
         returncode = proc.wait()
