@@ -43,13 +43,13 @@ def status_task(location: str) -> Callable[[], str]:
     """Read the run table and the latest run's log tail (in a worker thread)."""
     def read() -> str:
         from modules.cloud.remote_status import (format_table, parse_remote, read_log_tail,
-                                                 read_statuses)
+                                                 read_views)
         from modules.cloud.git import CloudError
         remote = parse_remote(location)
-        statuses = read_statuses(remote)
-        text = format_table(statuses)
-        if statuses:
-            latest = statuses[-1]
+        views = read_views(remote)  # the state observed now, and step/loss/ETA of running runs
+        text = format_table(views)
+        if views:
+            latest = views[-1].status
             try:
                 tail = read_log_tail(remote, latest.run_id, LOG_LINES)
             except CloudError as exc:
@@ -173,7 +173,13 @@ class CloudPanel:
         lines += [f"warning: {w}" for w in value.warnings]
         if value.push_output.strip():
             lines += ["", value.push_output.rstrip()]
-        self.status.configure(text=f"Pushed {value.config}.", text_color=("gray10", "gray90"))
+        if value.remote_invalid:  # the push went through, but nothing will train
+            lines.insert(1, f"The GPU machine found {', '.join(value.remote_invalid)} INVALID "
+                            "and started nothing: fix it and push again.")
+            self.status.configure(text=f"Pushed, but {value.config} is INVALID there.",
+                                  text_color=("#b71c1c", "#ef9a9a"))
+        else:
+            self.status.configure(text=f"Pushed {value.config}.", text_color=("gray10", "gray90"))
         self.show("\n".join(lines))
         if self.settings.cloud_status:
             self.refresh_status(keep=self.text())

@@ -12,8 +12,9 @@ from modules.events import CompileEvent, Progress
 class TerminalCallbacks:
     """Shows training in a terminal; every line also goes to the bar-safe `tqdm.write`."""
 
-    def __init__(self, quiet: bool = False) -> None:
+    def __init__(self, quiet: bool = False, bar: bool = True) -> None:
         self.quiet = quiet
+        self.show_bar = bar  # off for logs (cloud runs): ProgressReporter writes clean lines
         self.bar: tqdm | None = None
 
     def _line(self, text: str) -> None:
@@ -24,7 +25,7 @@ class TerminalCallbacks:
         self._line(f"[tempera] {text}")
 
     def on_progress(self, progress: Progress) -> None:
-        if self.quiet:
+        if self.quiet or not self.show_bar:
             return
         if self.bar is None:
             self.bar = tqdm(total=progress.max_steps, unit="step", dynamic_ncols=True,

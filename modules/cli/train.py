@@ -44,6 +44,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--run-meta", dest="run_meta", action="append", default=[],
                         metavar="KEY=VALUE",
                         help='recorded under "meta" in run.json, e.g. commit=<sha> (repeatable)')
+    parser.add_argument("--progress-file", type=Path, metavar="FILE",
+                        help="write progress (step/total, loss, it/s, ETA, compile status) to this "
+                             "JSON file and a clean line to stderr instead of a progress bar")
+    parser.add_argument("--progress-every", type=float, default=30.0, metavar="SECONDS",
+                        help="how often --progress-file is written (30)")
+    parser.add_argument("--stop-file", type=Path, metavar="FILE",
+                        help="stop with a save once this file exists (tempera-cloud cancel)")
     return parser.parse_args(argv)
 
 
@@ -76,8 +83,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     from modules.cli.headless import TerminalCallbacks
-    callbacks = TerminalCallbacks(quiet=args.quiet)
+    callbacks = TerminalCallbacks(quiet=args.quiet, bar=args.progress_file is None)
+    if args.progress_file:
+        from modules.cli.progress import ProgressReporter
+        callbacks = ProgressReporter(callbacks, args.progress_file, args.progress_every)
     commands = TrainerCommands()
+    stop_watch = None
+    if args.stop_file:
+        from modules.cli.progress import watch_stop_file
+        stop_watch = watch_stop_file(args.stop_file, commands, callbacks.on_status)
     stop_signal = StopSignal(commands, callbacks)
     previous = {sig: signal.signal(sig, stop_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -96,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if stop_watch is not None:
+            stop_watch.set()
         callbacks.close()
     add_run_meta(result.output_dir / "run.json", run_meta)  # --run-meta, if any
     print(f"{result.status}: {result.steps} steps; outputs in {result.output_dir}")

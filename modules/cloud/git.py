@@ -27,15 +27,33 @@ def clean_git_env(env: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+_QUARANTINE_VARS = ("GIT_OBJECT_DIRECTORY", "GIT_ALTERNATE_OBJECT_DIRECTORIES",
+                    "GIT_QUARANTINE_PATH")
+
+
+def quarantine_env() -> dict[str, str]:
+    """The environment for git commands a pre-receive hook runs on its own repository.
+
+    A pushed commit's objects sit in a quarantine folder until every pre-receive hook accepts
+    the push; git tells the hook where through these variables, so they are kept here (and only
+    here: they would point any other repository at the wrong objects).
+    """
+    env = clean_git_env()
+    env.update({name: os.environ[name] for name in _QUARANTINE_VARS if name in os.environ})
+    return env
+
+
 def git(args: list[str], cwd: Path | None = None, git_dir: Path | None = None,
-        input_bytes: bytes | None = None, check: bool = True) -> subprocess.CompletedProcess:
+        input_bytes: bytes | None = None, check: bool = True,
+        env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run `git [--git-dir D] args` and return the completed process (bytes output).
 
-    A failing command raises CloudError with git's own message unless check is False.
+    A failing command raises CloudError with git's own message unless check is False. The
+    environment is `clean_git_env()` unless `env` is given (the pre-receive hook's quarantine).
     """
     command = ["git"] + (["--git-dir", str(git_dir)] if git_dir else []) + list(args)
     proc = subprocess.run(command, cwd=cwd, input=input_bytes, capture_output=True,
-                          env=clean_git_env())
+                          env=env if env is not None else clean_git_env())
     if check and proc.returncode != 0:
         message = proc.stderr.decode(errors="replace").strip() or proc.stdout.decode(
             errors="replace").strip()

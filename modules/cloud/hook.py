@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from modules.cloud.git import ZERO_SHA, CloudError, git_text
+from modules.cloud.pre_receive import PRE_RECEIVE_MARKER
 from modules.cloud.queue import QUEUED, RunStatus, start_background_worker
 from modules.cloud.runs import CloudSettings, describe, queue_changed_runs
 
@@ -44,7 +45,8 @@ def write_hook(path: Path, text: str, marker: str, force: bool) -> None:
 
 def install_hook(bare: Path, settings: CloudSettings, python: str | None = None,
                  force: bool = False) -> Path:
-    """Install the post-receive hook and its settings into a bare repository; return the hook."""
+    """Install the pre-receive (secrets) and post-receive (queue) hooks and the settings into a
+    bare repository; return the post-receive hook."""
     bare = Path(bare).resolve()
     if git_text(["rev-parse", "--is-bare-repository"], git_dir=bare) != "true":
         raise CloudError(f"{bare} is not a bare git repository (create one with "
@@ -55,9 +57,11 @@ def install_hook(bare: Path, settings: CloudSettings, python: str | None = None,
     settings.work_root.mkdir(parents=True, exist_ok=True)
     settings_file = bare / SETTINGS_NAME
     settings.save(settings_file)
+    python = python or sys.executable
+    write_hook(bare / "hooks" / "pre-receive", render_template("pre-receive", python),
+               PRE_RECEIVE_MARKER, force)
     hook = bare / "hooks" / "post-receive"
-    write_hook(hook, render_template("post-receive", python or sys.executable, settings_file),
-               HOOK_MARKER, force)
+    write_hook(hook, render_template("post-receive", python, settings_file), HOOK_MARKER, force)
     return hook
 
 

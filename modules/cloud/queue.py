@@ -2,11 +2,14 @@
 
 ```
 <work-root>/
-  queue.lock                 held by the worker while it runs the queue
+  queue.lock                 held by the worker and by the training process it starts
   worker.log                 the background worker's own output
   checkouts/<sha>/           the pushed commit, exported read-only for its runs
-  runs/<run-id>/status.json  queued | running | finished | failed | invalid, with timestamps
-  runs/<run-id>/log.txt      tempera-train's output
+  runs/<run-id>/status.json  queued | running | finished | failed | invalid | interrupted |
+                             cancelled, with timestamps and the training process's identity
+  runs/<run-id>/log.txt      tempera-train's output (a clean progress line every N seconds)
+  runs/<run-id>/progress.json  step/total, loss, it/s, ETA, compile status (tempera-train)
+  runs/<run-id>/cancel       present: cancel (a queued run never starts, a running one stops)
   outputs/<run-id>/          the run's output.dir (config.json, run.json, weights, samples)
 ```
 """
@@ -26,10 +29,15 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from modules.cloud.git import clean_git_env
+from modules.cloud.supervise import (describe_exit, identity, local_is_alive, read_record_status,
+                                     restart_command, settle_run_record, MAX_RESTARTS)
 from modules.util.atomic import atomic_write_text
 
 QUEUED, RUNNING, FINISHED, FAILED, INVALID = "queued", "running", "finished", "failed", "invalid"
-DONE_STATES = (FINISHED, FAILED, INVALID)
+INTERRUPTED, CANCELLED = "interrupted", "cancelled"
+DONE_STATES = (FINISHED, FAILED, INVALID, CANCELLED)
+STARTABLE = (QUEUED, INTERRUPTED)  # an interrupted run starts again (supervise.restart_command)
+PROGRESS_EVERY_SECONDS = 30
 
 
 @dataclass
@@ -51,6 +59,11 @@ class RunStatus:
     started_at: float | None = None
     ended_at: float | None = None
     worker_pid: int | None = None
+    train_pid: int | None = None  # the training process: pid, boot id, start time (supervise.py)
+    boot_id: str = ""
+    proc_start: str = ""
+    restarts: int = 0
+    notes: list[str] = field(default_factory=list)
 
     @classmethod
     def from_dict(cls, data: dict) -> RunStatus:
@@ -64,6 +77,19 @@ def runs_dir(work_root: Path) -> Path:
 
 def status_path(work_root: Path, run_id: str) -> Path:
     return runs_dir(work_root) / run_id / "status.json"
+
+
+def run_folder(work_root: Path, run_id: str) -> Path:
+    return runs_dir(work_root) / run_id
+
+
+def cancel_path(work_root: Path, run_id: str) -> Path:
+    """The cancel marker; also the trainer's --stop-file, so a running run stops with a save."""
+    return run_folder(work_root, run_id) / "cancel"
+
+
+def progress_path(work_root: Path, run_id: str) -> Path:
+    return run_folder(work_root, run_id) / "progress.json"
 
 
 def write_status(work_root: Path, status: RunStatus) -> None:
@@ -98,65 +124,159 @@ def new_run_id(work_root: Path, commit: str, config: str) -> str:
 
 
 @contextmanager
-def queue_lock(work_root: Path, blocking: bool) -> Iterator[bool]:
-    """Hold `<work-root>/queue.lock`; yields False at once when another worker holds it."""
+def queue_lock(work_root: Path, blocking: bool) -> Iterator[int | None]:
+    """Hold `<work-root>/queue.lock`; yields its fd, or None at once when it is held elsewhere.
+
+    The fd is handed to each training process (`pass_fds`): an flock belongs to the open file,
+    so a training process whose worker was killed still holds the lock and no second training
+    starts beside it.
+    """
     path = Path(work_root) / "queue.lock"
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a+") as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
         except BlockingIOError:
-            yield False
+            yield None
             return
         try:
-            yield True
+            yield handle.fileno()
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def next_queued(work_root: Path) -> RunStatus | None:
-    return next((s for s in list_statuses(work_root) if s.state == QUEUED), None)
+    """The oldest run to start; a queued run with a cancel marker is recorded cancelled instead."""
+    for status in list_statuses(work_root):
+        if status.state not in STARTABLE:
+            continue
+        if cancel_path(work_root, status.run_id).exists():
+            status.state, status.ended_at = CANCELLED, time.time()
+            status.error = "cancelled before it started"
+            write_status(work_root, status)
+            continue
+        return status
+    return None
+
+
+def reconcile(work_root: Path) -> list[RunStatus]:
+    """`running` runs whose training process is gone: finished if their run.json says so, else
+    `interrupted` (to start again) with run.json saying so too. Returns the runs changed."""
+    changed = []
+    for status in list_statuses(work_root):
+        if status.state != RUNNING or local_is_alive(status.train_pid, status.boot_id,
+                                                     status.proc_start):
+            continue
+        record = read_record_status(Path(status.output_dir))
+        status.ended_at = time.time()
+        if record in ("finished", "stopped"):
+            status.state = FINISHED
+            status.notes.append("finished while no worker watched it (worker killed)")
+        elif cancel_path(work_root, status.run_id).exists():
+            status.state, status.error = CANCELLED, "cancelled; the worker was gone when it ended"
+        elif status.restarts >= MAX_RESTARTS:
+            status.state = FAILED
+            status.error = (f"the training process ended while no worker watched it, "
+                            f"{status.restarts + 1} times; not started again (resume it by hand "
+                            "with tempera-train --resume)")
+            settle_run_record(Path(status.output_dir), FAILED, status.error)
+        else:
+            status.state = INTERRUPTED
+            status.error = ("the training process ended while no worker watched it (worker "
+                            "killed or machine rebooted); it resumes from its last backup")
+            settle_run_record(Path(status.output_dir), INTERRUPTED, status.error)
+        write_status(work_root, status)
+        changed.append(status)
+    return changed
 
 
 def process_queue(work_root: Path, wait_for_lock: bool = False) -> list[str]:
     """Run queued runs one at a time, oldest first, until none is left; return the ids run.
 
-    Without wait_for_lock, returns at once when another worker holds the lock: that worker
-    looks for queued runs again after it releases the lock, so a run queued meanwhile is not
-    left behind.
+    Without wait_for_lock, returns at once when another worker (or an orphaned training
+    process) holds the lock: that worker looks for queued runs again after it releases the
+    lock, and an orphan's run is reconciled by the next worker start.
     """
     done: list[str] = []
     while True:
-        with queue_lock(work_root, blocking=wait_for_lock) as held:
-            if not held:
+        with queue_lock(work_root, blocking=wait_for_lock) as lock_fd:
+            if lock_fd is None:
                 return done
+            reconcile(work_root)
             while (status := next_queued(work_root)) is not None:
-                execute_run(work_root, status)
+                execute_run(work_root, status, lock_fd)
                 done.append(status.run_id)
         if next_queued(work_root) is None:
             return done
 
 
-def execute_run(work_root: Path, status: RunStatus) -> RunStatus:
-    """Run one queued run's command with its log file; record running, then finished/failed."""
+def execute_run(work_root: Path, status: RunStatus, lock_fd: int | None = None,
+                cancel_grace: float = 5.0) -> RunStatus:
+    """Run one run's command with its log file; record running, then how it ended.
+
+    An exception while it runs (the Actions job cancelled: SIGINT/SIGTERM raised as
+    KeyboardInterrupt) asks the trainer to stop, ends it after `cancel_grace` seconds, records
+    the run `cancelled` and re-raises.
+    """
+    command = restart_command(status, work_root) if status.state == INTERRUPTED else status.command
+    if status.state == INTERRUPTED:
+        status.restarts += 1
     status.state, status.started_at, status.worker_pid = RUNNING, time.time(), os.getpid()
-    write_status(work_root, status)
+    status.exit_code, status.error = None, ""
     log = Path(status.log)
     try:
         with open(log, "ab") as handle:
-            proc = subprocess.run(status.command, stdin=subprocess.DEVNULL, stdout=handle,
-                                  stderr=subprocess.STDOUT, cwd=log.parent, env=clean_git_env())
-        status.exit_code = proc.returncode
-        status.state = FINISHED if proc.returncode == 0 else FAILED
-        if proc.returncode:
-            status.error = f"tempera-train exited with {proc.returncode}; see {log}"
+            proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=handle,
+                                    stderr=subprocess.STDOUT, cwd=log.parent, env=clean_git_env(),
+                                    pass_fds=() if lock_fd is None else (lock_fd,))
     except OSError as exc:  # the command could not start (moved interpreter, bad --tempera)
-        status.state, status.error = FAILED, f"could not start {status.command[:1]}: {exc}"
+        status.state, status.error = FAILED, f"could not start {command[:1]}: {exc}"
         with open(log, "a", encoding="utf-8") as handle:
             handle.write(f"tempera-cloud: {status.error}\n")
-    status.ended_at = time.time()
+        status.ended_at = time.time()
+        write_status(work_root, status)
+        return status
+    found = identity(proc.pid)  # pid, boot id, start time: tells a live run after a reboot
+    status.train_pid, status.boot_id, status.proc_start = (found["train_pid"], found["boot_id"],
+                                                           found["proc_start"])
     write_status(work_root, status)
+    try:
+        returncode = proc.wait()
+    except BaseException:
+        cancel_path(work_root, status.run_id).touch()
+        stop_process(proc, cancel_grace)
+        finish_run(work_root, status, proc.returncode, cancelled=True)
+        raise
+    finish_run(work_root, status, returncode,
+               cancelled=cancel_path(work_root, status.run_id).exists())
     return status
+
+
+def stop_process(proc: subprocess.Popen, grace: float) -> None:
+    """Give the trainer `grace` seconds to stop on its stop file, then terminate, then kill."""
+    for action in (None, proc.terminate, proc.kill):
+        if action:
+            action()
+        try:
+            proc.wait(timeout=grace)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def finish_run(work_root: Path, status: RunStatus, returncode: int | None, cancelled: bool) -> None:
+    """Record how a run ended, in status.json and (when the trainer could not) in run.json."""
+    status.exit_code, status.ended_at = returncode, time.time()
+    if cancelled:
+        status.state, status.error = CANCELLED, "cancelled (tempera-cloud cancel or a cancelled job)"
+    elif returncode == 0:
+        status.state = FINISHED
+    else:
+        status.state = FAILED
+        status.error = f"{describe_exit(returncode)}; see {status.log}"
+    if status.state != FINISHED:
+        settle_run_record(Path(status.output_dir), status.state, status.error)
+    write_status(work_root, status)
 
 
 def start_background_worker(work_root: Path, python: str | None = None) -> subprocess.Popen:

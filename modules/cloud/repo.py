@@ -68,6 +68,15 @@ class PushResult:
     warnings: list[str] = field(default_factory=list)
     push_output: str = ""
 
+    @property
+    def remote_invalid(self) -> list[str]:
+        """Configs the GPU machine's hook reported INVALID (nothing started for them)."""
+        return INVALID_LINE.findall(self.push_output)
+
+
+# The hook's line for an invalid config (modules.cloud.runs.describe), as git relays it.
+INVALID_LINE = re.compile(r"tempera-cloud: (\S+): INVALID, nothing started", re.MULTILINE)
+
 
 def check_config_for_push(config_file: Path, repo: Path) -> list[str]:
     """Warnings for a config about to be pushed; raises CloudError on anything that must stop it."""

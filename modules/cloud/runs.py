@@ -20,7 +20,9 @@ from pathlib import Path
 
 from modules.cloud.git import ZERO_SHA, CloudError, commit_exists, git, git_text
 from modules.cloud.local_overrides import apply_local_overrides
-from modules.cloud.queue import INVALID, QUEUED, RunStatus, new_run_id, write_status
+from modules.cloud.secrets import scan_files
+from modules.cloud.queue import (INVALID, PROGRESS_EVERY_SECONDS, QUEUED, RunStatus, cancel_path,
+                                 new_run_id, progress_path, write_status)
 from modules.config import ConfigError, apply_overrides, load_config, validate
 from modules.train.inputs import check_inputs
 from modules.util.atomic import atomic_write_text
@@ -57,7 +59,7 @@ class CloudSettings:
 
 
 def changed_configs(git_dir: Path, before: str, after: str, runs_dir: str = "runs") -> list[str]:
-    """Config files (`runs/**.json`) added or changed between two commits, sorted.
+    """Config files (`runs/**.json`) added or changed between two commits, in commit order.
 
     For a new branch (before is all zeros) or a `before` this repository does not have (e.g. a
     force push after gc), every config under runs/ at `after` counts as added.
@@ -65,11 +67,49 @@ def changed_configs(git_dir: Path, before: str, after: str, runs_dir: str = "run
     prefix = runs_dir.rstrip("/") + "/"
     if before == ZERO_SHA or not commit_exists(before, git_dir=git_dir):
         out = git(["ls-tree", "-r", "-z", "--name-only", after, "--", prefix], git_dir=git_dir)
+        history = after
     else:
         out = git(["diff", "--name-only", "-z", "--no-renames", "--diff-filter=AM", before,
                    after, "--", prefix], git_dir=git_dir)
+        history = f"{before}..{after}"
     names = out.stdout.decode("utf-8").split("\0")
-    return sorted(n for n in names if n.startswith(prefix) and n.endswith(".json"))
+    wanted = {n for n in names if n.startswith(prefix) and n.endswith(".json")}
+    return in_commit_order(git_dir, history, prefix, wanted)
+
+
+def in_commit_order(git_dir: Path, history: str, prefix: str, wanted: set[str]) -> list[str]:
+    """`wanted` ordered by the first commit (oldest first) of `history` that added or changed
+    each, so the configs of one push queue in the order they were committed."""
+    log = git(["log", "--reverse", "--no-renames", "--format=", "--name-only", "-z",
+               "--diff-filter=AM", history, "--", prefix], git_dir=git_dir).stdout.decode("utf-8")
+    ordered: list[str] = []
+    for name in (n.strip("\n") for n in log.split("\0")):
+        if name in wanted and name not in ordered:
+            ordered.append(name)
+    return ordered + sorted(wanted - set(ordered))  # e.g. only changed by a merge
+
+
+def config_blobs(git_dir: Path, commit: str, runs_dir: str = "runs") -> dict[str, str]:
+    """`{path: blob sha}` of every config under runs/ at a commit."""
+    out = git(["ls-tree", "-r", "-z", commit, "--", runs_dir.rstrip("/") + "/"], git_dir=git_dir)
+    blobs = {}
+    for entry in filter(None, out.stdout.decode("utf-8").split("\0")):
+        meta, _, name = entry.partition("\t")
+        if name.endswith(".json"):
+            blobs[name] = meta.split()[2]
+    return blobs
+
+
+def untrained_configs(git_dir: Path, after: str, trained: dict[str, str],
+                      runs_dir: str = "runs") -> list[str]:
+    """Configs at `after` whose content this machine has not trained yet, in commit order.
+
+    Compares content (blob ids) with what the machine recorded, not with the push's `before`:
+    a force push or a fresh checkout does not make unchanged configs train again.
+    """
+    wanted = {name for name, blob in config_blobs(git_dir, after, runs_dir).items()
+              if trained.get(name) != blob}
+    return in_commit_order(git_dir, after, runs_dir.rstrip("/") + "/", wanted) if wanted else []
 
 
 def export_commit(git_dir: Path, commit: str, checkouts: Path) -> Path:
@@ -94,10 +134,12 @@ def export_commit(git_dir: Path, commit: str, checkouts: Path) -> Path:
 
 
 def queue_changed_runs(git_dir: Path, before: str, after: str, settings: CloudSettings,
-                       ref: str = "") -> list[RunStatus]:
-    """Queue one run per config the push added or changed; invalid ones are recorded, not run."""
+                       ref: str = "", configs: list[str] | None = None) -> list[RunStatus]:
+    """Queue one run per config the push added or changed (or per config of `configs`), in
+    commit order; invalid ones are recorded, not run."""
     work_root = Path(settings.work_root)
-    configs = changed_configs(git_dir, before, after, settings.runs_dir)
+    if configs is None:
+        configs = changed_configs(git_dir, before, after, settings.runs_dir)
     if not configs:
         return []
     checkout = export_commit(git_dir, after, work_root / "checkouts")
@@ -117,11 +159,15 @@ def queue_run(checkout: Path, commit: str, config: str, settings: CloudSettings,
         command += ["--local", str(settings.local_overrides)]
     command += ["--set", f"output.dir={output_dir}",
                 "--run-meta", f"commit={commit}", "--run-meta", f"config={config}",
-                "--run-meta", f"cloud_run_id={run_id}"]
+                "--run-meta", f"cloud_run_id={run_id}",
+                "--progress-file", str(progress_path(work_root, run_id)),
+                "--progress-every", str(PROGRESS_EVERY_SECONDS),
+                "--stop-file", str(cancel_path(work_root, run_id))]
     status = RunStatus(run_id=run_id, state=QUEUED, commit=commit, config=config,
                        output_dir=str(output_dir), log=str(run_dir / "log.txt"),
                        command=command, checkout=str(checkout), ref=ref)
-    problems = check_config(config_file, settings.local_overrides, output_dir)
+    problems = secret_problems(config_file, settings.local_overrides)
+    problems = problems or check_config(config_file, settings.local_overrides, output_dir)
     if problems:
         status.state, status.problems = INVALID, problems
         status.error = f"{config} is invalid ({len(problems)} problem(s)); nothing was started"
@@ -129,6 +175,15 @@ def queue_run(checkout: Path, commit: str, config: str, settings: CloudSettings,
             f"{status.error}:\n" + "".join(f"  - {p}\n" for p in problems), encoding="utf-8")
     write_status(work_root, status)
     return status
+
+
+def secret_problems(config_file: Path, local_overrides: Path | None) -> list[str]:
+    """Secret-looking values in what a run copies into its folders (config.json holds the config
+    merged with the machine's overrides), so none reaches a run record, whatever path the config
+    took here (a push the pre-receive hook let in, GitHub Actions, a file put in by hand)."""
+    files = [config_file] + ([Path(local_overrides)] if local_overrides else [])
+    return [f"{finding} (a run record must not hold secrets)"
+            for finding in scan_files([f for f in files if f.is_file()])]
 
 
 def check_config(config_file: Path, local_overrides: Path | None, output_dir: Path) -> list[str]:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 from app.settings import load_settings
 from modules.cloud.queue import RunStatus, write_status
 from modules.cloud.repo import init_training_repo
+from modules.cloud.supervise import identity
 from tests.app.conftest import REPO, pump
 
 
@@ -113,9 +115,12 @@ def test_refresh_status_shows_the_runs_and_the_latest_log(make_app, tmp_path):
     work_root = tmp_path / "work"
     status = RunStatus(run_id="20261123-0001-cats", state="running", commit="a" * 40,
                        config="runs/cats.json", output_dir=str(work_root / "outputs" / "cats"),
-                       log=str(work_root / "runs" / "20261123-0001-cats" / "log.txt"))
+                       log=str(work_root / "runs" / "20261123-0001-cats" / "log.txt"),
+                       **identity(os.getpid()))  # a live process: this test's
     write_status(work_root, status)
     Path(status.log).write_text("step 3/400 loss 0.41\n")
+    (Path(status.log).parent / "progress.json").write_text(json.dumps(
+        {"step": 3, "max_steps": 400, "loss": 0.41, "eta_seconds": 754, "it_per_s": 0.5}))
     app = make_app(initial_preset=REPO / "training_presets" / "demo.json")
     app.cloud_panel.set_entry(app.cloud_panel.entries["cloud_status"], str(work_root))
     assert app.cloud_panel.refresh_status()
@@ -123,6 +128,8 @@ def test_refresh_status_shows_the_runs_and_the_latest_log(make_app, tmp_path):
     text = app.cloud_panel.text()
     assert "20261123-0001-cats" in text and "running" in text
     assert "step 3/400 loss 0.41" in text
+    row = next(line for line in text.splitlines() if line.startswith("20261123-0001-cats"))
+    assert "3/400" in row and "0.4100" in row and "12:34" in row  # step, loss, ETA
 
     app.cloud_panel.set_entry(app.cloud_panel.entries["cloud_status"], str(tmp_path / "none"))
     assert app.cloud_panel.refresh_status()

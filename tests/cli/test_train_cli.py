@@ -136,3 +136,18 @@ def test_check_reports_an_installed_torch_below_the_tested_floor(small_config, c
     err = capsys.readouterr().err
     assert "torch: expected torch >= 99.0" in err
     assert not (small_config.parent / "out").exists()
+
+
+def test_stop_file_stops_the_run_with_a_save(small_config, tmp_path, capsys):
+    stop = tmp_path / "cancel"
+    stop.touch()  # present from the start: the watcher's first look (after 1 s) stops the run
+    data = json.loads(small_config.read_text())
+    data["training"]["max_steps"] = 100_000
+    small_config.write_text(json.dumps(data))
+    assert main(["--config", str(small_config), "--progress-file", str(tmp_path / "p.json"),
+                 "--stop-file", str(stop)]) == 0
+    out = small_config.parent / "out"
+    record = json.loads((out / "run.json").read_text())
+    assert record["status"] == "stopped" and record["steps_done"] < 100_000
+    assert (out / "final").is_dir()  # stopped with a save
+    assert "stop file" in capsys.readouterr().err

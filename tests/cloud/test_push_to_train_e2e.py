@@ -43,6 +43,10 @@ def test_push_trains_the_config_with_its_compile_settings_and_records_the_commit
     log = Path(status.log).read_text()
     assert status.state == "finished", log[-3000:]
     assert status.exit_code == 0 and status.commit == commit
+    # A clean progress line in the log (no tqdm bar) and progress.json beside the status.
+    assert "[progress] step 2/2 (100%)  loss " in log and "\r" not in log
+    progress = json.loads((Path(status.log).parent / "progress.json").read_text())
+    assert progress["step"] == progress["max_steps"] == 2 and progress["loss"] is not None
 
     out = Path(status.output_dir)
     assert out.parent == cloud.work_root.resolve() / "outputs"
