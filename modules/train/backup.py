@@ -299,19 +299,6 @@ def find_backup(output_dir: Path, resume_from: str) -> Path:
     return folder
 
 
-def remove_partial_backups(output_dir: Path) -> int:
-    """Remove the hidden folders of backups whose writing was interrupted (a killed run);
-    called by the run that holds the output folder's lock, so none is being written. Returns
-    the bytes freed."""
-    root = backups_folder(output_dir)
-    freed = 0
-    for folder in root.iterdir() if root.is_dir() else []:
-        if folder.name.startswith(".") and folder.is_dir():
-            freed += sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
-            shutil.rmtree(folder)
-    return freed
-
-
 def rotate_backups(output_dir: Path, keep: int) -> list[Path]:
     """Remove the oldest complete backups beyond `keep`; return what was removed."""
     found = list_backups(output_dir)

@@ -17,7 +17,7 @@ from modules.config.schema import MixedPrecision
 from modules.data.buckets import assign_buckets, bucket_counts, describe_buckets
 from modules.data.dataset import ImageCaptionDataset, epoch_batch_sampler, expand_repeats
 from modules.events import TrainerCallbacks
-from modules.train.backup import ResumePoint, load_states, remove_partial_backups, restore_run
+from modules.train.backup import ResumePoint, backups_folder, load_states, restore_run
 from modules.train.builders import (build_lr_scheduler, build_optimizer, float32_precision,
                                     step_budget)
 from modules.train.compile_guard import build_compile_guard
@@ -28,6 +28,7 @@ from modules.train.record import RunRecord, device_description, library_versions
 from modules.train.run import Run, item_buckets
 from modules.train.state import TrainingState, draws_generator
 from modules.train.text_cache import TextEncoderCache
+from modules.util.atomic import remove_temporaries
 from modules.train.weights import enable_gradient_checkpointing, prepare_trainable, trained_components
 
 
@@ -127,9 +128,10 @@ def take_output_lock(output_dir: Path, callbacks: TrainerCallbacks) -> OutputLoc
     if lock.previous:
         callbacks.on_status(f"took over the output folder's lock from a run that ended without "
                             f"releasing it ({describe_owner(lock.previous)})")
-    freed = remove_partial_backups(output_dir)
+    freed = remove_temporaries([output_dir, output_dir / "checkpoints", output_dir / "samples",
+                                backups_folder(output_dir)])
     if freed:
-        callbacks.on_status(f"removed partly written backups of an interrupted run "
+        callbacks.on_status(f"removed partly written saves of an interrupted run "
                             f"({freed / 2**20:,.1f} MB freed)")
     return lock
 

@@ -1,4 +1,9 @@
-"""Atomic file writes: a crash or error mid-write never leaves a truncated file in place."""
+"""Atomic file writes: a crash or error mid-write never leaves a truncated file in place.
+
+The temporary file or folder is made private by `mkstemp` / `mkdtemp` (0600 / 0700); before it
+is renamed into place it gets the permissions a plain `open()` / `mkdir()` would have given
+(0666 / 0777 minus the umask), so ComfyUI in a container, or another user, can read a save.
+"""
 from __future__ import annotations
 
 import os
@@ -21,6 +26,32 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         tmp.write_bytes(data)
 
 
+def current_umask() -> int:
+    """The process's umask: read from /proc on Linux; elsewhere reading it means setting it
+    (put back at once, a brief window in which another thread's new file gets 022)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def publish_permissions(path: Path) -> None:
+    """Give a finished temporary file or folder tree the permissions a normal write would."""
+    mask = current_umask()
+    if path.is_dir():
+        for folder, dirs, files in os.walk(path):
+            os.chmod(folder, 0o777 & ~mask)
+            for name in files:
+                os.chmod(os.path.join(folder, name), 0o666 & ~mask)
+    else:
+        os.chmod(path, 0o666 & ~mask)
+
+
 @contextmanager
 def atomic_file(path: Path) -> Iterator[Path]:
     """Yield a temporary path next to `path`; on success it replaces `path`, on error it is removed."""
@@ -31,6 +62,7 @@ def atomic_file(path: Path) -> Iterator[Path]:
     tmp = Path(tmp_name)
     try:
         yield tmp
+        publish_permissions(tmp)
         os.replace(tmp, path)
     finally:
         if tmp.exists():
@@ -49,6 +81,7 @@ def atomic_write_dir(path: Path, write: Callable[[Path], None]) -> None:
     old = path.with_name(f".{path.name}.old")
     try:
         write(tmp)
+        publish_permissions(tmp)
         if old.exists():
             shutil.rmtree(old)
         if path.exists():
@@ -73,6 +106,7 @@ def publish_dir_once(target: Path, build: Callable[[Path], object]) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
     try:
         build(tmp)
+        publish_permissions(tmp)
         try:
             os.replace(tmp, target)
         except OSError:
@@ -82,3 +116,26 @@ def publish_dir_once(target: Path, build: Callable[[Path], object]) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp)
     return target
+
+
+def is_temporary(path: Path) -> bool:
+    """A leftover of an interrupted atomic write in its folder: `.<name>.<random>.tmp` (file or
+    folder being written) or `.<name>.old` (a folder being replaced)."""
+    return path.name.startswith(".") and path.name.endswith((".tmp", ".old"))
+
+
+def remove_temporaries(folders: list[Path]) -> int:
+    """Remove the leftovers of interrupted atomic writes directly in `folders`; returns the
+    bytes freed. Only call it where no write is under way (e.g. holding the output's lock)."""
+    freed = 0
+    for folder in folders:
+        for path in folder.iterdir() if folder.is_dir() else []:
+            if not is_temporary(path):
+                continue
+            if path.is_dir() and not path.is_symlink():
+                freed += sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+                shutil.rmtree(path)
+            else:
+                freed += path.lstat().st_size
+                path.unlink()
+    return freed

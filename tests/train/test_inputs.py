@@ -126,3 +126,30 @@ def test_an_error_at_run_start_is_one_line_not_a_traceback(tmp_path, tempera_cac
     assert not any("Traceback" in line for line in err)
     from modules.train.output_lock import busy_message
     assert busy_message(tmp_path / "out") is None  # the failed start let the folder go
+
+
+def test_leftovers_of_interrupted_saves_are_removed_at_the_next_start(tiny_config, tmp_path):
+    from modules.events import RecordingCallbacks
+    from modules.config.problems import ConfigError
+    from modules.train.output_lock import OutputLock
+    from modules.train.trainer import train
+    out = tmp_path / "out"
+    leftovers = [out / ".final.k2j3.tmp", out / "checkpoints" / ".step-000010.x9.tmp",
+                 out / ".final.old", out / "backups" / ".step-000004.q1.tmp"]
+    for folder in leftovers:
+        folder.mkdir(parents=True)
+        (folder / "unet.safetensors").write_bytes(b"\0" * 300_000)
+    (out / ".run.json.abcd.tmp").write_text("{}")
+    config = tiny_config(f"output.dir={out}")
+    lock = OutputLock(out).acquire()  # a live run's leftovers are never touched
+    try:
+        with pytest.raises(ConfigError):
+            train(config)
+        assert all(folder.exists() for folder in leftovers)
+    finally:
+        lock.release()
+    callbacks = RecordingCallbacks()
+    train(config, callbacks)
+    assert not any(folder.exists() for folder in leftovers)
+    assert not (out / ".run.json.abcd.tmp").exists()
+    assert any("partly written saves" in s and "1.1 MB freed" in s for s in callbacks.statuses)

@@ -121,3 +121,28 @@ def test_write_dir_clears_a_leftover_old_folder(tmp_path):
     (tmp_path / ".ckpt.old").mkdir()
     atomic_write_dir(tmp_path / "ckpt", lambda d: _fill(d, "v1"))
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_saved_files_and_folders_get_the_permissions_a_normal_write_gives(tmp_path, umask):
+    import os
+    import stat
+    from modules.util.atomic import atomic_write_dir, atomic_write_text, publish_dir_once
+    previous = os.umask(umask)
+    try:
+        atomic_write_text(tmp_path / "a.txt", "x")
+
+        def write(folder):
+            (folder / "sub").mkdir()
+            (folder / "sub" / "w.safetensors").write_bytes(b"w")
+
+        atomic_write_dir(tmp_path / "final", write)
+        publish_dir_once(tmp_path / "cache", write)
+    finally:
+        os.umask(previous)
+    mode = lambda p: stat.S_IMODE(p.stat().st_mode)  # noqa: E731
+    assert mode(tmp_path / "a.txt") == 0o666 & ~umask
+    for root in ("final", "cache"):
+        assert mode(tmp_path / root) == 0o777 & ~umask
+        assert mode(tmp_path / root / "sub") == 0o777 & ~umask
+        assert mode(tmp_path / root / "sub" / "w.safetensors") == 0o666 & ~umask
