@@ -148,6 +148,11 @@ class DataConfig:
     datasets: list[DatasetConfig] = setting(
         default_factory=lambda: [DatasetConfig()], label="Datasets", group="Data",
         help="One or more image folders, each with its own repeat count.")
+    recursive: bool = setting(
+        True, label="Include subfolders", group="Data",
+        help="Images in subfolders train too, each with its caption beside it; a top-level "
+             "subfolder named N_name (the kohya layout, e.g. 10_subject) repeats its images N "
+             "times per epoch. Off: only the images directly in each folder.")
     resolution: int = setting(512, label="Resolution", group="Data", min=64, max=4096,
                               help="Training side length in pixels; must be a multiple of 64.")
     center_crop: bool = setting(True, label="Center crop", group="Data",

@@ -37,8 +37,10 @@ def item_rng(seed: int, epoch: int, index: int) -> random.Random:
 
 
 def expand_repeats(scan: ScanResult) -> list[ScanItem]:
-    """Each scanned item repeated by its source's `repeats` (one epoch's worth of samples)."""
-    return [item for item in scan.items for _ in range(scan.sources[item.source_index].repeats)]
+    """Each scanned item repeated by its source's `repeats` times its own (a kohya-style
+    "N_name" subfolder's N): one epoch's worth of samples."""
+    return [item for item in scan.items
+            for _ in range(scan.sources[item.source_index].repeats * item.repeats)]
 
 
 def split_key(key: int | ItemKey) -> ItemKey:

@@ -1,7 +1,8 @@
 """Scanning dataset folders: which images train, with which captions, and what was skipped.
 
 Layout (the kohya / OneTrainer convention): a folder of images, each with a same-name caption
-file next to it (`cat.png` + `cat.txt`). Every image is decoded once here, so a corrupt file is
+file next to it (`cat.png` + `cat.txt`); with `recursive`, subfolders too, where a top-level
+subfolder named `N_name` (kohya's `10_subject`) repeats its images N times per epoch. Every image is decoded once here, so a corrupt file is
 skipped with a reason at scan time instead of crashing a run hours in; the same pass reads
 each image's oriented size, which aspect-ratio bucketing needs.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -24,6 +26,11 @@ logger = logging.getLogger("tempera.data")
 UNSUPPORTED_IMAGE_EXTENSIONS = frozenset({".bmp", ".gif", ".tif", ".tiff", ".avif", ".heic",
                                           ".heif", ".jxl"})
 _LISTED_NAMES = 5  # how many file names a summary message lists before "..."
+# kohya's repeat prefix on a dataset's top-level subfolder: "10_subject" = 10 repeats
+REPEAT_PREFIX = re.compile(r"^(\d+)_(.+)$")
+# An image whose short side is below this fraction of the training resolution is upscaled
+# so much that it trains mostly blur: warned about, still used.
+SMALL_IMAGE_FRACTION = 0.25
 
 
 @dataclass(frozen=True)
@@ -45,6 +52,7 @@ class ScanItem:
     source_index: int
     has_caption: bool = True
     size: tuple[int, int] | None = None
+    repeats: int = 1  # from a kohya-style "N_name" subfolder; times its source's repeats
 
     def oriented_size(self) -> tuple[int, int]:
         """(height, width) after EXIF rotation: the scan's, or the file header's."""
@@ -60,6 +68,8 @@ class ScanResult:
     missing_captions: list[Path] = field(default_factory=list)
     hidden_ignored: int = 0
     images_per_source: list[int] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # quiet oddities, each one line
+    folder_repeats: dict[str, tuple[int, int]] = field(default_factory=dict)  # name: (N, images)
 
     @property
     def num_images(self) -> int:
@@ -76,17 +86,24 @@ class ScanResult:
     @property
     def num_samples_per_epoch(self) -> int:
         """Images per epoch once each source's repeats are applied."""
-        return sum(self.sources[item.source_index].repeats for item in self.items)
+        return sum(self.sources[item.source_index].repeats * item.repeats for item in self.items)
 
     def summary(self) -> str:
-        """One line for the run log: images, samples per epoch, skips, missing captions."""
-        return (f"{self.num_images} images ({self.num_samples_per_epoch} samples per epoch with "
+        """One line for the run log: images, samples per epoch, skips, missing captions, and
+        the kohya-style repeat folders."""
+        line = (f"{self.num_images} images ({self.num_samples_per_epoch} samples per epoch with "
                 f"repeats) from {len(self.sources)} folder(s); {self.num_skipped} skipped; "
                 f"{self.num_missing_captions} without a caption file")
+        if self.folder_repeats:
+            line += "; repeat folders: " + ", ".join(
+                f"{name} ({count} images x{n})" for name, (n, count) in
+                sorted(self.folder_repeats.items()))
+        return line
 
 
 def scan_datasets(sources: Sequence[DatasetSource], caption_extension: str = ".txt",
-                  recursive: bool = False, check_threads: int | None = None) -> ScanResult:
+                  recursive: bool = False, check_threads: int | None = None,
+                  resolution: int | None = None) -> ScanResult:
     """Scan every source folder into a sorted list of usable images with captions.
 
     Only files directly in each folder are read unless `recursive` (then subfolders too, each
@@ -95,6 +112,7 @@ def scan_datasets(sources: Sequence[DatasetSource], caption_extension: str = ".t
     repeat count is below 1, or no usable image is found anywhere (the message names the
     folders and the skip reasons). Images are decoded on `check_threads` threads (default: up
     to 8; PIL releases the GIL while decoding); the result does not depend on the count.
+    With `resolution`, images far smaller than it are listed in `warnings`.
     """
     extension = normalize_caption_extension(caption_extension)
     _check_sources(sources)
@@ -108,10 +126,11 @@ def scan_datasets(sources: Sequence[DatasetSource], caption_extension: str = ".t
         if found == 0:
             logger.warning("dataset folder %s has no usable images", source.path)
     _report_missing_captions(result, extension)
+    _warn_small_images(result, resolution)
     if result.hidden_ignored:
         logger.info("ignored %d hidden file(s) in the dataset folders", result.hidden_ignored)
     if result.num_images == 0:
-        raise DatasetError(_no_images_message(result))
+        raise DatasetError(_no_images_message(result, recursive))
     logger.info("dataset: %s", result.summary())
     return result
 
@@ -144,8 +163,11 @@ def _check_sources(sources: Sequence[DatasetSource]) -> None:
 def _scan_folder(folder: Path, source_index: int, caption_extension: str, recursive: bool,
                  threads: int, result: ScanResult) -> None:
     """Append this folder's usable images to `result.items`, its bad files to `skipped`."""
-    files, hidden = _list_files(folder, recursive)
+    files, hidden, broken = _list_files(folder, recursive)
     result.hidden_ignored += hidden
+    if broken:
+        result.warnings.append(f"{len(broken)} symbolic link(s) point to nothing and were "
+                               f"left out: {_list_names(broken)}")
     captions = {(f.parent, f.name.lower()): f for f in files
                 if f.suffix.lower() == caption_extension.lower()}
     for path in files:
@@ -153,39 +175,71 @@ def _scan_folder(folder: Path, source_index: int, caption_extension: str, recurs
             _skip(result, path, "unsupported image format (use "
                                 f"{'/'.join(sorted(IMAGE_EXTENSIONS))})")
     images = [path for path in files if is_image_file(path)]
+    empty: list[Path] = []
     with ThreadPoolExecutor(max_workers=threads) as pool:
         checks = list(pool.map(inspect_image, images))  # map keeps the sorted order
     for path, check in zip(images, checks):
         if check.reason is not None:
             _skip(result, path, check.reason)
             continue
+        repeats = _folder_repeats(folder, path, result)
         caption_path = captions.get((path.parent, (path.stem + caption_extension).lower()))
         if caption_path is None:
             result.missing_captions.append(path)
             result.items.append(ScanItem(path, "", source_index, has_caption=False,
-                                         size=check.size))
+                                         size=check.size, repeats=repeats))
             continue
         try:
             caption = caption_path.read_text(encoding="utf-8-sig").strip()  # -sig: Notepad BOM
         except (OSError, UnicodeDecodeError) as exc:
             _skip(result, path, f"caption file {caption_path.name} is unreadable: {exc}")
             continue
-        result.items.append(ScanItem(path, caption, source_index, size=check.size))
+        if not caption:
+            empty.append(caption_path)
+        result.items.append(ScanItem(path, caption, source_index, size=check.size,
+                                     repeats=repeats))
+    if empty:
+        result.warnings.append(f"{len(empty)} caption file(s) are empty (those images train "
+                               f"unconditioned): {_list_names(empty)}")
 
 
-def _list_files(folder: Path, recursive: bool) -> tuple[list[Path], int]:
-    """Visible files under `folder`, sorted by relative path, and the number of hidden ones."""
+def _list_files(folder: Path, recursive: bool) -> tuple[list[Path], int, list[Path]]:
+    """Visible files under `folder` sorted by relative path, the number of hidden ones, and the
+    symbolic links that point to nothing."""
     candidates = folder.rglob("*") if recursive else folder.iterdir()
-    visible, hidden = [], 0
+    visible, hidden, broken = [], 0, []
     for path in candidates:
-        if not path.is_file():
-            continue
         if any(part.startswith(".") for part in path.relative_to(folder).parts):
-            hidden += 1
+            hidden += path.is_file()
             continue
-        visible.append(path)
+        if path.is_symlink() and not path.exists():
+            broken.append(path)
+        elif path.is_file():
+            visible.append(path)
     visible.sort(key=lambda p: p.relative_to(folder).as_posix())
-    return visible, hidden
+    return visible, hidden, sorted(broken)
+
+
+def _folder_repeats(root: Path, path: Path, result: ScanResult) -> int:
+    """N for an image under a top-level subfolder named "N_name" (kohya), else 1."""
+    parts = path.relative_to(root).parts
+    match = REPEAT_PREFIX.match(parts[0]) if len(parts) > 1 else None
+    if match is None or int(match.group(1)) < 1:
+        return 1
+    n, count = result.folder_repeats.get(parts[0], (int(match.group(1)), 0))
+    result.folder_repeats[parts[0]] = (n, count + 1)
+    return n
+
+
+def _warn_small_images(result: ScanResult, resolution: int | None) -> None:
+    if not resolution:
+        return
+    limit = resolution * SMALL_IMAGE_FRACTION
+    small = [item.path for item in result.items if item.size and min(item.size) < limit]
+    if small:
+        result.warnings.append(f"{len(small)} image(s) have a side under {limit:.0f} px, far "
+                               f"below the training resolution {resolution} (they are upscaled "
+                               f"and train mostly blur): {_list_names(small)}")
 
 
 def _skip(result: ScanResult, path: Path, reason: str) -> None:
@@ -200,9 +254,15 @@ def _report_missing_captions(result: ScanResult, caption_extension: str) -> None
                        _list_names(result.missing_captions))
 
 
-def _no_images_message(result: ScanResult) -> str:
+def _no_images_message(result: ScanResult, recursive: bool) -> str:
     folders = ", ".join(str(s.path) for s in result.sources)
     message = f"no usable images in {folders}"
+    if not recursive:
+        nested = _images_in_subfolders(result)
+        if nested:
+            return (message + "; its subfolders hold images (" + ", ".join(
+                f"{name}: {count}" for name, count in nested) + "): set data.recursive = true "
+                "to train them (a subfolder named N_name repeats its images N times)")
     if not result.skipped:
         return message + f" (no {'/'.join(sorted(IMAGE_EXTENSIONS))} files found)"
     shown = "; ".join(f"{path.name}: {reason}" for path, reason in result.skipped[:_LISTED_NAMES])
@@ -213,3 +273,15 @@ def _no_images_message(result: ScanResult) -> str:
 def _list_names(paths: Sequence[Path]) -> str:
     names = ", ".join(p.name for p in paths[:_LISTED_NAMES])
     return names + (", ..." if len(paths) > _LISTED_NAMES else "")
+
+
+def _images_in_subfolders(result: ScanResult) -> list[tuple[str, int]]:
+    """(subfolder, image count) of the sources' subfolders: what `recursive` would add."""
+    found = []
+    for source in result.sources:
+        for sub in sorted(p for p in Path(source.path).iterdir()
+                          if p.is_dir() and not p.name.startswith(".")):
+            count = sum(1 for f in sub.rglob("*") if f.is_file() and is_image_file(f))
+            if count:
+                found.append((sub.name, count))
+    return found

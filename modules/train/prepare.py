@@ -91,12 +91,20 @@ def check_run(config: Config, callbacks: TrainerCallbacks) -> CheckedRun:
         ds.path = str(resolve_dataset_path(ds.path, cache_dir))
     sources = [DatasetSource(Path(ds.path), ds.repeats) for ds in resolved.data.datasets]
     try:
-        scan = scan_datasets(sources, caption_extension=resolved.data.caption_extension)
+        scan = scan_datasets(sources, caption_extension=resolved.data.caption_extension,
+                             recursive=resolved.data.recursive,
+                             resolution=resolved.data.resolution)
     except DatasetError as exc:
         raise ConfigError([Problem("data.datasets", "folders with at least one readable image",
                                    str(exc))]) from exc
+    callbacks.on_status(f"dataset: {scan.summary()}")
     if scan.skipped:
-        callbacks.on_status(f"skipped {len(scan.skipped)} unreadable image(s); see the log")
+        reasons = sorted({"unsupported format" if r.startswith("unsupported") else "unreadable"
+                          for _, r in scan.skipped})
+        callbacks.on_status(f"skipped {len(scan.skipped)} image file(s) "
+                            f"({' or '.join(reasons)}); the log lists each with its reason")
+    for warning in scan.warnings:
+        callbacks.on_status(f"dataset warning: {warning}")
     model_path = resolve_model_path(config.model.path, cache_dir)
     resolved.model.path = str(model_path)
     return CheckedRun(resolved, cache_dir, scan, model_path, check_resume(resolved))

@@ -164,3 +164,56 @@ def test_empty_folder_error_says_no_images_found(tmp_path: Path) -> None:
 
     with pytest.raises(DatasetError, match="no usable images.*no .*png.* files found"):
         scan_datasets([DatasetSource(tmp_path)])
+
+
+def kohya_layout(root: Path) -> Path:
+    """The layout users bring from kohya / OneTrainer: nothing at the top, N_name subfolders."""
+    make_image(root / "10_cat" / "a.png", caption="a cat")
+    make_image(root / "10_cat" / "b.png", caption="another cat")
+    make_image(root / "3_dog" / "nested" / "c.png", caption="a dog")
+    make_image(root / "extra" / "d.png", caption="no prefix, one repeat")
+    return root
+
+
+def test_the_kohya_layout_trains_every_subfolder_with_its_repeat_prefix(tmp_path):
+    from modules.data.dataset import expand_repeats
+    result = scan_datasets([DatasetSource(kohya_layout(tmp_path / "data"), repeats=2)],
+                           recursive=True)
+    assert result.num_images == 4
+    assert {item.path.name: item.repeats for item in result.items} == {"a.png": 10, "b.png": 10,
+                                                                       "c.png": 3, "d.png": 1}
+    assert result.num_samples_per_epoch == 2 * (10 + 10 + 3 + 1)
+    assert len(expand_repeats(result)) == result.num_samples_per_epoch
+    assert "repeat folders: 10_cat (2 images x10), 3_dog (1 images x3)" in result.summary()
+
+
+def test_subfolders_without_recursion_are_refused_by_name(tmp_path):
+    with pytest.raises(DatasetError) as err:
+        scan_datasets([DatasetSource(kohya_layout(tmp_path / "data"))], recursive=False)
+    message = str(err.value)
+    assert "10_cat: 2" in message and "3_dog: 1" in message and "data.recursive" in message
+
+
+def test_quiet_oddities_are_warned_about(tmp_path):
+    root = tmp_path / "data"
+    make_image(root / "fine.png", size=(256, 256), caption="fine")
+    make_image(root / "empty.png", size=(256, 256), caption="")
+    make_image(root / "tiny.png", size=(1, 1), caption="a dot")
+    os.symlink(root / "gone.png", root / "link.png")
+    result = scan_datasets([DatasetSource(root)], resolution=512)
+    text = "\n".join(result.warnings)
+    assert "1 caption file(s) are empty" in text and "empty.txt" in text
+    assert "under 128 px, far below the training resolution 512" in text and "tiny.png" in text
+    assert "symbolic link(s) point to nothing" in text and "link.png" in text
+    assert result.num_images == 3
+
+
+def test_a_bmp_is_an_unsupported_format_not_unreadable(tmp_path, tiny_config):
+    from modules.events import RecordingCallbacks
+    from modules.train.prepare import check_run
+    root = tmp_path / "data"
+    make_image(root / "ok.png", size=(64, 64), caption="ok")
+    Image.new("RGB", (64, 64)).save(root / "old.bmp")
+    callbacks = RecordingCallbacks()
+    check_run(tiny_config(f"data.datasets[0].path={root}"), callbacks)
+    assert any("skipped 1 image file(s) (unsupported format)" in s for s in callbacks.statuses)
