@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import inspect
+import json
 from pathlib import Path
 
 import torch
@@ -10,6 +11,7 @@ from torch import nn
 from modules.config.schema import Config, DType, ModelType, SaveFormat, TrainingMethod
 from modules.models.loader import TORCH_DTYPES, ModelBundle
 from modules.model_types import MODEL_TYPES
+from modules.models.single_file import clip_key_with_text_model
 from modules.util.atomic import atomic_write_dir
 
 # LoRA target layers of CLIP text encoders (the UNet's come from training.lora_target_modules).
@@ -107,7 +109,10 @@ def write_lora_diffusers(bundle: ModelBundle, config: Config, folder: Path) -> P
     kwargs = {}
     for name in trained_components(config):
         module = bundle.component(name)
-        kwargs[f"{name}_lora_layers"] = {k: v.detach().to(torch.float32).contiguous()
+        # Text encoder keys in the `text_model.` form every stack reads (transformers 5.6+
+        # flattened CLIPTextModel's names; older loaders crash on the flattened ones).
+        rename = clip_key_with_text_model if name.startswith("text_encoder") else str
+        kwargs[f"{name}_lora_layers"] = {rename(k): v.detach().to(torch.float32).contiguous()
                                          for k, v in get_peft_model_state_dict(module).items()}
         kwargs[f"{name}_lora_adapter_metadata"] = module.peft_config["default"].to_dict()
     pipeline_cls.save_lora_weights(save_directory=folder, weight_name=LORA_WEIGHT_NAME,
@@ -126,9 +131,42 @@ def write_lora_kohya(bundle: ModelBundle, config: Config, folder: Path, step: in
 
 
 def write_full_diffusers(bundle: ModelBundle, config: Config, folder: Path) -> Path:
-    """The whole model as a diffusers folder (`from_pretrained` reads it)."""
+    """The whole model as a diffusers folder (`from_pretrained` reads it), readable by older
+    stacks too: text encoder weights under their `text_model.` names, and the tokenizers' slow
+    files (vocab.json, merges.txt) beside tokenizer.json."""
     build_pipeline(bundle, config).save_pretrained(folder, safe_serialization=True)
+    spec = MODEL_TYPES[config.model.type]
+    for name in spec.text_encoders:
+        rename_weight_keys(folder / name, clip_key_with_text_model)
+    for name in spec.tokenizers:
+        write_slow_tokenizer_files(bundle.tokenizers[name], folder / name)
     return folder
+
+
+def rename_weight_keys(folder: Path, rename) -> None:
+    """Rename every tensor in a component folder's safetensors file(s), and the shard index."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+            tensors = {rename(k): f.get_tensor(k) for k in f.keys()}
+        save_file(tensors, str(path), metadata=metadata)
+    for index in folder.glob("*.safetensors.index.json"):
+        data = json.loads(index.read_text(encoding="utf-8"))
+        data["weight_map"] = {rename(k): v for k, v in data.get("weight_map", {}).items()}
+        index.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+
+def write_slow_tokenizer_files(tokenizer, folder: Path) -> None:
+    """vocab.json and merges.txt (what CLIPTokenizer, the slow one, reads) from a fast BPE
+    tokenizer, when save_pretrained wrote only tokenizer.json."""
+    if (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
+        return
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise ValueError(f"cannot write the slow tokenizer files of {type(tokenizer).__name__}")
+    backend.model.save(str(folder))
 
 
 def write_full_single_file(bundle: ModelBundle, config: Config, folder: Path, step: int) -> Path:

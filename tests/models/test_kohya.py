@@ -58,7 +58,8 @@ def _save_peft_layout(pipe, modules, folder):
     type(pipe).save_lora_weights(folder, weight_name="peft.safetensors", **kwargs)
 
 
-@pytest.fixture(scope="module", params=[ModelType.SD15, ModelType.SDXL], ids=["sd15", "sdxl"])
+@pytest.fixture(scope="module", params=[ModelType.SD15, ModelType.SD2, ModelType.SDXL],
+                ids=["sd15", "sd2", "sdxl"])
 def saved(request, tempera_cache, tmp_path_factory):
     model_type = request.param
     folder = tmp_path_factory.mktemp(f"kohya-{model_type.value}")

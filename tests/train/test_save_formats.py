@@ -89,3 +89,64 @@ def test_training_starts_from_a_single_file_checkpoint(tiny_config, tempera_cach
     assert checkpoint.read_bytes() == before, "training modified the user's checkpoint"
     resolved = json.loads((result.output_dir / "config.json").read_text())["model"]
     assert resolved["path"] == str(checkpoint)
+
+
+def _keys(path: Path) -> list[str]:
+    with safe_open(str(path), "pt") as f:
+        return list(f.keys())
+
+
+def test_diffusers_outputs_name_text_encoder_weights_as_every_stack_reads_them(tiny_config,
+                                                                             pipelines):
+    """The `text_model.` form (what transformers < 5.6, the kohya and single-file writers and
+    A1111 use), the slow tokenizer files, and a round trip with identical weights."""
+    lora = train(tiny_config("training.max_steps=1", "components.text_encoder.train=true",
+                             "output.dir=" + str(Path(tiny_config().output.dir) / "lora")))
+    keys = _keys(lora.output_dir / "final" / "pytorch_lora_weights.safetensors")
+    text = [k for k in keys if k.startswith("text_encoder.")]
+    assert text and all(k.startswith("text_encoder.text_model.encoder.layers.") for k in text)
+
+    tuned = train(tiny_config("training.method=FINE_TUNE", "training.max_steps=1",
+                              "components.text_encoder.train=true", "output.formats=diffusers",
+                              "output.dir=" + str(Path(tiny_config().output.dir) / "ft")))
+    final = tuned.output_dir / "final"
+    assert all(k.startswith("text_model.") for k in _keys(final / "text_encoder" /
+                                                            "model.safetensors"))
+    assert {"vocab.json", "merges.txt", "tokenizer.json"} <= {
+        p.name for p in (final / "tokenizer").iterdir()}
+    from transformers import CLIPTokenizer
+    slow = CLIPTokenizer.from_pretrained(final / "tokenizer")
+    fast = pipelines.load(final).tokenizer
+    assert slow("a red circle").input_ids == fast("a red circle").input_ids
+    pipe = pipelines.load(final)
+    base = pipelines.load(_base_folder(tuned))
+    reloaded = pipe.text_encoder.state_dict()
+    assert not all(torch.equal(reloaded[k], v) for k, v in base.text_encoder.state_dict().items())
+    from safetensors.torch import load_file
+    saved = load_file(str(final / "text_encoder" / "model.safetensors"))
+    for key, value in reloaded.items():
+        if "position_ids" in key:
+            continue
+        assert torch.equal(saved["text_model." + key if not key.startswith(("text_model.",
+                                                                            "text_projection"))
+                                 else key], value), key
+
+
+def test_sd2_v_prediction_outputs_say_so_in_their_metadata(tiny_config):
+    """SD 2.x (v-prediction): the kohya LoRA and the single-file checkpoint carry the metadata
+    A1111 / ComfyUI read to pick the v-parameterisation."""
+    sd2 = ("model.type=SD2", "model.path=builtin:tiny-sd2", "training.max_steps=1")
+    lora = train(tiny_config(*sd2, "output.formats=kohya",
+                             "output.dir=" + str(Path(tiny_config().output.dir) / "lora")))
+    with safe_open(str(lora.output_dir / "final" / "lora_kohya.safetensors"), "pt") as f:
+        meta, keys = f.metadata(), list(f.keys())
+    assert meta["ss_v_parameterization"] == "True" and meta["ss_base_model_version"] == "sd_v2"
+    assert meta["modelspec.architecture"] == "stable-diffusion-v2-768-v/lora"
+    assert keys and all(k.startswith(("lora_unet_", "lora_te_")) for k in keys)
+    full = train(tiny_config(*sd2, "training.method=FINE_TUNE", "output.formats=single_file",
+                             "output.dir=" + str(Path(tiny_config().output.dir) / "full")))
+    with safe_open(str(full.output_dir / "final" / "model.safetensors"), "pt") as f:
+        meta, keys = f.metadata(), list(f.keys())
+    assert meta["modelspec.architecture"] == "stable-diffusion-v2-768-v"
+    assert meta["modelspec.prediction_type"] == "v"
+    assert any(k.startswith("cond_stage_model.model.") for k in keys)  # SD 2's OpenCLIP layout
