@@ -346,8 +346,10 @@ class OutputConfig:
              "fine-tune as a diffusers folder. KOHYA (LoRA): lora_kohya.safetensors for ComfyUI "
              "and A1111. SINGLE_FILE (fine-tune): model.safetensors in the original SD layout.")
     overwrite: bool = setting(False, label="Overwrite previous run", group="General",
-                              help="Allow writing into an output folder that holds an earlier "
-                                   "run; off refuses to start so nothing is lost.")
+                              help="Start a new run in an output folder that holds an earlier "
+                                   "one: its samples, TensorBoard logs, checkpoints, backups "
+                                   "and final weights are removed first (other files stay). "
+                                   "Off refuses to start so nothing is lost.")
     backup_every_steps: int = setting(
         0, label="Backup every N steps", group="General", min=0, max=100_000_000, advanced=True,
         help="Write a backup (everything needed to resume exactly: weights, optimizer, LR "

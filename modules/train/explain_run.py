@@ -14,10 +14,12 @@ from modules.compile import detect_capabilities, explain, format_explanation
 from modules.config.problems import ConfigError
 from modules.config.schema import Config
 from modules.config.validate import validate
-from modules.models.loader import TORCH_DTYPES, load_model, resolve_model_path, unet_conditioning
+from modules.models.loader import resolve_model_path, unet_conditioning
 from modules.models.loader import encode_text
 from modules.paths import cache_dir_for
 from modules.train.builders import pick_device
+from modules.train.inputs import check_inputs
+from modules.train.prepare import load_bundle
 
 
 def _example_inputs(bundle, config: Config, device: torch.device) -> dict[str, tuple]:
@@ -43,13 +45,13 @@ def _example_inputs(bundle, config: Config, device: torch.device) -> dict[str, t
 
 def explain_config(config: Config) -> dict[str, Any]:
     """Per selected component: the plan, the capability decision, graphs and graph breaks."""
-    problems = [p for p in validate(config) if not p.path.startswith("output.")]
+    problems = [p for p in validate(config) + check_inputs(config)
+                if p.path.startswith(("model.", "compile.", "components."))]
     if problems:
         raise ConfigError(problems)
     device = pick_device(config.general.device)
     path = resolve_model_path(config.model.path, cache_dir_for(config.general.cache_dir))
-    bundle = load_model(path, config.model.type, config.model.prediction_type,
-                        TORCH_DTYPES[config.model.weight_dtype])
+    bundle = load_bundle(path, config)  # the loading training does (a single file included)
     for module in bundle.components().values():
         module.to(device).eval()
     examples = _example_inputs(bundle, config, device)

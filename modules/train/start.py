@@ -35,7 +35,9 @@ from modules.train.weights import enable_gradient_checkpointing, prepare_trainab
 def start_run(prepared: PreparedRun, callbacks: TrainerCallbacks, dist: Distributed) -> Run:
     """Create the output folder and everything the loop needs; the first write happens here.
     The output folder's lock is let go again if building the run fails."""
-    lock = (take_output_lock(Path(prepared.config.output.dir), callbacks) if dist.is_main
+    config = prepared.config
+    overwrite = config.output.overwrite and not config.training.resume_from
+    lock = (take_output_lock(Path(config.output.dir), callbacks, overwrite) if dist.is_main
             else None)
     try:
         return build_run(prepared, callbacks, dist, lock)
@@ -118,8 +120,27 @@ def build_run(prepared: PreparedRun, callbacks: TrainerCallbacks, dist: Distribu
     return run
 
 
-def take_output_lock(output_dir: Path, callbacks: TrainerCallbacks) -> OutputLock:
-    """Hold the output folder for this run; a lock left by a dead run is taken over, out loud."""
+# What a run writes into its output folder, besides config.json and run.json (rewritten).
+RUN_OUTPUTS = ("samples", "tensorboard", "checkpoints", "backups", "final")
+
+
+def clear_previous_run(output_dir: Path) -> list[str]:
+    """Remove an earlier run's outputs so they do not mix with the new run's (old samples in
+    the Run tab, two runs' curves in one TensorBoard, an old backup `--resume latest` would
+    pick). Anything else in the folder is the user's and stays."""
+    import shutil
+    cleared = []
+    for name in RUN_OUTPUTS:
+        if (output_dir / name).is_dir():
+            shutil.rmtree(output_dir / name)
+            cleared.append(f"{name}/")
+    return cleared
+
+
+def take_output_lock(output_dir: Path, callbacks: TrainerCallbacks,
+                     overwrite: bool = False) -> OutputLock:
+    """Hold the output folder for this run; a lock left by a dead run is taken over, out loud.
+    Then clean it: leftovers of interrupted saves, and (`overwrite`) the previous run."""
     try:
         lock = OutputLock(output_dir).acquire()
     except OutputBusy as exc:  # another start won the race since prepare_run looked
@@ -130,6 +151,11 @@ def take_output_lock(output_dir: Path, callbacks: TrainerCallbacks) -> OutputLoc
                             f"releasing it ({describe_owner(lock.previous)})")
     freed = remove_temporaries([output_dir, output_dir / "checkpoints", output_dir / "samples",
                                 backups_folder(output_dir)])
+    if overwrite:
+        cleared = clear_previous_run(output_dir)
+        if cleared:
+            callbacks.on_status("output.overwrite: removed the previous run's "
+                                + ", ".join(cleared))
     if freed:
         callbacks.on_status(f"removed partly written saves of an interrupted run "
                             f"({freed / 2**20:,.1f} MB freed)")

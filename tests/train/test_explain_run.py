@@ -29,3 +29,21 @@ def test_script_exit_codes(tiny_config, tmp_path, capsys):
     bad.write_text('{"compile": {"backend": "FAST"}}')
     assert module.main(["--config", str(bad)]) == 2
     assert "compile.backend" in capsys.readouterr().err
+
+
+def test_check_compilation_loads_a_single_file_model_as_training_does(tiny_config, tempera_cache,
+                                                                      tmp_path):
+    from diffusers import StableDiffusionPipeline
+
+    from modules.config.schema import ModelType
+    from modules.models.single_file import save_single_file
+    from modules.models.tiny import ensure_builtin_model
+    folder = ensure_builtin_model("builtin:tiny-sd15", tempera_cache)
+    pipe = StableDiffusionPipeline.from_pretrained(folder, safety_checker=None,
+                                                   local_files_only=True)
+    checkpoint = save_single_file({"unet": pipe.unet, "vae": pipe.vae,
+                                   "text_encoder": pipe.text_encoder, "scheduler": pipe.scheduler},
+                                  tmp_path / "my-model.safetensors", ModelType.SD15)
+    config = tiny_config(f"model.path={checkpoint}", f"model.config_path={folder}",
+                         "compile.backend=AOT_EAGER", "compile.unet=true")
+    assert set(explain_config(config)) == {"unet"}

@@ -279,3 +279,24 @@ def test_incomplete_backup_folders_are_never_picked(tmp_path):
     (root / "step-000002" / "tensors.safetensors").write_bytes(b"")
     assert [step for step, _ in list_backups(tmp_path)] == [2]
     assert find_backup(tmp_path, "latest").name == "step-000002"
+
+
+def test_overwrite_starts_clean_and_leaves_the_users_own_files(tiny_config):
+    first = tiny_config("training.max_steps=2", "output.backup_every_steps=1",
+                        "sampling.prompts=[\"a red circle\"]", "sampling.every_steps=1",
+                        "sampling.steps=2", "logging.tensorboard=true")
+    train(first)
+    output = Path(first.output.dir)
+    (output / "notes.txt").write_text("mine")
+    assert len(list((output / "samples").iterdir())) == 2 and list_backups(output)
+    second = tiny_config("training.max_steps=1", "output.overwrite=true",
+                         "sampling.prompts=[\"a blue square\"]", "sampling.every_steps=0",
+                         "sampling.steps=2", "logging.tensorboard=true")
+    callbacks = RecordingCallbacks()
+    train(second, callbacks)
+    # only the new run's sample (its final one, at step 1): the old run's step 2 is gone
+    assert [p.name for p in (output / "samples").iterdir()] == ["step-000001-0.png"]
+    assert not list_backups(output)  # no old backup for --resume latest to pick
+    assert len(list((output / "tensorboard").iterdir())) == 1  # one run's event file
+    assert (output / "notes.txt").read_text() == "mine"
+    assert any("removed the previous run's samples/" in s for s in callbacks.statuses)
