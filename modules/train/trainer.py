@@ -15,6 +15,7 @@ from modules.config.schema import Config, MixedPrecision
 from modules.events import NullCallbacks, Progress, TrainerCallbacks, TrainerCommands
 from modules.train.objectives import diffusion_mse, drop_captions, min_snr_weights, offset_noise
 from modules.train.distributed import init_distributed
+from modules.train.history import record_compile_time
 from modules.train.prepare import PreparedRun, prepare_run
 from modules.train.run import Run
 from modules.train.start import start_run
@@ -56,7 +57,10 @@ def train(config: Config, callbacks: TrainerCallbacks | None = None,
     dist.barrier()  # every rank validated before rank 0 writes the first file
     run = start_run(prepared, callbacks, dist)
     try:
-        return training_loop(run, callbacks, commands)
+        result = training_loop(run, callbacks, commands)
+        if dist.is_main:  # what a front end shows as the expected compile time next time
+            record_compile_time(config, run.device.type, result.record.get("compile", {}))
+        return result
     except ConfigError:
         raise
     except Exception as exc:

@@ -47,3 +47,18 @@ def test_check_compilation_loads_a_single_file_model_as_training_does(tiny_confi
     config = tiny_config(f"model.path={checkpoint}", f"model.config_path={folder}",
                          "compile.backend=AOT_EAGER", "compile.unet=true")
     assert set(explain_config(config)) == {"unet"}
+
+
+def test_a_run_records_its_compile_time_for_the_next_one_with_the_same_settings(tiny_config,
+                                                                                 tmp_path):
+    from modules.train.history import expected_compile_seconds
+    from modules.train.trainer import train
+    own_cache = f"compile.cache_dir={tmp_path / 'compile-cache'}"  # a history of its own
+    config = tiny_config("compile.backend=AOT_EAGER", "training.max_steps=1", own_cache)
+    assert expected_compile_seconds(config, "cpu") is None
+    train(config)
+    seconds = expected_compile_seconds(config, "cpu")
+    assert seconds is not None and seconds > 0
+    other = tiny_config("compile.backend=AOT_EAGER", "training.max_steps=1",
+                        "data.resolution=128", own_cache)
+    assert expected_compile_seconds(other, "cpu") is None  # other shapes: other compile work
