@@ -23,6 +23,14 @@ COMPONENT_TOGGLES = (("compile.unet", "UNet"), ("compile.text_encoder", "Text En
 DETAILS = ("compile.scope", "compile.mode", "compile.dynamic", "compile.fullgraph",
            "compile.cache_dir", "compile.strict")
 PLACED = {"compile.backend", *(p for p, _ in COMPONENT_TOGGLES), *DETAILS}
+# Settings a compilation check depends on: changing one makes its report outdated.
+CHECKED_SETTINGS = ("compile.", "model.", "components.", "data.resolution", "general.device",
+                    "training.method", "training.mixed_precision")
+
+
+def cuda_available() -> bool:
+    import torch
+    return torch.cuda.is_available()
 
 
 class CompilePanel:
@@ -38,8 +46,10 @@ class CompilePanel:
         self.backend = make_view(self.box, binding, "compile.backend", label="Backend")
         self.backend.frame.pack(fill="x", padx=10)
         registry.add(self.backend, TAB)
+        # wrapped well inside the narrowest window (960 px less the label column), so the
+        # torch.compile(...) line is never clipped; a <Configure>-driven width would loop
         self.description = ctk.CTkLabel(self.box, text="", anchor="w", justify="left",
-                                        wraplength=900, text_color=("gray25", "gray75"))
+                                        wraplength=620, text_color=("gray25", "gray75"))
         self.description.pack(fill="x", padx=10 + 208, pady=(0, 6))
 
         row = ctk.CTkFrame(self.box, fg_color="transparent")
@@ -65,8 +75,11 @@ class CompilePanel:
         self.check_button = ctk.CTkButton(check_row, text="Check compilation", width=160,
                                           command=on_check)
         self.check_button.pack(side="left")
-        ctk.CTkLabel(check_row, text="graph breaks and what this machine can compile with",
-                     text_color=("gray35", "gray65")).pack(side="left", padx=10)
+        self.check_hint = ctk.CTkLabel(check_row,
+                                       text="graph breaks and what this machine can compile with",
+                                       text_color=("gray35", "gray65"))
+        self.check_hint.pack(side="left", padx=10)
+        self.has_result = False  # a report of a finished check is on screen
         self.report = ctk.CTkTextbox(self.box, height=150, wrap="word")
         self.report.pack(fill="x", padx=10, pady=(0, 10))
         self.show_report("Press “Check compilation” to see graph breaks and backend support "
@@ -89,17 +102,30 @@ class CompilePanel:
     def _on_change(self, path: str | None, _source: object | None) -> None:
         if path is None or path == "compile.backend":
             self._update()
+        if self.has_result and (path is None or path.startswith(CHECKED_SETTINGS)):
+            self.has_result = False
+            self.show_report("OUTDATED: the settings changed since this check; press “Check "
+                             "compilation” again.\n\n" + self.report_text())
 
     def _update(self) -> None:
         backend: CompileBackend = self.binding.config.compile.backend
         text = describe_backend(backend) if self._summaries else BACKEND_DESCRIPTIONS[backend]
+        if self._summaries and backend == CompileBackend.TRITON and not cuda_available():
+            text += ("\nOn this machine (no CUDA GPU) TRITON runs as INDUCTOR: CUDA graphs need "
+                     "an NVIDIA GPU. The run record and Check compilation say so too.")
         self.description.configure(text=text)
         enabled = backend != CompileBackend.NONE
         for view in [*self.toggles.values(), *self.details]:
             view.set_enabled(enabled)
 
-    def show_report(self, text: str) -> None:
+    def show_report(self, text: str, result: bool = False) -> None:
         set_readonly_text(self.report, text)
+        self.has_result = result
+
+    def set_check_enabled(self, enabled: bool, why_not: str = "") -> None:
+        self.check_button.configure(state="normal" if enabled else "disabled")
+        self.check_hint.configure(text="graph breaks and what this machine can compile with"
+                                  if enabled else why_not)
 
     def report_text(self) -> str:
         return self.report.get("1.0", "end-1c")

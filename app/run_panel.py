@@ -43,7 +43,8 @@ class RunPanel:
         buttons = ctk.CTkFrame(self.bar, fg_color="transparent")
         buttons.grid(row=0, column=0, sticky="w", padx=8, pady=6)
         self.buttons: dict[str, Any] = {}
-        for key, text, width in (("start", "Start training", 130), ("stop", "Stop", 70),
+        for key, text, width in (("start", "Start training", 130), ("resume", "Resume", 150),
+                                 ("stop", "Stop", 70),
                                  ("sample", "Sample now", 100), ("save", "Save now", 90),
                                  ("open_output", "Open output folder", 150),
                                  ("tensorboard", "TensorBoard", 110)):
@@ -80,11 +81,17 @@ class RunPanel:
         self.plot.canvas.grid(row=0, column=0, sticky="nsew", padx=(0, 8), pady=(0, 8))
         sample_box = ctk.CTkFrame(parent)
         sample_box.grid(row=0, column=1, sticky="nsew", pady=(0, 8))
-        self.sample_image = ctk.CTkLabel(sample_box, text="the latest sample appears here",
-                                         width=SAMPLE_SIZE, height=SAMPLE_SIZE)
-        self.sample_image.pack(padx=8, pady=(8, 2))
-        self.sample_caption = ctk.CTkLabel(sample_box, text="", wraplength=SAMPLE_SIZE)
-        self.sample_caption.pack(padx=8, pady=(0, 8))
+        self.samples_row = ctk.CTkFrame(sample_box, fg_color="transparent")
+        self.samples_row.pack(padx=8, pady=(8, 2))
+        self.sample_caption = ctk.CTkLabel(sample_box, text="the latest samples appear here",
+                                           wraplength=SAMPLE_SIZE + 40, justify="left")
+        self.sample_caption.pack(padx=8, pady=(0, 4))
+        self.backups_label = ctk.CTkLabel(sample_box, text="", wraplength=SAMPLE_SIZE + 40,
+                                          justify="left", text_color=("gray30", "gray70"))
+        self.backups_label.pack(padx=8, pady=(0, 8))
+        self.sample_widgets: list[Any] = []
+        self.sample_step: int | None = None
+        self.sample_paths: list[Path] = []
         self.log_box = ctk.CTkTextbox(parent, height=160, wrap="word")
         self.log_box.grid(row=1, column=0, columnspan=2, sticky="nsew")
         self.log_box.configure(state="disabled")
@@ -92,12 +99,51 @@ class RunPanel:
     # --- updates (Tk thread only) ----------------------------------------------------------
     @tk_thread_only
     def set_running(self, running: bool) -> None:
+        self.running = running
         self.buttons["start"].configure(state="disabled" if running else "normal")
+        if running:
+            self.buttons["resume"].configure(state="disabled")
         for key in ("stop", "sample", "save"):
             self.buttons[key].configure(state="normal" if running else "disabled")
 
     @tk_thread_only
+    def show_backups(self, output: Path, steps: list[int], can_resume: bool,
+                     ended: str) -> None:
+        """The output folder's backups, and Resume from the newest when one exists."""
+        if steps:
+            self.buttons["resume"].configure(text=f"Resume from step {steps[-1]}",
+                                             state="normal" if can_resume else "disabled")
+            how = {"failed": "failed", "running": "was killed or crashed",
+                   "interrupted": "was interrupted", "stopped": "was stopped"}.get(ended)
+            lead = f"The last run here {how}. " if how else ""
+            self.backups_label.configure(
+                text=f"{lead}Backups in {output / 'backups'}: step "
+                     + ", ".join(str(s) for s in steps) + ". Resume continues the newest.")
+        else:
+            self.buttons["resume"].configure(text="Resume", state="disabled")
+            self.backups_label.configure(text="No backups in the output folder (nothing to "
+                                              "resume).")
+
+    @tk_thread_only
+    def show_compiling(self, message: str, expected: float | None) -> None:
+        """While the first steps compile, the step bar cannot move: say it is busy, what is
+        compiling, and how long it took last time with these settings."""
+        if self.step_bar.cget("mode") != "indeterminate":
+            self.step_bar.configure(mode="indeterminate")
+            self.step_bar.start()
+        hint = (f" · expected about {format_duration(expected)} (last run with these settings)"
+                if expected else " · first compile with these settings: no estimate yet")
+        self.step_label.configure(text=message[:80] + hint)
+
+    def _stop_busy(self) -> None:
+        if self.step_bar.cget("mode") == "indeterminate":
+            self.step_bar.stop()
+            self.step_bar.configure(mode="determinate")
+
+    @tk_thread_only
     def reset(self) -> None:
+        self._stop_busy()
+        self._clear_samples("the samples of this run appear here")
         self.step_bar.set(0)
         self.epoch_bar.set(0)
         self.step_label.configure(text="")
@@ -120,6 +166,7 @@ class RunPanel:
 
     @tk_thread_only
     def show_progress(self, p: Progress) -> None:
+        self._stop_busy()
         self.step_bar.set(p.step / max(p.max_steps, 1))
         rate = f"{1 / p.seconds_per_step:.2f} it/s" if p.seconds_per_step > 0 else "– it/s"
         self.step_label.configure(text=f"{p.step}/{p.max_steps} · {rate} · ETA "
@@ -133,13 +180,32 @@ class RunPanel:
     def redraw_plot(self) -> None:
         self.plot.redraw()
 
+    def _clear_samples(self, caption: str) -> None:
+        for widget in self.sample_widgets:
+            widget.destroy()
+        self.sample_widgets, self.sample_paths, self.sample_step = [], [], None
+        self._sample_images: list[Any] = []
+        self.sample_caption.configure(text=caption)
+
     @tk_thread_only
     def show_sample(self, path: Path, prompt: str, step: int) -> None:
+        """Every prompt's sample of the newest step side by side (a new step replaces them)."""
+        if step != self.sample_step:
+            self._clear_samples("")
+            self.sample_step = step
+            self._prompts: list[str] = []
         with Image.open(path) as image:
             image.load()
-            scale = SAMPLE_SIZE / max(image.size)
+            count = len(self.sample_paths) + 1
+            side = SAMPLE_SIZE if count == 1 else SAMPLE_SIZE // 2
+            scale = side / max(image.size)
             size = (max(1, int(image.width * scale)), max(1, int(image.height * scale)))
-            self._sample_ctk = ctk.CTkImage(light_image=image.copy(), size=size)
-        self.sample_image.configure(image=self._sample_ctk, text="")
-        self.sample_caption.configure(text=f"step {step}: {prompt}")
-        self.sample_path = Path(path)
+            picture = ctk.CTkImage(light_image=image.copy(), size=size)
+        label = ctk.CTkLabel(self.samples_row, image=picture, text="")
+        label.grid(row=(count - 1) // 2, column=(count - 1) % 2, padx=2, pady=2)
+        self._sample_images.append(picture)
+        self.sample_widgets.append(label)
+        self.sample_paths.append(Path(path))
+        self._prompts.append(prompt)
+        self.sample_caption.configure(text=f"step {step}: " + " | ".join(self._prompts))
+        return True

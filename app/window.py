@@ -19,18 +19,19 @@ from app.benchmark_panel import BenchFn, BenchmarkSection
 from app.binding import ConfigBinding
 from app.cloud_panel import TAB as CLOUD_TAB, CloudPanel
 from app.compile_info import find_explain, format_report
-from app.compile_panel import PLACED, TAB as ADVANCED_TAB, CompilePanel
+from app.compile_panel import PLACED, CompilePanel
 from app.fields import container_labels
 from app.form import FieldRegistry, build_fields, fields_of_group, groups_in_order, tab_title
 from app.presets import (BUILTIN_PRESETS_DIR, BuiltinPresetError, PresetEntry, is_builtin,
                          list_presets, save_preset)
 from app.run_panel import RunPanel
 from app.runner import Event, TrainFn, TrainingWorker, run_in_thread
-from app.settings import DEFAULT_SETTINGS_PATH, SCALES, UISettings, load_settings, save_settings
+from app.settings import DEFAULT_SETTINGS_PATH, SCALES, load_settings, save_settings
 from app.thread_guard import ThreadGuard, tk_thread_only
 from app.widgets import make_view
-from modules.config import Config, ConfigError, Problem, load_config
+from modules.config import Config, ConfigError, Problem, load_config, validate
 from modules.model_types import MODEL_TYPES
+from modules.train.inputs import check_inputs
 
 RUN_TAB = "Run"
 NO_PRESET = "(no presets found)"
@@ -79,16 +80,20 @@ class TemperaApp(ctk.CTk):
         self._build_top_bar()
         self._build_problems_panel()
         self.run_panel = RunPanel(self, self.tabview.tab(RUN_TAB), self.guard, {
-            "start": self.start_training, "stop": self.stop_training,
+            "start": self.start_training, "resume": self.resume_training,
+            "stop": self.stop_training,
             "sample": self.sample_now, "save": self.save_now,
             "open_output": self.open_output_folder, "tensorboard": self.start_tensorboard})
         self.run_panel.bar.grid(row=3, column=0, sticky="ew", padx=8, pady=(4, 8))
         self.binding.subscribe(self._on_config_change)
+        self.dirty = False  # edits since the preset was loaded or saved
+        self.expected_compile: float | None = None
         self.protocol("WM_DELETE_WINDOW", self.on_close)
         if settings_warning:
             self.run_panel.log(settings_warning)
         self._load_initial(initial_preset)
         self._update_component_states()
+        self.refresh_resume()
         self._poll_id = self.after(self.poll_ms, self._poll)
 
     # --- layout ------------------------------------------------------------------------------
@@ -171,7 +176,19 @@ class TemperaApp(ctk.CTk):
 
     def load_selected_preset(self) -> bool:
         entry = next((p for p in self.presets if p.label == self.preset_menu.get()), None)
-        return self.load_preset(entry.path) if entry else False
+        if entry is None:
+            return False
+        if self.dirty and not self.confirm(
+                "Discard your changes?", "The settings were changed since the preset was loaded "
+                f"or saved. Load {entry.label} and lose those changes?"):
+            return False
+        return self.load_preset(entry.path)
+
+    def set_dirty(self, dirty: bool) -> None:
+        """Mark unsaved edits in the title ("*"), as editors do."""
+        self.dirty = dirty
+        name = self.current_preset.name if self.current_preset else "unsaved settings"
+        self.title(f"Tempera — {name}{' *' if dirty else ''}")
 
     def load_preset(self, path: Path) -> bool:
         """Load a preset file into the window; its problems are listed, nothing crashes."""
@@ -185,7 +202,8 @@ class TemperaApp(ctk.CTk):
         self.binding.replace(config)
         self.current_preset = Path(path)
         self.settings.last_preset = str(Path(path).resolve())
-        self.title(f"Tempera — {Path(path).name}")
+        self.set_dirty(False)
+        self.refresh_resume()
         self.refresh_presets()
         self.hide_problems()
         self.run_panel.set_status(f"Loaded {path}.")
@@ -224,7 +242,7 @@ class TemperaApp(ctk.CTk):
             return None
         self.current_preset = written
         self.settings.last_preset = str(written.resolve())
-        self.title(f"Tempera — {written.name}")
+        self.set_dirty(False)
         self.refresh_presets()
         self.run_panel.set_status(f"Saved {written}.")
         self.run_panel.log(f"saved preset {written}")
@@ -240,6 +258,10 @@ class TemperaApp(ctk.CTk):
     def _on_config_change(self, path: str | None, _source: object | None) -> None:
         if path is None or path == "model.type":
             self._update_component_states()
+        if path is not None and not self.dirty:
+            self.set_dirty(True)
+        if path is None or path == "output.dir":
+            self.refresh_resume()
 
     def _update_component_states(self) -> None:
         present = MODEL_TYPES[self.binding.config.model.type].components
@@ -304,30 +326,57 @@ class TemperaApp(ctk.CTk):
     def training(self) -> bool:
         return self.worker is not None and self.worker.running
 
-    def start_training(self) -> bool:
-        """Validate (the one `validate`) and start the worker; problems are listed instead."""
+    def start_training(self, resume: bool = False) -> bool:
+        """Check what a start checks (config and inputs) and start the worker; problems are
+        listed instead. `resume` continues the output folder's newest backup."""
         if self.worker is not None:
             return False
         if self.benchmark.running:
             self.run_panel.set_status("A benchmark is running (Advanced Options); stop it or "
                                       "wait, so the two do not share the machine.", error=True)
             return False
-        problems = self.binding.problems()
+        config = self.binding.snapshot()
+        if resume:
+            config.training.resume_from = "latest"
+        problems = self.binding.field_problems() + validate(config) + check_inputs(config)
         if problems:
             self.show_problems(problems)
             self.run_panel.set_status(f"Cannot start: {len(problems)} problem(s).", error=True)
             return False
         self.hide_problems()
-        config = self.binding.snapshot()
         self.run_panel.reset()
-        self.run_panel.set_running(True)
-        self.run_panel.set_status("Starting…")
-        self.run_panel.log(f"starting training into {config.output.dir}")
+        self.set_running(True)
+        self.expected_compile = expected_compile(config)
+        self.run_panel.set_status("Resuming…" if resume else "Starting…")
+        self.run_panel.log(("resuming" if resume else "starting") +
+                           f" training into {config.output.dir}")
         self.tabview.set(RUN_TAB)
         self.last_result = None
         self.worker = TrainingWorker(config, self.events, self.train_fn)
         self.worker.start()
         return True
+
+    def resume_training(self) -> bool:
+        return self.start_training(resume=True)
+
+    def set_running(self, running: bool) -> None:
+        """Run controls, and what must not run beside a training (Check compilation resets
+        torch's compiler state process-wide and loads a second model)."""
+        self.run_panel.set_running(running)
+        self.compile_panel.set_check_enabled(not running, "not while training: it would reset "
+                                             "the running training's compiled code")
+        if not running:
+            self.refresh_resume()
+
+    def refresh_resume(self) -> None:
+        """Offer Resume when the output folder holds backups (and say how the last run ended)."""
+        from modules.train.backup_files import list_backups
+        from modules.train.record import read_run_status
+        output = self.output_dir()
+        found = list_backups(output)
+        ended = read_run_status(output)
+        self.run_panel.show_backups(output, [step for step, _ in found],
+                                    can_resume=bool(found) and not self.training, ended=ended)
 
     def stop_training(self) -> None:
         if self.worker is not None:
@@ -389,9 +438,12 @@ class TemperaApp(ctk.CTk):
         elif kind == "compile":
             seconds = f" ({data.seconds:.1f} s)" if data.seconds else ""
             text = f"compile {data.component}: {data.message}{seconds}"
-            warn = data.kind in ("fallback", "degraded", "warning")
-            panel.set_status(text, error=warn)
-            panel.log(("WARNING " if warn else "") + text)
+            warn = data.kind in ("fallback", "degraded", "warning", "recompile")
+            panel.set_status(text, error=warn)  # one short sentence
+            panel.log(("WARNING " if warn else "") + text
+                      + (f"\n{data.detail}" if data.detail else ""))  # the full text
+            if data.kind == "progress":
+                panel.show_compiling(data.message, self.expected_compile)
         elif kind == "saved":
             panel.log(f"saved {data[0]} at step {data[1]}")
         elif kind == "error":
@@ -409,7 +461,7 @@ class TemperaApp(ctk.CTk):
             panel.log(f"ERROR training {kind}: {data}")
         elif kind == "exit":
             self.worker = None
-            panel.set_running(False)
+            self.set_running(False)
             if self.closing:
                 self._finish_close()
         elif kind == "report":
@@ -440,6 +492,8 @@ class TemperaApp(ctk.CTk):
         if self.binding.errors:
             self.show_problems(self.binding.field_problems(), "Fix these fields first")
             return
+        if self.training:
+            return
         config = self.binding.snapshot()
         panel.check_button.configure(state="disabled")
         panel.show_report(f"Checking {config.compile.backend.value}… (this traces the model "
@@ -447,7 +501,7 @@ class TemperaApp(ctk.CTk):
         run_in_thread(lambda: explain(config), self.events, "report")
 
     def _show_report(self, ok: bool, value: Any) -> None:
-        self.compile_panel.check_button.configure(state="normal")
+        self.compile_panel.set_check_enabled(not self.training)
         if not ok and isinstance(value, ConfigError):
             self.show_problems(value.problems)
             text = f"Cannot check: {len(value.problems)} problem(s), listed below the tabs."
@@ -455,7 +509,7 @@ class TemperaApp(ctk.CTk):
             text = f"The check failed:\n{getattr(value, 'formatted_traceback', value)}"
         else:
             text = format_report(value)
-        self.compile_panel.show_report(text)
+        self.compile_panel.show_report(text, result=True)
         self.run_panel.log("compilation check " + ("done" if ok else "failed"))
 
     # --- outputs -----------------------------------------------------------------------------
@@ -475,6 +529,7 @@ class TemperaApp(ctk.CTk):
     def start_tensorboard(self) -> bool:
         if self.tensorboard is not None and self.tensorboard.poll() is None:
             self.run_panel.log("TensorBoard is already running: http://127.0.0.1:6006")
+            self.run_panel.set_status("TensorBoard is running: http://127.0.0.1:6006")
             return True
         logdir = self.output_dir() / "tensorboard"
         try:
@@ -484,6 +539,7 @@ class TemperaApp(ctk.CTk):
             self.run_panel.log(f"could not start TensorBoard: {exc}")
             return False
         self.run_panel.log(f"TensorBoard started for {logdir}: http://127.0.0.1:6006")
+        self.run_panel.set_status(f"TensorBoard: http://127.0.0.1:6006 (logs of {logdir})")
         return True
 
     # --- scaling and closing -----------------------------------------------------------------
@@ -525,6 +581,15 @@ class TemperaApp(ctk.CTk):
         self._tempera_closed = True
         forget_scaling_registration(self)
         self.destroy()
+
+
+def expected_compile(config: Config) -> float | None:
+    """How long compiling took the last time these settings ran here (None: no record)."""
+    if config.compile.backend.value == "NONE":
+        return None
+    from modules.train.builders import pick_device
+    from modules.train.history import expected_compile_seconds
+    return expected_compile_seconds(config, pick_device(config.general.device).type)
 
 
 def apply_scaling(scale: float) -> None:

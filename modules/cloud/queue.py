@@ -29,8 +29,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from modules.cloud.git import clean_git_env
-from modules.cloud.supervise import (describe_exit, identity, local_is_alive, read_record_status,
-                                     restart_command, settle_run_record, MAX_RESTARTS)
+from modules.cloud.supervise import (MAX_RESTARTS, describe_exit, identity, local_is_alive,
+                                     restart_command, settle_run_record)
+from modules.train.record import read_run_status
 from modules.util.atomic import atomic_write_text
 
 QUEUED, RUNNING, FINISHED, FAILED, INVALID = "queued", "running", "finished", "failed", "invalid"
@@ -167,7 +168,7 @@ def reconcile(work_root: Path) -> list[RunStatus]:
         if status.state != RUNNING or local_is_alive(status.train_pid, status.boot_id,
                                                      status.proc_start):
             continue
-        record = read_record_status(Path(status.output_dir))
+        record = read_run_status(Path(status.output_dir))
         status.ended_at = time.time()
         if record in ("finished", "stopped"):
             status.state = FINISHED

@@ -18,8 +18,8 @@ from urllib.parse import urlsplit
 from modules.cloud.git import CloudError
 from modules.cloud.queue import (FINISHED, INTERRUPTED, RUNNING, RunStatus, cancel_path, list_statuses,
                                  progress_path)
-from modules.cloud.supervise import (is_alive, local_is_alive, parse_proc_start,
-                                     read_record_status)
+from modules.cloud.supervise import is_alive, local_is_alive, parse_proc_start
+from modules.train.record import read_run_status
 
 _SCP_LIKE = re.compile(r"^(?P<host>(?:[A-Za-z0-9._-]+@)?[A-Za-z0-9._-]+):(?P<path>.+)$")
 _RUN_ID = re.compile(r"^[A-Za-z0-9._-]+$")
@@ -182,7 +182,7 @@ def read_views(remote: Remote) -> list[RunView]:
     if remote.host is None:
         root = Path(remote.path)
         return [RunView(s, shown_state(s, local_is_alive(s.train_pid, s.boot_id, s.proc_start),
-                                       read_record_status(Path(s.output_dir))),
+                                       read_run_status(Path(s.output_dir))),
                         _read_json(progress_path(root, s.run_id)),
                         cancel_path(root, s.run_id).exists())
                 if s.run_id in active_ids else RunView(s, s.state) for s in statuses]

@@ -95,15 +95,6 @@ def describe_exit(returncode: int) -> str:
     return f"tempera-train exited with {returncode}"
 
 
-def read_record_status(output_dir: Path) -> str:
-    """The `status` in a run's run.json ('' when there is none yet)."""
-    path = Path(output_dir) / "run.json"
-    try:
-        return str(json.loads(path.read_text("utf-8")).get("status", ""))
-    except (OSError, ValueError):
-        return ""
-
-
 def settle_run_record(output_dir: Path, status: str, error: str) -> bool:
     """Make run.json agree when the trainer could not write its own end (killed, cancelled).
 
@@ -134,7 +125,7 @@ def restart_command(status, work_root: Path) -> list[str]:
     first backup), it starts again from scratch, the attempt's output folder kept aside as
     `outputs/<run-id>.attempt-<n>`.
     """
-    from modules.train.backup import list_backups
+    from modules.train.backup_files import list_backups
     output = Path(status.output_dir)
     found = list_backups(output)
     if found:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import random
-import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -25,17 +24,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from modules.train.backup_files import (INFO, TENSORS, BackupError, backups_folder,
+                                        find_backup, list_backups)
 from modules.util.atomic import atomic_write_dir
 
 FORMAT = 1
-BACKUPS = "backups"
-INFO = "backup.json"
-TENSORS = "tensors.safetensors"
-NAME = re.compile(r"^step-(\d{6,})$")
-
-
-class BackupError(Exception):
-    """A backup cannot be read or does not fit this run."""
 
 
 # ---------------------------------------------------------------- JSON + tensors, no pickle
@@ -270,35 +263,6 @@ def resume_point(output_dir: Path, resume_from: str, current: dict) -> ResumePoi
 
 
 # ---------------------------------------------------------------- finding and rotating
-def backups_folder(output_dir: Path) -> Path:
-    return Path(output_dir) / BACKUPS
-
-
-def list_backups(output_dir: Path) -> list[tuple[int, Path]]:
-    """Complete backups, oldest first. Hidden temporary folders of an interrupted write and
-    folders without backup.json are never listed."""
-    root = backups_folder(output_dir)
-    found = []
-    for folder in root.iterdir() if root.is_dir() else []:
-        match = NAME.match(folder.name)
-        if match and (folder / INFO).is_file() and (folder / TENSORS).is_file():
-            found.append((int(match.group(1)), folder))
-    return sorted(found)
-
-
-def find_backup(output_dir: Path, resume_from: str) -> Path:
-    """The backup `training.resume_from` names: "latest" in the output folder, or a path."""
-    if resume_from == "latest":
-        found = list_backups(output_dir)
-        if not found:
-            raise BackupError(f"no backup to resume in {backups_folder(output_dir)}")
-        return found[-1][1]
-    folder = Path(output_dir) / Path(resume_from).expanduser()  # an absolute path stays itself
-    if not (folder / INFO).is_file():
-        raise BackupError(f"{folder}: not a backup folder (it has no {INFO})")
-    return folder
-
-
 def rotate_backups(output_dir: Path, keep: int) -> list[Path]:
     """Remove the oldest complete backups beyond `keep`; return what was removed."""
     found = list_backups(output_dir)

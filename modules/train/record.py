@@ -8,8 +8,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from modules.util.atomic import atomic_write_text
 
 
@@ -17,15 +15,26 @@ def library_versions() -> dict[str, str]:
     import diffusers
     import peft
     import transformers
+    import torch
     return {"python": platform.python_version(), "torch": torch.__version__,
             "diffusers": diffusers.__version__, "transformers": transformers.__version__,
             "peft": peft.__version__}
 
 
-def device_description(device: torch.device) -> str:
+def device_description(device) -> str:
+    """The device a run trains on, in words (a torch.device)."""
+    import torch
     if device.type == "cuda":
         return f"cuda: {torch.cuda.get_device_name(device)}"
     return f"cpu: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+
+
+def read_run_status(output_dir: Path) -> str:
+    """The `status` in a run's run.json ('' when there is none, or it is unreadable)."""
+    try:
+        return str(json.loads((Path(output_dir) / "run.json").read_text("utf-8")).get("status", ""))
+    except (OSError, ValueError, AttributeError):
+        return ""
 
 
 @dataclass

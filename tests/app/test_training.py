@@ -76,7 +76,7 @@ def test_worker_events_reach_widgets_on_the_tk_thread_and_a_crash_is_shown(
     assert panel.step_bar.get() == pytest.approx(1.0)
     assert "3/3" in panel.step_label.cget("text") and "2.00 it/s" in panel.step_label.cget("text")
     assert panel.plot.steps == [1, 2, 3] and panel.plot.canvas.find_withtag("curve")
-    assert panel.sample_path == sample and panel.sample_image.cget("image") is not None
+    assert panel.sample_paths == [sample] and panel.sample_widgets[0].cget("image") is not None
     assert panel.buttons["start"].cget("state") == "normal"      # the window stays usable
 
     def fine_train(config, callbacks, commands):
@@ -166,8 +166,8 @@ def test_a_real_run_reaches_100_percent_with_sample_and_loss_curve(
     assert panel.step_bar.get() == pytest.approx(1.0)
     assert panel.step_label.cget("text").startswith("4/4")
     assert panel.plot.steps == [1, 2, 3, 4] and panel.plot.canvas.find_withtag("curve")
-    assert panel.sample_path is not None and panel.sample_path.is_file()
-    assert panel.sample_path.parent.parent == out
+    assert panel.sample_paths and all(p.is_file() for p in panel.sample_paths)
+    assert panel.sample_paths[0].parent.parent == out
     assert (out / "final").is_dir()
     assert json.loads((out / "run.json").read_text())["status"] == "finished"
     assert app.guard.violations == [] and off_thread_tk_calls == []

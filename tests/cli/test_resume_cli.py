@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from modules.cli.train import main
-from modules.train.backup import list_backups
+from modules.train.backup_files import list_backups
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 12

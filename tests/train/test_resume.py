@@ -12,7 +12,8 @@ from safetensors.torch import load_file
 
 from modules.config.problems import ConfigError
 from modules.events import RecordingCallbacks, TrainerCommands
-from modules.train.backup import flatten, list_backups, unflatten
+from modules.train.backup import flatten, unflatten
+from modules.train.backup_files import list_backups
 from modules.train.trainer import TrainingError, train
 from tests.train.test_bucketed_training import RESOLUTION, SQUARE, TALL, WIDE, make_images
 
@@ -270,7 +271,7 @@ def test_a_new_learning_rate_applies_from_the_resumed_step(tiny_config):
 
 
 def test_incomplete_backup_folders_are_never_picked(tmp_path):
-    from modules.train.backup import find_backup
+    from modules.train.backup_files import find_backup
     root = tmp_path / "backups"
     (root / "step-000004").mkdir(parents=True)        # no backup.json: written half-way
     (root / ".step-000006.abc.tmp").mkdir()           # a write that was interrupted
