@@ -1,0 +1,120 @@
+"""The window around a run: Resume from a backup, Check compilation while training, unsaved
+edits, the TRITON note, and every prompt's sample of the latest step."""
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+from PIL import Image
+
+from modules.events import CompileEvent
+from tests.app.conftest import pump
+
+
+def fake_backup(output: Path, step: int) -> None:
+    folder = output / "backups" / f"step-{step:06d}"
+    folder.mkdir(parents=True)
+    (folder / "backup.json").write_text("{}")
+    (folder / "tensors.safetensors").write_bytes(b"")
+
+
+def test_resume_is_offered_for_a_killed_run_and_starts_from_the_newest_backup(app, tmp_path):
+    output = tmp_path / "out"
+    panel = app.run_panel
+    app.registry.find("output.dir").var.set(str(output))
+    pump(app)
+    assert panel.buttons["resume"].cget("state") == "disabled"
+    fake_backup(output, 20)
+    fake_backup(output, 40)
+    (output / "run.json").write_text(json.dumps({"status": "running"}))  # killed: no end
+    app.refresh_resume()
+    assert panel.buttons["resume"].cget("text") == "Resume from step 40"
+    assert panel.buttons["resume"].cget("state") == "normal"
+    assert "was killed or crashed" in panel.backups_label.cget("text")
+
+    started = []
+
+    def fake_train(config, callbacks, commands):
+        started.append(config.training.resume_from)
+        return SimpleNamespace(status="finished", steps=1, output_dir=output)
+
+    app.train_fn = fake_train
+    import app.window as window
+    original = window.check_inputs
+    window.check_inputs = lambda config: []  # the fake backups are not loadable ones
+    try:
+        assert app.resume_training()
+        pump(app, lambda: app.worker is None)
+    finally:
+        window.check_inputs = original
+    assert started == ["latest"]
+    assert app.binding.config.training.resume_from == ""  # the form itself is unchanged
+
+
+def test_check_compilation_is_off_while_training_and_its_report_goes_stale(app, tmp_path):
+    panel = app.compile_panel
+    app.explain_fn = lambda config: "UNet: AOT_EAGER, graph_breaks 0"
+    panel.backend.menu._dropdown_callback("AOT_EAGER")
+    panel.check_button.invoke()
+    pump(app, lambda: "graph_breaks" in panel.report_text())
+    panel.backend.menu._dropdown_callback("INDUCTOR")  # the report no longer describes this
+    assert panel.report_text().startswith("OUTDATED")
+
+    release = threading.Event()
+
+    def slow_train(config, callbacks, commands):
+        release.wait(30)
+        return SimpleNamespace(status="finished", steps=1, output_dir=tmp_path)
+
+    app.registry.find("output.dir").var.set(str(tmp_path / "out"))
+    app.train_fn = slow_train
+    assert app.start_training()
+    assert panel.check_button.cget("state") == "disabled"
+    assert "not while training" in panel.check_hint.cget("text")
+    release.set()
+    pump(app, lambda: app.worker is None)
+    assert panel.check_button.cget("state") == "normal"
+
+
+def test_unsaved_edits_are_marked_and_loading_another_preset_asks(make_app, tmp_path):
+    asked = []
+    app = make_app(confirm=lambda title, message: asked.append(title) or False)
+    preset = tmp_path / "mine.json"
+    preset.write_text(json.dumps({"config_version": 1, "training": {"max_steps": 7}}))
+    assert app.load_preset(preset)
+    assert app.title() == "Tempera — mine.json"
+    app.registry.find("training.max_steps").var.set("8")
+    pump(app)
+    assert app.title() == "Tempera — mine.json *"
+    app.preset_menu.set(app.presets[0].label)
+    assert app.load_selected_preset() is False  # the user said no: edits kept
+    assert asked == ["Discard your changes?"]
+    assert app.binding.config.training.max_steps == 8
+
+
+def test_triton_on_a_machine_without_cuda_says_it_runs_as_inductor(app):
+    panel = app.compile_panel
+    panel._load_summaries()
+    panel.backend.menu._dropdown_callback("TRITON")
+    text = panel.description.cget("text")
+    assert "runs as INDUCTOR" in text and "torch.compile(" in text
+
+
+def test_every_prompt_of_the_latest_step_is_shown_and_compiling_is_busy(app, tmp_path):
+    images = []
+    for i, color in enumerate(("red", "blue", "green")):
+        images.append(tmp_path / f"s{i}.png")
+        Image.new("RGB", (64, 64), color).save(images[-1])
+    app.expected_compile = 65.0
+    panel = app.run_panel
+    app._handle(SimpleNamespace(kind="compile", payload=CompileEvent(
+        "unet", "compiling UNet (INDUCTOR, 12 regions)…", kind="progress")))
+    assert panel.step_bar.cget("mode") == "indeterminate"
+    assert "expected about 1:05" in panel.step_label.cget("text")
+    app._handle(SimpleNamespace(kind="sample", payload=(images[0], "old prompt", 10)))
+    app._handle(SimpleNamespace(kind="sample", payload=(images[1], "a blue one", 20)))
+    app._handle(SimpleNamespace(kind="sample", payload=(images[2], "a green one", 20)))
+    assert panel.sample_paths == images[1:]  # step 20's two prompts, step 10's gone
+    assert panel.sample_caption.cget("text") == "step 20: a blue one | a green one"
