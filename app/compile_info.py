@@ -5,7 +5,6 @@ is read from the engine's table (`modules.compile.backends.BACKENDS`), so the tw
 """
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 from modules.config.schema import CompileBackend
@@ -29,11 +28,8 @@ def _format_options(options: dict[str, Any]) -> str:
 
 def torch_compile_summary(backend: CompileBackend) -> str:
     """What the backend maps to in torch.compile, read from the engine's backend table."""
-    try:
-        table = importlib.import_module("modules.compile.backends").BACKENDS
-    except (ImportError, AttributeError) as exc:
-        return f"(the engine's backend table is unavailable: {exc})"
-    row = table.get(backend)
+    from modules.compile.backends import BACKENDS  # imports torch: after the window is up
+    row = BACKENDS.get(backend)
     if row is None:
         return "eager: torch.compile is not called"
     args = ["model"]
@@ -47,15 +43,6 @@ def torch_compile_summary(backend: CompileBackend) -> str:
 
 def describe_backend(backend: CompileBackend) -> str:
     return f"{BACKEND_DESCRIPTIONS[backend]}\n→ {torch_compile_summary(backend)}"
-
-
-def find_explain() -> Any | None:
-    """The engine's `explain_text(config) -> str`, looked up lazily (None when this build lacks it)."""
-    try:
-        module = importlib.import_module("modules.train.explain_run")
-    except ImportError:
-        return None
-    return getattr(module, "explain_text", None)
 
 
 def format_report(report: Any) -> str:

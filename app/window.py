@@ -18,7 +18,7 @@ from app import external
 from app.benchmark_panel import BenchFn, BenchmarkSection
 from app.binding import ConfigBinding
 from app.cloud_panel import TAB as CLOUD_TAB, CloudPanel
-from app.compile_info import find_explain, format_report
+from app.compile_info import format_report
 from app.compile_panel import PLACED, CompilePanel
 from app.fields import container_labels
 from app.form import FieldRegistry, build_fields, fields_of_group, groups_in_order, tab_title
@@ -482,13 +482,9 @@ class TemperaApp(ctk.CTk):
 
     # --- compile check -----------------------------------------------------------------------
     def check_compilation(self) -> None:
-        explain = self.explain_fn or find_explain()
+        from modules.train.explain_run import explain_text
+        explain = self.explain_fn or explain_text
         panel = self.compile_panel
-        if explain is None:
-            panel.show_report("Check compilation is not available in this build: the engine "
-                              "has no modules.train.explain_run.explain_text().")
-            self.run_panel.log("check compilation: explain_text is not available")
-            return
         if self.binding.errors:
             self.show_problems(self.binding.field_problems(), "Fix these fields first")
             return
