@@ -54,7 +54,7 @@ class TemperaApp(ctk.CTk):
         super().__init__()
         self.title("Tempera")
         self.geometry(self.settings.geometry)
-        self.minsize(960, 640)
+        self.fit_minsize(self.settings.scaling)
         self.builtin_dir = Path(builtin_presets_dir or BUILTIN_PRESETS_DIR)
         self.train_fn, self.explain_fn, self.poll_ms = train_fn, explain_fn, poll_ms
         self.bench_fn = bench_fn
@@ -126,6 +126,13 @@ class TemperaApp(ctk.CTk):
     def _build_top_bar(self) -> None:
         bar = ctk.CTkFrame(self)
         bar.grid(row=0, column=0, sticky="ew", padx=8, pady=(8, 0))
+        # Packed first, so a narrow window clips the preset controls, never the way back
+        # from a too-large scale.
+        self.scale_menu = ctk.CTkOptionMenu(bar, values=[f"{int(s * 100)}%" for s in SCALES],
+                                            width=90, command=self._scale_chosen)
+        self.scale_menu.set(f"{int(self.settings.scaling * 100)}%")
+        self.scale_menu.pack(side="right", padx=(4, 10))
+        ctk.CTkLabel(bar, text="UI scale").pack(side="right")
         ctk.CTkLabel(bar, text="Preset").pack(side="left", padx=(10, 6), pady=6)
         self.preset_menu = ctk.CTkOptionMenu(bar, values=[NO_PRESET], width=300,
                                              dynamic_resizing=False)
@@ -136,11 +143,6 @@ class TemperaApp(ctk.CTk):
         self.model_type_view = make_view(bar, self.binding, "model.type", label_width=80)
         self.model_type_view.frame.pack(side="left", padx=(20, 0))
         self.registry.add(self.model_type_view, "Model")
-        self.scale_menu = ctk.CTkOptionMenu(bar, values=[f"{int(s * 100)}%" for s in SCALES],
-                                            width=90, command=self._scale_chosen)
-        self.scale_menu.set(f"{int(self.settings.scaling * 100)}%")
-        self.scale_menu.pack(side="right", padx=(4, 10))
-        ctk.CTkLabel(bar, text="UI scale").pack(side="right")
         self.refresh_presets()
 
     def _build_problems_panel(self) -> None:
@@ -540,9 +542,22 @@ class TemperaApp(ctk.CTk):
 
     # --- scaling and closing -----------------------------------------------------------------
     def _scale_chosen(self, text: str) -> None:
-        self.settings.scaling = int(text.rstrip("%")) / 100
-        apply_scaling(self.settings.scaling)
+        """Scale the widgets, not the window: it keeps its size on screen (customtkinter would
+        grow it with the scale, past the screen's edge), and the minimum size stays on screen."""
+        width, height = self.winfo_width(), self.winfo_height()
+        scale = int(text.rstrip("%")) / 100
+        self.settings.scaling = scale
+        apply_scaling(scale)
+        self.fit_minsize(scale)
+        screen_w, screen_h = self.winfo_screenwidth(), self.winfo_screenheight()
+        self.geometry(f"{int(min(width, screen_w) / scale)}x{int(min(height, screen_h) / scale)}")
         self._save_settings()
+
+    def fit_minsize(self, scale: float) -> None:
+        """960x640 on screen at most (customtkinter scales the minimum with the UI scale),
+        and never more than the screen holds."""
+        screen_w, screen_h = self.winfo_screenwidth(), self.winfo_screenheight()
+        self.minsize(int(min(960, screen_w * 0.9) / scale), int(min(640, screen_h * 0.9) / scale))
 
     def _save_settings(self) -> None:
         try:

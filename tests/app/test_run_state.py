@@ -118,3 +118,21 @@ def test_every_prompt_of_the_latest_step_is_shown_and_compiling_is_busy(app, tmp
     app._handle(SimpleNamespace(kind="sample", payload=(images[2], "a green one", 20)))
     assert panel.sample_paths == images[1:]  # step 20's two prompts, step 10's gone
     assert panel.sample_caption.cget("text") == "step 20: a blue one | a green one"
+
+
+def test_a_larger_ui_scale_keeps_the_window_on_screen_and_the_scale_control_reachable(app):
+    app.geometry("1000x680")
+    pump(app)
+    width = app.winfo_width()
+    app._scale_chosen("150%")
+    pump(app)
+    for _ in range(5):
+        app.update()
+    assert abs(app.winfo_width() - width) <= 0.05 * width  # the window kept its size
+    menu = app.scale_menu
+    assert menu.winfo_ismapped()
+    right = menu.winfo_rootx() + menu.winfo_width() - app.winfo_rootx()
+    assert right <= app.winfo_width()  # the way back is on screen
+    app._scale_chosen("100%")
+    pump(app)
+    assert abs(app.winfo_width() - width) <= 0.05 * width
