@@ -104,13 +104,19 @@ def test_process_identity_tells_reboots_reused_pids_and_zombies():
     assert not is_alive(None, "", "", "", None)
 
 
-def test_a_killed_worker_leaves_an_orphan_that_still_holds_the_lock(make_cloud, slow_train,
-                                                                    cleanup_pids):
+def run_then_kill_its_worker(make_cloud, slow_train, cleanup_pids):
+    """A pushed run training, then its worker killed with SIGKILL (the trainer lives on)."""
     cloud = make_cloud(slow_train)
     cloud.commit_and_push({"runs/a.json": tenths(40)})
     a = wait_until(lambda: running(cloud, "runs/a.json"), timeout=30)
     cleanup_pids.append(a.train_pid)
     os.kill(a.worker_pid, signal.SIGKILL)
+    return cloud, a
+
+
+def test_a_killed_worker_leaves_an_orphan_that_still_holds_the_lock(make_cloud, slow_train,
+                                                                    cleanup_pids):
+    cloud, a = run_then_kill_its_worker(make_cloud, slow_train, cleanup_pids)
     time.sleep(0.3)
     assert not gone(a) and lock_is_held(cloud.work_root)  # the orphan trains on, lock and all
     cloud.commit_and_push({"runs/b.json": tenths(1)})  # its worker must not start b beside a
@@ -130,11 +136,7 @@ def test_a_killed_worker_leaves_an_orphan_that_still_holds_the_lock(make_cloud, 
 
 def test_a_run_killed_with_its_worker_is_interrupted_and_starts_again(make_cloud, slow_train,
                                                                      cleanup_pids):
-    cloud = make_cloud(slow_train)
-    cloud.commit_and_push({"runs/a.json": tenths(40)})
-    a = wait_until(lambda: running(cloud, "runs/a.json"), timeout=30)
-    cleanup_pids.append(a.train_pid)
-    os.kill(a.worker_pid, signal.SIGKILL)
+    cloud, a = run_then_kill_its_worker(make_cloud, slow_train, cleanup_pids)
     os.kill(a.train_pid, signal.SIGKILL)
     wait_until(lambda: gone(a), timeout=10)
     (view,) = read_views(Remote(str(cloud.work_root)))
