@@ -347,9 +347,9 @@ class OutputConfig:
              "and A1111. SINGLE_FILE (fine-tune): model.safetensors in the original SD layout.")
     overwrite: bool = setting(False, label="Overwrite previous run", group="General",
                               help="Start a new run in an output folder that holds an earlier "
-                                   "one: its samples, TensorBoard logs, checkpoints, backups "
-                                   "and final weights are removed first (other files stay). "
-                                   "Off refuses to start so nothing is lost.")
+                                   "one: its samples, TensorBoard logs and backups are removed "
+                                   "first; its weights are replaced as the new run saves. Off "
+                                   "refuses to start so nothing is lost.")
     backup_every_steps: int = setting(
         0, label="Backup every N steps", group="General", min=0, max=100_000_000, advanced=True,
         help="Write a backup (everything needed to resume exactly: weights, optimizer, LR "

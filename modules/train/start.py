@@ -120,14 +120,16 @@ def build_run(prepared: PreparedRun, callbacks: TrainerCallbacks, dist: Distribu
     return run
 
 
-# What a run writes into its output folder, besides config.json and run.json (rewritten).
-RUN_OUTPUTS = ("samples", "tensorboard", "checkpoints", "backups", "final")
+# An earlier run's outputs that would mix with a new run's. Weights (final/, checkpoints/) are
+# not among them: they are replaced atomically as the new run saves, so a new run that fails
+# early never costs the user the previous run's weights.
+RUN_OUTPUTS = ("samples", "tensorboard", "backups")
 
 
 def clear_previous_run(output_dir: Path) -> list[str]:
-    """Remove an earlier run's outputs so they do not mix with the new run's (old samples in
-    the Run tab, two runs' curves in one TensorBoard, an old backup `--resume latest` would
-    pick). Anything else in the folder is the user's and stays."""
+    """Remove an earlier run's samples, TensorBoard logs and backups so they do not mix with
+    the new run's (old samples in the Run tab, two runs' curves in one TensorBoard, an old
+    backup `--resume latest` would pick). Everything else stays."""
     import shutil
     cleared = []
     for name in RUN_OUTPUTS:

@@ -284,6 +284,7 @@ def test_incomplete_backup_folders_are_never_picked(tmp_path):
 
 def test_overwrite_starts_clean_and_leaves_the_users_own_files(tiny_config):
     first = tiny_config("training.max_steps=2", "output.backup_every_steps=1",
+                        "output.save_every_steps=1",
                         "sampling.prompts=[\"a red circle\"]", "sampling.every_steps=1",
                         "sampling.steps=2", "logging.tensorboard=true")
     train(first)
@@ -300,4 +301,5 @@ def test_overwrite_starts_clean_and_leaves_the_users_own_files(tiny_config):
     assert not list_backups(output)  # no old backup for --resume latest to pick
     assert len(list((output / "tensorboard").iterdir())) == 1  # one run's event file
     assert (output / "notes.txt").read_text() == "mine"
+    assert (output / "checkpoints" / "step-000001").is_dir()  # weights are never cleared
     assert any("removed the previous run's samples/" in s for s in callbacks.statuses)
