@@ -7,9 +7,10 @@ No pickle: a backup can be inspected with any safetensors reader and loading one
 
 What it holds is what `Run` owns and the config does not rebuild: the trained parameters, the
 optimizer, the LR schedule, the GradScaler, the EMA weights, `TrainingState` (step, epoch,
-position in the epoch, draws generator, loss smoothing) and every global random state (Python,
-numpy, torch CPU and CUDA). The state saved is the one at the last optimizer-step boundary
-(`BoundaryState`), so a backup written after a failure mid-window is still exact.
+position in the epoch, loss smoothing) and every global random state (Python, numpy, torch CPU
+and CUDA). Each step's own draws need nothing saved: their generator is seeded from (seed, rank,
+step). The state saved is the one at the last optimizer-step boundary (`BoundaryState`), so a
+backup written after a failure mid-window is still exact.
 """
 from __future__ import annotations
 
@@ -77,7 +78,8 @@ def unflatten(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
 
 # ---------------------------------------------------------------- random states
 def random_states() -> dict[str, Any]:
-    """Every global generator a step may draw from (LoRA dropout draws from torch's)."""
+    """Every global generator that code run by a step might draw from (Tempera's own draws use
+    their own generator; library code may use these)."""
     states: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
                               "torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -98,23 +100,16 @@ def set_random_states(states: dict[str, Any]) -> None:
 class BoundaryState:
     """The run's small states as they were right after the last optimizer step.
 
-    Taken once per step (a few kilobytes, no device sync): a failure in the middle of the next
-    accumulation window has already advanced the generators, and a backup must not include that.
+    Taken once per step (a few kilobytes, no device sync; every value is a fresh copy): a
+    failure in the middle of the next accumulation window may already have advanced the global
+    generators, and a backup must not include that.
     """
     training: dict
     random: dict
 
     @classmethod
     def capture(cls, run) -> "BoundaryState":
-        return cls(training=_cloned(run.state.state_dict()), random=random_states())
-
-
-def _cloned(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    if isinstance(value, dict):
-        return {k: _cloned(v) for k, v in value.items()}
-    return value
+        return cls(training=run.state.state_dict(), random=random_states())
 
 
 # ---------------------------------------------------------------- what a run owns
@@ -130,7 +125,7 @@ def trained_parameters(run) -> dict[str, torch.nn.Parameter]:
 
 
 def run_states(run, boundary: BoundaryState) -> dict[str, Any]:
-    states = {"parameters": dict(trained_parameters(run)),
+    states = {"parameters": trained_parameters(run),
               "optimizer": run.optimizer.state_dict(),
               "lr_scheduler": run.lr_scheduler.state_dict(),
               "training": boundary.training, "random": boundary.random}
@@ -163,11 +158,19 @@ def save_backup(run, boundary: BoundaryState, reason: str) -> Path:
     return folder
 
 
+def read_info(folder: Path) -> dict:
+    """backup.json, or BackupError saying the folder is not a readable backup."""
+    try:
+        return json.loads((folder / INFO).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise BackupError(f"{folder}: not a readable backup ({exc})") from exc
+
+
 def load_states(folder: Path) -> tuple[dict, dict]:
     """(backup.json's info, its states with tensors restored)."""
     from safetensors.torch import load_file
+    info = read_info(folder)
     try:
-        info = json.loads((folder / INFO).read_text(encoding="utf-8"))
         tensors = load_file(str(folder / TENSORS))
     except (OSError, ValueError) as exc:
         raise BackupError(f"{folder}: not a readable backup ({exc})") from exc
@@ -217,8 +220,9 @@ IGNORED = ("output.dir", "training.resume_from", "general.", "logging.")
 def config_differences(saved: dict, current: dict) -> tuple[list[str], list[str]]:
     """(fields that must match but differ, fields that differ and may) as "key: old -> new"."""
     blocking, allowed = [], []
-    for key in sorted(set(_leaves(saved)) | set(_leaves(current))):
-        old, new = _leaves(saved).get(key), _leaves(current).get(key)
+    before, after = _leaves(saved), _leaves(current)
+    for key in sorted(set(before) | set(after)):
+        old, new = before.get(key), after.get(key)
         if old == new or key.startswith(IGNORED):
             continue
         line = f"{key}: {old!r} -> {new!r}"
@@ -250,10 +254,7 @@ def resume_point(output_dir: Path, resume_from: str, current: dict) -> ResumePoi
 
     Raises BackupError naming every field that must match and does not."""
     folder = find_backup(output_dir, resume_from)
-    try:
-        info = json.loads((folder / INFO).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise BackupError(f"{folder}: not a readable backup ({exc})") from exc
+    info = read_info(folder)
     blocking, allowed = config_differences(info.get("config", {}), current)
     if blocking:
         raise BackupError(f"{folder} was written by a run whose config differs in what changes "

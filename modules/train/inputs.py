@@ -13,7 +13,7 @@ from modules.config.problems import Problem
 from modules.config.schema import Config, SaveFormat, TrainingMethod
 from modules.model_types import BUILTIN_PREFIX, MODEL_TYPES
 from modules.models.family import FolderError, check_folder, check_weight_headers, weight_files
-from modules.util.disk import free_bytes, megabytes
+from modules.util.disk import free_bytes, megabytes, nearest_existing
 
 # A LoRA save is a small fraction of the model (rank 16-128 adapters on attention layers);
 # bounded from above so a check never refuses a run that fits.
@@ -153,9 +153,7 @@ def _check_output_dir(config: Config) -> list[Problem]:
 def _check_output_writable(config: Config, out: Path) -> list[Problem]:
     """The folder can be created and written, with room for one save; nothing is written to
     find out (the nearest existing folder is asked)."""
-    existing = out
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
+    existing = nearest_existing(out)
     where = repr(config.output.dir)
     if not existing.is_dir():
         return [Problem("output.dir", "a folder that can be created", where,

@@ -35,9 +35,7 @@ from modules.train.weights import enable_gradient_checkpointing, prepare_trainab
 def start_run(prepared: PreparedRun, callbacks: TrainerCallbacks, dist: Distributed) -> Run:
     """Create the output folder and everything the loop needs; the first write happens here.
     The output folder's lock is let go again if building the run fails."""
-    config = prepared.config
-    overwrite = config.output.overwrite and not config.training.resume_from
-    lock = (take_output_lock(Path(config.output.dir), callbacks, overwrite) if dist.is_main
+    lock = (take_output_lock(Path(prepared.config.output.dir), callbacks) if dist.is_main
             else None)
     try:
         return build_run(prepared, callbacks, dist, lock)
@@ -53,6 +51,8 @@ def build_run(prepared: PreparedRun, callbacks: TrainerCallbacks, dist: Distribu
     device = dist.device or prepared.device
     output_dir = Path(config.output.dir)
     if dist.is_main:
+        clean_output_folder(output_dir, callbacks,
+                            overwrite=config.output.overwrite and not config.training.resume_from)
         (output_dir / "samples").mkdir(parents=True, exist_ok=True)
         save_config(config, output_dir / "config.json")
     record = RunRecord(output_dir / "run.json", enabled=dist.is_main)
@@ -139,10 +139,8 @@ def clear_previous_run(output_dir: Path) -> list[str]:
     return cleared
 
 
-def take_output_lock(output_dir: Path, callbacks: TrainerCallbacks,
-                     overwrite: bool = False) -> OutputLock:
-    """Hold the output folder for this run; a lock left by a dead run is taken over, out loud.
-    Then clean it: leftovers of interrupted saves, and (`overwrite`) the previous run."""
+def take_output_lock(output_dir: Path, callbacks: TrainerCallbacks) -> OutputLock:
+    """Hold the output folder for this run; a lock left by a dead run is taken over, out loud."""
     try:
         lock = OutputLock(output_dir).acquire()
     except OutputBusy as exc:  # another start won the race since prepare_run looked
@@ -151,6 +149,12 @@ def take_output_lock(output_dir: Path, callbacks: TrainerCallbacks,
     if lock.previous:
         callbacks.on_status(f"took over the output folder's lock from a run that ended without "
                             f"releasing it ({describe_owner(lock.previous)})")
+    return lock
+
+
+def clean_output_folder(output_dir: Path, callbacks: TrainerCallbacks, overwrite: bool) -> None:
+    """Under the lock (no save is under way): remove leftovers of interrupted saves, and with
+    `overwrite` the previous run's outputs that would mix with this one's."""
     freed = remove_temporaries([output_dir, output_dir / "checkpoints", output_dir / "samples",
                                 backups_folder(output_dir)])
     if overwrite:
@@ -161,7 +165,6 @@ def take_output_lock(output_dir: Path, callbacks: TrainerCallbacks,
     if freed:
         callbacks.on_status(f"removed partly written saves of an interrupted run "
                             f"({freed / 2**20:,.1f} MB freed)")
-    return lock
 
 
 def continue_record(record: RunRecord, resume: ResumePoint) -> None:

@@ -43,7 +43,7 @@ def draws_generator(seed: int, rank: int) -> torch.Generator:
 
 @dataclass
 class TrainingState:
-    """A run's position and the randomness still to come.
+    """A run's position in the data and the counters and smoothing that go with it.
 
     `batches_done` counts this rank's micro-batches of `epoch` already trained: the data order is
     a pure function of (seed, epoch), so a resumed run skips exactly these and sees the same
@@ -65,15 +65,14 @@ class TrainingState:
         self.generator.manual_seed(derive_seed("draws", seed, rank, self.step))
 
     def state_dict(self) -> dict:
-        """Plain JSON values, and the generator's state as a uint8 tensor."""
+        """Plain JSON values. The generator is not in it: `reseed_draws` derives its state from
+        (seed, rank, step) at every step."""
         return {"step": self.step, "epoch": self.epoch, "batches_done": self.batches_done,
                 "last_sample_step": self.last_sample_step, "bad_steps": self.bad_steps,
-                "skipped_steps": self.skipped_steps, "smoothed": self.smoothed.state_dict(),
-                "generator": self.generator.get_state()}
+                "skipped_steps": self.skipped_steps, "smoothed": self.smoothed.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         for name in ("step", "epoch", "batches_done", "last_sample_step", "bad_steps",
                      "skipped_steps"):
             setattr(self, name, int(state[name]))
         self.smoothed.load_state_dict(state["smoothed"])
-        self.generator.set_state(state["generator"])

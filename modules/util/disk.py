@@ -16,12 +16,17 @@ class DiskFull(Exception):
     """A save did not fit on its disk; what was saved before it is intact."""
 
 
-def free_bytes(path: Path) -> int:
-    """Free space on the disk that holds `path` (or its nearest existing parent)."""
+def nearest_existing(path: Path) -> Path:
+    """`path`, or its nearest parent that exists (where a folder about to be made would go)."""
     path = Path(path).absolute()
     while not path.exists() and path != path.parent:
         path = path.parent
-    return shutil.disk_usage(path).free
+    return path
+
+
+def free_bytes(path: Path) -> int:
+    """Free space on the disk that holds `path` (or its nearest existing parent)."""
+    return shutil.disk_usage(nearest_existing(path)).free
 
 
 def is_disk_full(err: BaseException) -> bool:

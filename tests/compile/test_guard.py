@@ -10,8 +10,10 @@ from modules.compile import BACKENDS, Capabilities, CompileEngine
 from modules.compile.backends import BackendRow
 from modules.config.schema import CompileBackend, CompileConfig, CompileScope, DynamicShapes
 from modules.events import RecordingCallbacks
+from tests.compile.failing_backends import register_failing_after_first
 
 GPU = Capabilities.everything("cuda")
+
 SECOND_COMPILE_FAILS = "tempera_test_second_compile_fails"
 OOM_WHILE_COMPILING = "tempera_test_oom_while_compiling"
 
@@ -22,21 +24,14 @@ def late_failing_backends():
     that runs out of memory while compiling (as autotuning can)."""
     import torch._dynamo
 
-    compiles = {"count": 0}
-
-    def second_fails(gm, example_inputs):
-        compiles["count"] += 1
-        if compiles["count"] > 1:
-            raise RuntimeError("tempera test backend: this later compile failed")
-        return gm.forward
+    compiles = register_failing_after_first(SECOND_COMPILE_FAILS,
+                                            "tempera test backend: this later compile failed")
 
     def oom(gm, example_inputs):
         raise torch.OutOfMemoryError("CUDA out of memory while benchmarking a kernel choice")
 
-    known = torch._dynamo.list_backends(exclude_tags=None)
-    for name, fn in ((SECOND_COMPILE_FAILS, second_fails), (OOM_WHILE_COMPILING, oom)):
-        if name not in known:
-            torch._dynamo.register_backend(compiler_fn=fn, name=name)
+    if OOM_WHILE_COMPILING not in torch._dynamo.list_backends(exclude_tags=None):
+        torch._dynamo.register_backend(compiler_fn=oom, name=OOM_WHILE_COMPILING)
     return compiles
 
 

@@ -61,18 +61,8 @@ def test_sampling_with_a_compiled_unet_does_not_recompile(cuda_config, backend):
 
 def test_a_compile_failure_at_a_late_bucket_falls_back(cuda_config, tmp_path,
                                                        monkeypatch):  # item 2
-    import torch._dynamo
-
-    compiles = {"n": 0}
-
-    def fails_after_first(gm, example_inputs):
-        compiles["n"] += 1
-        if compiles["n"] > 1:
-            raise RuntimeError("tempera gpu test: a later compile failed")
-        return gm.forward
-
-    if "tempera_gpu_late_fail" not in torch._dynamo.list_backends(exclude_tags=None):
-        torch._dynamo.register_backend(compiler_fn=fails_after_first, name="tempera_gpu_late_fail")
+    from tests.compile.failing_backends import register_failing_after_first
+    register_failing_after_first("tempera_gpu_late_fail", "tempera gpu test: a later compile failed")
     monkeypatch.setitem(BACKENDS, CompileBackend.TRITON,
                         BackendRow("tempera_gpu_late_fail", inductor=False))
     result = train(cuda_config(*buckets(bucket_images(tmp_path / "data")), "training.epochs=2",
