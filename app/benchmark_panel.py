@@ -15,7 +15,7 @@ from typing import Any
 import customtkinter as ctk
 
 from app.binding import ConfigBinding
-from app.widgets import set_readonly_text
+from app.widgets import pass_wheel_at_ends, set_readonly_text, set_widget_enabled
 from modules.config import Config, ConfigError, Problem
 
 SHORT_STEPS, SHORT_WARMUP = 4, 3
@@ -45,8 +45,10 @@ class BenchmarkSection:
 
     def __init__(self, parent: Any, binding: ConfigBinding,
                  show_problems: Callable[[list[Problem], str], None],
-                 training_active: Callable[[], bool], bench_fn: BenchFn | None = None) -> None:
+                 training_active: Callable[[], bool], bench_fn: BenchFn | None = None,
+                 on_running: Callable[[bool], None] = lambda running: None) -> None:
         self.binding = binding
+        self.on_running = on_running  # the window disables Start training meanwhile
         self.show_problems = show_problems
         self.training_active = training_active
         self.bench_fn = bench_fn
@@ -61,7 +63,8 @@ class BenchmarkSection:
         self.button = ctk.CTkButton(row, text="Benchmark…", width=160, command=self.start)
         self.button.pack(side="left")
         self.apply_button = ctk.CTkButton(row, text="Use fastest", width=120,
-                                          command=self.use_fastest, state="disabled")
+                                          command=self.use_fastest)
+        set_widget_enabled(self.apply_button, False)
         self.apply_button.pack(side="left", padx=(8, 0))
         self.status = ctk.CTkLabel(row, text="eager vs the chosen backend, a few steps each, on "
                                              "the current settings", anchor="w",
@@ -70,6 +73,7 @@ class BenchmarkSection:
         self.table = ctk.CTkTextbox(parent, height=120, wrap="none",
                                     font=ctk.CTkFont(family="Courier", size=12))
         self.table.pack(fill="x", padx=10, pady=(0, 10))
+        pass_wheel_at_ends(self.table)
         self._show("")
 
     @property
@@ -95,7 +99,7 @@ class BenchmarkSection:
         bench = self.bench_fn or default_bench_fn()
         self.stop_requested.clear()
         self.result = None
-        self.apply_button.configure(state="disabled")
+        set_widget_enabled(self.apply_button, False)
         self.button.configure(text="Stop benchmark")
         self._show(f"Benchmarking {', '.join(backends)} on the current settings: each cell is "
                    "a fresh process that compiles and trains a few steps.")
@@ -114,6 +118,7 @@ class BenchmarkSection:
 
         self.thread = threading.Thread(target=work, name="tempera-benchmark", daemon=True)
         self.thread.start()
+        self.on_running(True)
         self._poll_id = self.button.after(POLL_MS, self._poll)
         return True
 
@@ -136,6 +141,7 @@ class BenchmarkSection:
             self._poll_id = self.button.after(POLL_MS, self._poll)
         else:
             self.button.configure(text="Benchmark…")
+            self.on_running(False)
 
     def _handle(self, kind: str, data: Any) -> None:
         if kind == "progress":
@@ -144,7 +150,7 @@ class BenchmarkSection:
             self.result = data
             self._show(result_table(data))
             if data.baseline() is not None and data.baseline()["status"] == "ok":
-                self.apply_button.configure(state="normal")
+                set_widget_enabled(self.apply_button, True)
             self.status.configure(text=self.summary(data))
         elif kind == "problems":
             self.show_problems(data, "Fix these before benchmarking")

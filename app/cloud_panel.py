@@ -12,14 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from tkinter import filedialog
 from typing import Any
 
 import customtkinter as ctk
 
 from app.binding import ConfigBinding
+from app.dialogs import ask_directory
 from app.settings import UISettings
-from app.widgets import set_readonly_text
+from app.widgets import pass_wheel_at_ends, set_readonly_text, set_widget_enabled
 
 TAB = "Cloud"
 LOG_LINES = 20
@@ -96,6 +96,7 @@ class CloudPanel:
         self.output = ctk.CTkTextbox(self.box, height=300, wrap="none",
                                      font=ctk.CTkFont(family="Courier", size=12))
         self.output.pack(fill="both", expand=True, padx=10, pady=(0, 10))
+        pass_wheel_at_ends(self.output)
         self.show("Nothing pushed yet.")
 
     def _entry_row(self, label: str, hint: str, value: str, browse: bool = False) -> ctk.CTkEntry:
@@ -112,7 +113,7 @@ class CloudPanel:
         return entry
 
     def _browse(self, entry: ctk.CTkEntry) -> None:
-        chosen = filedialog.askdirectory(parent=self.box, title="Training repository")
+        chosen = ask_directory(self.box, "Training repository", entry.get())
         if chosen:
             self.set_entry(entry, chosen)
 
@@ -204,14 +205,14 @@ class CloudPanel:
 
     def _set_busy(self, message: str) -> None:
         self.busy = True
-        self.push_button.configure(state="disabled")
-        self.status_button.configure(state="disabled")
+        set_widget_enabled(self.push_button, False)
+        set_widget_enabled(self.status_button, False)
         self.status.configure(text=message, text_color=("gray10", "gray90"))
 
     def _set_idle(self) -> None:
         self.busy = False
-        self.push_button.configure(state="normal")
-        self.status_button.configure(state="normal")
+        set_widget_enabled(self.push_button, True)
+        set_widget_enabled(self.status_button, True)
 
     def show(self, text: str) -> None:
         set_readonly_text(self.output, text)

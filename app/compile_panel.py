@@ -14,7 +14,8 @@ import customtkinter as ctk
 from app.binding import ConfigBinding
 from app.compile_info import BACKEND_DESCRIPTIONS, describe_backend
 from app.form import FieldRegistry
-from app.widgets import BoolView, FieldView, make_view, set_readonly_text
+from app.widgets import (BoolView, FieldView, make_view, pass_wheel_at_ends, set_readonly_text,
+                         set_widget_enabled)
 from modules.config.schema import CompileBackend
 
 TAB = "Advanced Options"
@@ -82,6 +83,7 @@ class CompilePanel:
         self.has_result = False  # a report of a finished check is on screen
         self.report = ctk.CTkTextbox(self.box, height=150, wrap="word")
         self.report.pack(fill="x", padx=10, pady=(0, 10))
+        pass_wheel_at_ends(self.report)
         self.show_report("Press “Check compilation” to see graph breaks and backend support "
                          "for the current settings.")
         self._summaries = False  # the torch.compile mapping needs torch: filled in after idle
@@ -116,14 +118,14 @@ class CompilePanel:
         self.description.configure(text=text)
         enabled = backend != CompileBackend.NONE
         for view in [*self.toggles.values(), *self.details]:
-            view.set_enabled(enabled)
+            view.set_enabled(enabled, "the backend is None (eager): nothing is compiled")
 
     def show_report(self, text: str, result: bool = False) -> None:
         set_readonly_text(self.report, text)
         self.has_result = result
 
     def set_check_enabled(self, enabled: bool, why_not: str = "") -> None:
-        self.check_button.configure(state="normal" if enabled else "disabled")
+        set_widget_enabled(self.check_button, enabled)
         self.check_hint.configure(text="graph breaks and what this machine can compile with"
                                   if enabled else why_not)
 

@@ -30,9 +30,19 @@ def open_folder(path: Path) -> None:
     subprocess.Popen([*opener, str(path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+def open_url(url: str) -> None:
+    """Open `url` in the desktop's browser (nothing happens where there is none)."""
+    import webbrowser
+    webbrowser.open(url)
+
+
+TENSORBOARD_PORT = 6006  # TensorBoard's own default
+
+
 def tensorboard_command(logdir: Path) -> list[str] | None:
-    """The command that serves `logdir` on 127.0.0.1, or None when TensorBoard is not installed."""
-    args = ["--logdir", str(logdir), "--host", "127.0.0.1"]
+    """The command that serves `logdir` on 127.0.0.1:6006, or None when TensorBoard is not
+    installed."""
+    args = ["--logdir", str(logdir), "--host", "127.0.0.1", "--port", str(TENSORBOARD_PORT)]
     beside_python = Path(sys.executable).parent / "tensorboard"
     exe = shutil.which("tensorboard") or (str(beside_python) if beside_python.exists() else None)
     if exe:

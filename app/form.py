@@ -14,13 +14,14 @@ import customtkinter as ctk
 
 from app.binding import ConfigBinding
 from app.fields import FieldInfo, container_labels, iter_fields
-from app.widgets import FieldView, ListView, make_view
+from app.widgets import FieldView, ListView, ReadOnlyView, make_view
 from modules.config import Config
 
 TAB_TITLES = {"Advanced": "Advanced Options"}
 TAB_ORDER = ("General", "Model", "Data", "Training", "Sampling", "Advanced")
 READ_ONLY = {"config_version"}  # shown, not edited: the loader's migrations own it
 _TRAILING_INDEX = re.compile(r"\[\d+\]$")
+_ROW = re.compile(r"\[(\d+)\]")
 
 
 def tab_title(group: str) -> str:
@@ -78,6 +79,7 @@ class FieldRegistry:
         self.views: dict[str, list[FieldView]] = {}
         self.tab_of: dict[str, str] = {}
         self.more_of: dict[str, MoreSection] = {}
+        self.section_titles: dict[str, Any] = {}  # parent path -> its section's title label
 
     def add(self, view: FieldView, tab: str, more: MoreSection | None = None) -> None:
         self.views.setdefault(view.path, []).append(view)
@@ -107,6 +109,29 @@ class FieldRegistry:
                 return view
         return None
 
+    def where(self, path: str) -> str:
+        """A config path as the window names it: "Training › UNet › Learning rate", list rows
+        counted from 1 ("Data › Datasets › row 2 › Path"); a group is named by its own label."""
+        labels = container_labels(Config)
+        view = self.find(path)
+        if view is None:
+            return labels.get(path, path)
+        tab = self.tab_of.get(self.top_path(view.path)) or self.tab_of.get(view.path, "")
+        parts = [tab]
+        index = _ROW.search(path)
+        if index is not None:  # a list's row, or a field of one
+            list_view = self.views[self.top_path(view.path)][0]
+            parts += [list_view.info.label, f"row {int(index.group(1)) + 1}"]
+            if view is not list_view:
+                parts.append(view.info.label)
+        elif view.path != path:  # a group of fields, found through its first field
+            parts.append(labels.get(path, path))
+        else:
+            section = labels.get(path.rsplit(".", 1)[0]) if "." in path else None
+            parts += [section, view.info.label] if section and section != tab else [
+                view.info.label]
+        return " › ".join(p for p in parts if p)
+
     def top_path(self, path: str) -> str:
         """The registered (top-level) path a concrete path belongs to ('data.datasets[0].x' -> 'data.datasets')."""
         return path.split("[", 1)[0] if "[" in path else path
@@ -134,20 +159,24 @@ def _place_sections(parent: Any, sections: dict[str, list[FieldInfo]], labels: d
     cols = [ctk.CTkFrame(parent, fg_color="transparent") for _ in range(columns)]
     heights = [0] * columns
     for i, col in enumerate(cols):
-        col.grid(row=0, column=i, sticky="nw", padx=(0, 24))
+        # equal columns across the tab's width, so "More options" lines up with the fields above
+        parent.grid_columnconfigure(i, weight=1, uniform="columns")
+        col.grid(row=0, column=i, sticky="nwe", padx=(0, 24))
     for parent_path, infos in sections.items():
         index = heights.index(min(heights))
         heights[index] += len(infos) + 2
         box = ctk.CTkFrame(cols[index], corner_radius=8)
         box.pack(fill="x", pady=(0, 12), anchor="n")
-        ctk.CTkLabel(box, text=_section_title(parent_path, labels),
-                     font=ctk.CTkFont(size=14, weight="bold"), anchor="w").pack(
-            anchor="w", padx=10, pady=(6, 2))
+        title = ctk.CTkLabel(box, text=_section_title(parent_path, labels),
+                             font=ctk.CTkFont(size=14, weight="bold"), anchor="w")
+        title.pack(anchor="w", padx=10, pady=(6, 2))
+        registry.section_titles.setdefault(parent_path, title)
         for info in infos:
-            view = make_view(box, binding, info.dotted_path)
-            view.frame.pack(fill="x", padx=10, pady=1)
             if info.dotted_path in READ_ONLY:
-                view.set_enabled(False)
+                view = ReadOnlyView(box, binding, info.dotted_path)
+            else:
+                view = make_view(box, binding, info.dotted_path)
+            view.frame.pack(fill="x", padx=10, pady=0)
             registry.add(view, tab, more)
         ctk.CTkFrame(box, height=6, fg_color="transparent").pack()
 

@@ -15,7 +15,8 @@ from PIL import Image
 
 from app.loss_plot import LossPlot
 from app.thread_guard import ThreadGuard, tk_thread_only
-from app.widgets import ERROR_COLOR
+from app.tooltip import Tooltip
+from app.widgets import ERROR_COLOR, elide, set_widget_enabled
 from modules.events import Progress
 
 SAMPLE_SIZE = 320
@@ -53,11 +54,17 @@ class RunPanel:
             self.buttons[key] = button
         self.buttons["start"].configure(fg_color=("#2e7d32", "#2e7d32"),
                                         hover_color=("#1b5e20", "#1b5e20"))
-        self.status = ctk.CTkLabel(self.bar, text="Ready.", anchor="w", justify="left",
-                                   wraplength=560)
-        self.status.grid(row=0, column=1, sticky="w", padx=8)
+        self.button_tips = {key: Tooltip(button, "") for key, button in self.buttons.items()}
+        self.start_allowed, self.start_why_not = True, ""
+        # One line across the window, cut to fit; the whole text on hover and in the log.
+        self.status_font = ctk.CTkFont()
+        self.status = ctk.CTkLabel(self.bar, text="Ready.", anchor="w", font=self.status_font)
+        self.status.grid(row=1, column=0, columnspan=2, sticky="ew", padx=12)
+        self.status_tip = Tooltip(self.status, "", wraplength=720)
+        self.status_text, self.status_error = "Ready.", False
+        self.tensorboard_url: str | None = None
         progress = ctk.CTkFrame(self.bar, fg_color="transparent")
-        progress.grid(row=1, column=0, columnspan=2, sticky="ew", padx=8, pady=(0, 6))
+        progress.grid(row=2, column=0, columnspan=2, sticky="ew", padx=8, pady=(0, 6))
         progress.grid_columnconfigure(1, weight=1)
         ctk.CTkLabel(progress, text="Step", width=48, anchor="w").grid(row=0, column=0)
         self.step_bar = ctk.CTkProgressBar(progress)
@@ -100,19 +107,41 @@ class RunPanel:
     @tk_thread_only
     def set_running(self, running: bool) -> None:
         self.running = running
-        self.buttons["start"].configure(state="disabled" if running else "normal")
+        self._enable("start", not running and self.start_allowed,
+                     "training is running" if running else self.start_why_not)
         if running:
-            self.buttons["resume"].configure(state="disabled")
+            self._enable("resume", False, "training is running")
         for key in ("stop", "sample", "save"):
-            self.buttons[key].configure(state="normal" if running else "disabled")
+            self._enable(key, running, "" if running else "no training is running")
+
+    def _enable(self, key: str, enabled: bool, why_not: str = "") -> None:
+        set_widget_enabled(self.buttons[key], enabled)
+        self.button_tips[key].text = "" if enabled or not why_not else f"Not now: {why_not}"
+
+    @tk_thread_only
+    def set_start_allowed(self, allowed: bool, why_not: str = "") -> None:
+        """Allow Start (and Resume) or not, for a reason outside the training (a benchmark)."""
+        self.start_allowed, self.start_why_not = allowed, ("" if allowed else why_not)
+        if not self.running:
+            self._enable("start", allowed, why_not)
+            if not allowed:
+                self._enable("resume", False, why_not)
+
+    @tk_thread_only
+    def show_tensorboard(self, url: str) -> None:
+        """TensorBoard runs: its button shows the address, and opens it when pressed again."""
+        self.tensorboard_url = url
+        self.buttons["tensorboard"].configure(text="Open " + url.split("//", 1)[-1], width=190)
+        self.button_tips["tensorboard"].text = f"TensorBoard is serving at {url}"
 
     @tk_thread_only
     def show_backups(self, output: Path, steps: list[int], can_resume: bool,
                      ended: str) -> None:
         """The output folder's backups, and Resume from the newest when one exists."""
         if steps:
-            self.buttons["resume"].configure(text=f"Resume from step {steps[-1]}",
-                                             state="normal" if can_resume else "disabled")
+            self.buttons["resume"].configure(text=f"Resume from step {steps[-1]}")
+            self._enable("resume", can_resume and self.start_allowed,
+                         "training is running" if self.running else self.start_why_not)
             how = {"failed": "failed", "running": "was killed or crashed",
                    "interrupted": "was interrupted", "stopped": "was stopped"}.get(ended)
             lead = f"The last run here {how}. " if how else ""
@@ -120,7 +149,8 @@ class RunPanel:
                 text=f"{lead}Backups in {output / 'backups'}: step "
                      + ", ".join(str(s) for s in steps) + ". Resume continues the newest.")
         else:
-            self.buttons["resume"].configure(text="Resume", state="disabled")
+            self.buttons["resume"].configure(text="Resume")
+            self._enable("resume", False, "the output folder holds no backup")
             self.backups_label.configure(text="No backups in the output folder (nothing to "
                                               "resume).")
 
@@ -152,7 +182,21 @@ class RunPanel:
 
     @tk_thread_only
     def set_status(self, text: str, error: bool = False) -> None:
-        self.status.configure(text=text, text_color=ERROR_COLOR if error else self._status_color)
+        """One line, cut to the window's width (the whole text on hover). An error stays
+        until the next action or edit (`clear_notice`)."""
+        self.status_text, self.status_error = text, error
+        line = " ".join(text.split())
+        scale = self.bar._get_widget_scaling()
+        width = self.bar.winfo_width() / scale - 40 if self.bar.winfo_width() > 1 else 900
+        self.status.configure(text=elide(line, self.status_font, max(width, 200)),
+                              text_color=ERROR_COLOR if error else self._status_color)
+        self.status_tip.text = text if len(line) > len(self.status.cget("text")) else ""
+
+    @tk_thread_only
+    def clear_notice(self) -> None:
+        """The user acted: an error about an earlier action no longer applies."""
+        if self.status_error:
+            self.set_status("Training is running." if self.running else "Ready.")
 
     @tk_thread_only
     def log(self, line: str) -> None:

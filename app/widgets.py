@@ -3,20 +3,57 @@
 A view owns a label, an input, an error line and a tooltip with the field's help text. It reads
 its value from the binding and writes user input back through it (tk variables with traces,
 so `.set()`, `.select()` and typing all take the same path).
+
+The error line is always there, empty while the field is fine, so a message never moves the
+fields below it (a click aimed at the next field lands there); it is cut to the field's width
+and the whole text shows on hover. Disabled inputs are greyed (customtkinter keeps most of
+their colours), with the reason in the tooltip.
 """
 from __future__ import annotations
 
 import tkinter
-from tkinter import filedialog
 from typing import Any
 
 import customtkinter as ctk
 
 from app.binding import ConfigBinding, format_value
+from app.dialogs import ask_directory, ask_open_file
+from app.labels import enum_label, enum_member
 from app.tooltip import Tooltip
 
 ERROR_COLOR = ("#c62828", "#ef5350")
 LABEL_WIDTH = 200
+DISABLED_TEXT = ("gray60", "gray45")
+DISABLED_FILL = ("gray78", "gray32")
+# What greying a disabled widget changes, by widget class (the first match wins).
+DISABLED_LOOK: tuple[tuple[type, dict[str, Any]], ...] = (
+    (ctk.CTkOptionMenu, {"fg_color": DISABLED_FILL, "button_color": DISABLED_FILL}),
+    (ctk.CTkButton, {"fg_color": DISABLED_FILL}),
+    (ctk.CTkSwitch, {"progress_color": DISABLED_FILL, "button_color": DISABLED_TEXT}),
+    (ctk.CTkCheckBox, {"fg_color": DISABLED_FILL, "border_color": DISABLED_FILL}),
+    (ctk.CTkEntry, {"fg_color": ("gray88", "gray22"), "text_color": DISABLED_TEXT}),
+)
+
+
+def set_widget_enabled(widget: Any, enabled: bool) -> None:
+    """Enable or disable a customtkinter widget so that it also looks it."""
+    look = next((colors for cls, colors in DISABLED_LOOK if isinstance(widget, cls)), {})
+    own = widget.__dict__.setdefault("_tempera_colors", {k: widget.cget(k) for k in look})
+    widget.configure(state="normal" if enabled else "disabled", **(own if enabled else look))
+
+
+def elide(text: str, font: Any, width: float) -> str:
+    """`text` cut with "…" to fit `width` pixels in `font` (whole when it fits)."""
+    if font.measure(text) <= width:
+        return text
+    low, high = 0, len(text)
+    while low < high:
+        middle = (low + high + 1) // 2
+        if font.measure(text[:middle].rstrip() + "…") <= width:
+            low = middle
+        else:
+            high = middle - 1
+    return text[:low].rstrip() + "…"
 
 
 class FieldView:
@@ -27,19 +64,25 @@ class FieldView:
         self.binding, self.path = binding, path
         self.info = binding.info(path)
         self._updating = False
+        self.enabled, self.disabled_why = True, ""
         self.frame = ctk.CTkFrame(parent, fg_color="transparent")
         self.frame.grid_columnconfigure(1, weight=1)
         self.label = None
+        self.tooltips: list[Tooltip] = []
         if show_label:
             self.label = ctk.CTkLabel(self.frame, text=label or self.info.label, anchor="w",
                                       width=label_width)
             self.label.grid(row=0, column=0, sticky="w", padx=(0, 8))
-            Tooltip(self.label, self.info.help)
+            self._label_color = self.label.cget("text_color")
+            self.tooltips.append(Tooltip(self.label, self.info.help))
         self.input = self._build_input(self.frame)
-        self.input.grid(row=0, column=1, sticky="w", pady=2)
-        Tooltip(self.input, self.info.help)
+        self.input.grid(row=0, column=1, sticky="w", pady=(2, 0))
+        self.tooltips.append(Tooltip(self.input, self.info.help))
+        self.error_font = ctk.CTkFont(size=11)
         self.error_label = ctk.CTkLabel(self.frame, text="", text_color=ERROR_COLOR, anchor="w",
-                                        justify="left", wraplength=460)
+                                        height=15, font=self.error_font)
+        self.error_label.grid(row=1, column=1, sticky="w")
+        self.error_tip = Tooltip(self.error_label, "")
         self.error: str | None = None
         self.refresh()
 
@@ -52,6 +95,9 @@ class FieldView:
 
     def _mark(self, bad: bool) -> None:
         """Highlight the input itself (entries get a red border)."""
+
+    def _set_input_enabled(self, enabled: bool) -> None:
+        set_widget_enabled(self.input, enabled)
 
     def focus_widget(self) -> Any:
         return self.input
@@ -67,20 +113,43 @@ class FieldView:
         error = self.binding.errors.get(self.path)
         self.show_error(str(error) if error else None)
 
+    def error_width(self) -> float:
+        """Pixels (unscaled) the error line may use: the field's width less its label."""
+        scale = self.frame._get_widget_scaling()
+        width = self.frame.winfo_width()
+        if width <= 1:  # not laid out yet
+            width = self.frame.winfo_reqwidth()
+        if self.label is not None:
+            width -= self.label.winfo_reqwidth() + 8 * scale
+        return max(width / scale, 120)
+
     def show_error(self, message: str | None) -> None:
         self.error = message
-        if message:
-            self.error_label.configure(text=message)
-            self.error_label.grid(row=1, column=1, sticky="w")
-        else:
-            self.error_label.grid_remove()
+        self.error_label.configure(
+            text=elide(message, self.error_font, self.error_width()) if message else "")
+        self.error_tip.text = message or ""
         self._mark(bool(message))
+        self._update_tooltips()
+
+    def _update_tooltips(self) -> None:
+        text = self.info.help
+        if self.error:
+            text = f"{self.error}\n\n{text}"
+        if not self.enabled and self.disabled_why:
+            text = f"Not used now: {self.disabled_why}\n\n{text}"
+        for tip in self.tooltips:
+            tip.text = text
 
     def focus(self) -> None:
         self.focus_widget().focus_set()
 
-    def set_enabled(self, enabled: bool) -> None:
-        self.input.configure(state="normal" if enabled else "disabled")
+    def set_enabled(self, enabled: bool, why: str = "") -> None:
+        """Enable or grey out the input and its label; `why` is added to the tooltip."""
+        self.enabled, self.disabled_why = enabled, ("" if enabled else why)
+        self._set_input_enabled(enabled)
+        if self.label is not None:
+            self.label.configure(text_color=self._label_color if enabled else DISABLED_TEXT)
+        self._update_tooltips()
 
     def _text_changed(self, text: str) -> None:
         if self._updating:
@@ -93,6 +162,20 @@ class FieldView:
             return
         self.binding.set_value(self.path, value, source=self)
         self.show_error(None)
+
+
+class ReadOnlyView(FieldView):
+    """A value shown, not edited (the config version: the loader's migrations own it)."""
+
+    def _build_input(self, parent: Any) -> Any:
+        self.value_label = ctk.CTkLabel(parent, text="", anchor="w")
+        return self.value_label
+
+    def _show(self, value: Any) -> None:
+        self.value_label.configure(text=format_value(self.info, value))
+
+    def _set_input_enabled(self, enabled: bool) -> None:
+        """Nothing to enable."""
 
 
 class EntryView(FieldView):
@@ -117,8 +200,8 @@ class EntryView(FieldView):
     def focus_widget(self) -> Any:
         return self.entry
 
-    def set_enabled(self, enabled: bool) -> None:
-        self.entry.configure(state="normal" if enabled else "disabled")
+    def _set_input_enabled(self, enabled: bool) -> None:
+        set_widget_enabled(self.entry, enabled)
 
 
 class PathView(EntryView):
@@ -141,22 +224,21 @@ class PathView(EntryView):
         return box
 
     def _browse(self) -> None:
-        chosen = filedialog.askdirectory(parent=self.frame, title=self.info.label)
+        chosen = ask_directory(self.frame, self.info.label, self.var.get())
         if chosen:
             self.var.set(chosen)
 
     def _browse_file(self) -> None:
-        chosen = filedialog.askopenfilename(
-            parent=self.frame, title=self.info.label,
-            filetypes=[(self.info.label, " ".join(self.patterns)), ("All files", "*")])
+        chosen = ask_open_file(self.frame, self.info.label, self.var.get(),
+                               (self.info.label, self.patterns))
         if chosen:
             self.var.set(chosen)
 
-    def set_enabled(self, enabled: bool) -> None:
-        super().set_enabled(enabled)
+    def _set_input_enabled(self, enabled: bool) -> None:
+        super()._set_input_enabled(enabled)
         for button in (self.browse, self.browse_file):
             if button is not None:
-                button.configure(state="normal" if enabled else "disabled")
+                set_widget_enabled(button, enabled)
 
 
 class BoolView(FieldView):
@@ -182,17 +264,35 @@ class BoolView(FieldView):
 
 
 class EnumView(FieldView):
+    """An option menu of the enum's labels (app.labels); a value's name is accepted too."""
+
     def _build_input(self, parent: Any) -> Any:
         self.var = tkinter.StringVar(parent)
-        values = [m.value for m in self.info.enum_type]
-        self.menu = ctk.CTkOptionMenu(parent, values=values, variable=self.var, width=220,
+        labels = [enum_label(m) for m in self.info.enum_type]
+        self.menu = ctk.CTkOptionMenu(parent, values=labels, variable=self.var, width=260,
                                       dynamic_resizing=False)
-        self.var.trace_add("write", lambda *_: self._value_changed(
-            self.info.enum_type(self.var.get())))
+        self.var.trace_add("write", lambda *_: self._picked(self.var.get()))
         return self.menu
 
+    def _picked(self, text: str) -> None:
+        if self._updating:
+            return
+        member = enum_member(self.info.enum_type, text)
+        self._value_changed(member)
+        if text != enum_label(member):  # a value's name (a script, a test): show its label
+            self._updating = True
+            try:
+                self._show(member)
+            finally:
+                self._updating = False
+
+    def pick(self, member: Any) -> None:
+        """Choose `member` (or its value's name) as a user picking it from the menu would."""
+        text = member if isinstance(member, str) else enum_label(member)
+        self.menu._dropdown_callback(enum_label(enum_member(self.info.enum_type, text)))
+
     def _show(self, value: Any) -> None:
-        self.menu.set(value.value)
+        self.menu.set(enum_label(value))
 
 
 class TextBoxView(FieldView):
@@ -202,6 +302,7 @@ class TextBoxView(FieldView):
         self.textbox = ctk.CTkTextbox(parent, width=520, height=110, border_width=2)
         self._border = self.textbox.cget("border_color")
         self.textbox._textbox.bind("<<Modified>>", self._modified, add="+")
+        pass_wheel_at_ends(self.textbox)
         return self.textbox
 
     def _modified(self, _event: Any = None) -> None:
@@ -241,7 +342,7 @@ class MultiEnumView(FieldView):
         self.boxes: dict[Any, Any] = {}
         for member in self.info.enum_type:
             var = tkinter.BooleanVar(box)
-            cb = ctk.CTkCheckBox(box, text=member.value, variable=var, onvalue=True,
+            cb = ctk.CTkCheckBox(box, text=enum_label(member), variable=var, onvalue=True,
                                  offvalue=False)
             cb.pack(side="left", padx=(0, 10))
             var.trace_add("write", lambda *_: self._value_changed(self._selected()))
@@ -255,9 +356,9 @@ class MultiEnumView(FieldView):
         for member, var in self.vars.items():
             var.set(member in value)
 
-    def set_enabled(self, enabled: bool) -> None:
+    def _set_input_enabled(self, enabled: bool) -> None:
         for cb in self.boxes.values():
-            cb.configure(state="normal" if enabled else "disabled")
+            set_widget_enabled(cb, enabled)
 
     def focus_widget(self) -> Any:
         return next(iter(self.boxes.values()))
@@ -296,6 +397,8 @@ class ListView(FieldView):
             remove.grid(row=0, column=99, sticky="w")
             self.remove_buttons.append(remove)
             self.rows.append(row)
+        if not self.enabled:
+            self._set_input_enabled(False)
 
     def add_row(self) -> None:
         self.binding.add_list_item(self.path)
@@ -306,9 +409,11 @@ class ListView(FieldView):
     def focus_widget(self) -> Any:
         return self.item_views[0].focus_widget() if self.item_views else self.add_button
 
-    def set_enabled(self, enabled: bool) -> None:
+    def _set_input_enabled(self, enabled: bool) -> None:
         for view in self.item_views:
-            view.set_enabled(enabled)
+            view.set_enabled(enabled, self.disabled_why)
+        for button in (self.add_button, *self.remove_buttons):
+            set_widget_enabled(button, enabled)
 
 
 VIEW_CLASSES = {
@@ -326,6 +431,35 @@ def make_view(parent: Any, binding: ConfigBinding, path: str, **kwargs: Any) -> 
     else:
         cls = VIEW_CLASSES[info.kind]
     return cls(parent, binding, path, **kwargs)
+
+
+def page_of(widget: Any) -> Any | None:
+    """The scrollable page (CTkScrollableFrame) `widget` sits in, if any."""
+    master = widget.master
+    while master is not None and not isinstance(master, ctk.CTkScrollableFrame):
+        master = master.master
+    return master
+
+
+def pass_wheel_at_ends(box: Any) -> None:
+    """Let the mouse wheel over a text box scroll the page around it once the box itself
+    cannot scroll further that way (customtkinter's pages ignore the wheel over text boxes,
+    so the page stopped under the pointer)."""
+    text = box._textbox
+
+    def wheel(event: Any) -> str | None:
+        up = event.num == 4 or getattr(event, "delta", 0) > 0
+        first, last = text.yview()
+        if (up and first > 0.0) or (not up and last < 1.0):
+            return None  # the box scrolls itself
+        page = page_of(box)
+        if page is None:
+            return None
+        page._parent_canvas.yview_scroll(-1 if up else 1, "units")
+        return "break"
+
+    for sequence in ("<Button-4>", "<Button-5>", "<MouseWheel>"):
+        text.bind(sequence, wheel, add="+")
 
 
 def set_readonly_text(box: Any, text: str) -> None:

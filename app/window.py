@@ -9,7 +9,7 @@ import queue
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
-from tkinter import filedialog, messagebox
+from tkinter import messagebox
 from typing import Any
 
 import customtkinter as ctk
@@ -20,6 +20,7 @@ from app.binding import ConfigBinding
 from app.cloud_panel import TAB as CLOUD_TAB, CloudPanel
 from app.compile_info import format_report
 from app.compile_panel import PLACED, CompilePanel
+from app.dialogs import ask_save_file
 from app.fields import container_labels
 from app.form import FieldRegistry, build_fields, fields_of_group, groups_in_order, tab_title
 from app.presets import (BUILTIN_PRESETS_DIR, BuiltinPresetError, PresetEntry, is_builtin,
@@ -28,12 +29,14 @@ from app.run_panel import RunPanel
 from app.runner import Event, TrainFn, TrainingWorker, run_in_thread
 from app.settings import DEFAULT_SETTINGS_PATH, SCALES, load_settings, save_settings
 from app.thread_guard import ThreadGuard, tk_thread_only
-from app.widgets import make_view
+from app.widgets import DISABLED_TEXT
 from modules.config import Config, ConfigError, Problem, load_config, validate
 from modules.model_types import MODEL_TYPES
 from modules.train.inputs import check_inputs
 
 RUN_TAB = "Run"
+TENSORBOARD_URL = f"http://127.0.0.1:{external.TENSORBOARD_PORT}"
+RECHECK_MS = 400  # a listed problem is checked again this long after the last edit
 NO_PRESET = "(no presets found)"
 
 
@@ -52,6 +55,7 @@ class TemperaApp(ctk.CTk):
         self.settings, settings_warning = load_settings(self.settings_path)
         apply_scaling(self.settings.scaling)
         super().__init__()
+        self.withdraw()  # shown once every tab is built: no half-drawn first paint
         self.title("Tempera")
         self.geometry(self.settings.geometry)
         self.fit_minsize(self.settings.scaling)
@@ -69,6 +73,10 @@ class TemperaApp(ctk.CTk):
         self.current_preset: Path | None = None
         self.tensorboard: subprocess.Popen | None = None
         self.problem_buttons: list[Any] = []
+        self.problems: list[Problem] = []
+        self._problem_source: Callable[[], list[Problem]] | None = None
+        self._problem_marks: list[Any] = []  # views showing a listed problem
+        self._recheck_id: str | None = None
         self.closing = False
         self.last_result: Any = None
 
@@ -80,10 +88,11 @@ class TemperaApp(ctk.CTk):
         self._build_top_bar()
         self._build_problems_panel()
         self.run_panel = RunPanel(self, self.tabview.tab(RUN_TAB), self.guard, {
-            "start": self.start_training, "resume": self.resume_training,
-            "stop": self.stop_training,
-            "sample": self.sample_now, "save": self.save_now,
-            "open_output": self.open_output_folder, "tensorboard": self.start_tensorboard})
+            key: self._action(fn) for key, fn in (
+                ("start", self.start_training), ("resume", self.resume_training),
+                ("stop", self.stop_training), ("sample", self.sample_now),
+                ("save", self.save_now), ("open_output", self.open_output_folder),
+                ("tensorboard", self.start_tensorboard))})
         self.run_panel.bar.grid(row=3, column=0, sticky="ew", padx=8, pady=(4, 8))
         self.binding.subscribe(self._on_config_change)
         self.dirty = False  # edits since the preset was loaded or saved
@@ -94,7 +103,16 @@ class TemperaApp(ctk.CTk):
         self._load_initial(initial_preset)
         self._update_component_states()
         self.refresh_resume()
+        self.update_idletasks()
+        self.deiconify()
         self._poll_id = self.after(self.poll_ms, self._poll)
+
+    def _action(self, fn: Callable[[], Any]) -> Callable[[], Any]:
+        """A button's command: the status line's old error goes before the action runs."""
+        def act() -> Any:
+            self.run_panel.clear_notice()
+            return fn()
+        return act
 
     # --- layout ------------------------------------------------------------------------------
     def _build_tabs(self) -> None:
@@ -110,7 +128,7 @@ class TemperaApp(ctk.CTk):
                 self.benchmark = BenchmarkSection(
                     self.compile_panel.box, self.binding,
                     lambda problems, title: self.show_problems(problems, title),
-                    lambda: self.training, self.bench_fn)
+                    lambda: self.training, self.bench_fn, self._benchmark_running)
                 build_fields(scroll, fields_of_group(group, skip=PLACED), self.binding,
                              self.registry, title)
             else:
@@ -139,10 +157,8 @@ class TemperaApp(ctk.CTk):
         self.preset_menu.pack(side="left")
         for text, command in (("Load", self.load_selected_preset), ("Save", self.save),
                               ("Save as…", self.save_as)):
-            ctk.CTkButton(bar, text=text, width=80, command=command).pack(side="left", padx=3)
-        self.model_type_view = make_view(bar, self.binding, "model.type", label_width=80)
-        self.model_type_view.frame.pack(side="left", padx=(20, 0))
-        self.registry.add(self.model_type_view, "Model")
+            ctk.CTkButton(bar, text=text, width=80, command=self._action(command)).pack(
+                side="left", padx=3)
         self.refresh_presets()
 
     def _build_problems_panel(self) -> None:
@@ -197,7 +213,7 @@ class TemperaApp(ctk.CTk):
         try:
             config = load_config(path)
         except ConfigError as exc:
-            self.show_problems(exc.problems, f"{path} could not be loaded")
+            self.show_problems(exc.problems, f"{path} could not be loaded", keys=True)
             self.run_panel.set_status(f"Could not load {path}: {len(exc.problems)} problem(s).",
                                       error=True)
             return False
@@ -252,12 +268,13 @@ class TemperaApp(ctk.CTk):
 
     def _ask_save_path(self, initial_dir: Path) -> str | None:
         initial_dir.mkdir(parents=True, exist_ok=True)
-        return filedialog.asksaveasfilename(parent=self, initialdir=str(initial_dir),
-                                            defaultextension=".json",
-                                            filetypes=[("Tempera preset", "*.json")]) or None
+        return ask_save_file(self, "Save preset as", initial_dir,
+                             ("Tempera preset", ("*.json",)), ".json")
 
     # --- config-dependent widget states ------------------------------------------------------
     def _on_config_change(self, path: str | None, _source: object | None) -> None:
+        self.run_panel.clear_notice()
+        self._schedule_recheck()
         if path is None or path == "model.type":
             self._update_component_states()
         if path is not None and not self.dirty:
@@ -266,38 +283,91 @@ class TemperaApp(ctk.CTk):
             self.refresh_resume()
 
     def _update_component_states(self) -> None:
-        present = MODEL_TYPES[self.binding.config.model.type].components
-        for container in container_labels(Config):
-            if container.startswith("components."):
-                enabled = container.split(".", 1)[1] in present
-                for view in self.registry.all_views():
-                    if view.path.startswith(container + "."):
-                        view.set_enabled(enabled)
+        """Grey the settings of components the model type does not have, and say which types
+        have them (e.g. "Text encoder 2 (Stable Diffusion XL only)")."""
+        model_type = MODEL_TYPES[self.binding.config.model.type]
+        for container, label in container_labels(Config).items():
+            if not container.startswith("components."):
+                continue
+            component = container.split(".", 1)[1]
+            enabled = component in model_type.components
+            having = [spec.label for spec in MODEL_TYPES.values() if component in spec.components]
+            why = f"{model_type.label} models have no {label.lower()}"
+            for view in self.registry.all_views():
+                if view.path.startswith(container + "."):
+                    view.set_enabled(enabled, why)
+            title = self.registry.section_titles.get(container)
+            if title is not None:
+                title.__dict__.setdefault("_tempera_color", title.cget("text_color"))
+                title.configure(text=label if enabled else f"{label} ({' / '.join(having)} only)",
+                                text_color=title._tempera_color if enabled else DISABLED_TEXT)
 
     # --- problems ----------------------------------------------------------------------------
-    def show_problems(self, problems: list[Problem], title: str | None = None) -> None:
-        """List every problem; clicking one jumps to its field. Fields show theirs in red too."""
+    def show_problems(self, problems: list[Problem], title: str | None = None,
+                      source: Callable[[], list[Problem]] | None = None,
+                      keys: bool = False) -> None:
+        """List every problem by the labels on screen (`keys`: with the file's key first, for a
+        preset file's problems); clicking one jumps to its field, and fields show theirs in
+        red too. With `source` (what found them) the list follows the edits: fixed problems
+        leave it, and it closes when none is left."""
         for button in self.problem_buttons:
             button.destroy()
-        self.problem_buttons = []
-        self.problems = list(problems)
+        for view in self._problem_marks:
+            view.refresh()  # back to the field's own state (its parse error, or none)
+        self.problem_buttons, self._problem_marks = [], []
+        self.problems, self._problem_source = list(problems), source
         self.problems_title.configure(
             text=title or f"Cannot start: {len(problems)} problem(s). Click one to go to its field.")
         for problem in problems:
-            button = ctk.CTkButton(self.problems_list, text=f"• {problem}", anchor="w",
-                                   fg_color="transparent", text_color=("#b71c1c", "#ef9a9a"),
+            button = ctk.CTkButton(self.problems_list, text=f"• {self.describe(problem, keys)}",
+                                   anchor="w", fg_color="transparent",
+                                   text_color=("#b71c1c", "#ef9a9a"),
                                    hover_color=("gray85", "gray25"),
                                    command=lambda p=problem: self.jump_to(p.path))
             button.pack(fill="x")
             self.problem_buttons.append(button)
             view = self.registry.find(problem.path)
             if view is not None and not view.error:
-                view.show_error(str(problem))
-        self.problems_list.configure(height=min(max(len(problems), 1), 5) * 28)
+                view.show_error(f"expected {problem.expected}, got {problem.given}"
+                                + (f" ({problem.message})" if problem.message else ""))
+                self._problem_marks.append(view)
+        self.problems_list.configure(height=min(max(len(problems), 1), 4) * 30)
         self.problems_frame.grid(row=2, column=0, sticky="ew", padx=8, pady=(4, 0))
+
+    def describe(self, problem: Problem, keys: bool = False) -> str:
+        """A problem as the window names it: "Training › Batch size: expected …, got …"
+        (`keys`: "training.batch_size (Training › Batch size): …")."""
+        where = self.registry.where(problem.path)
+        if keys and where != problem.path:
+            where = f"{problem.path} ({where})"
+        text = f"{where}: expected {problem.expected}, got {problem.given}"
+        return f"{text} ({problem.message})" if problem.message else text
+
+    def _schedule_recheck(self) -> None:
+        if self._problem_source is None or not self.problems_frame.winfo_manager():
+            return
+        if self._recheck_id is not None:
+            self.after_cancel(self._recheck_id)
+        self._recheck_id = self.after(RECHECK_MS, self._recheck_problems)
+
+    def _recheck_problems(self) -> None:
+        self._recheck_id = None
+        if self._problem_source is None or self.closed:
+            return
+        problems = self._problem_source()
+        if problems:
+            self.show_problems(problems, None if self.problems_title.cget("text").startswith(
+                "Cannot start") else self.problems_title.cget("text"), self._problem_source)
+        else:
+            self.hide_problems()
+            self.run_panel.set_status("Every listed problem is fixed.")
 
     def hide_problems(self) -> None:
         self.problems_frame.grid_remove()
+        self._problem_source = None
+        for view in self._problem_marks:
+            view.refresh()
+        self._problem_marks = []
 
     def jump_to(self, path: str) -> bool:
         """Switch to the field's tab, open its More section, scroll to it and focus it."""
@@ -337,14 +407,14 @@ class TemperaApp(ctk.CTk):
             self.run_panel.set_status("A benchmark is running (Advanced Options); stop it or "
                                       "wait, so the two do not share the machine.", error=True)
             return False
+        problems = self.start_problems(resume)
+        if problems:
+            self.show_problems(problems, source=lambda: self.start_problems(resume))
+            self.run_panel.set_status(f"Cannot start: {len(problems)} problem(s).", error=True)
+            return False
         config = self.binding.snapshot()
         if resume:
             config.training.resume_from = "latest"
-        problems = self.binding.field_problems() + validate(config) + check_inputs(config)
-        if problems:
-            self.show_problems(problems)
-            self.run_panel.set_status(f"Cannot start: {len(problems)} problem(s).", error=True)
-            return False
         self.hide_problems()
         self.run_panel.reset()
         self.set_running(True)
@@ -358,8 +428,23 @@ class TemperaApp(ctk.CTk):
         self.worker.start()
         return True
 
+    def start_problems(self, resume: bool = False) -> list[Problem]:
+        """What a start checks: unparsable fields, the config, and the model, datasets and
+        output folder it names (the CLI's --check runs the same)."""
+        config = self.binding.snapshot()
+        if resume:
+            config.training.resume_from = "latest"
+        return self.binding.field_problems() + validate(config) + check_inputs(config)
+
     def resume_training(self) -> bool:
         return self.start_training(resume=True)
+
+    def _benchmark_running(self, running: bool) -> None:
+        """A benchmark and a training must not share the machine: Start waits meanwhile."""
+        self.run_panel.set_start_allowed(not running, "a benchmark is running (Advanced "
+                                         "Options): stop it or let it finish")
+        if not running:
+            self.run_panel.clear_notice()
 
     def set_running(self, running: bool) -> None:
         """Run controls, and what must not run beside a training (Check compilation resets
@@ -493,7 +578,7 @@ class TemperaApp(ctk.CTk):
         if self.training:
             return
         config = self.binding.snapshot()
-        panel.check_button.configure(state="disabled")
+        panel.set_check_enabled(False, "checking…")
         panel.show_report(f"Checking {config.compile.backend.value}… (this traces the model "
                           "once; it can take a while)")
         run_in_thread(lambda: explain(config), self.events, "report")
@@ -525,9 +610,11 @@ class TemperaApp(ctk.CTk):
         return True
 
     def start_tensorboard(self) -> bool:
+        """Start TensorBoard on the output folder's logs; its button then shows the address
+        and a second press opens it in the browser."""
         if self.tensorboard is not None and self.tensorboard.poll() is None:
-            self.run_panel.log("TensorBoard is already running: http://127.0.0.1:6006")
-            self.run_panel.set_status("TensorBoard is running: http://127.0.0.1:6006")
+            external.open_url(TENSORBOARD_URL)
+            self.run_panel.log(f"opened {TENSORBOARD_URL} (TensorBoard)")
             return True
         logdir = self.output_dir() / "tensorboard"
         try:
@@ -536,8 +623,10 @@ class TemperaApp(ctk.CTk):
             self.run_panel.set_status(f"Could not start TensorBoard: {exc}", error=True)
             self.run_panel.log(f"could not start TensorBoard: {exc}")
             return False
-        self.run_panel.log(f"TensorBoard started for {logdir}: http://127.0.0.1:6006")
-        self.run_panel.set_status(f"TensorBoard: http://127.0.0.1:6006 (logs of {logdir})")
+        self.run_panel.show_tensorboard(TENSORBOARD_URL)
+        self.run_panel.log(f"TensorBoard started for {logdir}: {TENSORBOARD_URL}")
+        self.run_panel.set_status(f"TensorBoard serves the logs of {logdir} at "
+                                  f"{TENSORBOARD_URL} (press its button to open it)")
         return True
 
     # --- scaling and closing -----------------------------------------------------------------

@@ -5,11 +5,12 @@ import json
 
 from app.binding import leaf_paths
 from app.fields import iter_fields
+from app.form import READ_ONLY
+from app.labels import enum_label
 from app.widgets import (BoolView, EntryView, EnumView, ListView, MultiEnumView, PathView,
-                         TextBoxView)
+                         ReadOnlyView, TextBoxView)
 from modules.config import Config
-from modules.config.schema import (CompileBackend, LRScheduler, ModelType, Optimizer,
-                                   SaveFormat)
+from modules.config.schema import CompileBackend, LRScheduler, ModelType, Optimizer, SaveFormat
 from tests.app.conftest import pump
 
 EXPECTED_VIEW = {"bool": BoolView, "int": EntryView, "float": EntryView,
@@ -30,7 +31,9 @@ def test_every_config_field_has_a_widget_of_its_kind(app):
         view(app, path)
     for info in iter_fields(Config):
         widget = view(app, info.dotted_path)
-        if info.kind == "list_str":
+        if info.dotted_path in READ_ONLY:
+            expected = ReadOnlyView
+        elif info.kind == "list_str":
             expected = TextBoxView if info.metadata.get("multiline") else EntryView
         else:
             expected = EXPECTED_VIEW[info.kind]
@@ -81,13 +84,23 @@ def test_each_kind_of_widget_updates_the_config(app):
     assert app.binding.errors == {}
 
 
-def test_model_type_in_the_top_bar_and_model_tab_stay_in_sync(app):
+def test_components_the_model_type_lacks_are_greyed_with_the_reason(app):
     te2 = view(app, "components.text_encoder_2.train")
+    title = app.registry.section_titles["components.text_encoder_2"]
     assert te2.toggle.cget("state") == "disabled"           # SD 1.x has no second encoder
-    app.model_type_view.menu._dropdown_callback("SDXL")
+    assert te2.toggle.cget("progress_color") != view(app, "components.unet.train").toggle.cget(
+        "progress_color")                                    # and it looks it
+    assert te2.label.cget("text_color") != view(app, "components.unet.train").label.cget(
+        "text_color")
+    assert title.cget("text") == "Text encoder 2 (Stable Diffusion XL only)"
+    assert "Stable Diffusion 1.x models have no text encoder 2" in te2.tooltips[0].text
+    view(app, "model.type").pick(ModelType.SDXL)
     assert app.binding.config.model.type == ModelType.SDXL
-    assert view(app, "model.type").menu.get() == "SDXL"
-    assert te2.toggle.cget("state") == "normal"
+    assert view(app, "model.type").menu.get() == "Stable Diffusion XL"
+    assert te2.toggle.cget("state") == "normal" and title.cget("text") == "Text encoder 2"
+    assert te2.toggle.cget("progress_color") == view(app, "components.unet.train").toggle.cget(
+        "progress_color")
+    assert te2.tooltips[0].text == te2.info.help
 
 
 def test_loading_a_preset_updates_the_widgets(app, tmp_path):
@@ -108,7 +121,7 @@ def test_loading_a_preset_updates_the_widgets(app, tmp_path):
     assert view(app, "data.resolution").var.get() == "128"
     assert view(app, "training.gradient_checkpointing").var.get() is True
     assert view(app, "components.text_encoder.learning_rate").var.get() == "1e-05"
-    assert view(app, "compile.backend").menu.get() == "TRITON"
+    assert view(app, "compile.backend").menu.get() == enum_label(CompileBackend.TRITON)
     assert view(app, "compile.vae").var.get() is True
     assert view(app, "sampling.prompts").textbox.get("1.0", "end-1c") == "one\ntwo"
     assert view(app, "data.datasets[0].path").var.get() == str(data_dir)  # resolved
@@ -127,7 +140,8 @@ def test_a_broken_preset_lists_its_problems_and_keeps_the_window(app, tmp_path):
 
 
 def test_base_model_can_be_chosen_as_a_folder_or_a_single_checkpoint(app, monkeypatch, tmp_path):
-    from app import widgets
+    from app import dialogs as widgets
+    monkeypatch.setenv("TEMPERA_FILE_DIALOG", "tk")  # Tk's chooser (the desktop's: test_dialogs)
     model = view(app, "model.path")
     assert model.browse_file is not None and view(app, "data.datasets[0].path").browse_file is None
     checkpoint = tmp_path / "sd15.safetensors"

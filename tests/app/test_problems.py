@@ -10,7 +10,7 @@ def test_invalid_entries_are_flagged_at_the_field_and_block_start(app, tmp_path)
     batch = app.registry.find("training.batch_size")
     batch.var.set("four")
     assert "whole number between 1 and 4096" in batch.error
-    assert batch.error_label.winfo_manager() == "grid"            # the message is shown
+    assert batch.error_label.cget("text").startswith("expected a whole number")  # shown
     assert batch.entry.cget("border_color") == ERROR_COLOR
     assert cfg.training.batch_size == 1                            # not applied...
     lr = app.registry.find("training.learning_rate")
@@ -23,21 +23,22 @@ def test_invalid_entries_are_flagged_at_the_field_and_block_start(app, tmp_path)
     assert app.start_training() is False                           # ...and it blocks Start
     assert app.worker is None
     texts = [b.cget("text") for b in app.problem_buttons]
-    for path in ("training.batch_size", "training.learning_rate", "data.resolution",
-                 "components", "data.caption_extension"):
-        assert any(f"• {path}:" in t for t in texts), (path, texts)
+    for where in ("Training › Batch size", "Training › Learning rate", "Data › Resolution",
+                  "Training › Components", "Data › Caption extension"):
+        assert any(f"• {where}:" in t for t in texts), (where, texts)
     assert app.problems_frame.winfo_manager() == "grid"
 
-    resolution_button = next(b for b in app.problem_buttons if "data.resolution" in b.cget("text"))
+    resolution_button = next(b for b in app.problem_buttons if "Resolution" in b.cget("text"))
     resolution_button.invoke()
     assert app.tabview.get() == "Data"
     assert app.jumped_to.path == "data.resolution"
     assert "multiple of 64" in app.jumped_to.error
     caption_button = next(b for b in app.problem_buttons
-                          if "data.caption_extension" in b.cget("text"))
+                          if "Caption extension" in b.cget("text"))
     caption_button.invoke()
     assert app.registry.more_of["data.caption_extension"].expanded
-    components_button = next(b for b in app.problem_buttons if "• components:" in b.cget("text"))
+    components_button = next(b for b in app.problem_buttons
+                             if "• Training › Components:" in b.cget("text"))
     components_button.invoke()
     assert app.tabview.get() == "Training"
     assert app.jumped_to.path.startswith("components.")
@@ -46,7 +47,7 @@ def test_invalid_entries_are_flagged_at_the_field_and_block_start(app, tmp_path)
     assert not (tmp_path / "x.json").exists()
     batch.var.set("2")                                             # fixing clears the mark
     assert batch.error is None and cfg.training.batch_size == 2
-    assert batch.error_label.winfo_manager() == ""
+    assert batch.error_label.cget("text") == ""
 
 
 def test_dataset_row_problem_jumps_to_that_row(app, tmp_path):
@@ -54,7 +55,8 @@ def test_dataset_row_problem_jumps_to_that_row(app, tmp_path):
     pump(app)
     app.registry.find("data.datasets[1].path").var.set(str(tmp_path / "missing"))
     assert app.start_training() is False
-    button = next(b for b in app.problem_buttons if "data.datasets[1].path" in b.cget("text"))
+    button = next(b for b in app.problem_buttons
+                  if "Data › Datasets › row 2 › Folder:" in b.cget("text"))
     button.invoke()
     assert app.tabview.get() == "Data"
     assert app.jumped_to.path == "data.datasets[1].path"
