@@ -14,7 +14,7 @@ import customtkinter as ctk
 from app.binding import ConfigBinding
 from app.compile_info import BACKEND_DESCRIPTIONS, describe_backend
 from app.form import FieldRegistry
-from app.widgets import (BoolView, FieldView, make_view, pass_wheel_at_ends, set_readonly_text,
+from app.widgets import (DISABLED_TEXT, BoolView, FieldView, make_view, pass_wheel_at_ends, set_readonly_text,
                          set_widget_enabled)
 from modules.config.schema import CompileBackend
 
@@ -55,8 +55,9 @@ class CompilePanel:
 
         row = ctk.CTkFrame(self.box, fg_color="transparent")
         row.pack(fill="x", padx=10, pady=2)
-        ctk.CTkLabel(row, text="Compile components", anchor="w", width=200).pack(side="left",
-                                                                                padx=(0, 8))
+        self.toggles_label = ctk.CTkLabel(row, text="Compile components", anchor="w", width=200)
+        self.toggles_label.pack(side="left", padx=(0, 8))
+        self._label_color = self.toggles_label.cget("text_color")
         self.toggles: dict[str, BoolView] = {}
         for path, label in COMPONENT_TOGGLES:
             view = BoolView(row, binding, path, label=label, style="checkbox")
@@ -119,6 +120,7 @@ class CompilePanel:
         enabled = backend != CompileBackend.NONE
         for view in [*self.toggles.values(), *self.details]:
             view.set_enabled(enabled, "the backend is None (eager): nothing is compiled")
+        self.toggles_label.configure(text_color=self._label_color if enabled else DISABLED_TEXT)
 
     def show_report(self, text: str, result: bool = False) -> None:
         set_readonly_text(self.report, text)

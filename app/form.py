@@ -38,14 +38,15 @@ def groups_in_order() -> list[str]:
 
 
 class MoreSection:
-    """A collapsible frame for a tab's advanced fields."""
+    """A tab's advanced fields behind "More options": their column frames sit in the same grid
+    as the tab's other fields (below them), so both line up column for column."""
 
-    def __init__(self, parent: Any, count: int) -> None:
+    def __init__(self, grid: Any, count: int) -> None:
         self.count = count
-        self.button = ctk.CTkButton(parent, text="", anchor="w", fg_color="transparent",
+        self.button = ctk.CTkButton(grid, text="", anchor="w", fg_color="transparent",
                                     text_color=("gray10", "gray90"), hover=False,
                                     command=self.toggle)
-        self.body = ctk.CTkFrame(parent, fg_color="transparent")
+        self.bodies: list[Any] = []  # the column frames (placed by ColumnLayout)
         self.expanded = False
         self._label()
 
@@ -53,23 +54,56 @@ class MoreSection:
         arrow = "▾" if self.expanded else "▸"
         self.button.configure(text=f"{arrow} More options ({self.count})")
 
-    def pack(self) -> None:
-        self.button.pack(anchor="w", pady=(12, 0))
-
     def toggle(self) -> None:
         self.expand() if not self.expanded else self.collapse()
 
     def expand(self) -> None:
         if not self.expanded:
-            self.body.pack(fill="x", after=self.button)
+            for body in self.bodies:
+                body.grid()
             self.expanded = True
             self._label()
 
     def collapse(self) -> None:
         if self.expanded:
-            self.body.pack_forget()
+            for body in self.bodies:
+                body.grid_remove()
             self.expanded = False
             self._label()
+
+
+class ColumnLayout:
+    """A tab's column frames: side by side while they fit the tab's width, stacked in one
+    column when they do not (a narrow window, a large UI scale), so no field is ever out of
+    reach to the right. Bands are rows of columns: the fields, then "More options"."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[Any, MoreSection | None]] = []  # a band (list) or a widget
+        self.stacked: bool | None = None
+
+    def needed_width(self) -> int:
+        """Screen pixels the widest band needs side by side."""
+        return max((sum(c.winfo_reqwidth() for c in band) + 24 * len(band)
+                    for band, _ in self.items if isinstance(band, list)), default=0)
+
+    def arrange(self, stacked: bool) -> bool:
+        """Grid the bands side by side or stacked; False when that is already so."""
+        if stacked == self.stacked:
+            return False
+        row = 0
+        for item, more in self.items:
+            if not isinstance(item, list):
+                item.grid(row=row, column=0, columnspan=99, sticky="w", pady=(4, 8))
+                row += 1
+                continue
+            for index, column in enumerate(item):
+                column.grid(row=row + index if stacked else row, column=0 if stacked else index,
+                            sticky="nwe", padx=(0, 24))
+                if more is not None and not more.expanded:
+                    column.grid_remove()
+            row += len(item) if stacked else 1
+        self.stacked = stacked
+        return True
 
 
 class FieldRegistry:
@@ -80,6 +114,7 @@ class FieldRegistry:
         self.tab_of: dict[str, str] = {}
         self.more_of: dict[str, MoreSection] = {}
         self.section_titles: dict[str, Any] = {}  # parent path -> its section's title label
+        self.layouts: list[ColumnLayout] = []  # every tab's columns
 
     def add(self, view: FieldView, tab: str, more: MoreSection | None = None) -> None:
         self.views.setdefault(view.path, []).append(view)
@@ -152,16 +187,13 @@ def _section_title(parent: str, labels: dict[str, str]) -> str:
     return labels.get(parent, "File") if parent else "File"
 
 
-def _place_sections(parent: Any, sections: dict[str, list[FieldInfo]], labels: dict[str, str],
-                    binding: ConfigBinding, registry: FieldRegistry, tab: str,
-                    more: MoreSection | None, columns: int) -> None:
-    """Sections of views, dealt into `columns` columns, shortest column first."""
-    cols = [ctk.CTkFrame(parent, fg_color="transparent") for _ in range(columns)]
+def _place_sections(grid: Any, sections: dict[str, list[FieldInfo]],
+                    labels: dict[str, str], binding: ConfigBinding, registry: FieldRegistry,
+                    tab: str, more: MoreSection | None, columns: int) -> list[Any]:
+    """Sections of views in column frames of `grid`, dealt into `columns` columns, shortest
+    column first; returns the column frames (ColumnLayout places them)."""
+    cols = [ctk.CTkFrame(grid, fg_color="transparent") for _ in range(columns)]
     heights = [0] * columns
-    for i, col in enumerate(cols):
-        # equal columns across the tab's width, so "More options" lines up with the fields above
-        parent.grid_columnconfigure(i, weight=1, uniform="columns")
-        col.grid(row=0, column=i, sticky="nwe", padx=(0, 24))
     for parent_path, infos in sections.items():
         index = heights.index(min(heights))
         heights[index] += len(infos) + 2
@@ -179,26 +211,31 @@ def _place_sections(parent: Any, sections: dict[str, list[FieldInfo]], labels: d
             view.frame.pack(fill="x", padx=10, pady=0)
             registry.add(view, tab, more)
         ctk.CTkFrame(box, height=6, fg_color="transparent").pack()
+    return cols
 
 
 def build_fields(parent: Any, infos: Iterable[FieldInfo], binding: ConfigBinding,
                  registry: FieldRegistry, tab: str, columns: int = 2) -> MoreSection | None:
-    """Sections of views for `infos` in `parent`; advanced ones in a collapsible More section."""
+    """Sections of views for `infos` in `parent`; advanced ones behind "More options"."""
     labels = container_labels(Config)
     normal: dict[str, list[FieldInfo]] = {}
     advanced: dict[str, list[FieldInfo]] = {}
     for info in infos:
         (advanced if info.advanced else normal).setdefault(info.parent, []).append(info)
-    main = ctk.CTkFrame(parent, fg_color="transparent")
-    main.pack(fill="x", anchor="nw")
-    _place_sections(main, normal, labels, binding, registry, tab, None, columns)
+    grid = ctk.CTkFrame(parent, fg_color="transparent")
+    grid.pack(fill="x", anchor="nw")
+    layout = ColumnLayout()
+    registry.layouts.append(layout)
+    layout.items.append((_place_sections(grid, normal, labels, binding, registry, tab, None,
+                                          columns), None))
     more = None
     if advanced:
-        more = MoreSection(parent, sum(len(v) for v in advanced.values()))
-        more.pack()
-        _place_sections(more.body, advanced, labels, binding, registry, tab, more, columns)
+        more = MoreSection(grid, sum(len(v) for v in advanced.values()))
+        more.bodies = _place_sections(grid, advanced, labels, binding, registry, tab, more,
+                                      columns)
+        layout.items += [(more.button, None), (more.bodies, more)]
+    layout.arrange(stacked=False)
     return more
-
 
 def fields_of_group(group: str, skip: set[str] = frozenset()) -> list[FieldInfo]:
     return [i for i in iter_fields(Config) if i.group == group and i.dotted_path not in skip]

@@ -11,36 +11,40 @@ from enum import Enum
 from modules.config.schema import (CompileBackend, CompileMode, CompileScope, Device, DType,
                                    DynamicShapes, LRScheduler, MixedPrecision, Optimizer,
                                    PredictionType, SaveFormat, TrainingMethod)
-from modules.model_types import MODEL_TYPES
+from modules.model_types import MODEL_TYPES, ModelType
 
-ENUM_LABELS: dict[Enum, str] = {
-    Device.AUTO: "Automatic (GPU when there is one)", Device.CPU: "CPU", Device.CUDA: "NVIDIA GPU (CUDA)",
-    DType.FLOAT32: "float32 (full precision)", DType.FLOAT16: "float16", DType.BFLOAT16: "bfloat16",
-    PredictionType.AUTO: "From the model", PredictionType.EPSILON: "Noise (epsilon)",
-    PredictionType.V_PREDICTION: "Velocity (v-prediction)",
-    TrainingMethod.LORA: "LoRA", TrainingMethod.FINE_TUNE: "Full fine-tune",
-    Optimizer.ADAMW: "AdamW", Optimizer.ADAMW_8BIT: "AdamW 8-bit (bitsandbytes)",
-    LRScheduler.CONSTANT: "Constant", LRScheduler.COSINE: "Cosine", LRScheduler.LINEAR: "Linear",
-    MixedPrecision.NO: "Off (float32)", MixedPrecision.FP16: "float16 (fp16)",
-    MixedPrecision.BF16: "bfloat16 (bf16)",
-    CompileBackend.NONE: "None (eager)", CompileBackend.DEFAULT: "Default (torch's choice)",
-    CompileBackend.INDUCTOR: "Inductor", CompileBackend.TRITON: "Triton (Inductor + CUDA graphs)",
-    CompileBackend.AOT_EAGER: "AOT eager (debugging)",
-    CompileScope.FULL: "Whole model", CompileScope.REGIONAL: "Repeated blocks (regional)",
-    CompileMode.DEFAULT: "Default", CompileMode.REDUCE_OVERHEAD: "Reduce overhead (CUDA graphs)",
-    CompileMode.MAX_AUTOTUNE: "Max autotune",
-    CompileMode.MAX_AUTOTUNE_NO_CUDAGRAPHS: "Max autotune, no CUDA graphs",
-    DynamicShapes.DYNAMIC: "Dynamic", DynamicShapes.AUTO: "Automatic (dynamic after a change)",
-    DynamicShapes.STATIC: "Static (one graph per shape)",
-    SaveFormat.DIFFUSERS: "Diffusers", SaveFormat.KOHYA: "Kohya LoRA (ComfyUI, A1111)",
-    SaveFormat.SINGLE_FILE: "Single file (.safetensors)",
-    **{member: spec.label for member, spec in MODEL_TYPES.items()},
+# By enum type first: members of str enums compare equal by value across types
+# (Device.AUTO == DynamicShapes.AUTO), so one flat dict would mix them up.
+ENUM_LABELS: dict[type[Enum], dict[Enum, str]] = {
+    Device: {Device.AUTO: "Auto (GPU if any)", Device.CPU: "CPU", Device.CUDA: "NVIDIA GPU (CUDA)"},
+    DType: {DType.FLOAT32: "float32", DType.FLOAT16: "float16", DType.BFLOAT16: "bfloat16"},
+    PredictionType: {PredictionType.AUTO: "From the model", PredictionType.EPSILON: "Noise (epsilon)",
+                     PredictionType.V_PREDICTION: "v-prediction"},
+    TrainingMethod: {TrainingMethod.LORA: "LoRA", TrainingMethod.FINE_TUNE: "Full fine-tune"},
+    Optimizer: {Optimizer.ADAMW: "AdamW", Optimizer.ADAMW_8BIT: "AdamW 8-bit"},
+    LRScheduler: {LRScheduler.CONSTANT: "Constant", LRScheduler.COSINE: "Cosine",
+                  LRScheduler.LINEAR: "Linear"},
+    MixedPrecision: {MixedPrecision.NO: "Off (float32)", MixedPrecision.FP16: "fp16",
+                     MixedPrecision.BF16: "bf16"},
+    CompileBackend: {CompileBackend.NONE: "None (eager)", CompileBackend.DEFAULT: "Default",
+                     CompileBackend.INDUCTOR: "Inductor",
+                     CompileBackend.TRITON: "Triton + CUDA graphs",
+                     CompileBackend.AOT_EAGER: "AOT eager (debug)"},
+    CompileScope: {CompileScope.FULL: "Whole model", CompileScope.REGIONAL: "Repeated blocks"},
+    CompileMode: {CompileMode.DEFAULT: "Default", CompileMode.REDUCE_OVERHEAD: "Reduce overhead",
+                  CompileMode.MAX_AUTOTUNE: "Max autotune",
+                  CompileMode.MAX_AUTOTUNE_NO_CUDAGRAPHS: "Max autotune, no graphs"},
+    DynamicShapes: {DynamicShapes.DYNAMIC: "Dynamic", DynamicShapes.AUTO: "Automatic",
+                    DynamicShapes.STATIC: "Static"},
+    SaveFormat: {SaveFormat.DIFFUSERS: "Diffusers", SaveFormat.KOHYA: "Kohya LoRA",
+                 SaveFormat.SINGLE_FILE: "Single file"},
+    ModelType: {member: spec.label for member, spec in MODEL_TYPES.items()},
 }
 
 
 def enum_label(member: Enum) -> str:
     """The label the window shows for `member` (its value when the table has none)."""
-    return ENUM_LABELS.get(member, str(member.value))
+    return ENUM_LABELS.get(type(member), {}).get(member, str(member.value))
 
 
 def enum_member(enum_type: type[Enum], text: str) -> Enum:

@@ -44,11 +44,12 @@ class RunPanel:
         buttons = ctk.CTkFrame(self.bar, fg_color="transparent")
         buttons.grid(row=0, column=0, sticky="w", padx=8, pady=6)
         self.buttons: dict[str, Any] = {}
-        for key, text, width in (("start", "Start training", 130), ("resume", "Resume", 150),
-                                 ("stop", "Stop", 70),
-                                 ("sample", "Sample now", 100), ("save", "Save now", 90),
-                                 ("open_output", "Open output folder", 150),
-                                 ("tensorboard", "TensorBoard", 110)):
+        # narrow enough to stay on a 1280 px window at 150% (a button grows with its text)
+        for key, text, width in (("start", "Start training", 120), ("resume", "Resume", 80),
+                                 ("stop", "Stop", 60),
+                                 ("sample", "Sample now", 96), ("save", "Save now", 86),
+                                 ("open_output", "Output folder", 110),
+                                 ("tensorboard", "TensorBoard", 100)):
             button = ctk.CTkButton(buttons, text=text, width=width, command=actions[key])
             button.pack(side="left", padx=3)
             self.buttons[key] = button
@@ -131,7 +132,7 @@ class RunPanel:
     def show_tensorboard(self, url: str) -> None:
         """TensorBoard runs: its button shows the address, and opens it when pressed again."""
         self.tensorboard_url = url
-        self.buttons["tensorboard"].configure(text="Open " + url.split("//", 1)[-1], width=190)
+        self.buttons["tensorboard"].configure(text="Open " + url.split("//", 1)[-1])
         self.button_tips["tensorboard"].text = f"TensorBoard is serving at {url}"
 
     @tk_thread_only
@@ -240,14 +241,16 @@ class RunPanel:
             self._prompts: list[str] = []
         with Image.open(path) as image:
             image.load()
-            count = len(self.sample_paths) + 1
-            side = SAMPLE_SIZE if count == 1 else SAMPLE_SIZE // 2
-            scale = side / max(image.size)
-            size = (max(1, int(image.width * scale)), max(1, int(image.height * scale)))
-            picture = ctk.CTkImage(light_image=image.copy(), size=size)
+            picture = ctk.CTkImage(light_image=image.copy(), size=image.size)
+        count = len(self.sample_paths) + 1
         label = ctk.CTkLabel(self.samples_row, image=picture, text="")
         label.grid(row=(count - 1) // 2, column=(count - 1) % 2, padx=2, pady=2)
         self._sample_images.append(picture)
+        side = SAMPLE_SIZE if count == 1 else SAMPLE_SIZE // 2  # all the same size
+        for shown in self._sample_images:
+            width, height = shown.cget("light_image").size
+            scale = side / max(width, height)
+            shown.configure(size=(max(1, int(width * scale)), max(1, int(height * scale))))
         self.sample_widgets.append(label)
         self.sample_paths.append(Path(path))
         self._prompts.append(prompt)

@@ -22,6 +22,7 @@ from app.labels import enum_label, enum_member
 from app.tooltip import Tooltip
 
 ERROR_COLOR = ("#c62828", "#ef5350")
+HINT_COLOR = ("gray40", "gray62")
 LABEL_WIDTH = 200
 DISABLED_TEXT = ("gray60", "gray45")
 DISABLED_FILL = ("gray78", "gray32")
@@ -84,6 +85,7 @@ class FieldView:
         self.error_label.grid(row=1, column=1, sticky="w")
         self.error_tip = Tooltip(self.error_label, "")
         self.error: str | None = None
+        self.hint = ""
         self.refresh()
 
     # subclasses -----------------------------------------------------------------------------
@@ -124,12 +126,21 @@ class FieldView:
         return max(width / scale, 120)
 
     def show_error(self, message: str | None) -> None:
+        """The message in red in the error line (None: the field is fine; its hint, if any,
+        shows there in grey)."""
         self.error = message
+        text = message or self.hint
         self.error_label.configure(
-            text=elide(message, self.error_font, self.error_width()) if message else "")
-        self.error_tip.text = message or ""
+            text=elide(text, self.error_font, self.error_width()) if text else "",
+            text_color=ERROR_COLOR if message else HINT_COLOR)
+        self.error_tip.text = text
         self._mark(bool(message))
         self._update_tooltips()
+
+    def set_hint(self, text: str) -> None:
+        """A grey note in the error line while the field has no error (what empty means)."""
+        self.hint = text
+        self.show_error(self.error)
 
     def _update_tooltips(self) -> None:
         text = self.info.help

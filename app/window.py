@@ -6,6 +6,7 @@ The window holds one Config (in `ConfigBinding`). Training runs in a worker thre
 from __future__ import annotations
 
 import queue
+import re
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -35,6 +36,7 @@ from modules.model_types import MODEL_TYPES
 from modules.train.inputs import check_inputs
 
 RUN_TAB = "Run"
+FIT_MS = 120  # the columns are fitted this long after the window's size settles
 TENSORBOARD_URL = f"http://127.0.0.1:{external.TENSORBOARD_PORT}"
 RECHECK_MS = 400  # a listed problem is checked again this long after the last edit
 NO_PRESET = "(no presets found)"
@@ -57,7 +59,8 @@ class TemperaApp(ctk.CTk):
         super().__init__()
         self.withdraw()  # shown once every tab is built: no half-drawn first paint
         self.title("Tempera")
-        self.geometry(self.settings.geometry)
+        self.geometry(fit_geometry(self.settings.geometry, (self.winfo_screenwidth(),
+                                   self.winfo_screenheight()), self.settings.scaling))
         self.fit_minsize(self.settings.scaling)
         self.builtin_dir = Path(builtin_presets_dir or BUILTIN_PRESETS_DIR)
         self.train_fn, self.explain_fn, self.poll_ms = train_fn, explain_fn, poll_ms
@@ -98,10 +101,13 @@ class TemperaApp(ctk.CTk):
         self.dirty = False  # edits since the preset was loaded or saved
         self.expected_compile: float | None = None
         self.protocol("WM_DELETE_WINDOW", self.on_close)
+        self._fit_id: str | None = None
+        self.bind("<Configure>", self._resized, add="+")
         if settings_warning:
             self.run_panel.log(settings_warning)
         self._load_initial(initial_preset)
         self._update_component_states()
+        self._update_cache_hints()
         self.refresh_resume()
         self.update_idletasks()
         self.deiconify()
@@ -281,6 +287,21 @@ class TemperaApp(ctk.CTk):
             self.set_dirty(True)
         if path is None or path == "output.dir":
             self.refresh_resume()
+        if path is None or path.endswith("cache_dir"):
+            self._update_cache_hints()
+
+    def _update_cache_hints(self) -> None:
+        """Where the two cache folders are when left empty (one lies inside the other)."""
+        from modules.compile.cache import compile_cache_folder
+        from modules.paths import cache_dir_for
+        config = self.binding.config
+        general = self.registry.find("general.cache_dir")
+        compile_view = self.registry.find("compile.cache_dir")
+        general.set_hint("" if config.general.cache_dir else
+                         f"empty: {cache_dir_for('')}")
+        compile_view.set_hint("" if config.compile.cache_dir else
+                              f"empty: {compile_cache_folder('', config.general.cache_dir)} "
+                              "(inside General's cache folder)")
 
     def _update_component_states(self) -> None:
         """Grey the settings of components the model type does not have, and say which types
@@ -331,7 +352,9 @@ class TemperaApp(ctk.CTk):
                 view.show_error(f"expected {problem.expected}, got {problem.given}"
                                 + (f" ({problem.message})" if problem.message else ""))
                 self._problem_marks.append(view)
-        self.problems_list.configure(height=min(max(len(problems), 1), 4) * 30)
+        height = min(max(len(problems), 1), 4) * 30
+        self.problems_list.configure(height=height)
+        self.problems_list._scrollbar.configure(height=height)  # its own minimum is 200 px
         self.problems_frame.grid(row=2, column=0, sticky="ew", padx=8, pady=(4, 0))
 
     def describe(self, problem: Problem, keys: bool = False) -> str:
@@ -640,7 +663,24 @@ class TemperaApp(ctk.CTk):
         self.fit_minsize(scale)
         screen_w, screen_h = self.winfo_screenwidth(), self.winfo_screenheight()
         self.geometry(f"{int(min(width, screen_w) / scale)}x{int(min(height, screen_h) / scale)}")
+        self.fit_columns()
         self._save_settings()
+
+    def _resized(self, event: Any) -> None:
+        if event.widget is self and not self.closed:
+            if self._fit_id is not None:
+                self.after_cancel(self._fit_id)
+            self._fit_id = self.after(FIT_MS, self.fit_columns)
+
+    def fit_columns(self) -> None:
+        """Stack each tab's columns when they do not fit its width (ColumnLayout). Driven by
+        the window's own size, which the layout does not change, so it cannot loop."""
+        self._fit_id = None
+        self.update_idletasks()
+        width = self.tabview.winfo_width() - 40 * self.tabview._get_widget_scaling()
+        if width > 1:
+            for layout in self.registry.layouts:
+                layout.arrange(stacked=layout.needed_width() > width)
 
     def fit_minsize(self, scale: float) -> None:
         """960x640 on screen at most (customtkinter scales the minimum with the UI scale),
@@ -679,8 +719,26 @@ class TemperaApp(ctk.CTk):
         self.compile_panel.cancel_pending()
         self.benchmark.stop()
         self._tempera_closed = True
+        if self._fit_id is not None:
+            self.after_cancel(self._fit_id)
         forget_scaling_registration(self)
         self.destroy()
+
+
+def fit_geometry(geometry: str, screen: tuple[int, int], scale: float) -> str:
+    """A saved window geometry ("WxH" or "WxH+X+Y", customtkinter's unscaled units) shrunk and
+    moved so that the window fits `screen` (a smaller screen, a larger UI scale)."""
+    match = re.fullmatch(r"(\d+)x(\d+)(?:\+(-?\d+)\+(-?\d+))?", geometry.strip())
+    if match is None:
+        return geometry
+    screen_w, screen_h = screen
+    width = min(int(match[1]), int(screen_w * 0.96 / scale))
+    height = min(int(match[2]), int(screen_h * 0.92 / scale))
+    if match[3] is None:
+        return f"{width}x{height}"
+    x = min(max(int(match[3]), 0), max(screen_w - int(width * scale), 0))
+    y = min(max(int(match[4]), 0), max(screen_h - int(height * scale), 0))
+    return f"{width}x{height}+{x}+{y}"
 
 
 def expected_compile(config: Config) -> float | None:

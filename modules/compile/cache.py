@@ -20,10 +20,12 @@ TRITON_CACHE_ENV = "TRITON_CACHE_DIR"
 
 
 def compile_cache_folder(compile_cache_dir: str, general_cache_dir: str | Path) -> Path:
-    """`compile.cache_dir`, or `<general.cache_dir>/compile` when it is empty."""
+    """`compile.cache_dir`, or `<general.cache_dir>/compile` when it is empty (the platform
+    cache folder's when that is empty too, never the working folder)."""
+    from modules.paths import cache_dir_for
     if compile_cache_dir:
         return Path(compile_cache_dir)
-    return Path(general_cache_dir) / "compile"
+    return cache_dir_for(str(general_cache_dir)) / "compile"
 
 
 def _clear_inductor_path_caches() -> None:

@@ -96,7 +96,8 @@ class GeneralConfig:
     device: Device = setting(Device.AUTO, label="Device", group="General",
                              help="Where to train. AUTO picks CUDA when a GPU is visible, else the CPU.")
     cache_dir: str = setting("", label="Cache folder", group="General", path=True, advanced=True,
-                             help="Where built-in models, datasets and latent caches are kept. "
+                             help="Where built-in models, datasets, latent caches and (unless "
+                                  "Compile cache folder is set) the compile cache are kept. "
                                   "Empty means ~/.cache/tempera.")
 
 

@@ -118,6 +118,8 @@ def test_every_prompt_of_the_latest_step_is_shown_and_compiling_is_busy(app, tmp
     app._handle(SimpleNamespace(kind="sample", payload=(images[2], "a green one", 20)))
     assert panel.sample_paths == images[1:]  # step 20's two prompts, step 10's gone
     assert panel.sample_caption.cget("text") == "step 20: a blue one | a green one"
+    sizes = {image.cget("size") for image in panel._sample_images}
+    assert len(sizes) == 1 and max(sizes.pop()) == 160  # side by side, the same size
 
 
 def test_a_larger_ui_scale_keeps_the_window_on_screen_and_the_scale_control_reachable(app):

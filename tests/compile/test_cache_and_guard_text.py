@@ -40,6 +40,9 @@ def test_a_users_own_triton_folder_is_restored(tmp_path, monkeypatch):
 def test_the_cache_folder_policy():
     assert str(compile_cache_folder("", "/c")) == "/c/compile"
     assert str(compile_cache_folder("/mine", "/c")) == "/mine"
+    from modules.paths import default_cache_dir
+    # no cache folder set anywhere: the platform's, never one relative to the working folder
+    assert compile_cache_folder("", "") == default_cache_dir() / "compile"
 
 
 @pytest.mark.parametrize("reason, words", [

@@ -1,0 +1,289 @@
+"""What a first-time user tripped over (issue 22): error lines that moved the form, a problem list
+that did not follow the edits, raw enum names, controls that looked enabled when they were not,
+stale status lines, the mouse wheel stopping over text boxes, a half-drawn first paint and
+Tk's own file dialog on Linux."""
+from __future__ import annotations
+
+import os
+import stat
+import threading
+from types import SimpleNamespace
+
+from app.fields import iter_fields
+from app.labels import ENUM_LABELS, enum_label
+from app.widgets import DISABLED_TEXT, EnumView, MultiEnumView, ReadOnlyView
+from modules.config import Config
+from modules.config.schema import CompileBackend
+from tests.app.conftest import pump
+
+
+def settled(app):
+    pump(app)
+    app.update_idletasks()
+    pump(app)
+
+
+def test_an_error_line_moves_no_field(app):
+    app.tabview.set("Training")
+    settled(app)
+    batch = app.registry.find("training.batch_size")
+    below = app.registry.find("training.gradient_accumulation")
+    right = app.registry.find("components.unet.learning_rate")
+    before = (below.frame.winfo_rooty(), right.frame.winfo_rootx(), batch.frame.winfo_width())
+    batch.var.set("four")
+    settled(app)
+    assert batch.error_label.cget("text").startswith("expected a whole number")
+    after = (below.frame.winfo_rooty(), right.frame.winfo_rootx(), batch.frame.winfo_width())
+    assert after == before
+    long = "expected " + "a very particular value, " * 20 + "got 'four'"
+    batch.show_error(long)
+    settled(app)
+    shown = batch.error_label.cget("text")
+    assert shown.endswith("…") and len(shown) < len(long)            # cut to the field...
+    assert batch.error_tip.text == long                              # ...whole on hover
+    assert long in batch.tooltips[-1].text
+    assert (below.frame.winfo_rooty(), right.frame.winfo_rootx(),
+            batch.frame.winfo_width()) == before
+
+
+def test_the_problem_list_follows_the_edits_and_closes_when_all_are_fixed(app):
+    batch = app.registry.find("training.batch_size")
+    resolution = app.registry.find("data.resolution")
+    batch.var.set("four")
+    resolution.var.set("100")
+    assert not app.start_training()
+    assert len(app.problem_buttons) == 2
+    assert "expected a multiple of 64" in resolution.error           # marked at the field too
+    batch.var.set("2")
+    pump(app, lambda: len(app.problem_buttons) == 1)
+    assert "Resolution" in app.problem_buttons[0].cget("text")
+    resolution.var.set("120")                                        # still not a multiple
+    pump(app, lambda: resolution.error is not None and "multiple of 64" in resolution.error)
+    resolution.var.set("128")
+    pump(app, lambda: app.problems_frame.winfo_manager() == "")
+    assert resolution.error is None
+    assert app.run_panel.status_text == "Every listed problem is fixed."
+
+
+def test_a_problem_click_scrolls_its_field_into_view(make_app, tmp_path):
+    from pathlib import Path
+    app = make_app(builtin_presets_dir=Path("/nonexistent-presets"))
+    app.geometry("1024x700")
+    settled(app)
+    app.registry.find("sampling.seed").var.set("x")                   # low on a long tab
+    app.tabview.set("General")
+    assert not app.start_training()
+    button = next(b for b in app.problem_buttons if "Sampling › Sampling seed:" in b.cget("text"))
+    button.invoke()
+    settled(app)
+    view = app.jumped_to
+    canvas = app.scroll_frames["Sampling"]._parent_canvas
+    top, bottom = canvas.winfo_rooty(), canvas.winfo_rooty() + canvas.winfo_height()
+    assert top <= view.frame.winfo_rooty() and view.frame.winfo_rooty() + 20 <= bottom
+    assert app.focus_get() is view.entry._entry
+
+
+def test_option_menus_show_labels_never_raw_names(app):
+    for info in iter_fields(Config):
+        if info.enum_type is not None:
+            for member in info.enum_type:
+                assert member in ENUM_LABELS.get(info.enum_type, {}), (
+                    f"{info.dotted_path}: no label for {member}")
+    for view in app.registry.all_views():
+        if isinstance(view, EnumView):
+            assert view.menu.get() == enum_label(view.binding.get(view.path))
+            assert set(view.menu.cget("values")) == {enum_label(m) for m in view.info.enum_type}
+        if isinstance(view, MultiEnumView):
+            assert all(box.cget("text") == enum_label(m) for m, box in view.boxes.items())
+    assert app.registry.find("general.device").menu.get() == "Auto (GPU if any)"
+    assert app.registry.find("compile.dynamic").menu.get() == "Automatic"   # both AUTO
+    backend = app.registry.find("compile.backend")
+    backend.pick("AOT_EAGER")                   # a value's name still works (scripts, tests)
+    assert app.binding.config.compile.backend == CompileBackend.AOT_EAGER
+    assert backend.menu.get() == "AOT eager (debug)"
+
+
+def test_config_version_is_shown_not_edited_and_model_type_is_in_one_place(app):
+    version = app.registry.find("config_version")
+    assert isinstance(version, ReadOnlyView)
+    assert version.value_label.cget("text") == str(app.binding.config.config_version)
+    assert len(app.registry.views["model.type"]) == 1
+    assert app.registry.tab_of["model.type"] == "Model"
+
+
+def test_compile_details_look_disabled_under_backend_none(app):
+    panel = app.compile_panel
+    panel.backend.pick(CompileBackend.NONE)
+    strict = app.registry.find("compile.strict")
+    cache = app.registry.find("compile.cache_dir")
+    assert strict.toggle.cget("state") == "disabled" and cache.entry.cget("state") == "disabled"
+    assert strict.label.cget("text_color") == DISABLED_TEXT
+    assert cache.entry.cget("text_color") == DISABLED_TEXT
+    assert "the backend is None (eager)" in strict.tooltips[0].text
+    panel.backend.pick(CompileBackend.INDUCTOR)
+    assert strict.toggle.cget("state") == "normal" and strict.label.cget("text_color") != (
+        DISABLED_TEXT)
+    assert cache.entry.cget("text_color") != DISABLED_TEXT
+
+
+def test_start_is_greyed_while_a_benchmark_runs(make_app, tmp_path):
+    from pathlib import Path
+    release = threading.Event()
+
+    def bench(config, **kwargs):
+        release.wait(30)
+        raise RuntimeError("this test's benchmark ends here")
+
+    app = make_app(builtin_presets_dir=Path("/nonexistent-presets"), bench_fn=bench)
+    app.registry.find("output.dir").var.set(str(tmp_path / "out"))
+    assert app.benchmark.start()
+    start = app.run_panel.buttons["start"]
+    assert start.cget("state") == "disabled"
+    assert start.cget("fg_color") != app.run_panel.buttons["open_output"].cget("fg_color")
+    assert "a benchmark is running" in app.run_panel.button_tips["start"].text
+    release.set()
+    pump(app, lambda: start.cget("state") == "normal", timeout=30)
+    assert start.cget("fg_color") == ("#2e7d32", "#2e7d32")           # its own green again
+
+
+def test_status_line_is_one_line_and_its_error_goes_with_the_next_edit(app):
+    panel = app.run_panel
+    long = "Could not do the thing: " + "a long reason, " * 40 + "the end."
+    panel.set_status(long, error=True)
+    pump(app)
+    assert panel.status.cget("text").endswith("…") and "\n" not in panel.status.cget("text")
+    assert panel.status_tip.text == long and panel.status_text == long
+    app.registry.find("training.max_steps").var.set("12")            # the next edit
+    assert panel.status_text == "Ready." and not panel.status_error
+    panel.set_status("Loaded the demo.")                              # not an error: it stays
+    app.registry.find("training.max_steps").var.set("13")
+    assert panel.status_text == "Loaded the demo."
+
+
+def test_tensorboard_shows_its_address_on_its_button(app, monkeypatch):
+    from app import external
+    opened = []
+    monkeypatch.setattr(external, "start_tensorboard",
+                        lambda logdir: SimpleNamespace(poll=lambda: None, terminate=lambda: None))
+    monkeypatch.setattr(external, "open_url", opened.append)
+    button = app.run_panel.buttons["tensorboard"]
+    button.invoke()
+    assert button.cget("text") == "Open 127.0.0.1:6006"
+    assert "127.0.0.1:6006" in app.run_panel.status_text
+    button.invoke()
+    assert opened == ["http://127.0.0.1:6006"]
+    app.tensorboard = None
+
+
+def test_the_wheel_over_a_read_only_box_scrolls_the_page(make_app):
+    from pathlib import Path
+    app = make_app(builtin_presets_dir=Path("/nonexistent-presets"))
+    app.geometry("1024x700")
+    app.tabview.set("Advanced Options")
+    settled(app)
+    canvas = app.scroll_frames["Advanced Options"]._parent_canvas
+    report = app.compile_panel.report._textbox
+    assert canvas.yview()[0] == 0.0
+    report.event_generate("<Button-5>", x=5, y=5)                   # wheel down, short report
+    pump(app)
+    assert canvas.yview()[0] > 0.0
+
+
+def test_the_window_is_shown_only_when_every_tab_is_built(display, tmp_path):
+    from app.window import TemperaApp
+    seen = {}
+
+    class Watched(TemperaApp):
+        def _build_tabs(self):
+            seen["while building"] = self.state()
+            super()._build_tabs()
+
+    app = Watched(settings_path=tmp_path / "ui.json", confirm=lambda t, m: True)
+    try:
+        app.update()
+        assert seen["while building"] == "withdrawn"
+        assert app.state() == "normal"
+    finally:
+        app._finish_close()
+
+
+def test_save_as_uses_the_desktop_chooser_when_there_is_one(app, tmp_path, monkeypatch):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    target = tmp_path / "mine"                                        # no extension typed
+    zenity = bin_dir / "zenity"
+    zenity.write_text(f'#!/bin/sh\necho "$@" > {tmp_path / "args"}\necho {target}\n')
+    zenity.chmod(zenity.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("TEMPERA_FILE_DIALOG", raising=False)
+    written = app.save_as()
+    assert written == tmp_path / "mine.json" and written.is_file()
+    args = (tmp_path / "args").read_text()
+    assert "--save" in args and "--confirm-overwrite" in args and "*.json" in args
+
+    zenity.write_text("#!/bin/sh\nexit 1\n")                          # cancelled
+    assert app.save_as() is None
+
+
+def test_chooser_command_lines():
+    from app.dialogs import chooser_command
+    assert chooser_command("kdialog", "open", "Base model", "/m/", ("Model", ("*.safetensors",))
+                           ) == ["kdialog", "--title", "Base model", "--getopenfilename", "/m/",
+                                 "*.safetensors|Model"]
+    assert chooser_command("zenity", "folder", "Dataset", "/d/", None) == [
+        "zenity", "--file-selection", "--title=Dataset", "--filename=/d/", "--directory"]
+
+
+def test_component_section_titles_are_greyed(app):
+    title = app.registry.section_titles["components.text_encoder_2"]
+    assert title.cget("text_color") == DISABLED_TEXT
+
+
+def test_more_options_line_up_with_the_fields_above(app):
+    app.tabview.set("General")
+    more = app.registry.more_of["general.cache_dir"]
+    more.expand()
+    settled(app)
+
+    def columns(hidden: bool) -> set[tuple[int, int]]:
+        return {(v.frame.winfo_rootx(), v.frame.winfo_width())
+                for path, views in app.registry.views.items() for v in views
+                if app.registry.tab_of[path] == "General"
+                and (app.registry.more_of.get(path) is more) == hidden}
+
+    assert len(columns(False)) == 2 and columns(True) == columns(False)
+    more.collapse()
+    settled(app)
+    assert not app.registry.find("general.cache_dir").frame.winfo_ismapped()
+
+
+def test_the_two_cache_folders_say_where_empty_puts_them(app, tmp_path):
+    from modules.paths import default_cache_dir
+    general = app.registry.find("general.cache_dir")
+    compile_cache = app.registry.find("compile.cache_dir")
+    assert general.error_label.cget("text") == f"empty: {default_cache_dir()}"
+    assert str(default_cache_dir() / "compile") in compile_cache.error_tip.text
+    general.var.set(str(tmp_path / "c"))
+    assert general.error_label.cget("text") == ""
+    assert str(tmp_path / "c" / "compile") in compile_cache.error_tip.text
+    compile_cache.var.set(str(tmp_path / "cc"))
+    assert compile_cache.error_tip.text == ""
+
+
+def test_columns_stack_when_the_window_is_too_narrow_for_them(app):
+    seed = app.registry.find("training.seed")
+    app.tabview.set("General")
+    app.geometry("1280x860")
+    settled(app)
+    app.fit_columns()
+    settled(app)
+    assert not app.registry.layouts[0].stacked
+    side_by_side_y = seed.frame.winfo_rooty()
+    app.scale_menu._dropdown_callback("150%")                 # the same window, larger widgets
+    settled(app)
+    right_edge = app.winfo_rootx() + app.winfo_width()
+    assert seed.frame.winfo_rootx() + seed.frame.winfo_width() <= right_edge
+    assert seed.frame.winfo_rooty() > side_by_side_y          # below the left column now
+    app.scale_menu._dropdown_callback("100%")
+    settled(app)
+    assert seed.frame.winfo_rooty() == side_by_side_y
