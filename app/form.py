@@ -14,7 +14,7 @@ import customtkinter as ctk
 
 from app.binding import ConfigBinding
 from app.fields import FieldInfo, container_labels, iter_fields
-from app.widgets import FieldView, ListView, ReadOnlyView, make_view
+from app.widgets import FieldView, ListView, ReadOnlyView, grid_hide, make_view
 from modules.config import Config
 
 TAB_TITLES = {"Advanced": "Advanced Options"}
@@ -67,7 +67,7 @@ class MoreSection:
     def collapse(self) -> None:
         if self.expanded:
             for body in self.bodies:
-                body.grid_remove()
+                grid_hide(body)
             self.expanded = False
             self._label()
 
@@ -100,7 +100,7 @@ class ColumnLayout:
                 column.grid(row=row + index if stacked else row, column=0 if stacked else index,
                             sticky="nwe", padx=(0, 24))
                 if more is not None and not more.expanded:
-                    column.grid_remove()
+                    grid_hide(column)
             row += len(item) if stacked else 1
         self.stacked = stacked
         return True

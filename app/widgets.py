@@ -43,6 +43,13 @@ def set_widget_enabled(widget: Any, enabled: bool) -> None:
     widget.configure(state="normal" if enabled else "disabled", **(own if enabled else look))
 
 
+def grid_hide(widget: Any) -> None:
+    """`grid_remove` that stays removed: customtkinter repeats a widget's last grid() call on
+    every UI-scale change, which would show a closed panel or a collapsed section again."""
+    widget.grid_remove()
+    widget._last_geometry_manager_call = None
+
+
 def elide(text: str, font: Any, width: float) -> str:
     """`text` cut with "…" to fit `width` pixels in `font` (whole when it fits)."""
     if font.measure(text) <= width:

@@ -30,7 +30,7 @@ from app.run_panel import RunPanel
 from app.runner import Event, TrainFn, TrainingWorker, run_in_thread
 from app.settings import DEFAULT_SETTINGS_PATH, SCALES, load_settings, save_settings
 from app.thread_guard import ThreadGuard, tk_thread_only
-from app.widgets import DISABLED_TEXT
+from app.widgets import DISABLED_TEXT, grid_hide
 from modules.config import Config, ConfigError, Problem, load_config, validate
 from modules.model_types import MODEL_TYPES
 from modules.train.inputs import check_inputs
@@ -386,7 +386,7 @@ class TemperaApp(ctk.CTk):
             self.run_panel.set_status("Every listed problem is fixed.")
 
     def hide_problems(self) -> None:
-        self.problems_frame.grid_remove()
+        grid_hide(self.problems_frame)
         self._problem_source = None
         for view in self._problem_marks:
             view.refresh()

@@ -287,3 +287,29 @@ def test_columns_stack_when_the_window_is_too_narrow_for_them(app):
     app.scale_menu._dropdown_callback("100%")
     settled(app)
     assert seed.frame.winfo_rooty() == side_by_side_y
+
+
+def test_a_scale_change_keeps_a_closed_problem_list_closed_and_invents_no_errors(app):
+    app.registry.find("data.resolution").var.set("100")
+    assert not app.start_training()
+    app.hide_problems()                                         # the user closed the list
+    app.registry.find("data.resolution").var.set("128")
+    more = app.registry.more_of["general.cache_dir"]
+    more.expand()
+    more.collapse()
+    for scale in ("150%", "100%"):
+        app.scale_menu._dropdown_callback(scale)
+        settled(app)
+        wait(app)          # past the problem list's re-check delay
+        assert app.problems_frame.winfo_manager() == ""
+        assert not more.expanded and all(b.winfo_manager() == "" for b in more.bodies)
+        assert app.binding.errors == {}
+        assert [v.path for v in app.registry.all_views() if v.error] == []
+
+
+def wait(app, seconds: float = 0.6) -> None:
+    import time
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        app.update()
+        time.sleep(0.02)
