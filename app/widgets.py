@@ -122,6 +122,12 @@ class FieldView:
         error = self.binding.errors.get(self.path)
         self.show_error(str(error) if error else None)
 
+    def show_own_error(self) -> None:
+        """Show only the field's own parse error (or none), leaving its text as typed: a
+        problem listed for it by a start check is gone."""
+        error = self.binding.errors.get(self.path)
+        self.show_error(str(error) if error else None)
+
     def error_width(self) -> float:
         """Pixels (unscaled) the error line may use: the field's width less its label."""
         scale = self.frame._get_widget_scaling()

@@ -334,7 +334,7 @@ class TemperaApp(ctk.CTk):
         for button in self.problem_buttons:
             button.destroy()
         for view in self._problem_marks:
-            view.refresh()  # back to the field's own state (its parse error, or none)
+            view.show_own_error()
         self.problem_buttons, self._problem_marks = [], []
         self.problems, self._problem_source = list(problems), source
         self.problems_title.configure(
@@ -389,7 +389,7 @@ class TemperaApp(ctk.CTk):
         grid_hide(self.problems_frame)
         self._problem_source = None
         for view in self._problem_marks:
-            view.refresh()
+            view.show_own_error()
         self._problem_marks = []
 
     def jump_to(self, path: str) -> bool:

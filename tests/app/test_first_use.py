@@ -59,6 +59,9 @@ def test_the_problem_list_follows_the_edits_and_closes_when_all_are_fixed(app):
     assert "Resolution" in app.problem_buttons[0].cget("text")
     resolution.var.set("120")                                        # still not a multiple
     pump(app, lambda: resolution.error is not None and "multiple of 64" in resolution.error)
+    resolution.var.set("12a")                                        # typing goes on...
+    pump(app, lambda: any("12a" in b.cget("text") for b in app.problem_buttons))
+    assert resolution.var.get() == "12a"                             # ...and is not undone
     resolution.var.set("128")
     pump(app, lambda: app.problems_frame.winfo_manager() == "")
     assert resolution.error is None
