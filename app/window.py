@@ -133,7 +133,8 @@ class TemperaApp(ctk.CTk):
                                                   self.check_compilation)
                 self.benchmark = BenchmarkSection(
                     self.compile_panel.box, self.binding,
-                    lambda problems, title: self.show_problems(problems, title),
+                    lambda problems, title: self.show_problems(
+                        problems, title, source=lambda: self.binding.problems(check_files=True)),
                     lambda: self.training, self.bench_fn, self._benchmark_running)
                 build_fields(scroll, fields_of_group(group, skip=PLACED), self.binding,
                              self.registry, title)
@@ -256,7 +257,8 @@ class TemperaApp(ctk.CTk):
 
     def _write_preset(self, target: Path, allow_new_builtin: bool = False) -> Path | None:
         if self.binding.errors:
-            self.show_problems(self.binding.field_problems(), "Fix these fields before saving")
+            self.show_problems(self.binding.field_problems(), "Fix these fields before saving",
+                               source=self.binding.field_problems)
             return None
         try:
             written = save_preset(self.binding.config, target, self.builtin_dir, allow_new_builtin)
@@ -337,6 +339,7 @@ class TemperaApp(ctk.CTk):
             view.show_own_error()
         self.problem_buttons, self._problem_marks = [], []
         self.problems, self._problem_source = list(problems), source
+        self._problem_heading, self._problem_keys = title, keys  # kept for the re-check
         self.problems_title.configure(
             text=title or f"Cannot start: {len(problems)} problem(s). Click one to go to its field.")
         for problem in problems:
@@ -379,8 +382,8 @@ class TemperaApp(ctk.CTk):
             return
         problems = self._problem_source()
         if problems:
-            self.show_problems(problems, None if self.problems_title.cget("text").startswith(
-                "Cannot start") else self.problems_title.cget("text"), self._problem_source)
+            self.show_problems(problems, self._problem_heading, self._problem_source,
+                               self._problem_keys)
         else:
             self.hide_problems()
             self.run_panel.set_status("Every listed problem is fixed.")
@@ -596,7 +599,8 @@ class TemperaApp(ctk.CTk):
         explain = self.explain_fn or explain_text
         panel = self.compile_panel
         if self.binding.errors:
-            self.show_problems(self.binding.field_problems(), "Fix these fields first")
+            self.show_problems(self.binding.field_problems(), "Fix these fields first",
+                               source=self.binding.field_problems)
             return
         if self.training:
             return

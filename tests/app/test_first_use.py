@@ -316,3 +316,13 @@ def wait(app, seconds: float = 0.6) -> None:
     while time.monotonic() < end:
         app.update()
         time.sleep(0.02)
+
+
+def test_the_save_refusal_list_follows_the_edits_too(app, tmp_path):
+    batch = app.registry.find("training.batch_size")
+    batch.var.set("four")
+    assert app.save_as(tmp_path / "p.json") is None
+    assert app.problems_title.cget("text") == "Fix these fields before saving"
+    batch.var.set("3")
+    pump(app, lambda: app.problems_frame.winfo_manager() == "")
+    assert app.save_as(tmp_path / "p.json") == tmp_path / "p.json"
