@@ -84,7 +84,8 @@ class RunPanel:
     def _build_tab(self, parent: Any) -> None:
         parent.grid_columnconfigure(0, weight=3)
         parent.grid_columnconfigure(1, weight=2)
-        parent.grid_rowconfigure(1, weight=1)
+        parent.grid_rowconfigure(0, weight=3)  # the loss curve and samples, then the log
+        parent.grid_rowconfigure(1, weight=2)
         self.plot = LossPlot(parent)
         self.plot.canvas.grid(row=0, column=0, sticky="nsew", padx=(0, 8), pady=(0, 8))
         sample_box = ctk.CTkFrame(parent)
