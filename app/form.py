@@ -211,7 +211,10 @@ def _place_sections(grid: Any, sections: dict[str, list[FieldInfo]],
             view.frame.pack(fill="x", padx=10, pady=0)
             registry.add(view, tab, more)
         ctk.CTkFrame(box, height=6, fg_color="transparent").pack()
-    return cols
+    for col, height in zip(cols, heights):
+        if not height:  # fewer sections than columns: an empty frame would still take room
+            col.destroy()
+    return [col for col, height in zip(cols, heights) if height]
 
 
 def build_fields(parent: Any, infos: Iterable[FieldInfo], binding: ConfigBinding,

@@ -326,3 +326,20 @@ def test_the_save_refusal_list_follows_the_edits_too(app, tmp_path):
     batch.var.set("3")
     pump(app, lambda: app.problems_frame.winfo_manager() == "")
     assert app.save_as(tmp_path / "p.json") == tmp_path / "p.json"
+
+
+def test_stacked_columns_leave_no_empty_gap(app):
+    """The Model tab has one section: stacked, its empty second column must take no room."""
+    app.tabview.set("Model")
+    last = app.registry.find("model.train_dtype")
+    layout = next(layout for layout in app.registry.layouts
+                  if any(str(last.frame).startswith(str(column))
+                         for band, _ in layout.items if isinstance(band, list)
+                         for column in band))
+    more = next(m for path, m in app.registry.more_of.items()
+                if app.registry.tab_of[path] == "Model")
+    for stacked in (True, False):
+        layout.arrange(stacked=stacked)
+        settled(app)
+        gap = more.button.winfo_rooty() - (last.frame.winfo_rooty() + last.frame.winfo_height())
+        assert 0 <= gap < 60, (stacked, gap)
