@@ -7,7 +7,7 @@ without new GUI code. `FieldRegistry` maps dotted paths to views (problems jump 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import customtkinter as ctk
@@ -48,6 +48,7 @@ class MoreSection:
                                     command=self.toggle)
         self.bodies: list[Any] = []  # the column frames (placed by ColumnLayout)
         self.expanded = False
+        self.on_open: Callable[[], None] | None = None  # after a click opened it
         self._label()
 
     def _label(self) -> None:
@@ -55,7 +56,13 @@ class MoreSection:
         self.button.configure(text=f"{arrow} More options ({self.count})")
 
     def toggle(self) -> None:
-        self.expand() if not self.expanded else self.collapse()
+        """The button's click: open (then `on_open`) or close."""
+        if self.expanded:
+            self.collapse()
+            return
+        self.expand()
+        if self.on_open is not None:
+            self.on_open()
 
     def expand(self) -> None:
         if not self.expanded:
@@ -82,9 +89,15 @@ class ColumnLayout:
         self.stacked: bool | None = None
 
     def needed_width(self) -> int:
-        """Screen pixels the widest band needs side by side."""
-        return max((sum(c.winfo_reqwidth() for c in band) + 24 * len(band)
-                    for band, _ in self.items if isinstance(band, list)), default=0)
+        """Screen pixels the bands need side by side. They share the grid's columns, so each
+        column is as wide as its widest band's frame, a collapsed "More options" counted too:
+        opening it then never pushes a column past the edge (nor makes the tab jump)."""
+        widths: dict[int, int] = {}
+        for band, _ in self.items:
+            if isinstance(band, list):
+                for index, column in enumerate(band):
+                    widths[index] = max(widths.get(index, 0), column.winfo_reqwidth() + 24)
+        return sum(widths.values())
 
     def arrange(self, stacked: bool) -> bool:
         """Grid the bands side by side or stacked; False when that is already so."""

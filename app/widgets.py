@@ -205,7 +205,7 @@ class ReadOnlyView(FieldView):
 class EntryView(FieldView):
     """int, float, optional float, str and comma-separated lists: a validated text entry."""
     WIDTHS = {"int": 140, "float": 140, "optional_float": 140, "str": 260, "list_str": 420,
-              "path": 420}
+              "path": 320}
 
     def _build_input(self, parent: Any) -> Any:
         self.var = tkinter.StringVar(parent)

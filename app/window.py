@@ -136,10 +136,14 @@ class TemperaApp(ctk.CTk):
                     lambda problems, title: self.show_problems(
                         problems, title, source=lambda: self.binding.problems(check_files=True)),
                     lambda: self.training, self.bench_fn, self._benchmark_running)
-                build_fields(scroll, fields_of_group(group, skip=PLACED), self.binding,
-                             self.registry, title)
+                more = build_fields(scroll, fields_of_group(group, skip=PLACED), self.binding,
+                                    self.registry, title)
             else:
-                build_fields(scroll, fields_of_group(group), self.binding, self.registry, title)
+                more = build_fields(scroll, fields_of_group(group), self.binding, self.registry,
+                                    title)
+            if more is not None:  # a click that opens it shows what it opened
+                more.on_open = lambda scroll=scroll, button=more.button: self.reveal(scroll,
+                                                                                     button)
         self.tabview.add(RUN_TAB)
         self.cloud_panel = CloudPanel(
             self.tabview.add(CLOUD_TAB), self.binding, self.settings,
@@ -407,17 +411,31 @@ class TemperaApp(ctk.CTk):
         more = self.registry.more_of.get(top)
         if more is not None:
             more.expand()
-        self.update_idletasks()
         scroll = self.scroll_frames.get(tab)
         if scroll is not None:
-            inner_height = max(scroll.winfo_height(), scroll._parent_frame.winfo_height(), 1)
-            content_height = max(scroll.winfo_reqheight(), 1)
-            offset = view.frame.winfo_rooty() - scroll.winfo_rooty()
-            if content_height > inner_height:
-                scroll._parent_canvas.yview_moveto(max(0.0, (offset - 40) / content_height))
+            self.scroll_to(scroll, view.frame)
         view.focus()
         self.jumped_to = view
         return True
+
+    def scroll_to(self, scroll: Any, widget: Any, above: int = 40) -> None:
+        """Scroll the page so `widget` sits `above` pixels below its top edge (as far as the
+        page's length allows)."""
+        self.update_idletasks()
+        canvas = scroll._parent_canvas  # its scroll region follows the content on <Configure>,
+        canvas.configure(scrollregion=canvas.bbox("all"))  # which has not come yet
+        content_height = max(scroll.winfo_reqheight(), 1)
+        offset = widget.winfo_rooty() - scroll.winfo_rooty()  # from the content's top
+        if content_height > canvas.winfo_height():
+            canvas.yview_moveto(max(0.0, (offset - above) / content_height))
+
+    def reveal(self, scroll: Any, button: Any) -> None:
+        """After "More options" opens: when the button sits in the lower half of the page, the
+        new fields would open below the fold, so the button is scrolled up to the top."""
+        self.update_idletasks()
+        canvas = scroll._parent_canvas
+        if button.winfo_rooty() - canvas.winfo_rooty() > canvas.winfo_height() / 2:
+            self.scroll_to(scroll, button, above=8)
 
     # --- training ----------------------------------------------------------------------------
     @property

@@ -5,8 +5,9 @@
 
 Each screen is a fresh virtual display (Xvfb) and fresh GUI settings with the demo preset; xdotool
 drives the window. On each: the window and its Start / UI-scale controls must be on screen; every
-tab is clicked and photographed; a wrong value is typed into Batch size and the field below is
-clicked (the click must land there); Start is clicked (the problem list must name the field by its
+tab is clicked and photographed, and its More options is reached with the wheel and opened by a
+click (its fields must come into view) and photographed; a wrong value is typed into Batch size and the field below is clicked (the click
+must land there); Start is clicked (the problem list must name the field by its
 label); the problem is clicked (the field must be focused and in view); the value is fixed by
 typing (the list must close). Every check prints ok or FAIL; the exit status is 1 when one
 failed. Pictures: DIR/<screen>/<step>.png (look at them). Needs Xvfb and xdotool
@@ -70,15 +71,31 @@ def walk(screen: str, out: Path) -> list[str]:
             for tab, button in app.tabview._segmented_button._buttons_dict.items():
                 xdo.click(app, button)
                 check(app.tabview.get() == tab, f"clicking the {tab} tab shows it")
-                xdo.screenshot(app, out / f"tab-{tab.lower().replace(' ', '-')}.png")
+                name = tab.lower().replace(" ", "-")
+                xdo.screenshot(app, out / f"tab-{name}.png")
+                for more in {m for path, m in app.registry.more_of.items()
+                             if app.registry.tab_of[path] == tab}:
+                    reached = xdo.scroll_into_view(app, app.scroll_frames[tab], more.button)
+                    check(reached, f"{tab}: the mouse wheel reaches More options")
+                    if not reached:
+                        continue
+                    xdo.click(app, more.button)
+                    canvas = app.scroll_frames[tab]._parent_canvas
+                    first = min(more.bodies, key=lambda body: body.winfo_rooty())
+                    check(more.expanded and first.winfo_rooty() + 40
+                          < canvas.winfo_rooty() + canvas.winfo_height(),
+                          f"{tab}: a click opens More options, its fields in view")
+                    xdo.screenshot(app, out / f"tab-{name}-more.png")
+                    xdo.click(app, more.button)
 
             app.tabview.set("Training")
             xdo.settle(app)
             batch = app.registry.find("training.batch_size")
             below = app.registry.find("training.gradient_accumulation")
             page = app.scroll_frames["Training"]
-            check(xdo.scroll_into_view(app, page, below.frame),
-                  "the mouse wheel scrolls the Training tab to Batch size")
+            check(xdo.scroll_into_view(app, page, batch.frame)
+                  and xdo.scroll_into_view(app, page, below.frame),
+                  "the mouse wheel scrolls the Training tab to Batch size and the field below")
             xdo.click(app, batch.entry)
             xdo.clear_and_type(app, "four")
             if not check(batch.error is not None,

@@ -343,3 +343,43 @@ def test_stacked_columns_leave_no_empty_gap(app):
         settled(app)
         gap = more.button.winfo_rooty() - (last.frame.winfo_rooty() + last.frame.winfo_height())
         assert 0 <= gap < 60, (stacked, gap)
+
+
+def test_opening_more_options_pushes_no_field_past_the_right_edge(app):
+    """The More fields share the grid's columns with the fields above: a wide one used to widen
+    the left column and push the right one past the edge of a 1024-pixel window."""
+    app.geometry("1000x660")
+    settled(app)
+    app.fit_columns()
+    settled(app)
+    right_edge = app.winfo_rootx() + app.winfo_width()
+    for more in set(app.registry.more_of.values()):
+        tab = next(t for p, t in app.registry.tab_of.items() if app.registry.more_of.get(p) is more)
+        app.tabview.set(tab)
+        more.expand()
+        settled(app)
+        out = [v.path for v in app.registry.all_views()
+               if app.registry.tab_of.get(app.registry.top_path(v.path)) == tab
+               and v.frame.winfo_ismapped()
+               and v.frame.winfo_rootx() + v.frame.winfo_width() > right_edge]
+        more.collapse()
+        assert out == [], (tab, out)
+
+
+def test_a_click_on_more_options_at_the_bottom_of_the_page_shows_what_it_opened(app):
+    app.tabview.set("Training")
+    settled(app)
+    more = next(m for p, m in app.registry.more_of.items() if app.registry.tab_of[p] == "Training")
+    scroll = app.scroll_frames["Training"]
+    canvas = scroll._parent_canvas
+    canvas.yview_moveto(1.0)                                    # scrolled to the end, as a user
+    settled(app)
+    assert more.button.winfo_rooty() - canvas.winfo_rooty() > canvas.winfo_height() / 2
+    more.button.invoke()
+    settled(app)
+    first = min(more.bodies, key=lambda body: body.winfo_rooty())
+    top, bottom = canvas.winfo_rooty(), canvas.winfo_rooty() + canvas.winfo_height()
+    assert top <= more.button.winfo_rooty() and first.winfo_rooty() + 40 < bottom
+    more.button.invoke()                                        # closing moves nothing
+    settled(app)
+    assert not more.expanded

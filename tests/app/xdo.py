@@ -26,6 +26,16 @@ def _xdotool(*args: str) -> None:
     subprocess.run(["xdotool", *args], check=True, env=os.environ, timeout=30)
 
 
+def move_to(x: int, y: int) -> None:
+    """Put the pointer at (x, y). `mousemove --sync` waits for a motion event, so it is not sent
+    when the pointer is already there (xdotool would then wait in vain)."""
+    where = subprocess.run(["xdotool", "getmouselocation", "--shell"], check=True, env=os.environ,
+                           timeout=30, capture_output=True, text=True).stdout
+    at = dict(line.split("=", 1) for line in where.split() if "=" in line)
+    if (at.get("X"), at.get("Y")) != (str(x), str(y)):
+        _xdotool("mousemove", "--sync", str(x), str(y))
+
+
 def centre(widget: Any) -> tuple[int, int]:
     return (widget.winfo_rootx() + widget.winfo_width() // 2,
             widget.winfo_rooty() + widget.winfo_height() // 2)
@@ -34,25 +44,27 @@ def centre(widget: Any) -> tuple[int, int]:
 def click(app: Any, widget: Any, clicks: int = 1) -> None:
     """Move the pointer to the middle of `widget` and click it."""
     app.update()
-    x, y = centre(widget)
-    _xdotool("mousemove", "--sync", str(x), str(y))
+    move_to(*centre(widget))
     _xdotool("click", "--repeat", str(clicks), "--delay", "60", "1")
     settle(app)
 
 
-def scroll_into_view(app: Any, page: Any, widget: Any, tries: int = 40) -> bool:
-    """Turn the mouse wheel over `page` (a CTkScrollableFrame) until `widget` is in view."""
+def scroll_into_view(app: Any, page: Any, widget: Any, stuck_after: int = 5) -> bool:
+    """Turn the mouse wheel over `page` (a CTkScrollableFrame) until `widget` is in view; False
+    when the page stops moving (`stuck_after` notches in a row) before it is."""
     canvas = page._parent_canvas
-    for _ in range(tries):
+    still = 0
+    while still < stuck_after:
         app.update()
         top, bottom = canvas.winfo_rooty(), canvas.winfo_rooty() + canvas.winfo_height()
         y = widget.winfo_rooty()
         if top <= y and y + widget.winfo_height() <= bottom:
             return True
-        x, middle = centre(canvas)
-        _xdotool("mousemove", "--sync", str(x), str(middle))
+        before = canvas.yview()
+        move_to(*centre(canvas))
         _xdotool("click", "5" if y > top else "4")
         settle(app, 0.1)
+        still = still + 1 if canvas.yview() == before else 0
     return False
 
 
