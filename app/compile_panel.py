@@ -14,8 +14,8 @@ import customtkinter as ctk
 from app.binding import ConfigBinding
 from app.compile_info import BACKEND_DESCRIPTIONS, describe_backend
 from app.form import FieldRegistry
-from app.widgets import (DISABLED_TEXT, BoolView, FieldView, make_view, pass_wheel_at_ends, set_readonly_text,
-                         set_widget_enabled)
+from app.widgets import (BoolView, FieldView, make_view, pass_wheel_at_ends, set_label_enabled,
+                         set_readonly_text, set_widget_enabled)
 from modules.config.schema import CompileBackend
 
 TAB = "Advanced Options"
@@ -57,7 +57,6 @@ class CompilePanel:
         row.pack(fill="x", padx=10, pady=2)
         self.toggles_label = ctk.CTkLabel(row, text="Compile components", anchor="w", width=200)
         self.toggles_label.pack(side="left", padx=(0, 8))
-        self._label_color = self.toggles_label.cget("text_color")
         self.toggles: dict[str, BoolView] = {}
         for path, label in COMPONENT_TOGGLES:
             view = BoolView(row, binding, path, label=label, style="checkbox")
@@ -120,7 +119,7 @@ class CompilePanel:
         enabled = backend != CompileBackend.NONE
         for view in [*self.toggles.values(), *self.details]:
             view.set_enabled(enabled, "the backend is None (eager): nothing is compiled")
-        self.toggles_label.configure(text_color=self._label_color if enabled else DISABLED_TEXT)
+        set_label_enabled(self.toggles_label, enabled)
 
     def show_report(self, text: str, result: bool = False) -> None:
         set_readonly_text(self.report, text)

@@ -253,5 +253,6 @@ def build_fields(parent: Any, infos: Iterable[FieldInfo], binding: ConfigBinding
     layout.arrange(stacked=False)
     return more
 
+
 def fields_of_group(group: str, skip: set[str] = frozenset()) -> list[FieldInfo]:
     return [i for i in iter_fields(Config) if i.group == group and i.dotted_path not in skip]

@@ -43,6 +43,12 @@ def set_widget_enabled(widget: Any, enabled: bool) -> None:
     widget.configure(state="normal" if enabled else "disabled", **(own if enabled else look))
 
 
+def set_label_enabled(label: Any, enabled: bool) -> None:
+    """Grey a label's text, or give it back its own colour (a label has no state to set)."""
+    own = label.__dict__.setdefault("_tempera_text_color", label.cget("text_color"))
+    label.configure(text_color=own if enabled else DISABLED_TEXT)
+
+
 def grid_hide(widget: Any) -> None:
     """`grid_remove` that stays removed: customtkinter repeats a widget's last grid() call on
     every UI-scale change, which would show a closed panel or a collapsed section again."""
@@ -81,7 +87,6 @@ class FieldView:
             self.label = ctk.CTkLabel(self.frame, text=label or self.info.label, anchor="w",
                                       width=label_width)
             self.label.grid(row=0, column=0, sticky="w", padx=(0, 8))
-            self._label_color = self.label.cget("text_color")
             self.tooltips.append(Tooltip(self.label, self.info.help))
         self.input = self._build_input(self.frame)
         self.input.grid(row=0, column=1, sticky="w", pady=(2, 0))
@@ -172,7 +177,7 @@ class FieldView:
         self.enabled, self.disabled_why = enabled, ("" if enabled else why)
         self._set_input_enabled(enabled)
         if self.label is not None:
-            self.label.configure(text_color=self._label_color if enabled else DISABLED_TEXT)
+            set_label_enabled(self.label, enabled)
         self._update_tooltips()
 
     def _text_changed(self, text: str) -> None:

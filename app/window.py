@@ -30,7 +30,7 @@ from app.run_panel import RunPanel
 from app.runner import Event, TrainFn, TrainingWorker, run_in_thread
 from app.settings import DEFAULT_SETTINGS_PATH, SCALES, load_settings, save_settings
 from app.thread_guard import ThreadGuard, tk_thread_only
-from app.widgets import DISABLED_TEXT, grid_hide
+from app.widgets import grid_hide, set_label_enabled
 from modules.config import Config, ConfigError, Problem, load_config, validate
 from modules.model_types import MODEL_TYPES
 from modules.train.inputs import check_inputs
@@ -325,9 +325,8 @@ class TemperaApp(ctk.CTk):
                     view.set_enabled(enabled, why)
             title = self.registry.section_titles.get(container)
             if title is not None:
-                title.__dict__.setdefault("_tempera_color", title.cget("text_color"))
-                title.configure(text=label if enabled else f"{label} ({' / '.join(having)} only)",
-                                text_color=title._tempera_color if enabled else DISABLED_TEXT)
+                title.configure(text=label if enabled else f"{label} ({' / '.join(having)} only)")
+                set_label_enabled(title, enabled)
 
     # --- problems ----------------------------------------------------------------------------
     def show_problems(self, problems: list[Problem], title: str | None = None,
@@ -356,8 +355,7 @@ class TemperaApp(ctk.CTk):
             self.problem_buttons.append(button)
             view = self.registry.find(problem.path)
             if view is not None and not view.error:
-                view.show_error(f"expected {problem.expected}, got {problem.given}"
-                                + (f" ({problem.message})" if problem.message else ""))
+                view.show_error(problem.detail())
                 self._problem_marks.append(view)
         height = min(max(len(problems), 1), 4) * 30
         self.problems_list.configure(height=height)
@@ -370,8 +368,7 @@ class TemperaApp(ctk.CTk):
         where = self.registry.where(problem.path)
         if keys and where != problem.path:
             where = f"{problem.path} ({where})"
-        text = f"{where}: expected {problem.expected}, got {problem.given}"
-        return f"{text} ({problem.message})" if problem.message else text
+        return f"{where}: {problem.detail()}"
 
     def _schedule_recheck(self) -> None:
         if self._problem_source is None or not self.problems_frame.winfo_manager():

@@ -12,7 +12,11 @@ class Problem:
     message: str = ""
 
     def __str__(self) -> str:
-        text = f"{self.path}: expected {self.expected}, got {self.given}"
+        return f"{self.path}: {self.detail()}"
+
+    def detail(self) -> str:
+        """What is wrong, without where: "expected …, got …" and the message, if any."""
+        text = f"expected {self.expected}, got {self.given}"
         return f"{text} ({self.message})" if self.message else text
 
 
