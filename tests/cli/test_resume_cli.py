@@ -78,6 +78,11 @@ def test_sigterm_finishes_the_step_writes_a_backup_and_exits_143(tmp_path, tempe
     assert record(output)["losses"] == reference["losses"]
 
 
+def latest_backup(output: Path) -> int:
+    found = list_backups(output)
+    return found[-1][0] if found else 0
+
+
 def test_kill_9_at_random_moments_then_resume_matches_the_uninterrupted_run(
         tmp_path, tempera_cache, reference):
     config = write_config(tmp_path, tempera_cache, "run")
@@ -88,17 +93,25 @@ def test_kill_9_at_random_moments_then_resume_matches_the_uninterrupted_run(
     def writing_a_backup() -> bool:  # a hidden temporary folder: a backup is being written
         return backups.is_dir() and any(p.name.startswith(".") for p in backups.iterdir())
 
-    # 1st kill: while a later backup is being written (or as close as polling gets)
+    # 1st kill: while a later backup is being written (or as close as polling gets), and
+    # within the first half of the run, so that the resumed run has steps left to be killed in
     proc = start(config)
     assert wait_for(lambda: bool(list_backups(output)))
-    wait_for(writing_a_backup, timeout=60, every=0.0005)
+    wait_for(lambda: writing_a_backup() or latest_backup(output) >= STEPS // 2, every=0.0005)
     proc.kill()
     proc.wait()
-    # 2nd kill: at a random moment after the resumed run wrote a backup of its own
-    steps_before = list_backups(output)[-1][0]
+    # 2nd kill: at a random moment inside a step of the resumed run, with at least one more
+    # step to go. The moment is drawn in units of a step as measured on this machine: a fixed
+    # sleep let a fast machine finish the run before the kill.
+    steps_before = latest_backup(output)
+    assert steps_before <= STEPS // 2 + 1
+    target = rng.randint(steps_before + 2, STEPS - 2)
     proc = start(config, "--resume")
-    wait_for(lambda: list_backups(output)[-1][0] > steps_before)
-    time.sleep(rng.uniform(0.0, 0.5))
+    assert wait_for(lambda: latest_backup(output) >= target - 1)
+    seen = time.monotonic()
+    assert wait_for(lambda: latest_backup(output) >= target)
+    time.sleep(rng.uniform(0.0, time.monotonic() - seen))
+    assert proc.poll() is None, "the resumed run ended before it could be killed"
     proc.kill()
     proc.wait()
     assert record(output)["status"] == "running"  # what a killed process leaves behind
