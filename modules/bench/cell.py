@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import sys
 import time
@@ -32,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from modules.events import CompileEvent, NullCallbacks, Progress, TrainerCommands
+from modules.train.record import peak_memory
 from modules.util.errors import describe
 
 # After a compile, a CUDA-graph tree runs the new graph without a graph first (warm-up, in the
@@ -129,24 +129,6 @@ class StepTimer(NullCallbacks):
         else:
             later = [b - a for a, b in zip(self.stamps, self.stamps[1:])]
         return [first_step] + later
-
-
-def peak_memory(cuda: bool) -> dict[str, Any]:
-    """Peak memory of this process. On CUDA both the caching allocator's allocated and reserved
-    peaks (CUDA graphs keep private pools reserved that "allocated" does not show); the CPU has
-    no such counters, so there only the process's peak RSS is measured (RSS always included)."""
-    # ru_maxrss is KiB on Linux (bytes on macOS).
-    scale = 1 if sys.platform == "darwin" else 1024
-    memory: dict[str, Any] = {
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale,
-        "peak_allocated_bytes": None, "peak_reserved_bytes": None,
-        "memory_measured": "process peak RSS (CPU: no allocator counters)"}
-    if cuda:
-        import torch
-        memory.update(peak_allocated_bytes=int(torch.cuda.max_memory_allocated()),
-                      peak_reserved_bytes=int(torch.cuda.max_memory_reserved()),
-                      memory_measured="torch.cuda.max_memory_allocated / max_memory_reserved")
-    return memory
 
 
 def may_use_cudagraphs(config: Any, cuda: bool) -> bool:

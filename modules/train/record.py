@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import json
 import platform
+import resource
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +29,25 @@ def device_description(device) -> str:
     if device.type == "cuda":
         return f"cuda: {torch.cuda.get_device_name(device)}"
     return f"cpu: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+
+
+def peak_memory(cuda: bool) -> dict:
+    """Peak memory of this process so far. On CUDA both the caching allocator's allocated and
+    reserved peaks (CUDA graphs keep private pools reserved that "allocated" does not show);
+    the CPU has no such counters, so there only the process's peak RSS is measured (RSS is
+    always included)."""
+    # ru_maxrss is KiB on Linux (bytes on macOS).
+    scale = 1 if sys.platform == "darwin" else 1024
+    memory: dict = {
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale,
+        "peak_allocated_bytes": None, "peak_reserved_bytes": None,
+        "memory_measured": "process peak RSS (CPU: no allocator counters)"}
+    if cuda:
+        import torch
+        memory.update(peak_allocated_bytes=int(torch.cuda.max_memory_allocated()),
+                      peak_reserved_bytes=int(torch.cuda.max_memory_reserved()),
+                      memory_measured="torch.cuda.max_memory_allocated / max_memory_reserved")
+    return memory
 
 
 def read_run_status(output_dir: Path) -> str:

@@ -17,6 +17,7 @@ from modules.train.objectives import diffusion_mse, drop_captions, min_snr_weigh
 from modules.train.distributed import init_distributed
 from modules.train.history import record_compile_time
 from modules.train.prepare import PreparedRun, prepare_run
+from modules.train.record import peak_memory
 from modules.train.run import Run
 from modules.train.start import start_run
 from modules.train.builders import Draws, draw_randomness, latent_shape
@@ -66,7 +67,8 @@ def train(config: Config, callbacks: TrainerCallbacks | None = None,
     except Exception as exc:
         message = failure_message(exc, run.step) + backup_after_failure(run, exc)
         try:
-            run.record.write(status="failed", error=message)
+            run.record.write(status="failed", error=message,
+                             memory=peak_memory(run.device.type == "cuda"))
         except OSError as record_exc:  # a full disk: the message still reaches the user
             message += f"; run.json could not be updated ({describe(record_exc)})"
         callbacks.on_error(message)
@@ -216,7 +218,8 @@ def training_loop(run: Run, callbacks: TrainerCallbacks, commands: TrainerComman
     run.record.write(status=status, compile=run.guard.report(),
                      skipped_steps=state.skipped_steps,
                      batch_shapes=run.shape_log.report(run.recompiles()),
-                     distributed=run.distributed_summary())
+                     distributed=run.distributed_summary(),
+                     memory=peak_memory(run.device.type == "cuda"))
     hint = RESUME_HINT.format(output=run.output_dir) if status == "stopped" else ""
     callbacks.on_status(f"{status}: {run.step} steps, outputs in {run.output_dir}{hint}")
     return RunResult(status, run.step, run.output_dir, dict(run.record.data))

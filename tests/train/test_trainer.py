@@ -75,6 +75,10 @@ def test_run_record_and_resolved_config(tiny_config):
     assert record["device"].startswith("cpu")
     assert record["dataset"]["images"] == 48
     assert set(record["compile"]) == {"unet", "text_encoder", "vae"}
+    # The CPU has no allocator counters: the process's peak RSS stands in, and says so.
+    memory = record["memory"]
+    assert memory["peak_rss_bytes"] > 50 * 2**20 and memory["peak_reserved_bytes"] is None
+    assert "RSS" in memory["memory_measured"]
     for path in record["output_files"]:
         assert Path(path).exists(), path
     assert (result.output_dir / "checkpoints" / "step-000002" /
@@ -215,6 +219,7 @@ def test_failure_mid_run_keeps_earlier_checkpoints(tiny_config, monkeypatch):
     out = Path(config.output.dir)
     record = json.loads((out / "run.json").read_text())
     assert record["status"] == "failed" and "step 3" in record["error"]
+    assert record["memory"]["peak_rss_bytes"] > 0  # what the failed run had reached
     assert (out / "checkpoints" / "step-000002" / "pytorch_lora_weights.safetensors").is_file()
     assert callbacks.errors and "simulated out of memory" in callbacks.errors[0]
 
