@@ -1,0 +1,138 @@
+"""``scripts/gpu_validate.py``: one GPU validation phase per command, ``--list``, ``merge``.
+
+    python scripts/gpu_validate.py --list
+    python scripts/gpu_validate.py 2 --out "$OUT"               # on the GPU machine
+    python scripts/gpu_validate.py 2 --device cpu --tiny --out x  # the rehearsal here
+    python scripts/gpu_validate.py merge PATH [PATH ...]          # fold returned phases in docs/
+
+docs/gpu.md has the exact commands for the lent machine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from modules.bench.gpu_validate import REPO, Context
+
+DEFAULT_WORK = Path("/tmp/tempera-gpu-work")
+DEFAULT_BUDGET = 540.0  # the lending machine kills a command at 600 s
+
+
+def _csv(text: str) -> tuple[str, ...]:
+    return tuple(part.strip().upper() for part in text.split(",") if part.strip())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="gpu_validate.py", description="GPU validation: one phase per command, each "
+        "ending by itself inside its budget and writing what it has as it goes.")
+    p.add_argument("phase", nargs="?", help="a phase (number or name; see --list), or 'merge'")
+    p.add_argument("paths", nargs="*", type=Path, help="merge: returned output folders")
+    p.add_argument("--list", action="store_true", help="the phases, expected minutes, results")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--tiny", action="store_true",
+                   help="the built-in tiny models and short runs (the CPU rehearsal)")
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "gpu-out"),
+                   help="what comes back: at most 8 files (default $OUT, else ./gpu-out)")
+    p.add_argument("--work", type=Path, default=DEFAULT_WORK,
+                   help=f"models, runs and compile caches (default {DEFAULT_WORK}: on a warm "
+                        "machine the next phase finds them)")
+    p.add_argument("--budget", type=float, default=DEFAULT_BUDGET,
+                   help=f"seconds the whole phase may take (default {DEFAULT_BUDGET:.0f})")
+    p.add_argument("--parallel", type=int,
+                   help="runs side by side in a group (default 6 on CUDA, 1 on the CPU)")
+    p.add_argument("--backends", type=_csv,
+                   help="comma list: run only the jobs of these backends (others: not started)")
+    p.add_argument("--cache-from", type=Path, metavar="FOLDER",
+                   help="a folder with a previous phase's compile-cache.tar.part* files")
+    p.add_argument("--docs", type=Path, default=REPO / "docs", help="merge: the docs folder")
+    p.add_argument("--allow-rehearsal", action="store_true",
+                   help="merge: accept CPU / --tiny results (tests only)")
+    return p
+
+
+def list_phases(docs: Path) -> str:
+    from modules.bench.gpu_phases import PHASES
+
+    lines = []
+    for phase in PHASES:
+        result = docs / "benchmarks" / "gpu" / f"{phase.key}.json"
+        if result.is_file():
+            data = json.loads(result.read_text(encoding="utf-8"))
+            done = sum(1 for r in data["jobs"] if r["status"] == "ok")
+            have = (f"results: {data['machine'].get('date', '?')[:10]} on "
+                    f"{data['machine'].get('cuda_device') or 'CPU'} ({done}/{len(data['jobs'])} "
+                    "jobs ok)")
+        else:
+            have = "no results yet"
+        lines.append(f"{phase.key:<13} ~{phase.minutes:g} min  {phase.answers}\n"
+                     f"{'':<13} {have}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.list:
+        print(list_phases(args.docs))
+        return 0
+    if not args.phase:
+        build_parser().print_usage(sys.stderr)
+        print("error: name a phase (see --list) or 'merge'", file=sys.stderr)
+        return 2
+    if args.phase == "merge":
+        return merge(args)
+    return run(args)
+
+
+def merge(args: argparse.Namespace) -> int:
+    from modules.bench.gpu_report import merge_results
+
+    if not args.paths:
+        print("error: merge needs the returned output folder(s)", file=sys.stderr)
+        return 2
+    try:
+        written = merge_results(args.paths, args.docs, allow_rehearsal=args.allow_rehearsal)
+    except (OSError, ValueError, KeyError) as err:
+        print(f"error: merge: {err}", file=sys.stderr)
+        return 2
+    print("wrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    from modules.bench.gpu_jobs import KINDS
+    from modules.bench.gpu_phases import find_phase, phase_jobs
+    from modules.bench.gpu_report import summary_markdown
+    from modules.bench.gpu_validate import run_phase, summary_data, unpack_cache
+
+    try:
+        phase = find_phase(args.phase)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            print("error: no CUDA GPU here; rehearse with --device cpu --tiny", file=sys.stderr)
+            return 2
+    if args.cache_from:
+        try:
+            files = unpack_cache(args.cache_from, args.work)
+        except (OSError, ValueError) as err:
+            print(f"error: --cache-from: {err}", file=sys.stderr)
+            return 2
+        print(f"compile cache from {args.cache_from}: {files} files")
+    parallel = args.parallel or (6 if args.device == "cuda" else 1)
+    if phase.max_parallel:
+        parallel = min(parallel, phase.max_parallel)
+    ctx = Context(phase=phase.key, device=args.device, tiny=args.tiny, out=args.out,
+                  work=args.work, budget_s=args.budget, parallel=parallel,
+                  backends=args.backends)
+    print(f"phase {phase.key}: {phase.answers} (budget {args.budget:.0f} s)", flush=True)
+    run_phase(ctx, phase_jobs(phase, args.tiny), KINDS,
+              print_line=lambda line: print(line, flush=True))
+    print(summary_markdown(summary_data(ctx, final=True)))
+    return 0
