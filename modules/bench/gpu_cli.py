@@ -105,8 +105,7 @@ def merge(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     from modules.bench.gpu_jobs import KINDS
     from modules.bench.gpu_phases import find_phase, phase_jobs
-    from modules.bench.gpu_report import summary_markdown
-    from modules.bench.gpu_validate import run_phase, summary_data, unpack_cache
+    from modules.bench.gpu_validate import run_phase, unpack_cache
 
     try:
         phase = find_phase(args.phase)
@@ -134,5 +133,5 @@ def run(args: argparse.Namespace) -> int:
     print(f"phase {phase.key}: {phase.answers} (budget {args.budget:.0f} s)", flush=True)
     run_phase(ctx, phase_jobs(phase, args.tiny), KINDS,
               print_line=lambda line: print(line, flush=True))
-    print(summary_markdown(summary_data(ctx, final=True)))
+    print((ctx.out / "summary.md").read_text(encoding="utf-8"))  # the table, printed last
     return 0

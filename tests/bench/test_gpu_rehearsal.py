@@ -1,0 +1,142 @@
+"""Every GPU validation phase end to end on the CPU with the tiny models (``--device cpu
+--tiny``), through the script as the GPU machine runs it: so the script cannot rot between the
+rare sessions that are lent a GPU. Eager and AOT_EAGER here (inductor costs about a minute per
+graph on this CPU); one inductor-marked test checks a compiled run's LoRA and the warm cache."""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from modules.bench.gpu_phases import PHASES
+from modules.bench.gpu_report import merge_results
+
+REPO = Path(__file__).resolve().parents[2]
+# Why a job may be left out of a rehearsal; anything else not started is a defect.
+LEFT_OUT = re.compile(r"backend \w+ not in --backends|needs a CUDA GPU|"
+                      r"needs [\w-]+, which ended not started")
+
+
+def run_phase(phase: str, out: Path, work: Path, backends: str) -> dict:
+    done = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "gpu_validate.py"), phase, "--device", "cpu",
+         "--tiny", "--backends", backends, "--out", str(out), "--work", str(work)],
+        cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert done.stdout.rstrip().endswith((out / "summary.md").read_text().rstrip()[-200:])
+    return summary
+
+
+@pytest.fixture(scope="module")
+def phases(tmp_path_factory):
+    """All six phases, one after another on one work folder (as on a warm GPU machine)."""
+    root = tmp_path_factory.mktemp("gpu-rehearsal")
+    results = {}
+    for phase in PHASES:
+        out = root / "out" / phase.key
+        results[phase.key] = (run_phase(phase.key, out, root / "work", "NONE,AOT_EAGER"), out)
+    return results
+
+
+def rows(summary: dict) -> dict[str, dict]:
+    return {r["job"]: r for r in summary["jobs"]}
+
+
+def test_every_phase_completes_with_no_failed_job_and_at_most_8_files(phases):
+    for key, (summary, out) in phases.items():
+        assert summary["complete"] and summary["tiny"] and summary["device"] == "cpu"
+        assert len(list(out.iterdir())) <= 8, key
+        for row in summary["jobs"]:
+            if row["status"] == "not started":
+                assert LEFT_OUT.fullmatch(row["error"]), (key, row)
+            else:
+                assert row["status"] == "ok", (key, row)
+        assert any(r["status"] == "ok" for r in summary["jobs"]), key
+
+
+def test_phase_1_reports_the_backends_and_runs_the_cuda_tests(phases):
+    jobs = rows(phases["1-env"][0])
+    assert jobs["env"]["backends"]["TRITON"].startswith("TRITON needs a CUDA GPU")
+    assert jobs["env"]["backends"]["AOT_EAGER"] == "runs"
+    tests = jobs["tests-gpu"]
+    assert tests["failed"] == 0 and tests["skipped"] >= 9  # skipped without CUDA, and said so
+
+
+def test_phase_2_trains_through_train_py_and_its_loras_load_in_diffusers(phases):
+    summary, out = phases["2-sd15"]
+    jobs = rows(summary)
+    for name, backend in (("none", None), ("aot_eager", "AOT_EAGER")):
+        run = jobs[f"train-sd15-{name}"]
+        assert run["steps_done"] == 4 and run["recompiles_after_first_pass"] == 0
+        assert run["peak_rss_bytes"] > 0 and run["median_step_seconds"] > 0
+        assert (run["effective"] == {"unet": backend} if backend else run["effective"] == {})
+        lora = jobs[f"lora-sd15-{name}"]
+        assert set(lora["files"]) == {"pytorch_lora_weights.safetensors",
+                                      "lora_kohya.safetensors"}
+        for loaded in lora["files"].values():
+            assert loaded["adapters"] and loaded["finite"] and loaded["mean_abs_change"] > 0
+    names = tarfile.open(out / "runs.tar.gz").getnames()
+    assert "train-sd15-aot_eager/out/run.json" in names
+    assert "lora-sd15-none/lora.json" in names and "train-sd15-none/log-tail.txt" in names
+
+
+def test_phase_3_times_each_backend_alone_on_phase_2s_cache(phases):
+    jobs = rows(phases["3-sd15-warm"][0])
+    compiled = jobs["cell-sd15-aot_eager"]
+    assert compiled["warm_cache_found"] and compiled["compare_with"] == "cell-sd15-none"
+    assert compiled["median_step_seconds"] > 0 and compiled["effective"] == {"unet": "AOT_EAGER"}
+    assert jobs["cell-sd15-none"]["timed_steps"]
+    assert jobs["cell-sd15-channels-last-none"]["status"] == "ok"
+
+
+def test_phase_4_trains_sdxl_and_leaves_fp16_to_cuda(phases):
+    jobs = rows(phases["4-sdxl"][0])
+    assert jobs["train-sdxl-none"]["steps_done"] == 4
+    assert jobs["train-sdxl-fp16"]["error"] == "needs a CUDA GPU"
+    assert jobs["lora-sdxl-none"]["status"] == "ok"
+
+
+def test_phases_5_and_6_run_fine_tunes_and_batch_sizes(phases):
+    more = rows(phases["5-sd15-more"][0])
+    assert more["cell-sd15-finetune-none"]["status"] == "ok"
+    assert more["cell-sd15-batch1-none"]["status"] == more["cell-sd15-batch4-none"]["status"] \
+        == "ok"
+    rest = rows(phases["6-rest"][0])
+    assert rest["train-sdxl-finetune"]["steps_done"] == 4
+
+
+def test_merge_folds_the_rehearsal_into_a_docs_copy(phases, tmp_path):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    shutil.copyfile(REPO / "docs" / "benchmarks.md", docs / "benchmarks.md")
+    merge_results([out for _, out in phases.values()], docs, allow_rehearsal=True)
+    page = (docs / "benchmarks.md").read_text()
+    for phase in PHASES:
+        assert f"### Phase {phase.key} (tiny rehearsal)" in page
+    assert "| cell-sd15-aot_eager | ok | warm" in page
+    assert (docs / "images" / "gpu-validate.png").is_file()
+
+
+@pytest.mark.inductor
+def test_a_compiled_runs_lora_loads_and_phase_3_starts_from_its_cache(tmp_path):
+    """INDUCTOR through train.py on the tiny model, its LoRA into diffusers, then the timed
+    cell on the cache the run filled: the cache must be hit (a warm start)."""
+    work = tmp_path / "work"
+    trained = rows(run_phase("2", tmp_path / "out2", work, "INDUCTOR"))
+    run = trained["train-sd15-inductor"]
+    assert run["status"] == "ok" and run["effective"] == {"unet": "INDUCTOR"}
+    assert run["compiled_code_ran"] and run["recompiles_after_first_pass"] == 0
+    lora = trained["lora-sd15-inductor"]
+    assert lora["status"] == "ok", lora
+    assert all(f["mean_abs_change"] > 0 for f in lora["files"].values())
+    warm = rows(run_phase("3", tmp_path / "out3", work, "INDUCTOR"))["cell-sd15-inductor"]
+    assert warm["status"] == "ok" and warm["warm_cache_found"]
+    assert "hit" in warm["cache"], warm
+    assert warm["compile_seconds"] < run["compile_seconds"]
