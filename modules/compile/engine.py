@@ -4,8 +4,10 @@ Compilation is lazy: ``torch.compile`` returns at once and the real work (and mo
 happen inside a forward or backward, at the first step and again whenever a new shape, a new
 bucket or a short last batch makes dynamo compile. So the trainer runs every micro-step of an
 optimizer step through a `GuardedWindow`. A call is guarded when a compile happened during it,
-or when a compiled component is still in its first calls after a compile (CUDA graphs warm up
-and record there). A failure in a guarded call moves the failing component one backend down the
+when a compiled component is still in its first calls after a compile (CUDA graphs warm up
+and record there), or when its batch shape is in its first calls since the compiled code was
+built: CUDA graph trees record one graph per shape, on the second call at that shape, without
+any dynamo compile (dynamic sizes). A failure in a guarded call moves the failing component one backend down the
 chain (TRITON -> INDUCTOR -> DEFAULT -> AOT_EAGER -> NONE), resets the gradients to their state
 at the window's start (clear: the optimizer has just zeroed them) and the random state, and
 replays every micro-step of the window with the same batches and pre-drawn noise. Nothing is
@@ -13,12 +15,14 @@ copied, no step is lost and none is counted twice, because the trainer calls
 ``optimizer.step()`` only after the window's last micro-step returned.
 
 An out-of-memory error is not a compile failure: it propagates unchanged unless it was raised
-while compiling (autotuning, for example).
+while compiling (autotuning, for example), or while a CUDA-graphed component may be recording
+(its graph pools hold memory of their own, which the next backend down does not need). Before
+the retry, the failed attempt's cached GPU memory is released (`release_device_memory`).
 """
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -37,7 +41,8 @@ from modules.compile.regions import REPEATED_BLOCKS, compile_targets
 from modules.compile.tracking import CompileTracker, ComponentStats, TrackedCall
 from modules.config.schema import CompileBackend, CompileConfig, CompileScope
 from modules.events import CompileEvent, NullCallbacks, TrainerCallbacks
-from modules.util.errors import first_line, is_out_of_memory
+from modules.util.errors import describe, first_line, is_out_of_memory
+from modules.util.memory import release_device_memory
 
 T = TypeVar("T")
 INDUCTOR_FAMILY = {CompileBackend.DEFAULT, CompileBackend.INDUCTOR, CompileBackend.TRITON}
@@ -112,6 +117,10 @@ class CompileEngine:
         self.params = list(trainable_params)
         self.calls = 0                      # successful guarded calls, all windows together
         self._new_shape = False             # the call in flight trains a shape not seen before
+        self._shape_warming = False         # ... or one still in its first calls (see _begin_call)
+        # successful calls per batch shape since the compiled code was last built (a fallback
+        # rebuilds it: every shape compiles and records again)
+        self._shape_calls: dict[Hashable, int] = {}
         self._late_recompiles: dict[str, int] = {}
         self._restore: list[Callable[[], None]] = []
         self._applied = False
@@ -243,15 +252,20 @@ class CompileEngine:
             self.tracker.paused = paused
 
     def _suspects(self, compiled_during: set[str]) -> list[_Component]:
-        """The compiled components a failure in this call may come from."""
+        """The compiled components a failure in this call may come from: those that compiled
+        during it, are in their first calls after a compile, or see a batch shape still in its
+        first calls (where CUDA graphs warm up and record, with no compile to tell)."""
         return [c for c in self.components.values() if c.plan.compiled
-                and (c.name in compiled_during or c.quiet_calls < self.probation_steps)]
+                and (c.name in compiled_during or c.quiet_calls < self.probation_steps
+                     or self._shape_warming)]
 
     def _failing(self, err: Exception, compiled_during: set[str]) -> list[_Component]:
         """The component(s) to fall back for ``err``; empty when it is not a compile failure."""
-        if is_out_of_memory(err) and not self.tracker.raised_while_compiling(err):
-            return []
         suspects = self._suspects(compiled_during)
+        if is_out_of_memory(err) and not self.tracker.raised_while_compiling(err):
+            # Only a CUDA graph's recording may have caused it: the next backend down has no
+            # graph pools. Any other out-of-memory would happen on every backend.
+            return [c for c in suspects if c.plan.cudagraphs]
         named = [c for c in suspects if c.name == self.tracker.last_failure]
         return named or suspects
 
@@ -260,10 +274,11 @@ class CompileEngine:
         return (f"compiling {names} failed and compile.strict is on: "
                 f"{type(err).__name__}: {first_line(err)}")
 
-    def _fall_back(self, failing: list[_Component], err: Exception) -> None:
+    def _fall_back(self, failing: list[_Component], reason: str) -> None:
+        """Move ``failing`` one backend down; ``reason`` is the failure as one line (the caller
+        holds no reference to the exception any more, so its tensors can be freed here)."""
         import torch._dynamo
 
-        reason = f"{type(err).__name__}: {first_line(err)}"
         for comp in self.components.values():
             self._undo_component(comp)
         for comp in failing:
@@ -276,14 +291,20 @@ class CompileEngine:
             self._emit(comp, f"{comp.label}: {old.value} failed ({reason}); "
                              f"falling back to {new.value}", kind="fallback")
         # Drop every compiled frame and guard so the retry compiles from scratch.
-        torch._dynamo.reset()
+        torch._dynamo.reset()  # frees the compiled code and its CUDA graph pools too
         self.tracker.after_dynamo_reset()
+        self._shape_calls.clear()  # every shape compiles (and records) again on the new backend
+        release_device_memory()
         for comp in self.components.values():
             self._apply_component(comp)
 
-    def _begin_call(self, new_shape: bool) -> dict[str, int]:
+    def _begin_call(self, shape: Hashable | None) -> dict[str, int]:
         self.tracker.last_failure = None
-        self._new_shape = new_shape
+        seen = -1 if shape is None else self._shape_calls.get(shape, 0)
+        self._new_shape = seen == 0
+        # Cudagraph trees warm a new shape up on its first call and record it on the second;
+        # the first replay after that is the first call that neither compiles nor records.
+        self._shape_warming = 0 <= seen < self.probation_steps
         if self.cudagraphs:
             # Each micro-step is a new CUDA-graph generation: outputs of the previous one may
             # be overwritten from here on (the trainer keeps none of them).
@@ -294,9 +315,11 @@ class CompileEngine:
         after = self.tracker.compile_counts()
         return {name for name, count in after.items() if count != before.get(name, 0)}
 
-    def _after_success(self, compiled_during: set[str]) -> None:
+    def _after_success(self, compiled_during: set[str], shape: Hashable | None) -> None:
         self.calls += 1
-        self._new_shape = False
+        self._new_shape = self._shape_warming = False
+        if shape is not None:
+            self._shape_calls[shape] = self._shape_calls.get(shape, 0) + 1
         for comp in self.components.values():
             if not comp.plan.compiled:
                 continue
@@ -419,13 +442,15 @@ class GuardedWindow:
             raise RuntimeError("a guarded window must start with clear gradients "
                                "(optimizer.zero_grad(set_to_none=True) first)")
 
-    def run(self, step_fn: Callable[[], T], *, new_shape: bool = False) -> T:
-        """Run ``step_fn`` guarded; ``new_shape`` says its batch has a shape not trained yet."""
+    def run(self, step_fn: Callable[[], T], *, shape: Hashable | None = None) -> T:
+        """Run ``step_fn`` guarded. ``shape`` is its batch's shape (any hashable key, e.g.
+        (batch, height, width)): the first calls at each shape are guarded, because compiled
+        code may compile or record a CUDA graph for it there. None: the caller cannot say."""
         engine = self.engine
         self.steps.append(step_fn)
         pending = [step_fn]
         while True:
-            before = engine._begin_call(new_shape)
+            before = engine._begin_call(shape)
             try:
                 outputs = [fn() for fn in pending]
             except Exception as err:
@@ -435,13 +460,17 @@ class GuardedWindow:
                     raise
                 if engine.config.strict:
                     raise CompileError(engine._strict_message(failing, err)) from err
-                self._reset()
-                engine._fall_back(failing, err)
-                pending, self.results = list(self.steps), []
-                continue
-            engine._after_success(engine._compiled_since(before))
-            self.results.extend(outputs)
-            return outputs[-1]
+                reason = describe(err)
+            else:
+                engine._after_success(engine._compiled_since(before), shape)
+                self.results.extend(outputs)
+                return outputs[-1]
+            # Past the except block Python has dropped `err`: its traceback's frames held the
+            # failed attempt's activations, which must be free before memory is released.
+            self.results = []
+            self._reset()
+            engine._fall_back(failing, reason)
+            pending = list(self.steps)
 
     def _reset(self) -> None:
         """Gradients and random state back to the window's start, without copying anything."""

@@ -164,8 +164,11 @@ class CompileTracker:
 
     def after_dynamo_reset(self) -> None:
         """``torch._dynamo.reset()`` restarts compile ids, clears guard failures and removes
-        every compile callback (``callback_handler.clear()``), so ours are registered again."""
+        every compile callback (``callback_handler.clear()``), so ours are registered again.
+        The compile errors kept for `raised_while_compiling` are let go: their tracebacks hold
+        the failed compile's inputs, which a retry needs the memory of."""
         self._compile_ids.clear()
+        self._compile_errors = []
         if self._installed:
             self._installed = False
             self.install()

@@ -22,10 +22,6 @@ class BatchShapeLog:
     first_pass_micro_steps: int = 0
     recompiles_in_first_pass: int = 0
 
-    def is_new(self, shape: Shape) -> bool:
-        """Whether no micro-step has trained on ``shape`` yet (a compile there is expected)."""
-        return shape not in self.shapes
-
     def add(self, shape: Shape, recompiles: Callable[[], int]) -> None:
         """Count one finished micro-step on `shape`; `recompiles()` is the run's total so far
         (read only when the shape is new)."""

@@ -175,8 +175,7 @@ def training_loop(run: Run, callbacks: TrainerCallbacks, commands: TrainerComman
         if window is None:  # a compile failure replays the whole window
             window = run.guard.window()
         with run.gradient_sync(closes_window):
-            window.run(functools.partial(micro_step, run, batch, draws),
-                       new_shape=run.shape_log.is_new(pixel_shape))
+            window.run(functools.partial(micro_step, run, batch, draws), shape=pixel_shape)
         run.shape_log.add(pixel_shape, run.recompiles)
         if not closes_window:
             continue

@@ -1,7 +1,7 @@
 """Dynamo backends that fail on purpose, for the compile-fallback tests (CPU and GPU)."""
 from __future__ import annotations
 
-_COUNTERS: dict[str, dict[str, int]] = {}
+_COUNTERS: dict[str, dict] = {}  # per backend name: its counter or state
 
 
 def register_failing_after_first(name: str, message: str) -> dict[str, int]:
@@ -23,3 +23,34 @@ def register_failing_after_first(name: str, message: str) -> dict[str, int]:
     if name not in torch._dynamo.list_backends(exclude_tags=None):
         torch._dynamo.register_backend(compiler_fn=second_fails, name=name)
     return compiles
+
+
+def register_recording_backend(name: str) -> dict:
+    """Register backend `name`, a stand-in for CUDA graph trees on the CPU: its compiled code
+    runs eagerly, and it "records" each input shape at the second call there (trees warm a new
+    shape up first), with no dynamo compile when sizes are dynamic. Recording any shape but the
+    first raises ``state["error"]()`` (a capture error or an out-of-memory). Returns the state;
+    reset it with ``state["recorded"].clear()`` and ``state["calls"].clear()``."""
+    import torch
+    import torch._dynamo
+
+    if name in _COUNTERS:
+        return _COUNTERS[name]
+    state: dict = {"calls": {}, "recorded": [],
+                   "error": lambda: RuntimeError("CUDA error: operation failed during capture")}
+    _COUNTERS[name] = state
+
+    def recording(gm, example_inputs, options=None):
+        def run(*args):
+            shape = tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in args)
+            calls = state["calls"][shape] = state["calls"].get(shape, 0) + 1
+            if calls == 2:
+                if state["recorded"]:
+                    raise state["error"]()
+                state["recorded"].append(shape)
+            return gm.forward(*args)
+        return run
+
+    if name not in torch._dynamo.list_backends(exclude_tags=None):
+        torch._dynamo.register_backend(compiler_fn=recording, name=name)
+    return state

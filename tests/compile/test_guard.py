@@ -1,6 +1,9 @@
 """The guard: compile failures at any step fall back and replay the window; nothing is copied;
-out-of-memory is not a compile failure; sampling bypasses compiled code."""
+out-of-memory is not a compile failure (unless compiling or recording a CUDA graph); a new
+batch shape is guarded through its first calls; sampling bypasses compiled code."""
 from __future__ import annotations
+
+import weakref
 
 import pytest
 import torch
@@ -10,12 +13,13 @@ from modules.compile import BACKENDS, Capabilities, CompileEngine
 from modules.compile.backends import BackendRow
 from modules.config.schema import CompileBackend, CompileConfig, CompileScope, DynamicShapes
 from modules.events import RecordingCallbacks
-from tests.compile.failing_backends import register_failing_after_first
+from tests.compile.failing_backends import register_failing_after_first, register_recording_backend
 
 GPU = Capabilities.everything("cuda")
 
 SECOND_COMPILE_FAILS = "tempera_test_second_compile_fails"
 OOM_WHILE_COMPILING = "tempera_test_oom_while_compiling"
+RECORDS_PER_SHAPE = "tempera_test_records_per_shape"
 
 
 @pytest.fixture(scope="module")
@@ -234,7 +238,149 @@ def test_a_recompile_for_a_new_shape_is_expected_not_warned(mlp, step):
     engine = static_aot_engine(model, callbacks)
     for batch in (2, 2, 3, 5):
         fn = step(model, batch)
-        engine.window().run(fn, new_shape=batch != 2)
+        engine.window().run(fn, shape=batch)
     assert engine.report()["unet"]["recompiles"] >= 2
     assert engine.report()["unet"]["late_recompiles"] == 0
     assert not any(e.kind in ("recompile", "warning") for e in callbacks.compile_events)
+
+
+# -- CUDA graphs recorded for a new batch shape, long after the first steps -----------------------
+@pytest.fixture
+def recording_backend():
+    state = register_recording_backend(RECORDS_PER_SHAPE)
+    state["calls"].clear()
+    state["recorded"].clear()
+    return state
+
+
+def recording_engine(model, callbacks=None) -> CompileEngine:
+    """TRITON (CUDA graphs on, a GPU forced) runs the recording stand-in with dynamic sizes, so a
+    new batch size compiles nothing; INDUCTOR below it is aot_eager."""
+    rows = {**BACKENDS,
+            CompileBackend.TRITON: BackendRow(RECORDS_PER_SHAPE, inductor=True,
+                                              options={"triton.cudagraphs": True}),
+            CompileBackend.INDUCTOR: BackendRow("aot_eager", inductor=False)}
+    engine = CompileEngine(CompileConfig(backend=CompileBackend.TRITON,
+                                         dynamic=DynamicShapes.DYNAMIC),
+                           {"unet": model}, callbacks=callbacks, capabilities=GPU, table=rows)
+    engine.apply()
+    assert engine.cudagraphs
+    return engine
+
+
+def train_batches(model, batch_sizes, engine=None):
+    """One SGD step per batch size (the Mlp), each passing its shape to the guard; returns the
+    losses and final weights."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(3)
+    losses = []
+    for batch in batch_sizes:
+        x = torch.randn(batch, 4, generator=gen)
+
+        def step(x=x):
+            loss = model(x).square().mean()
+            loss.backward()
+            return loss.detach()
+        losses.append(float(engine.window().run(step, shape=tuple(x.shape)) if engine
+                            else step()))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+# The short batch (5) first comes at the 6th step, long after the first calls; the stand-in
+# records it at its second call, the 8th step, where nothing compiles. (Not 4: dynamo would
+# duck-size it with the Mlp's 4 features and specialize it.)
+LATE_SHORT_BATCH = [6, 6, 6, 6, 6, 5, 6, 5, 6]
+
+
+@pytest.mark.parametrize("error", [
+    lambda: RuntimeError("CUDA error: operation failed during capture"),
+    lambda: torch.OutOfMemoryError("CUDA out of memory while recording a CUDA graph")],
+    ids=["capture error", "out of memory"])
+def test_a_cuda_graph_recorded_late_for_a_new_batch_size_is_guarded(mlp, recording_backend,
+                                                                    error):
+    recording_backend["error"] = error
+    eager, eager_weights = train_batches(mlp(), LATE_SHORT_BATCH)
+    model = mlp()
+    engine = recording_engine(model)
+    losses, weights = train_batches(model, LATE_SHORT_BATCH, engine)
+    report = engine.report()["unet"]
+    assert [(f["from"], f["to"]) for f in report["fallbacks"]] == [("TRITON", "INDUCTOR")]
+    assert len(recording_backend["recorded"]) == 1  # the second recording failed
+    assert report["recompiles"] == 0  # one dynamic graph: no compile told the guard
+    assert losses == pytest.approx(eager, rel=1e-6)
+    for got, want in zip(weights, eager_weights):
+        assert torch.allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_an_out_of_memory_once_every_shape_is_recorded_is_not_a_compile_failure(
+        mlp, recording_backend):
+    model = mlp()
+    engine = recording_engine(model)
+    train_batches(model, [6, 6, 6, 6], engine)
+    oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+    with pytest.raises(torch.OutOfMemoryError):
+        engine.window().run(lambda: (model(torch.ones(6, 4)), (_ for _ in ()).throw(oom)),
+                            shape=(6, 4))
+    assert engine.report()["unet"]["fallbacks"] == []
+
+
+# -- memory released between a failed attempt and its retry -------------------------------------
+def test_device_memory_is_released_once_before_the_retry_with_the_failure_let_go(
+        make_unet, late_failing_backends, monkeypatch):
+    import modules.compile.engine as engine_module
+
+    events: list[str] = []
+    failed_attempt: list[weakref.ref] = []
+
+    def release():
+        import gc
+        gc.collect()
+        events.append("release")
+        # nothing of the failed attempt may still be reachable (the exception's traceback)
+        assert all(ref() is None for ref in failed_attempt), "the failed attempt is still held"
+
+    monkeypatch.setattr(engine_module, "release_device_memory", release)
+    unet = make_unet()
+    engine = CompileEngine(static_triton(), {"unet": unet}, capabilities=GPU,
+                           table=table(OOM_WHILE_COMPILING))
+    engine.apply()
+    latents, noise, timesteps, text = micro_batches([8], accumulation=1)[0][0]
+
+    def step():
+        events.append("step")
+        activations = torch.ones(64, 64)  # stands for what the failed attempt allocated
+        if not failed_attempt:
+            failed_attempt.append(weakref.ref(activations))
+        loss = F.mse_loss(unet(latents + noise, timesteps, text).sample, noise)
+        loss.backward()
+        return loss.detach()
+
+    engine.window().run(step, shape=(2, 8, 8))
+    assert "out of memory" in engine.report()["unet"]["fallbacks"][0]["reason"]
+    assert events == ["step", "release", "step"]
+
+
+def test_release_device_memory_collects_before_it_empties_the_cache(monkeypatch):
+    import gc
+
+    from modules.util import memory
+
+    class Cycle:
+        pass
+
+    held = Cycle()
+    held.self = held  # freed only by the garbage collector
+    held.tensor = torch.ones(8)
+    alive = weakref.ref(held)
+    del held
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(alive() is None))
+    gc.disable()  # no automatic collection may do release_device_memory's work for it
+    try:
+        memory.release_device_memory()
+    finally:
+        gc.enable()
+    assert emptied == [True]
