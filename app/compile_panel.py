@@ -26,7 +26,7 @@ DETAILS = ("compile.scope", "compile.mode", "compile.dynamic", "compile.fullgrap
 PLACED = {"compile.backend", *(p for p, _ in COMPONENT_TOGGLES), *DETAILS}
 # Settings a compilation check depends on: changing one makes its report outdated.
 CHECKED_SETTINGS = ("compile.", "model.", "components.", "data.resolution", "general.device",
-                    "training.method", "training.mixed_precision")
+                    "training.method", "training.mixed_precision", "training.channels_last")
 
 
 def cuda_available() -> bool:

@@ -219,6 +219,13 @@ class TrainingConfig:
                                          help="Forward passes summed into one optimizer step.")
     gradient_checkpointing: bool = setting(False, label="Gradient checkpointing", group="Training",
                                            help="Recompute activations in backward to save memory.")
+    channels_last: bool = setting(False, label="Channels-last UNet", group="Training",
+                                  advanced=True,
+                                  help="Store the denoiser (UNet) weights and its activations in "
+                                       "channels-last memory layout, which can speed up "
+                                       "convolutions on NVIDIA tensor cores. Same results; off "
+                                       "by default until docs/benchmarks.md shows it pays on a "
+                                       "GPU.")
     mixed_precision: MixedPrecision = setting(MixedPrecision.NO, label="Mixed precision",
                                               group="Training",
                                               help="Autocast the forward pass to FP16 or BF16.")

@@ -20,6 +20,7 @@ from modules.paths import cache_dir_for
 from modules.train.builders import pick_device
 from modules.train.inputs import check_inputs
 from modules.train.prepare import load_bundle
+from modules.train.weights import apply_unet_memory_format, unet_memory_format
 
 
 def _example_inputs(bundle, config: Config, device: torch.device) -> dict[str, tuple]:
@@ -27,7 +28,8 @@ def _example_inputs(bundle, config: Config, device: torch.device) -> dict[str, t
     res = config.data.resolution
     factor = bundle.latent_downscale
     latents = torch.randn(1, bundle.vae.config.latent_channels, res // factor, res // factor,
-                          device=device, dtype=bundle.unet.dtype)
+                          device=device, dtype=bundle.unet.dtype).contiguous(
+        memory_format=unet_memory_format(config))  # as the training step hands it over
     with torch.no_grad():
         hidden, pooled = encode_text(bundle, ["a photo"], device)
     sizes = {"original_size": [(res, res)], "crop_top_left": [(0, 0)], "target_size": [(res, res)]}
@@ -54,6 +56,7 @@ def explain_config(config: Config) -> dict[str, Any]:
     bundle = load_bundle(path, config)  # the loading training does (a single file included)
     for module in bundle.components().values():
         module.to(device).eval()
+    apply_unet_memory_format(bundle, config)  # the layout training compiles with
     examples = _example_inputs(bundle, config, device)
     selected = {name: examples[name] for name in ("unet", "text_encoder", "vae")
                 if getattr(config.compile, name)}

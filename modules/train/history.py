@@ -37,7 +37,8 @@ def compile_key(config: Config, device_type: str) -> str:
              "compile": data["compile"], "components": data["components"],
              "method": data["training"]["method"], "resolution": data["data"]["resolution"],
              "buckets": data["data"]["aspect_buckets"], "checkpointing":
-             data["training"]["gradient_checkpointing"], "device": device_type,
+             data["training"]["gradient_checkpointing"],
+             "channels_last": data["training"]["channels_last"], "device": device_type,
              "torch": torch.__version__}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 

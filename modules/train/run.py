@@ -109,6 +109,13 @@ class Run:
             return tensor
         return self.guard.mark_varying_input(component, tensor)
 
+    def unet_input(self, noisy: torch.Tensor) -> torch.Tensor:
+        """The UNet's noisy latents in the UNet's memory layout (a channels-last UNet's first
+        convolution then reads them without a conversion), marked for varying shapes."""
+        if self.config.training.channels_last:
+            noisy = noisy.contiguous(memory_format=torch.channels_last)
+        return self.varying_shape(noisy, "unet")
+
     def recompiles(self) -> int:
         """Recompiles so far, summed over the compiled components."""
         return sum(report["recompiles"] for report in self.guard.report().values())

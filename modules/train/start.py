@@ -29,7 +29,8 @@ from modules.train.run import Run, item_buckets
 from modules.train.state import TrainingState, draws_generator
 from modules.train.text_cache import TextEncoderCache
 from modules.util.atomic import remove_temporaries
-from modules.train.weights import enable_gradient_checkpointing, prepare_trainable, trained_components
+from modules.train.weights import (apply_unet_memory_format, enable_gradient_checkpointing,
+                                   prepare_trainable, trained_components)
 
 
 def start_run(prepared: PreparedRun, callbacks: TrainerCallbacks, dist: Distributed) -> Run:
@@ -74,6 +75,7 @@ def build_run(prepared: PreparedRun, callbacks: TrainerCallbacks, dist: Distribu
         enable_gradient_checkpointing(bundle, trained)
     for module in bundle.components().values():
         module.to(device)
+    apply_unet_memory_format(bundle, config)
 
     dataset = build_dataset(prepared, callbacks)
     batches = epoch_batch_sampler(len(dataset), config.training.batch_size,

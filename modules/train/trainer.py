@@ -144,7 +144,7 @@ def micro_step(run: Run, batch: dict, draws: Draws) -> torch.Tensor:
                                  run.config.data.caption_dropout)
         with torch.set_grad_enabled(run.trains_text_encoder):
             hidden, added = run.encode_captions(batch, captions)
-        prediction = run.unet(run.varying_shape(noisy, "unet"), timesteps, hidden,
+        prediction = run.unet(run.unet_input(noisy), timesteps, hidden,
                               added_cond_kwargs=added).sample
         if bundle.prediction_type == "v_prediction":
             target = scheduler.get_velocity(latents, noise, timesteps)

@@ -80,6 +80,19 @@ def prepare_trainable(bundle: ModelBundle, config: Config) -> dict[str, list[nn.
     return params
 
 
+def unet_memory_format(config: Config) -> torch.memory_format:
+    """The UNet's memory layout (`training.channels_last`), for its weights and its input."""
+    return torch.channels_last if config.training.channels_last else torch.contiguous_format
+
+
+def apply_unet_memory_format(bundle: ModelBundle, config: Config) -> None:
+    """Store the UNet's 4-D weights channels-last when asked (before it is compiled, so the
+    compiled code is traced with the layout it runs with). Convolutions then keep their
+    activations channels-last too, the layout NVIDIA tensor cores read without transposes."""
+    if config.training.channels_last:
+        bundle.unet.to(memory_format=torch.channels_last)
+
+
 def enable_gradient_checkpointing(bundle: ModelBundle, trained: list[str]) -> None:
     """Recompute activations of the trained components in backward to save memory."""
     for name in trained:
