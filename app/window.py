@@ -82,6 +82,8 @@ class TemperaApp(ctk.CTk):
         self._recheck_id: str | None = None
         self.closing = False
         self.last_result: Any = None
+        # What keeps Start (and Resume) refused, by who asked: a benchmark, a compilation check
+        self._start_blockers: dict[str, str] = {}
 
         self.grid_columnconfigure(0, weight=1)
         self.grid_rowconfigure(1, weight=1)
@@ -448,6 +450,11 @@ class TemperaApp(ctk.CTk):
             self.run_panel.set_status("A benchmark is running (Advanced Options); stop it or "
                                       "wait, so the two do not share the machine.", error=True)
             return False
+        if self.checking:
+            self.run_panel.set_status("Check compilation is running (Advanced Options); wait "
+                                      "for its report: it resets torch's compiler state, which "
+                                      "the training's compiled code lives in.", error=True)
+            return False
         problems = self.start_problems(resume)
         if problems:
             self.show_problems(problems, source=lambda: self.start_problems(resume))
@@ -480,10 +487,25 @@ class TemperaApp(ctk.CTk):
     def resume_training(self) -> bool:
         return self.start_training(resume=True)
 
+    def _block_start(self, key: str, why_not: str | None) -> None:
+        """Refuse Start (and Resume) for `why_not` until the same `key` passes None; with
+        several reasons at once, Start waits for all of them and shows the first."""
+        if why_not is None:
+            self._start_blockers.pop(key, None)
+        else:
+            self._start_blockers[key] = why_not
+        reasons = list(self._start_blockers.values())
+        self.run_panel.set_start_allowed(not reasons, reasons[0] if reasons else "")
+
+    @property
+    def checking(self) -> bool:
+        """Check compilation is running (in a thread of this process)."""
+        return "check" in self._start_blockers
+
     def _benchmark_running(self, running: bool) -> None:
         """A benchmark and a training must not share the machine: Start waits meanwhile."""
-        self.run_panel.set_start_allowed(not running, "a benchmark is running (Advanced "
-                                         "Options): stop it or let it finish")
+        self._block_start("benchmark", "a benchmark is running (Advanced Options): stop it or "
+                                       "let it finish" if running else None)
         if not running:
             self.run_panel.clear_notice()
 
@@ -617,15 +639,19 @@ class TemperaApp(ctk.CTk):
             self.show_problems(self.binding.field_problems(), "Fix these fields first",
                                source=self.binding.field_problems)
             return
-        if self.training:
+        if self.training or self.checking:
             return
         config = self.binding.snapshot()
         panel.set_check_enabled(False, "checking…")
+        # Both would share dynamo's process-wide state: the check resets it and compiles
+        self._block_start("check", "Check compilation is running (Advanced Options): wait for "
+                                   "its report")
         panel.show_report(f"Checking {config.compile.backend.value}… (this traces the model "
                           "once; it can take a while)")
         run_in_thread(lambda: explain(config), self.events, "report")
 
     def _show_report(self, ok: bool, value: Any) -> None:
+        self._block_start("check", None)
         self.compile_panel.set_check_enabled(not self.training)
         if not ok and isinstance(value, ConfigError):
             self.show_problems(value.problems)

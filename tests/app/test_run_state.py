@@ -1,5 +1,5 @@
-"""The window around a run: Resume from a backup, Check compilation while training, unsaved
-edits, the TRITON note, and every prompt's sample of the latest step."""
+"""The window around a run: Resume from a backup, Check compilation and training refusing each
+other, unsaved edits, the TRITON note, and every prompt's sample of the latest step."""
 from __future__ import annotations
 
 import json
@@ -76,6 +76,47 @@ def test_check_compilation_is_off_while_training_and_its_report_goes_stale(app, 
     release.set()
     pump(app, lambda: app.worker is None)
     assert panel.check_button.cget("state") == "normal"
+
+
+def test_start_is_refused_while_check_compilation_runs(app, tmp_path):
+    panel, run = app.compile_panel, app.run_panel
+    start = run.buttons["start"]
+    release = threading.Event()
+
+    def slow_explain(config):
+        release.wait(30)
+        return "UNet: AOT_EAGER, graph_breaks 0"
+
+    started = []
+
+    def fake_train(config, callbacks, commands):
+        started.append(config)
+        return SimpleNamespace(status="finished", steps=1, output_dir=tmp_path)
+
+    app.explain_fn, app.train_fn = slow_explain, fake_train
+    app.registry.find("output.dir").var.set(str(tmp_path / "out"))
+    pump(app)
+    assert start.cget("state") == "normal"
+    panel.check_button.invoke()
+    try:
+        assert start.cget("state") == "disabled"
+        assert "Check compilation is running" in run.button_tips["start"].text
+        assert not app.start_training()  # a click that gets through anyway is refused too
+        assert "Check compilation is running" in run.status_text and run.status_error
+        assert app.worker is None and started == []
+        # a benchmark ending meanwhile does not let Start through while the check still runs
+        app._benchmark_running(True)
+        app._benchmark_running(False)
+        assert start.cget("state") == "disabled"
+        assert "Check compilation is running" in run.button_tips["start"].text
+    finally:
+        release.set()
+    pump(app, lambda: "graph_breaks" in panel.report_text())
+    assert start.cget("state") == "normal" and run.button_tips["start"].text == ""
+    assert panel.check_button.cget("state") == "normal"
+    assert app.start_training()
+    pump(app, lambda: app.worker is None)
+    assert len(started) == 1
 
 
 def test_unsaved_edits_are_marked_and_loading_another_preset_asks(make_app, tmp_path):
