@@ -119,6 +119,18 @@ def test_start_is_refused_while_check_compilation_runs(app, tmp_path):
     assert len(started) == 1
 
 
+def test_the_channels_last_toggle_writes_the_config_and_outdates_a_compilation_check(app):
+    panel = app.compile_panel
+    app.explain_fn = lambda config: "UNet: AOT_EAGER, graph_breaks 0"
+    panel.check_button.invoke()
+    pump(app, lambda: "graph_breaks" in panel.report_text())
+    view = app.registry.find("training.channels_last")
+    assert view is not None and app.binding.config.training.channels_last is False
+    view.toggle.toggle()  # a click
+    assert app.binding.config.training.channels_last is True
+    assert panel.report_text().startswith("OUTDATED")  # the UNet compiles with another layout
+
+
 def test_unsaved_edits_are_marked_and_loading_another_preset_asks(make_app, tmp_path):
     asked = []
     app = make_app(confirm=lambda title, message: asked.append(title) or False)
