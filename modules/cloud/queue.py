@@ -71,6 +71,16 @@ class RunStatus:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
 
+    def run_meta(self) -> dict[str, str]:
+        """The facts its run.json keeps under "meta" (see `cloud_run_meta`)."""
+        return cloud_run_meta(self.commit, self.config, self.run_id)
+
+
+def cloud_run_meta(commit: str, config: str, run_id: str) -> dict[str, str]:
+    """Where a cloud run came from, as run.json's "meta": handed to tempera-train as
+    `--run-meta`, and written by the worker itself when the trainer ended before its record."""
+    return {"commit": commit, "config": config, "cloud_run_id": run_id}
+
 
 def runs_dir(work_root: Path) -> Path:
     return Path(work_root) / "runs"
@@ -175,17 +185,21 @@ def reconcile(work_root: Path) -> list[RunStatus]:
             status.notes.append("finished while no worker watched it (worker killed)")
         elif cancel_path(work_root, status.run_id).exists():
             status.state, status.error = CANCELLED, "cancelled; the worker was gone when it ended"
+            settle_run_record(Path(status.output_dir), CANCELLED, status.error,
+                              status.run_meta())
         elif status.restarts >= MAX_RESTARTS:
             status.state = FAILED
             status.error = (f"the training process ended while no worker watched it, "
                             f"{status.restarts + 1} times; not started again (resume it by hand "
                             "with tempera-train --resume)")
-            settle_run_record(Path(status.output_dir), FAILED, status.error)
+            settle_run_record(Path(status.output_dir), FAILED, status.error,
+                              status.run_meta())
         else:
             status.state = INTERRUPTED
             status.error = ("the training process ended while no worker watched it (worker "
                             "killed or machine rebooted); it resumes from its last backup")
-            settle_run_record(Path(status.output_dir), INTERRUPTED, status.error)
+            settle_run_record(Path(status.output_dir), INTERRUPTED, status.error,
+                              status.run_meta())
         write_status(work_root, status)
         changed.append(status)
     return changed
@@ -276,7 +290,8 @@ def finish_run(work_root: Path, status: RunStatus, returncode: int | None, cance
         status.state = FAILED
         status.error = f"{describe_exit(returncode)}; see {status.log}"
     if status.state != FINISHED:
-        settle_run_record(Path(status.output_dir), status.state, status.error)
+        settle_run_record(Path(status.output_dir), status.state, status.error,
+                          status.run_meta())
     write_status(work_root, status)
 
 

@@ -22,7 +22,7 @@ from modules.cloud.git import ZERO_SHA, CloudError, commit_exists, git, git_text
 from modules.cloud.local_overrides import apply_local_overrides
 from modules.cloud.secrets import scan_files
 from modules.cloud.queue import (INVALID, PROGRESS_EVERY_SECONDS, QUEUED, RunStatus, cancel_path,
-                                 new_run_id, progress_path, write_status)
+                                 cloud_run_meta, new_run_id, progress_path, write_status)
 from modules.config import ConfigError, apply_overrides, load_config, validate
 from modules.train.inputs import check_inputs
 from modules.util.atomic import atomic_write_text
@@ -158,8 +158,8 @@ def queue_run(checkout: Path, commit: str, config: str, settings: CloudSettings,
     if settings.local_overrides:
         command += ["--local", str(settings.local_overrides)]
     command += ["--set", f"output.dir={output_dir}",
-                "--run-meta", f"commit={commit}", "--run-meta", f"config={config}",
-                "--run-meta", f"cloud_run_id={run_id}",
+                *(arg for key, value in cloud_run_meta(commit, config, run_id).items()
+                  for arg in ("--run-meta", f"{key}={value}")),
                 "--progress-file", str(progress_path(work_root, run_id)),
                 "--progress-every", str(PROGRESS_EVERY_SECONDS),
                 "--stop-file", str(cancel_path(work_root, run_id))]

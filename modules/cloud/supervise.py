@@ -95,20 +95,33 @@ def describe_exit(returncode: int) -> str:
     return f"tempera-train exited with {returncode}"
 
 
-def settle_run_record(output_dir: Path, status: str, error: str) -> bool:
+def settle_run_record(output_dir: Path, status: str, error: str,
+                      meta: dict[str, str] | None = None) -> bool:
     """Make run.json agree when the trainer could not write its own end (killed, cancelled).
 
-    Only a record still saying `running` is changed; returns whether it was.
+    A record still saying `running` is changed. A missing one is written: a trainer killed
+    before it wrote its first record (a slow start, a busy machine) still leaves one that says
+    how it ended, carrying the cloud run's `meta` as the trainer's `--run-meta` would have.
+    A record that says anything else is the trainer's own word and stays. Returns whether
+    run.json was written.
     """
     path = Path(output_dir) / "run.json"
+    ended = {"status": status, "error": error, "ended_by": "tempera-cloud worker",
+             "ended_at": time.time()}
+    if not path.exists():
+        record = {**ended, "meta": dict(meta or {}),
+                  "note": "the training process ended before it wrote run.json; "
+                          "this record was written by the tempera-cloud worker"}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps(record, indent=2) + "\n")
+        return True
     try:
         record = json.loads(path.read_text("utf-8"))
     except (OSError, ValueError):
         return False
     if record.get("status") != "running":
         return False
-    record.update(status=status, error=error, ended_by="tempera-cloud worker",
-                  ended_at=time.time())
+    record.update(ended)
     atomic_write_text(path, json.dumps(record, indent=2) + "\n")
     return True
 
