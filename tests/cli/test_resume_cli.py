@@ -15,6 +15,7 @@ import pytest
 
 from modules.cli.train import main
 from modules.train.backup_files import list_backups
+from tests.child_env import with_repo_on_pythonpath
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 12
@@ -37,7 +38,7 @@ def start(config: Path, *args: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, str(REPO / "scripts" / "train.py"), "--config",
                              str(config), "--quiet", *args], cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+                            env=with_repo_on_pythonpath())
 
 
 def wait_for(condition, timeout: float = 240.0, every: float = 0.002) -> bool:

@@ -20,6 +20,7 @@ from modules.cloud.queue import CANCELLED, list_statuses
 from modules.cloud.remote_status import Remote, observe_command, parse_observation
 from modules.cloud.runs import changed_configs
 from modules.events import NullCallbacks, Progress, TrainerCommands
+from tests.child_env import with_repo_on_pythonpath
 
 from .conftest import git, sparse_config, wait_until, write_json
 
@@ -83,7 +84,7 @@ def test_a_cancelled_actions_job_leaves_its_run_cancelled_without_a_traceback(tm
     subprocess.run(["git", "init", "-q", "-b", "main", str(repo)], check=True)
     after = commit(repo, {"runs/long.json": quick(600), "runs/next.json": quick(1)}, "runs")
     work = tmp_path / "work"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = with_repo_on_pythonpath()
     job = subprocess.Popen([sys.executable, "-m", "modules.cloud.cli", "run-changed", "--repo",
                             str(repo), "--after", after, "--work-root", str(work), "--tempera",
                             f"{sys.executable} {script}"], env=env, stdout=subprocess.PIPE,

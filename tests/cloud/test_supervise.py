@@ -17,6 +17,7 @@ from modules.cloud.queue import (CANCELLED, FAILED, FINISHED, QUEUED, RUNNING, R
                                  list_statuses, process_queue, read_status, write_status)
 from modules.cloud.remote_status import Remote, format_table, read_views
 from modules.cloud.supervise import is_alive, local_is_alive, parse_proc_start, process_start
+from tests.child_env import with_repo_on_pythonpath
 
 from .conftest import sparse_config, wait_until
 
@@ -260,7 +261,7 @@ def test_daemon_starts_queued_and_interrupted_runs_after_a_reboot(tmp_path, slow
             log=str(work_root / "runs" / name / "log.txt"),
             command=slow_train + ["--config", str(config), "--set", f"output.dir={out}"],
             train_pid=os.getpid(), boot_id="a boot before this one", proc_start="1"))
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    env = with_repo_on_pythonpath()
     daemon = subprocess.Popen([sys.executable, "-m", "modules.cloud.cli", "work", "--daemon",
                                "--poll", "0.2", "--work-root", str(work_root)], env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
