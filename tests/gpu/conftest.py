@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.gpu.scenarios import CUDA
+
 
 def pytest_collection_modifyitems(config, items):
     here = Path(__file__).parent
@@ -25,7 +27,7 @@ def pytest_collection_modifyitems(config, items):
 def cuda_config(tiny_config):
     """The tiny model trained on the GPU, in float32 with the cheap defaults of tiny_config."""
     def make(*overrides: str):
-        return tiny_config("general.device=CUDA", *overrides)
+        return tiny_config(*CUDA, *overrides)
     return make
 
 
