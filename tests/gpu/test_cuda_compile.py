@@ -15,6 +15,7 @@ from modules.compile.capabilities import triton_c_compiler
 from modules.config.schema import CompileBackend
 from modules.events import RecordingCallbacks
 from modules.train import trainer as trainer_module
+from modules.train.builders import float32_precision
 from modules.train.trainer import TrainingError, train
 from tests.gpu.scenarios import (assert_unet_keeps_cudagraphs, bucket_images, buckets,
                                  cudagraphs_through_three_buckets)
@@ -110,6 +111,8 @@ def test_triton_through_three_buckets_never_crashes_mid_epoch(tiny_config, tmp_p
 
 
 def test_cached_captions_stay_themselves_under_cuda_graphs(cuda_config, monkeypatch):  # item 5
+    """Each cached caption is its own encoding, not another caption's: a cache entry that
+    aliased a CUDA graph's output would hold whatever the next replay wrote there."""
     from modules.models.loader import encode_text
     from modules.train import text_cache
 
@@ -122,11 +125,26 @@ def test_cached_captions_stay_themselves_under_cuda_graphs(cuda_config, monkeypa
 
     import modules.train.start as start_module
     monkeypatch.setattr(start_module, "TextEncoderCache", Kept)
-    train(cuda_config("compile.backend=TRITON", "compile.text_encoder=true",
-                      "data.cache_text_encoder_outputs=true", "training.max_steps=8"))
+    # One precision for the cache and the fresh encodes below: full float32. A TF32 cache was
+    # 2.6e-3 from a float32 encode (a TF32 simulation), past the 1e-4 below; TF32 on both sides
+    # is no cure, the compiled and the eager kernels would round differently. Distinct captions
+    # of the tiny model differ by 0.33 at least (measured on the CPU), so 1e-4 tells them apart.
+    config = cuda_config(*FP32, "compile.backend=TRITON", "compile.text_encoder=true",
+                         "data.cache_text_encoder_outputs=true", "training.max_steps=8")
+    result = train(config)
+    assert record_of(result)["compile"]["text_encoder"]["cudagraphs"]
     [cache] = caches
     assert len(cache.entries) > 2  # several batches of captions, each a CUDA-graph replay
-    with torch.no_grad():
-        for caption, (hidden, _) in cache.entries.items():
-            fresh, _ = encode_text(cache.bundle, [caption], torch.device("cuda"))
-            assert torch.allclose(hidden, fresh[0], atol=1e-4), caption
+    # run.close() restored the precision from before the run: set the run's own again
+    restore, precision = float32_precision(config, torch.device("cuda"))
+    try:
+        assert record_of(result)["precision"] == precision  # the one the cache was filled at
+        with torch.no_grad():
+            fresh = {caption: encode_text(cache.bundle, [caption], torch.device("cuda"))[0][0]
+                     .clone() for caption in cache.entries}
+    finally:
+        restore()
+    for caption, (hidden, _) in cache.entries.items():
+        assert torch.allclose(hidden, fresh[caption], atol=1e-4), caption
+        others = [(hidden - fresh[other]).abs().max().item() for other in fresh if other != caption]
+        assert min(others) > 1e-2, caption  # the tolerance does tell one caption from another
