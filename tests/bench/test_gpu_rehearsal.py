@@ -19,7 +19,7 @@ from modules.bench.gpu_report import merge_results
 
 REPO = Path(__file__).resolve().parents[2]
 # Why a job may be left out of a rehearsal; anything else not started is a defect.
-LEFT_OUT = re.compile(r"backend \w+ not in --backends|needs a CUDA GPU|"
+LEFT_OUT = re.compile(r"backend \w+ not in --backends [\w,]+|needs a CUDA GPU|"
                       r"needs [\w-]+, which ended not started")
 
 
