@@ -25,8 +25,10 @@ DETAILS = ("compile.scope", "compile.mode", "compile.dynamic", "compile.fullgrap
            "compile.cache_dir", "compile.strict")
 PLACED = {"compile.backend", *(p for p, _ in COMPONENT_TOGGLES), *DETAILS}
 # Settings a compilation check depends on: changing one makes its report outdated.
+# (gradient checkpointing changes the plan: REGIONAL with it turns CUDA graphs off)
 CHECKED_SETTINGS = ("compile.", "model.", "components.", "data.resolution", "general.device",
-                    "training.method", "training.mixed_precision", "training.channels_last")
+                    "training.method", "training.mixed_precision", "training.channels_last",
+                    "training.gradient_checkpointing")
 
 
 def cuda_available() -> bool:

@@ -131,6 +131,19 @@ def test_the_channels_last_toggle_writes_the_config_and_outdates_a_compilation_c
     assert panel.report_text().startswith("OUTDATED")  # the UNet compiles with another layout
 
 
+def test_gradient_checkpointing_outdates_a_compilation_check(app):
+    # With REGIONAL scope, checkpointing decides whether the plan keeps CUDA graphs.
+    panel = app.compile_panel
+    app.explain_fn = lambda config: "UNet: AOT_EAGER, graph_breaks 0"
+    panel.check_button.invoke()
+    pump(app, lambda: "graph_breaks" in panel.report_text())
+    view = app.registry.find("training.gradient_checkpointing")
+    before = app.binding.config.training.gradient_checkpointing
+    view.toggle.toggle()
+    assert app.binding.config.training.gradient_checkpointing is (not before)
+    assert panel.report_text().startswith("OUTDATED")
+
+
 def test_unsaved_edits_are_marked_and_loading_another_preset_asks(make_app, tmp_path):
     asked = []
     app = make_app(confirm=lambda title, message: asked.append(title) or False)
