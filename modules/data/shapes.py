@@ -93,6 +93,19 @@ def shapes_dataset_dir(cache_dir: Path, count: int = 48, size: int = 64) -> Path
     return Path(cache_dir) / "datasets" / f"shapes-{DATASET_VERSION}-{count}-{size}"
 
 
+def builtin_dataset_identity(path: str) -> str | None:
+    """What a generated shapes dataset *is*, read from its cache folder (`shapes_dataset_dir`):
+    "builtin:shapes@<version>-<count>-<size>", the same in every cache folder; None for a path
+    that is not one."""
+    folder = Path(path)
+    prefix = f"shapes-{DATASET_VERSION}-"
+    count_size = folder.name.removeprefix(prefix).split("-")
+    if (folder.parent.name != "datasets" or not folder.name.startswith(prefix)
+            or len(count_size) != 2 or not all(part.isdigit() for part in count_size)):
+        return None
+    return f"{BUILTIN_SHAPES}@{folder.name.removeprefix('shapes-')}"
+
+
 def ensure_shapes_dataset(cache_dir: Path, count: int = 48, size: int = 64) -> Path:
     """The folder of the generated shapes dataset, generating it on first use.
 

@@ -360,6 +360,20 @@ def builtin_model_dir(name: str, cache_dir: Path) -> Path:
     return Path(cache_dir) / "models" / f"{short_name}-{spec_fingerprint(TINY_SPECS[model_type])}"
 
 
+def builtin_identity(path: str) -> str | None:
+    """What a built-in model *is*, read from the cache folder it was built into
+    (`builtin_model_dir`): its name and spec fingerprint, e.g. "builtin:tiny-sd15@3f2a9c0d1e4b".
+    The same model built into two cache folders has one identity; a changed builder (another
+    fingerprint) has another. None for a path that is not a built-in model's folder."""
+    folder = Path(path)
+    short, _, fingerprint = folder.name.rpartition("-")
+    name = BUILTIN_PREFIX + short
+    if (folder.parent.name != "models" or name not in BUILTIN_MODELS
+            or len(fingerprint) != 12 or fingerprint.strip("0123456789abcdef")):
+        return None
+    return f"{name}@{fingerprint}"
+
+
 def ensure_builtin_model(name: str, cache_dir: Path) -> Path:
     """The folder of built-in model `name` (e.g. "builtin:tiny-sd15"), building it on first use.
 

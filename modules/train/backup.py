@@ -231,6 +231,25 @@ def config_differences(saved: dict, current: dict) -> tuple[list[str], list[str]
     return blocking, allowed
 
 
+def builtins_by_identity(config: dict) -> dict:
+    """`config` (a resolved config as a dict) with each built-in model's and dataset's cache
+    folder replaced by what it is (name and fingerprint): a resume with another
+    general.cache_dir trains the same model on the same images and must not be refused for
+    their paths, while a changed built-in (another fingerprint) still is."""
+    from modules.data.shapes import builtin_dataset_identity
+    from modules.models.tiny import builtin_identity
+    out = dict(config)
+    model = config.get("model")
+    if isinstance(model, dict) and builtin_identity(str(model.get("path", ""))):
+        out["model"] = {**model, "path": builtin_identity(str(model["path"]))}
+    data = config.get("data")
+    if isinstance(data, dict) and isinstance(data.get("datasets"), list):
+        out["data"] = {**data, "datasets": [
+            {**ds, "path": builtin_dataset_identity(str(ds.get("path", ""))) or ds.get("path")}
+            if isinstance(ds, dict) else ds for ds in data["datasets"]]}
+    return out
+
+
 def _leaves(tree: dict, prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in tree.items():
@@ -255,7 +274,8 @@ def resume_point(output_dir: Path, resume_from: str, current: dict) -> ResumePoi
     Raises BackupError naming every field that must match and does not."""
     folder = find_backup(output_dir, resume_from)
     info = read_info(folder)
-    blocking, allowed = config_differences(info.get("config", {}), current)
+    blocking, allowed = config_differences(builtins_by_identity(info.get("config", {})),
+                                           builtins_by_identity(current))
     if blocking:
         raise BackupError(f"{folder} was written by a run whose config differs in what changes "
                           "the training math: " + "; ".join(blocking)
