@@ -60,9 +60,6 @@ def _check_builtin_names(config: Config) -> list[Problem]:
         if ds.path.startswith(BUILTIN_PREFIX) and ds.path not in BUILTIN_DATASETS:
             problems.append(Problem(f"data.datasets[{i}].path",
                                     "one of " + ", ".join(BUILTIN_DATASETS), repr(ds.path)))
-    if config.training.resume_from.strip() and config.output.overwrite:
-        problems.append(Problem("output.overwrite", "false when training.resume_from is set",
-                                "true", "overwriting would remove the run being resumed"))
     return problems
 
 

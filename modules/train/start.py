@@ -51,16 +51,27 @@ def build_run(prepared: PreparedRun, callbacks: TrainerCallbacks, dist: Distribu
     config, bundle = prepared.config, prepared.bundle
     device = dist.device or prepared.device
     output_dir = Path(config.output.dir)
+    # Resuming continues the run in the folder: output.overwrite (on in presets such as the
+    # demo, for repeated fresh starts) is not applied, and the run says so.
+    overwrite_ignored = bool(config.output.overwrite and prepared.resume is not None)
+    if overwrite_ignored:
+        callbacks.on_status(f"output.overwrite is not applied: resuming continues the run in "
+                            f"{output_dir} (nothing of it is removed)")
     if dist.is_main:
         clean_output_folder(output_dir, callbacks,
-                            overwrite=config.output.overwrite and not config.training.resume_from)
+                            overwrite=config.output.overwrite and prepared.resume is None)
         (output_dir / "samples").mkdir(parents=True, exist_ok=True)
         save_config(config, output_dir / "config.json")
     record = RunRecord(output_dir / "run.json", enabled=dist.is_main)
     if prepared.resume is not None:
         continue_record(record, prepared.resume)
+        for note in ("overwrite", "final", "final_kept"):  # how the earlier segment ended
+            record.data.pop(note, None)
+    if overwrite_ignored:
+        record.data["overwrite"] = "not applied: a resume continues the run in this folder"
     record.write(status="running", versions=library_versions(),
                  device=device_description(device), model_type=config.model.type.value,
+                 model_identity=model_identity(config.model.path),
                  method=config.training.method.value,
                  weight_dtype=config.model.weight_dtype.value,
                  train_dtype=config.model.train_dtype.value,
@@ -167,6 +178,13 @@ def clean_output_folder(output_dir: Path, callbacks: TrainerCallbacks, overwrite
     if freed:
         callbacks.on_status(f"removed partly written saves of an interrupted run "
                             f"({freed / 2**20:,.1f} MB freed)")
+
+
+def model_identity(path: str) -> str:
+    """run.json's `model_identity`: a built-in model by name and fingerprint (its cache folder
+    may differ between machines and resumes), any other model by its path."""
+    from modules.models.tiny import builtin_identity
+    return builtin_identity(path) or path
 
 
 def continue_record(record: RunRecord, resume: ResumePoint) -> None:

@@ -293,6 +293,15 @@ def test_output_dir_holding_an_earlier_run(tmp_path):
     assert _files_ok(tmp_path, "output.overwrite=true") == {}
 
 
+def test_resuming_with_overwrite_on_is_no_problem(tmp_path):
+    """Resume means continue: overwrite is not applied then (the run says so), so a preset
+    that ships with overwrite on (the demo) resumes instead of being refused."""
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "run.json").write_text("{}", encoding="utf-8")
+    assert _files_ok(tmp_path, "output.overwrite=true", "training.resume_from=latest") == {}
+    assert _files_ok(tmp_path, "training.resume_from=latest") == {}
+
+
 def test_existing_output_dir_without_a_run_is_fine(tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "notes.txt").write_text("x", encoding="utf-8")
