@@ -18,6 +18,7 @@ from app.thread_guard import ThreadGuard, tk_thread_only
 from app.tooltip import Tooltip
 from app.widgets import ERROR_COLOR, elide, set_widget_enabled
 from modules.events import Progress
+from modules.train.resume_offer import ResumeOffer
 
 SAMPLE_SIZE = 320
 
@@ -137,19 +138,36 @@ class RunPanel:
         self.button_tips["tensorboard"].text = f"TensorBoard is serving at {url}"
 
     @tk_thread_only
-    def show_backups(self, output: Path, steps: list[int], can_resume: bool,
-                     ended: str) -> None:
-        """The output folder's backups, and Resume from the newest when one exists."""
-        if steps:
+    def show_backups(self, output: Path, steps: list[int], offer: ResumeOffer,
+                     can_resume: bool, ended: str) -> None:
+        """The output folder's backups, and Resume from the newest when the run ended early.
+        A finished run shows no Resume: only Continue, when Max steps was raised past its end."""
+        why_not = "training is running" if self.running else self.start_why_not
+        listed = (f"Backups in {output / 'backups'}: step " + ", ".join(str(s) for s in steps)
+                  + ". ") if steps else ""
+        if offer.finished_step is not None:
+            n = offer.finished_step
+            if offer.continues_finished and steps:
+                self.buttons["resume"].configure(text=f"Continue for {offer.more_steps} more steps")
+                self._enable("resume", can_resume and self.start_allowed, why_not)
+                tail = (f"Continue trains from the newest backup (step {steps[-1]}) to step "
+                        f"{offer.max_steps}; final/ is replaced only by weights of a later step.")
+            else:
+                self.buttons["resume"].configure(text="Resume")
+                self._enable("resume", False, f"the run finished at step {n}; raise Max steps "
+                                              f"above {n} to continue it")
+                tail = (f"To train it further, raise Max steps above {n}; to train again from "
+                        "the start, choose a new output folder." if steps else
+                        "It left no backup to continue from.")
+            self.backups_label.configure(text=f"The last run here finished at step {n} (its "
+                                              f"weights are in final/). {listed}{tail}")
+        elif steps:
             self.buttons["resume"].configure(text=f"Resume from step {steps[-1]}")
-            self._enable("resume", can_resume and self.start_allowed,
-                         "training is running" if self.running else self.start_why_not)
+            self._enable("resume", can_resume and self.start_allowed, why_not)
             how = {"failed": "failed", "running": "was killed or crashed",
                    "interrupted": "was interrupted", "stopped": "was stopped"}.get(ended)
             lead = f"The last run here {how}. " if how else ""
-            self.backups_label.configure(
-                text=f"{lead}Backups in {output / 'backups'}: step "
-                     + ", ".join(str(s) for s in steps) + ". Resume continues the newest.")
+            self.backups_label.configure(text=f"{lead}{listed}Resume continues the newest.")
         else:
             self.buttons["resume"].configure(text="Resume")
             self._enable("resume", False, "the output folder holds no backup")

@@ -293,7 +293,7 @@ class TemperaApp(ctk.CTk):
             self._update_component_states()
         if path is not None and not self.dirty:
             self.set_dirty(True)
-        if path is None or path == "output.dir":
+        if path is None or path in ("output.dir", "training.max_steps"):
             self.refresh_resume()
         if path is None or path.endswith("cache_dir"):
             self._update_cache_hints()
@@ -482,7 +482,13 @@ class TemperaApp(ctk.CTk):
         config = self.binding.snapshot()
         if resume:
             config.training.resume_from = "latest"
-        return self.binding.field_problems() + validate(config) + check_inputs(config)
+        problems = self.binding.field_problems() + validate(config) + check_inputs(config)
+        if resume:  # the button is off for a finished run; this holds if it is pressed anyway
+            from modules.train.resume_offer import finished_run_problem
+            finished = finished_run_problem(self.output_dir(), "latest",
+                                            config.training.max_steps)
+            problems += [finished] if finished else []
+        return problems
 
     def resume_training(self) -> bool:
         return self.start_training(resume=True)
@@ -519,14 +525,18 @@ class TemperaApp(ctk.CTk):
             self.refresh_resume()
 
     def refresh_resume(self) -> None:
-        """Offer Resume when the output folder holds backups (and say how the last run ended)."""
+        """Offer Resume when the output folder holds backups of a run that ended early (and
+        say how it ended); a finished run only offers to continue when Max steps was raised
+        above its end (`modules/train/resume_offer.py` decides, as it does for the CLI)."""
         from modules.train.backup_files import list_backups
         from modules.train.record import read_run_status
+        from modules.train.resume_offer import resume_offer
         output = self.output_dir()
         found = list_backups(output)
-        ended = read_run_status(output)
-        self.run_panel.show_backups(output, [step for step, _ in found],
-                                    can_resume=bool(found) and not self.training, ended=ended)
+        offer = resume_offer(output, self.binding.config.training.max_steps)
+        self.run_panel.show_backups(output, [step for step, _ in found], offer,
+                                    can_resume=offer.can_resume and not self.training,
+                                    ended=read_run_status(output))
 
     def stop_training(self) -> None:
         if self.worker is not None:

@@ -258,7 +258,8 @@ class TrainingConfig:
         "", label="Resume from", group="Training", advanced=True,
         help='Continue an interrupted run: "latest" (the newest backup in the output folder) or '
              "a backup folder (relative paths are inside the output folder). The config must "
-             "match the backup's in what changes the math (docs/resume.md); empty starts anew.")
+             "match the backup's in what changes the math (docs/resume.md); empty starts anew. "
+             "A finished run continues only when training.max_steps is raised above its end.")
     seed: int = setting(42, label="Seed", group="General", min=0, max=2**32 - 1,
                         help="Seed for noise, timesteps, shuffling and weight init.")
 
@@ -357,7 +358,8 @@ class OutputConfig:
                               help="Start a new run in an output folder that holds an earlier "
                                    "one: its samples, TensorBoard logs and backups are removed "
                                    "first; its weights are replaced as the new run saves. Off "
-                                   "refuses to start so nothing is lost.")
+                                   "refuses to start so nothing is lost. Not applied when "
+                                   "resuming: a resume continues the run in the folder.")
     backup_every_steps: int = setting(
         0, label="Backup every N steps", group="General", min=0, max=100_000_000, advanced=True,
         help="Write a backup (everything needed to resume exactly: weights, optimizer, LR "

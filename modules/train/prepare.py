@@ -21,6 +21,7 @@ from modules.paths import cache_dir_for
 from modules.runtime import runtime_problems
 from modules.train.backup import BackupError, ResumePoint, resume_point
 from modules.train.builders import pick_device
+from modules.train.resume_offer import finished_run_problem
 from modules.train.inputs import check_inputs
 from modules.train.output_lock import busy_message
 from modules.util.errors import first_line
@@ -127,6 +128,10 @@ def check_resume(resolved: Config) -> ResumePoint | None:
     """The backup `training.resume_from` names, checked against this config (exit 2 if not)."""
     if not resolved.training.resume_from:
         return None
+    finished = finished_run_problem(Path(resolved.output.dir), resolved.training.resume_from,
+                                    resolved.training.max_steps)
+    if finished:  # a resume would re-train the run's last steps over its final weights
+        raise ConfigError([finished])
     try:
         return resume_point(Path(resolved.output.dir), resolved.training.resume_from,
                             to_dict(resolved))

@@ -22,6 +22,7 @@ from modules.train.builders import StepBudget, autocast_context
 from modules.train.distributed import Distributed, parameter_checksum
 from modules.train.output_lock import OutputLock
 from modules.train.record import RunRecord
+from modules.train.resume_offer import saved_step
 from modules.train.sampling import sample_images
 from modules.train.state import TrainingState
 from modules.train.text_cache import TextEncoderCache
@@ -293,8 +294,23 @@ class Run:
     def save_checkpoint(self, name: str) -> None:
         self._save(self.output_dir / "checkpoints" / name)
 
-    def save_final(self) -> None:
-        self._save(self.output_dir / "final")
+    def save_final(self) -> bool:
+        """Save final/, unless this is a resumed segment and final/ already holds weights of a
+        later step (a finished run continued from an older backup, then stopped): those are
+        kept, and the status and run.json say so. Returns whether final/ was written."""
+        folder = self.output_dir / "final"
+        if self.dist.is_main and self.config.training.resume_from:
+            kept = saved_step(folder)  # an unreadable marker raises: never replace blindly
+            if kept is not None and kept > self.step:
+                message = (f"final/ holds the weights of step {kept}, later than this segment's "
+                           f"step {self.step}: final/ was kept, not replaced (this segment's "
+                           "state is in its newest backup)")
+                self.callbacks.on_status(message)
+                self.record.write(final_kept={"final_step": kept, "segment_step": self.step,
+                                              "reason": message})
+                return False
+        self._save(folder)
+        return True
 
     def _save(self, folder: Path) -> None:
         if not self.dist.is_main:

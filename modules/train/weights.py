@@ -12,6 +12,7 @@ from modules.config.schema import Config, DType, ModelType, SaveFormat, Training
 from modules.models.loader import TORCH_DTYPES, ModelBundle
 from modules.model_types import MODEL_TYPES
 from modules.models.single_file import clip_key_with_text_model
+from modules.train.resume_offer import SAVED_STEP_FILE
 from modules.util.atomic import atomic_write_dir
 
 # LoRA target layers of CLIP text encoders (the UNet's come from training.lora_target_modules).
@@ -222,6 +223,9 @@ def save_weights(bundle: ModelBundle, config: Config, folder: Path, step: int) -
         for wanted, writer in writers:
             if wanted:
                 written.append(folder / writer(tmp).relative_to(tmp))
+        # the step these weights hold, swapped in with them: a resumed run reads it before
+        # it saves final/ (Run.save_final), so an older segment never replaces newer weights
+        (tmp / SAVED_STEP_FILE).write_text(json.dumps({"step": step}) + "\n", encoding="utf-8")
 
     atomic_write_dir(folder, write)
     return written
