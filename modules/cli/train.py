@@ -7,6 +7,8 @@ before the failure stay intact), 130 / 143 stopped by SIGINT / SIGTERM after a b
 from __future__ import annotations
 
 import argparse
+import shlex
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -102,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingError as exc:
         add_run_meta(Path(config.output.dir) / "run.json", run_meta)  # --run-meta, if any
         print(f"error: {exc}", file=sys.stderr)
+        print(resume_advice(args, config, argv is None), file=sys.stderr)
         return 1
     except (Exception, KeyboardInterrupt) as exc:  # before the loop (e.g. the output folder)
         from modules.util.errors import describe
@@ -116,10 +119,48 @@ def main(argv: list[str] | None = None) -> int:
     add_run_meta(result.output_dir / "run.json", run_meta)  # --run-meta, if any
     print(f"{result.status}: {result.steps} steps; outputs in {result.output_dir}")
     if result.status == "stopped":
-        print(f"resume with: --config {args.config} --resume latest", file=sys.stderr)
+        print(resume_advice(args, config, argv is None), file=sys.stderr)
         if stop_signal.received:  # the shell's convention: 128 + the signal's number
             return 128 + stop_signal.received
     return 0
+
+
+def resume_advice(args: argparse.Namespace, config, own_process: bool) -> str:
+    """After a stop or a failure: the command that resumes this run, pasted as it is into the
+    same shell (the same program, config, --local and --set options, shell-quoted, plus
+    `--resume latest`); or, when no backup was written, that there is nothing to resume and
+    the command that starts the run again."""
+    from modules.train.backup_files import list_backups
+    output_dir = Path(config.output.dir)
+    words = [*program_words(own_process), "--config", str(args.config)]
+    if args.local:
+        words += ["--local", str(args.local)]
+    for override in args.overrides:
+        words += ["--set", override]
+    if list_backups(output_dir):
+        return "resume with: " + shlex.join([*words, "--resume", "latest"])
+    if (output_dir / "run.json").exists() and not config.output.overwrite:
+        # the folder now holds this run's record (no weights, no backup): a new start in it
+        # needs overwrite, which removes nothing of value here
+        words += ["--set", "output.overwrite=true"]
+    return ("nothing to resume: no backup was written (the run ended before its first "
+            "backup); start it again with: " + shlex.join(words))
+
+
+def program_words(own_process: bool) -> list[str]:
+    """How this command was started, to print a command that starts it again: `tempera-train`
+    when that is what the shell finds, `python scripts/train.py` as run, and tempera-train
+    when main() was called inside another program (its sys.argv is not ours)."""
+    started = Path(sys.argv[0]) if own_process and sys.argv and sys.argv[0] else None
+    if started is None:
+        return ["tempera-train"]
+    if started.suffix == ".py":
+        python = shutil.which("python")
+        same = python is not None and Path(python).resolve() == Path(sys.executable).resolve()
+        return ["python" if same else sys.executable, str(started)]
+    found = shutil.which(started.name)
+    same = found is not None and Path(found).resolve() == started.resolve()
+    return [started.name if same else str(started)]
 
 
 def resume_value(given: str) -> str:

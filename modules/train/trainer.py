@@ -17,6 +17,7 @@ from modules.train.objectives import diffusion_mse, drop_captions, min_snr_weigh
 from modules.train.distributed import init_distributed
 from modules.train.history import record_compile_time
 from modules.train.prepare import PreparedRun, prepare_run
+from modules.train.backup_files import list_backups
 from modules.train.record import peak_memory
 from modules.train.run import Run
 from modules.train.start import start_run
@@ -91,15 +92,24 @@ def backup_after_failure(run: Run, exc: Exception) -> str:
     non-finite steps (the last backup from before them is the one to go back to) nor when
     the disk is full. Returns what to add to the failure message."""
     if isinstance(exc, (NonFiniteTraining, DiskFull)) or run.step == 0:
-        return RESUME_HINT.format(output=run.output_dir) if run.last_backup_step > 0 else ""
+        return resume_hint(run.output_dir)
     try:
-        folder = run.backup("after a failure")
+        run.backup("after a failure")
     except Exception as backup_exc:  # noqa: BLE001 - reported in the failure message
-        return f"; the backup after the failure failed too ({describe(backup_exc)})"
-    return RESUME_HINT.format(output=run.output_dir) if folder or run.last_backup_step > 0 else ""
+        return (f"; the backup after the failure failed too ({describe(backup_exc)})"
+                + resume_hint(run.output_dir))
+    return resume_hint(run.output_dir)
 
 
-RESUME_HINT = "; resume with --resume latest (backups in {output}/backups)"
+def resume_hint(output_dir: Path) -> str:
+    """The end of a stopped or failed run's message: how to resume, or that nothing can be
+    (a stop before the first step, a disk full before the first backup): never a pointer to a
+    backups folder that does not exist."""
+    found = list_backups(output_dir)
+    if not found:
+        return "; nothing to resume (no backup was written)"
+    step, folder = found[-1]
+    return f"; resume with --resume latest (newest backup: step {step}, {folder})"
 
 
 def batches(run: Run, commands: TrainerCommands) -> Iterator[tuple[int, dict, bool]]:
@@ -211,7 +221,11 @@ def training_loop(run: Run, callbacks: TrainerCallbacks, commands: TrainerComman
     callbacks.on_status(f"{status} after {run.step} steps; saving")
     if status == "stopped":
         run.backup("stopped")
-    run.save_final()
+    if run.step > 0:
+        run.save_final()
+    else:  # stopped before the first optimizer step: "final" weights would be the base model
+        callbacks.on_status("stopped before the first optimizer step: no weights saved")
+        run.record.write(final="not saved: stopped before the first optimizer step")
     if config.sampling.prompts and status == "finished" and state.last_sample_step != run.step:
         run.sample()
     run.record.write(status=status, compile=run.guard.report(),
@@ -219,7 +233,7 @@ def training_loop(run: Run, callbacks: TrainerCallbacks, commands: TrainerComman
                      batch_shapes=run.shape_log.report(run.recompiles()),
                      distributed=run.distributed_summary(),
                      memory=peak_memory(run.device.type == "cuda"))
-    hint = RESUME_HINT.format(output=run.output_dir) if status == "stopped" else ""
+    hint = resume_hint(run.output_dir) if status == "stopped" else ""
     callbacks.on_status(f"{status}: {run.step} steps, outputs in {run.output_dir}{hint}")
     return RunResult(status, run.step, run.output_dir, dict(run.record.data))
 
