@@ -1,0 +1,122 @@
+"""The resume command `tempera-train` prints after a stop, run as printed in a shell; a finished
+run refused by `--resume` (exit 2) until training.max_steps is raised; a stop before the first
+step saying there is nothing to resume. Real processes, real signals."""
+from __future__ import annotations
+
+import json
+import shlex
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from modules.train.backup_files import list_backups
+from modules.train.resume_offer import saved_step
+from tests.child_env import with_repo_on_pythonpath
+from tests.cli.test_resume_cli import record, wait_for
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 8  # given with --set: the config file says 40
+
+
+def write_run_files(folder: Path, cache: Path) -> tuple[Path, Path]:
+    """A config in a folder whose name needs shell quoting, with output.overwrite on (as the
+    demo preset ships), and a --local file whose seed must reach the resume (the seed changes
+    the math: a resume without it is refused)."""
+    runs = folder / "my runs"
+    runs.mkdir()
+    config = runs / "it's.json"
+    config.write_text(json.dumps({
+        "general": {"cache_dir": str(cache)},
+        "data": {"resolution": 64},
+        "training": {"max_steps": 40, "batch_size": 2, "learning_rate": 1e-3},
+        "sampling": {"prompts": []},
+        "logging": {"tensorboard": False},
+        "output": {"dir": "out", "backup_every_steps": 1, "keep_backups": 2,
+                   "overwrite": True},
+    }))
+    local = runs / "local.json"
+    local.write_text(json.dumps({"training.seed": 7}))
+    return config, local
+
+
+def start(cwd: Path, *args: str, quiet: bool = True) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(REPO / "scripts" / "train.py"), *args,
+                             *(["--quiet"] if quiet else [])], cwd=cwd,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=with_repo_on_pythonpath())
+
+
+def in_shell(command: str, cwd: Path) -> subprocess.CompletedProcess:
+    """`command` pasted into a shell in `cwd`."""
+    return subprocess.run(["bash", "-c", command], cwd=cwd, capture_output=True, text=True,
+                          env=with_repo_on_pythonpath(), timeout=600)
+
+
+def printed_command(stderr: str, lead: str) -> str:
+    """The command on the last stderr line that starts with `lead` ("... with: COMMAND")."""
+    lines = [line for line in stderr.splitlines() if line.startswith(lead)]
+    assert lines, stderr
+    return lines[-1].split(" with: ", 1)[1]
+
+
+def test_the_printed_resume_command_resumes_and_a_finished_run_is_refused(tmp_path,
+                                                                          tempera_cache):
+    config, local = write_run_files(tmp_path, tempera_cache)
+    output = config.parent / "out"
+    relative = str(config.relative_to(tmp_path))
+    proc = start(tmp_path, "--config", relative, "--local", str(local.relative_to(tmp_path)),
+                 "--set", f"training.max_steps={STEPS}")
+    assert wait_for(lambda: list_backups(output)), proc.communicate()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode == 143, err
+    command = printed_command(err, "resume with: ")
+    words = shlex.split(command)
+    assert words[-2:] == ["--resume", "latest"] and relative in words
+    assert "--local" in words and f"training.max_steps={STEPS}" in words
+
+    resumed = in_shell(command, tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    finished = record(output)
+    assert finished["status"] == "finished" and finished["resume_count"] == 1
+    assert finished["steps_done"] == STEPS and saved_step(output / "final") == STEPS
+    assert finished["overwrite"].startswith("not applied")
+
+    # the same command again: the run finished, nothing is resumed or rewritten (exit 2)
+    final_files = {p: p.read_bytes() for p in (output / "final").iterdir()}
+    again = in_shell(command, tmp_path)
+    assert again.returncode == 2, again.stderr
+    assert f"finished at step {STEPS}" in again.stderr
+    assert f"raise training.max_steps above {STEPS}" in again.stderr
+    assert {p: p.read_bytes() for p in (output / "final").iterdir()} == final_files
+    assert record(output)["steps_done"] == STEPS
+
+    # a raised step budget continues it from the newest backup to the new maximum
+    longer = in_shell(command + f" --set training.max_steps={STEPS + 2}", tmp_path)
+    assert longer.returncode == 0, longer.stderr
+    assert record(output)["steps_done"] == STEPS + 2
+    assert saved_step(output / "final") == STEPS + 2
+
+
+def test_a_stop_before_the_first_step_has_nothing_to_resume(tmp_path, tempera_cache):
+    config, local = write_run_files(tmp_path, tempera_cache)
+    output = config.parent / "out"
+    proc = start(tmp_path, "--config", str(config), "--set", "output.overwrite=false",
+                 "--set", "training.max_steps=3", quiet=False)
+    seen: list[str] = []
+    for line in proc.stderr:  # the signal handler is in place once training reports
+        seen.append(line)
+        if "scanning datasets" in line:
+            break
+    proc.send_signal(signal.SIGTERM)
+    _, rest = proc.communicate(timeout=240)
+    err = "".join(seen) + rest
+    assert proc.returncode == 143, err
+    assert "resume with" not in err and "nothing to resume" in err
+    assert not (output / "final").exists() and not list_backups(output)
+    assert record(output)["status"] == "stopped"
+
+    again = in_shell(printed_command(err, "nothing to resume"), tmp_path)
+    assert again.returncode == 0, again.stderr  # the printed start command trains the run
+    assert record(output)["status"] == "finished" and saved_step(output / "final") == 3
