@@ -11,6 +11,11 @@ position in the epoch, loss smoothing) and every global random state (Python, nu
 and CUDA). Each step's own draws need nothing saved: their generator is seeded from (seed, rank,
 step). The state saved is the one at the last optimizer-step boundary (`BoundaryState`), so a
 backup written after a failure mid-window is still exact.
+
+A backup is checked twice: when written (a tensor holding NaN or inf refuses the write, so the
+previous good backup stays the newest) and when read (`verify_backup`: both files parse, every
+tensor the structure names is there and finite). `resume_point` passes over a damaged backup
+for "latest" and names it; a damaged backup named explicitly is an error.
 """
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ import json
 import random
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +35,36 @@ from modules.train.backup_files import (INFO, TENSORS, BackupError, backups_fold
 from modules.util.atomic import atomic_write_dir
 
 FORMAT = 1
+
+
+class NonFiniteBackup(BackupError):
+    """A backup was not written because some of its tensors hold NaN or inf."""
+
+
+# ---------------------------------------------------------------- checking what a backup holds
+def non_finite(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Names of the floating-point tensors that hold a NaN or an inf (integer tensors, such as
+    the random generators' states, cannot)."""
+    return [key for key, tensor in tensors.items()
+            if (tensor.is_floating_point() or tensor.is_complex())
+            and not bool(torch.isfinite(tensor).all())]
+
+
+def describe_tensors(keys: list[str], limit: int = 3) -> str:
+    """A few tensor keys in words, e.g. "s.parameters.unet.x#0, s.ema... (and 4 more)"."""
+    shown = ", ".join(keys[:limit])
+    return shown + (f" (and {len(keys) - limit} more)" if len(keys) > limit else "")
+
+
+def tensor_keys(structure: Any) -> list[str]:
+    """Every tensor key a backup.json structure names (what tensors.safetensors must hold)."""
+    if isinstance(structure, list):
+        return [k for v in structure for k in tensor_keys(v)]
+    if not isinstance(structure, dict):
+        return []
+    if "__tensor__" in structure:
+        return [structure["__tensor__"]]
+    return [k for v in structure.values() for k in tensor_keys(v)]
 
 
 # ---------------------------------------------------------------- JSON + tensors, no pickle
@@ -142,6 +177,11 @@ def save_backup(run, boundary: BoundaryState, reason: str) -> Path:
     folder = backups_folder(run.output_dir) / f"step-{boundary.training['step']:06d}"
     tensors: dict[str, torch.Tensor] = {}
     structure = flatten(run_states(run, boundary), tensors, "s")
+    bad = non_finite(tensors)  # checked before anything is written: the last good one stays
+    if bad:
+        raise NonFiniteBackup(f"the backup at step {boundary.training['step']} was not written: "
+                              f"{len(bad)} of its {len(tensors)} tensors hold NaN or inf "
+                              f"({describe_tensors(bad)})")
     from modules.config.loader import to_dict
     info = {"format": FORMAT, "step": boundary.training["step"], "reason": reason,
             "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "config": to_dict(run.config),
@@ -154,29 +194,63 @@ def save_backup(run, boundary: BoundaryState, reason: str) -> Path:
         (tmp / INFO).write_text(json.dumps(info, indent=1) + "\n", encoding="utf-8")
 
     atomic_write_dir(folder, write)
-    rotate_backups(run.output_dir, run.config.output.keep_backups)
+    rotate_backups(run.output_dir, run.config.output.keep_backups, boundary.training["step"])
     return folder
 
 
 def read_info(folder: Path) -> dict:
-    """backup.json, or BackupError saying the folder is not a readable backup."""
+    """backup.json, or BackupError naming the file and why it cannot be read."""
+    path = folder / INFO
     try:
-        return json.loads((folder / INFO).read_text(encoding="utf-8"))
+        info = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise BackupError(f"{folder}: not a readable backup ({exc})") from exc
+        raise BackupError(f"{path}: cannot be read ({exc})") from exc
+    if not isinstance(info, dict) or not {"format", "step", "states"} <= set(info):
+        raise BackupError(f"{path}: not a backup description (format, step and states missing)")
+    if info["format"] != FORMAT:
+        raise BackupError(f"{path}: backup format {info['format']!r}, this Tempera reads "
+                          f"format {FORMAT}")
+    return info
+
+
+def check_tensors(folder: Path, info: dict, tensors: dict[str, torch.Tensor]) -> None:
+    """BackupError unless every tensor backup.json names is in `tensors` and is finite."""
+    path = folder / TENSORS
+    missing = [key for key in tensor_keys(info["states"]) if key not in tensors]
+    if missing:
+        raise BackupError(f"{path}: {len(missing)} tensor(s) that {INFO} names are missing "
+                          f"({describe_tensors(missing)})")
+    bad = non_finite(tensors)
+    if bad:
+        raise BackupError(f"{path}: {len(bad)} tensor(s) hold NaN or inf "
+                          f"({describe_tensors(bad)})")
+
+
+def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """tensors.safetensors, or BackupError naming the file (a truncated file is
+    safetensors' own SafetensorError, not an OSError)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    path = folder / TENSORS
+    try:
+        return load_file(str(path))
+    except (OSError, ValueError, SafetensorError) as exc:
+        raise BackupError(f"{path}: cannot be read ({exc})") from exc
+
+
+def verify_backup(folder: Path) -> dict:
+    """Read a whole backup and check it (`check_tensors`) before anything is written; return
+    its info. The tensors are dropped again: the run loads them once it is built."""
+    info = read_info(folder)
+    check_tensors(folder, info, _read_tensors(folder))
+    return info
 
 
 def load_states(folder: Path) -> tuple[dict, dict]:
-    """(backup.json's info, its states with tensors restored)."""
-    from safetensors.torch import load_file
+    """(backup.json's info, its states with tensors restored), checked as `verify_backup`."""
     info = read_info(folder)
-    try:
-        tensors = load_file(str(folder / TENSORS))
-    except (OSError, ValueError) as exc:
-        raise BackupError(f"{folder}: not a readable backup ({exc})") from exc
-    if info.get("format") != FORMAT:
-        raise BackupError(f"{folder}: backup format {info.get('format')!r}, this Tempera "
-                          f"reads format {FORMAT}")
+    tensors = _read_tensors(folder)
+    check_tensors(folder, info, tensors)
     return info, unflatten(info["states"], tensors)
 
 
@@ -266,27 +340,51 @@ class ResumePoint:
     folder: Path
     step: int
     changed: list[str]  # config fields that differ from the backup's and may
+    skipped: list[str] = field(default_factory=list)  # newer damaged backups passed over, why
 
 
 def resume_point(output_dir: Path, resume_from: str, current: dict) -> ResumePoint:
-    """The backup `resume_from` names, checked against the current (resolved) config.
+    """The backup `resume_from` names, read whole, checked intact and against the current
+    (resolved) config.
 
-    Raises BackupError naming every field that must match and does not."""
-    folder = find_backup(output_dir, resume_from)
-    info = read_info(folder)
+    "latest" is the newest intact backup: damaged newer ones are passed over and listed in
+    `skipped`. A folder named explicitly must be intact. Raises BackupError naming the file and
+    what is wrong, or every field that must match and does not."""
+    skipped: list[str] = []
+    if resume_from == "latest":
+        folder, info = None, {}
+        for _, candidate in reversed(list_backups(output_dir)):
+            try:
+                info = verify_backup(candidate)
+            except BackupError as exc:
+                skipped.append(str(exc))
+                continue
+            folder = candidate
+            break
+        if folder is None:
+            raise BackupError(f"no intact backup to resume in {backups_folder(output_dir)}"
+                              + (": " + "; ".join(skipped) if skipped else ""))
+    else:
+        folder = find_backup(output_dir, resume_from)
+        info = verify_backup(folder)
     blocking, allowed = config_differences(builtins_by_identity(info.get("config", {})),
                                            builtins_by_identity(current))
     if blocking:
         raise BackupError(f"{folder} was written by a run whose config differs in what changes "
                           "the training math: " + "; ".join(blocking)
                           + ". Set these back, or start a new run in another folder")
-    return ResumePoint(folder, int(info["step"]), allowed)
+    return ResumePoint(folder, int(info["step"]), allowed, skipped)
 
 
 # ---------------------------------------------------------------- finding and rotating
-def rotate_backups(output_dir: Path, keep: int) -> list[Path]:
-    """Remove the oldest complete backups beyond `keep`; return what was removed."""
-    found = list_backups(output_dir)
+def rotate_backups(output_dir: Path, keep: int, newest_step: int | None = None) -> list[Path]:
+    """Remove the oldest complete backups beyond `keep`; return what was removed.
+
+    With `newest_step` (the backup just written) only backups up to that step count: a later
+    one is left from before a resume (perhaps the damaged one it passed over) and must not push
+    an intact earlier one out; it is replaced when the run reaches its step."""
+    found = [(step, folder) for step, folder in list_backups(output_dir)
+             if newest_step is None or step <= newest_step]
     removed = [folder for _, folder in found[:max(0, len(found) - keep)]]
     for folder in removed:
         shutil.rmtree(folder)

@@ -108,7 +108,7 @@ def check_run(config: Config, callbacks: TrainerCallbacks) -> CheckedRun:
         callbacks.on_status(f"dataset warning: {warning}")
     model_path = resolve_model_path(config.model.path, cache_dir)
     resolved.model.path = str(model_path)
-    return CheckedRun(resolved, cache_dir, scan, model_path, check_resume(resolved))
+    return CheckedRun(resolved, cache_dir, scan, model_path, check_resume(resolved, callbacks))
 
 
 def prepare_run(config: Config, callbacks: TrainerCallbacks) -> PreparedRun:
@@ -124,17 +124,22 @@ def prepare_run(config: Config, callbacks: TrainerCallbacks) -> PreparedRun:
                        bundle, checked.scan, checked.resume)
 
 
-def check_resume(resolved: Config) -> ResumePoint | None:
-    """The backup `training.resume_from` names, checked against this config (exit 2 if not)."""
+def check_resume(resolved: Config, callbacks: TrainerCallbacks) -> ResumePoint | None:
+    """The backup `training.resume_from` names, read whole and checked intact and against this
+    config (exit 2 if not). Damaged newer backups that "latest" passed over are named."""
     if not resolved.training.resume_from:
         return None
     finished = finished_run_problem(Path(resolved.output.dir), resolved.training.resume_from,
                                     resolved.training.max_steps)
     if finished:  # a resume would re-train the run's last steps over its final weights
         raise ConfigError([finished])
+    callbacks.on_status("checking the backup to resume")
     try:
-        return resume_point(Path(resolved.output.dir), resolved.training.resume_from,
-                            to_dict(resolved))
+        point = resume_point(Path(resolved.output.dir), resolved.training.resume_from,
+                             to_dict(resolved))
+        for why in point.skipped:
+            callbacks.on_status(f"skipped a damaged backup: {why}")
+        return point
     except BackupError as exc:
         raise ConfigError([Problem("training.resume_from", '"latest" or a backup folder that '
                                    "fits this config", repr(resolved.training.resume_from),

@@ -16,7 +16,8 @@ from modules.config.schema import Config, ModelType
 from modules.data.dataset import ImageCaptionDataset, build_dataloader
 from modules.events import TrainerCallbacks, TrainerCommands
 from modules.models.loader import ModelBundle, encode_text, unet_conditioning
-from modules.train.backup import BoundaryState, backups_folder, save_backup
+from modules.train.backup import (BoundaryState, NonFiniteBackup, backups_folder,
+                                  save_backup)
 from modules.train.batch_shapes import BatchShapeLog
 from modules.train.builders import StepBudget, autocast_context
 from modules.train.distributed import Distributed, parameter_checksum
@@ -69,6 +70,7 @@ class Run:
     lock: OutputLock | None = None       # held by the main process until the run closes
     boundary: BoundaryState | None = None  # the small states after the last optimizer step
     last_backup_step: int = -1
+    refused_backup_step: int = -1  # a step whose backup held NaN/inf: not tried twice
     last_backup_time: float = field(default_factory=time.monotonic)
 
     @property
@@ -218,16 +220,33 @@ class Run:
     def backup(self, reason: str) -> Path | None:
         """Write a backup at the last step boundary (once per step; the main process only)."""
         if (not self.dist.is_main or self.boundary is None
-                or self.boundary.training["step"] in (0, self.last_backup_step)):
+                or self.boundary.training["step"] in (0, self.last_backup_step,
+                                                      self.refused_backup_step)):
             return None
-        self.callbacks.on_status(f"writing a backup at step {self.boundary.training['step']} "
-                                 f"({reason})")
-        folder = guarded_write(lambda: save_backup(self, self.boundary, reason),
-                               backups_folder(self.output_dir), self.backup_bytes())
+        step = self.boundary.training["step"]
+        self.callbacks.on_status(f"writing a backup at step {step} ({reason})")
+        try:
+            folder = guarded_write(lambda: save_backup(self, self.boundary, reason),
+                                   backups_folder(self.output_dir), self.backup_bytes())
+        except NonFiniteBackup as exc:
+            self.refuse_backup(step, reason, str(exc))
+            return None
         self.last_backup_step = self.boundary.training["step"]
         self.last_backup_time = time.monotonic()
         self.record.write(last_backup=str(folder), last_backup_step=self.last_backup_step)
         return folder
+
+    def refuse_backup(self, step: int, reason: str, why: str) -> None:
+        """A backup holding NaN or inf is never written (resuming it would only fail again):
+        say so, keep the previous one, and list the refusal in run.json."""
+        kept = (f"the backup of step {self.last_backup_step} is kept"
+                if self.last_backup_step > 0 else "there is no earlier backup")
+        self.callbacks.on_status(f"backup refused: {why}; {kept}")
+        refused = [*self.record.data.get("backups_refused", []),
+                   {"step": step, "reason": reason, "why": why}]
+        self.record.write(backups_refused=refused)
+        self.refused_backup_step = step
+        self.last_backup_time = time.monotonic()  # try again one interval later, not every step
 
     def backup_bytes(self) -> int:
         """About what one backup takes: trained weights, optimizer state and EMA copies."""

@@ -195,6 +195,8 @@ def continue_record(record: RunRecord, resume: ResumePoint) -> None:
         previous = {}  # resuming from a backup copied elsewhere: a new record
     record.continue_from(previous, resume.step, resumed_from=str(resume.folder),
                          resume_changed=resume.changed,
+                         # written on every resume, so an earlier resume's list never lingers
+                         resume_skipped_backups=resume.skipped,
                          compile_state="not in backups: the persistent compile cache makes "
                                        "the resumed run's compile warm")
 

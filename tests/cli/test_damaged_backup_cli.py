@@ -1,0 +1,73 @@
+"""A damaged backup through `tempera-train` (scripts/train.py as a process, stopped by a real
+SIGTERM): `--resume latest` passes over it to the newest intact one and says which and why;
+naming it explicitly exits 2 naming the file, with nothing in the output folder touched."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from modules.train.backup_files import TENSORS, list_backups
+from tests.child_env import with_repo_on_pythonpath
+from tests.cli.test_resume_cli import REPO, wait_for
+from tests.train.test_backup_integrity import fingerprint, truncate
+
+
+def write_config(folder: Path, cache: Path) -> Path:
+    path = folder / "run.json.config"
+    path.write_text(json.dumps({
+        "general": {"cache_dir": str(cache)},
+        "data": {"resolution": 64},
+        "training": {"max_steps": 40, "batch_size": 2, "learning_rate": 1e-3},
+        "sampling": {"prompts": []},
+        "logging": {"tensorboard": False},
+        "output": {"dir": "run", "backup_every_steps": 1, "keep_backups": 2},
+    }))
+    return path
+
+
+def train_process(config: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(REPO / "scripts" / "train.py"), "--config",
+                             str(config), *args], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=with_repo_on_pythonpath())
+
+
+def stopped_run(tmp_path: Path, cache: Path) -> tuple[Path, Path]:
+    """A run stopped by SIGTERM once it has two backups; (config, output folder)."""
+    config = write_config(tmp_path, cache)
+    output = tmp_path / "run"
+    proc = train_process(config, "--quiet")
+    assert wait_for(lambda: len(list_backups(output)) >= 2), proc.communicate()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode == 143, err
+    return config, output
+
+
+def test_resume_latest_passes_over_a_truncated_backup(tmp_path, tempera_cache):
+    config, output = stopped_run(tmp_path, tempera_cache)
+    (older_step, older), (_, newest) = list_backups(output)[-2:]
+    truncate(newest)
+    proc = train_process(config, "--resume", "latest", "--set", "training.max_steps=" +
+                         str(older_step + 2))
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err
+    assert "skipped a damaged backup" in err and str(newest / TENSORS) in err, err
+    record = json.loads((output / "run.json").read_text())
+    assert record["status"] == "finished" and record["resumed_from"] == str(older)
+    assert str(newest / TENSORS) in record["resume_skipped_backups"][0]
+
+
+def test_a_damaged_backup_named_explicitly_exits_2_and_writes_nothing(tmp_path, tempera_cache):
+    config, output = stopped_run(tmp_path, tempera_cache)
+    _, newest = list_backups(output)[-1]
+    truncate(newest)
+    before = fingerprint(output)
+    proc = train_process(config, "--resume", str(newest))
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode == 2, err
+    assert str(newest / TENSORS) in err and "cannot be read" in err, err
+    assert fingerprint(output) == before
+    assert json.loads((output / "run.json").read_text())["status"] == "stopped"
