@@ -98,11 +98,19 @@ class RecordingCallbacks(NullCallbacks):
         self.errors.append(message)
 
 
+class StopRequested(Exception):
+    """Work that runs before or between training steps (latent caching) was abandoned between
+    two of its units because the front end asked to stop."""
+
+
 class TrainerCommands:
-    """Thread-safe requests from a front end, polled by the trainer once per step."""
+    """Thread-safe requests from a front end, polled by the trainer once per step and, for
+    Stop, between the units of longer work (denoising steps of a sample, latent batches)."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        # Re-entrant: a signal handler (SIGTERM -> request_stop) runs on the main thread,
+        # possibly while that thread is inside `stop_requested`; a plain Lock would deadlock.
+        self._lock = threading.RLock()
         self._stop = False
         self._save = False
         self._sample = False

@@ -28,6 +28,7 @@ from modules.data.errors import DatasetError
 from modules.data.folders import ScanItem
 from modules.data.images import (TargetSize, coin_flip, open_rgb, plan_crop,
                                  prepare_image, target_hw)
+from modules.events import StopRequested
 from modules.util.atomic import atomic_file
 
 logger = logging.getLogger("tempera.data")
@@ -233,7 +234,8 @@ def cache_latents(items: Sequence[ScanItem], encode_fn: EncodeFn, cache: LatentC
                   resolution: int, center_crop: bool = True, random_flip: bool = False,
                   seed: int = 0, batch_size: int = 4,
                   progress_callback: ProgressCallback | None = None,
-                  target_sizes: Sequence[tuple[int, int]] | None = None) -> CacheStats:
+                  target_sizes: Sequence[tuple[int, int]] | None = None,
+                  should_stop: Callable[[], bool] = lambda: False) -> CacheStats:
     """Make sure every image in `items` has its latent(s) in `cache`; encode the missing ones.
 
     `encode_fn` maps a CPU float32 pixel batch (B, 3, H, W) in [-1, 1] to latents (B, ...):
@@ -244,6 +246,8 @@ def cache_latents(items: Sequence[ScanItem], encode_fn: EncodeFn, cache: LatentC
     random crop, each image gets one crop drawn from (seed, content), so the cache stays valid
     across runs; a warning says new crops per epoch need caching off.
     `progress_callback(done, total)` counts latents resolved (hit or encoded).
+    `should_stop` is asked before each image is looked up and each batch is encoded; when it
+    says so, StopRequested is raised (every latent stored so far is whole and stays cached).
     """
     if not center_crop:
         logger.warning("random crop with cached latents: each image keeps one random crop drawn "
@@ -255,6 +259,9 @@ def cache_latents(items: Sequence[ScanItem], encode_fn: EncodeFn, cache: LatentC
     flips = (False, True) if random_flip else (False,)
     total, pending = len(targets) * len(flips), []
     for path, target in targets.items():
+        if should_stop():
+            raise StopRequested(f"latent caching stopped after {stats.hits} of {total} "
+                                "latents were checked")
         content = cache.hasher.sha256(path)
         crop_rng = None if center_crop else random.Random(derive_seed("crop", seed, content))
         crop = plan_crop(item_of[path].oriented_size(), target, center_crop, crop_rng)
@@ -267,6 +274,9 @@ def cache_latents(items: Sequence[ScanItem], encode_fn: EncodeFn, cache: LatentC
             else:
                 pending.append(_Pending(path, key, target, crop, flip))
     for batch in _same_size_batches(pending, batch_size):
+        if should_stop():
+            raise StopRequested(f"latent caching stopped with {stats.hits + stats.misses} of "
+                                f"{total} latents cached")
         _encode_batch(batch, encode_fn, cache)
         stats.misses += len(batch)
         _report(progress_callback, stats.hits + stats.misses, total)

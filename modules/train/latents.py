@@ -1,6 +1,8 @@
 """Latent caching for a run: encode every image once with the run's VAE, then train on latents."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from modules.data.dataset import ImageCaptionDataset
@@ -10,8 +12,11 @@ from modules.train.prepare import PreparedRun
 
 
 def cached_latent_dataset(dataset: ImageCaptionDataset, prepared: PreparedRun,
-                          callbacks: TrainerCallbacks) -> CachedLatentDataset:
+                          callbacks: TrainerCallbacks,
+                          should_stop: Callable[[], bool] = lambda: False
+                          ) -> CachedLatentDataset:
     """Fill the on-disk latent cache for the dataset's images and return a latent dataset.
+    Stop (`should_stop`) is honoured between batches: StopRequested.
 
     Cached latents are the VAE posterior's mean × scaling factor (deterministic, so the cache
     is reusable across runs); the pixel path samples the posterior instead.
@@ -31,7 +36,7 @@ def cached_latent_dataset(dataset: ImageCaptionDataset, prepared: PreparedRun,
     stats = cache_latents(dataset.items, encode, cache, dataset.resolution,
                           center_crop=dataset.center_crop, random_flip=dataset.random_flip,
                           seed=dataset.seed, progress_callback=progress,
-                          target_sizes=dataset.target_sizes)
+                          target_sizes=dataset.target_sizes, should_stop=should_stop)
     callbacks.on_status(f"latent cache: {stats.hits} reused, {stats.misses} encoded")
     return CachedLatentDataset(dataset.items, stats.entries, cache,
                                random_flip=dataset.random_flip, seed=dataset.seed,

@@ -292,7 +292,9 @@ class Run:
                 "ranks_in_sync": max(checksums) - min(checksums) <= 1e-6 * max(1.0, abs(checksums[0])),
                 "weight_checksums": checksums, "compiled_code_ran_on_all_ranks": ran_everywhere}
 
-    def sample(self) -> None:
+    def sample(self, should_stop: Callable[[], bool] = lambda: False) -> None:
+        """Sample every prompt; `should_stop` (Stop) is asked between prompts and denoising
+        steps, so a stop does not wait for the whole pass."""
         if not self.dist.is_main:
             return
         self.callbacks.on_status(f"sampling at step {self.step}")
@@ -301,7 +303,11 @@ class Run:
         # would otherwise recompile the training graphs for work that is not the hot path.
         with self.averaged_weights(), self.guard.bypassed():
             rows = sample_images(self.bundle, self.config, self.device, self.step,
-                                 self.output_dir / "samples")
+                                 self.output_dir / "samples", should_stop)
+        if len(rows) < len(self.config.sampling.prompts):
+            self.callbacks.on_status(f"sampling at step {self.step} cut short by Stop "
+                                     f"({len(rows)} of {len(self.config.sampling.prompts)} "
+                                     "samples written)")
         for i, (path, prompt, image) in enumerate(rows):
             self.record.add_file(path)
             self.callbacks.on_sample(path, prompt, self.step)

@@ -7,6 +7,7 @@ TensorBoard writer into one `Run`, and loads the backup being resumed into it.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -16,7 +17,7 @@ from modules.config.problems import ConfigError, Problem
 from modules.config.schema import MixedPrecision
 from modules.data.buckets import assign_buckets, bucket_counts, describe_buckets
 from modules.data.dataset import ImageCaptionDataset, epoch_batch_sampler, expand_repeats
-from modules.events import TrainerCallbacks
+from modules.events import StopRequested, TrainerCallbacks, TrainerCommands
 from modules.train.backup import ResumePoint, backups_folder, load_states, restore_run
 from modules.train.builders import (build_lr_scheduler, build_optimizer, float32_precision,
                                     step_budget)
@@ -33,13 +34,15 @@ from modules.train.weights import (apply_unet_memory_format, enable_gradient_che
                                    prepare_trainable, trained_components)
 
 
-def start_run(prepared: PreparedRun, callbacks: TrainerCallbacks, dist: Distributed) -> Run:
+def start_run(prepared: PreparedRun, callbacks: TrainerCallbacks, dist: Distributed,
+              commands: TrainerCommands | None = None) -> Run:
     """Create the output folder and everything the loop needs; the first write happens here.
-    The output folder's lock is let go again if building the run fails."""
+    The output folder's lock is let go again if building the run fails. A Stop during latent
+    caching raises StopRequested, with run.json saying `stopped`."""
     lock = (take_output_lock(Path(prepared.config.output.dir), callbacks) if dist.is_main
             else None)
     try:
-        return build_run(prepared, callbacks, dist, lock)
+        return build_run(prepared, callbacks, dist, lock, commands or TrainerCommands())
     except BaseException:
         if lock is not None:
             lock.release()
@@ -47,7 +50,7 @@ def start_run(prepared: PreparedRun, callbacks: TrainerCallbacks, dist: Distribu
 
 
 def build_run(prepared: PreparedRun, callbacks: TrainerCallbacks, dist: Distributed,
-              lock: OutputLock | None) -> Run:
+              lock: OutputLock | None, commands: TrainerCommands) -> Run:
     config, bundle = prepared.config, prepared.bundle
     device = dist.device or prepared.device
     output_dir = Path(config.output.dir)
@@ -88,7 +91,12 @@ def build_run(prepared: PreparedRun, callbacks: TrainerCallbacks, dist: Distribu
         module.to(device)
     apply_unet_memory_format(bundle, config)
 
-    dataset = build_dataset(prepared, callbacks)
+    try:
+        dataset = build_dataset(prepared, callbacks, lambda: commands.stop_requested)
+    except StopRequested:
+        # no step was trained: nothing to back up; a resumed run's backups stay as they were
+        record.write(status="stopped", stopped_during="latent caching")
+        raise
     batches = epoch_batch_sampler(len(dataset), config.training.batch_size,
                                   config.training.seed, rank=dist.rank,
                                   world_size=dist.world_size,
@@ -216,7 +224,8 @@ def bucket_record(target_sizes: list[tuple[int, int]], batches) -> dict:
             "short_batches_per_epoch": batches.short_batches()}
 
 
-def build_dataset(prepared: PreparedRun, callbacks: TrainerCallbacks) -> ImageCaptionDataset:
+def build_dataset(prepared: PreparedRun, callbacks: TrainerCallbacks,
+                  should_stop: Callable[[], bool] = lambda: False) -> ImageCaptionDataset:
     """The training dataset, with latents encoded into the on-disk cache first when enabled.
 
     With `data.aspect_buckets` each item gets the bucket nearest its aspect ratio, from the
@@ -233,7 +242,7 @@ def build_dataset(prepared: PreparedRun, callbacks: TrainerCallbacks) -> ImageCa
     if not config.data.cache_latents:
         return dataset
     from modules.train.latents import cached_latent_dataset
-    return cached_latent_dataset(dataset, prepared, callbacks)
+    return cached_latent_dataset(dataset, prepared, callbacks, should_stop)
 
 
 def apply_changed_learning_rates(run: Run) -> None:

@@ -12,7 +12,8 @@ import torch
 
 from modules.config.problems import ConfigError
 from modules.config.schema import Config, MixedPrecision
-from modules.events import NullCallbacks, Progress, TrainerCallbacks, TrainerCommands
+from modules.events import (NullCallbacks, Progress, StopRequested, TrainerCallbacks,
+                            TrainerCommands)
 from modules.train.objectives import diffusion_mse, drop_captions, min_snr_weights, offset_noise
 from modules.train.distributed import init_distributed
 from modules.train.history import record_compile_time
@@ -57,7 +58,13 @@ def train(config: Config, callbacks: TrainerCallbacks | None = None,
     with dist.main_first():  # rank 0 builds cached built-ins before the others look for them
         prepared: PreparedRun = prepare_run(config, callbacks)  # may raise ConfigError
     dist.barrier()  # every rank validated before rank 0 writes the first file
-    run = start_run(prepared, callbacks, dist)
+    try:
+        run = start_run(prepared, callbacks, dist, commands)
+    except StopRequested as stop:  # before the first step: nothing to back up or save
+        steps = prepared.resume.step if prepared.resume else 0
+        callbacks.on_status(f"stopped before training began ({stop}); nothing was trained, "
+                            "so no backup or weights were written")
+        return RunResult("stopped", steps, Path(config.output.dir), {"status": "stopped"})
     try:
         result = training_loop(run, callbacks, commands)
         if dist.is_main:  # what a front end shows as the expected compile time next time
@@ -207,7 +214,7 @@ def training_loop(run: Run, callbacks: TrainerCallbacks, commands: TrainerComman
 
         every_sample = config.sampling.every_steps
         if commands.take_sample() or (every_sample and run.step % every_sample == 0):
-            run.sample()
+            run.sample(lambda: commands.stop_requested)
         every_save = config.output.save_every_steps
         if commands.take_save() or (every_save and run.step % every_save == 0
                                     and run.step < run.budget.total_steps):
@@ -227,7 +234,7 @@ def training_loop(run: Run, callbacks: TrainerCallbacks, commands: TrainerComman
         callbacks.on_status("stopped before the first optimizer step: no weights saved")
         run.record.write(final="not saved: stopped before the first optimizer step")
     if config.sampling.prompts and status == "finished" and state.last_sample_step != run.step:
-        run.sample()
+        run.sample(lambda: commands.stop_requested)
     run.record.write(status=status, compile=run.guard.report(),
                      skipped_steps=state.skipped_steps,
                      batch_shapes=run.shape_log.report(run.recompiles()),
