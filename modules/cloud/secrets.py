@@ -2,74 +2,20 @@
 
 Secrets never belong in configs, presets, run records or anything committed: they come from a
 secrets file outside the repo or from environment variables the user names (docs/cloud.md).
-The same table (`SECRET_PATTERNS`) serves every guard: `push-and-train`, the training repo's
-pre-push hook, the GPU machine's pre-receive hook (`modules.cloud.pre_receive`) and the check
+The same table (`SECRET_PATTERNS`, in modules/util/secrets.py) serves every guard:
+`push-and-train`, the training repo's pre-push hook, the GPU machine's pre-receive hook (`modules.cloud.pre_receive`) and the check
 of what a run copies into its folders. Findings never echo a value: only where it is, what it
 looks like and a masked form (`hf_a…(37 chars)`).
 """
 from __future__ import annotations
 
-import fnmatch
-import re
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 from modules.cloud.git import ZERO_SHA, commit_exists, git
-
-# File names where a bare 40-hex value or a netrc `login`/`password` word pair is a credential
-# (a WandB API key is 40 hex digits; ~/.netrc holds `machine api.wandb.ai login user password
-# KEY`). Elsewhere 40 hex digits are usually a commit sha and are not refused.
-CREDENTIAL_FILES = ("*netrc*", "*wandb*", ".env", ".env.*", "*.env", "*secret*", "*credential*")
-
-
-@dataclass(frozen=True)
-class SecretPattern:
-    """One row: what it is, the regex (its `value` group, else the whole match, is the secret),
-    and the file names it applies to (None: every file, commit messages too)."""
-    kind: str
-    regex: re.Pattern
-    files: tuple[str, ...] | None = None
-
-
-SECRET_PATTERNS: list[SecretPattern] = [
-    SecretPattern("Hugging Face token", re.compile(r"\bhf_[A-Za-z0-9]{30,}\b")),
-    SecretPattern("GitHub token",
-                  re.compile(r"\b(?:gh[pousr]_[A-Za-z0-9]{30,}|github_pat_[A-Za-z0-9_]{40,})\b")),
-    SecretPattern("GitLab token", re.compile(r"\bglpat-[A-Za-z0-9_-]{20,}\b")),
-    SecretPattern("private key", re.compile(r"-----BEGIN (?:[A-Z0-9]+ )*PRIVATE KEY(?: BLOCK)?-----")),
-    SecretPattern("AWS access key id", re.compile(r"\b(?:AKIA|ASIA|ABIA|ACCA)[0-9A-Z]{16}\b")),
-    SecretPattern("Google API key", re.compile(r"\bAIza[0-9A-Za-z_-]{35}\b")),
-    SecretPattern("OpenAI-style API key", re.compile(r"\bsk-(?:proj-)?[A-Za-z0-9_-]{32,}\b")),
-    SecretPattern("Stripe key", re.compile(r"\b[sr]k_live_[A-Za-z0-9]{20,}\b")),
-    SecretPattern("Slack token", re.compile(r"\bxox[abposr]-[A-Za-z0-9-]{10,}\b")),
-    SecretPattern("Azure storage key", re.compile(r"AccountKey=(?P<value>[A-Za-z0-9+/=]{40,})")),
-    SecretPattern("netrc password",
-                  re.compile(r"\bmachine\s+\S+\s+(?:login\s+\S+\s+)?password\s+(?P<value>\S+)")),
-    SecretPattern("netrc password", re.compile(r"^\s*password\s+(?P<value>\S+)"), CREDENTIAL_FILES),
-    SecretPattern("netrc login", re.compile(r"^\s*(?:machine\s+\S+\s+)?login\s+(?P<value>\S+)"),
-                  CREDENTIAL_FILES),
-    SecretPattern("40-hex API key (WandB style)",
-                  re.compile(r"(?<![0-9a-fA-F])(?P<value>[0-9a-f]{40})(?![0-9a-fA-F])"),
-                  CREDENTIAL_FILES),
-]
-
-# A key whose name ends in one of these words, followed by `:` or `=` and a value:
-# `"hub_token": "abc"`, `password=abc`, `aws_secret_access_key: abc`. `tokenizer` does not match.
-_KEY_WORDS = r"(?:password|passwd|passphrase|secret|token|api[_-]?key|access[_-]?key|private[_-]?key)"
-KEY_VALUE = re.compile(
-    r"(?<![A-Za-z0-9_.-])[\"']?(?P<key>[A-Za-z0-9_.-]*" + _KEY_WORDS + r")[\"']?\s*[:=]\s*"
-    r"(?P<value>\"[^\"]*\"|'[^']*'|<[^>]*>|[^\s,#}\]]+)", re.IGNORECASE)
-
-# Values that name where a secret comes from instead of holding it.
-_NOT_A_SECRET = re.compile(r"^(?:|null|none|true|false|[-+]?\d+(?:\.\d+)?|\$\{?[A-Za-z_][A-Za-z0-9_]*\}?"
-                           r"|env:[A-Za-z_][A-Za-z0-9_]*|<[^>]*>|\*+|\.\.\.)$", re.IGNORECASE)
-
-
-def mask(value: str) -> str:
-    """Enough of a value to recognise which one it is, never enough to use it."""
-    value = value.strip("\"'")
-    shown = value[:3] if len(value) >= 12 else ""
-    return f"{shown}…({len(value)} chars)"
+# The table itself is below the config and the engine, which use it too (modules/util/secrets.py).
+from modules.util.secrets import (  # noqa: F401 - re-exported for the cloud guards and tests
+    CREDENTIAL_FILES, KEY_VALUE, NOT_A_SECRET, SECRET_PATTERNS, SecretPattern, applies_to, mask)
 
 
 @dataclass(frozen=True)
@@ -82,16 +28,6 @@ class Finding:
     def __str__(self) -> str:
         value = f" [{self.masked}]" if self.masked else ""
         return f"{self.where}:{self.line}: looks like a {self.kind}{value}"
-
-
-def applies_to(pattern: SecretPattern, file_name: str | None) -> bool:
-    """Whether a row applies to a file (by its base name); rows for every file apply to all."""
-    if pattern.files is None:
-        return True
-    if not file_name:
-        return False
-    base = PurePosixPath(file_name).name.lower()
-    return any(fnmatch.fnmatch(base, glob) for glob in pattern.files)
 
 
 def scan_text(text: str, where: str, file_name: str | None = None) -> list[Finding]:
@@ -113,7 +49,7 @@ def scan_text(text: str, where: str, file_name: str | None = None) -> list[Findi
                 findings.append(Finding(where, number, row.kind, mask(value)))
         for match in KEY_VALUE.finditer(line):
             value = match.group("value").strip("\"'").strip()
-            if not _NOT_A_SECRET.match(value):
+            if not NOT_A_SECRET.match(value):
                 findings.append(Finding(where, number,
                                         f"secret value for key '{match.group('key')}'", mask(value)))
     return findings

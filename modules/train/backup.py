@@ -182,9 +182,9 @@ def save_backup(run, boundary: BoundaryState, reason: str) -> Path:
         raise NonFiniteBackup(f"the backup at step {boundary.training['step']} was not written: "
                               f"{len(bad)} of its {len(tensors)} tensors hold NaN or inf "
                               f"({describe_tensors(bad)})")
-    from modules.config.loader import to_dict
+    from modules.config.secret_settings import masked_config
     info = {"format": FORMAT, "step": boundary.training["step"], "reason": reason,
-            "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "config": to_dict(run.config),
+            "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "config": masked_config(run.config),
             "states": structure}
 
     def write(tmp: Path) -> None:

@@ -13,6 +13,7 @@ import torch
 from modules.config.loader import from_dict, to_dict
 from modules.config.problems import ConfigError, Problem
 from modules.config.schema import BUILTIN_PREFIX, Config
+from modules.config.secret_settings import masked_config, secret_warnings
 from modules.config.validate import validate
 from modules.data.folders import DatasetError, DatasetSource, ScanResult, scan_datasets
 from modules.events import TrainerCallbacks
@@ -83,6 +84,8 @@ def check_run(config: Config, callbacks: TrainerCallbacks) -> CheckedRun:
         problems = check_inputs(config)
     if problems:
         raise ConfigError(problems)
+    for warning in secret_warnings(config):
+        callbacks.on_status(warning)
     cache_dir = cache_dir_for(config.general.cache_dir)
     resolved = from_dict(to_dict(config))
     resolved.general.cache_dir = str(cache_dir)
@@ -135,8 +138,9 @@ def check_resume(resolved: Config, callbacks: TrainerCallbacks) -> ResumePoint |
         raise ConfigError([finished])
     callbacks.on_status("checking the backup to resume")
     try:
+        # backup.json holds the config masked (modules/config/secret_settings.py): compare alike
         point = resume_point(Path(resolved.output.dir), resolved.training.resume_from,
-                             to_dict(resolved))
+                             masked_config(resolved))
         for why in point.skipped:
             callbacks.on_status(f"skipped a damaged backup: {why}")
         return point

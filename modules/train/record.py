@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from modules.util.atomic import atomic_write_text
+from modules.util.secrets import mask_tree
 
 
 def library_versions() -> dict[str, str]:
@@ -108,5 +109,6 @@ class RunRecord:
         self.data.update(updates)
         if not self.enabled:
             return
-        payload = {**self.data, **self.summary(), "losses": self.losses}
+        # a secret-looking value (a token in a prompt, say) is never written down
+        payload = mask_tree({**self.data, **self.summary(), "losses": self.losses})
         atomic_write_text(self.path, json.dumps(payload, indent=2, default=str) + "\n")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from modules.config.loader import save_config
+from modules.config.secret_settings import masked_config
 from modules.config.problems import ConfigError, Problem
 from modules.config.schema import MixedPrecision
 from modules.data.buckets import assign_buckets, bucket_counts, describe_buckets
@@ -29,7 +29,7 @@ from modules.train.record import RunRecord, device_description, library_versions
 from modules.train.run import Run, item_buckets
 from modules.train.state import TrainingState, draws_generator
 from modules.train.text_cache import TextEncoderCache
-from modules.util.atomic import remove_temporaries
+from modules.util.atomic import atomic_write_text, remove_temporaries
 from modules.train.weights import (apply_unet_memory_format, enable_gradient_checkpointing,
                                    prepare_trainable, trained_components)
 
@@ -64,7 +64,9 @@ def build_run(prepared: PreparedRun, callbacks: TrainerCallbacks, dist: Distribu
         clean_output_folder(output_dir, callbacks,
                             overwrite=config.output.overwrite and prepared.resume is None)
         (output_dir / "samples").mkdir(parents=True, exist_ok=True)
-        save_config(config, output_dir / "config.json")
+        # secret-looking values masked (modules/config/secret_settings.py)
+        atomic_write_text(output_dir / "config.json",
+                          json.dumps(masked_config(config), indent=2) + "\n")
     record = RunRecord(output_dir / "run.json", enabled=dist.is_main)
     if prepared.resume is not None:
         continue_record(record, prepared.resume)

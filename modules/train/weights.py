@@ -195,10 +195,12 @@ def write_full_single_file(bundle: ModelBundle, config: Config, folder: Path, st
 
 
 def _metadata(bundle: ModelBundle, config: Config, kind: str, layout: str, step: int) -> dict:
-    from modules.config.loader import to_dict
+    from modules.config.secret_settings import masked_config
     from modules.models.metadata import training_metadata
-    return training_metadata(to_dict(config), config.model.type, config.training.method, kind,
-                             layout=layout, prediction_type=bundle.prediction_type, steps=step)
+    # secret-looking values masked: a weights file is a record too (and is shared)
+    return training_metadata(masked_config(config), config.model.type, config.training.method,
+                             kind, layout=layout, prediction_type=bundle.prediction_type,
+                             steps=step)
 
 
 def save_weights(bundle: ModelBundle, config: Config, folder: Path, step: int) -> list[Path]:
