@@ -362,8 +362,10 @@ def resume_point(output_dir: Path, resume_from: str, current: dict) -> ResumePoi
             folder = candidate
             break
         if folder is None:
-            raise BackupError(f"no intact backup to resume in {backups_folder(output_dir)}"
-                              + (": " + "; ".join(skipped) if skipped else ""))
+            if not skipped:
+                raise BackupError(f"no backup to resume in {backups_folder(output_dir)}")
+            raise BackupError(f"no intact backup to resume in {backups_folder(output_dir)}: "
+                              + "; ".join(skipped))
     else:
         folder = find_backup(output_dir, resume_from)
         info = verify_backup(folder)
