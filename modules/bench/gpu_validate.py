@@ -22,7 +22,6 @@ import io
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tarfile
@@ -31,6 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from modules.util.process import kill_group, last_log_line
 
 REPO = Path(__file__).resolve().parents[2]
 MIB = 2**20
@@ -154,7 +155,7 @@ def run_phase(ctx: Context, jobs: list[Job], kinds: dict[str, Kind],
             running.remove(item)
             timed_out = item.process.poll() is None
             if timed_out:
-                _kill(item.process)
+                kill_group(item.process)
             row = _finish(item, ctx, kinds[item.job.kind], timed_out)
             _record(ctx, row, print_line, row.get("error"))
         if running:
@@ -253,7 +254,7 @@ def _finish(item: _Running, ctx: Context, kind: Kind, timed_out: bool) -> dict[s
         status = extra.pop("status", None) or ("ok" if code == 0 else "failed")
         error = extra.pop("error", None)
         if status != "ok" and not error:  # a crash's cause is in its log, not the missing file
-            error = (last_line(item.folder / "log.txt") if code else None) or \
+            error = (last_log_line(item.folder / "log.txt") if code else None) or \
                 extra.get("collect_error")
     return _row(item.job, status, seconds, error=error, exit_code=item.process.returncode,
                 **extra)
@@ -264,23 +265,6 @@ def _row(job: Job, status: str, seconds: float, **extra: Any) -> dict[str, Any]:
             "answers": job.answers, **{k: v for k, v in job.spec.items()
                                        if k in ("backend", "model", "compare_with")},
             **{k: v for k, v in extra.items() if v is not None}}
-
-
-def _kill(process: subprocess.Popen) -> None:
-    """Kill the job and its compile workers (its own process group, started by us)."""
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    process.wait()
-
-
-def last_line(log: Path) -> str:
-    try:
-        lines = [x.strip() for x in log.read_text("utf-8", "replace").splitlines() if x.strip()]
-    except OSError:
-        return "no log"
-    return lines[-1][:400] if lines else "the job exited without output"
 
 
 def log_tail(log: Path, lines: int = LOG_TAIL_LINES) -> str:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,7 @@ from modules.bench.matrix import Cell, cell_config, expand_matrix
 from modules.bench.timeouts import cell_timeout_seconds, unet_parameters
 from modules.config import Config, to_dict
 from modules.util.errors import first_line
+from modules.util.process import kill_group, last_log_line
 
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 POLL_SECONDS = 0.25
@@ -226,7 +226,7 @@ def _run_phase(config: Config, folder: Path, phase: str, steps: int, warmup: int
     if outcome is not None:
         return {"status": outcome[0], "error": outcome[1]}
     if not result_path.is_file():
-        return {"status": "failed", "error": _last_log_line(folder / f"{phase}.log")}
+        return {"status": "failed", "error": last_log_line(folder / f"{phase}.log")}
     return json.loads(result_path.read_text(encoding="utf-8"))
 
 
@@ -240,25 +240,10 @@ def _wait(command: list[str], env: dict[str, str], log, timeout: tuple[float, st
     deadline = time.monotonic() + seconds
     while process.poll() is None:
         if time.monotonic() > deadline:
-            _kill(process)
+            kill_group(process)
             return "timeout", f"timed out after {seconds:g} s ({why})"
         if stop():
-            _kill(process)
+            kill_group(process)
             return "skipped", "benchmark stopped"
         time.sleep(POLL_SECONDS)
     return None
-
-
-def _kill(process: subprocess.Popen) -> None:
-    """Kill the cell and its inductor compile workers (its own session, started by us)."""
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    process.wait()
-
-
-def _last_log_line(log_path: Path) -> str:
-    lines = [line.strip() for line in log_path.read_text(encoding="utf-8").splitlines()
-             if line.strip()]
-    return lines[-1] if lines else "the cell exited without a result"
