@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from modules.util.process import kill_group, last_log_line
+from modules.util.process import kill_group, last_log_line, with_repo_on_pythonpath
 
 REPO = Path(__file__).resolve().parents[2]
 MIB = 2**20
@@ -105,9 +105,8 @@ def child_env(threads: int) -> dict[str, str]:
     """The jobs' environment: offline, unbuffered, a bounded compile thread count, and this
     checkout on PYTHONPATH *in front of* what is there (the GPU image keeps diffusers in .site/
     on PYTHONPATH: replacing it would lose it)."""
-    path = os.environ.get("PYTHONPATH", "")
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), path) if p),
-            "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+    return {**with_repo_on_pythonpath(repo=REPO), "PYTHONUNBUFFERED": "1",
+            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
             "TORCHINDUCTOR_COMPILE_THREADS": str(max(1, threads))}
 
 

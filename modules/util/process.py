@@ -4,7 +4,22 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+from collections.abc import Mapping
 from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def with_repo_on_pythonpath(env: Mapping[str, str] | None = None,
+                            repo: Path = REPO) -> dict[str, str]:
+    """A copy of ``env`` (default: this process's environment) with ``repo`` prepended to
+    PYTHONPATH and every existing entry kept after it: a child must import this checkout's
+    `modules/`, and also what PYTHONPATH already named (the GPU machine's image keeps diffusers
+    in a `.site/` folder named only there: ../shared/gpu/README.md)."""
+    child = dict(os.environ if env is None else env)
+    existing = child.get("PYTHONPATH", "")
+    child["PYTHONPATH"] = os.pathsep.join([str(repo), existing]) if existing else str(repo)
+    return child
 
 
 def kill_group(process: subprocess.Popen) -> None:
