@@ -119,7 +119,7 @@ def test_an_error_at_run_start_is_one_line_not_a_traceback(tmp_path, tempera_cac
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device", str(tmp_path / "out" / "config.json"))
 
-    monkeypatch.setattr(start, "save_config", disk_full)
+    monkeypatch.setattr(start, "atomic_write_text", disk_full)  # config.json is written first
     assert main(["--config", str(config_file), "--quiet"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: the run could not start: OSError: [Errno 28]")
