@@ -497,3 +497,22 @@ def set_readonly_text(box: Any, text: str) -> None:
     box.delete("1.0", "end")
     box.insert("1.0", text)
     box.configure(state="disabled")
+
+
+def bind_select_all(root: Any) -> None:
+    """Ctrl+A selects the whole text of an entry or text box, as on other desktops. Tk's own
+    class bindings make it "go to the line's start" (Emacs keys) on X11, which loses a user
+    who wants to replace a value."""
+    def entry_select_all(event: Any) -> str:
+        event.widget.select_range(0, "end")
+        event.widget.icursor("end")
+        return "break"
+
+    def text_select_all(event: Any) -> str:
+        event.widget.tag_add("sel", "1.0", "end-1c")
+        event.widget.mark_set("insert", "end-1c")
+        return "break"
+
+    for sequence in ("<Control-a>", "<Control-A>"):
+        root.bind_class("Entry", sequence, entry_select_all)
+        root.bind_class("Text", sequence, text_select_all)

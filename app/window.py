@@ -30,7 +30,7 @@ from app.run_panel import RunPanel
 from app.runner import Event, TrainFn, TrainingWorker, run_in_thread
 from app.settings import DEFAULT_SETTINGS_PATH, SCALES, load_settings, save_settings
 from app.thread_guard import ThreadGuard, tk_thread_only
-from app.widgets import grid_hide, set_label_enabled
+from app.widgets import bind_select_all, grid_hide, set_label_enabled
 from modules.config import Config, ConfigError, Problem, load_config, validate
 from modules.model_types import MODEL_TYPES
 from modules.train.inputs import check_inputs
@@ -46,13 +46,19 @@ def ask_yes_no(title: str, message: str) -> bool:
     return messagebox.askyesno(title, message)
 
 
+def ask_yes_no_cancel(title: str, message: str) -> bool | None:
+    """Yes (True), No (False) or Cancel (None)."""
+    return messagebox.askyesnocancel(title, message)
+
+
 class TemperaApp(ctk.CTk):
     def __init__(self, settings_path: Path | None = None, builtin_presets_dir: Path | None = None,
                  train_fn: TrainFn | None = None, confirm: Callable[[str, str], bool] | None = None,
                  ask_save_path: Callable[[Path], str | None] | None = None,
                  explain_fn: Callable[[Config], Any] | None = None, poll_ms: int = 50,
                  bench_fn: BenchFn | None = None,
-                 initial_preset: Path | None = None) -> None:
+                 initial_preset: Path | None = None,
+                 ask_unsaved: Callable[[str, str], bool | None] | None = None) -> None:
         self.settings_path = Path(settings_path or DEFAULT_SETTINGS_PATH).expanduser()
         self.settings, settings_warning = load_settings(self.settings_path)
         apply_scaling(self.settings.scaling)
@@ -66,6 +72,7 @@ class TemperaApp(ctk.CTk):
         self.train_fn, self.explain_fn, self.poll_ms = train_fn, explain_fn, poll_ms
         self.bench_fn = bench_fn
         self.confirm = confirm or ask_yes_no
+        self.ask_unsaved = ask_unsaved or ask_yes_no_cancel  # save / discard / cancel
         self.ask_save_path = ask_save_path or self._ask_save_path
         self.guard = ThreadGuard()
         self.binding = ConfigBinding()
@@ -103,6 +110,7 @@ class TemperaApp(ctk.CTk):
         self.dirty = False  # edits since the preset was loaded or saved
         self.expected_compile: float | None = None
         self.protocol("WM_DELETE_WINDOW", self.on_close)
+        bind_select_all(self)
         self._fit_id: str | None = None
         self.bind("<Configure>", self._resized, add="+")
         if settings_warning:
@@ -194,6 +202,8 @@ class TemperaApp(ctk.CTk):
         self.preset_menu.configure(values=labels)
         current = next((p.label for p in self.presets if self.current_preset
                         and p.path.resolve() == self.current_preset.resolve()), None)
+        if current is None and self.current_preset is not None:
+            current = self.current_preset.name  # a file from elsewhere (--config): its name
         self.preset_menu.set(current or labels[0])
 
     def _load_initial(self, initial: Path | None) -> None:
@@ -212,6 +222,7 @@ class TemperaApp(ctk.CTk):
         if self.dirty and not self.confirm(
                 "Discard your changes?", "The settings were changed since the preset was loaded "
                 f"or saved. Load {entry.label} and lose those changes?"):
+            self.refresh_presets()  # the menu shows what is still loaded, not the declined one
             return False
         return self.load_preset(entry.path)
 
@@ -359,9 +370,12 @@ class TemperaApp(ctk.CTk):
             if view is not None and not view.error:
                 view.show_error(problem.detail())
                 self._problem_marks.append(view)
-        height = min(max(len(problems), 1), 4) * 30
-        self.problems_list.configure(height=height)
-        self.problems_list._scrollbar.configure(height=height)  # its own minimum is 200 px
+        if not self.problems_frame.winfo_manager():
+            # Sized when it opens and kept while it is open (a longer list scrolls): a panel
+            # that shrank as problems were fixed moved the fields under the pointer.
+            height = min(max(len(problems), 1), 4) * 30
+            self.problems_list.configure(height=height)
+            self.problems_list._scrollbar.configure(height=height)  # its own minimum is 200 px
         self.problems_frame.grid(row=2, column=0, sticky="ew", padx=8, pady=(4, 0))
 
     def describe(self, problem: Problem, keys: bool = False) -> str:
@@ -750,9 +764,19 @@ class TemperaApp(ctk.CTk):
             self.run_panel.log(f"could not save GUI settings {self.settings_path}: {exc}")
 
     def on_close(self) -> None:
-        """Closing while training asks, requests stop and waits for the clean save first."""
+        """Unsaved edits are saved, discarded or keep the window open, as the user answers;
+        closing while training asks, requests stop and waits for the clean save first."""
         if self.closing:
             return
+        if self.dirty:
+            name = self.current_preset.name if self.current_preset else "the settings"
+            answer = self.ask_unsaved(
+                "Save your changes?", f"The settings were changed since {name} was loaded or "
+                "saved. Save them before closing? (No closes without saving.)")
+            if answer is None:
+                return
+            if answer and self.save() is None:  # Save as… cancelled, or the save failed
+                return
         if self.training:
             if not self.confirm("Training is running",
                                 "Stop training, save a checkpoint and close the window?"):

@@ -83,6 +83,7 @@ def make_app(display, tmp_path):
     def make(**kwargs):
         kwargs.setdefault("settings_path", tmp_path / "ui.json")
         kwargs.setdefault("confirm", lambda title, message: True)
+        kwargs.setdefault("ask_unsaved", lambda title, message: False)  # discard on close
         kwargs.setdefault("builtin_presets_dir", REPO / "training_presets")
         app = TemperaApp(**kwargs)
         app.update()

@@ -1,0 +1,145 @@
+"""Issue 33 item 8: the desktop app's remaining traps, through the window with real pointer and
+keyboard input (xdotool) where the trap is about input."""
+from __future__ import annotations
+
+import json
+import pytest
+
+from tests.app import xdo
+from tests.app.conftest import pump
+
+
+@pytest.fixture
+def real_input(display):
+    if not xdo.available():
+        pytest.skip("real input needs xdotool (bash scripts/ensure_xvfb.sh)")
+
+
+def shown(app) -> None:
+    """The window on screen at a known size, with its layout settled."""
+    app.geometry("1200x800+0+0")
+    xdo.settle(app, 0.5)
+
+
+def write_preset(path, max_steps: int):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"config_version": 1, "training": {"max_steps": max_steps}}))
+    return path
+
+
+def test_closing_with_unsaved_edits_asks_save_discard_or_cancel(make_app, tmp_path, real_input):
+    answers, asked = [None], []
+    app = make_app(ask_unsaved=lambda title, message: asked.append(title) or answers[0])
+    preset = write_preset(tmp_path / "presets" / "mine.json", 7)
+    app.settings.user_presets_dir = str(tmp_path / "presets")
+    assert app.load_preset(preset)
+    shown(app)
+    view = app.registry.find("training.max_steps")
+    app.tabview.set("Training")
+    xdo.settle(app)
+    xdo.click(app, view.entry)
+    xdo.clear_and_type(app, "9")
+    assert app.binding.config.training.max_steps == 9 and app.dirty
+
+    app.on_close()                                    # Cancel: the window and the edit stay
+    assert asked == ["Save your changes?"] and not app.closed
+    assert app.binding.config.training.max_steps == 9
+
+    answers[0] = True                                 # Save: written to the preset, then closed
+    app.on_close()
+    assert app.closed
+    assert json.loads(preset.read_text())["training"]["max_steps"] == 9
+
+
+def test_closing_and_discarding_leaves_the_preset_as_it_was(make_app, tmp_path):
+    app = make_app(ask_unsaved=lambda title, message: False)
+    preset = write_preset(tmp_path / "presets" / "mine.json", 7)
+    assert app.load_preset(preset)
+    app.registry.find("training.max_steps").var.set("9")
+    pump(app)
+    app.on_close()
+    assert app.closed
+    assert json.loads(preset.read_text())["training"]["max_steps"] == 7
+
+
+def test_a_clean_window_closes_without_asking(make_app):
+    asked = []
+    app = make_app(ask_unsaved=lambda title, message: asked.append(title))
+    app.on_close()
+    assert app.closed and asked == []
+
+
+def test_declining_to_discard_keeps_the_loaded_preset_in_the_menu(make_app, tmp_path,
+                                                                   real_input):
+    app = make_app(confirm=lambda title, message: False)
+    app.settings.user_presets_dir = str(tmp_path / "presets")
+    write_preset(tmp_path / "presets" / "a.json", 7)
+    write_preset(tmp_path / "presets" / "b.json", 8)
+    assert app.load_preset(tmp_path / "presets" / "a.json")
+    assert app.preset_menu.get() == "mine / a"
+    app.registry.find("training.max_steps").var.set("9")
+    pump(app)
+    shown(app)
+    app.preset_menu._dropdown_callback("mine / b")    # chosen, then Load clicked: "No"
+    load = next(w for w in app.preset_menu.master.winfo_children()
+                if getattr(w, "cget", None) and _text(w) == "Load")
+    xdo.click(app, load)
+    assert app.binding.config.training.max_steps == 9
+    assert app.current_preset.name == "a.json"
+    assert app.preset_menu.get() == "mine / a"
+
+
+def _text(widget) -> str | None:
+    try:
+        return widget.cget("text")
+    except Exception:  # a frame has no text
+        return None
+
+
+def test_ctrl_a_selects_a_fields_text_so_typing_replaces_it(app, real_input):
+    shown(app)
+    app.tabview.set("Training")
+    xdo.settle(app)
+    view = app.registry.find("training.max_steps")
+    view.var.set("1234")
+    xdo.click(app, view.entry)
+    xdo._xdotool("key", "ctrl+a")
+    xdo._xdotool("type", "--delay", "30", "56")
+    xdo.settle(app)
+    assert app.binding.config.training.max_steps == 56
+
+    prompts = app.registry.find("sampling.prompts")
+    app.tabview.set("Sampling")
+    xdo.settle(app)
+    box = prompts.focus_widget()
+    xdo.click(app, box)
+    xdo._xdotool("type", "--delay", "20", "one")
+    xdo._xdotool("key", "Return")
+    xdo._xdotool("type", "--delay", "20", "two")
+    xdo._xdotool("key", "ctrl+a")
+    xdo._xdotool("type", "--delay", "20", "x")
+    xdo.settle(app, 0.6)
+    assert app.binding.config.sampling.prompts == ["x"]
+
+
+def test_fixing_a_problem_never_moves_the_fields(app, real_input):
+    shown(app)
+    for path, bad in (("training.batch_size", "four"), ("training.learning_rate", "5"),
+                      ("training.max_steps", "x")):
+        app.registry.find(path).var.set(bad)
+    assert app.start_training() is False
+    count = len(app.problem_buttons)
+    assert count >= 3
+    app.tabview.set("Training")
+    xdo.settle(app)
+    rate = app.registry.find("training.learning_rate")
+    epochs = app.registry.find("training.epochs")
+    panel_height = app.problems_frame.winfo_height()
+    before = (epochs.entry.winfo_rooty(), app.tabview.winfo_height())
+    xdo.click(app, rate.entry)
+    xdo._xdotool("key", "ctrl+a")
+    xdo._xdotool("type", "--delay", "30", "0.001")
+    pump(app, lambda: len(app.problem_buttons) == count - 1)  # the list followed the fix
+    xdo.settle(app)
+    assert app.problems_frame.winfo_height() == panel_height
+    assert (epochs.entry.winfo_rooty(), app.tabview.winfo_height()) == before
