@@ -6,6 +6,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from modules.cli.progress import format_duration
 from modules.events import CompileEvent, Progress
 
 
@@ -28,10 +29,14 @@ class TerminalCallbacks:
         if self.quiet or not self.show_bar:
             return
         if self.bar is None:
+            # tqdm's own "remaining" counts steps only; the engine's ETA adds the sampling
+            # passes still to come, so the bar shows that one instead.
             self.bar = tqdm(total=progress.max_steps, unit="step", dynamic_ncols=True,
-                            file=sys.stderr)
+                            file=sys.stderr, bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} "
+                                                        "[{elapsed}, {rate_fmt}{postfix}]")
         self.bar.set_postfix(loss=f"{progress.smoothed_loss:.4f}", lr=f"{progress.lr:.2e}",
-                             epoch=f"{progress.epoch}/{progress.max_epochs}")
+                             epoch=f"{progress.epoch}/{progress.max_epochs}",
+                             eta=format_duration(progress.eta_seconds))
         self.bar.update(progress.step - self.bar.n)
 
     def on_sample(self, path: Path, prompt: str, step: int) -> None:

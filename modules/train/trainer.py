@@ -16,6 +16,7 @@ from modules.events import (NullCallbacks, Progress, StopRequested, TrainerCallb
                             TrainerCommands)
 from modules.train.objectives import diffusion_mse, drop_captions, min_snr_weights, offset_noise
 from modules.train.distributed import init_distributed
+from modules.train.eta import estimated_sample_seconds, eta_seconds, samples_still_due
 from modules.train.history import record_compile_time
 from modules.train.prepare import PreparedRun, prepare_run
 from modules.train.backup_files import list_backups
@@ -179,6 +180,7 @@ def training_loop(run: Run, callbacks: TrainerCallbacks, commands: TrainerComman
     config, state = run.config, run.state
     window = None
     step_started = time.perf_counter()
+    sample_seconds: float | None = None  # the last sampling pass, for the ETA
     callbacks.on_status(f"training {run.budget.total_steps} steps on {run.device.type}"
                         + (f", from step {run.step}" if run.step else ""))
 
@@ -207,14 +209,16 @@ def training_loop(run: Run, callbacks: TrainerCallbacks, commands: TrainerComman
             state.bad_steps = 0
             run.record.losses.append(loss)
             smooth = state.smoothed.update(loss)
-            callbacks.on_progress(progress_event(run, loss, smooth))
+            callbacks.on_progress(progress_event(run, loss, smooth, sample_seconds))
             run.log_scalars(loss, smooth)
         else:
             skip_non_finite_step(run, loss)
 
         every_sample = config.sampling.every_steps
         if commands.take_sample() or (every_sample and run.step % every_sample == 0):
+            sample_started = time.perf_counter()
             run.sample(lambda: commands.stop_requested)
+            sample_seconds = time.perf_counter() - sample_started
         every_save = config.output.save_every_steps
         if commands.take_save() or (every_save and run.step % every_save == 0
                                     and run.step < run.budget.total_steps):
@@ -274,11 +278,19 @@ def skip_non_finite_step(run: Run, loss: float) -> None:
                             "by them and nothing non-finite was saved")
 
 
-def progress_event(run: Run, loss: float, smoothed_loss: float) -> Progress:
+def progress_event(run: Run, loss: float, smoothed_loss: float,
+                   sample_seconds: float | None = None) -> Progress:
+    """Progress after a step; the ETA counts the sampling passes still to come, at the last
+    pass's measured duration (`sample_seconds`) or an estimate before the first."""
     times = run.record.step_seconds[1:] or run.record.step_seconds
     per_step = sorted(times)[len(times) // 2]
-    remaining = run.budget.total_steps - run.step
-    return Progress(step=run.step, max_steps=run.budget.total_steps, epoch=run.state.epoch + 1,
+    config, total = run.config, run.budget.total_steps
+    due = samples_still_due(run.step, total, config.sampling.every_steps,
+                            len(config.sampling.prompts))
+    per_sample = (sample_seconds if sample_seconds is not None
+                  else estimated_sample_seconds(config, per_step))
+    eta, sampling = eta_seconds(total - run.step, per_step, due, per_sample)
+    return Progress(step=run.step, max_steps=total, epoch=run.state.epoch + 1,
                     max_epochs=run.budget.epochs, loss=loss, smoothed_loss=smoothed_loss,
                     lr=run.current_lr(), seconds_per_step=per_step,
-                    eta_seconds=per_step * remaining)
+                    eta_seconds=eta, sampling_eta_seconds=sampling)

@@ -149,6 +149,10 @@ def test_sampling_every_n_steps_writes_pngs_and_tensorboard(tiny_config):
     assert Image.open(result.output_dir / "samples" / samples[0]).size == (64, 64)
     assert [step for _, _, step in callbacks.samples] == [2, 2, 4, 4]
     assert list((result.output_dir / "tensorboard").glob("events.out.tfevents.*"))
+    for p in callbacks.progress:  # the ETA counts the passes at steps 2 and 4 still to come
+        assert p.sampling_eta_seconds > 0
+        steps_part = (p.max_steps - p.step) * p.seconds_per_step
+        assert abs(p.eta_seconds - steps_part - p.sampling_eta_seconds) < 1e-6
 
 
 def test_progress_events_count_steps_and_accumulation(tiny_config):
