@@ -58,6 +58,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from modules.util.library_noise import silence_torchvision_fallback_warnings
+    silence_torchvision_fallback_warnings()  # a warning about a package we never use
     from modules.config import ConfigError, apply_overrides, load_config
     from modules.events import TrainerCommands
     from modules.train.trainer import TrainingError, train

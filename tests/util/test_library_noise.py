@@ -1,0 +1,50 @@
+"""transformers' "requires torchvision" warnings are silenced, and only those (issue 33 item 8 i)."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from modules.util.library_noise import (TORCHVISION_FALLBACK_LOGGER,
+                                        silence_torchvision_fallback_warnings)
+
+REPO = Path(__file__).resolve().parents[2]
+MESSAGE = ("`{0}` requires torchvision (not installed); falling back to `{0}Pil` for backward "
+           "compatibility. Install torchvision to use the default backend, or import `{0}Pil` "
+           "directly to silence this warning.")
+
+
+def test_exactly_the_two_torchvision_messages_are_dropped(caplog):
+    silence_torchvision_fallback_warnings()
+    silence_torchvision_fallback_warnings()  # a second call adds no second filter
+    logger = logging.getLogger(TORCHVISION_FALLBACK_LOGGER)
+    assert len(logger.filters) == 1
+    with caplog.at_level(logging.WARNING, logger=TORCHVISION_FALLBACK_LOGGER):
+        logger.warning(MESSAGE.format("CLIPImageProcessor"))
+        logger.warning(MESSAGE.format("SiglipImageProcessor"))
+        logger.warning(MESSAGE.format("ViTImageProcessor"))   # not ours to hide
+        logger.warning("something else went wrong")
+    shown = [r.getMessage() for r in caplog.records]
+    assert shown == [MESSAGE.format("ViTImageProcessor"), "something else went wrong"]
+
+
+def test_a_runs_output_no_longer_contains_them(tmp_path, tempera_cache):
+    # A fresh process: transformers warns once per process, and sampling and the final save
+    # build a diffusers pipeline, which is where the warnings came from.
+    config = tmp_path / "run.json"
+    config.write_text(json.dumps({
+        "general": {"cache_dir": str(tempera_cache)}, "data": {"resolution": 64},
+        "training": {"max_steps": 1, "batch_size": 2},
+        "sampling": {"prompts": ["a red circle"], "steps": 1},
+        "logging": {"tensorboard": False}, "output": {"dir": "out"}}))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "train.py"), "--config",
+                           str(config), "--quiet"], capture_output=True, text=True, env=env,
+                          timeout=600, cwd=tmp_path)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
+    assert (tmp_path / "out" / "samples" / "step-000001-0.png").is_file()  # it did sample
+    assert "requires torchvision" not in output, output[-3000:]
