@@ -241,6 +241,13 @@ class RunPanel:
         self.plot.add(p.step, p.loss, p.smoothed_loss)
 
     @tk_thread_only
+    def show_earlier_losses(self, points: list[Any]) -> None:
+        """The loss curve of the run a resume continues (`LossPoint`s), before its new steps."""
+        for point in points:
+            self.plot.add(point.step, point.loss, point.smoothed)
+        self.plot.redraw()
+
+    @tk_thread_only
     def redraw_plot(self) -> None:
         self.plot.redraw()
 

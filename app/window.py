@@ -479,6 +479,8 @@ class TemperaApp(ctk.CTk):
             config.training.resume_from = "latest"
         self.hide_problems()
         self.run_panel.reset()
+        if resume:
+            self._show_earlier_run(config)
         self.set_running(True)
         self.expected_compile = expected_compile(config)
         self.run_panel.set_status("Resuming…" if resume else "Starting…")
@@ -489,6 +491,25 @@ class TemperaApp(ctk.CTk):
         self.worker = TrainingWorker(config, self.events, self.train_fn)
         self.worker.start()
         return True
+
+    def _show_earlier_run(self, config: Config) -> None:
+        """A resumed run continues a curve and samples: show the earlier losses (run.json) up
+        to the backup it resumes from, and the newest samples, before its first step."""
+        from modules.train.backup_files import list_backups
+        from modules.train.earlier_run import earlier_losses, latest_samples
+        output = Path(config.output.dir).expanduser()
+        backups = list_backups(output)
+        if not backups:
+            return
+        step = backups[-1][0]
+        points = earlier_losses(output, step)
+        self.run_panel.show_earlier_losses(points)
+        sample_step, samples = latest_samples(output, step)
+        prompts = config.sampling.prompts
+        for index, path in samples:
+            self._show_sample(path, prompts[index] if index < len(prompts) else "", sample_step)
+        self.run_panel.log(f"the run so far: {len(points)} losses up to step {step}"
+                           + (f", samples of step {sample_step}" if samples else ""))
 
     def start_problems(self, resume: bool = False) -> list[Problem]:
         """What a start checks: unparsable fields, the config, and the model, datasets and

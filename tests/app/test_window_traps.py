@@ -143,3 +143,46 @@ def test_fixing_a_problem_never_moves_the_fields(app, real_input):
     xdo.settle(app)
     assert app.problems_frame.winfo_height() == panel_height
     assert (epochs.entry.winfo_rooty(), app.tabview.winfo_height()) == before
+
+
+def test_resuming_shows_the_earlier_loss_curve_and_the_latest_samples(app, tmp_path):
+    import threading
+    from types import SimpleNamespace
+
+    from PIL import Image
+
+    from tests.app.test_run_state import fake_backup
+    output = tmp_path / "out"
+    app.registry.find("output.dir").var.set(str(output))
+    app.registry.find("sampling.prompts").set_text("a red one\na blue one")
+    fake_backup(output, 8)
+    losses = [1.0, 0.9, None, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1]  # step 3 was skipped
+    (output / "run.json").write_text(json.dumps({"status": "running", "losses": losses}))
+    (output / "samples").mkdir()
+    for name in ("step-000004-0", "step-000008-1", "step-000008-0", "step-000010-0"):
+        Image.new("RGB", (64, 64), "red").save(output / "samples" / f"{name}.png")
+    release = threading.Event()
+
+    def fake_train(config, callbacks, commands):
+        release.wait(30)
+        return SimpleNamespace(status="stopped", steps=8, output_dir=output)
+
+    app.train_fn = fake_train
+    import app.window as window
+    original = window.check_inputs
+    window.check_inputs = lambda config: []  # the fake backup is not a loadable one
+    try:
+        assert app.resume_training()
+        plot, panel = app.run_panel.plot, app.run_panel
+        # up to the backup's step 8 (steps 9 and 10 are retrained), the skipped step left out
+        assert plot.steps == [1, 2, 4, 5, 6, 7, 8]
+        assert plot.losses[:2] == [1.0, 0.9]
+        assert plot.smoothed[0] == 1.0 and 0.9 < plot.smoothed[1] < 1.0
+        assert plot.canvas.find_withtag("curve")  # drawn, not only kept
+        assert [p.name for p in panel.sample_paths] == ["step-000008-0.png",
+                                                        "step-000008-1.png"]
+        assert panel.sample_caption.cget("text") == "step 8: a red one | a blue one"
+    finally:
+        release.set()
+        pump(app, lambda: app.worker is None)
+        window.check_inputs = original
