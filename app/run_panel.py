@@ -5,6 +5,7 @@ draining the event queue on the Tk thread, and the guard records any call from e
 """
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +29,28 @@ def format_duration(seconds: float) -> str:
     hours, rest = divmod(seconds, 3600)
     minutes, secs = divmod(rest, 60)
     return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+def compile_hint(expected: Any) -> str:
+    """What the busy bar says about the compile's length (`CompileExpectation` or None)."""
+    if expected is None:
+        return " · first compile with these settings: no estimate yet"
+    if expected.seconds:
+        why = "compile cache warm" if expected.warm else "last run with these settings"
+        return f" · expected about {format_duration(expected.seconds)} ({why})"
+    if expected.warm and expected.cold_seconds:
+        return (f" · compile cache warm: well under the {format_duration(expected.cold_seconds)}"
+                " of a cold compile")
+    return " · compile cache warm: no estimate yet" if expected.warm else ""
+
+
+def with_graph_total(message: str, graph: int, component: str, expected: Any) -> str:
+    """ "graph 3" becomes "graph 3 of 12" when the last run with these settings compiled 12
+    graphs for this component (and no more than that so far)."""
+    total = expected.graphs.get(component) if expected is not None else None
+    if not total or graph > total:
+        return message
+    return re.sub(rf"\bgraph {graph}\b", f"graph {graph} of {total}", message, count=1)
 
 
 class RunPanel:
@@ -175,15 +198,17 @@ class RunPanel:
                                               "resume).")
 
     @tk_thread_only
-    def show_compiling(self, message: str, expected: float | None) -> None:
+    def show_compiling(self, message: str, expected: Any = None, graph: int = 0,
+                       component: str = "") -> None:
         """While the first steps compile, the step bar cannot move: say it is busy, what is
-        compiling, and how long it took last time with these settings."""
+        compiling ("graph N of M" once an earlier run with these settings counted them), and
+        how long it should take (`expected`: a `CompileExpectation`; a warm compile cache takes
+        seconds where a cold one took minutes)."""
         if self.step_bar.cget("mode") != "indeterminate":
             self.step_bar.configure(mode="indeterminate")
             self.step_bar.start()
-        hint = (f" · expected about {format_duration(expected)} (last run with these settings)"
-                if expected else " · first compile with these settings: no estimate yet")
-        self.step_label.configure(text=message[:80] + hint)
+        text = with_graph_total(message, graph, component, expected) if graph else message
+        self.step_label.configure(text=text[:80] + compile_hint(expected))
 
     def _stop_busy(self) -> None:
         if self.step_bar.cget("mode") == "indeterminate":

@@ -108,7 +108,7 @@ class TemperaApp(ctk.CTk):
         self.run_panel.bar.grid(row=3, column=0, sticky="ew", padx=8, pady=(4, 8))
         self.binding.subscribe(self._on_config_change)
         self.dirty = False  # edits since the preset was loaded or saved
-        self.expected_compile: float | None = None
+        self.expected_compile: Any = None  # a CompileExpectation while a run compiles
         self.protocol("WM_DELETE_WINDOW", self.on_close)
         bind_select_all(self)
         self._fit_id: str | None = None
@@ -638,7 +638,8 @@ class TemperaApp(ctk.CTk):
             panel.log(("WARNING " if warn else "") + text
                       + (f"\n{data.detail}" if data.detail else ""))  # the full text
             if data.kind == "progress":
-                panel.show_compiling(data.message, self.expected_compile)
+                panel.show_compiling(data.message, self.expected_compile, data.graph,
+                                     data.component)
         elif kind == "saved":
             panel.log(f"saved {data[0]} at step {data[1]}")
         elif kind == "error":
@@ -841,13 +842,14 @@ def fit_geometry(geometry: str, screen: tuple[int, int], scale: float) -> str:
     return f"{width}x{height}+{x}+{y}"
 
 
-def expected_compile(config: Config) -> float | None:
-    """How long compiling took the last time these settings ran here (None: no record)."""
+def expected_compile(config: Config) -> Any:
+    """What earlier runs with these settings here say about this compile (a
+    `CompileExpectation`; None: no record, or nothing compiles)."""
     if config.compile.backend.value == "NONE":
         return None
     from modules.train.builders import pick_device
-    from modules.train.history import expected_compile_seconds
-    return expected_compile_seconds(config, pick_device(config.general.device).type)
+    from modules.train.history import compile_expectation
+    return compile_expectation(config, pick_device(config.general.device).type)
 
 
 def apply_scaling(scale: float) -> None:

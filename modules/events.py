@@ -37,6 +37,7 @@ class CompileEvent:
     seconds: float = 0.0
     kind: str = "progress"  # progress | done | fallback | degraded | recompile | warning
     detail: str = ""
+    graph: int = 0  # progress: the graphs this component compiled so far (N of "graph N of M")
 
 
 class TrainerCallbacks(Protocol):

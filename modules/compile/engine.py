@@ -353,8 +353,8 @@ class CompileEngine:
 
     # -- events -------------------------------------------------------------------------------
     def _emit(self, comp: _Component, message: str, seconds: float = 0.0,
-              kind: str = "progress", detail: str = "") -> None:
-        self.callbacks.on_compile(CompileEvent(comp.name, message, seconds, kind, detail))
+              kind: str = "progress", detail: str = "", graph: int = 0) -> None:
+        self.callbacks.on_compile(CompileEvent(comp.name, message, seconds, kind, detail, graph))
 
     def _degrade(self, comp: _Component, reason: str) -> None:
         comp.degraded.append(reason)
@@ -364,7 +364,8 @@ class CompileEngine:
         comp = self.components[name]
         if not comp.announced:
             self._emit(comp, f"compiling {comp.label}: graph {stats.compiles} "
-                             f"({stats.compile_seconds:.1f} s so far)", seconds=seconds)
+                             f"({stats.compile_seconds:.1f} s so far)", seconds=seconds,
+                       graph=stats.compiles)
 
     def _on_recompile(self, name: str, stats: ComponentStats, reasons: list[str]) -> None:
         """A recompile during warm-up or for a new input shape is expected; any other one
@@ -414,6 +415,7 @@ class CompileEngine:
             "fallbacks": list(comp.fallbacks),
             "degraded": "; ".join(comp.degraded) or None,
             "compile_seconds": round(stats.compile_seconds, 3),
+            "compiles": stats.compiles,  # graphs compiled (dynamo's and lazy backward ones)
             "recompiles": stats.recompiles,
             "late_recompiles": stats.late_recompiles,
             "recompile_reasons": list(stats.recompile_reasons[-MAX_KEPT_REASONS:]),

@@ -3,13 +3,15 @@ front end shows while the first steps compile (a progress bar cannot know it oth
 
 One small JSON file in the compile cache folder, keyed by what decides the compile work: the
 model, the compile settings, the components trained, the resolution, the device type and the
-torch version. Each finished or stopped run records its compile seconds (cold or warm cache,
-as it happened, with which).
+torch version. Each finished or stopped run records its compile seconds, apart for a warm
+compile cache (every cached component a hit: seconds, not minutes) and a cold one, and how many
+graphs each component compiled (for "graph N of M").
 """
 from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,22 +53,65 @@ def _read(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
+@dataclass(frozen=True)
+class CompileExpectation:
+    """What the last runs with these settings say about the next compile."""
+    seconds: float | None     # expected compile seconds (None: not measured for this case)
+    warm: bool                # the compile cache should already hold these graphs
+    cold_seconds: float | None  # a compile without the cache's help, when measured
+    graphs: dict[str, int]    # per component, the graphs compiled last time ({} unknown)
+
+
 def record_compile_time(config: Config, device_type: str, report: dict[str, dict]) -> None:
-    """Remember this run's compile seconds (summed over components) for its settings."""
+    """Remember this run's compile seconds (summed over components) for its settings, apart
+    for a warm cache (every cached component hit) and a cold one, and its graphs per
+    component, so the next run's estimate and "graph N of M" fit the case it is in."""
     seconds = sum(float(r.get("compile_seconds") or 0) for r in report.values())
     if seconds <= 0:
         return
     path = history_path(config)
     entries = _read(path)
-    entries[compile_key(config, device_type)] = {
-        "seconds": round(seconds, 1),
-        "cache": sorted({r.get("cache", "off") for r in report.values()})}
+    key = compile_key(config, device_type)
+    entry = entries.pop(key, None)
+    entry = entry if isinstance(entry, dict) else {}
+    caches = sorted({r.get("cache", "off") for r in report.values()})
+    warm = "hit" in caches and "miss" not in caches
+    entry.update({"seconds": round(seconds, 1), "cache": caches,
+                  "warm_seconds" if warm else "cold_seconds": round(seconds, 1)})
+    graphs = {name: int(r["compiles"]) for name, r in report.items() if r.get("compiles")}
+    if graphs:
+        entry["graphs"] = graphs
+    entries[key] = entry  # last, so the oldest entries go first
     while len(entries) > KEPT:
         entries.pop(next(iter(entries)))
     atomic_write_text(path, json.dumps(entries, indent=1) + "\n")
 
 
-def expected_compile_seconds(config: Config, device_type: str) -> float | None:
-    """The compile seconds of the last run with these settings here, or None if none ran."""
+def compile_expectation(config: Config, device_type: str) -> CompileExpectation | None:
+    """What to expect of this run's compile, or None when these settings never ran here.
+
+    A run that used the compile cache left these graphs in it: the next one is expected warm
+    (its time measured on an earlier warm run, or unknown yet), unless the cache folder is gone.
+    """
     entry = _read(history_path(config)).get(compile_key(config, device_type))
-    return float(entry["seconds"]) if entry else None
+    if not isinstance(entry, dict) or "seconds" not in entry:
+        return None
+    caches = entry.get("cache") or []
+    cold = entry.get("cold_seconds", entry["seconds"] if "hit" not in caches else None)
+    warm_seconds = entry.get("warm_seconds", entry["seconds"] if "miss" not in caches
+                             and "hit" in caches else None)
+    cache_used = "hit" in caches or "miss" in caches
+    from modules.compile.cache import compile_cache_folder
+    from modules.paths import cache_dir_for
+    folder = compile_cache_folder(config.compile.cache_dir, cache_dir_for(config.general.cache_dir))
+    warm = cache_used and folder.is_dir() and any(
+        p.name != HISTORY_FILE for p in folder.iterdir())
+    graphs = entry.get("graphs") if isinstance(entry.get("graphs"), dict) else {}
+    return CompileExpectation(seconds=warm_seconds if warm else cold, warm=warm,
+                              cold_seconds=cold, graphs=graphs)
+
+
+def expected_compile_seconds(config: Config, device_type: str) -> float | None:
+    """The expected compile seconds for these settings here, or None when unknown."""
+    expectation = compile_expectation(config, device_type)
+    return expectation.seconds if expectation else None

@@ -173,12 +173,22 @@ def test_every_prompt_of_the_latest_step_is_shown_and_compiling_is_busy(app, tmp
     for i, color in enumerate(("red", "blue", "green")):
         images.append(tmp_path / f"s{i}.png")
         Image.new("RGB", (64, 64), color).save(images[-1])
-    app.expected_compile = 65.0
+    from modules.train.history import CompileExpectation
+    app.expected_compile = CompileExpectation(65.0, warm=False, cold_seconds=65.0,
+                                              graphs={"unet": 12})
     panel = app.run_panel
     app._handle(SimpleNamespace(kind="compile", payload=CompileEvent(
         "unet", "compiling UNet (INDUCTOR, 12 regions)…", kind="progress")))
     assert panel.step_bar.cget("mode") == "indeterminate"
-    assert "expected about 1:05" in panel.step_label.cget("text")
+    assert "expected about 1:05 (last run with these settings)" in panel.step_label.cget("text")
+    app._handle(SimpleNamespace(kind="compile", payload=CompileEvent(
+        "unet", "compiling UNet: graph 3 (4.0 s so far)", kind="progress", graph=3)))
+    assert panel.step_label.cget("text").startswith("compiling UNet: graph 3 of 12 (4.0 s")
+    app.expected_compile = CompileExpectation(12.0, warm=True, cold_seconds=228.0, graphs={})
+    app._handle(SimpleNamespace(kind="compile", payload=CompileEvent(
+        "unet", "compiling UNet: graph 3 (4.0 s so far)", kind="progress", graph=3)))
+    text = panel.step_label.cget("text")
+    assert "graph 3 (" in text and "expected about 0:12 (compile cache warm)" in text
     app._handle(SimpleNamespace(kind="sample", payload=(images[0], "old prompt", 10)))
     app._handle(SimpleNamespace(kind="sample", payload=(images[1], "a blue one", 20)))
     app._handle(SimpleNamespace(kind="sample", payload=(images[2], "a green one", 20)))

@@ -207,7 +207,7 @@ def test_report_has_the_stable_keys():
     assert set(report["unet"]) == {
         "requested", "effective", "scope", "torch_compile_kwargs", "inductor_options",
         "cudagraphs", "persistent_grads", "recompile_limit", "notes", "fallbacks", "degraded",
-        "compile_seconds", "recompiles", "late_recompiles", "recompile_reasons", "cache",
+        "compile_seconds", "compiles", "recompiles", "late_recompiles", "recompile_reasons", "cache",
         "compiled_code_ran"}
     assert report["unet"]["cache"] == "off" and report["unet"]["compiled_code_ran"] is False
 

@@ -59,6 +59,8 @@ def test_a_run_records_its_compile_time_for_the_next_one_with_the_same_settings(
     train(config)
     seconds = expected_compile_seconds(config, "cpu")
     assert seconds is not None and seconds > 0
+    from modules.train.history import compile_expectation
+    assert compile_expectation(config, "cpu").graphs["unet"] >= 1  # for "graph N of M"
     other = tiny_config("compile.backend=AOT_EAGER", "training.max_steps=1",
                         "data.resolution=128", own_cache)
     assert expected_compile_seconds(other, "cpu") is None  # other shapes: other compile work
