@@ -96,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.stop_file:
         from modules.cli.progress import watch_stop_file
         stop_watch = watch_stop_file(args.stop_file, commands, callbacks.on_status)
+    # First, where the run writes (the demo's outputs go to the user's data folder, which a
+    # user would not guess)
+    callbacks.on_status(f"output folder: {config.output.dir}")
     stop_signal = StopSignal(commands, callbacks)
     previous = {sig: signal.signal(sig, stop_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:

@@ -99,8 +99,11 @@ Fields of type **path** are resolved when the config is read:
   "images"}}]}}` reads `presets/images`, so a folder holding a config and its images can be
   copied anywhere and still works.
 - A relative path given with `--set` is relative to **the current folder**.
-- `~` is expanded to the home folder. An empty value keeps its documented meaning (e.g. the
-  default cache folder).
+- `~` is expanded to the home folder, and a leading `{{data}}` to your data folder
+  (`$XDG_DATA_HOME/tempera`, else `~/.local/share/tempera`; on Windows `%LOCALAPPDATA%\\Tempera`,
+  on macOS `~/Library/Application Support/Tempera`): the demo writes to `{{data}}/output/demo`,
+  never into the folder Tempera was cloned to. An empty value keeps its documented meaning
+  (e.g. the default cache folder).
 - A value starting with `builtin:` is not a path: it names something Tempera builds locally,
   so the demo and the tests need no downloads. It is never resolved or rewritten.
 

@@ -239,10 +239,12 @@ def path_fields(config: Any, prefix: str = "") -> list[tuple[Any, str, str]]:
 
 
 def resolve_path_value(value: str, base_dir: Path) -> str:
-    """A path relative to `base_dir` made absolute; empty and builtin values stay as they are."""
+    """A path relative to `base_dir` made absolute (`~` and `{data}`, the user's data folder,
+    expanded); empty and builtin values stay as they are."""
+    from modules.paths import expand_data_placeholder
     if not value or value.startswith(BUILTIN_PREFIX):
         return value
-    expanded = Path(value).expanduser()
+    expanded = Path(expand_data_placeholder(value)).expanduser()
     return str(expanded if expanded.is_absolute() else (base_dir / expanded).resolve())
 
 

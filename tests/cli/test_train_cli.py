@@ -37,6 +37,20 @@ def test_success_exits_0_and_paths_resolve_against_the_config_folder(small_confi
     assert "finished: 2 steps" in capsys.readouterr().out
 
 
+def test_the_first_status_line_says_where_the_run_writes(tmp_path, tempera_cache, capsys,
+                                                         monkeypatch):
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "share"))
+    config = _write(tmp_path / "c.json", {
+        "general": {"cache_dir": str(tempera_cache)}, "data": {"resolution": 64},
+        "training": {"max_steps": 1, "batch_size": 2}, "sampling": {"prompts": []},
+        "logging": {"tensorboard": False}, "output": {"dir": "{data}/output/demo"}})
+    assert main(["--config", str(config)]) == 0
+    out = tmp_path / "share" / "tempera" / "output" / "demo"
+    assert (out / "run.json").is_file()
+    first = capsys.readouterr().err.splitlines()[0]
+    assert first == f"[tempera] output folder: {out}"
+
+
 def test_invalid_config_exits_2_lists_every_problem_and_writes_nothing(tmp_path, capsys):
     config = _write(tmp_path / "bad.json", {
         "training": {"max_steps": -5, "batch_size": "four"},

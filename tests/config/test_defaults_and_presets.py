@@ -92,4 +92,7 @@ def test_demo_preset_is_sparse_and_filled_with_defaults():
     defaults = to_dict(Config())
     # A key the demo leaves out takes its default.
     assert to_dict(config)["compile"] == defaults["compile"]
-    assert config.output.dir == str((PRESETS_DIR / "../output/demo").resolve())
+    # the demo writes into the user's data folder, never into the project folder
+    from modules.paths import default_data_dir
+    assert config.output.dir == str(default_data_dir() / "output" / "demo")
+    assert not Path(config.output.dir).is_relative_to(PRESETS_DIR.parent)

@@ -95,6 +95,23 @@ def test_home_is_expanded(tmp_path, monkeypatch):
     assert load_config(tmp_path / "c.json").model.path == str(tmp_path / "home/models/sd")
 
 
+def test_data_placeholder_is_the_users_data_folder(tmp_path, monkeypatch):
+    import sys
+    if sys.platform in ("win32", "darwin"):
+        pytest.skip("the XDG data folder is Linux's")
+    from modules.config import apply_overrides
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "share"))
+    (tmp_path / "c.json").write_text(json.dumps({"output": {"dir": "{data}/output/demo"}}),
+                                     encoding="utf-8")
+    assert load_config(tmp_path / "c.json").output.dir == str(tmp_path / "share/tempera/output/demo")
+    config = apply_overrides(Config(), ["output.dir={data}/mine"])
+    assert config.output.dir == str(tmp_path / "share/tempera/mine")
+    monkeypatch.delenv("XDG_DATA_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert load_config(tmp_path / "c.json").output.dir == str(
+        tmp_path / "home/.local/share/tempera/output/demo")
+
+
 def test_builtin_and_empty_values_are_untouched(tmp_path):
     (tmp_path / "c.json").write_text(json.dumps(
         {"model": {"path": "builtin:tiny-sd15"}, "general": {"cache_dir": ""}}),
