@@ -19,6 +19,7 @@ from app.widgets import (BoolView, FieldView, make_view, pass_wheel_at_ends, set
 from modules.config.schema import CompileBackend
 
 TAB = "Advanced Options"
+DESCRIPTION_INDENT = 10 + 208  # under the menu: the field label column and its gap
 COMPONENT_TOGGLES = (("compile.unet", "UNet"), ("compile.text_encoder", "Text Encoder"),
                      ("compile.vae", "VAE"))
 DETAILS = ("compile.scope", "compile.mode", "compile.dynamic", "compile.fullgraph",
@@ -49,11 +50,15 @@ class CompilePanel:
         self.backend = make_view(self.box, binding, "compile.backend", label="Backend")
         self.backend.frame.pack(fill="x", padx=10)
         registry.add(self.backend, TAB)
-        # wrapped well inside the narrowest window (960 px less the label column), so the
-        # torch.compile(...) line is never clipped; a <Configure>-driven width would loop
+        # Under the menu, wrapped at word boundaries to the width the box has (`_fit_wrap`):
+        # a fixed wrap length was wider than the window at 150 % or 1024 px, and Tk then cut
+        # the line at the window's edge, mid-word.
         self.description = ctk.CTkLabel(self.box, text="", anchor="w", justify="left",
                                         wraplength=620, text_color=("gray25", "gray75"))
-        self.description.pack(fill="x", padx=10 + 208, pady=(0, 6))
+        self.description.pack(fill="x", padx=(DESCRIPTION_INDENT, 10), pady=(0, 6))
+        self._wrap = 620
+        # The box's width comes from the page, not from the label, so this cannot loop.
+        self.box.bind("<Configure>", self._fit_wrap, add="+")
 
         row = ctk.CTkFrame(self.box, fg_color="transparent")
         row.pack(fill="x", padx=10, pady=2)
@@ -92,6 +97,15 @@ class CompilePanel:
         binding.subscribe(self._on_change)
         self._update()
         self._pending: str | None = self.box.after(150, self._load_summaries)
+
+    def _fit_wrap(self, _event: Any = None) -> None:
+        """Wrap the description to the box's width (customtkinter scales `wraplength`, so it
+        is given in unscaled units, as the paddings are)."""
+        scale = self.box._get_widget_scaling()
+        wrap = max(160, int(self.box.winfo_width() / scale) - DESCRIPTION_INDENT - 10 - 8)
+        if wrap != self._wrap:
+            self._wrap = wrap
+            self.description.configure(wraplength=wrap)
 
     def cancel_pending(self) -> None:
         if self._pending is not None:

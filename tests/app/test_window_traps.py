@@ -186,3 +186,20 @@ def test_resuming_shows_the_earlier_loss_curve_and_the_latest_samples(app, tmp_p
         release.set()
         pump(app, lambda: app.worker is None)
         window.check_inputs = original
+
+
+@pytest.mark.parametrize("scale, width", [(1.5, 1024), (1.0, 1024), (1.5, 1400)])
+def test_the_backend_description_wraps_inside_the_window(app, scale, width):
+    panel = app.compile_panel
+    app._scale_chosen(f"{int(scale * 100)}%")
+    app.geometry(f"{int(width / scale)}x{int(680 / scale)}+0+0")
+    app.tabview.set("Advanced Options")
+    panel._load_summaries()
+    panel.backend.menu._dropdown_callback("INDUCTOR")  # the longest: its torch.compile(...) line
+    xdo.settle(app, 0.6)
+    label = panel.description._label                  # the tk label inside the CTkLabel
+    assert "torch.compile(" in label.cget("text")
+    box_right = panel.box.winfo_rootx() + panel.box.winfo_width()
+    assert label.winfo_rootx() + label.winfo_width() <= box_right
+    assert label.winfo_reqwidth() <= label.winfo_width() + 2   # nothing cut off at the edge
+    app._scale_chosen("100%")
