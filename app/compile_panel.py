@@ -112,6 +112,10 @@ class CompilePanel:
             self.box.after_cancel(self._pending)
             self._pending = None
 
+    def load_summaries(self) -> None:
+        """Show each backend's torch.compile(...) line (imports torch)."""
+        self._load_summaries()
+
     def _load_summaries(self) -> None:
         self._pending = None
         self._summaries = True

@@ -40,6 +40,7 @@ FIT_MS = 120  # the columns are fitted this long after the window's size settles
 TENSORBOARD_URL = f"http://127.0.0.1:{external.TENSORBOARD_PORT}"
 RECHECK_MS = 400  # a listed problem is checked again this long after the last edit
 NO_PRESET = "(no presets found)"
+ENGINE_AFTER_MS = 100  # torch is imported this long after the window is shown (its first paint)
 
 
 def ask_yes_no(title: str, message: str) -> bool:
@@ -68,6 +69,7 @@ class TemperaApp(ctk.CTk):
         self.geometry(fit_geometry(self.settings.geometry, (self.winfo_screenwidth(),
                                    self.winfo_screenheight()), self.settings.scaling))
         self.fit_minsize(self.settings.scaling)
+        self.engine_ready = False  # the engine's heavy imports are done (`_import_engine`)
         self.builtin_dir = Path(builtin_presets_dir or BUILTIN_PRESETS_DIR)
         self.train_fn, self.explain_fn, self.poll_ms = train_fn, explain_fn, poll_ms
         self.bench_fn = bench_fn
@@ -119,8 +121,17 @@ class TemperaApp(ctk.CTk):
         self._update_component_states()
         self._update_cache_hints()
         self.refresh_resume()
+        # Importing torch took seconds with nothing on screen: the window is built without it,
+        # shown, and then imports it, saying so. On the Tk thread, not in a thread: a worker's
+        # garbage collection can delete a Tk font, which waits for the Tk thread, while the Tk
+        # thread waits for the worker's import lock (seen as a hang).
+        self.compile_panel.cancel_pending()
+        self._status_before_engine = self.run_panel.status_text
+        self.run_panel.set_status(f"{self._status_before_engine} Loading the training engine "
+                                  "(torch)…")
         self.update_idletasks()
         self.deiconify()
+        self._engine_id = self.after(ENGINE_AFTER_MS, self._import_engine)
         self._poll_id = self.after(self.poll_ms, self._poll)
 
     def _action(self, fn: Callable[[], Any]) -> Callable[[], Any]:
@@ -311,8 +322,7 @@ class TemperaApp(ctk.CTk):
 
     def _update_cache_hints(self) -> None:
         """Where the two cache folders are when left empty (one lies inside the other)."""
-        from modules.compile.cache import compile_cache_folder
-        from modules.paths import cache_dir_for
+        from modules.paths import cache_dir_for, compile_cache_folder
         config = self.binding.config
         general = self.registry.find("general.cache_dir")
         compile_view = self.registry.find("compile.cache_dir")
@@ -668,6 +678,23 @@ class TemperaApp(ctk.CTk):
         elif kind == "cloud_status":
             self.cloud_panel.on_status(*data)
 
+    def _import_engine(self) -> None:
+        """torch and the compile engine, imported once the window is on screen."""
+        self._engine_id = None
+        try:
+            import modules.compile  # noqa: F401  (imports torch)
+        except Exception as exc:  # training would fail the same way: say so now
+            import traceback
+            self.run_panel.set_status(f"The training engine could not be loaded: {exc}",
+                                      error=True)
+            self.run_panel.log("ERROR the training engine could not be loaded:\n"
+                               + traceback.format_exc())
+            return
+        self.engine_ready = True
+        self.compile_panel.load_summaries()
+        if self.run_panel.status_text.endswith("Loading the training engine (torch)…"):
+            self.run_panel.set_status(self._status_before_engine)  # nothing newer was said
+
     def _show_sample(self, path: Path, prompt: str, step: int) -> None:
         try:
             self.run_panel.show_sample(path, prompt, step)
@@ -818,6 +845,8 @@ class TemperaApp(ctk.CTk):
         if self.tensorboard is not None and self.tensorboard.poll() is None:
             self.tensorboard.terminate()
         self.compile_panel.cancel_pending()
+        if self._engine_id is not None:
+            self.after_cancel(self._engine_id)
         self.benchmark.stop()
         self._tempera_closed = True
         if self._fit_id is not None:

@@ -26,6 +26,15 @@ def cache_dir_for(configured: str) -> Path:
     return Path(configured) if configured else default_cache_dir()
 
 
+def compile_cache_folder(compile_cache_dir: str, general_cache_dir: str | Path) -> Path:
+    """`compile.cache_dir`, or `<general.cache_dir>/compile` when it is empty (the platform
+    cache folder's when that is empty too, never the working folder). Here, not in
+    modules.compile, so a front end can say where it is without importing torch."""
+    if compile_cache_dir:
+        return Path(compile_cache_dir)
+    return cache_dir_for(str(general_cache_dir)) / "compile"
+
+
 def default_data_dir() -> Path:
     """The platform folder for files a user keeps: $XDG_DATA_HOME/tempera, else
     ~/.local/share/tempera on Linux; %LOCALAPPDATA%/Tempera on Windows; ~/Library/Application

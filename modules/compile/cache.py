@@ -9,6 +9,9 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+# Defined beside the other folders, so a front end can name it without importing torch
+from modules.paths import compile_cache_folder  # noqa: F401
+
 # Inductor reads its cache folder from this variable each time it compiles
 # (torch/_inductor/runtime/cache_dir_utils.py: cache_dir()); there is no config field for it.
 CACHE_DIR_ENV = "TORCHINDUCTOR_CACHE_DIR"
@@ -17,15 +20,6 @@ CACHE_DIR_ENV = "TORCHINDUCTOR_CACHE_DIR"
 # a second run in the same process (the GUI) with another cache folder would write its Triton
 # kernels into the first run's folder unless this is set and restored together with the above.
 TRITON_CACHE_ENV = "TRITON_CACHE_DIR"
-
-
-def compile_cache_folder(compile_cache_dir: str, general_cache_dir: str | Path) -> Path:
-    """`compile.cache_dir`, or `<general.cache_dir>/compile` when it is empty (the platform
-    cache folder's when that is empty too, never the working folder)."""
-    from modules.paths import cache_dir_for
-    if compile_cache_dir:
-        return Path(compile_cache_dir)
-    return cache_dir_for(str(general_cache_dir)) / "compile"
 
 
 def _clear_inductor_path_caches() -> None:

@@ -203,3 +203,42 @@ def test_the_backend_description_wraps_inside_the_window(app, scale, width):
     assert label.winfo_rootx() + label.winfo_width() <= box_right
     assert label.winfo_reqwidth() <= label.winfo_width() + 2   # nothing cut off at the edge
     app._scale_chosen("100%")
+
+
+def test_the_window_is_on_screen_before_torch_is_imported(display, tmp_path):
+    # A fresh process, as at launch: torch (seconds to import) must not hold the window back.
+    import subprocess
+    import sys
+
+    from tests.app.conftest import REPO
+    script = f"""
+import sys, threading, time
+from pathlib import Path
+importers = []
+class Watch:  # torch's import, and from which thread
+    def find_spec(self, name, path, target=None):
+        if name == "torch":
+            importers.append(threading.current_thread().name)
+sys.meta_path.insert(0, Watch())
+from app.window import TemperaApp
+app = TemperaApp(settings_path=Path({str(tmp_path / 'ui.json')!r}))
+app.update()
+print("shown", app.state(), app.run_panel.status_text, flush=True)
+deadline = time.monotonic() + 120
+while not app.engine_ready and time.monotonic() < deadline:
+    app.update()
+    time.sleep(0.02)
+print("engine", app.engine_ready, importers, app.run_panel.status_text)
+print("description", app.compile_panel._summaries)
+app._finish_close()
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300, cwd=REPO, env={**__import__("os").environ,
+                                                      "PYTHONPATH": str(REPO)})
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines() if " " in line)
+    assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+    assert lines["shown"].startswith("normal ")                  # on screen, saying torch loads
+    assert lines["shown"].endswith("Loading the training engine (torch)…")
+    assert lines["engine"].startswith("True ['MainThread'] ")    # then imported
+    assert "Loading the training engine" not in lines["engine"]
+    assert lines["description"] == "True"
