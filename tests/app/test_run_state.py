@@ -2,6 +2,8 @@
 other, unsaved edits, the TRITON note, and every prompt's sample of the latest step."""
 from __future__ import annotations
 
+import pytest
+
 import json
 import threading
 from pathlib import Path
@@ -119,28 +121,20 @@ def test_start_is_refused_while_check_compilation_runs(app, tmp_path):
     assert len(started) == 1
 
 
-def test_the_channels_last_toggle_writes_the_config_and_outdates_a_compilation_check(app):
+@pytest.mark.parametrize("field", [
+    "training.channels_last",           # the UNet compiles with another memory layout
+    "training.gradient_checkpointing",  # with REGIONAL scope it decides whether CUDA graphs stay
+])
+def test_a_toggle_the_compile_plan_depends_on_writes_the_config_and_outdates_a_check(app, field):
     panel = app.compile_panel
     app.explain_fn = lambda config: "UNet: AOT_EAGER, graph_breaks 0"
     panel.check_button.invoke()
     pump(app, lambda: "graph_breaks" in panel.report_text())
-    view = app.registry.find("training.channels_last")
-    assert view is not None and app.binding.config.training.channels_last is False
+    section, name = field.split(".")
+    before = getattr(getattr(app.binding.config, section), name)
+    view = app.registry.find(field)
     view.toggle.toggle()  # a click
-    assert app.binding.config.training.channels_last is True
-    assert panel.report_text().startswith("OUTDATED")  # the UNet compiles with another layout
-
-
-def test_gradient_checkpointing_outdates_a_compilation_check(app):
-    # With REGIONAL scope, checkpointing decides whether the plan keeps CUDA graphs.
-    panel = app.compile_panel
-    app.explain_fn = lambda config: "UNet: AOT_EAGER, graph_breaks 0"
-    panel.check_button.invoke()
-    pump(app, lambda: "graph_breaks" in panel.report_text())
-    view = app.registry.find("training.gradient_checkpointing")
-    before = app.binding.config.training.gradient_checkpointing
-    view.toggle.toggle()
-    assert app.binding.config.training.gradient_checkpointing is (not before)
+    assert getattr(getattr(app.binding.config, section), name) is (not before)
     assert panel.report_text().startswith("OUTDATED")
 
 

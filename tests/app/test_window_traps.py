@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import pytest
 
+from tests.child_env import with_repo_on_pythonpath
 from tests.app import xdo
 from tests.app.conftest import pump
 
@@ -233,8 +234,7 @@ print("description", app.compile_panel._summaries)
 app._finish_close()
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=300, cwd=REPO, env={**__import__("os").environ,
-                                                      "PYTHONPATH": str(REPO)})
+                          timeout=300, cwd=REPO, env=with_repo_on_pythonpath())
     lines = dict(line.split(" ", 1) for line in done.stdout.splitlines() if " " in line)
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
     assert lines["shown"].startswith("normal ")                  # on screen, saying torch loads

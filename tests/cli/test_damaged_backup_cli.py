@@ -13,18 +13,12 @@ from modules.train.backup_files import TENSORS, list_backups
 from tests.child_env import with_repo_on_pythonpath
 from tests.cli.test_resume_cli import REPO, wait_for
 from tests.train.test_backup_integrity import fingerprint, truncate
+from tests.cli.run_settings import backed_up_run
 
 
 def write_config(folder: Path, cache: Path) -> Path:
     path = folder / "run.json.config"
-    path.write_text(json.dumps({
-        "general": {"cache_dir": str(cache)},
-        "data": {"resolution": 64},
-        "training": {"max_steps": 40, "batch_size": 2, "learning_rate": 1e-3},
-        "sampling": {"prompts": []},
-        "logging": {"tensorboard": False},
-        "output": {"dir": "run", "backup_every_steps": 1, "keep_backups": 2},
-    }))
+    path.write_text(json.dumps(backed_up_run(cache, "run", 40)))
     return path
 
 

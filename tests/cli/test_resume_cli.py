@@ -16,6 +16,7 @@ import pytest
 from modules.cli.train import main
 from modules.train.backup_files import list_backups
 from tests.child_env import with_repo_on_pythonpath
+from tests.cli.run_settings import backed_up_run
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 12
@@ -23,14 +24,7 @@ STEPS = 12
 
 def write_config(folder: Path, cache: Path, name: str) -> Path:
     path = folder / f"{name}.json"
-    path.write_text(json.dumps({
-        "general": {"cache_dir": str(cache)},
-        "data": {"resolution": 64},
-        "training": {"max_steps": STEPS, "batch_size": 2, "learning_rate": 1e-3},
-        "sampling": {"prompts": []},
-        "logging": {"tensorboard": False},
-        "output": {"dir": name, "backup_every_steps": 1, "keep_backups": 2},
-    }))
+    path.write_text(json.dumps(backed_up_run(cache, name, STEPS)))
     return path
 
 

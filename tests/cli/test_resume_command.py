@@ -14,6 +14,7 @@ from modules.train.backup_files import list_backups
 from modules.train.resume_offer import saved_step
 from tests.child_env import with_repo_on_pythonpath
 from tests.cli.test_resume_cli import record, wait_for
+from tests.cli.run_settings import backed_up_run
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 8  # given with --set: the config file says 40
@@ -26,15 +27,7 @@ def write_run_files(folder: Path, cache: Path) -> tuple[Path, Path]:
     runs = folder / "my runs"
     runs.mkdir()
     config = runs / "it's.json"
-    config.write_text(json.dumps({
-        "general": {"cache_dir": str(cache)},
-        "data": {"resolution": 64},
-        "training": {"max_steps": 40, "batch_size": 2, "learning_rate": 1e-3},
-        "sampling": {"prompts": []},
-        "logging": {"tensorboard": False},
-        "output": {"dir": "out", "backup_every_steps": 1, "keep_backups": 2,
-                   "overwrite": True},
-    }))
+    config.write_text(json.dumps(backed_up_run(cache, "out", 40, overwrite=True)))
     local = runs / "local.json"
     local.write_text(json.dumps({"training.seed": 7}))
     return config, local

@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 from modules.util.library_noise import (TORCHVISION_FALLBACK_LOGGER,
                                         silence_torchvision_fallback_warnings)
+from tests.child_env import with_repo_on_pythonpath
 
 REPO = Path(__file__).resolve().parents[2]
 MESSAGE = ("`{0}` requires torchvision (not installed); falling back to `{0}Pil` for backward "
@@ -40,7 +40,7 @@ def test_a_runs_output_no_longer_contains_them(tmp_path, tempera_cache):
         "training": {"max_steps": 1, "batch_size": 2},
         "sampling": {"prompts": ["a red circle"], "steps": 1},
         "logging": {"tensorboard": False}, "output": {"dir": "out"}}))
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = with_repo_on_pythonpath()
     done = subprocess.run([sys.executable, str(REPO / "scripts" / "train.py"), "--config",
                            str(config), "--quiet"], capture_output=True, text=True, env=env,
                           timeout=600, cwd=tmp_path)
