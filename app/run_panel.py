@@ -19,16 +19,10 @@ from app.thread_guard import ThreadGuard, tk_thread_only
 from app.tooltip import Tooltip
 from app.widgets import ERROR_COLOR, elide, set_widget_enabled
 from modules.events import Progress
+from modules.util.duration import format_duration
 from modules.train.resume_offer import ResumeOffer
 
 SAMPLE_SIZE = 320
-
-
-def format_duration(seconds: float) -> str:
-    seconds = max(0, int(round(seconds)))
-    hours, rest = divmod(seconds, 3600)
-    minutes, secs = divmod(rest, 60)
-    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
 def compile_hint(expected: Any) -> str:

@@ -35,6 +35,12 @@ def compile_cache_folder(compile_cache_dir: str, general_cache_dir: str | Path) 
     return cache_dir_for(str(general_cache_dir)) / "compile"
 
 
+def triton_cache_folder(compile_cache: str | Path) -> Path:
+    """Where Triton's kernels go for the compile cache folder `compile_cache`: inside it, so a
+    cold run (a benchmark cell, a second run in the GUI) never reuses another cache's kernels."""
+    return Path(compile_cache) / "triton"
+
+
 def default_data_dir() -> Path:
     """The platform folder for files a user keeps: $XDG_DATA_HOME/tempera, else
     ~/.local/share/tempera on Linux; %LOCALAPPDATA%/Tempera on Windows; ~/Library/Application

@@ -9,7 +9,6 @@ timing: the kernels and shapes are what cost, not the values.
 from __future__ import annotations
 
 import json
-import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,10 +19,10 @@ from modules.util.atomic import publish_dir_once
 from modules.models.tiny import (
     TINY_VAE,
     TINY_SPECS,
-    TOKENIZER_FILES,
     TextEncoderSpec,
     TinySpec,
     build_tiny_components,
+    save_tiny_pipeline,
     spec_fingerprint,
 )
 
@@ -171,7 +170,6 @@ def unet_parameter_count(name: str) -> int:
 
 
 def _build_folder(spec: TinySpec, dest: Path, half: bool) -> Path:
-    import diffusers
     import torch
 
     with tempfile.TemporaryDirectory(prefix="tempera-bench-tokenizer-") as work_dir:
@@ -180,12 +178,7 @@ def _build_folder(spec: TinySpec, dest: Path, half: bool) -> Path:
             for value in components.values():
                 if isinstance(value, torch.nn.Module):
                     value.to(torch.float16)
-        pipeline = getattr(diffusers, spec.pipeline_class)(**components, **spec.pipeline_kwargs)
-        pipeline.save_pretrained(dest, safe_serialization=True)
-        for te in spec.text_encoders:
-            for file_name in TOKENIZER_FILES:
-                shutil.copyfile(Path(work_dir) / te.tokenizer / file_name,
-                                dest / te.tokenizer / file_name)
+        save_tiny_pipeline(spec, components, Path(work_dir), dest)
     return dest
 
 

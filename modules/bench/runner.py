@@ -22,6 +22,7 @@ from modules.bench.cell import step_cap
 from modules.bench.matrix import Cell, cell_config, expand_matrix
 from modules.bench.timeouts import cell_timeout_seconds, unet_parameters
 from modules.config import Config, to_dict
+from modules.paths import triton_cache_folder
 from modules.util.errors import first_line
 from modules.util.process import kill_group, last_log_line
 
@@ -214,7 +215,7 @@ def _run_phase(config: Config, folder: Path, phase: str, steps: int, warmup: int
     result_path.unlink(missing_ok=True)
     # Triton keeps its own kernel cache outside inductor's folder; point it at the cell's
     # cache too, or a "cold" GPU cell would reuse the previous cell's kernels.
-    env = {**os.environ, "TRITON_CACHE_DIR": str(compile_cache / "triton")}
+    env = {**os.environ, "TRITON_CACHE_DIR": str(triton_cache_folder(compile_cache))}
     command = [sys.executable, "-m", "modules.bench.cell", "--spec", str(spec_path),
                "--result", str(result_path)]
     with open(folder / f"{phase}.log", "w", encoding="utf-8") as log:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from modules.cli.progress import format_duration
+from modules.util.duration import format_duration
 from modules.events import CompileEvent, Progress
 
 

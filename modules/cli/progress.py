@@ -17,14 +17,7 @@ from typing import TextIO
 
 from modules.events import CompileEvent, Progress, TrainerCommands
 from modules.util.atomic import atomic_write_text
-
-
-def format_duration(seconds: float | None) -> str:
-    if seconds is None or seconds != seconds or seconds < 0:
-        return "?"
-    seconds = int(round(seconds))
-    hours, rest = divmod(seconds, 3600)
-    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
+from modules.util.duration import format_duration
 
 
 def progress_line(data: dict) -> str:

@@ -20,6 +20,7 @@ from modules.cloud.queue import (FINISHED, INTERRUPTED, RUNNING, RunStatus, canc
                                  progress_path)
 from modules.cloud.supervise import is_alive, local_is_alive, parse_proc_start
 from modules.train.record import read_run_status
+from modules.util.duration import format_duration
 
 _SCP_LIKE = re.compile(r"^(?P<host>(?:[A-Za-z0-9._-]+@)?[A-Za-z0-9._-]+):(?P<path>.+)$")
 _RUN_ID = re.compile(r"^[A-Za-z0-9._-]+$")
@@ -203,7 +204,6 @@ def read_views(remote: Remote) -> list[RunView]:
 
 def progress_cells(view: RunView) -> tuple[str, str, str]:
     """STEP, LOSS and ETA of a running run ('' otherwise)."""
-    from modules.cli.progress import format_duration
     p = view.progress
     if view.state != RUNNING or not p:
         return "", "", ""

@@ -11,10 +11,8 @@ from __future__ import annotations
 import io
 import json
 import shlex
-import shutil
 import sys
 import tarfile
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,7 +23,7 @@ from modules.cloud.queue import (INVALID, PROGRESS_EVERY_SECONDS, QUEUED, RunSta
                                  cloud_run_meta, new_run_id, progress_path, write_status)
 from modules.config import ConfigError, apply_overrides, load_config, validate
 from modules.train.inputs import check_inputs
-from modules.util.atomic import atomic_write_text
+from modules.util.atomic import atomic_write_text, publish_dir_once
 
 
 def default_train_command() -> list[str]:
@@ -117,20 +115,13 @@ def export_commit(git_dir: Path, commit: str, checkouts: Path) -> Path:
     target = Path(checkouts) / commit
     if target.is_dir():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    data = git(["archive", "--format=tar", commit], git_dir=git_dir).stdout
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{commit[:8]}."))
-    try:
+
+    def extract(folder: Path) -> None:
+        data = git(["archive", "--format=tar", commit], git_dir=git_dir).stdout
         with tarfile.open(fileobj=io.BytesIO(data)) as archive:
-            archive.extractall(tmp, filter="data")
-        tmp.rename(target)
-    except OSError:
-        if not target.is_dir():  # else another push exported the same commit meanwhile
-            raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-    return target
+            archive.extractall(folder, filter="data")
+
+    return publish_dir_once(target, extract)
 
 
 def queue_changed_runs(git_dir: Path, before: str, after: str, settings: CloudSettings,

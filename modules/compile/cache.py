@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 # Defined beside the other folders, so a front end can name it without importing torch
-from modules.paths import compile_cache_folder  # noqa: F401
+from modules.paths import compile_cache_folder, triton_cache_folder  # noqa: F401
 
 # Inductor reads its cache folder from this variable each time it compiles
 # (torch/_inductor/runtime/cache_dir_utils.py: cache_dir()); there is no config field for it.
@@ -51,7 +51,7 @@ def use_compile_cache(cache_dir: str | Path | None) -> Callable[[], None]:
     previous_env = {name: os.environ.get(name) for name in (CACHE_DIR_ENV, TRITON_CACHE_ENV)}
     previous = (inductor_config.fx_graph_cache, functorch_config.enable_autograd_cache)
     os.environ[CACHE_DIR_ENV] = str(path)
-    os.environ[TRITON_CACHE_ENV] = str(path / "triton")
+    os.environ[TRITON_CACHE_ENV] = str(triton_cache_folder(path))
     inductor_config.fx_graph_cache = True
     functorch_config.enable_autograd_cache = True
     _clear_inductor_path_caches()

@@ -8,6 +8,7 @@ to the ldm layout with the tables below: the inverse of diffusers' `convert_ldm_
 """
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -342,6 +343,22 @@ def clip_key_with_text_model(key: str) -> str:
     if key.startswith(("text_model.", "text_projection.")):
         return key
     return "text_model." + key
+
+
+def rename_weight_keys(folder: Path, rename) -> None:
+    """Rename every tensor in a component folder's safetensors file(s), and the shard index."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+            tensors = {rename(k): f.get_tensor(k) for k in f.keys()}
+        save_file(tensors, str(path), metadata=metadata)
+    for index in folder.glob("*.safetensors.index.json"):
+        data = json.loads(index.read_text(encoding="utf-8"))
+        data["weight_map"] = {rename(k): v for k, v in data.get("weight_map", {}).items()}
+        index.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
 
 
 def open_clip_to_ldm(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

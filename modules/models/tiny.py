@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from modules.model_types import BUILTIN_PREFIX, ModelType
+from modules.models.single_file import clip_key_with_text_model, rename_weight_keys
 from modules.util.atomic import publish_dir_once
 
 # Bump when the builder changes in a way the spec table does not show (e.g. tokenizer layout):
@@ -326,20 +327,28 @@ def build_tiny_components(spec: TinySpec, work_dir: Path, seed: int = 0) -> dict
 
 def build_tiny_pipeline(model_type: ModelType, dest: Path, seed: int = 0) -> Path:
     """Build the tiny model of `model_type` and save it as a diffusers pipeline folder in `dest`."""
-    import diffusers
-
     spec = TINY_SPECS[model_type]
     dest = Path(dest)
     with tempfile.TemporaryDirectory(prefix="tempera-tokenizer-") as work_dir:
         components = build_tiny_components(spec, Path(work_dir), seed)
-        pipeline = getattr(diffusers, spec.pipeline_class)(**components, **spec.pipeline_kwargs)
-        pipeline.save_pretrained(dest, safe_serialization=True)
-        # transformers 5 saves only tokenizer.json; keep CLIP's classic vocab.json + merges.txt
-        # next to it so older transformers and other tools load the same tokenizer.
-        for te in spec.text_encoders:
-            for name in TOKENIZER_FILES:
-                shutil.copyfile(Path(work_dir) / te.tokenizer / name, dest / te.tokenizer / name)
+        save_tiny_pipeline(spec, components, Path(work_dir), dest)
     return dest
+
+
+def save_tiny_pipeline(spec: TinySpec, components: dict[str, Any], work_dir: Path,
+                       dest: Path) -> None:
+    """Save tiny components (from `build_tiny_components(spec, work_dir)`) as a diffusers
+    folder that every stack reads: text encoder weights under their `text_model.` names, and
+    CLIP's classic vocab.json + merges.txt beside tokenizer.json (transformers 5 writes only
+    the latter)."""
+    import diffusers
+
+    pipeline = getattr(diffusers, spec.pipeline_class)(**components, **spec.pipeline_kwargs)
+    pipeline.save_pretrained(dest, safe_serialization=True)
+    for te in spec.text_encoders:
+        rename_weight_keys(dest / te.name, clip_key_with_text_model)
+        for name in TOKENIZER_FILES:
+            shutil.copyfile(work_dir / te.tokenizer / name, dest / te.tokenizer / name)
 
 
 # --- the cache ----------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from torch import nn
 from modules.config.schema import Config, DType, ModelType, SaveFormat, TrainingMethod
 from modules.models.loader import TORCH_DTYPES, ModelBundle
 from modules.model_types import MODEL_TYPES
-from modules.models.single_file import clip_key_with_text_model
+from modules.models.single_file import clip_key_with_text_model, rename_weight_keys
 from modules.train.resume_offer import SAVED_STEP_FILE
 from modules.util.atomic import atomic_write_dir
 
@@ -155,21 +155,6 @@ def write_full_diffusers(bundle: ModelBundle, config: Config, folder: Path) -> P
     for name in spec.tokenizers:
         write_slow_tokenizer_files(bundle.tokenizers[name], folder / name)
     return folder
-
-
-def rename_weight_keys(folder: Path, rename) -> None:
-    """Rename every tensor in a component folder's safetensors file(s), and the shard index."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-    for path in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as f:
-            metadata = f.metadata() or {}
-            tensors = {rename(k): f.get_tensor(k) for k in f.keys()}
-        save_file(tensors, str(path), metadata=metadata)
-    for index in folder.glob("*.safetensors.index.json"):
-        data = json.loads(index.read_text(encoding="utf-8"))
-        data["weight_map"] = {rename(k): v for k, v in data.get("weight_map", {}).items()}
-        index.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
 
 
 def write_slow_tokenizer_files(tokenizer, folder: Path) -> None:

@@ -228,3 +228,19 @@ def test_unknown_builtin_name_lists_the_known_ones(tmp_path):
 
 def test_builtin_models_cover_every_spec():
     assert set(tiny.BUILTIN_MODELS.values()) == set(tiny.TINY_SPECS) == set(ModelType)
+
+
+@pytest.mark.parametrize("source", ["builtin", "bench"])
+def test_text_encoder_weights_are_saved_under_their_text_model_names(built, tmp_path, source):
+    """Every folder Tempera writes names CLIP weights `text_model.…`, the form older transformers
+    and other tools read (transformers 5.6+ saves them flattened), and still loads."""
+    from modules.bench.models import ensure_bench_model
+    folder = (built[ModelType.SDXL] if source == "builtin"
+              else Path(ensure_bench_model("small", tmp_path)))
+    encoders = [name for name in ("text_encoder", "text_encoder_2") if (folder / name).is_dir()]
+    assert encoders
+    for name in encoders:
+        keys = [k.split(":", 1)[1] for k in _tensors(folder / name)]
+        assert keys and all(k.startswith(("text_model.", "text_projection.")) for k in keys), keys[:3]
+    _, info = CLIPTextModel.from_pretrained(folder / "text_encoder", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
