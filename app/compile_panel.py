@@ -16,6 +16,7 @@ from app.compile_info import BACKEND_DESCRIPTIONS, describe_backend
 from app.form import FieldRegistry
 from app.widgets import (BoolView, FieldView, make_view, pass_wheel_at_ends, set_label_enabled,
                          set_readonly_text, set_widget_enabled)
+from modules.config.introspect import outdates_compile_check
 from modules.config.schema import CompileBackend
 
 TAB = "Advanced Options"
@@ -25,11 +26,6 @@ COMPONENT_TOGGLES = (("compile.unet", "UNet"), ("compile.text_encoder", "Text En
 DETAILS = ("compile.scope", "compile.mode", "compile.dynamic", "compile.fullgraph",
            "compile.cache_dir", "compile.strict")
 PLACED = {"compile.backend", *(p for p, _ in COMPONENT_TOGGLES), *DETAILS}
-# Settings a compilation check depends on: changing one makes its report outdated.
-# (gradient checkpointing changes the plan: REGIONAL with it turns CUDA graphs off)
-CHECKED_SETTINGS = ("compile.", "model.", "components.", "data.resolution", "general.device",
-                    "training.method", "training.mixed_precision", "training.channels_last",
-                    "training.gradient_checkpointing")
 
 
 def cuda_available() -> bool:
@@ -124,7 +120,7 @@ class CompilePanel:
     def _on_change(self, path: str | None, _source: object | None) -> None:
         if path is None or path == "compile.backend":
             self._update()
-        if self.has_result and (path is None or path.startswith(CHECKED_SETTINGS)):
+        if self.has_result and (path is None or outdates_compile_check(path)):
             self.has_result = False
             self.show_report("OUTDATED: the settings changed since this check; press “Check "
                              "compilation” again.\n\n" + self.report_text())

@@ -61,7 +61,8 @@ SET_SYNTAX = {
 
 def render_config_reference() -> str:
     """The full text of docs/config.md for the current schema."""
-    sections = [_intro(), _paths_section(), _set_section(), _versions_section()]
+    sections = [_intro(), _paths_section(), _set_section(), _versions_section(),
+                _resume_section()]
     sections += _field_sections()
     return "\n\n".join(s.rstrip("\n") for s in sections) + "\n"
 
@@ -160,6 +161,27 @@ it is version 0. Older files are migrated when they are loaded, one step at a ti
 from a newer Tempera is rejected.
 
 {steps}"""
+
+
+def _resume_section() -> str:
+    """The fields a resume must keep and those a compilation check depends on, read from each
+    field's `on_resume` and `compile_check` metadata (modules/config/fields.py)."""
+    from modules.config.fields import OnResume
+    from modules.config.introspect import on_resume, outdates_compile_check
+    infos = list(iter_fields(Config))
+    must = [f"`{i.dotted_path}`" for i in infos if on_resume(i.dotted_path) is OnResume.MUST_MATCH]
+    ignored = [f"`{i.dotted_path}`" for i in infos if on_resume(i.dotted_path) is OnResume.IGNORED]
+    checked = [f"`{i.dotted_path}`" for i in infos if outdates_compile_check(i.dotted_path)]
+    return f"""## What a resume must keep, and what a compilation check depends on
+
+Resuming a backup (docs/resume.md) is refused when one of these fields differs from the
+backup's, because each changes the math of what the backup holds:
+{", ".join(must)}.
+
+Never compared: {", ".join(ignored)}. Every other field may change; the resume lists it.
+
+Changing one of these fields makes the GUI's *Check compilation* report outdated:
+{", ".join(checked)}."""
 
 
 def _field_sections() -> list[str]:

@@ -142,3 +142,35 @@ def container_labels(cls: type, prefix: str = "") -> dict[str, str]:
 def field_map(cls: type) -> dict[str, FieldInfo]:
     """dotted path -> FieldInfo for every leaf field of `cls`."""
     return {info.dotted_path: info for info in iter_fields(cls)}
+
+
+def rule_at(cls: type, dotted_path: str, key: str) -> Any:
+    """The metadata `key` that holds for `dotted_path`: the field's own value, else the nearest
+    enclosing section's (None when none declares it). List indices (`data.datasets[0].path`)
+    are looked up in the list's item type; a path that leaves the schema (a key of another
+    version) keeps what held where it left."""
+    value, tp = None, cls
+    for part in dotted_path.split("."):
+        name = part.split("[", 1)[0]
+        fields = {f.name: f for f in dataclasses.fields(tp)} if dataclasses.is_dataclass(tp) else {}
+        if name not in fields:
+            break
+        if fields[name].metadata.get(key) is not None:
+            value = fields[name].metadata[key]
+        tp = typing.get_type_hints(tp)[name]
+        if typing.get_origin(tp) is list:
+            tp = typing.get_args(tp)[0]
+    return value
+
+
+def on_resume(dotted_path: str) -> Any:
+    """The `OnResume` rule of a config key (`components.unet.learning_rate`)."""
+    from modules.config.fields import OnResume
+    from modules.config.schema import Config
+    return rule_at(Config, dotted_path, "on_resume") or OnResume.MAY_CHANGE
+
+
+def outdates_compile_check(dotted_path: str) -> bool:
+    """Whether changing this config key makes a compilation check's report outdated."""
+    from modules.config.schema import Config
+    return bool(rule_at(Config, dotted_path, "compile_check"))

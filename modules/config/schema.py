@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from modules.config.fields import setting
+from modules.config.fields import OnResume, setting
 from modules.model_types import (  # noqa: F401 - the config's own names for them
     BUILTIN_PREFIX,
     BUILTIN_SHAPES,
@@ -93,7 +93,7 @@ class Device(str, Enum):
 
 @dataclass
 class GeneralConfig:
-    device: Device = setting(Device.AUTO, label="Device", group="General",
+    device: Device = setting(Device.AUTO, label="Device", compile_check=True, group="General",
                              help="Where to train. AUTO picks CUDA when a GPU is visible, else the CPU.")
     cache_dir: str = setting("", label="Cache folder", group="General", path=True, advanced=True,
                              help="Where built-in models, datasets, latent caches and (unless "
@@ -118,6 +118,7 @@ class ModelConfig:
                                       "keeps its state in this type).")
     tokenizer_path: str = setting(
         "", label="Tokenizer folder", group="Model", path=True, advanced=True,
+        on_resume=OnResume.MAY_CHANGE,
         help="For a single-file checkpoint: a diffusers folder of the same family whose "
              "tokenizer/ (and tokenizer_2/) Tempera uses, since checkpoints carry no tokenizer. "
              "Empty looks next to the checkpoint.")
@@ -127,6 +128,7 @@ class ModelConfig:
              "its architecture. Empty uses the SD 1.x / 2.x / XL configs shipped with Tempera.")
     allow_pickle: bool = setting(
         False, label="Allow pickle checkpoints", group="Model", advanced=True,
+        on_resume=OnResume.MAY_CHANGE,
         help="Load .ckpt/.pt/.bin checkpoints. Unpickling can run code hidden in a file, so this "
              "is off; when on, Tempera loads them with torch.load(weights_only=True).")
     prediction_type: PredictionType = setting(
@@ -155,6 +157,7 @@ class DataConfig:
              "subfolder named N_name (the kohya layout, e.g. 10_subject) repeats its images N "
              "times per epoch. Off: only the images directly in each folder.")
     resolution: int = setting(512, label="Resolution", group="Data", min=64, max=4096,
+                              compile_check=True,
                               help="Training side length in pixels; must be a multiple of 64.")
     center_crop: bool = setting(True, label="Center crop", group="Data",
                                 help="Crop the center after resizing; off means a random crop.")
@@ -182,27 +185,33 @@ class DataConfig:
         help="Encode each distinct caption once and reuse it (only when no text encoder is "
              "trained).")
     workers: int = setting(0, label="Dataloader workers", group="Data", min=0, max=64, advanced=True,
+                           on_resume=OnResume.MAY_CHANGE,
                            help="Background processes that load images; 0 loads in the trainer.")
 
 
 @dataclass
 class TrainingConfig:
     method: TrainingMethod = setting(TrainingMethod.LORA, label="Method", group="Training",
+                                     compile_check=True, on_resume=OnResume.MUST_MATCH,
                                      help="LORA trains small adapter matrices; FINE_TUNE trains the "
                                           "full weights of the selected components.")
     lora_rank: int = setting(16, label="LoRA rank", group="Training", min=1, max=1024,
+                             on_resume=OnResume.MUST_MATCH,
                              help="Rank of the LoRA matrices.")
     lora_alpha: float = setting(16.0, label="LoRA alpha", group="Training", min=0.0, max=100_000.0,
+                                on_resume=OnResume.MUST_MATCH,
                                 help="LoRA scaling numerator: the update is scaled by alpha / rank.")
     lora_target_modules: list[str] = setting(
         default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"],
-        label="LoRA target modules", group="Training", advanced=True,
+        label="LoRA target modules", on_resume=OnResume.MUST_MATCH, group="Training", advanced=True,
         help="Names of the linear layers that get LoRA adapters in the UNet.")
     optimizer: Optimizer = setting(Optimizer.ADAMW, label="Optimizer", group="Training",
+                                   on_resume=OnResume.MUST_MATCH,
                                    help="ADAMW, or ADAMW_8BIT (needs bitsandbytes and a CUDA GPU).")
     learning_rate: float = setting(1e-4, label="Learning rate", group="Training", min=0.0, max=1.0,
                                    help="Base learning rate; a component may override it.")
     weight_decay: float = setting(1e-2, label="Weight decay", group="Training", min=0.0, max=1.0,
+                                  on_resume=OnResume.MUST_MATCH,
                                   advanced=True, help="AdamW weight decay.")
     lr_scheduler: LRScheduler = setting(LRScheduler.CONSTANT, label="LR scheduler", group="Training",
                                         help="How the learning rate changes over the run.")
@@ -213,13 +222,18 @@ class TrainingConfig:
     max_steps: int = setting(0, label="Max steps", group="Training", min=0, max=100_000_000,
                              help="Optimizer steps to train for; 0 means train for 'epochs'.")
     batch_size: int = setting(1, label="Batch size", group="Training", min=1, max=4096,
+                              on_resume=OnResume.MUST_MATCH,
                               help="Images per forward pass.")
     gradient_accumulation: int = setting(1, label="Gradient accumulation", group="Training",
+                                         on_resume=OnResume.MUST_MATCH,
                                          min=1, max=4096,
                                          help="Forward passes summed into one optimizer step.")
+    # A compilation check depends on it: REGIONAL with checkpointing turns CUDA graphs off.
     gradient_checkpointing: bool = setting(False, label="Gradient checkpointing", group="Training",
+                                           compile_check=True,
                                            help="Recompute activations in backward to save memory.")
     channels_last: bool = setting(False, label="Channels-last UNet", group="Training",
+                                  compile_check=True,
                                   advanced=True,
                                   help="Store the denoiser (UNet) weights and its activations in "
                                        "channels-last memory layout, which can speed up "
@@ -227,6 +241,7 @@ class TrainingConfig:
                                        "by default until docs/benchmarks.md shows it pays on a "
                                        "GPU.")
     mixed_precision: MixedPrecision = setting(MixedPrecision.NO, label="Mixed precision",
+                                              compile_check=True, on_resume=OnResume.MUST_MATCH,
                                               group="Training",
                                               help="Autocast the forward pass to FP16 or BF16.")
     allow_tf32: bool = setting(True, label="Allow TF32", group="Training", advanced=True,
@@ -238,29 +253,33 @@ class TrainingConfig:
                                    max=1e6, advanced=True,
                                    help="Clip gradients to this norm; 0 disables clipping.")
     noise_offset: float = setting(0.0, label="Noise offset", group="Training", min=0.0, max=1.0,
+                                  on_resume=OnResume.MUST_MATCH,
                                   help="Add a per-channel constant to the noise so the model can "
                                        "learn very dark and very bright images; 0 is off, 0.05 "
                                        "to 0.1 is typical.")
     min_snr_gamma: float = setting(0.0, label="Min-SNR gamma", group="Training", min=0.0,
+                                   on_resume=OnResume.MUST_MATCH,
                                    max=100.0,
                                    help="Min-SNR loss weighting (gamma 5 is the usual choice); "
                                         "0 is off.")
-    ema: bool = setting(False, label="EMA", group="Training",
+    ema: bool = setting(False, label="EMA", on_resume=OnResume.MUST_MATCH, group="Training",
                         help="Keep an exponential moving average of the trained weights; "
                              "samples and saves use the average.")
     ema_decay: float = setting(0.999, label="EMA decay", group="Training", min=0.0, max=1.0,
+                               on_resume=OnResume.MUST_MATCH,
                                advanced=True, help="How slowly the average follows the weights.")
     max_bad_steps: int = setting(
         5, label="Max non-finite steps", group="Training", min=1, max=1000, advanced=True,
         help="A step whose loss or gradients are NaN/inf is skipped (the weights stay good); "
              "this many in a row stop the run with an error.")
     resume_from: str = setting(
-        "", label="Resume from", group="Training", advanced=True,
+        "", label="Resume from", on_resume=OnResume.IGNORED, group="Training", advanced=True,
         help='Continue an interrupted run: "latest" (the newest backup in the output folder) or '
              "a backup folder (relative paths are inside the output folder). The config must "
              "match the backup's in what changes the math (docs/resume.md); empty starts anew. "
              "A finished run continues only when training.max_steps is raised above its end.")
     seed: int = setting(42, label="Seed", group="General", min=0, max=2**32 - 1,
+                        on_resume=OnResume.MUST_MATCH,
                         help="Seed for noise, timesteps, shuffling and weight init.")
 
 
@@ -269,6 +288,7 @@ class ComponentConfig:
     train: bool = setting(False, label="Train", group="Training",
                           help="Train this component (its LoRA adapters, or its full weights).")
     learning_rate: float | None = setting(None, label="Learning rate", group="Training",
+                                          on_resume=OnResume.MAY_CHANGE,
                                           min=0.0, max=1.0,
                                           help="Learning rate for this component; empty uses the "
                                                "training learning rate.")
@@ -345,6 +365,7 @@ class SamplingConfig:
 @dataclass
 class OutputConfig:
     dir: str = setting("output", label="Output folder", group="General", path=True,
+                       on_resume=OnResume.IGNORED,
                        help="Where checkpoints, samples, logs and the run record are written.")
     save_every_steps: int = setting(0, label="Save every N steps", group="General", min=0,
                                     max=100_000_000,
@@ -385,20 +406,26 @@ class Config:
     config_version: int = setting(CONFIG_VERSION, label="Config version", group="General",
                                   advanced=True, help="Schema version of this file.")
     general: GeneralConfig = setting(default_factory=GeneralConfig, label="General",
+                                     on_resume=OnResume.IGNORED,
                                      group="General", help="Device and caches.")
     model: ModelConfig = setting(default_factory=ModelConfig, label="Model", group="Model",
+                                 compile_check=True, on_resume=OnResume.MUST_MATCH,
                                  help="The base model.")
     data: DataConfig = setting(default_factory=DataConfig, label="Data", group="Data",
+                               on_resume=OnResume.MUST_MATCH,
                                help="Training images and captions.")
     training: TrainingConfig = setting(default_factory=TrainingConfig, label="Training",
                                        group="Training", help="Optimisation settings.")
     components: ComponentsConfig = setting(default_factory=ComponentsConfig, label="Components",
+                                           compile_check=True, on_resume=OnResume.MUST_MATCH,
                                            group="Training", help="Per-component settings.")
     compile: CompileConfig = setting(default_factory=CompileConfig, label="Model compilation",
+                                     compile_check=True,
                                      group="Advanced", help="torch.compile settings.")
     sampling: SamplingConfig = setting(default_factory=SamplingConfig, label="Sampling",
                                        group="Sampling", help="Sample images during training.")
     output: OutputConfig = setting(default_factory=OutputConfig, label="Output", group="General",
                                    help="Where results go.")
     logging: LoggingConfig = setting(default_factory=LoggingConfig, label="Logging",
+                                     on_resume=OnResume.IGNORED,
                                      group="General", help="Logging.")

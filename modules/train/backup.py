@@ -30,6 +30,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from modules.config.fields import OnResume
+from modules.config.introspect import on_resume
+from modules.config.migrations import migrate
 from modules.train.backup_files import (INFO, TENSORS, BackupError, backups_folder,
                                         find_backup, list_backups)
 from modules.util.atomic import atomic_write_dir
@@ -277,31 +280,24 @@ def restore_run(run, states: dict) -> None:
 
 
 # ---------------------------------------------------------------- which config changes are allowed
-# Fields that change the math of what a backup holds: resuming with another value is refused
-# (exit 2, the fields listed). A prefix ending in "." covers a whole section; MAY_CHANGE names
-# the exceptions inside those sections (speed and memory switches that leave the math alone).
-MUST_MATCH = ("model.", "components.", "data.", "training.method", "training.lora_",
-              "training.optimizer", "training.batch_size", "training.gradient_accumulation",
-              "training.seed", "training.mixed_precision", "training.ema",
-              "training.noise_offset", "training.min_snr_gamma", "training.weight_decay")
-MAY_CHANGE = ("model.allow_pickle", "model.tokenizer_path", "data.workers",
-              "components.unet.learning_rate", "components.text_encoder.learning_rate",
-              "components.text_encoder_2.learning_rate", "components.vae.learning_rate")
-# Differences never worth mentioning: where the run is written and how it is resumed.
-IGNORED = ("output.dir", "training.resume_from", "general.", "logging.")
-
-
 def config_differences(saved: dict, current: dict) -> tuple[list[str], list[str]]:
-    """(fields that must match but differ, fields that differ and may) as "key: old -> new"."""
+    """(fields that must match but differ, fields that differ and may) as "key: old -> new".
+
+    Each field's rule is its `on_resume` metadata in the schema (modules/config/fields.py:
+    OnResume); the saved config is first brought to the current schema version."""
     blocking, allowed = [], []
+    problems: list = []
+    saved = migrate(dict(saved), problems) if saved else saved
+    if problems:
+        blocking += [str(problem) for problem in problems]
     before, after = _leaves(saved), _leaves(current)
     for key in sorted(set(before) | set(after)):
         old, new = before.get(key), after.get(key)
-        if old == new or key.startswith(IGNORED):
+        rule = on_resume(key)
+        if old == new or rule is OnResume.IGNORED:
             continue
         line = f"{key}: {old!r} -> {new!r}"
-        must = key.startswith(MUST_MATCH) and not key.startswith(MAY_CHANGE)
-        (blocking if must else allowed).append(line)
+        (blocking if rule is OnResume.MUST_MATCH else allowed).append(line)
     return blocking, allowed
 
 

@@ -62,3 +62,50 @@ def test_container_labels():
     labels = container_labels(Config)
     assert labels["components.unet"] == "UNet"
     assert labels["compile"] == "Model compilation"
+
+
+# --- on_resume / compile_check metadata: declared on a section or a field, read by rule_at ----
+def test_a_section_rule_holds_for_its_fields_and_a_field_rule_is_the_exception():
+    from modules.config.fields import OnResume
+    from modules.config.introspect import on_resume
+    assert on_resume("model.path") is OnResume.MUST_MATCH           # from the section
+    assert on_resume("model.allow_pickle") is OnResume.MAY_CHANGE   # the field's exception
+    assert on_resume("components.unet.train") is OnResume.MUST_MATCH
+    assert on_resume("components.unet.learning_rate") is OnResume.MAY_CHANGE
+    assert on_resume("training.lora_rank") is OnResume.MUST_MATCH    # declared on the field
+    assert on_resume("training.learning_rate") is OnResume.MAY_CHANGE  # declared nowhere
+    assert on_resume("general.cache_dir") is OnResume.IGNORED
+    # A list item's field is looked up through the list's item type, and a key of another
+    # schema version keeps the rule of the section it was under.
+    assert on_resume("data.datasets[0].path") is OnResume.MUST_MATCH
+    assert on_resume("model.some_old_key") is OnResume.MUST_MATCH
+    assert on_resume("no_such_section.x") is OnResume.MAY_CHANGE
+
+
+def test_compile_check_dependencies_come_from_the_schema():
+    from modules.config.introspect import outdates_compile_check
+    assert outdates_compile_check("compile.scope")
+    assert outdates_compile_check("training.gradient_checkpointing")
+    assert outdates_compile_check("components.vae.train")
+    assert not outdates_compile_check("training.learning_rate")
+    assert not outdates_compile_check("sampling.prompts")
+    assert not outdates_compile_check("data.datasets[0].path")
+
+
+def test_a_resume_migrates_the_backups_config_and_refuses_one_from_the_future():
+    from modules.config import Config, apply_overrides, to_dict
+    from modules.train.backup import config_differences
+    current = to_dict(Config())
+    old = to_dict(Config())
+    old.pop("config_version")
+    old["compile"]["mode"] = old["compile"].pop("backend")  # version 0 named it compile.mode
+    # Migrated, the backend is the same; version 0 had no torch.compile mode to compare.
+    assert config_differences(old, current) == ([], ["compile.mode: None -> 'DEFAULT'"])
+    future = {**current, "config_version": current["config_version"] + 1}
+    blocking, _ = config_differences(future, current)
+    assert blocking and "newer Tempera" in blocking[0]
+    changed = to_dict(apply_overrides(Config(), ["training.lora_rank=8", "data.workers=2",
+                                                 "output.dir=elsewhere"]))
+    blocking, allowed = config_differences(current, changed)
+    assert blocking == ["training.lora_rank: 16 -> 8"]
+    assert allowed == ["data.workers: 0 -> 2"]
