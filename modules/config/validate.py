@@ -21,6 +21,7 @@ from modules.config.schema import (
     SaveFormat,
     TrainingMethod,
 )
+from modules.geometry import bucket_sizes, narrowest_non_square
 from modules.model_types import BUILTIN_DATASETS, MODEL_TYPES
 
 SUPPORTED_FORMATS = {
@@ -130,7 +131,6 @@ def _check_data(config: Config) -> list[Problem]:
 
 def _check_buckets(resolution: int, max_aspect: float) -> list[Problem]:
     """Bucketing that can only produce the square bucket is a mistake the user should hear of."""
-    from modules.data.buckets import bucket_sizes, narrowest_non_square
     if len(bucket_sizes(resolution, max_aspect)) > 1:
         return []
     narrowest = narrowest_non_square(resolution)

@@ -8,9 +8,8 @@ import pytest
 import torch
 from PIL import Image
 
-from modules.data.buckets import (BUCKET_STEP, aspect_of, assign_buckets, bucket_counts,
-                                  bucket_sizes, describe_buckets, narrowest_non_square,
-                                  nearest_bucket)
+from modules.data.buckets import assign_buckets, bucket_counts, describe_buckets, nearest_bucket
+from modules.geometry import BUCKET_STEP, aspect_of, bucket_sizes, narrowest_non_square
 from modules.data.dataset import ImageCaptionDataset, collate_examples, expand_repeats
 from modules.data.folders import DatasetSource, ScanItem, scan_datasets
 from modules.data.images import load_training_image, plan_crop, resized_size
