@@ -45,6 +45,9 @@ class LRScheduler(str, Enum):
     CONSTANT = "CONSTANT"
     COSINE = "COSINE"
     LINEAR = "LINEAR"
+    COSINE_WITH_RESTARTS = "COSINE_WITH_RESTARTS"
+    POLYNOMIAL = "POLYNOMIAL"
+    INVERSE_SQRT = "INVERSE_SQRT"
 
 
 class MixedPrecision(str, Enum):
@@ -213,10 +216,26 @@ class TrainingConfig:
     weight_decay: float = setting(1e-2, label="Weight decay", group="Training", min=0.0, max=1.0,
                                   on_resume=OnResume.MUST_MATCH,
                                   advanced=True, help="AdamW weight decay.")
-    lr_scheduler: LRScheduler = setting(LRScheduler.CONSTANT, label="LR scheduler", group="Training",
-                                        help="How the learning rate changes over the run.")
+    lr_scheduler: LRScheduler = setting(
+        LRScheduler.CONSTANT, label="LR scheduler", group="Training",
+        help="How the learning rate changes over the run, after the warm-up: CONSTANT, LINEAR "
+             "or COSINE to zero at the last step, COSINE_WITH_RESTARTS (training.lr_cycles "
+             "cosines), POLYNOMIAL (training.lr_power), INVERSE_SQRT (one over the square "
+             "root of the step). docs/schedules.md draws each.")
     lr_warmup_steps: int = setting(0, label="Warmup steps", group="Training", min=0, max=10_000_000,
                                    help="Steps over which the learning rate ramps up from zero.")
+    lr_warmup_ratio: float = setting(
+        0.0, label="Warmup ratio", group="Training", min=0.0, max=0.99, advanced=True,
+        help="The warm-up as a share of the run's steps (0.05 = the first 5 %); 0 uses "
+             "training.lr_warmup_steps. Set one of the two.")
+    lr_cycles: int = setting(1, label="Cosine restarts", group="Training", min=1, max=1000,
+                             advanced=True,
+                             help="COSINE_WITH_RESTARTS: how many cosines the run is split into "
+                                  "(the rate jumps back to the base rate at each).")
+    lr_power: float = setting(1.0, label="Polynomial power", group="Training", min=0.01,
+                              max=100.0, advanced=True,
+                              help="POLYNOMIAL: the decay's exponent (1 is LINEAR; above 1 falls "
+                                   "fast early, below 1 late).")
     epochs: int = setting(1, label="Epochs", group="Training", min=1, max=1_000_000,
                           help="Passes over the dataset (ignored when max steps is set).")
     max_steps: int = setting(0, label="Max steps", group="Training", min=0, max=100_000_000,

@@ -97,7 +97,16 @@ def _check_training(config: Config) -> list[Problem]:
     if config.general.device == Device.CUDA and not _cuda_available():
         problems.append(Problem("general.device", "AUTO or CPU (no CUDA GPU is visible)",
                                 "CUDA"))
-    return problems
+    return problems + _check_warmup(t)
+
+
+def _check_warmup(t) -> list[Problem]:
+    """The warm-up is set one way: as steps or as a ratio of the run."""
+    if t.lr_warmup_ratio and t.lr_warmup_steps:
+        return [Problem("training.lr_warmup_ratio", "0 while training.lr_warmup_steps is set",
+                        f"{t.lr_warmup_ratio:g}", "set the warm-up as steps or as a ratio, "
+                        "not both")]
+    return []
 
 
 def _check_data(config: Config) -> list[Problem]:

@@ -10,17 +10,15 @@ import torch
 from torch import nn
 
 from modules.models.loader import vae_downscale
+from modules.train.schedules import lr_multiplier, schedule_shape
 from modules.config.schema import (
     Config,
     Device,
-    LRScheduler,
     MixedPrecision,
     Optimizer,
 )
 
 AUTOCAST_DTYPES = {MixedPrecision.FP16: torch.float16, MixedPrecision.BF16: torch.bfloat16}
-SCHEDULER_NAMES = {LRScheduler.CONSTANT: "constant_with_warmup", LRScheduler.COSINE: "cosine",
-                   LRScheduler.LINEAR: "linear"}
 
 
 def pick_device(setting: Device) -> torch.device:
@@ -79,10 +77,12 @@ def build_optimizer(config: Config, params: dict[str, list[nn.Parameter]]) -> to
 
 
 def build_lr_scheduler(config: Config, optimizer: torch.optim.Optimizer, total_steps: int):
-    from diffusers.optimization import get_scheduler
-    return get_scheduler(SCHEDULER_NAMES[config.training.lr_scheduler], optimizer,
-                         num_warmup_steps=config.training.lr_warmup_steps,
-                         num_training_steps=total_steps)
+    """The run's schedule (modules/train/schedules.py) as a LambdaLR: its state is the step
+    count alone, so a resumed run continues the same curve."""
+    shape = schedule_shape(config, total_steps)
+    schedule = config.training.lr_scheduler
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_multiplier(schedule, step, shape))
 
 
 @dataclass(frozen=True)
