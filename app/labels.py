@@ -10,7 +10,7 @@ from enum import Enum
 
 from modules.config.schema import (CompileBackend, CompileMode, CompileScope, Device, DType,
                                    DynamicShapes, LRScheduler, MixedPrecision, Optimizer,
-                                   PredictionType, SaveFormat, TrainingMethod)
+                                   PredictionType, Sampler, SaveFormat, TrainingMethod)
 from modules.model_types import MODEL_TYPES, ModelType
 
 # By enum type first: members of str enums compare equal by value across types
@@ -26,6 +26,8 @@ ENUM_LABELS: dict[type[Enum], dict[Enum, str]] = {
                   LRScheduler.LINEAR: "Linear",
                   LRScheduler.COSINE_WITH_RESTARTS: "Cosine with restarts",
                   LRScheduler.POLYNOMIAL: "Polynomial", LRScheduler.INVERSE_SQRT: "Inverse sqrt"},
+    Sampler: {Sampler.DDIM: "DDIM", Sampler.EULER: "Euler", Sampler.EULER_A: "Euler a",
+              Sampler.DPMPP_2M_KARRAS: "DPM++ 2M Karras", Sampler.UNIPC: "UniPC"},
     MixedPrecision: {MixedPrecision.NO: "Off (float32)", MixedPrecision.FP16: "fp16",
                      MixedPrecision.BF16: "bf16"},
     CompileBackend: {CompileBackend.NONE: "None (eager)", CompileBackend.DEFAULT: "Default",

@@ -50,6 +50,14 @@ class LRScheduler(str, Enum):
     INVERSE_SQRT = "INVERSE_SQRT"
 
 
+class Sampler(str, Enum):
+    DDIM = "DDIM"
+    EULER = "EULER"
+    EULER_A = "EULER_A"
+    DPMPP_2M_KARRAS = "DPMPP_2M_KARRAS"
+    UNIPC = "UNIPC"
+
+
 class MixedPrecision(str, Enum):
     NO = "NO"
     FP16 = "FP16"
@@ -370,7 +378,20 @@ class CompileConfig:
 class SamplingConfig:
     prompts: list[str] = setting(default_factory=lambda: ["a red circle on a blue background"],
                                  label="Prompts", group="Sampling", multiline=True,
-                                 help="Prompts sampled during training, one image each.")
+                                 help="Prompts sampled during training, one image each. A line "
+                                      "may end in kohya's flags: --n negative prompt, --w / --h "
+                                      "size, --d seed, --s steps, --l guidance scale "
+                                      "(docs/sampling.md).")
+    prompts_file: str = setting("", label="Prompts file", group="Sampling", path=True,
+                                files=("*.txt",), advanced=True,
+                                help="A text file of more prompts, one per line in the same "
+                                     "syntax (# starts a comment line); sampled after the "
+                                     "prompts above. Empty: none.")
+    sampler: Sampler = setting(Sampler.DDIM, label="Sampler", group="Sampling",
+                               help="The denoising method samples use (docs/sampling.md).")
+    negative_prompt: str = setting("", label="Negative prompt", group="Sampling",
+                                   help="What every sample steers away from (a prompt's --n "
+                                        "replaces it).")
     every_steps: int = setting(0, label="Sample every N steps", group="Sampling", min=0,
                                max=100_000_000, help="0 samples only at the end of the run.")
     seed: int = setting(42, label="Sampling seed", group="Sampling", min=0, max=2**32 - 1,

@@ -10,6 +10,7 @@ import importlib.util
 import math
 
 from modules.config.problems import Problem
+from modules.config.prompts import sample_prompts
 from modules.config.schema import (
     BUILTIN_PREFIX,
     BUILTIN_SHAPES,
@@ -170,13 +171,11 @@ def _check_output_and_sampling(config: Config) -> list[Problem]:
         problems.append(Problem("model.path", "a diffusers model folder, a .safetensors "
                                 "checkpoint or a builtin: model", repr(config.model.path),
                                 "choose the base model to train"))
-    if config.sampling.every_steps and not config.sampling.prompts:
+    if (config.sampling.every_steps and not config.sampling.prompts
+            and not config.sampling.prompts_file):
         problems.append(Problem("sampling.prompts", "at least one prompt when sampling is on",
                                 "[]"))
-    for i, prompt in enumerate(config.sampling.prompts):
-        if not prompt.strip():
-            problems.append(Problem(f"sampling.prompts[{i}]", "a non-empty prompt", repr(prompt)))
-    return problems
+    return problems + sample_prompts(config, read_file=False)[1]
 
 
 def _cuda_available() -> bool:

@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 from modules.config.problems import Problem
+from modules.config.prompts import sample_prompts
 from modules.config.schema import Config, SaveFormat, TrainingMethod
 from modules.model_types import BUILTIN_PREFIX, MODEL_TYPES
 from modules.models.family import FolderError, check_folder, check_weight_headers, weight_files
@@ -23,7 +24,16 @@ MIN_FREE_BYTES = 16 * 2**20
 
 def check_inputs(config: Config) -> list[Problem]:
     """Every problem with the model, datasets and output folder the config names."""
-    return _check_model_path(config) + _check_dataset_paths(config) + _check_output_dir(config)
+    return (_check_model_path(config) + _check_dataset_paths(config) + _check_output_dir(config)
+            + _check_prompts_file(config))
+
+
+def _check_prompts_file(config: Config) -> list[Problem]:
+    """The prompts file can be read, and each of its lines parses (`sampling.prompts`' own
+    lines are validate()'s)."""
+    if not config.sampling.prompts_file:
+        return []
+    return [p for p in sample_prompts(config)[1] if p.path == "sampling.prompts_file"]
 
 
 def estimated_save_bytes(config: Config) -> int:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from modules.compile import CompileEngine
+from modules.config.prompts import SamplePrompt
 from modules.config.schema import Config, ModelType
 from modules.data.dataset import ImageCaptionDataset, build_dataloader
 from modules.events import TrainerCallbacks, TrainerCommands
@@ -61,6 +62,7 @@ class Run:
     writer: SummaryWriter | None = None
     ema: EMAModel | None = None
     text_cache: TextEncoderCache | None = None
+    prompts: list[SamplePrompt] = field(default_factory=list)  # sample prompts, read at the start
     # What the training forward calls, per component: the bundle's modules, or (several
     # processes) their DistributedDataParallel wrappers. Saving and sampling use the bundle.
     forward: dict[str, torch.nn.Module] = field(default_factory=dict)
@@ -302,11 +304,11 @@ class Run:
         # Compiled code is bypassed: sampling (eval mode, no gradients, another batch size)
         # would otherwise recompile the training graphs for work that is not the hot path.
         with self.averaged_weights(), self.guard.bypassed():
-            rows = sample_images(self.bundle, self.config, self.device, self.step,
+            rows = sample_images(self.bundle, self.config, self.prompts, self.device, self.step,
                                  self.output_dir / "samples", should_stop)
-        if len(rows) < len(self.config.sampling.prompts):
+        if len(rows) < len(self.prompts):
             self.callbacks.on_status(f"sampling at step {self.step} cut short by Stop "
-                                     f"({len(rows)} of {len(self.config.sampling.prompts)} "
+                                     f"({len(rows)} of {len(self.prompts)} "
                                      "samples written)")
         for i, (path, prompt, image) in enumerate(rows):
             self.record.add_file(path)

@@ -1,4 +1,4 @@
-"""Sample images from the model being trained, with fixed prompts and seed."""
+"""Sample images from the model being trained, with fixed prompts and seeds."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -7,10 +7,31 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from modules.config.schema import Config
+from modules.config.prompts import SamplePrompt
+from modules.config.schema import Config, Sampler
 from modules.models.loader import ModelBundle
 from modules.train.weights import build_pipeline
 from modules.util.atomic import atomic_file
+
+
+# sampler -> (diffusers scheduler class, the settings that make it that sampler). Built from the
+# model's own scheduler config, so the noise schedule and prediction type stay the model's.
+SAMPLERS: dict[Sampler, tuple[str, dict]] = {
+    Sampler.DDIM: ("DDIMScheduler", {}),
+    Sampler.EULER: ("EulerDiscreteScheduler", {}),
+    Sampler.EULER_A: ("EulerAncestralDiscreteScheduler", {}),
+    Sampler.DPMPP_2M_KARRAS: ("DPMSolverMultistepScheduler",
+                              {"algorithm_type": "dpmsolver++", "solver_order": 2,
+                               "use_karras_sigmas": True}),
+    Sampler.UNIPC: ("UniPCMultistepScheduler", {}),
+}
+
+
+def sampling_scheduler(sampler: Sampler, model_scheduler_config):
+    """The diffusers scheduler that runs `sampler` on the model's noise schedule."""
+    import diffusers
+    name, settings = SAMPLERS[sampler]
+    return getattr(diffusers, name).from_config(model_scheduler_config, **settings)
 
 
 class _SamplingStopped(Exception):
@@ -29,44 +50,42 @@ def _stop_between_steps(should_stop: Callable[[], bool]):
 
 
 @torch.no_grad()
-def sample_images(bundle: ModelBundle, config: Config, device: torch.device, step: int,
-                  folder: Path, should_stop: Callable[[], bool] = lambda: False
+def sample_images(bundle: ModelBundle, config: Config, prompts: list[SamplePrompt],
+                  device: torch.device, step: int, folder: Path,
+                  should_stop: Callable[[], bool] = lambda: False
                   ) -> list[tuple[Path, str, Image.Image]]:
-    """Render one image per sampling prompt into `folder`; return (path, prompt, image) rows.
+    """Render one image per sample prompt into `folder`; return (path, prompt, image) rows.
 
     Every component is put in eval mode for sampling and restored afterwards, so sampling never
-    changes what training does next (the sampler uses its own seeded generator). `should_stop`
+    changes what training does next (each prompt has its own seeded generator). `should_stop`
     is asked between prompts and between denoising steps: when it says so, the rows written so
     far are returned (a sample cut short is not written), so a Stop waits for one denoising
     step, not the whole pass.
     """
-    from diffusers import DDIMScheduler
-
     modes = {name: m.training for name, m in bundle.components().items()}
     for module in bundle.components().values():
         module.eval()
     try:
-        scheduler = DDIMScheduler.from_config(bundle.noise_scheduler.config)
+        scheduler = sampling_scheduler(config.sampling.sampler, bundle.noise_scheduler.config)
         pipeline = build_pipeline(bundle, config, scheduler=scheduler)
         pipeline.set_progress_bar_config(disable=True)
         rows = []
-        size = config.data.resolution
-        for i, prompt in enumerate(config.sampling.prompts):
+        for i, prompt in enumerate(prompts):
             if should_stop():
                 break
-            generator = torch.Generator("cpu").manual_seed(config.sampling.seed + i)
+            generator = torch.Generator("cpu").manual_seed(prompt.seed)
             try:
-                image = pipeline(prompt, height=size, width=size,
-                                 num_inference_steps=config.sampling.steps,
-                                 guidance_scale=config.sampling.guidance_scale,
-                                 generator=generator,
+                image = pipeline(prompt.text, negative_prompt=prompt.negative or None,
+                                 height=prompt.height, width=prompt.width,
+                                 num_inference_steps=prompt.steps,
+                                 guidance_scale=prompt.guidance_scale, generator=generator,
                                  callback_on_step_end=_stop_between_steps(should_stop)).images[0]
             except _SamplingStopped:
                 break
             path = folder / f"step-{step:06d}-{i}.png"
             with atomic_file(path) as tmp:
                 image.save(tmp, format="PNG")
-            rows.append((path, prompt, image))
+            rows.append((path, prompt.text, image))
         return rows
     finally:
         for name, module in bundle.components().items():

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from modules.config.prompts import sample_prompts
 from modules.config.secret_settings import masked_config
 from modules.config.problems import ConfigError, Problem
 from modules.config.schema import MixedPrecision
@@ -136,7 +137,7 @@ def build_run(prepared: PreparedRun, callbacks: TrainerCallbacks, dist: Distribu
               build_lr_scheduler(config, optimizer, budget.total_steps), budget, guard, dist,
               state, scaler=scaler, writer=writer, trained=trained, ema=ema,
               text_cache=text_cache, forward=forward, restore_precision=restore_precision,
-              lock=lock)
+              lock=lock, prompts=sample_prompts(config)[0])  # check_inputs read them already
     if prepared.resume is not None:
         resume_run(run, prepared.resume)
     run.mark_boundary()

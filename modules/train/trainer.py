@@ -237,7 +237,7 @@ def training_loop(run: Run, callbacks: TrainerCallbacks, commands: TrainerComman
     else:  # stopped before the first optimizer step: "final" weights would be the base model
         callbacks.on_status("stopped before the first optimizer step: no weights saved")
         run.record.write(final="not saved: stopped before the first optimizer step")
-    if config.sampling.prompts and status == "finished" and state.last_sample_step != run.step:
+    if run.prompts and status == "finished" and state.last_sample_step != run.step:
         run.sample(lambda: commands.stop_requested)
     run.record.write(status=status, compile=run.guard.report(),
                      skipped_steps=state.skipped_steps,
@@ -286,7 +286,7 @@ def progress_event(run: Run, loss: float, smoothed_loss: float,
     per_step = sorted(times)[len(times) // 2]
     config, total = run.config, run.budget.total_steps
     due = samples_still_due(run.step, total, config.sampling.every_steps,
-                            len(config.sampling.prompts))
+                            len(run.prompts))
     per_sample = (sample_seconds if sample_seconds is not None
                   else estimated_sample_seconds(config, per_step))
     eta, sampling = eta_seconds(total - run.step, per_step, due, per_sample)
