@@ -19,7 +19,7 @@ from app.thread_guard import ThreadGuard, tk_thread_only
 from app.tooltip import Tooltip
 from app.widgets import ERROR_COLOR, elide, set_widget_enabled
 from modules.events import Progress
-from modules.train.resume_offer import ResumeOffer
+from modules.frontend import ResumeOffer
 
 SAMPLE_SIZE = 320
 

@@ -80,7 +80,7 @@ def main() -> int:
         grab(app, args.out / "gui-problems.png")
         app.registry.find("training.batch_size").var.set("1")
         app.registry.find("data.resolution").var.set("64")
-        app.hide_problems()
+        app.problems_panel.hide()
         if args.train_steps:
             app.compile_panel.backend.menu._dropdown_callback("NONE")
             for path, text in (("training.max_steps", str(args.train_steps)),

@@ -44,7 +44,7 @@ def test_benchmark_refuses_an_invalid_form_without_running(app):
     app.binding.set_text("data.resolution", "sixty-four")
     assert not app.benchmark.start()
     assert calls == [] and not app.benchmark.running
-    assert "data.resolution" in [p.path for p in app.problems]
+    assert "data.resolution" in [p.path for p in app.problems_panel.problems]
 
 
 def test_benchmark_refuses_while_training(app, monkeypatch):

@@ -21,7 +21,7 @@ def run_json(output: Path) -> dict:
 def test_a_finished_run_offers_no_resume_only_continue_when_max_steps_is_raised(make_app,
                                                                                  tmp_path):
     app = make_app()
-    assert app.current_preset.name == "demo.json" and app.binding.config.output.overwrite
+    assert app.presets_bar.current.name == "demo.json" and app.binding.config.output.overwrite
     out = tmp_path / "run"
     gui_demo_settings(app, out, max_steps=4)
     app.registry.find("output.backup_every_steps").var.set("1")
@@ -35,7 +35,7 @@ def test_a_finished_run_offers_no_resume_only_continue_when_max_steps_is_raised(
     assert "finished at step 4" in panel.button_tips["resume"].text
     final = {p.name: p.read_bytes() for p in (out / "final").iterdir()}
     assert not app.resume_training()  # pressed anyway (a stale button): refused, listed
-    assert any("finished at step 4" in str(p) for p in app.problems)
+    assert any("finished at step 4" in str(p) for p in app.problems_panel.problems)
     assert {p.name: p.read_bytes() for p in (out / "final").iterdir()} == final
 
     app.registry.find("training.max_steps").var.set("6")

@@ -43,14 +43,14 @@ def test_resume_is_offered_for_a_killed_run_and_starts_from_the_newest_backup(ap
         return SimpleNamespace(status="finished", steps=1, output_dir=output)
 
     app.train_fn = fake_train
-    import app.window as window
-    original = window.check_inputs
-    window.check_inputs = lambda config: []  # the fake backups are not loadable ones
+    import modules.frontend as frontend
+    original = frontend.check_inputs
+    frontend.check_inputs = lambda config: []  # the fake backups are not loadable ones
     try:
         assert app.resume_training()
         pump(app, lambda: app.worker is None)
     finally:
-        window.check_inputs = original
+        frontend.check_inputs = original
     assert started == ["latest"]
     assert app.binding.config.training.resume_from == ""  # the form itself is unchanged
 
@@ -143,13 +143,13 @@ def test_unsaved_edits_are_marked_and_loading_another_preset_asks(make_app, tmp_
     app = make_app(confirm=lambda title, message: asked.append(title) or False)
     preset = tmp_path / "mine.json"
     preset.write_text(json.dumps({"config_version": 1, "training": {"max_steps": 7}}))
-    assert app.load_preset(preset)
+    assert app.presets_bar.load(preset)
     assert app.title() == "Tempera — mine.json"
     app.registry.find("training.max_steps").var.set("8")
     pump(app)
     assert app.title() == "Tempera — mine.json *"
-    app.preset_menu.set(app.presets[0].label)
-    assert app.load_selected_preset() is False  # the user said no: edits kept
+    app.presets_bar.menu.set(app.presets_bar.presets[0].label)
+    assert app.presets_bar.load_selected() is False  # the user said no: edits kept
     assert asked == ["Discard your changes?"]
     assert app.binding.config.training.max_steps == 8
 
@@ -196,15 +196,15 @@ def test_a_larger_ui_scale_keeps_the_window_on_screen_and_the_scale_control_reac
     app.geometry("1000x680")
     pump(app)
     width = app.winfo_width()
-    app._scale_chosen("150%")
+    app.sizing.scale_chosen("150%")
     pump(app)
     for _ in range(5):
         app.update()
     assert abs(app.winfo_width() - width) <= 0.05 * width  # the window kept its size
-    menu = app.scale_menu
+    menu = app.sizing.scale_menu
     assert menu.winfo_ismapped()
     right = menu.winfo_rootx() + menu.winfo_width() - app.winfo_rootx()
     assert right <= app.winfo_width()  # the way back is on screen
-    app._scale_chosen("100%")
+    app.sizing.scale_chosen("100%")
     pump(app)
     assert abs(app.winfo_width() - width) <= 0.05 * width

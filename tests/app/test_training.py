@@ -155,7 +155,7 @@ def gui_demo_settings(app, out: Path, max_steps: int) -> None:
 def test_a_real_run_reaches_100_percent_with_sample_and_loss_curve(
         make_app, tmp_path, off_thread_tk_calls):
     app = make_app()
-    assert app.current_preset.name == "demo.json"
+    assert app.presets_bar.current.name == "demo.json"
     out = tmp_path / "run"
     gui_demo_settings(app, out, max_steps=4)
     assert app.start_training(), [str(p) for p in app.binding.problems()]
@@ -204,7 +204,7 @@ def test_what_the_gui_saves_is_what_the_cli_trains(make_app, tmp_path):
     find("compile.unet").toggle.toggle()             # compile nothing: keeps the test fast
     presets = tmp_path / "presets"
     find("output.dir").var.set(str(presets / "runs" / "mine"))
-    saved = app.save_as(presets / "mine.json")
+    saved = app.presets_bar.save_as(presets / "mine.json")
     stored = json.loads(saved.read_text())
     assert stored["output"]["dir"] == "runs/mine"   # relative to the preset's folder
     out = tmp_path / "cli-out"
