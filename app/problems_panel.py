@@ -55,8 +55,8 @@ class ProblemsPanel:
         self.buttons, self._marks = [], []
         self.problems, self._source = list(problems), source
         self._heading, self._keys = title, keys  # kept for the re-check
-        self.title.configure(
-            text=title or f"Cannot start: {len(problems)} problem(s). Click one to go to its field.")
+        self.title.configure(text=title or f"Cannot start: {len(problems)} problem(s). Click "
+                                           "one to go to its field.")
         for problem in problems:
             button = ctk.CTkButton(self.list, text=f"• {self.describe(problem, keys)}",
                                    anchor="w", fg_color="transparent",

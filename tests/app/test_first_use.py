@@ -51,7 +51,7 @@ def test_the_problem_list_follows_the_edits_and_closes_when_all_are_fixed(app):
     resolution = app.registry.find("data.resolution")
     batch.var.set("four")
     resolution.var.set("100")
-    assert not app.start_training()
+    assert not app.runs.start()
     assert len(app.problems_panel.buttons) == 2
     assert "expected a multiple of 64" in resolution.error           # marked at the field too
     batch.var.set("2")
@@ -75,7 +75,7 @@ def test_a_problem_click_scrolls_its_field_into_view(make_app, tmp_path):
     settled(app)
     app.registry.find("sampling.seed").var.set("x")                   # low on a long tab
     app.tabview.set("General")
-    assert not app.start_training()
+    assert not app.runs.start()
     button = next(b for b in app.problems_panel.buttons if "Sampling › Sampling seed:" in b.cget("text"))
     button.invoke()
     settled(app)
@@ -175,7 +175,7 @@ def test_tensorboard_shows_its_address_on_its_button(app, monkeypatch):
     assert "127.0.0.1:6006" in app.run_panel.status_text
     button.invoke()
     assert opened == ["http://127.0.0.1:6006"]
-    app.tensorboard = None
+    app.runs.tensorboard = None
 
 
 def test_the_wheel_over_a_read_only_box_scrolls_the_page(make_app):
@@ -294,7 +294,7 @@ def test_columns_stack_when_the_window_is_too_narrow_for_them(app):
 
 def test_a_scale_change_keeps_a_closed_problem_list_closed_and_invents_no_errors(app):
     app.registry.find("data.resolution").var.set("100")
-    assert not app.start_training()
+    assert not app.runs.start()
     app.problems_panel.hide()                                         # the user closed the list
     app.registry.find("data.resolution").var.set("128")
     more = app.registry.more_of["general.cache_dir"]

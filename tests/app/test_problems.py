@@ -20,8 +20,8 @@ def test_invalid_entries_are_flagged_at_the_field_and_block_start(app, tmp_path)
     app.registry.find("components.unet.train").toggle.toggle()    # nothing trained
     app.registry.find("data.caption_extension").var.set("txt")    # advanced field
 
-    assert app.start_training() is False                           # ...and it blocks Start
-    assert app.worker is None
+    assert app.runs.start() is False                           # ...and it blocks Start
+    assert app.runs.worker is None
     texts = [b.cget("text") for b in app.problems_panel.buttons]
     for where in ("Training › Batch size", "Training › Learning rate", "Data › Resolution",
                   "Training › Components", "Data › Caption extension"):
@@ -54,7 +54,7 @@ def test_dataset_row_problem_jumps_to_that_row(app, tmp_path):
     app.registry.find("data.datasets").add_button.invoke()
     pump(app)
     app.registry.find("data.datasets[1].path").var.set(str(tmp_path / "missing"))
-    assert app.start_training() is False
+    assert app.runs.start() is False
     button = next(b for b in app.problems_panel.buttons
                   if "Data › Datasets › row 2 › Folder:" in b.cget("text"))
     button.invoke()

@@ -31,7 +31,7 @@ def test_resume_is_offered_for_a_killed_run_and_starts_from_the_newest_backup(ap
     fake_backup(output, 20)
     fake_backup(output, 40)
     (output / "run.json").write_text(json.dumps({"status": "running"}))  # killed: no end
-    app.refresh_resume()
+    app.runs.refresh_resume()
     assert panel.buttons["resume"].cget("text") == "Resume from step 40"
     assert panel.buttons["resume"].cget("state") == "normal"
     assert "was killed or crashed" in panel.backups_label.cget("text")
@@ -42,13 +42,13 @@ def test_resume_is_offered_for_a_killed_run_and_starts_from_the_newest_backup(ap
         started.append(config.training.resume_from)
         return SimpleNamespace(status="finished", steps=1, output_dir=output)
 
-    app.train_fn = fake_train
+    app.runs.train_fn = fake_train
     import modules.frontend as frontend
     original = frontend.check_inputs
     frontend.check_inputs = lambda config: []  # the fake backups are not loadable ones
     try:
-        assert app.resume_training()
-        pump(app, lambda: app.worker is None)
+        assert app.runs.resume()
+        pump(app, lambda: app.runs.worker is None)
     finally:
         frontend.check_inputs = original
     assert started == ["latest"]
@@ -71,12 +71,12 @@ def test_check_compilation_is_off_while_training_and_its_report_goes_stale(app, 
         return SimpleNamespace(status="finished", steps=1, output_dir=tmp_path)
 
     app.registry.find("output.dir").var.set(str(tmp_path / "out"))
-    app.train_fn = slow_train
-    assert app.start_training()
+    app.runs.train_fn = slow_train
+    assert app.runs.start()
     assert panel.check_button.cget("state") == "disabled"
     assert "not while training" in panel.check_hint.cget("text")
     release.set()
-    pump(app, lambda: app.worker is None)
+    pump(app, lambda: app.runs.worker is None)
     assert panel.check_button.cget("state") == "normal"
 
 
@@ -95,7 +95,7 @@ def test_start_is_refused_while_check_compilation_runs(app, tmp_path):
         started.append(config)
         return SimpleNamespace(status="finished", steps=1, output_dir=tmp_path)
 
-    app.explain_fn, app.train_fn = slow_explain, fake_train
+    app.explain_fn, app.runs.train_fn = slow_explain, fake_train
     app.registry.find("output.dir").var.set(str(tmp_path / "out"))
     pump(app)
     assert start.cget("state") == "normal"
@@ -103,12 +103,12 @@ def test_start_is_refused_while_check_compilation_runs(app, tmp_path):
     try:
         assert start.cget("state") == "disabled"
         assert "Check compilation is running" in run.button_tips["start"].text
-        assert not app.start_training()  # a click that gets through anyway is refused too
+        assert not app.runs.start()  # a click that gets through anyway is refused too
         assert "Check compilation is running" in run.status_text and run.status_error
-        assert app.worker is None and started == []
+        assert app.runs.worker is None and started == []
         # a benchmark ending meanwhile does not let Start through while the check still runs
-        app._benchmark_running(True)
-        app._benchmark_running(False)
+        app.runs.benchmark_changed(True)
+        app.runs.benchmark_changed(False)
         assert start.cget("state") == "disabled"
         assert "Check compilation is running" in run.button_tips["start"].text
     finally:
@@ -116,8 +116,8 @@ def test_start_is_refused_while_check_compilation_runs(app, tmp_path):
     pump(app, lambda: "graph_breaks" in panel.report_text())
     assert start.cget("state") == "normal" and run.button_tips["start"].text == ""
     assert panel.check_button.cget("state") == "normal"
-    assert app.start_training()
-    pump(app, lambda: app.worker is None)
+    assert app.runs.start()
+    pump(app, lambda: app.runs.worker is None)
     assert len(started) == 1
 
 
@@ -168,7 +168,7 @@ def test_every_prompt_of_the_latest_step_is_shown_and_compiling_is_busy(app, tmp
         images.append(tmp_path / f"s{i}.png")
         Image.new("RGB", (64, 64), color).save(images[-1])
     from modules.train.history import CompileExpectation
-    app.expected_compile = CompileExpectation(65.0, warm=False, cold_seconds=65.0,
+    app.runs.expected_compile = CompileExpectation(65.0, warm=False, cold_seconds=65.0,
                                               graphs={"unet": 12})
     panel = app.run_panel
     app._handle(SimpleNamespace(kind="compile", payload=CompileEvent(
@@ -178,7 +178,7 @@ def test_every_prompt_of_the_latest_step_is_shown_and_compiling_is_busy(app, tmp
     app._handle(SimpleNamespace(kind="compile", payload=CompileEvent(
         "unet", "compiling UNet: graph 3 (4.0 s so far)", kind="progress", graph=3)))
     assert panel.step_label.cget("text").startswith("compiling UNet: graph 3 of 12 (4.0 s")
-    app.expected_compile = CompileExpectation(12.0, warm=True, cold_seconds=228.0, graphs={})
+    app.runs.expected_compile = CompileExpectation(12.0, warm=True, cold_seconds=228.0, graphs={})
     app._handle(SimpleNamespace(kind="compile", payload=CompileEvent(
         "unet", "compiling UNet: graph 3 (4.0 s so far)", kind="progress", graph=3)))
     text = panel.step_label.cget("text")

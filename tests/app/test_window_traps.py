@@ -128,7 +128,7 @@ def test_fixing_a_problem_never_moves_the_fields(app, real_input):
     for path, bad in (("training.batch_size", "four"), ("training.learning_rate", "5"),
                       ("training.max_steps", "x")):
         app.registry.find(path).var.set(bad)
-    assert app.start_training() is False
+    assert app.runs.start() is False
     count = len(app.problems_panel.buttons)
     assert count >= 3
     app.tabview.set("Training")
@@ -168,12 +168,12 @@ def test_resuming_shows_the_earlier_loss_curve_and_the_latest_samples(app, tmp_p
         release.wait(30)
         return SimpleNamespace(status="stopped", steps=8, output_dir=output)
 
-    app.train_fn = fake_train
+    app.runs.train_fn = fake_train
     import modules.frontend as frontend
     original = frontend.check_inputs
     frontend.check_inputs = lambda config: []  # the fake backup is not a loadable one
     try:
-        assert app.resume_training()
+        assert app.runs.resume()
         plot, panel = app.run_panel.plot, app.run_panel
         # up to the backup's step 8 (steps 9 and 10 are retrained), the skipped step left out
         assert plot.steps == [1, 2, 4, 5, 6, 7, 8]
@@ -185,7 +185,7 @@ def test_resuming_shows_the_earlier_loss_curve_and_the_latest_samples(app, tmp_p
         assert panel.sample_caption.cget("text") == "step 8: a red one | a blue one"
     finally:
         release.set()
-        pump(app, lambda: app.worker is None)
+        pump(app, lambda: app.runs.worker is None)
         frontend.check_inputs = original
 
 
