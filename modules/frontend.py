@@ -8,7 +8,7 @@ files. The GUI imports it before torch: what would import torch (the trainer, th
 engine) is imported inside the function that needs it, and the two names that are not
 functions (`TrainingError`, `BACKENDS`) are read through `__getattr__` on first use.
 
-The rule for `app/` (tests/app/test_layers.py): from `modules/` it imports only this module,
+The rule for `app/` (tests/test_layers.py): from `modules/` it imports only this module,
 `modules.config` (the config types, loading and saving) and `modules.events` (the trainer
 protocol); the Benchmark section and the Cloud tab also import the front ends they show,
 `modules.bench` and `modules.cloud`.
