@@ -13,7 +13,7 @@ from enum import Enum
 from typing import Any
 
 from modules.config import Config, Problem, from_dict, to_dict, validate
-from modules.train.inputs import check_inputs
+from modules.frontend import check
 from app.fields import FieldInfo, field_map, iter_fields
 
 _INDEX = re.compile(r"\[(\d+)\]")
@@ -225,8 +225,8 @@ class ConfigBinding:
     def problems(self, check_files: bool = True) -> list[Problem]:
         """Unparsable fields first, then the `validate(config)` the CLI also runs, and (with
         check_files) the checks of the model, datasets and output folder a start runs."""
-        inputs = check_inputs(self.config) if check_files else []
-        return self.field_problems() + validate(self.config) + inputs
+        return self.field_problems() + (check(self.config) if check_files
+                                        else validate(self.config))
 
     def snapshot(self) -> Config:
         """An independent copy (the worker trains on this while the GUI stays editable)."""

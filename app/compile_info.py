@@ -28,7 +28,7 @@ def _format_options(options: dict[str, Any]) -> str:
 
 def torch_compile_summary(backend: CompileBackend) -> str:
     """What the backend maps to in torch.compile, read from the engine's backend table."""
-    from modules.compile.backends import BACKENDS  # imports torch: after the window is up
+    from modules.frontend import BACKENDS  # imports torch: after the window is up
     row = BACKENDS.get(backend)
     if row is None:
         return "eager: torch.compile is not called"

@@ -256,3 +256,24 @@ def build_fields(parent: Any, infos: Iterable[FieldInfo], binding: ConfigBinding
 
 def fields_of_group(group: str, skip: set[str] = frozenset()) -> list[FieldInfo]:
     return [i for i in iter_fields(Config) if i.group == group and i.dotted_path not in skip]
+
+
+def scroll_to(scroll: Any, widget: Any, above: int = 40) -> None:
+    """Scroll the page so `widget` sits `above` pixels below its top edge (as far as the
+    page's length allows)."""
+    scroll.update_idletasks()
+    canvas = scroll._parent_canvas  # its scroll region follows the content on <Configure>,
+    canvas.configure(scrollregion=canvas.bbox("all"))  # which has not come yet
+    content_height = max(scroll.winfo_reqheight(), 1)
+    offset = widget.winfo_rooty() - scroll.winfo_rooty()  # from the content's top
+    if content_height > canvas.winfo_height():
+        canvas.yview_moveto(max(0.0, (offset - above) / content_height))
+
+
+def reveal(scroll: Any, button: Any) -> None:
+    """After "More options" opens: when the button sits in the lower half of the page, the
+    new fields would open below the fold, so the button is scrolled up to the top."""
+    scroll.update_idletasks()
+    canvas = scroll._parent_canvas
+    if button.winfo_rooty() - canvas.winfo_rooty() > canvas.winfo_height() / 2:
+        scroll_to(scroll, button, above=8)

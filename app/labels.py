@@ -11,7 +11,7 @@ from enum import Enum
 from modules.config.schema import (CompileBackend, CompileMode, CompileScope, Device, DType,
                                    DynamicShapes, LRScheduler, MixedPrecision, Optimizer,
                                    PredictionType, Sampler, SaveFormat, TrainingMethod)
-from modules.model_types import MODEL_TYPES, ModelType
+from modules.frontend import MODEL_TYPES, ModelType
 
 # By enum type first: members of str enums compare equal by value across types
 # (Device.AUTO == DynamicShapes.AUTO), so one flat dict would mix them up.

@@ -12,7 +12,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--settings", type=Path,
                         help="GUI settings file (default ~/.config/tempera/ui.json)")
     args = parser.parse_args(argv)
-    from modules.util.library_noise import silence_torchvision_fallback_warnings
+    from modules.frontend import silence_torchvision_fallback_warnings
     silence_torchvision_fallback_warnings()  # a warning about a package we never use
     try:
         from app.window import TemperaApp

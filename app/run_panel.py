@@ -19,8 +19,7 @@ from app.thread_guard import ThreadGuard, tk_thread_only
 from app.tooltip import Tooltip
 from app.widgets import ERROR_COLOR, elide, set_widget_enabled
 from modules.events import Progress
-from modules.util.duration import format_duration
-from modules.train.resume_offer import ResumeOffer
+from modules.frontend import ResumeOffer, format_duration
 
 SAMPLE_SIZE = 320
 

@@ -53,7 +53,7 @@ TrainFn = Callable[[Config, QueueCallbacks, TrainerCommands], Any]
 
 def engine_train() -> TrainFn:
     """The engine's `train`, imported when a run starts (the window opens without torch)."""
-    from modules.train.trainer import train
+    from modules.frontend import train
     return train
 
 

@@ -9,7 +9,7 @@ import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from modules.util.atomic import atomic_write_text
+from modules.frontend import atomic_write_text
 
 DEFAULT_SETTINGS_PATH = Path("~/.config/tempera/ui.json")
 DEFAULT_USER_PRESETS = "~/.config/tempera/presets"

@@ -75,12 +75,12 @@ def main() -> int:
             grab(app, args.out / name)
         app.registry.find("training.batch_size").var.set("four")
         app.registry.find("data.resolution").var.set("100")
-        app.start_training()
+        app.runs.start()
         app.tabview.set("Training")
         grab(app, args.out / "gui-problems.png")
         app.registry.find("training.batch_size").var.set("1")
         app.registry.find("data.resolution").var.set("64")
-        app.hide_problems()
+        app.problems_panel.hide()
         if args.train_steps:
             app.compile_panel.backend.menu._dropdown_callback("NONE")
             for path, text in (("training.max_steps", str(args.train_steps)),
@@ -88,8 +88,8 @@ def main() -> int:
                                ("output.save_every_steps", "0"),
                                ("output.dir", str(work / "output"))):
                 app.registry.find(path).var.set(text)
-            app.start_training()
-            while app.worker is not None:
+            app.runs.start()
+            while app.runs.worker is not None:
                 settle(app, 0.2)
         app.tabview.set("Run")
         grab(app, args.out / "gui-run.png")

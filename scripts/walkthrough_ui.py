@@ -61,12 +61,12 @@ def walk(screen: str, out: Path) -> list[str]:
                          initial_preset=ROOT / "training_presets" / "demo.json")
         try:
             if percent != "100":
-                app.scale_menu._dropdown_callback(f"{percent}%")  # the menu's own command
+                app.sizing.scale_menu._dropdown_callback(f"{percent}%")  # the menu's own command
             xdo.settle(app, 1.0)
             out.mkdir(parents=True, exist_ok=True)
             check(inside(app, width, height), f"the window fits the {size} screen")
             for name, widget in (("Start training", app.run_panel.buttons["start"]),
-                                 ("UI scale", app.scale_menu), ("Stop", app.run_panel.buttons["stop"])):
+                                 ("UI scale", app.sizing.scale_menu), ("Stop", app.run_panel.buttons["stop"])):
                 check(inside(widget, width, height), f"{name} is on screen")
             for tab, button in app.tabview._segmented_button._buttons_dict.items():
                 xdo.click(app, button)
@@ -107,13 +107,13 @@ def walk(screen: str, out: Path) -> list[str]:
             xdo.screenshot(app, out / "inline-error.png")
 
             xdo.click(app, app.run_panel.buttons["start"])
-            texts = [b.cget("text") for b in app.problem_buttons]
+            texts = [b.cget("text") for b in app.problems_panel.buttons]
             check(any("Training › Batch size" in t for t in texts),
                   "Start lists the problem by its label (Training › Batch size)")
             xdo.screenshot(app, out / "problems.png")
             app.tabview.set("General")
             xdo.settle(app)
-            button = next((b for b in app.problem_buttons if "Batch size" in b.cget("text")), None)
+            button = next((b for b in app.problems_panel.buttons if "Batch size" in b.cget("text")), None)
             if check(button is not None and inside(button, width, height),
                      "the problem is on screen to click"):
                 xdo.click(app, button)
@@ -124,7 +124,7 @@ def walk(screen: str, out: Path) -> list[str]:
                       "clicking it shows Batch size, focused, in view")
             xdo.clear_and_type(app, "1")
             xdo.settle(app, 1.0)
-            check(app.problems_frame.winfo_manager() == "",
+            check(app.problems_panel.frame.winfo_manager() == "",
                   "fixing the value closes the problem list")
             check(inside(app.run_panel.status, width, height)
                   and "\n" not in app.run_panel.status.cget("text"),

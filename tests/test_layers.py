@@ -1,19 +1,88 @@
-"""Imports inside modules/ only point down the layers docs/architecture.md draws.
+"""The layers docs/architecture.md draws, checked import by import (lazy imports inside
+functions too: a lazy import across a layer is still a dependency, it only fails later).
 
-Every import counts, a lazy one inside a function included: a lazy upward import is still a
-dependency on the layer above, it only fails later.
+Inside `modules/`, imports only point down (LAYERS). The GUI's boundary with the engine
+(docs/architecture.md, "The GUI"):
+
+`app/` imports from `modules/` only `modules.frontend` (everything it asks the engine),
+`modules.config` (the config types) and `modules.events` (the trainer protocol); the Benchmark
+section and the Cloud tab also import the front ends they show, `modules.bench` and
+`modules.cloud`. The GUI imports the facade before torch, so the facade must not import torch.
 """
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
+from tests.child_env import REPO, with_repo_on_pythonpath
+
+ALLOWED = ("modules.frontend", "modules.config", "modules.events")
+ALLOWED_IN = {"modules.bench": "benchmark_panel.py", "modules.cloud": "cloud_panel.py"}
+
+
+def engine_imports(path: Path) -> list[tuple[int, str]]:
+    """Every module of `modules/` that a file imports, at any depth (lazy imports in
+    functions too), as (line, dotted name)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text("utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = ([f"modules.{alias.name}" for alias in node.names]
+                     if node.module == "modules" else [node.module])
+        else:
+            continue
+        found += [(node.lineno, name) for name in names
+                  if name == "modules" or name.startswith("modules.")]
+    return found
+
+
+def allowed(name: str, file: Path) -> bool:
+    def under(package: str) -> bool:
+        return name == package or name.startswith(package + ".")
+    return (any(under(package) for package in ALLOWED)
+            or any(under(package) and file.name == owner for package, owner in ALLOWED_IN.items()))
+
+
+def test_app_imports_the_engine_only_through_the_frontend_module():
+    files = sorted((REPO / "app").glob("*.py"))
+    seen = {name for file in files for _, name in engine_imports(file)}
+    assert "modules.frontend" in seen and "modules.bench" in seen  # a lazy import is found too
+    wrong = [f"{file.relative_to(REPO)}:{line}: {name}" for file in files
+             for line, name in engine_imports(file) if not allowed(name, file)]
+    assert wrong == [], "app/ imports the engine past modules.frontend:\n" + "\n".join(wrong)
+
+
+def test_the_rule_refuses_a_deep_import(tmp_path):
+    bad = tmp_path / "window.py"
+    bad.write_text("def f():\n    from modules.train.inputs import check_inputs\n"
+                   "from modules import frontend, paths\n")
+    names = sorted(name for _, name in engine_imports(bad))
+    assert names == ["modules.frontend", "modules.paths", "modules.train.inputs"]
+    assert [name for name in names if not allowed(name, bad)] == ["modules.paths",
+                                                                   "modules.train.inputs"]
+    assert not allowed("modules.cloud.repo", bad)  # only the Cloud tab's file may
+    assert allowed("modules.cloud.repo", tmp_path / "cloud_panel.py")
+
+
+def test_the_frontend_module_imports_without_torch():
+    code = ("import sys, modules.frontend as f; assert 'torch' not in sys.modules, 'torch'; "
+            "f.check; f.resume_offer; f.list_backups; print('ok')")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=with_repo_on_pythonpath(),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+# --- inside modules/: imports only point down ----------------------------------------------
 MODULES = Path(__file__).resolve().parent.parent / "modules"
 
 # From the top down; a package may import its own modules and anything in a lower layer.
 LAYERS = (
     {"cli"},
     {"cloud", "bench"},
+    {"frontend"},
     {"train"},
     {"compile", "models", "data", "runtime"},
     {"config"},
@@ -51,7 +120,7 @@ def test_every_import_in_modules_points_down():
     assert upward == []
 
 
-def test_the_checker_sees_a_lazy_upward_import(tmp_path):
+def test_the_layer_checker_sees_a_lazy_upward_import(tmp_path):
     source = tmp_path / "example.py"
     source.write_text("def f():\n    from modules.train.run import Run\n", encoding="utf-8")
     assert _imported_packages(source) == {"train"}

@@ -58,11 +58,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from modules.util.library_noise import silence_torchvision_fallback_warnings
+    from modules.frontend import silence_torchvision_fallback_warnings
     silence_torchvision_fallback_warnings()  # a warning about a package we never use
     from modules.config import ConfigError, apply_overrides, load_config
     from modules.events import TrainerCommands
-    from modules.train.trainer import TrainingError, train
+    from modules.frontend import TrainingError, train
 
     from modules.cloud.local_overrides import apply_local_overrides  # --local
     from modules.cloud.run_meta import add_run_meta, parse_run_meta  # --run-meta
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         run_meta = parse_run_meta(args.run_meta)
         if args.check:  # every check a start runs, short of loading the model and training
             from modules.events import NullCallbacks
-            from modules.train.prepare import check_run
+            from modules.frontend import check_run
             checked = check_run(config, NullCallbacks())
             print(f"{args.config}: valid ({len(checked.scan.items)} images; model "
                   f"{checked.model_path})")
@@ -135,7 +135,7 @@ def resume_advice(args: argparse.Namespace, config, own_process: bool) -> str:
     same shell (the same program, config, --local and --set options, shell-quoted, plus
     `--resume latest`); or, when no backup was written, that there is nothing to resume and
     the command that starts the run again."""
-    from modules.train.backup_files import list_backups
+    from modules.frontend import list_backups
     output_dir = Path(config.output.dir)
     words = [*program_words(own_process), "--config", str(args.config)]
     if args.local:

@@ -31,7 +31,7 @@ from pathlib import Path
 from modules.cloud.git import clean_git_env
 from modules.cloud.supervise import (MAX_RESTARTS, describe_exit, identity, local_is_alive,
                                      restart_command, settle_run_record)
-from modules.train.record import read_run_status
+from modules.frontend import read_run_status
 from modules.util.atomic import atomic_write_text
 
 QUEUED, RUNNING, FINISHED, FAILED, INVALID = "queued", "running", "finished", "failed", "invalid"

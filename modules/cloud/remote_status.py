@@ -19,7 +19,7 @@ from modules.cloud.git import CloudError
 from modules.cloud.queue import (FINISHED, INTERRUPTED, RUNNING, RunStatus, cancel_path, list_statuses,
                                  progress_path)
 from modules.cloud.supervise import is_alive, local_is_alive, parse_proc_start
-from modules.train.record import read_run_status
+from modules.frontend import read_run_status
 from modules.util.duration import format_duration
 
 _SCP_LIKE = re.compile(r"^(?P<host>(?:[A-Za-z0-9._-]+@)?[A-Za-z0-9._-]+):(?P<path>.+)$")

@@ -21,8 +21,8 @@ from modules.cloud.local_overrides import apply_local_overrides
 from modules.cloud.secrets import scan_files
 from modules.cloud.queue import (INVALID, PROGRESS_EVERY_SECONDS, QUEUED, RunStatus, cancel_path,
                                  cloud_run_meta, new_run_id, progress_path, write_status)
-from modules.config import ConfigError, apply_overrides, load_config, validate
-from modules.train.inputs import check_inputs
+from modules.config import ConfigError, apply_overrides, load_config
+from modules.frontend import check
 from modules.util.atomic import atomic_write_text, publish_dir_once
 
 
@@ -184,7 +184,7 @@ def check_config(config_file: Path, local_overrides: Path | None, output_dir: Pa
         if local_overrides:
             config = apply_local_overrides(config, local_overrides)
         config = apply_overrides(config, [f"output.dir={output_dir}"])
-        return [str(p) for p in validate(config) + check_inputs(config)]
+        return [str(p) for p in check(config)]
     except ConfigError as exc:
         return [str(p) for p in exc.problems]
 

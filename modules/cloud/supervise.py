@@ -138,7 +138,7 @@ def restart_command(status, work_root: Path) -> list[str]:
     first backup), it starts again from scratch, the attempt's output folder kept aside as
     `outputs/<run-id>.attempt-<n>`.
     """
-    from modules.train.backup_files import list_backups
+    from modules.frontend import list_backups
     output = Path(status.output_dir)
     found = list_backups(output)
     if found:

@@ -94,9 +94,9 @@ def make_app(display, tmp_path):
     for app in apps:
         if app.closed:
             continue
-        if app.worker is not None:
-            app.worker.commands.request_stop()
-            app.worker.thread.join(timeout=120)
+        if app.runs.worker is not None:
+            app.runs.worker.commands.request_stop()
+            app.runs.worker.thread.join(timeout=120)
         app._finish_close()
 
 

@@ -21,7 +21,7 @@ BACKEND_MAPPING = {
 
 
 def saved_compile(app, path) -> dict:
-    assert app.save_as(path) == path
+    assert app.presets_bar.save_as(path) == path
     return json.loads(path.read_text()).get("compile", {})
 
 

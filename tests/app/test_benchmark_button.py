@@ -21,7 +21,7 @@ def test_benchmark_button_runs_eager_against_the_chosen_backend(app, tempera_cac
     section = app.benchmark
     assert section.start()
     assert section.button.cget("text") == "Stop benchmark"
-    assert not app.start_training(), "training must wait for the benchmark"
+    assert not app.runs.start(), "training must wait for the benchmark"
     pump(app, until=lambda: not section.running and section.events.empty()
          and section.button.cget("text") == "Benchmark…", timeout=300)
     table = section.text().splitlines()
@@ -44,13 +44,13 @@ def test_benchmark_refuses_an_invalid_form_without_running(app):
     app.binding.set_text("data.resolution", "sixty-four")
     assert not app.benchmark.start()
     assert calls == [] and not app.benchmark.running
-    assert "data.resolution" in [p.path for p in app.problems]
+    assert "data.resolution" in [p.path for p in app.problems_panel.problems]
 
 
 def test_benchmark_refuses_while_training(app, monkeypatch):
     calls = []
     app.benchmark.bench_fn = lambda *a, **k: calls.append(a)
-    monkeypatch.setattr(type(app), "training", property(lambda self: True))
+    monkeypatch.setattr(type(app.runs), "training", property(lambda self: True))
     assert not app.benchmark.start()
     assert calls == [] and "Stop training first" in app.benchmark.status.cget("text")
 

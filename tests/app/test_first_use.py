@@ -51,19 +51,19 @@ def test_the_problem_list_follows_the_edits_and_closes_when_all_are_fixed(app):
     resolution = app.registry.find("data.resolution")
     batch.var.set("four")
     resolution.var.set("100")
-    assert not app.start_training()
-    assert len(app.problem_buttons) == 2
+    assert not app.runs.start()
+    assert len(app.problems_panel.buttons) == 2
     assert "expected a multiple of 64" in resolution.error           # marked at the field too
     batch.var.set("2")
-    pump(app, lambda: len(app.problem_buttons) == 1)
-    assert "Resolution" in app.problem_buttons[0].cget("text")
+    pump(app, lambda: len(app.problems_panel.buttons) == 1)
+    assert "Resolution" in app.problems_panel.buttons[0].cget("text")
     resolution.var.set("120")                                        # still not a multiple
     pump(app, lambda: resolution.error is not None and "multiple of 64" in resolution.error)
     resolution.var.set("12a")                                        # typing goes on...
-    pump(app, lambda: any("12a" in b.cget("text") for b in app.problem_buttons))
+    pump(app, lambda: any("12a" in b.cget("text") for b in app.problems_panel.buttons))
     assert resolution.var.get() == "12a"                             # ...and is not undone
     resolution.var.set("128")
-    pump(app, lambda: app.problems_frame.winfo_manager() == "")
+    pump(app, lambda: app.problems_panel.frame.winfo_manager() == "")
     assert resolution.error is None
     assert app.run_panel.status_text == "Every listed problem is fixed."
 
@@ -75,8 +75,8 @@ def test_a_problem_click_scrolls_its_field_into_view(make_app, tmp_path):
     settled(app)
     app.registry.find("sampling.seed").var.set("x")                   # low on a long tab
     app.tabview.set("General")
-    assert not app.start_training()
-    button = next(b for b in app.problem_buttons if "Sampling › Sampling seed:" in b.cget("text"))
+    assert not app.runs.start()
+    button = next(b for b in app.problems_panel.buttons if "Sampling › Sampling seed:" in b.cget("text"))
     button.invoke()
     settled(app)
     view = app.jumped_to
@@ -175,7 +175,7 @@ def test_tensorboard_shows_its_address_on_its_button(app, monkeypatch):
     assert "127.0.0.1:6006" in app.run_panel.status_text
     button.invoke()
     assert opened == ["http://127.0.0.1:6006"]
-    app.tensorboard = None
+    app.runs.tensorboard = None
 
 
 def test_the_wheel_over_a_read_only_box_scrolls_the_page(make_app):
@@ -219,13 +219,13 @@ def test_save_as_uses_the_desktop_chooser_when_there_is_one(app, tmp_path, monke
     zenity.chmod(zenity.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.delenv("TEMPERA_FILE_DIALOG", raising=False)
-    written = app.save_as()
+    written = app.presets_bar.save_as()
     assert written == tmp_path / "mine.json" and written.is_file()
     args = (tmp_path / "args").read_text()
     assert "--save" in args and "--confirm-overwrite" in args and "*.json" in args
 
     zenity.write_text("#!/bin/sh\nexit 1\n")                          # cancelled
-    assert app.save_as() is None
+    assert app.presets_bar.save_as() is None
 
 
 def test_chooser_command_lines():
@@ -278,33 +278,33 @@ def test_columns_stack_when_the_window_is_too_narrow_for_them(app):
     app.tabview.set("General")
     app.geometry("1280x860")
     settled(app)
-    app.fit_columns()
+    app.sizing.fit_columns()
     settled(app)
     assert not app.registry.layouts[0].stacked
     side_by_side_y = seed.frame.winfo_rooty()
-    app.scale_menu._dropdown_callback("150%")                 # the same window, larger widgets
+    app.sizing.scale_menu._dropdown_callback("150%")                 # the same window, larger widgets
     settled(app)
     right_edge = app.winfo_rootx() + app.winfo_width()
     assert seed.frame.winfo_rootx() + seed.frame.winfo_width() <= right_edge
     assert seed.frame.winfo_rooty() > side_by_side_y          # below the left column now
-    app.scale_menu._dropdown_callback("100%")
+    app.sizing.scale_menu._dropdown_callback("100%")
     settled(app)
     assert seed.frame.winfo_rooty() == side_by_side_y
 
 
 def test_a_scale_change_keeps_a_closed_problem_list_closed_and_invents_no_errors(app):
     app.registry.find("data.resolution").var.set("100")
-    assert not app.start_training()
-    app.hide_problems()                                         # the user closed the list
+    assert not app.runs.start()
+    app.problems_panel.hide()                                         # the user closed the list
     app.registry.find("data.resolution").var.set("128")
     more = app.registry.more_of["general.cache_dir"]
     more.expand()
     more.collapse()
     for scale in ("150%", "100%"):
-        app.scale_menu._dropdown_callback(scale)
+        app.sizing.scale_menu._dropdown_callback(scale)
         settled(app)
         wait(app)          # past the problem list's re-check delay
-        assert app.problems_frame.winfo_manager() == ""
+        assert app.problems_panel.frame.winfo_manager() == ""
         assert not more.expanded and all(b.winfo_manager() == "" for b in more.bodies)
         assert app.binding.errors == {}
         assert [v.path for v in app.registry.all_views() if v.error] == []
@@ -321,11 +321,11 @@ def wait(app, seconds: float = 0.6) -> None:
 def test_the_save_refusal_list_follows_the_edits_too(app, tmp_path):
     batch = app.registry.find("training.batch_size")
     batch.var.set("four")
-    assert app.save_as(tmp_path / "p.json") is None
-    assert app.problems_title.cget("text") == "Fix these fields before saving"
+    assert app.presets_bar.save_as(tmp_path / "p.json") is None
+    assert app.problems_panel.title.cget("text") == "Fix these fields before saving"
     batch.var.set("3")
-    pump(app, lambda: app.problems_frame.winfo_manager() == "")
-    assert app.save_as(tmp_path / "p.json") == tmp_path / "p.json"
+    pump(app, lambda: app.problems_panel.frame.winfo_manager() == "")
+    assert app.presets_bar.save_as(tmp_path / "p.json") == tmp_path / "p.json"
 
 
 def test_stacked_columns_leave_no_empty_gap(app):
@@ -350,7 +350,7 @@ def test_opening_more_options_pushes_no_field_past_the_right_edge(app):
     the left column and push the right one past the edge of a 1024-pixel window."""
     app.geometry("1000x660")
     settled(app)
-    app.fit_columns()
+    app.sizing.fit_columns()
     settled(app)
     right_edge = app.winfo_rootx() + app.winfo_width()
     for more in set(app.registry.more_of.values()):

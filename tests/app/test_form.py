@@ -116,7 +116,7 @@ def test_loading_a_preset_updates_the_widgets(app, tmp_path):
         "compile": {"backend": "TRITON", "vae": True},
         "sampling": {"prompts": ["one", "two"]},
     }))
-    assert app.load_preset(preset)
+    assert app.presets_bar.load(preset)
     assert view(app, "training.max_steps").var.get() == "9"
     assert view(app, "data.resolution").var.get() == "128"
     assert view(app, "training.gradient_checkpointing").var.get() is True
@@ -132,8 +132,8 @@ def test_loading_a_preset_updates_the_widgets(app, tmp_path):
 def test_a_broken_preset_lists_its_problems_and_keeps_the_window(app, tmp_path):
     preset = tmp_path / "bad.json"
     preset.write_text(json.dumps({"training": {"max_stepz": 3, "batch_size": "big"}}))
-    assert not app.load_preset(preset)
-    texts = [b.cget("text") for b in app.problem_buttons]
+    assert not app.presets_bar.load(preset)
+    texts = [b.cget("text") for b in app.problems_panel.buttons]
     assert any("training.max_stepz" in t for t in texts)
     assert any("training.batch_size" in t for t in texts)
     assert app.binding.config == Config()

@@ -6,7 +6,7 @@ import shutil
 
 from app.presets import list_presets
 from app.settings import UISettings, load_settings
-from app.window import apply_scaling
+from app.window_size import apply_scaling
 from tests.app.conftest import REPO
 
 
@@ -29,26 +29,26 @@ def test_built_in_presets_are_never_silently_overwritten(make_app, tmp_path):
     answers, asked_paths = [], []
     app = make_app(builtin_presets_dir=builtin, confirm=lambda t, m: answers.pop(0),
                    ask_save_path=lambda folder: asked_paths.append(folder) or None)
-    assert app.current_preset == builtin / "demo.json"
-    assert app.preset_menu.get() == "demo"
+    assert app.presets_bar.current == builtin / "demo.json"
+    assert app.presets_bar.menu.get() == "demo"
     app.registry.find("training.max_steps").var.set("7")
 
-    assert app.save() is None                       # built-in: Save goes to "Save as…"
+    assert app.presets_bar.save() is None                       # built-in: Save goes to "Save as…"
     assert asked_paths == [app.settings.user_presets_path]
-    assert app.save_as(builtin / "demo.json") is None   # refused outright
+    assert app.presets_bar.save_as(builtin / "demo.json") is None   # refused outright
     assert "built-in preset" in app.run_panel.status.cget("text")
     assert (builtin / "demo.json").read_text() == original
     answers.append(False)
-    assert app.save_as(builtin / "new.json") is None    # asked, declined
+    assert app.presets_bar.save_as(builtin / "new.json") is None    # asked, declined
     assert not (builtin / "new.json").exists()
     answers.append(True)
-    assert app.save_as(builtin / "new.json") == builtin / "new.json"
+    assert app.presets_bar.save_as(builtin / "new.json") == builtin / "new.json"
 
     mine = tmp_path / "mine.json"
-    assert app.save_as(mine) == mine
+    assert app.presets_bar.save_as(mine) == mine
     assert json.loads(mine.read_text())["training"]["max_steps"] == 7
     app.registry.find("training.max_steps").var.set("8")
-    assert app.save() == mine                       # a user preset is saved in place
+    assert app.presets_bar.save() == mine                       # a user preset is saved in place
     assert json.loads(mine.read_text())["training"]["max_steps"] == 8
 
 
@@ -58,9 +58,9 @@ def test_picker_loads_the_chosen_preset(make_app, tmp_path):
     (builtin / "group" / "a.json").write_text(json.dumps({"training": {"max_steps": 11}}))
     (builtin / "b.json").write_text(json.dumps({"training": {"max_steps": 22}}))
     app = make_app(builtin_presets_dir=builtin)
-    assert app.preset_menu.cget("values") == ["b", "group / a"]
-    app.preset_menu.set("group / a")
-    assert app.load_selected_preset()
+    assert app.presets_bar.menu.cget("values") == ["b", "group / a"]
+    app.presets_bar.menu.set("group / a")
+    assert app.presets_bar.load_selected()
     assert app.binding.config.training.max_steps == 11
     assert app.registry.find("training.max_steps").var.get() == "11"
 
@@ -72,7 +72,7 @@ def test_window_size_scale_and_last_preset_are_remembered(make_app, tmp_path):
         app.geometry("1100x720")
         app.update()
         # (customtkinter pins the window size for a second after a scale change, so resize first)
-        app.scale_menu._dropdown_callback("125%")
+        app.sizing.scale_menu._dropdown_callback("125%")
         assert load_settings(settings)[0].scaling == 1.25
         app.update()
         app._finish_close()
@@ -83,7 +83,7 @@ def test_window_size_scale_and_last_preset_are_remembered(make_app, tmp_path):
         assert saved.geometry.startswith("880x576")
         assert saved.last_preset.endswith("demo.json")
         again = make_app(settings_path=settings)
-        assert again.scale_menu.get() == "125%"
+        assert again.sizing.scale_menu.get() == "125%"
         assert again.settings.geometry.startswith("880x576")
         again.update()
         assert abs(again.winfo_width() - 1100) <= 30

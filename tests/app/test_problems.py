@@ -20,30 +20,30 @@ def test_invalid_entries_are_flagged_at_the_field_and_block_start(app, tmp_path)
     app.registry.find("components.unet.train").toggle.toggle()    # nothing trained
     app.registry.find("data.caption_extension").var.set("txt")    # advanced field
 
-    assert app.start_training() is False                           # ...and it blocks Start
-    assert app.worker is None
-    texts = [b.cget("text") for b in app.problem_buttons]
+    assert app.runs.start() is False                           # ...and it blocks Start
+    assert app.runs.worker is None
+    texts = [b.cget("text") for b in app.problems_panel.buttons]
     for where in ("Training › Batch size", "Training › Learning rate", "Data › Resolution",
                   "Training › Components", "Data › Caption extension"):
         assert any(f"• {where}:" in t for t in texts), (where, texts)
-    assert app.problems_frame.winfo_manager() == "grid"
+    assert app.problems_panel.frame.winfo_manager() == "grid"
 
-    resolution_button = next(b for b in app.problem_buttons if "Resolution" in b.cget("text"))
+    resolution_button = next(b for b in app.problems_panel.buttons if "Resolution" in b.cget("text"))
     resolution_button.invoke()
     assert app.tabview.get() == "Data"
     assert app.jumped_to.path == "data.resolution"
     assert "multiple of 64" in app.jumped_to.error
-    caption_button = next(b for b in app.problem_buttons
+    caption_button = next(b for b in app.problems_panel.buttons
                           if "Caption extension" in b.cget("text"))
     caption_button.invoke()
     assert app.registry.more_of["data.caption_extension"].expanded
-    components_button = next(b for b in app.problem_buttons
+    components_button = next(b for b in app.problems_panel.buttons
                              if "• Training › Components:" in b.cget("text"))
     components_button.invoke()
     assert app.tabview.get() == "Training"
     assert app.jumped_to.path.startswith("components.")
 
-    assert app.save_as(tmp_path / "x.json") is None                # no silent save either
+    assert app.presets_bar.save_as(tmp_path / "x.json") is None                # no silent save either
     assert not (tmp_path / "x.json").exists()
     batch.var.set("2")                                             # fixing clears the mark
     assert batch.error is None and cfg.training.batch_size == 2
@@ -54,8 +54,8 @@ def test_dataset_row_problem_jumps_to_that_row(app, tmp_path):
     app.registry.find("data.datasets").add_button.invoke()
     pump(app)
     app.registry.find("data.datasets[1].path").var.set(str(tmp_path / "missing"))
-    assert app.start_training() is False
-    button = next(b for b in app.problem_buttons
+    assert app.runs.start() is False
+    button = next(b for b in app.problems_panel.buttons
                   if "Data › Datasets › row 2 › Folder:" in b.cget("text"))
     button.invoke()
     assert app.tabview.get() == "Data"

@@ -21,29 +21,29 @@ def run_json(output: Path) -> dict:
 def test_a_finished_run_offers_no_resume_only_continue_when_max_steps_is_raised(make_app,
                                                                                  tmp_path):
     app = make_app()
-    assert app.current_preset.name == "demo.json" and app.binding.config.output.overwrite
+    assert app.presets_bar.current.name == "demo.json" and app.binding.config.output.overwrite
     out = tmp_path / "run"
     gui_demo_settings(app, out, max_steps=4)
     app.registry.find("output.backup_every_steps").var.set("1")
-    assert app.start_training(), [str(p) for p in app.binding.problems()]
-    pump(app, lambda: app.worker is None, timeout=RUN_TIMEOUT)
-    assert app.last_result.status == "finished", app.run_panel.log_text()
+    assert app.runs.start(), [str(p) for p in app.binding.problems()]
+    pump(app, lambda: app.runs.worker is None, timeout=RUN_TIMEOUT)
+    assert app.runs.last_result.status == "finished", app.run_panel.log_text()
     panel, resume = app.run_panel, app.run_panel.buttons["resume"]
     pump(app)
     assert resume.cget("state") == "disabled" and resume.cget("text") == "Resume"
     assert "finished at step 4" in panel.backups_label.cget("text")
     assert "finished at step 4" in panel.button_tips["resume"].text
     final = {p.name: p.read_bytes() for p in (out / "final").iterdir()}
-    assert not app.resume_training()  # pressed anyway (a stale button): refused, listed
-    assert any("finished at step 4" in str(p) for p in app.problems)
+    assert not app.runs.resume()  # pressed anyway (a stale button): refused, listed
+    assert any("finished at step 4" in str(p) for p in app.problems_panel.problems)
     assert {p.name: p.read_bytes() for p in (out / "final").iterdir()} == final
 
     app.registry.find("training.max_steps").var.set("6")
     pump(app, lambda: resume.cget("state") == "normal")
     assert resume.cget("text") == "Continue for 2 more steps"
     resume.invoke()
-    pump(app, lambda: app.worker is None, timeout=RUN_TIMEOUT)
-    assert app.last_result.status == "finished" and app.last_result.steps == 6
+    pump(app, lambda: app.runs.worker is None, timeout=RUN_TIMEOUT)
+    assert app.runs.last_result.status == "finished" and app.runs.last_result.steps == 6
     record = run_json(out)
     assert record["resume_count"] == 1 and saved_step(out / "final") == 6
     assert record["overwrite"].startswith("not applied")  # the demo's overwrite = true

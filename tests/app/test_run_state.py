@@ -31,7 +31,7 @@ def test_resume_is_offered_for_a_killed_run_and_starts_from_the_newest_backup(ap
     fake_backup(output, 20)
     fake_backup(output, 40)
     (output / "run.json").write_text(json.dumps({"status": "running"}))  # killed: no end
-    app.refresh_resume()
+    app.runs.refresh_resume()
     assert panel.buttons["resume"].cget("text") == "Resume from step 40"
     assert panel.buttons["resume"].cget("state") == "normal"
     assert "was killed or crashed" in panel.backups_label.cget("text")
@@ -42,15 +42,15 @@ def test_resume_is_offered_for_a_killed_run_and_starts_from_the_newest_backup(ap
         started.append(config.training.resume_from)
         return SimpleNamespace(status="finished", steps=1, output_dir=output)
 
-    app.train_fn = fake_train
-    import app.window as window
-    original = window.check_inputs
-    window.check_inputs = lambda config: []  # the fake backups are not loadable ones
+    app.runs.train_fn = fake_train
+    import modules.frontend as frontend
+    original = frontend.check_inputs
+    frontend.check_inputs = lambda config: []  # the fake backups are not loadable ones
     try:
-        assert app.resume_training()
-        pump(app, lambda: app.worker is None)
+        assert app.runs.resume()
+        pump(app, lambda: app.runs.worker is None)
     finally:
-        window.check_inputs = original
+        frontend.check_inputs = original
     assert started == ["latest"]
     assert app.binding.config.training.resume_from == ""  # the form itself is unchanged
 
@@ -71,12 +71,12 @@ def test_check_compilation_is_off_while_training_and_its_report_goes_stale(app, 
         return SimpleNamespace(status="finished", steps=1, output_dir=tmp_path)
 
     app.registry.find("output.dir").var.set(str(tmp_path / "out"))
-    app.train_fn = slow_train
-    assert app.start_training()
+    app.runs.train_fn = slow_train
+    assert app.runs.start()
     assert panel.check_button.cget("state") == "disabled"
     assert "not while training" in panel.check_hint.cget("text")
     release.set()
-    pump(app, lambda: app.worker is None)
+    pump(app, lambda: app.runs.worker is None)
     assert panel.check_button.cget("state") == "normal"
 
 
@@ -95,7 +95,7 @@ def test_start_is_refused_while_check_compilation_runs(app, tmp_path):
         started.append(config)
         return SimpleNamespace(status="finished", steps=1, output_dir=tmp_path)
 
-    app.explain_fn, app.train_fn = slow_explain, fake_train
+    app.explain_fn, app.runs.train_fn = slow_explain, fake_train
     app.registry.find("output.dir").var.set(str(tmp_path / "out"))
     pump(app)
     assert start.cget("state") == "normal"
@@ -103,12 +103,12 @@ def test_start_is_refused_while_check_compilation_runs(app, tmp_path):
     try:
         assert start.cget("state") == "disabled"
         assert "Check compilation is running" in run.button_tips["start"].text
-        assert not app.start_training()  # a click that gets through anyway is refused too
+        assert not app.runs.start()  # a click that gets through anyway is refused too
         assert "Check compilation is running" in run.status_text and run.status_error
-        assert app.worker is None and started == []
+        assert app.runs.worker is None and started == []
         # a benchmark ending meanwhile does not let Start through while the check still runs
-        app._benchmark_running(True)
-        app._benchmark_running(False)
+        app.runs.benchmark_changed(True)
+        app.runs.benchmark_changed(False)
         assert start.cget("state") == "disabled"
         assert "Check compilation is running" in run.button_tips["start"].text
     finally:
@@ -116,8 +116,8 @@ def test_start_is_refused_while_check_compilation_runs(app, tmp_path):
     pump(app, lambda: "graph_breaks" in panel.report_text())
     assert start.cget("state") == "normal" and run.button_tips["start"].text == ""
     assert panel.check_button.cget("state") == "normal"
-    assert app.start_training()
-    pump(app, lambda: app.worker is None)
+    assert app.runs.start()
+    pump(app, lambda: app.runs.worker is None)
     assert len(started) == 1
 
 
@@ -143,13 +143,13 @@ def test_unsaved_edits_are_marked_and_loading_another_preset_asks(make_app, tmp_
     app = make_app(confirm=lambda title, message: asked.append(title) or False)
     preset = tmp_path / "mine.json"
     preset.write_text(json.dumps({"config_version": 1, "training": {"max_steps": 7}}))
-    assert app.load_preset(preset)
+    assert app.presets_bar.load(preset)
     assert app.title() == "Tempera — mine.json"
     app.registry.find("training.max_steps").var.set("8")
     pump(app)
     assert app.title() == "Tempera — mine.json *"
-    app.preset_menu.set(app.presets[0].label)
-    assert app.load_selected_preset() is False  # the user said no: edits kept
+    app.presets_bar.menu.set(app.presets_bar.presets[0].label)
+    assert app.presets_bar.load_selected() is False  # the user said no: edits kept
     assert asked == ["Discard your changes?"]
     assert app.binding.config.training.max_steps == 8
 
@@ -168,7 +168,7 @@ def test_every_prompt_of_the_latest_step_is_shown_and_compiling_is_busy(app, tmp
         images.append(tmp_path / f"s{i}.png")
         Image.new("RGB", (64, 64), color).save(images[-1])
     from modules.train.history import CompileExpectation
-    app.expected_compile = CompileExpectation(65.0, warm=False, cold_seconds=65.0,
+    app.runs.expected_compile = CompileExpectation(65.0, warm=False, cold_seconds=65.0,
                                               graphs={"unet": 12})
     panel = app.run_panel
     app._handle(SimpleNamespace(kind="compile", payload=CompileEvent(
@@ -178,7 +178,7 @@ def test_every_prompt_of_the_latest_step_is_shown_and_compiling_is_busy(app, tmp
     app._handle(SimpleNamespace(kind="compile", payload=CompileEvent(
         "unet", "compiling UNet: graph 3 (4.0 s so far)", kind="progress", graph=3)))
     assert panel.step_label.cget("text").startswith("compiling UNet: graph 3 of 12 (4.0 s")
-    app.expected_compile = CompileExpectation(12.0, warm=True, cold_seconds=228.0, graphs={})
+    app.runs.expected_compile = CompileExpectation(12.0, warm=True, cold_seconds=228.0, graphs={})
     app._handle(SimpleNamespace(kind="compile", payload=CompileEvent(
         "unet", "compiling UNet: graph 3 (4.0 s so far)", kind="progress", graph=3)))
     text = panel.step_label.cget("text")
@@ -196,15 +196,15 @@ def test_a_larger_ui_scale_keeps_the_window_on_screen_and_the_scale_control_reac
     app.geometry("1000x680")
     pump(app)
     width = app.winfo_width()
-    app._scale_chosen("150%")
+    app.sizing.scale_chosen("150%")
     pump(app)
     for _ in range(5):
         app.update()
     assert abs(app.winfo_width() - width) <= 0.05 * width  # the window kept its size
-    menu = app.scale_menu
+    menu = app.sizing.scale_menu
     assert menu.winfo_ismapped()
     right = menu.winfo_rootx() + menu.winfo_width() - app.winfo_rootx()
     assert right <= app.winfo_width()  # the way back is on screen
-    app._scale_chosen("100%")
+    app.sizing.scale_chosen("100%")
     pump(app)
     assert abs(app.winfo_width() - width) <= 0.05 * width

@@ -64,10 +64,10 @@ def test_worker_events_reach_widgets_on_the_tk_thread_and_a_crash_is_shown(
         callbacks.on_saved(tmp_path / "out" / "final", 3)
         raise RuntimeError("boom in step 3")
 
-    app.train_fn = crashing_train
-    assert app.start_training()
+    app.runs.train_fn = crashing_train
+    assert app.runs.start()
     assert app.tabview.get() == "Run"
-    pump(app, lambda: app.worker is None)
+    pump(app, lambda: app.runs.worker is None)
     panel = app.run_panel
     assert "Training crashed: RuntimeError: boom in step 3" in panel.status.cget("text")
     log = panel.log_text()
@@ -83,9 +83,9 @@ def test_worker_events_reach_widgets_on_the_tk_thread_and_a_crash_is_shown(
         callbacks.on_status("second run ok")
         return SimpleNamespace(status="finished", steps=3, output_dir=tmp_path / "out")
 
-    app.train_fn = fine_train
-    assert app.start_training()
-    pump(app, lambda: app.worker is None)
+    app.runs.train_fn = fine_train
+    assert app.runs.start()
+    pump(app, lambda: app.runs.worker is None)
     assert "second run ok" in panel.log_text()
     assert panel.status.cget("text").startswith("finished: 3 steps")
     assert app.guard.violations == []
@@ -128,14 +128,14 @@ def test_closing_during_training_asks_then_stops_and_waits_for_the_save(make_app
         saved.write_text("final")
         return SimpleNamespace(status="stopped", steps=1, output_dir=tmp_path / "out")
 
-    app.train_fn = waits_for_stop
-    app.start_training()
+    app.runs.train_fn = waits_for_stop
+    app.runs.start()
     assert started.wait(10)
     app.on_close()                                  # answered "no": keeps training
     pump(app)
-    assert not app.closed and app.training and not app.worker.commands.stop_requested
+    assert not app.closed and app.runs.training and not app.runs.worker.commands.stop_requested
     app.on_close()                                  # answered "yes"
-    assert app.worker.commands.stop_requested and not app.closed
+    assert app.runs.worker.commands.stop_requested and not app.closed
     pump(app, lambda: app.closed, timeout=10)       # closes by itself once the save is done
     assert saved.exists()
 
@@ -155,14 +155,14 @@ def gui_demo_settings(app, out: Path, max_steps: int) -> None:
 def test_a_real_run_reaches_100_percent_with_sample_and_loss_curve(
         make_app, tmp_path, off_thread_tk_calls):
     app = make_app()
-    assert app.current_preset.name == "demo.json"
+    assert app.presets_bar.current.name == "demo.json"
     out = tmp_path / "run"
     gui_demo_settings(app, out, max_steps=4)
-    assert app.start_training(), [str(p) for p in app.binding.problems()]
-    pump(app, lambda: app.worker is None, timeout=RUN_TIMEOUT)
+    assert app.runs.start(), [str(p) for p in app.binding.problems()]
+    pump(app, lambda: app.runs.worker is None, timeout=RUN_TIMEOUT)
     panel = app.run_panel
-    assert app.last_result is not None, panel.log_text()
-    assert app.last_result.status == "finished" and app.last_result.steps == 4
+    assert app.runs.last_result is not None, panel.log_text()
+    assert app.runs.last_result.status == "finished" and app.runs.last_result.steps == 4
     assert panel.step_bar.get() == pytest.approx(1.0)
     assert panel.step_label.cget("text").startswith("4/4")
     assert panel.plot.steps == [1, 2, 3, 4] and panel.plot.canvas.find_withtag("curve")
@@ -178,11 +178,11 @@ def test_stop_mid_run_saves_a_final_checkpoint(make_app, tmp_path):
     app = make_app()
     out = tmp_path / "stopped"
     gui_demo_settings(app, out, max_steps=500)
-    assert app.start_training()
+    assert app.runs.start()
     pump(app, lambda: len(app.run_panel.plot.steps) >= 1, timeout=RUN_TIMEOUT)
     app.run_panel.buttons["stop"].invoke()
-    pump(app, lambda: app.worker is None, timeout=RUN_TIMEOUT)
-    assert app.last_result.status == "stopped" and app.last_result.steps < 500
+    pump(app, lambda: app.runs.worker is None, timeout=RUN_TIMEOUT)
+    assert app.runs.last_result.status == "stopped" and app.runs.last_result.steps < 500
     assert (out / "final").is_dir()
     assert json.loads((out / "run.json").read_text())["status"] == "stopped"
     assert app.run_panel.buttons["start"].cget("state") == "normal"
@@ -204,7 +204,7 @@ def test_what_the_gui_saves_is_what_the_cli_trains(make_app, tmp_path):
     find("compile.unet").toggle.toggle()             # compile nothing: keeps the test fast
     presets = tmp_path / "presets"
     find("output.dir").var.set(str(presets / "runs" / "mine"))
-    saved = app.save_as(presets / "mine.json")
+    saved = app.presets_bar.save_as(presets / "mine.json")
     stored = json.loads(saved.read_text())
     assert stored["output"]["dir"] == "runs/mine"   # relative to the preset's folder
     out = tmp_path / "cli-out"

@@ -33,14 +33,14 @@ def test_closing_with_unsaved_edits_asks_save_discard_or_cancel(make_app, tmp_pa
     app = make_app(ask_unsaved=lambda title, message: asked.append(title) or answers[0])
     preset = write_preset(tmp_path / "presets" / "mine.json", 7)
     app.settings.user_presets_dir = str(tmp_path / "presets")
-    assert app.load_preset(preset)
+    assert app.presets_bar.load(preset)
     shown(app)
     view = app.registry.find("training.max_steps")
     app.tabview.set("Training")
     xdo.settle(app)
     xdo.click(app, view.entry)
     xdo.clear_and_type(app, "9")
-    assert app.binding.config.training.max_steps == 9 and app.dirty
+    assert app.binding.config.training.max_steps == 9 and app.presets_bar.dirty
 
     app.on_close()                                    # Cancel: the window and the edit stay
     assert asked == ["Save your changes?"] and not app.closed
@@ -55,7 +55,7 @@ def test_closing_with_unsaved_edits_asks_save_discard_or_cancel(make_app, tmp_pa
 def test_closing_and_discarding_leaves_the_preset_as_it_was(make_app, tmp_path):
     app = make_app(ask_unsaved=lambda title, message: False)
     preset = write_preset(tmp_path / "presets" / "mine.json", 7)
-    assert app.load_preset(preset)
+    assert app.presets_bar.load(preset)
     app.registry.find("training.max_steps").var.set("9")
     pump(app)
     app.on_close()
@@ -76,18 +76,18 @@ def test_declining_to_discard_keeps_the_loaded_preset_in_the_menu(make_app, tmp_
     app.settings.user_presets_dir = str(tmp_path / "presets")
     write_preset(tmp_path / "presets" / "a.json", 7)
     write_preset(tmp_path / "presets" / "b.json", 8)
-    assert app.load_preset(tmp_path / "presets" / "a.json")
-    assert app.preset_menu.get() == "mine / a"
+    assert app.presets_bar.load(tmp_path / "presets" / "a.json")
+    assert app.presets_bar.menu.get() == "mine / a"
     app.registry.find("training.max_steps").var.set("9")
     pump(app)
     shown(app)
-    app.preset_menu._dropdown_callback("mine / b")    # chosen, then Load clicked: "No"
-    load = next(w for w in app.preset_menu.master.winfo_children()
+    app.presets_bar.menu._dropdown_callback("mine / b")    # chosen, then Load clicked: "No"
+    load = next(w for w in app.presets_bar.menu.master.winfo_children()
                 if getattr(w, "cget", None) and _text(w) == "Load")
     xdo.click(app, load)
     assert app.binding.config.training.max_steps == 9
-    assert app.current_preset.name == "a.json"
-    assert app.preset_menu.get() == "mine / a"
+    assert app.presets_bar.current.name == "a.json"
+    assert app.presets_bar.menu.get() == "mine / a"
 
 
 def _text(widget) -> str | None:
@@ -128,21 +128,21 @@ def test_fixing_a_problem_never_moves_the_fields(app, real_input):
     for path, bad in (("training.batch_size", "four"), ("training.learning_rate", "5"),
                       ("training.max_steps", "x")):
         app.registry.find(path).var.set(bad)
-    assert app.start_training() is False
-    count = len(app.problem_buttons)
+    assert app.runs.start() is False
+    count = len(app.problems_panel.buttons)
     assert count >= 3
     app.tabview.set("Training")
     xdo.settle(app)
     rate = app.registry.find("training.learning_rate")
     epochs = app.registry.find("training.epochs")
-    panel_height = app.problems_frame.winfo_height()
+    panel_height = app.problems_panel.frame.winfo_height()
     before = (epochs.entry.winfo_rooty(), app.tabview.winfo_height())
     xdo.click(app, rate.entry)
     xdo._xdotool("key", "ctrl+a")
     xdo._xdotool("type", "--delay", "30", "0.001")
-    pump(app, lambda: len(app.problem_buttons) == count - 1)  # the list followed the fix
+    pump(app, lambda: len(app.problems_panel.buttons) == count - 1)  # the list followed the fix
     xdo.settle(app)
-    assert app.problems_frame.winfo_height() == panel_height
+    assert app.problems_panel.frame.winfo_height() == panel_height
     assert (epochs.entry.winfo_rooty(), app.tabview.winfo_height()) == before
 
 
@@ -168,12 +168,12 @@ def test_resuming_shows_the_earlier_loss_curve_and_the_latest_samples(app, tmp_p
         release.wait(30)
         return SimpleNamespace(status="stopped", steps=8, output_dir=output)
 
-    app.train_fn = fake_train
-    import app.window as window
-    original = window.check_inputs
-    window.check_inputs = lambda config: []  # the fake backup is not a loadable one
+    app.runs.train_fn = fake_train
+    import modules.frontend as frontend
+    original = frontend.check_inputs
+    frontend.check_inputs = lambda config: []  # the fake backup is not a loadable one
     try:
-        assert app.resume_training()
+        assert app.runs.resume()
         plot, panel = app.run_panel.plot, app.run_panel
         # up to the backup's step 8 (steps 9 and 10 are retrained), the skipped step left out
         assert plot.steps == [1, 2, 4, 5, 6, 7, 8]
@@ -185,14 +185,14 @@ def test_resuming_shows_the_earlier_loss_curve_and_the_latest_samples(app, tmp_p
         assert panel.sample_caption.cget("text") == "step 8: a red one | a blue one"
     finally:
         release.set()
-        pump(app, lambda: app.worker is None)
-        window.check_inputs = original
+        pump(app, lambda: app.runs.worker is None)
+        frontend.check_inputs = original
 
 
 @pytest.mark.parametrize("scale, width", [(1.5, 1024), (1.0, 1024), (1.5, 1400)])
 def test_the_backend_description_wraps_inside_the_window(app, scale, width):
     panel = app.compile_panel
-    app._scale_chosen(f"{int(scale * 100)}%")
+    app.sizing.scale_chosen(f"{int(scale * 100)}%")
     app.geometry(f"{int(width / scale)}x{int(680 / scale)}+0+0")
     app.tabview.set("Advanced Options")
     panel._load_summaries()
@@ -203,7 +203,7 @@ def test_the_backend_description_wraps_inside_the_window(app, scale, width):
     box_right = panel.box.winfo_rootx() + panel.box.winfo_width()
     assert label.winfo_rootx() + label.winfo_width() <= box_right
     assert label.winfo_reqwidth() <= label.winfo_width() + 2   # nothing cut off at the edge
-    app._scale_chosen("100%")
+    app.sizing.scale_chosen("100%")
 
 
 def test_the_window_is_on_screen_before_torch_is_imported(display, tmp_path):

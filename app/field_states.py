@@ -1,0 +1,40 @@
+"""Field states that follow the config: the components a model type lacks are greyed, and the
+two cache folders say where they are when left empty."""
+from __future__ import annotations
+
+from app.fields import container_labels
+from app.form import FieldRegistry
+from app.widgets import set_label_enabled
+from modules.config import Config
+from modules.frontend import MODEL_TYPES, cache_dir_for, compile_cache_folder
+
+
+def update_cache_hints(registry: FieldRegistry, config: Config) -> None:
+    """Where the two cache folders are when left empty (one lies inside the other)."""
+    general = registry.find("general.cache_dir")
+    compile_view = registry.find("compile.cache_dir")
+    general.set_hint("" if config.general.cache_dir else
+                     f"empty: {cache_dir_for('')}")
+    compile_view.set_hint("" if config.compile.cache_dir else
+                          f"empty: {compile_cache_folder('', config.general.cache_dir)} "
+                          "(inside General's cache folder)")
+
+
+def update_component_states(registry: FieldRegistry, config: Config) -> None:
+    """Grey the settings of components the model type does not have, and say which types
+    have them (e.g. "Text encoder 2 (Stable Diffusion XL only)")."""
+    model_type = MODEL_TYPES[config.model.type]
+    for container, label in container_labels(Config).items():
+        if not container.startswith("components."):
+            continue
+        component = container.split(".", 1)[1]
+        enabled = component in model_type.components
+        having = [spec.label for spec in MODEL_TYPES.values() if component in spec.components]
+        why = f"{model_type.label} models have no {label.lower()}"
+        for view in registry.all_views():
+            if view.path.startswith(container + "."):
+                view.set_enabled(enabled, why)
+        title = registry.section_titles.get(container)
+        if title is not None:
+            title.configure(text=label if enabled else f"{label} ({' / '.join(having)} only)")
+            set_label_enabled(title, enabled)

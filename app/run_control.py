@@ -1,0 +1,266 @@
+"""What the run controls do: Start, Resume, Stop, Sample now, Save now, Output folder and
+TensorBoard.
+
+It owns the training's worker thread (`app.runner.TrainingWorker`), what a start checks, what
+keeps Start refused meanwhile (a benchmark, a compilation check: `block_start`) and the
+TensorBoard process. The window
+hands it the training's events (`exited`, `show_sample`) and asks it whether a run is going.
+"""
+from __future__ import annotations
+
+import queue
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from app import external
+from app.binding import ConfigBinding
+from app.problems_panel import ProblemsPanel
+from app.run_panel import RunPanel
+from app.runner import Event, TrainFn, TrainingWorker
+from modules import frontend
+from modules.config import Config, Problem
+
+TENSORBOARD_URL = f"http://127.0.0.1:{external.TENSORBOARD_PORT}"
+# The events a training's worker sends (app.runner.QueueCallbacks and TrainingWorker)
+TRAINING_EVENTS = frozenset({"status", "progress", "sample", "compile", "saved", "error", "done",
+                             "config_error", "failed", "crashed", "exit"})
+
+
+class RunControl:
+    def __init__(self, binding: ConfigBinding, events: "queue.Queue[Event]",
+                 train_fn: TrainFn | None, run_panel: RunPanel, problems: ProblemsPanel, *,
+                 benchmark_running: Callable[[], bool],
+                 set_check_enabled: Callable[[bool, str], None],
+                 show_run_tab: Callable[[], None]) -> None:
+        self.binding, self.events, self.train_fn = binding, events, train_fn
+        self.run_panel, self.problems = run_panel, problems
+        self.benchmark_running, self.set_check_enabled = benchmark_running, set_check_enabled
+        self.show_run_tab = show_run_tab
+        self.worker: TrainingWorker | None = None
+        self.last_result: Any = None
+        self.expected_compile: Any = None  # a CompileExpectation while a run compiles
+        # What keeps Start (and Resume) refused, by who asked: a benchmark, a compilation check
+        self._blockers: dict[str, str] = {}
+        self.tensorboard: subprocess.Popen | None = None
+
+    @property
+    def training(self) -> bool:
+        return self.worker is not None and self.worker.running
+
+    def output_dir(self) -> Path:
+        return Path(self.binding.config.output.dir).expanduser()
+
+    def start(self, resume: bool = False) -> bool:
+        """Check what a start checks (config and inputs) and start the worker; problems are
+        listed instead. `resume` continues the output folder's newest backup."""
+        if self.worker is not None:
+            return False
+        if self.benchmark_running():
+            self.run_panel.set_status("A benchmark is running (Advanced Options); stop it or "
+                                      "wait, so the two do not share the machine.", error=True)
+            return False
+        if self.checking:
+            self.run_panel.set_status("Check compilation is running (Advanced Options); wait "
+                                      "for its report: it resets torch's compiler state, which "
+                                      "the training's compiled code lives in.", error=True)
+            return False
+        problems = self.start_problems(resume)
+        if problems:
+            self.problems.show(problems, source=lambda: self.start_problems(resume))
+            self.run_panel.set_status(f"Cannot start: {len(problems)} problem(s).", error=True)
+            return False
+        config = self.binding.snapshot()
+        if resume:
+            config.training.resume_from = "latest"
+        self.problems.hide()
+        self.run_panel.reset()
+        if resume:
+            self._show_earlier_run(config)
+        self.set_running(True)
+        self.expected_compile = frontend.expected_compile(config)
+        self.run_panel.set_status("Resuming…" if resume else "Starting…")
+        self.run_panel.log(("resuming" if resume else "starting") +
+                           f" training into {config.output.dir}")
+        self.show_run_tab()
+        self.last_result = None
+        self.worker = TrainingWorker(config, self.events, self.train_fn)
+        self.worker.start()
+        return True
+
+    def resume(self) -> bool:
+        return self.start(resume=True)
+
+    def _show_earlier_run(self, config: Config) -> None:
+        """A resumed run continues a curve and samples: show the earlier losses (run.json) up
+        to the backup it resumes from, and the newest samples, before its first step."""
+        output = Path(config.output.dir).expanduser()
+        backups = frontend.list_backups(output)
+        if not backups:
+            return
+        step = backups[-1][0]
+        points = frontend.earlier_losses(output, step)
+        self.run_panel.show_earlier_losses(points)
+        sample_step, samples = frontend.latest_samples(output, step)
+        prompts = config.sampling.prompts
+        for index, path in samples:
+            self.show_sample(path, prompts[index] if index < len(prompts) else "", sample_step)
+        self.run_panel.log(f"the run so far: {len(points)} losses up to step {step}"
+                           + (f", samples of step {sample_step}" if samples else ""))
+
+    def show_event(self, kind: str, data: Any) -> None:
+        """Show one of the training's events (`TRAINING_EVENTS`) on the Run tab and bar."""
+        panel = self.run_panel
+        if kind == "status":
+            panel.set_status(data)
+            panel.log(data)
+        elif kind == "progress":
+            panel.show_progress(data)
+        elif kind == "sample":
+            self.show_sample(*data)
+        elif kind == "compile":
+            seconds = f" ({data.seconds:.1f} s)" if data.seconds else ""
+            text = f"compile {data.component}: {data.message}{seconds}"
+            warn = data.kind in ("fallback", "degraded", "warning", "recompile")
+            panel.set_status(text, error=warn)  # one short sentence
+            panel.log(("WARNING " if warn else "") + text
+                      + (f"\n{data.detail}" if data.detail else ""))  # the full text
+            if data.kind == "progress":
+                panel.show_compiling(data.message, self.expected_compile, data.graph,
+                                     data.component)
+        elif kind == "saved":
+            panel.log(f"saved {data[0]} at step {data[1]}")
+        elif kind == "error":
+            panel.set_status(data, error=True)
+            panel.log("ERROR " + data)
+        elif kind == "done":
+            self.last_result = data
+            panel.set_status(f"{data.status}: {data.steps} steps; outputs in {data.output_dir}")
+        elif kind == "config_error":
+            self.problems.show(data)
+            panel.set_status(f"Cannot start: {len(data)} problem(s).", error=True)
+        elif kind in ("failed", "crashed"):
+            last = data.strip().splitlines()[-1] if data.strip() else kind
+            panel.set_status(f"Training {kind}: {last}", error=True)
+            panel.log(f"ERROR training {kind}: {data}")
+        elif kind == "exit":
+            self.exited()
+
+    def show_sample(self, path: Path, prompt: str, step: int) -> None:
+        try:
+            self.run_panel.show_sample(path, prompt, step)
+        except OSError as exc:
+            self.run_panel.log(f"ERROR could not show sample {path}: {exc}")
+            return
+        self.run_panel.log(f"sample at step {step}: {path}")
+
+    def start_problems(self, resume: bool = False) -> list[Problem]:
+        """What a start checks: unparsable fields, the config, and the model, datasets and
+        output folder it names (the CLI's --check runs the same)."""
+        config = self.binding.snapshot()
+        if resume:
+            config.training.resume_from = "latest"
+        problems = self.binding.field_problems() + frontend.check(config)
+        if resume:  # the button is off for a finished run; this holds if it is pressed anyway
+            finished = frontend.finished_run_problem(self.output_dir(), "latest",
+                                                     config.training.max_steps)
+            problems += [finished] if finished else []
+        return problems
+
+    def block_start(self, key: str, why_not: str | None) -> None:
+        """Refuse Start (and Resume) for `why_not` until the same `key` passes None; with
+        several reasons at once, Start waits for all of them and shows the first."""
+        if why_not is None:
+            self._blockers.pop(key, None)
+        else:
+            self._blockers[key] = why_not
+        reasons = list(self._blockers.values())
+        self.run_panel.set_start_allowed(not reasons, reasons[0] if reasons else "")
+
+    @property
+    def checking(self) -> bool:
+        """Check compilation is running (in a thread of this process)."""
+        return "check" in self._blockers
+
+    def benchmark_changed(self, running: bool) -> None:
+        """A benchmark and a training must not share the machine: Start waits meanwhile."""
+        self.block_start("benchmark", "a benchmark is running (Advanced Options): stop it or "
+                                      "let it finish" if running else None)
+        if not running:
+            self.run_panel.clear_notice()
+
+    def set_running(self, running: bool) -> None:
+        """Run controls, and what must not run beside a training (Check compilation resets
+        torch's compiler state process-wide and loads a second model)."""
+        self.run_panel.set_running(running)
+        self.set_check_enabled(not running, "not while training: it would reset the running "
+                                            "training's compiled code")
+        if not running:
+            self.refresh_resume()
+
+    def exited(self) -> None:
+        """The worker's thread ended (its last event)."""
+        self.worker = None
+        self.set_running(False)
+
+    def refresh_resume(self) -> None:
+        """Offer Resume when the output folder holds backups of a run that ended early (and
+        say how it ended); a finished run only offers to continue when Max steps was raised
+        above its end (`modules/train/resume_offer.py` decides, as it does for the CLI)."""
+        output = self.output_dir()
+        found = frontend.list_backups(output)
+        offer = frontend.resume_offer(output, self.binding.config.training.max_steps)
+        self.run_panel.show_backups(output, [step for step, _ in found], offer,
+                                    can_resume=offer.can_resume and not self.training,
+                                    ended=frontend.read_run_status(output))
+
+    def stop(self) -> None:
+        if self.worker is not None:
+            self.worker.commands.request_stop()
+            self.run_panel.set_status("Stopping: finishing the step and saving…")
+
+    def sample_now(self) -> None:
+        if self.worker is not None:
+            self.worker.commands.request_sample()
+            self.run_panel.log("sample requested")
+
+    def save_now(self) -> None:
+        if self.worker is not None:
+            self.worker.commands.request_save()
+            self.run_panel.log("checkpoint requested")
+
+    def open_output_folder(self) -> bool:
+        try:
+            external.open_folder(self.output_dir())
+        except OSError as exc:
+            self.run_panel.set_status(f"Could not open the output folder: {exc}", error=True)
+            self.run_panel.log(f"could not open output folder: {exc}")
+            return False
+        self.run_panel.log(f"opened {self.output_dir()}")
+        return True
+
+    def start_tensorboard(self) -> bool:
+        """Start TensorBoard on the output folder's logs; its button then shows the address
+        and a second press opens it in the browser."""
+        if self.tensorboard is not None and self.tensorboard.poll() is None:
+            external.open_url(TENSORBOARD_URL)
+            self.run_panel.log(f"opened {TENSORBOARD_URL} (TensorBoard)")
+            return True
+        logdir = self.output_dir() / "tensorboard"
+        try:
+            self.tensorboard = external.start_tensorboard(logdir)
+        except OSError as exc:
+            self.run_panel.set_status(f"Could not start TensorBoard: {exc}", error=True)
+            self.run_panel.log(f"could not start TensorBoard: {exc}")
+            return False
+        self.run_panel.show_tensorboard(TENSORBOARD_URL)
+        self.run_panel.log(f"TensorBoard started for {logdir}: {TENSORBOARD_URL}")
+        self.run_panel.set_status(f"TensorBoard serves the logs of {logdir} at "
+                                  f"{TENSORBOARD_URL} (press its button to open it)")
+        return True
+
+    def close(self) -> None:
+        """The window closes: TensorBoard goes with it."""
+        if self.tensorboard is not None and self.tensorboard.poll() is None:
+            self.tensorboard.terminate()

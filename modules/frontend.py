@@ -1,0 +1,99 @@
+"""What the front ends ask the engine: one module for the GUI (`app/`), the CLI (`modules/cli`)
+and cloud runs (`modules/cloud`).
+
+Check a config, start a run, a folder's resume points and how its run ended, explain a
+compilation, what a compile is expected to cost: each is a thin delegation to the one function
+that decides it (no logic lives here), so a front end names this module instead of the engine's
+files. The GUI imports it before torch: what would import torch (the trainer, the compile
+engine) is imported inside the function that needs it, and the two names that are not
+functions (`TrainingError`, `BACKENDS`) are read through `__getattr__` on first use.
+
+The rule for `app/` (tests/test_layers.py): from `modules/` it imports only this module,
+`modules.config` (the config types, loading and saving) and `modules.events` (the trainer
+protocol); the Benchmark section and the Cloud tab also import the front ends they show,
+`modules.bench` and `modules.cloud`.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+# Resume points (`list_backups`, `resume_offer`, `finished_run_problem`), how a run ended
+# (`read_run_status`), the earlier run a resume continues (`earlier_losses`, `latest_samples`),
+# where the caches are (`cache_dir_for`, `compile_cache_folder`): file-system only, re-exported.
+from modules.config import Config, Problem, validate
+from modules.events import TrainerCallbacks, TrainerCommands
+from modules.model_types import MODEL_TYPES, ModelType
+from modules.paths import cache_dir_for, compile_cache_folder
+from modules.train.backup_files import list_backups
+from modules.train.earlier_run import LossPoint, earlier_losses, latest_samples
+from modules.train.inputs import check_inputs
+from modules.train.record import read_run_status
+from modules.train.resume_offer import ResumeOffer, finished_run_problem, resume_offer
+from modules.util.atomic import atomic_write_text
+from modules.util.duration import format_duration
+from modules.util.library_noise import silence_torchvision_fallback_warnings
+
+# Names read on first use (`__getattr__`): importing them imports torch.
+_LAZY = {"TrainingError": "modules.train.trainer", "BACKENDS": "modules.compile.backends"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# --- check ----------------------------------------------------------------------------------
+def check(config: Config) -> list[Problem]:
+    """Every problem a start finds before it loads anything: the config's combinations
+    (`validate`) and the model, datasets and output folder on disk (`check_inputs`)."""
+    return validate(config) + check_inputs(config)
+
+
+def check_run(config: Config, callbacks: TrainerCallbacks) -> Any:
+    """Every check a start runs, short of loading the model and training (the CLI's --check):
+    a `CheckedRun`, or ConfigError with the problems."""
+    from modules.train.prepare import check_run as engine_check_run
+    return engine_check_run(config, callbacks)
+
+
+# --- start ----------------------------------------------------------------------------------
+def load_engine() -> None:
+    """Import torch and the compile engine now (the GUI does it once its window is shown)."""
+    import modules.compile  # noqa: F401
+
+
+def train(config: Config, callbacks: TrainerCallbacks | None = None,
+          commands: TrainerCommands | None = None) -> Any:
+    """Run the training the config describes (`modules.train.trainer.train`): a `TrainResult`;
+    ConfigError before anything is written, TrainingError when the run failed."""
+    from modules.train.trainer import train as engine_train
+    return engine_train(config, callbacks, commands)
+
+
+# --- explain and expected compile time ------------------------------------------------------
+def explain(config: Config) -> str:
+    """What compiling with this config does here, as text (*Check compilation*,
+    scripts/explain_compile.py): traces the model once."""
+    from modules.train.explain_run import explain_text
+    return explain_text(config)
+
+
+def expected_compile(config: Config) -> Any:
+    """What earlier runs with these settings here say about this compile (a
+    `CompileExpectation`; None: no record, or nothing compiles)."""
+    if config.compile.backend.value == "NONE":
+        return None
+    from modules.train.builders import pick_device
+    from modules.train.history import compile_expectation
+    return compile_expectation(config, pick_device(config.general.device).type)
+
+
+__all__ = [
+    "BACKENDS", "MODEL_TYPES", "LossPoint", "ModelType", "ResumeOffer", "TrainingError",
+    "atomic_write_text", "cache_dir_for", "check", "check_inputs", "check_run",
+    "compile_cache_folder", "earlier_losses", "expected_compile", "explain",
+    "finished_run_problem", "format_duration", "latest_samples", "list_backups", "load_engine", "read_run_status",
+    "resume_offer", "silence_torchvision_fallback_warnings", "train",
+]
