@@ -29,6 +29,7 @@ from app.presets_bar import PresetsBar
 from app.problems_panel import ProblemsPanel
 from app.run_panel import RunPanel
 from app.run_control import TRAINING_EVENTS, RunControl
+from app.schedule_preview import SchedulePreview
 from app.runner import Event, TrainFn, run_in_thread
 from app.settings import DEFAULT_SETTINGS_PATH, load_settings, save_settings
 from app.thread_guard import ThreadGuard, tk_thread_only
@@ -161,6 +162,8 @@ class TemperaApp(ctk.CTk):
                                     title)
             if more is not None:  # a click that opens it shows what it opened
                 more.on_open = lambda scroll=scroll, button=more.button: reveal(scroll, button)
+        self.schedule_preview = SchedulePreview(self.registry.find("training.lr_scheduler"),
+                                                self.binding)
         self.tabview.add(RUN_TAB)
         self.cloud_panel = CloudPanel(
             self.tabview.add(CLOUD_TAB), self.binding, self.settings,

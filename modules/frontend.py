@@ -29,6 +29,7 @@ from modules.train.earlier_run import LossPoint, earlier_losses, latest_samples
 from modules.train.inputs import check_inputs
 from modules.train.record import read_run_status
 from modules.train.resume_offer import ResumeOffer, finished_run_problem, resume_offer
+from modules.train.schedules import schedule_curve
 from modules.util.atomic import atomic_write_text
 from modules.util.duration import format_duration
 from modules.util.library_noise import silence_torchvision_fallback_warnings
@@ -95,5 +96,5 @@ __all__ = [
     "atomic_write_text", "cache_dir_for", "check", "check_inputs", "check_run",
     "compile_cache_folder", "earlier_losses", "expected_compile", "explain",
     "finished_run_problem", "format_duration", "latest_samples", "list_backups", "load_engine", "read_run_status",
-    "resume_offer", "silence_torchvision_fallback_warnings", "train",
+    "resume_offer", "schedule_curve", "silence_torchvision_fallback_warnings", "train",
 ]

@@ -1,0 +1,44 @@
+"""The learning-rate curve under the LR scheduler field: the schedule training follows, redrawn
+when its settings change."""
+from __future__ import annotations
+
+from modules.config.schema import LRScheduler
+from tests.app.conftest import pump
+
+
+def _curve_heights(app) -> list[float]:
+    """The curve's y values, turned so that higher means a higher learning rate."""
+    canvas = app.schedule_preview.canvas
+    (item,) = canvas.find_withtag("curve")
+    ys = canvas.coords(item)[1::2]
+    return [-y for y in ys]
+
+
+def _peaks(heights: list[float]) -> int:
+    """How many times the curve jumps back up to the top."""
+    top = max(heights)
+    return sum(1 for a, b in zip(heights, heights[1:]) if b >= top - 1 and a < top - 10)
+
+
+def test_the_curve_follows_the_schedule_and_its_settings(app):
+    app.tabview.set("Training")
+    binding = app.binding
+    binding.set_value("training.max_steps", 200)
+    binding.set_value("training.lr_scheduler", LRScheduler.COSINE_WITH_RESTARTS)
+    binding.set_value("training.lr_cycles", 3)
+    pump(app)
+    restarts = _curve_heights(app)
+    assert restarts[0] == max(restarts) and _peaks(restarts) == 2  # 3 cosines: 2 restarts
+    assert "over 200 steps" in app.schedule_preview.caption.cget("text")
+    binding.set_value("training.lr_scheduler", LRScheduler.LINEAR)
+    pump(app)
+    linear = _curve_heights(app)
+    assert linear != restarts and linear == sorted(linear, reverse=True)  # only falls
+    binding.set_text("training.lr_warmup_steps", "50")
+    pump(app)
+    warm = _curve_heights(app)
+    top = warm.index(max(warm))
+    assert 0 < top < len(warm) - 1 and warm[0] < warm[top]  # rises first, then falls
+    binding.set_value("training.max_steps", 0)
+    pump(app)
+    assert "assumed" in app.schedule_preview.caption.cget("text")
