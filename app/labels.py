@@ -11,6 +11,7 @@ from enum import Enum
 from modules.config.schema import (CompileBackend, CompileMode, CompileScope, Device, DType,
                                    DynamicShapes, LRScheduler, MixedPrecision, Optimizer,
                                    PredictionType, Sampler, SaveFormat, TrainingMethod)
+from modules.config.optimizers import OPTIMIZERS
 from modules.frontend import MODEL_TYPES, ModelType
 
 # By enum type first: members of str enums compare equal by value across types
@@ -21,7 +22,7 @@ ENUM_LABELS: dict[type[Enum], dict[Enum, str]] = {
     PredictionType: {PredictionType.AUTO: "From the model", PredictionType.EPSILON: "Noise (epsilon)",
                      PredictionType.V_PREDICTION: "v-prediction"},
     TrainingMethod: {TrainingMethod.LORA: "LoRA", TrainingMethod.FINE_TUNE: "Full fine-tune"},
-    Optimizer: {Optimizer.ADAMW: "AdamW", Optimizer.ADAMW_8BIT: "AdamW 8-bit"},
+    Optimizer: {optimizer: row.label for optimizer, row in OPTIMIZERS.items()},
     LRScheduler: {LRScheduler.CONSTANT: "Constant", LRScheduler.COSINE: "Cosine",
                   LRScheduler.LINEAR: "Linear",
                   LRScheduler.COSINE_WITH_RESTARTS: "Cosine with restarts",

@@ -39,6 +39,12 @@ class TrainingMethod(str, Enum):
 class Optimizer(str, Enum):
     ADAMW = "ADAMW"
     ADAMW_8BIT = "ADAMW_8BIT"
+    PRODIGY = "PRODIGY"
+    ADAFACTOR = "ADAFACTOR"
+    ADAFACTOR_RELATIVE = "ADAFACTOR_RELATIVE"
+    LION = "LION"
+    SCHEDULE_FREE_ADAMW = "SCHEDULE_FREE_ADAMW"
+    CAME = "CAME"
 
 
 class LRScheduler(str, Enum):
@@ -218,7 +224,13 @@ class TrainingConfig:
         help="Names of the linear layers that get LoRA adapters in the UNet.")
     optimizer: Optimizer = setting(Optimizer.ADAMW, label="Optimizer", group="Training",
                                    on_resume=OnResume.MUST_MATCH,
-                                   help="ADAMW, or ADAMW_8BIT (needs bitsandbytes and a CUDA GPU).")
+                                   help="ADAMW; ADAMW_8BIT (bitsandbytes, CUDA only); PRODIGY "
+                                        "(finds its own step size: set the learning rate to "
+                                        "1.0); ADAFACTOR (fixed learning rate) or "
+                                        "ADAFACTOR_RELATIVE (its own step size, CONSTANT "
+                                        "schedule); LION (use about a tenth of AdamW's rate); "
+                                        "SCHEDULE_FREE_ADAMW (no schedule: CONSTANT); CAME. "
+                                        "docs/optimizers.md compares them.")
     learning_rate: float = setting(1e-4, label="Learning rate", group="Training", min=0.0, max=1.0,
                                    help="Base learning rate; a component may override it.")
     weight_decay: float = setting(1e-2, label="Weight decay", group="Training", min=0.0, max=1.0,

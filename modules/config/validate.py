@@ -9,6 +9,7 @@ import dataclasses
 import importlib.util
 import math
 
+from modules.config.optimizers import OPTIMIZERS
 from modules.config.problems import Problem
 from modules.config.prompts import sample_prompts
 from modules.config.schema import (
@@ -17,8 +18,8 @@ from modules.config.schema import (
     Config,
     DataConfig,
     Device,
+    LRScheduler,
     MixedPrecision,
-    Optimizer,
     SaveFormat,
     TrainingMethod,
 )
@@ -89,9 +90,7 @@ def _check_training(config: Config) -> list[Problem]:
     if t.method == TrainingMethod.LORA and not t.lora_target_modules:
         problems.append(Problem("training.lora_target_modules", "at least one module name",
                                 "[]", "LoRA needs layers to adapt"))
-    if t.optimizer == Optimizer.ADAMW_8BIT and importlib.util.find_spec("bitsandbytes") is None:
-        problems.append(Problem("training.optimizer", "ADAMW (bitsandbytes is not installed)",
-                                "ADAMW_8BIT", "pip install bitsandbytes, or use ADAMW"))
+    problems += _check_optimizer(config)
     if config.general.device == Device.CPU and t.mixed_precision == MixedPrecision.FP16:
         problems.append(Problem("training.mixed_precision", "NO or BF16 on the CPU", "FP16",
                                 "FP16 autocast needs a CUDA GPU"))
@@ -99,6 +98,35 @@ def _check_training(config: Config) -> list[Problem]:
         problems.append(Problem("general.device", "AUTO or CPU (no CUDA GPU is visible)",
                                 "CUDA"))
     return problems + _check_warmup(t)
+
+
+def _check_optimizer(config: Config) -> list[Problem]:
+    """The optimizer's package is installed, its device is there, and a schedule is not set
+    for one that ignores it (modules/config/optimizers.py says which)."""
+    t = config.training
+    row, name = OPTIMIZERS[t.optimizer], t.optimizer.value
+    missing = row.package and importlib.util.find_spec(row.module.split(".")[0]) is None
+    if missing:
+        return [Problem("training.optimizer", f"ADAMW ({row.package} is not installed)", name,
+                        f"pip install {row.package}, or use ADAMW")]
+    if row.needs_cuda and config.general.device == Device.CPU:
+        return [Problem("training.optimizer", "an optimizer that runs on the CPU", name,
+                        f"{row.label} needs a CUDA GPU; use ADAMW")]
+    if row.schedule_free and t.ema:
+        return [Problem("training.ema", f"false with {name}", "true",
+                        "schedule-free AdamW averages the weights itself")]
+    if row.lr_range and not row.lr_range[0] <= t.learning_rate <= row.lr_range[1]:
+        low, high = row.lr_range
+        return [Problem("training.learning_rate", f"{low:g} to {high:g} with {name} (1.0 is "
+                        "usual)", f"{t.learning_rate:g}", f"{row.label} finds the step size "
+                        "itself; the learning rate only scales it")]
+    if (row.schedule_free or row.own_step_size) and (
+            t.lr_scheduler != LRScheduler.CONSTANT):
+        why = ("schedule-free AdamW replaces the schedule" if row.schedule_free else
+               "it sets its own step size and ignores the learning rate")
+        return [Problem("training.lr_scheduler", f"CONSTANT with {name}", t.lr_scheduler.value,
+                        why)]
+    return []
 
 
 def _check_warmup(t) -> list[Problem]:

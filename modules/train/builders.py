@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -9,13 +10,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from modules.config.optimizers import OPTIMIZERS
 from modules.models.loader import vae_downscale
 from modules.train.schedules import lr_multiplier, schedule_shape
 from modules.config.schema import (
     Config,
     Device,
     MixedPrecision,
-    Optimizer,
 )
 
 AUTOCAST_DTYPES = {MixedPrecision.FP16: torch.float16, MixedPrecision.BF16: torch.bfloat16}
@@ -63,17 +64,25 @@ def float32_precision(config: Config, device: torch.device) -> tuple[Callable[[]
 
 
 def build_optimizer(config: Config, params: dict[str, list[nn.Parameter]]) -> torch.optim.Optimizer:
-    """AdamW (or bitsandbytes' 8-bit AdamW) with one parameter group per trained component."""
+    """The config's optimizer (modules/config/optimizers.py) with one parameter group per
+    trained component, each at its own learning rate."""
     t = config.training
     groups = []
     for name, plist in params.items():
         lr = getattr(config.components, name).learning_rate
         groups.append({"params": plist, "lr": t.learning_rate if lr is None else lr,
                        "name": name})
-    if t.optimizer == Optimizer.ADAMW_8BIT:
-        import bitsandbytes as bnb
-        return bnb.optim.AdamW8bit(groups, weight_decay=t.weight_decay)
-    return torch.optim.AdamW(groups, weight_decay=t.weight_decay)
+    row = OPTIMIZERS[t.optimizer]
+    cls = getattr(importlib.import_module(row.module), row.cls)
+    return cls(groups, weight_decay=t.weight_decay, **row.options)
+
+
+def optimizer_scalars(config: Config, optimizer: torch.optim.Optimizer) -> dict[str, float]:
+    """What the optimizer's row logs, from its first parameter group (Prodigy: its step
+    size d; read once per logged step, with the loss already on the host)."""
+    group = optimizer.param_groups[0]
+    return {name: float(group[name]) for name in OPTIMIZERS[config.training.optimizer].logs
+            if name in group}
 
 
 def build_lr_scheduler(config: Config, optimizer: torch.optim.Optimizer, total_steps: int):

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from modules.compile import CompileEngine
+from modules.config.optimizers import OPTIMIZERS
 from modules.config.prompts import SamplePrompt
 from modules.config.schema import Config, ModelType
 from modules.data.dataset import ImageCaptionDataset, build_dataloader
@@ -20,7 +21,7 @@ from modules.models.loader import ModelBundle, encode_text, unet_conditioning
 from modules.train.backup import (BoundaryState, NonFiniteBackup, backups_folder,
                                   save_backup)
 from modules.train.batch_shapes import BatchShapeLog
-from modules.train.builders import StepBudget, autocast_context
+from modules.train.builders import StepBudget, autocast_context, optimizer_scalars
 from modules.train.distributed import Distributed, parameter_checksum
 from modules.train.output_lock import OutputLock
 from modules.train.record import RunRecord
@@ -253,15 +254,30 @@ class Run:
     def backup_bytes(self) -> int:
         """About what one backup takes: trained weights, optimizer state and EMA copies."""
         weights = sum(p.numel() * p.element_size() for p in self.all_params())
-        moments = sum(p.numel() * 4 * 2 for p in self.all_params())  # AdamW's two fp32 moments
-        return weights * (2 if self.ema is not None else 1) + moments
+        per_weight = OPTIMIZERS[self.config.training.optimizer].state_per_weight
+        state = int(sum(p.numel() * 4 * per_weight for p in self.all_params()))  # fp32 copies
+        return weights * (2 if self.ema is not None else 1) + state
 
     def all_params(self) -> list[torch.nn.Parameter]:
         return [p for plist in self.params.values() for p in plist]
 
     @contextlib.contextmanager
     def averaged_weights(self):
-        """Swap the EMA weights in (for sampling and saving) and the live ones back after."""
+        """Swap the averaged weights in (for sampling and saving) and the live ones back after:
+        the EMA's, or schedule-free AdamW's (its `eval()` weights). The live weights come back
+        bit for bit (a copy, not `train()`'s inverse interpolation), so sampling and saving
+        never change what training does next and a resumed run stays exact."""
+        if OPTIMIZERS[self.config.training.optimizer].schedule_free:
+            live = [p.detach().clone() for p in self.all_params()]
+            self.optimizer.eval()
+            try:
+                yield
+            finally:
+                self.optimizer.train()
+                with torch.no_grad():
+                    for param, saved in zip(self.all_params(), live):
+                        param.copy_(saved)
+            return
         if self.ema is None:
             yield
             return
@@ -277,10 +293,17 @@ class Run:
         return float(self.optimizer.param_groups[0]["lr"])
 
     def log_scalars(self, loss: float, smoothed: float) -> None:
+        """TensorBoard's curves, and what the optimizer reports (Prodigy's d) in run.json."""
+        scalars = optimizer_scalars(self.config, self.optimizer)
+        if scalars:
+            self.record.data["optimizer"] = {"name": self.config.training.optimizer.value,
+                                             "step": self.step, **scalars}
         if self.writer:
             self.writer.add_scalar("loss/step", loss, self.step)
             self.writer.add_scalar("loss/smoothed", smoothed, self.step)
             self.writer.add_scalar("lr", self.current_lr(), self.step)
+            for name, value in scalars.items():
+                self.writer.add_scalar(f"optimizer/{name}", value, self.step)
 
     def distributed_summary(self) -> dict:
         """World size, and whether every rank ended with the same weights and ran compiled code."""
