@@ -682,7 +682,7 @@ class TemperaApp(ctk.CTk):
         """torch and the compile engine, imported once the window is on screen."""
         self._engine_id = None
         try:
-            import modules.compile  # noqa: F401  (imports torch)
+            import modules.compile.engine  # noqa: F401  (imports torch)
         except Exception as exc:  # training would fail the same way: say so now
             import traceback
             self.run_panel.set_status(f"The training engine could not be loaded: {exc}",

@@ -35,8 +35,8 @@ from modules.compile.cache import use_compile_cache
 from modules.compile.capabilities import Capabilities, detect_capabilities
 from modules.compile.dynamic_dims import input_dims, mark_input
 from modules.compile.guards import late_recompile_sentence, summarize_guard_failure
-from modules.compile.plan import (COMPONENT_LABELS, COMPONENTS, CompileError, CompilePlan,
-                                  ComponentTraining, build_plan, next_backend)
+from modules.compile.plan import (COMPONENT_LABELS, COMPONENTS, CompileError, CompileFacts,
+                                  CompilePlan, ComponentTraining, next_backend, plan_component)
 from modules.compile.regions import REPEATED_BLOCKS, compile_targets
 from modules.compile.tracking import CompileTracker, ComponentStats, TrackedCall
 from modules.config.schema import CompileBackend, CompileConfig, CompileScope
@@ -45,7 +45,6 @@ from modules.util.errors import describe, first_line, is_out_of_memory
 from modules.util.memory import release_device_memory
 
 T = TypeVar("T")
-INDUCTOR_FAMILY = {CompileBackend.DEFAULT, CompileBackend.INDUCTOR, CompileBackend.TRITON}
 MAX_KEPT_REASONS = 20
 
 
@@ -54,7 +53,6 @@ class _Component:
     name: str
     modules: list[nn.Module]
     plan: CompilePlan
-    training: ComponentTraining = ComponentTraining()
     targets: list[nn.Module] = field(default_factory=list)
     scope: CompileScope = CompileScope.FULL
     fallbacks: list[dict[str, str]] = field(default_factory=list)
@@ -88,7 +86,7 @@ class CompileEngine:
                  cache_dir: str | Path | None = None,
                  probation_steps: int = 3,
                  recompile_warning_after: int = 2,
-                 table: Mapping[CompileBackend, BackendRow | None] = BACKENDS,
+                 table: Mapping[CompileBackend, BackendRow] = BACKENDS,
                  regional_blocks: Mapping[str, tuple[str, ...]] = REPEATED_BLOCKS):
         unknown = set(components) - set(COMPONENTS)
         if unknown:
@@ -97,6 +95,7 @@ class CompileEngine:
         self.config = config
         self.callbacks = callbacks or NullCallbacks()
         self.caps = capabilities or detect_capabilities(device)
+        self.facts = CompileFacts(self.caps, dict(training or {}))
         self.table = table
         self.regional_blocks = regional_blocks
         self.cache_dir = config.cache_dir if cache_dir is None else cache_dir
@@ -109,8 +108,7 @@ class CompileEngine:
             found = components.get(name)
             modules = [] if found is None else (
                 [found] if isinstance(found, nn.Module) else list(found))
-            how = (training or {}).get(name, ComponentTraining())
-            self.components[name] = _Component(name, modules, self._plan(name, how), how)
+            self.components[name] = _Component(name, modules, self._plan(name))
         if trainable_params is None:
             trainable_params = [p for c in self.components.values() for m in c.modules
                                 for p in m.parameters() if p.requires_grad]
@@ -125,10 +123,8 @@ class CompileEngine:
         self._restore: list[Callable[[], None]] = []
         self._applied = False
 
-    def _plan(self, name: str, training: ComponentTraining,
-              backend: CompileBackend | None = None) -> CompilePlan:
-        return build_plan(self.config, name, self.caps, self.table, backend=backend,
-                          training=training)
+    def _plan(self, name: str, backend: CompileBackend | None = None) -> CompilePlan:
+        return plan_component(self.config, name, self.facts, self.table, backend)
 
     # -- applying -----------------------------------------------------------------------------
     def apply(self) -> dict[str, CompilePlan]:
@@ -189,7 +185,7 @@ class CompileEngine:
             return
         if not comp.modules:
             self._degrade(comp, f"{comp.label} is not part of this run; not compiled")
-            comp.plan = self._plan(comp.name, comp.training, CompileBackend.NONE)
+            comp.plan = self._plan(comp.name, CompileBackend.NONE)
             return
         targets, note = compile_targets(comp.name, comp.modules, self.config.scope,
                                         self.regional_blocks)
@@ -284,7 +280,7 @@ class CompileEngine:
         for comp in failing:
             old = comp.plan.effective
             new = next_backend(old, self.caps)
-            comp.plan = self._plan(comp.name, comp.training, new)
+            comp.plan = self._plan(comp.name, new)
             comp.fallbacks.append({"from": old.value, "to": new.value, "reason": reason})
             stats = self.tracker.component(comp.name)
             stats.graphs = stats.calls_after_graph = 0  # "ran" is about the backend now in use
@@ -398,7 +394,7 @@ class CompileEngine:
     def _component_report(self, comp: _Component) -> dict[str, Any]:
         stats = self.tracker.component(comp.name)
         plan = comp.plan
-        cache_on = bool(self.cache_dir) and plan.effective in INDUCTOR_FAMILY
+        cache_on = bool(self.cache_dir) and self.table[plan.effective].inductor
         limit = plan.torch_compile_kwargs.get("recompile_limit") or plan.process_recompile_limit
         return {
             "requested": plan.requested.value,
