@@ -103,9 +103,9 @@ class CompilePanel:
         self.show_report("Press “Check compilation” to see graph breaks and backend support "
                          "for the current settings.")
         self._summaries = False  # the plan needs torch: filled in after idle
-        # What the configured device can compile with, detected once per device setting;
-        # `detect_machine` is replaced by tests to fake a machine.
-        self.detect_machine: Callable[[Config], Any] = detect_machine
+        # What the configured device can compile with, detected once per device setting
+        # (tests fake a machine with `use_machine`).
+        self._detect_machine: Callable[[Config], Any] = detect_machine
         self._machines: dict[Device, Any] = {}
         binding.subscribe(self._on_change)
         self._update()
@@ -134,6 +134,12 @@ class CompilePanel:
         self._summaries = True
         self._update()
 
+    def use_machine(self, detect: Callable[[Config], Any]) -> None:
+        """Detect the machine with ``detect`` from now on (forgetting what was detected)."""
+        self._detect_machine = detect
+        self._machines.clear()
+        self._update()
+
     def _on_change(self, path: str | None, _source: object | None) -> None:
         # the plan depends on what a compilation check depends on (device, training settings)
         if path is None or path.startswith(CHECKED_SETTINGS):
@@ -150,7 +156,7 @@ class CompilePanel:
         if self._summaries:
             device = config.general.device
             if device not in self._machines:
-                self._machines[device] = self.detect_machine(config)
+                self._machines[device] = self._detect_machine(config)
             text = plan_text(config, self._machines[device])
         self.description.configure(text=text)
         enabled = backend != CompileBackend.NONE

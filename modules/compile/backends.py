@@ -1,4 +1,4 @@
-"""The compile backends as data: one row per backend, read by every place that needs a fact about one.
+"""The compile backends as data: one row per backend, read wherever a fact about one is needed.
 
 A row says what the backend is called in the window (``label``) and what it is for
 (``description``), what ``torch.compile`` gets for it (``backend``, ``options``), its family (an

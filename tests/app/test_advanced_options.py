@@ -31,7 +31,7 @@ def test_each_backend_is_saved_and_described(app, tmp_path, backend):
     from modules.compile import Capabilities
 
     panel = app.compile_panel
-    panel.detect_machine = lambda config: Capabilities.everything("cuda")
+    panel.use_machine(lambda config: Capabilities.everything("cuda"))
     panel._load_summaries()
     panel.backend.menu._dropdown_callback(backend)        # as if picked from the menu
     saved = saved_compile(app, tmp_path / "p.json")
@@ -50,7 +50,7 @@ def test_the_description_says_what_training_will_run_and_why(app):
     from modules.compile import Capabilities
 
     panel = app.compile_panel
-    panel.detect_machine = lambda config: Capabilities.everything("cuda")
+    panel.use_machine(lambda config: Capabilities.everything("cuda"))
     panel._load_summaries()
     panel.backend.menu._dropdown_callback("TRITON")
     assert '"triton.cudagraphs": True' in panel.description.cget("text")
