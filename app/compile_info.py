@@ -1,48 +1,62 @@
-"""What each compile backend means, for the Advanced Options panel's description line.
+"""What the Advanced Options panel's description line says about the chosen compile backend.
 
-The one-line descriptions are GUI text (a table here); what a backend hands to `torch.compile`
-is read from the engine's table (`modules.compile.backends.BACKENDS`), so the two cannot drift.
+The description is the backend row's (`modules.compile.backends.BACKENDS`: each row carries its
+label and description); what `torch.compile` gets and what runs on this machine, and why, is the
+plan training applies (`modules.train.compile_guard.compile_plans`). This module only renders.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
+from modules.frontend import BACKENDS
 from modules.config.schema import CompileBackend
 
-BACKEND_DESCRIPTIONS: dict[CompileBackend, str] = {
-    CompileBackend.NONE: "No compilation: plain eager PyTorch. No start-up cost; use it to debug.",
-    CompileBackend.DEFAULT: "torch's default backend (inductor) with no extra options: the safe "
-                            "first choice.",
-    CompileBackend.INDUCTOR: "Inductor with max autotune and epilogue fusion, CUDA graphs off: "
-                             "for long runs on modern hardware.",
-    CompileBackend.TRITON: "Inductor plus CUDA graphs and shape padding (there is no torch "
-                           "backend named \"triton\"): fastest on NVIDIA GPUs, slowest to compile.",
-    CompileBackend.AOT_EAGER: "AOTAutograd graphs run with eager kernels: little speed-up, low "
-                              "overhead and memory; the stable fallback.",
-}
+
+def backend_description(backend: CompileBackend) -> str:
+    """The backend's one-line description, from its row."""
+    return BACKENDS[backend].description
 
 
-def _format_options(options: dict[str, Any]) -> str:
+def _format_options(options: Mapping[str, Any]) -> str:
     return ", ".join(f'"{k}": {v!r}' for k, v in options.items())
 
 
-def torch_compile_summary(backend: CompileBackend) -> str:
-    """What the backend maps to in torch.compile, read from the engine's backend table."""
-    from modules.frontend import BACKENDS  # imports torch: after the window is up
-    row = BACKENDS.get(backend)
-    if row is None:
+def torch_compile_call(plan: Any) -> str:
+    """The backend and options of a plan's ``torch.compile`` call, as code (the other keywords,
+    fullgraph, dynamic and the recompile limit, are in the run record)."""
+    if not plan.compiled:
         return "eager: torch.compile is not called"
+    kwargs = plan.torch_compile_kwargs
     args = ["model"]
-    if row.backend:
-        args.append(f'backend="{row.backend}"')
-    if row.options:
-        args.append("options={" + _format_options(dict(row.options)) + "}")
+    if kwargs.get("backend"):
+        args.append(f'backend="{kwargs["backend"]}"')
+    if kwargs.get("options"):
+        args.append("options={" + _format_options(kwargs["options"]) + "}")
     call = "torch.compile(" + ", ".join(args) + ")"
-    return call if row.backend else call + "  (torch's default backend: inductor)"
+    return call if kwargs.get("backend") else call + "  (torch's default backend: inductor)"
 
 
-def describe_backend(backend: CompileBackend) -> str:
-    return f"{BACKEND_DESCRIPTIONS[backend]}\n→ {torch_compile_summary(backend)}"
+def describe_plan(backend: CompileBackend, plans: Mapping[str, Any]) -> str:
+    """The description line: the backend's row, then what the plan will run here and why.
+
+    The ``torch.compile`` call shown is the first selected component's (the UNet by default);
+    what runs differently from what was asked is said for every selected component.
+    """
+    from modules.frontend import COMPONENT_LABELS  # imports torch: after the window is up
+
+    lines = [backend_description(backend)]
+    asked = [plan for plan in plans.values() if plan.requested != CompileBackend.NONE]
+    if backend == CompileBackend.NONE:
+        lines.append("→ eager: torch.compile is not called")
+    elif not asked:
+        lines.append("→ no component is selected: nothing is compiled")
+    else:
+        lines.append(f"→ {torch_compile_call(asked[0])}")
+        for plan in asked:
+            who = f"{COMPONENT_LABELS[plan.component]}: " if len(asked) > 1 else ""
+            lines.extend(who + reason for reason in plan.reasons())
+    return "\n".join(lines)
 
 
 def format_report(report: Any) -> str:

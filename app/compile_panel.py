@@ -1,8 +1,10 @@
 """The Advanced Options tab's Model Compilation section: hand-placed, because order matters.
 
-Backend first with a line saying what it does and what it maps to in torch.compile, then the
-component checkboxes, then the details, then "Check compilation". The views themselves are the
-generic ones built from the schema; any other field of the group is generated below this panel.
+Backend first with a line saying what it does and what training will hand to torch.compile on
+this machine, and why when that differs (the plan training applies, rendered by
+`app.compile_info.describe_plan`), then the component checkboxes, then the details, then "Check
+compilation". The views themselves are the generic ones built from the schema; any other field
+of the group is generated below this panel.
 """
 from __future__ import annotations
 
@@ -12,12 +14,13 @@ from typing import Any
 import customtkinter as ctk
 
 from app.binding import ConfigBinding
-from app.compile_info import BACKEND_DESCRIPTIONS, describe_backend
+from app.compile_info import backend_description, describe_plan
 from app.form import FieldRegistry
 from app.widgets import (BoolView, FieldView, make_view, pass_wheel_at_ends, set_label_enabled,
                          set_readonly_text, set_widget_enabled)
+from modules import frontend
 from modules.config.introspect import outdates_compile_check
-from modules.config.schema import CompileBackend
+from modules.config.schema import CompileBackend, Config, Device
 
 TAB = "Advanced Options"
 DESCRIPTION_INDENT = 10 + 208  # under the menu: the field label column and its gap
@@ -28,9 +31,14 @@ DETAILS = ("compile.scope", "compile.mode", "compile.dynamic", "compile.fullgrap
 PLACED = {"compile.backend", *(p for p, _ in COMPONENT_TOGGLES), *DETAILS}
 
 
-def cuda_available() -> bool:
-    import torch
-    return torch.cuda.is_available()
+def detect_machine(config: Config) -> Any:
+    """What the configured device can compile with (imports torch and triton)."""
+    return frontend.machine_capabilities(config)
+
+
+def plan_text(config: Config, machine: Any) -> str:
+    """The description line for ``config`` on ``machine``: the plan training applies."""
+    return describe_plan(config.compile.backend, frontend.compile_plans(config, machine))
 
 
 class CompilePanel:
@@ -89,7 +97,11 @@ class CompilePanel:
         pass_wheel_at_ends(self.report)
         self.show_report("Press “Check compilation” to see graph breaks and backend support "
                          "for the current settings.")
-        self._summaries = False  # the torch.compile mapping needs torch: filled in after idle
+        self._summaries = False  # the plan needs torch: filled in after idle
+        # What the configured device can compile with, detected once per device setting
+        # (tests fake a machine with `use_machine`).
+        self._detect_machine: Callable[[Config], Any] = detect_machine
+        self._machines: dict[Device, Any] = {}
         binding.subscribe(self._on_change)
         self._update()
         self._pending: str | None = self.box.after(150, self._load_summaries)
@@ -109,7 +121,7 @@ class CompilePanel:
             self._pending = None
 
     def load_summaries(self) -> None:
-        """Show each backend's torch.compile(...) line (imports torch)."""
+        """Show the plan's torch.compile(...) line and its reasons (imports torch)."""
         self._load_summaries()
 
     def _load_summaries(self) -> None:
@@ -117,20 +129,32 @@ class CompilePanel:
         self._summaries = True
         self._update()
 
+    def use_machine(self, detect: Callable[[Config], Any]) -> None:
+        """Detect the machine with ``detect`` from now on (forgetting what was detected)."""
+        self._detect_machine = detect
+        self._machines.clear()
+        self._update()
+
     def _on_change(self, path: str | None, _source: object | None) -> None:
-        if path is None or path == "compile.backend":
+        # the plan depends on what a compilation check depends on (device, training settings:
+        # the fields whose schema metadata says compile_check)
+        outdates = path is None or outdates_compile_check(path)
+        if outdates:
             self._update()
-        if self.has_result and (path is None or outdates_compile_check(path)):
+        if self.has_result and outdates:
             self.has_result = False
             self.show_report("OUTDATED: the settings changed since this check; press “Check "
                              "compilation” again.\n\n" + self.report_text())
 
     def _update(self) -> None:
-        backend: CompileBackend = self.binding.config.compile.backend
-        text = describe_backend(backend) if self._summaries else BACKEND_DESCRIPTIONS[backend]
-        if self._summaries and backend == CompileBackend.TRITON and not cuda_available():
-            text += ("\nOn this machine (no CUDA GPU) TRITON runs as INDUCTOR: CUDA graphs need "
-                     "an NVIDIA GPU. The run record and Check compilation say so too.")
+        config = self.binding.config
+        backend: CompileBackend = config.compile.backend
+        text = backend_description(backend)
+        if self._summaries:
+            device = config.general.device
+            if device not in self._machines:
+                self._machines[device] = self._detect_machine(config)
+            text = plan_text(config, self._machines[device])
         self.description.configure(text=text)
         enabled = backend != CompileBackend.NONE
         for view in [*self.toggles.values(), *self.details]:

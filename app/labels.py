@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from enum import Enum
 
+from modules.compile.backends import BACKENDS  # torch-free: the rows carry their labels
 from modules.config.schema import (CompileBackend, CompileMode, CompileScope, Device, DType,
                                    DynamicShapes, LRScheduler, MixedPrecision, Optimizer,
                                    PredictionType, Sampler, SaveFormat, TrainingMethod)
@@ -31,10 +32,7 @@ ENUM_LABELS: dict[type[Enum], dict[Enum, str]] = {
               Sampler.DPMPP_2M_KARRAS: "DPM++ 2M Karras", Sampler.UNIPC: "UniPC"},
     MixedPrecision: {MixedPrecision.NO: "Off (float32)", MixedPrecision.FP16: "fp16",
                      MixedPrecision.BF16: "bf16"},
-    CompileBackend: {CompileBackend.NONE: "None (eager)", CompileBackend.DEFAULT: "Default",
-                     CompileBackend.INDUCTOR: "Inductor",
-                     CompileBackend.TRITON: "Triton + CUDA graphs",
-                     CompileBackend.AOT_EAGER: "AOT eager (debug)"},
+    CompileBackend: {member: row.label for member, row in BACKENDS.items()},
     CompileScope: {CompileScope.FULL: "Whole model", CompileScope.REGIONAL: "Repeated blocks"},
     CompileMode: {CompileMode.DEFAULT: "Default", CompileMode.REDUCE_OVERHEAD: "Reduce overhead",
                   CompileMode.MAX_AUTOTUNE: "Max autotune",

@@ -20,6 +20,7 @@ from typing import Any
 # Resume points (`list_backups`, `resume_offer`, `finished_run_problem`), how a run ended
 # (`read_run_status`), the earlier run a resume continues (`earlier_losses`, `latest_samples`),
 # where the caches are (`cache_dir_for`, `compile_cache_folder`): file-system only, re-exported.
+from modules.compile.backends import BACKENDS  # the backend rows: torch-free
 from modules.config import Config, Problem, validate
 from modules.events import TrainerCallbacks, TrainerCommands
 from modules.model_types import MODEL_TYPES, ModelType
@@ -35,7 +36,7 @@ from modules.util.duration import format_duration
 from modules.util.library_noise import silence_torchvision_fallback_warnings
 
 # Names read on first use (`__getattr__`): importing them imports torch.
-_LAZY = {"TrainingError": "modules.train.trainer", "BACKENDS": "modules.compile.backends"}
+_LAZY = {"TrainingError": "modules.train.trainer", "COMPONENT_LABELS": "modules.compile.plan"}
 
 
 def __getattr__(name: str) -> Any:
@@ -62,7 +63,7 @@ def check_run(config: Config, callbacks: TrainerCallbacks) -> Any:
 # --- start ----------------------------------------------------------------------------------
 def load_engine() -> None:
     """Import torch and the compile engine now (the GUI does it once its window is shown)."""
-    import modules.compile  # noqa: F401
+    import modules.compile.engine  # noqa: F401
 
 
 def train(config: Config, callbacks: TrainerCallbacks | None = None,
@@ -73,7 +74,20 @@ def train(config: Config, callbacks: TrainerCallbacks | None = None,
     return engine_train(config, callbacks, commands)
 
 
-# --- explain and expected compile time ------------------------------------------------------
+# --- explain, the compile plan and expected compile time ------------------------------------
+def machine_capabilities(config: Config) -> Any:
+    """What the configured device can compile with (imports torch and triton)."""
+    from modules.train.compile_guard import machine_capabilities as engine_capabilities
+    return engine_capabilities(config)
+
+
+def compile_plans(config: Config, machine: Any = None) -> Any:
+    """The compile plan of each component, as training will apply it on `machine` (the one
+    plan every front end shows: modules.train.compile_guard.compile_plans)."""
+    from modules.train.compile_guard import compile_plans as engine_plans
+    return engine_plans(config, machine)
+
+
 def explain(config: Config) -> str:
     """What compiling with this config does here, as text (*Check compilation*,
     scripts/explain_compile.py): traces the model once."""
@@ -92,9 +106,10 @@ def expected_compile(config: Config) -> Any:
 
 
 __all__ = [
-    "BACKENDS", "MODEL_TYPES", "LossPoint", "ModelType", "ResumeOffer", "TrainingError",
-    "atomic_write_text", "cache_dir_for", "check", "check_inputs", "check_run",
-    "compile_cache_folder", "earlier_losses", "expected_compile", "explain",
-    "finished_run_problem", "format_duration", "latest_samples", "list_backups", "load_engine", "read_run_status",
-    "resume_offer", "schedule_curve", "silence_torchvision_fallback_warnings", "train",
+    "BACKENDS", "COMPONENT_LABELS", "LossPoint", "MODEL_TYPES", "ModelType", "ResumeOffer",
+    "TrainingError", "atomic_write_text", "cache_dir_for", "check", "check_inputs", "check_run",
+    "compile_cache_folder", "compile_plans", "earlier_losses", "expected_compile", "explain",
+    "finished_run_problem", "format_duration", "latest_samples", "list_backups", "load_engine",
+    "machine_capabilities", "read_run_status", "resume_offer", "schedule_curve",
+    "silence_torchvision_fallback_warnings", "train",
 ]

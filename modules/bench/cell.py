@@ -132,13 +132,12 @@ class StepTimer(NullCallbacks):
 
 
 def may_use_cudagraphs(config: Any, cuda: bool) -> bool:
-    """Whether the cell's backend and mode ask for CUDA graphs (the plan may still turn them
-    off; run.json says, after the run). Used only to decide when enough steps were seen."""
-    from modules.compile.backends import BACKENDS, merged_inductor_options
+    """Whether the run's compile plan keeps CUDA graphs on for a component: the plan training
+    applies (`compile_plans`; run.json says after the run). Used only to decide when enough steps
+    were seen."""
+    from modules.train.compile_guard import compile_plans
 
-    row = BACKENDS.get(config.compile.backend)
-    return cuda and row is not None and bool(
-        merged_inductor_options(row, config.compile.mode).get("triton.cudagraphs"))
+    return cuda and any(plan.cudagraphs for plan in compile_plans(config).values())
 
 
 def summarize_compile(report: dict[str, dict[str, Any]]) -> dict[str, Any]:

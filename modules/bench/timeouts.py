@@ -33,7 +33,7 @@ def autotunes(backend: str, mode: CompileMode = CompileMode.DEFAULT) -> bool:
         row = BACKENDS.get(CompileBackend(backend))
     except ValueError:  # an unknown name fails in its cell at once
         return False
-    if row is None:
+    if row is None or not row.compiles:
         return False
     options = merged_inductor_options(row, mode)
     return bool(options.get("max_autotune") or options.get("max_autotune_gemm"))

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from modules.compile.backends import BACKENDS
 from modules.config.schema import CompileBackend
 
 # Triton (and therefore inductor's GPU code generation) needs compute capability 7.0 or newer.
@@ -106,16 +107,17 @@ def detect_capabilities(device: torch.device | str) -> Capabilities:
 
 
 def backend_problem(backend: CompileBackend, caps: Capabilities) -> str | None:
-    """Why ``backend`` cannot run on ``caps`` (None when it can)."""
-    if backend in (CompileBackend.NONE, CompileBackend.AOT_EAGER):
-        return None
-    if backend == CompileBackend.TRITON:
+    """Why ``backend`` cannot run on ``caps`` (None when it can), from its row's needs."""
+    row = BACKENDS[backend]
+    if not row.compiles or not row.inductor:
+        return None  # eager, and dynamo backends with eager kernels, run anywhere
+    if row.cuda_only:
         if caps.device_type != "cuda" or not caps.cuda_available:
-            return "TRITON needs a CUDA GPU (CUDA graphs do not exist on the CPU)"
+            return f"{backend.value} needs a CUDA GPU ({row.cuda_only})"
         if not caps.triton_ok:
-            return f"TRITON needs a working triton: {caps.triton_problem}"
+            return f"{backend.value} needs a working triton: {caps.triton_problem}"
         return None
-    # DEFAULT and INDUCTOR: inductor generates C++ on the CPU and triton on the GPU.
+    # The inductor family generates C++ on the CPU and triton on the GPU.
     if caps.device_type == "cuda":
         if not caps.triton_ok:
             return f"{backend.value} (inductor) on a GPU needs a working triton: {caps.triton_problem}"

@@ -1,7 +1,8 @@
 """Why a component splits into several graphs: ``torch._dynamo.explain`` as a plain dict.
 
-Used by the CLI explain script and the GUI's "Explain compilation" button; both print
-`format_explanation(explain(...))`.
+Used by the CLI explain script and the GUI's "Check compilation" button; both print
+`format_explanation(explain(...))`. The plan shown is `build_plan`'s with the run's facts, the
+one training applies.
 """
 from __future__ import annotations
 
@@ -10,8 +11,7 @@ from typing import Any
 
 from torch import nn
 
-from modules.compile.capabilities import Capabilities
-from modules.compile.plan import COMPONENT_LABELS, build_plan
+from modules.compile.plan import COMPONENT_LABELS, CompileFacts, build_plan
 from modules.compile.regions import compile_targets
 from modules.config.schema import CompileConfig
 
@@ -73,18 +73,20 @@ def _block_inputs(root: nn.Module, blocks: list[nn.Module],
 
 
 def explain(config: CompileConfig, components: Mapping[str, tuple[nn.Module, ExampleInputs]],
-            capabilities: Capabilities) -> dict[str, Any]:
-    """Per component: its plan under ``config`` and what dynamo makes of it.
+            facts: CompileFacts) -> dict[str, Any]:
+    """Per component: its plan under ``config`` with ``facts`` and what dynamo makes of it.
 
     ``components`` maps "unet" / "text_encoder" / "vae" to (module, (args, kwargs)). With
     REGIONAL scope each distinct block class is explained with the inputs it saw in one call.
     """
+    plans = build_plan(config, facts)
     out: dict[str, Any] = {}
     for name, (module, example) in components.items():
-        plan = build_plan(config, name, capabilities)
+        plan = plans[name]
         entry: dict[str, Any] = {"label": COMPONENT_LABELS[name],
                                  "requested": plan.requested.value,
                                  "effective": plan.effective.value, "degraded": plan.degraded,
+                                 "cudagraphs": plan.cudagraphs,
                                  "torch_compile_kwargs": plan.torch_compile_kwargs, "regions": []}
         example = _split(example, None)
         targets, note = compile_targets(name, [module], config.scope)
@@ -105,6 +107,7 @@ def format_explanation(explanation: Mapping[str, Any]) -> str:
     lines: list[str] = []
     for entry in explanation.values():
         lines.append(f"{entry['label']}: {entry['requested']} -> {entry['effective']}"
+                     + (", CUDA graphs on" if entry["cudagraphs"] else "")
                      + (f" (degraded: {entry['degraded']})" if entry["degraded"] else ""))
         for region in entry["regions"]:
             lines.append(f"  {region['module']}: {region['graphs']} graph(s), "

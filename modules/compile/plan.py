@@ -1,9 +1,12 @@
-"""What to compile, how: a pure function from (config, component, capabilities, training) to a plan.
+"""What to compile, how: a pure function from (config, facts) to a plan per component.
 
 Everything the compile engine decides before the first step is decided here, so that each
 decision is CPU-testable for every preset: the backend that can run on this machine, the exact
 ``torch.compile`` arguments, the recompile limit and whether CUDA graphs stay on given how the
-component is trained.
+component is trained. Every front end asks `build_plan` with the same `CompileFacts` (the
+machine and how the run trains each component; ``modules.train.compile_guard.compile_facts``
+derives them from a config): training, *Check compilation*, the GUI's summary line and the
+benchmark, so none of them can report a decision the run does not make.
 """
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from modules.compile.backends import (BACKENDS, FALLBACK_CHAIN, BackendRow,
+from modules.compile.backends import (BACKENDS, FALLBACK_CHAIN, INDUCTOR, BackendRow,
                                       merged_inductor_options, torch_compile_kwargs)
 from modules.compile.capabilities import Capabilities, backend_problem
 from modules.config.schema import (CompileBackend, CompileConfig, CompileMode, CompileScope,
@@ -29,11 +32,10 @@ COMPONENT_LABELS: dict[str, str] = {"unet": "UNet", "text_encoder": "text encode
 # the engine is applied and restored after.
 RECOMPILE_LIMIT = 64
 
-# Known compiler limits, as data: (backends, scope, components) that cannot take symbolic
+# Known compiler limits, as data: (backend family, scope, components) that cannot take symbolic
 # sizes in some dimensions, and why. Measured on torch 2.11 and 2.13 (docs/compilation.md).
-SPATIAL_DYNAMIC_LIMITS: tuple[tuple[frozenset[CompileBackend], CompileScope, frozenset[str], str], ...] = (
-    (frozenset({CompileBackend.DEFAULT, CompileBackend.INDUCTOR, CompileBackend.TRITON}),
-     CompileScope.FULL, frozenset({"unet", "vae"}),
+SPATIAL_DYNAMIC_LIMITS: tuple[tuple[str, CompileScope, frozenset[str], str], ...] = (
+    (INDUCTOR, CompileScope.FULL, frozenset({"unet", "vae"}),
      "inductor cannot compile a whole UNet or VAE with symbolic height and width (torch 2.11 "
      "and 2.13: InductorError 'cannot determine truth value of Relational' in "
      "ir.get_stride_order)"),
@@ -61,7 +63,25 @@ class ComponentTraining:
 
 
 @dataclass(frozen=True)
+class CompileFacts:
+    """What a plan depends on beyond ``compile.*``: the machine, and how the run trains each
+    component (a component not named is not trained)."""
+    capabilities: Capabilities
+    training: Mapping[str, ComponentTraining] = field(default_factory=dict)
+
+    def of(self, component: str) -> ComponentTraining:
+        return self.training.get(component, ComponentTraining())
+
+
+@dataclass(frozen=True)
 class CompilePlan:
+    """What will run for one component, and why it differs from what was asked.
+
+    ``effective`` is the backend that will run; ``fallback_reason`` says why it is not
+    ``requested`` (None when it is), ``cudagraphs_off`` why CUDA graphs the backend asks for are
+    off, ``dynamic_static_spatial`` why DYNAMIC shapes keep height and width static; ``degraded``
+    is every such reason in one line, as the run record writes it.
+    """
     component: str
     requested: CompileBackend
     effective: CompileBackend
@@ -76,6 +96,10 @@ class CompilePlan:
     persistent_grads: bool = False
     # height and width of the component's input kept static (one compile per size): why, or None
     static_spatial: str | None = None
+    fallback_reason: str | None = None
+    cudagraphs_off: str | None = None
+    # why compile.dynamic DYNAMIC runs as AUTO with static height and width here, or None
+    dynamic_static_spatial: str | None = None
 
     @property
     def compiled(self) -> bool:
@@ -84,6 +108,18 @@ class CompilePlan:
     @property
     def cudagraphs(self) -> bool:
         return bool(self.inductor_options.get(CUDAGRAPH_OPTION))
+
+    def reasons(self) -> list[str]:
+        """What runs differently from what was asked, as sentences for a front end."""
+        said: list[str] = []
+        if self.fallback_reason:
+            said.append(f"{self.requested.value} runs as {self.effective.value} here: "
+                        f"{self.fallback_reason}")
+        if self.cudagraphs_off:
+            said.append(self.cudagraphs_off)
+        if self.dynamic_static_spatial:
+            said.append(self.dynamic_static_spatial)
+        return said
 
 
 def next_backend(current: CompileBackend, caps: Capabilities) -> CompileBackend:
@@ -100,8 +136,7 @@ def usable_backend(requested: CompileBackend, caps: Capabilities) -> tuple[Compi
     problem = backend_problem(requested, caps)
     if problem is None:
         return requested, None
-    effective = next_backend(requested, caps)
-    return effective, f"{problem}; using {effective.value} instead"
+    return next_backend(requested, caps), problem
 
 
 def cudagraph_rules(options: dict[str, Any], caps: Capabilities, scope: CompileScope,
@@ -126,36 +161,45 @@ def cudagraph_rules(options: dict[str, Any], caps: Capabilities, scope: CompileS
     return options, None, training.trained
 
 
-def spatial_dynamic_limit(backend: CompileBackend, scope: CompileScope,
-                          component: str) -> str | None:
-    """Why ``component`` must keep static height and width under ``backend`` and ``scope``."""
-    for backends, limited_scope, components, reason in SPATIAL_DYNAMIC_LIMITS:
-        if backend in backends and scope == limited_scope and component in components:
+def spatial_dynamic_limit(row: BackendRow, scope: CompileScope, component: str) -> str | None:
+    """Why ``component`` must keep static height and width under ``row``'s family and ``scope``."""
+    for family, limited_scope, components, reason in SPATIAL_DYNAMIC_LIMITS:
+        if row.family == family and scope == limited_scope and component in components:
             return reason
     return None
 
 
-def build_plan(config: CompileConfig, component: str, caps: Capabilities,
-               table: Mapping[CompileBackend, BackendRow | None] = BACKENDS,
-               backend: CompileBackend | None = None,
-               training: ComponentTraining = ComponentTraining()) -> CompilePlan:
-    """The plan for ``component`` under ``config`` on a machine with ``caps``.
+def build_plan(config: CompileConfig, facts: CompileFacts,
+               table: Mapping[CompileBackend, BackendRow] = BACKENDS) -> dict[str, CompilePlan]:
+    """Every component's plan under ``config`` with ``facts``: the one question each front end
+    asks (training, Check compilation, the GUI's summary line, the benchmark)."""
+    return {name: plan_component(config, name, facts, table) for name in COMPONENTS}
+
+
+def plan_component(config: CompileConfig, component: str, facts: CompileFacts,
+                   table: Mapping[CompileBackend, BackendRow] = BACKENDS,
+                   backend: CompileBackend | None = None) -> CompilePlan:
+    """The plan for ``component`` under ``config`` with ``facts``.
 
     ``backend`` overrides the configured one (used when falling back). A component that is not
-    selected in the config gets effective NONE. ``training`` says how the run trains it.
+    selected in the config gets effective NONE.
     """
     if component not in COMPONENTS:
         raise ValueError(f"unknown compile component {component!r}; expected one of {COMPONENTS}")
+    caps = facts.capabilities
     requested = config.backend if getattr(config, component) else CompileBackend.NONE
     wanted = backend if backend is not None else requested
-    effective, degraded = usable_backend(wanted, caps)
+    effective, fallback_reason = usable_backend(wanted, caps)
+    degraded = (f"{fallback_reason}; using {effective.value} instead" if fallback_reason
+                else None)
     row = table[effective]
-    if row is None:
-        return CompilePlan(component, requested, CompileBackend.NONE, config.scope, {}, {}, degraded)
+    if not row.compiles:
+        return CompilePlan(component, requested, CompileBackend.NONE, config.scope, {}, {},
+                           degraded, fallback_reason=fallback_reason)
     notes: list[str] = []
     options = merged_inductor_options(row, config.mode)
     options, cudagraph_note, persistent_grads = cudagraph_rules(options, caps, config.scope,
-                                                                training)
+                                                                facts.of(component))
     if cudagraph_note:
         degraded = f"{degraded}; {cudagraph_note}" if degraded else cudagraph_note
     if persistent_grads:
@@ -165,7 +209,8 @@ def build_plan(config: CompileConfig, component: str, caps: Capabilities,
         notes.append(f"mode {config.mode.value} does not apply to {effective.value} "
                      "(it only sets inductor options); ignored")
     kwargs = torch_compile_kwargs(row, config, options)
-    static_spatial = spatial_dynamic_limit(effective, config.scope, component)
+    static_spatial = spatial_dynamic_limit(row, config.scope, component)
+    why = None
     if static_spatial and config.dynamic == DynamicShapes.DYNAMIC:
         kwargs["dynamic"] = None  # sizes become dynamic where they vary, except these
         why = (f"dynamic shapes DYNAMIC turned into AUTO with static height and width: "
@@ -178,4 +223,5 @@ def build_plan(config: CompileConfig, component: str, caps: Capabilities,
         process_limit = RECOMPILE_LIMIT
     return CompilePlan(component, requested, effective, config.scope, kwargs,
                        dict(options) if row.inductor else {}, degraded, tuple(notes),
-                       process_limit, persistent_grads, static_spatial)
+                       process_limit, persistent_grads, static_spatial, fallback_reason,
+                       cudagraph_note, why)

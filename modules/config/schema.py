@@ -352,9 +352,9 @@ class CompileConfig:
     backend: CompileBackend = setting(
         CompileBackend.NONE, label="Backend", group="Advanced",
         help="torch.compile backend. NONE: eager. DEFAULT: torch's default (inductor). "
-             "INDUCTOR: inductor with autotune and epilogue fusion, no CUDA graphs. TRITON: "
-             "inductor with CUDA graphs and shape padding too (there is no torch backend named "
-             "'triton'). AOT_EAGER: AOTAutograd graphs run with eager kernels.")
+             "INDUCTOR: inductor with autotune, no CUDA graphs. TRITON: inductor with autotune "
+             "and CUDA graphs (there is no torch backend named 'triton'). AOT_EAGER: "
+             "AOTAutograd graphs run with eager kernels.")
     unet: bool = setting(True, label="Compile UNet", group="Advanced",
                          help="Compile the UNet (the biggest gain).")
     text_encoder: bool = setting(False, label="Compile text encoder", group="Advanced",

@@ -1,18 +1,24 @@
-"""The trainer's side of compilation: hand the run's components to the compile engine.
+"""The trainer's side of compilation: the run's compile facts, its plans, and the engine.
 
 The engine compiles what `compile.*` selects, guards every training micro-step against lazy
 compile failures (falling back one backend at a time), and reports per component for run.json.
-How each component is trained (checkpointing, accumulation) is passed along because it decides
-whether CUDA graphs can stay on.
+What the plan depends on beyond `compile.*` (the machine; how each component is trained:
+checkpointing decides whether CUDA graphs can stay on) is derived from the config here, in
+`compile_facts`, and every front end asks the same `compile_plans`: training, Check compilation
+(`explain_run.py`), the GUI's summary line and the benchmark.
 """
 from __future__ import annotations
 
 import torch
 
-from modules.compile import CompileEngine, ComponentTraining, compile_cache_folder
+from modules.compile import (Capabilities, CompileEngine, CompileFacts, CompilePlan,
+                             ComponentTraining, build_plan, compile_cache_folder,
+                             detect_capabilities)
 from modules.config.schema import Config
 from modules.events import TrainerCallbacks
 from modules.models.loader import ModelBundle
+from modules.train.builders import pick_device
+from modules.train.weights import trained_components
 
 
 def component_training(config: Config, trained: list[str]) -> dict[str, ComponentTraining]:
@@ -29,17 +35,40 @@ def component_training(config: Config, trained: list[str]) -> dict[str, Componen
             "vae": how(False)}
 
 
+def compile_facts(config: Config, capabilities: Capabilities,
+                  trained: list[str] | None = None) -> CompileFacts:
+    """What the compile plan needs to know about this run besides `compile.*`: the machine
+    (``capabilities``) and how each component is trained (``trained``: default, the config's)."""
+    if trained is None:
+        trained = trained_components(config)
+    return CompileFacts(capabilities, component_training(config, trained))
+
+
+def machine_capabilities(config: Config) -> Capabilities:
+    """What the device the config trains on can compile with (detected: imports triton)."""
+    return detect_capabilities(pick_device(config.general.device))
+
+
+def compile_plans(config: Config,
+                  capabilities: Capabilities | None = None) -> dict[str, CompilePlan]:
+    """Per component, what training this config will compile, with what, and why: the plan the
+    run applies (``capabilities``: default, this machine's for the configured device)."""
+    caps = capabilities if capabilities is not None else machine_capabilities(config)
+    return build_plan(config.compile, compile_facts(config, caps))
+
+
 def build_compile_guard(config: Config, bundle: ModelBundle, device: torch.device,
                         params: dict, trained: list[str],
                         callbacks: TrainerCallbacks) -> CompileEngine:
     """Compile the selected components in place and return the engine that guards each step."""
+    facts = compile_facts(config, detect_capabilities(device), trained)
     engine = CompileEngine(
         config.compile,
         {"unet": bundle.unet, "text_encoder": list(bundle.text_encoders.values()),
          "vae": bundle.vae},
-        callbacks=callbacks, device=device,
+        callbacks=callbacks, capabilities=facts.capabilities,
         trainable_params=[p for plist in params.values() for p in plist],
-        training=component_training(config, trained),
+        training=facts.training,
         cache_dir=compile_cache_folder(config.compile.cache_dir, config.general.cache_dir))
     engine.apply()
     return engine

@@ -2,7 +2,9 @@
 
 `scripts/explain_compile.py` and the GUI's "Check compilation" button both call
 `explain_config`: it loads the model the config names, builds one example input per selected
-component at the config's resolution, and asks dynamo for graphs and graph breaks.
+component at the config's resolution, and asks dynamo for graphs and graph breaks. The plan it
+shows is the one training applies: `build_plan` with the run's facts (`compile_facts`: the
+device, and how each component is trained, which decides CUDA graphs).
 """
 from __future__ import annotations
 
@@ -10,7 +12,9 @@ from typing import Any
 
 import torch
 
-from modules.compile import detect_capabilities, explain, format_explanation
+from modules.compile import detect_capabilities
+from modules.compile.explain import explain, format_explanation
+from modules.train.compile_guard import compile_facts
 from modules.config.problems import ConfigError
 from modules.config.schema import Config
 from modules.config.validate import validate
@@ -60,7 +64,7 @@ def explain_config(config: Config) -> dict[str, Any]:
     examples = _example_inputs(bundle, config, device)
     selected = {name: examples[name] for name in ("unet", "text_encoder", "vae")
                 if getattr(config.compile, name)}
-    return explain(config.compile, selected, detect_capabilities(device))
+    return explain(config.compile, selected, compile_facts(config, detect_capabilities(device)))
 
 
 def explain_text(config: Config) -> str:

@@ -9,6 +9,7 @@ from app.compile_panel import TAB
 from modules.config import load_config
 from modules.config.schema import CompileBackend, CompileConfig, CompileMode, CompileScope
 
+# On a CUDA machine (faked: the description renders the plan for the machine it is given).
 BACKEND_MAPPING = {
     "NONE": ["not called"],
     "DEFAULT": ["torch.compile(model)", "inductor"],
@@ -27,7 +28,10 @@ def saved_compile(app, path) -> dict:
 
 @pytest.mark.parametrize("backend", [b.value for b in CompileBackend])
 def test_each_backend_is_saved_and_described(app, tmp_path, backend):
+    from modules.compile import Capabilities
+
     panel = app.compile_panel
+    panel.use_machine(lambda config: Capabilities.everything("cuda"))
     panel._load_summaries()
     panel.backend.menu._dropdown_callback(backend)        # as if picked from the menu
     saved = saved_compile(app, tmp_path / "p.json")
@@ -38,6 +42,24 @@ def test_each_backend_is_saved_and_described(app, tmp_path, backend):
         assert fragment in text, (backend, text)
     enabled = panel.toggles["compile.unet"].toggle.cget("state") == "normal"
     assert enabled == (backend != "NONE")
+
+
+def test_the_description_says_what_training_will_run_and_why(app):
+    # The plan training applies, not the backend's row: with gradient checkpointing around
+    # regional blocks a CUDA machine runs TRITON without CUDA graphs, and the line says why.
+    from modules.compile import Capabilities
+
+    panel = app.compile_panel
+    panel.use_machine(lambda config: Capabilities.everything("cuda"))
+    panel._load_summaries()
+    panel.backend.menu._dropdown_callback("TRITON")
+    assert '"triton.cudagraphs": True' in panel.description.cget("text")
+    app.binding.set_value("compile.scope", CompileScope.REGIONAL)
+    app.binding.set_value("training.gradient_checkpointing", True)
+    text = panel.description.cget("text")
+    assert '"triton.cudagraphs": False' in text and "pytorch#154306" in text
+    app.binding.set_value("compile.unet", False)
+    assert "no component is selected" in panel.description.cget("text")
 
 
 def test_component_toggles_and_details_are_saved(app, tmp_path):

@@ -2,7 +2,7 @@
 asked of the real plan on a faked CUDA machine: a GPU is lent too rarely to find out there."""
 from __future__ import annotations
 
-from modules.compile import Capabilities, CompileEngine, build_plan
+from modules.compile import Capabilities, CompileEngine, CompileFacts, build_plan
 from modules.config.schema import CompileBackend
 from modules.train.compile_guard import component_training
 from modules.train.weights import trained_components
@@ -20,7 +20,7 @@ def test_the_three_bucket_cuda_graph_check_keeps_cuda_graphs_on(tiny_config, tmp
     assert config.data.aspect_buckets and training["unet"].trained
     assert training["unet"].gradient_checkpointing and training["unet"].accumulation == 2
 
-    plan = build_plan(config.compile, "unet", H100, training=training["unet"])
+    plan = build_plan(config.compile, CompileFacts(H100, training))["unet"]
     assert plan.effective == CompileBackend.TRITON and plan.cudagraphs
     assert plan.degraded is None, plan.degraded
 

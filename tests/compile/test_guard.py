@@ -329,7 +329,7 @@ def test_an_out_of_memory_once_every_shape_is_recorded_is_not_a_compile_failure(
 # -- memory released between a failed attempt and its retry -------------------------------------
 def test_device_memory_is_released_once_before_the_retry_with_the_failure_let_go(
         make_unet, late_failing_backends, monkeypatch):
-    import modules.compile.engine as engine_module
+    import modules.compile.guarded as guarded_module
 
     events: list[str] = []
     failed_attempt: list[weakref.ref] = []
@@ -341,7 +341,7 @@ def test_device_memory_is_released_once_before_the_retry_with_the_failure_let_go
         # nothing of the failed attempt may still be reachable (the exception's traceback)
         assert all(ref() is None for ref in failed_attempt), "the failed attempt is still held"
 
-    monkeypatch.setattr(engine_module, "release_device_memory", release)
+    monkeypatch.setattr(guarded_module, "release_device_memory", release)
     unet = make_unet()
     engine = CompileEngine(static_triton(), {"unet": unet}, capabilities=GPU,
                            table=table(OOM_WHILE_COMPILING))

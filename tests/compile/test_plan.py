@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from modules.compile import (BACKENDS, Capabilities, CompileEngine, build_plan, check_table,
-                             detect_capabilities)
+from modules.compile import (BACKENDS, Capabilities, CompileEngine, CompileFacts,
+                             ComponentTraining, build_plan, check_table, detect_capabilities)
 from modules.compile.backends import BackendRow
 from modules.compile.plan import RECOMPILE_LIMIT
 from modules.config.schema import (CompileBackend, CompileConfig, CompileMode, CompileScope,
@@ -35,6 +35,13 @@ CPU = Capabilities("cpu", False, None, False, "no triton", "/usr/bin/g++")
 LIMIT = {"recompile_limit": RECOMPILE_LIMIT} if GPU.per_call_recompile_limit else {}
 NEW_TORCH = Capabilities("cuda", True, (9, 0), True, None, None,
                          GPU.compile_keywords | {"recompile_limit"})
+
+
+def plan_of(config: CompileConfig, component: str, caps: Capabilities,
+            training: ComponentTraining | None = None):
+    """`build_plan`'s plan for ``component``, trained as ``training`` says (default: frozen)."""
+    facts = CompileFacts(caps, {component: training} if training else {})
+    return build_plan(config, facts)[component]
 
 
 class Recorder:
@@ -107,7 +114,7 @@ def test_unknown_option_is_a_clear_error():
 @pytest.mark.parametrize("mode", list(CompileMode))
 @pytest.mark.parametrize("backend", [b for b in CompileBackend if b != CompileBackend.NONE])
 def test_mode_is_merged_into_options_never_passed(mode, backend):
-    plan = build_plan(CompileConfig(backend=backend, mode=mode), "unet", GPU)
+    plan = plan_of(CompileConfig(backend=backend, mode=mode), "unet", GPU)
     assert "mode" not in plan.torch_compile_kwargs
     fn = torch.compile(lambda x: x, **plan.torch_compile_kwargs)  # torch refuses mode+options
     assert callable(fn)
@@ -123,15 +130,15 @@ def test_mode_is_merged_into_options_never_passed(mode, backend):
 
 
 def test_backend_row_wins_over_mode():
-    plan = build_plan(CompileConfig(backend=CompileBackend.INDUCTOR,
-                                    mode=CompileMode.MAX_AUTOTUNE), "unet", GPU)
+    plan = plan_of(CompileConfig(backend=CompileBackend.INDUCTOR,
+                                 mode=CompileMode.MAX_AUTOTUNE), "unet", GPU)
     assert plan.inductor_options["triton.cudagraphs"] is False  # the mode would turn it on
     assert plan.inductor_options["coordinate_descent_tuning"] is True  # added by the mode
 
 
 def test_cudagraph_mode_on_cpu_is_turned_off_and_reported():
-    plan = build_plan(CompileConfig(backend=CompileBackend.DEFAULT,
-                                    mode=CompileMode.REDUCE_OVERHEAD), "unet", CPU)
+    plan = plan_of(CompileConfig(backend=CompileBackend.DEFAULT,
+                                 mode=CompileMode.REDUCE_OVERHEAD), "unet", CPU)
     assert plan.inductor_options["triton.cudagraphs"] is False
     assert "CUDA graphs" in plan.degraded
 
@@ -162,7 +169,7 @@ def test_triton_degrades_on_this_cpu_with_a_reason(recorder):
     (CPU, CompileBackend.AOT_EAGER, CompileBackend.AOT_EAGER, None),
 ])
 def test_capability_degrade(caps, backend, effective, words):
-    plan = build_plan(CompileConfig(backend=backend), "unet", caps)
+    plan = plan_of(CompileConfig(backend=backend), "unet", caps)
     assert plan.effective == effective
     assert (plan.degraded is None) if words is None else (words in plan.degraded)
 
@@ -191,8 +198,8 @@ def test_vae_full_compiles_encoder_and_decoder(recorder):
 
 @pytest.mark.parametrize("scope", list(CompileScope))
 def test_both_scopes_add_only_a_recompile_limit(scope):
-    plan = build_plan(CompileConfig(backend=CompileBackend.AOT_EAGER, scope=scope), "unet",
-                      NEW_TORCH)
+    plan = plan_of(CompileConfig(backend=CompileBackend.AOT_EAGER, scope=scope), "unet",
+                   NEW_TORCH)
     extra = {k: v for k, v in plan.torch_compile_kwargs.items()
              if k not in SEED_KWARGS[CompileBackend.AOT_EAGER]}
     assert extra == {"recompile_limit": RECOMPILE_LIMIT} and RECOMPILE_LIMIT > 8
@@ -237,7 +244,7 @@ def test_without_a_per_call_limit_the_process_limit_is_raised_and_restored(recor
 def test_the_installed_torch_accepts_every_planned_keyword():
     caps = detect_capabilities("cpu")
     for backend in CompileBackend:
-        plan = build_plan(CompileConfig(backend=backend), "unet", caps)
+        plan = plan_of(CompileConfig(backend=backend), "unet", caps)
         assert set(plan.torch_compile_kwargs) <= caps.compile_keywords
 
 
@@ -250,8 +257,8 @@ def _trained(checkpointing: bool, accumulation: int = 1):
 
 @pytest.mark.parametrize("scope", list(CompileScope))
 def test_cudagraphs_with_checkpointing_are_off_for_regional_blocks_only(scope):
-    plan = build_plan(CompileConfig(backend=CompileBackend.TRITON, scope=scope), "unet", GPU,
-                      training=_trained(checkpointing=True))
+    plan = plan_of(CompileConfig(backend=CompileBackend.TRITON, scope=scope), "unet", GPU,
+                   training=_trained(checkpointing=True))
     if scope == CompileScope.REGIONAL:
         assert plan.cudagraphs is False and "154306" in plan.degraded
     else:
@@ -259,20 +266,20 @@ def test_cudagraphs_with_checkpointing_are_off_for_regional_blocks_only(scope):
 
 
 def test_cudagraphs_on_a_trained_component_keep_gradients_allocated():
-    trained = build_plan(CompileConfig(backend=CompileBackend.TRITON), "unet", GPU,
-                         training=_trained(checkpointing=False, accumulation=4))
-    frozen = build_plan(CompileConfig(backend=CompileBackend.TRITON, text_encoder=True),
-                        "text_encoder", GPU)
+    trained = plan_of(CompileConfig(backend=CompileBackend.TRITON), "unet", GPU,
+                      training=_trained(checkpointing=False, accumulation=4))
+    frozen = plan_of(CompileConfig(backend=CompileBackend.TRITON, text_encoder=True),
+                     "text_encoder", GPU)
     assert trained.cudagraphs and trained.persistent_grads
     assert any("169545" in note for note in trained.notes)
     assert frozen.cudagraphs and not frozen.persistent_grads
 
 
 def test_a_mode_that_adds_cudagraphs_follows_the_same_rules():
-    plan = build_plan(CompileConfig(backend=CompileBackend.DEFAULT,
-                                    mode=CompileMode.REDUCE_OVERHEAD,
-                                    scope=CompileScope.REGIONAL), "unet", GPU,
-                      training=_trained(checkpointing=True))
+    plan = plan_of(CompileConfig(backend=CompileBackend.DEFAULT,
+                                 mode=CompileMode.REDUCE_OVERHEAD,
+                                 scope=CompileScope.REGIONAL), "unet", GPU,
+                   training=_trained(checkpointing=True))
     assert plan.cudagraphs is False and "154306" in plan.degraded
 
 
@@ -292,7 +299,7 @@ def test_every_preset_gets_a_safe_cudagraph_plan_on_a_gpu(preset, backend, mode)
     config.compile.backend, config.compile.mode = backend, mode
     training = component_training(config, trained_components(config))
     for name in ("unet", "text_encoder", "vae"):
-        plan = build_plan(config.compile, name, GPU, training=training[name])
+        plan = plan_of(config.compile, name, GPU, training=training[name])
         how = training[name]
         if plan.cudagraphs:
             assert not (how.gradient_checkpointing and plan.scope == CompileScope.REGIONAL)
@@ -306,18 +313,18 @@ def test_every_preset_gets_a_safe_cudagraph_plan_on_a_gpu(preset, backend, mode)
 def test_full_inductor_keeps_unet_height_and_width_static(backend):
     from modules.compile.dynamic_dims import input_dims
 
-    full = build_plan(CompileConfig(backend=backend, scope=CompileScope.FULL,
-                                    dynamic=DynamicShapes.DYNAMIC), "unet", GPU)
+    full = plan_of(CompileConfig(backend=backend, scope=CompileScope.FULL,
+                                 dynamic=DynamicShapes.DYNAMIC), "unet", GPU)
     assert full.static_spatial and full.torch_compile_kwargs["dynamic"] is None
     assert "AUTO with static height and width" in full.degraded
     assert input_dims(full, DynamicShapes.AUTO) == ((0,), (2, 3))
-    regional = build_plan(CompileConfig(backend=backend, scope=CompileScope.REGIONAL),
-                          "unet", GPU)
+    regional = plan_of(CompileConfig(backend=backend, scope=CompileScope.REGIONAL),
+                       "unet", GPU)
     assert regional.static_spatial is None
     assert input_dims(regional, DynamicShapes.AUTO) == ((0, 2, 3), ())
-    eager_kernels = build_plan(CompileConfig(backend=CompileBackend.AOT_EAGER,
-                                             scope=CompileScope.FULL,
-                                             dynamic=DynamicShapes.DYNAMIC), "unet", GPU)
+    eager_kernels = plan_of(CompileConfig(backend=CompileBackend.AOT_EAGER,
+                                          scope=CompileScope.FULL,
+                                          dynamic=DynamicShapes.DYNAMIC), "unet", GPU)
     assert eager_kernels.static_spatial is None and eager_kernels.degraded is None
 
 

@@ -1,0 +1,122 @@
+"""Applying compile plans: each component's modules compiled in place, undone, re-planned.
+
+`PlanApplier` owns what applying a plan changes outside the modules too (dynamo's state, the
+compile cache folders, dynamo's process-wide recompile limit where torch.compile has no per-call
+one, the tracker's dynamo callbacks) and puts it back in ``close()``.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from modules.compile.backends import BackendRow
+from modules.compile.cache import use_compile_cache
+from modules.compile.plan import CompileFacts, CompilePlan, plan_component
+from modules.compile.regions import compile_targets
+from modules.compile.reporting import CompiledComponent, CompileReporter
+from modules.compile.tracking import CompileTracker, TrackedCall
+from modules.config.schema import CompileBackend, CompileConfig, CompileScope
+
+
+class PlanApplier:
+    """Compiles components in place as their plans say, and undoes it."""
+
+    def __init__(self, config: CompileConfig, components: Mapping[str, CompiledComponent],
+                 facts: CompileFacts, table: Mapping[CompileBackend, BackendRow],
+                 regional_blocks: Mapping[str, tuple[str, ...]], cache_dir: str | Path | None,
+                 tracker: CompileTracker, reporter: CompileReporter):
+        self.config = config
+        self.components = components
+        self.facts = facts
+        self.table = table
+        self.regional_blocks = regional_blocks
+        self.cache_dir = cache_dir
+        self.tracker = tracker
+        self.reporter = reporter
+        self._restore: list[Callable[[], None]] = []
+        self._applied = False
+
+    def plan(self, name: str, backend: CompileBackend | None = None) -> CompilePlan:
+        """``name``'s plan (on ``backend`` when falling back) with the run's facts."""
+        return plan_component(self.config, name, self.facts, self.table, backend)
+
+    def apply(self) -> None:
+        """Compile every selected component in place; report degradations first."""
+        if self._applied:
+            raise RuntimeError("CompileEngine.apply() was already called")
+        self._applied = True
+        if any(c.plan.compiled for c in self.components.values()):
+            import torch._dynamo
+
+            # A clean compiler state per run: compiled frames left by an earlier run in this
+            # process (the GUI trains several) would be reused without a compile, and this
+            # run's report would then say its compiled code never ran.
+            torch._dynamo.reset()
+            self._restore.append(use_compile_cache(self.cache_dir))
+            self._raise_process_recompile_limit()
+            self.tracker.install()
+        for comp in self.components.values():
+            if comp.plan.degraded:
+                self.reporter.degrade(comp, comp.plan.degraded)
+            for note in comp.plan.notes:
+                self.reporter.emit(comp, note, kind="warning")
+            self.compile(comp)
+
+    def _raise_process_recompile_limit(self) -> None:
+        """Where torch.compile has no per-call ``recompile_limit`` (torch < 2.12), raise dynamo's
+        process-wide one for as long as this engine is applied (restored by `close`)."""
+        import torch._dynamo
+
+        wanted = max((c.plan.process_recompile_limit or 0) for c in self.components.values())
+        previous = torch._dynamo.config.recompile_limit
+        if wanted > previous:
+            torch._dynamo.config.recompile_limit = wanted
+            self._restore.append(
+                lambda: setattr(torch._dynamo.config, "recompile_limit", previous))
+
+    def compile(self, comp: CompiledComponent) -> None:
+        """Compile ``comp``'s modules (or its repeated blocks) in place as its plan says."""
+        if not comp.plan.compiled:
+            return
+        if not comp.modules:
+            self.reporter.degrade(comp, f"{comp.label} is not part of this run; not compiled")
+            comp.plan = self.plan(comp.name, CompileBackend.NONE)
+            return
+        targets, note = compile_targets(comp.name, comp.modules, self.config.scope,
+                                        self.regional_blocks)
+        comp.scope = CompileScope.FULL if note else self.config.scope
+        if note and note not in comp.degraded:
+            self.reporter.degrade(comp, note)
+        for module in targets:
+            # nn.Module.compile sets module._compiled_call_impl = torch.compile(module._call_impl,
+            # ...): the module object, its parameters and state-dict keys stay as they are.
+            module.compile(**comp.plan.torch_compile_kwargs)
+            module._compiled_call_impl = TrackedCall(module._compiled_call_impl, self.tracker,
+                                                     comp.name)
+        comp.targets = targets
+        comp.quiet_calls = 0
+        comp.announced = False
+        self.reporter.compiling(comp)
+
+    def move_down(self, comp: CompiledComponent, backend: CompileBackend) -> None:
+        """Give ``comp`` the plan for ``backend`` (compiled again by `compile`)."""
+        comp.plan = self.plan(comp.name, backend)
+
+    def undo(self) -> None:
+        """Every component eager again (what nn.Module.compile set, cleared)."""
+        for comp in self.components.values():
+            for module in comp.targets:
+                module._compiled_call_impl = None  # None = eager again
+            comp.targets = []
+
+    def compile_all(self) -> None:
+        for comp in self.components.values():
+            self.compile(comp)
+
+    def close(self) -> None:
+        """Undo every compilation and the process-wide settings (cache folders, recompile
+        limit, dynamo callbacks)."""
+        self.undo()
+        self.tracker.uninstall()
+        while self._restore:
+            self._restore.pop()()
