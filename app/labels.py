@@ -8,12 +8,11 @@ from __future__ import annotations
 
 from enum import Enum
 
-from modules.compile.backends import BACKENDS  # torch-free: the rows carry their labels
 from modules.config.schema import (CompileBackend, CompileMode, CompileScope, Device, DType,
                                    DynamicShapes, LRScheduler, MixedPrecision, Optimizer,
                                    PredictionType, Sampler, SaveFormat, TrainingMethod)
 from modules.config.optimizers import OPTIMIZERS
-from modules.frontend import MODEL_TYPES, ModelType
+from modules.frontend import BACKENDS, MODEL_TYPES, ModelType
 
 # By enum type first: members of str enums compare equal by value across types
 # (Device.AUTO == DynamicShapes.AUTO), so one flat dict would mix them up.
