@@ -393,6 +393,31 @@ class MultiEnumView(FieldView):
         return next(iter(self.boxes.values()))
 
 
+ITEM_FIELDS_PER_LINE = 2  # a list item's fields per line (ListView)
+
+
+NARROW_KINDS = ("bool", "int", "float", "optional_float")  # two of these share a line
+
+
+def item_grid(item_type: type, several: bool) -> list[tuple[int, int, int]]:
+    """(line, column, columns spanned) of each field of a list item: all on one line for a
+    small item; else a line per text or path field and two numbers or switches a line, so
+    the item fits a 1000-pixel window."""
+    from app.fields import iter_fields
+    places, line, column = [], 0, 0
+    for sub in iter_fields(item_type):
+        if not several:
+            places.append((0, len(places), 1))
+            continue
+        narrow = sub.kind in NARROW_KINDS
+        if column and not narrow:
+            line, column = line + 1, 0
+        places.append((line, column, 1 if narrow else ITEM_FIELDS_PER_LINE))
+        column = column + 1 if narrow and column + 1 < ITEM_FIELDS_PER_LINE else 0
+        line += 1 if column == 0 else 0
+    return places
+
+
 class ListView(FieldView):
     """A list of objects (dataset folders): one row of sub-views per item, add/remove buttons."""
 
@@ -413,17 +438,27 @@ class ListView(FieldView):
         for row in self.rows:
             row.destroy()
         self.rows, self.item_views, self.remove_buttons = [], [], []
+        several = len(list(iter_fields(self.info.item_type))) > 2
         for index in range(len(value)):
-            row = ctk.CTkFrame(self.rows_frame, fg_color="transparent")
-            row.pack(fill="x", pady=1)
-            for column, sub in enumerate(iter_fields(self.info.item_type)):
+            # An item with more than two fields is a framed card, two fields a line, so a
+            # dataset's caption settings stay inside the window's width.
+            row = ctk.CTkFrame(self.rows_frame, fg_color="transparent",
+                               border_width=1 if several else 0, corner_radius=6)
+            row.pack(fill="x", pady=(1, 4 if several else 1))
+            pad = 6 if several else 0
+            places = item_grid(self.info.item_type, several)
+            last = places[-1][0]
+            for sub, (line, column, span) in zip(iter_fields(self.info.item_type), places):
                 view = make_view(row, self.binding, f"{self.path}[{index}].{sub.dotted_path}",
-                                 label_width=60 if column == 0 else 70)
-                view.frame.grid(row=0, column=column, sticky="w", padx=(0, 10))
+                                 label_width=(90 if several else 60) if column == 0 else 100)
+                view.frame.grid(row=line, column=column, columnspan=span, sticky="w",
+                                padx=(pad if column == 0 else 0, 10),
+                                pady=(pad if line == 0 else 0, pad if line == last else 0))
                 self.item_views.append(view)
             remove = ctk.CTkButton(row, text="Remove", width=70,
                                    command=lambda i=index: self.remove_row(i))
-            remove.grid(row=0, column=99, sticky="w")
+            remove.grid(row=0, column=ITEM_FIELDS_PER_LINE, sticky="nw", padx=(0, pad),
+                        pady=(pad, 0))
             self.remove_buttons.append(remove)
             self.rows.append(row)
         if not self.enabled:

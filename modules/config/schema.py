@@ -161,6 +161,27 @@ class DatasetConfig:
                              "'builtin:shapes' (a generated set of coloured shapes).")
     repeats: int = setting(1, label="Repeats", group="Data", min=1, max=10_000,
                            help="How many times each image of this folder is seen per epoch.")
+    shuffle_tags: bool = setting(
+        False, label="Shuffle tags", group="Data",
+        help="Captions are comma-separated tags: train them in a new order each epoch (the "
+             "first 'keep tags', or what comes before '|||', stay in place).")
+    keep_tags: int = setting(0, label="Keep tags", group="Data", min=0, max=1000,
+                             help="How many leading tags shuffling and tag dropout leave alone.")
+    tag_dropout: float = setting(
+        0.0, label="Tag dropout", group="Data", min=0.0, max=1.0,
+        help="Leave out each tag (not a kept one) with this probability, drawn anew each "
+             "epoch.")
+    caption_prefix: str = setting(
+        "", label="Caption prefix", group="Data",
+        help="Put before every caption of this folder (trigger words, e.g. 'sks dog'); never "
+             "shuffled or dropped.")
+    caption_suffix: str = setting("", label="Caption suffix", group="Data",
+                                  help="Put after every caption of this folder.")
+    captions_file: str = setting(
+        "", label="Captions file", group="Data", path=True, files=("*.json", "*.jsonl"),
+        help="Captions from a metadata file instead of .txt files: .json {\"image.png\": "
+             "\"caption\"} or .jsonl lines with \"file_name\" and \"text\" (Hugging Face's "
+             "metadata.jsonl). An image it does not list uses its .txt file. Empty: none.")
 
 
 @dataclass

@@ -8,7 +8,6 @@ and `num_workers=4` give the same batches, and a resumed run can rebuild any epo
 """
 from __future__ import annotations
 
-import hashlib
 import itertools
 import random
 from collections.abc import Hashable, Iterator, Mapping, Sequence
@@ -17,18 +16,14 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
 
+from modules.data.captions import CaptionRules, item_caption
 from modules.data.folders import ScanItem, ScanResult
 from modules.data.images import load_training_image
+from modules.data.seeds import derive_seed
 
 # The sampler yields (epoch, index) pairs: the dataset reads the epoch from the key itself,
 # so workers (even persistent ones) never need to be told that a new epoch started.
 ItemKey = tuple[int, int]
-
-
-def derive_seed(*parts: object) -> int:
-    """A 64-bit seed from `parts` (stable across processes, unlike `hash()` on str)."""
-    digest = hashlib.sha256(":".join(str(p) for p in parts).encode("utf-8")).digest()
-    return int.from_bytes(digest[:8], "little")
 
 
 def item_rng(seed: int, epoch: int, index: int) -> random.Random:
@@ -66,8 +61,10 @@ class ImageCaptionDataset(Dataset):
 
     def __init__(self, items: Sequence[ScanItem], resolution: int, center_crop: bool = True,
                  random_flip: bool = False, seed: int = 0,
-                 target_sizes: Sequence[tuple[int, int]] | None = None) -> None:
+                 target_sizes: Sequence[tuple[int, int]] | None = None,
+                 caption_rules: Sequence[CaptionRules] = ()) -> None:
         self.items = list(items)
+        self.caption_rules = tuple(caption_rules)  # per source: modules/data/captions.py
         self.resolution = resolution
         self.center_crop = center_crop
         self.random_flip = random_flip
@@ -85,8 +82,11 @@ class ImageCaptionDataset(Dataset):
         item = self.items[index]
         image = load_training_image(item.path, self.target_sizes[index], self.center_crop,
                                     self.random_flip, item_rng(self.seed, epoch, index))
-        return {"pixel_values": image.pixels, "caption": item.caption, "path": str(item.path),
-                "original_size": image.original_size, "crop_top_left": image.crop_top_left}
+        caption, varies = item_caption(item.caption, item.source_index, self.caption_rules,
+                                       self.seed, epoch, index)
+        return {"pixel_values": image.pixels, "caption": caption, "caption_varies": varies,
+                "path": str(item.path), "original_size": image.original_size,
+                "crop_top_left": image.crop_top_left}
 
 
 class EpochCounter:
@@ -216,7 +216,8 @@ class BucketBatchSampler(EpochCounter, Sampler[list[ItemKey]]):
 def collate_examples(examples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Stack a list of dataset items into a batch.
 
-    "pixel_values" / "latents" -> stacked tensor (B, C, H, W); "caption", "path" -> lists;
+    "pixel_values" / "latents" -> stacked tensor (B, C, H, W); "caption", "caption_varies",
+    "path" -> lists;
     "original_size", "crop_top_left" -> long tensors (B, 2), ready for SDXL's time ids.
     """
     batch: dict[str, Any] = {}
@@ -224,6 +225,7 @@ def collate_examples(examples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         if name in examples[0]:
             batch[name] = torch.stack([example[name] for example in examples])
     batch["caption"] = [example["caption"] for example in examples]
+    batch["caption_varies"] = [example.get("caption_varies", False) for example in examples]
     batch["path"] = [example["path"] for example in examples]
     for name in ("original_size", "crop_top_left"):
         batch[name] = torch.tensor([list(example[name]) for example in examples],

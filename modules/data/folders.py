@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,9 +35,12 @@ SMALL_IMAGE_FRACTION = 0.25
 
 @dataclass(frozen=True)
 class DatasetSource:
-    """One dataset folder and how many times each of its images is seen per epoch."""
+    """One dataset folder, how many times each of its images is seen per epoch, and captions
+    from a metadata file (image name or folder-relative path -> caption), which win over the
+    images' caption files."""
     path: Path
     repeats: int = 1
+    captions: Mapping[str, str] | None = field(default=None, compare=False, hash=False)
 
 
 @dataclass(frozen=True)
@@ -120,7 +123,8 @@ def scan_datasets(sources: Sequence[DatasetSource], caption_extension: str = ".t
     result = ScanResult(sources=tuple(sources))
     for index, source in enumerate(sources):
         before = result.num_images
-        _scan_folder(Path(source.path), index, extension, recursive, threads, result)
+        _scan_folder(Path(source.path), index, extension, recursive, threads, result,
+                     source.captions or {})
         found = result.num_images - before
         result.images_per_source.append(found)
         if found == 0:
@@ -161,7 +165,7 @@ def _check_sources(sources: Sequence[DatasetSource]) -> None:
 
 
 def _scan_folder(folder: Path, source_index: int, caption_extension: str, recursive: bool,
-                 threads: int, result: ScanResult) -> None:
+                 threads: int, result: ScanResult, listed: Mapping[str, str]) -> None:
     """Append this folder's usable images to `result.items`, its bad files to `skipped`."""
     files, hidden, broken = _list_files(folder, recursive)
     result.hidden_ignored += hidden
@@ -183,6 +187,14 @@ def _scan_folder(folder: Path, source_index: int, caption_extension: str, recurs
             _skip(result, path, check.reason)
             continue
         repeats = _folder_repeats(folder, path, result)
+        relative = path.relative_to(folder).as_posix()
+        if relative in listed or path.name in listed:
+            caption = listed.get(relative, listed.get(path.name, ""))
+            if not caption:
+                empty.append(path)
+            result.items.append(ScanItem(path, caption, source_index, size=check.size,
+                                         repeats=repeats))
+            continue
         caption_path = captions.get((path.parent, (path.stem + caption_extension).lower()))
         if caption_path is None:
             result.missing_captions.append(path)

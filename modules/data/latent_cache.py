@@ -23,7 +23,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.utils.data import Dataset
 
-from modules.data.dataset import ItemKey, derive_seed, item_rng, split_key, square_sizes
+from modules.data.dataset import ItemKey, item_rng, split_key, square_sizes
+from modules.data.captions import CaptionRules, item_caption
+from modules.data.seeds import derive_seed
 from modules.data.errors import DatasetError
 from modules.data.folders import ScanItem
 from modules.data.images import (TargetSize, coin_flip, open_rgb, plan_crop,
@@ -339,7 +341,8 @@ class CachedLatentDataset(Dataset):
 
     def __init__(self, items: Sequence[ScanItem], entries: Mapping[Path, CachedImage],
                  cache: LatentCache, random_flip: bool = False, seed: int = 0,
-                 target_sizes: Sequence[tuple[int, int]] | None = None) -> None:
+                 target_sizes: Sequence[tuple[int, int]] | None = None,
+                 caption_rules: Sequence[CaptionRules] = ()) -> None:
         missing = [item.path for item in items if Path(item.path) not in entries]
         if missing:
             raise ValueError(f"{len(missing)} item(s) were not cached, e.g. {missing[0]}; "
@@ -350,6 +353,7 @@ class CachedLatentDataset(Dataset):
         self.cache = cache
         self.random_flip = random_flip
         self.seed = seed
+        self.caption_rules = tuple(caption_rules)
 
     def __len__(self) -> int:
         return len(self.items)
@@ -364,5 +368,8 @@ class CachedLatentDataset(Dataset):
             raise DatasetError(f"the cached latent of {item.path} disappeared or was damaged "
                                f"during the run ({self.cache.path_for(cache_key)}); restart "
                                "to re-encode it")
-        return {"latents": entry.latent, "caption": item.caption, "path": str(item.path),
-                "original_size": entry.original_size, "crop_top_left": entry.crop_top_left}
+        caption, varies = item_caption(item.caption, item.source_index, self.caption_rules,
+                                       self.seed, epoch, index)
+        return {"latents": entry.latent, "caption": caption, "caption_varies": varies,
+                "path": str(item.path), "original_size": entry.original_size,
+                "crop_top_left": entry.crop_top_left}

@@ -12,6 +12,7 @@ from pathlib import Path
 from modules.config.problems import Problem
 from modules.config.prompts import sample_prompts
 from modules.config.schema import Config, SaveFormat, TrainingMethod
+from modules.data.captions import CaptionsFileError, load_captions_file
 from modules.model_types import BUILTIN_PREFIX, MODEL_TYPES
 from modules.models.family import FolderError, check_folder, check_weight_headers, weight_files
 from modules.util.disk import free_bytes, megabytes, nearest_existing
@@ -141,6 +142,14 @@ def _check_dataset_paths(config: Config) -> list[Problem]:
         if not Path(ds.path).is_dir():
             problems.append(Problem(where, "an existing folder of images", repr(ds.path),
                                     "not a folder" if Path(ds.path).exists() else "no such folder"))
+    for i, ds in enumerate(config.data.datasets):
+        if ds.captions_file:
+            try:
+                load_captions_file(Path(ds.captions_file))
+            except CaptionsFileError as exc:
+                problems.append(Problem(f"data.datasets[{i}].captions_file",
+                                        "a readable .json or .jsonl captions file",
+                                        repr(ds.captions_file), str(exc)))
     return problems
 
 

@@ -40,4 +40,5 @@ def cached_latent_dataset(dataset: ImageCaptionDataset, prepared: PreparedRun,
     callbacks.on_status(f"latent cache: {stats.hits} reused, {stats.misses} encoded")
     return CachedLatentDataset(dataset.items, stats.entries, cache,
                                random_flip=dataset.random_flip, seed=dataset.seed,
-                               target_sizes=dataset.target_sizes)
+                               target_sizes=dataset.target_sizes,
+                               caption_rules=dataset.caption_rules)

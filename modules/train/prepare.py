@@ -15,6 +15,7 @@ from modules.config.problems import ConfigError, Problem
 from modules.config.schema import BUILTIN_PREFIX, Config
 from modules.config.secret_settings import masked_config, secret_warnings
 from modules.config.validate import validate
+from modules.data.captions import CaptionsFileError, load_captions_file
 from modules.data.folders import DatasetError, DatasetSource, ScanResult, scan_datasets
 from modules.events import TrainerCallbacks
 from modules.models.loader import ModelBundle, load_model, resolve_model_path
@@ -93,7 +94,14 @@ def check_run(config: Config, callbacks: TrainerCallbacks) -> CheckedRun:
     callbacks.on_status("scanning datasets")
     for ds in resolved.data.datasets:
         ds.path = str(resolve_dataset_path(ds.path, cache_dir))
-    sources = [DatasetSource(Path(ds.path), ds.repeats) for ds in resolved.data.datasets]
+    try:
+        sources = [DatasetSource(Path(ds.path), ds.repeats,
+                                 load_captions_file(Path(ds.captions_file))
+                                 if ds.captions_file else None)
+                   for ds in resolved.data.datasets]
+    except CaptionsFileError as exc:  # check_inputs read it a moment ago: changed since
+        raise ConfigError([Problem("data.datasets", "readable captions files", str(exc))]) \
+            from exc
     try:
         scan = scan_datasets(sources, caption_extension=resolved.data.caption_extension,
                              recursive=resolved.data.recursive,

@@ -156,7 +156,7 @@ class Run:
     def encode_captions(self, batch: dict, captions: list[str]):
         """UNet conditioning for `captions` (the batch's, after caption dropout)."""
         if self.text_cache is not None:
-            hidden, pooled = self.text_cache.encode(captions)
+            hidden, pooled = self.text_cache.encode(captions, batch.get("caption_varies"))
         else:
             hidden, pooled = encode_text(self.bundle, captions, self.device,
                                          encoders=self.forward)

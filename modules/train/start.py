@@ -16,6 +16,7 @@ from modules.config.prompts import sample_prompts
 from modules.config.secret_settings import masked_config
 from modules.config.problems import ConfigError, Problem
 from modules.config.schema import MixedPrecision
+from modules.data.captions import CaptionRules
 from modules.data.buckets import assign_buckets, bucket_counts, describe_buckets
 from modules.data.dataset import ImageCaptionDataset, epoch_batch_sampler, expand_repeats
 from modules.events import StopRequested, TrainerCallbacks, TrainerCommands
@@ -128,6 +129,11 @@ def build_run(prepared: PreparedRun, callbacks: TrainerCallbacks, dist: Distribu
         ema = EMAModel([p for plist in params.values() for p in plist],
                        decay=config.training.ema_decay)
     text_cache = TextEncoderCache(bundle, device) if config.data.cache_text_encoder_outputs else None
+    varying = [i for i, rules in enumerate(caption_rules(config)) if rules.varies]
+    if text_cache is not None and varying:
+        callbacks.on_status(f"data.datasets{varying} change their captions every epoch "
+                            "(shuffled or dropped tags): their text encoder outputs are "
+                            "encoded at each step, not cached")
     writer = None
     if config.logging.tensorboard and dist.is_main:
         from torch.utils.tensorboard import SummaryWriter
@@ -227,6 +233,12 @@ def bucket_record(target_sizes: list[tuple[int, int]], batches) -> dict:
             "short_batches_per_epoch": batches.short_batches()}
 
 
+def caption_rules(config) -> list[CaptionRules]:
+    """Each dataset's caption rules (modules/data/captions.py), by its place in the list."""
+    return [CaptionRules(ds.caption_prefix, ds.caption_suffix, ds.shuffle_tags, ds.keep_tags,
+                         ds.tag_dropout) for ds in config.data.datasets]
+
+
 def build_dataset(prepared: PreparedRun, callbacks: TrainerCallbacks,
                   should_stop: Callable[[], bool] = lambda: False) -> ImageCaptionDataset:
     """The training dataset, with latents encoded into the on-disk cache first when enabled.
@@ -241,7 +253,7 @@ def build_dataset(prepared: PreparedRun, callbacks: TrainerCallbacks,
     dataset = ImageCaptionDataset(items, resolution=config.data.resolution,
                                   center_crop=config.data.center_crop,
                                   random_flip=config.data.random_flip, seed=config.training.seed,
-                                  target_sizes=target_sizes)
+                                  target_sizes=target_sizes, caption_rules=caption_rules(config))
     if not config.data.cache_latents:
         return dataset
     from modules.train.latents import cached_latent_dataset

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from modules.data.dataset import derive_seed
+from modules.data.seeds import derive_seed
 
 
 class SmoothedValue:

@@ -21,15 +21,23 @@ class TextEncoderCache:
         self.encoded = 0  # captions actually run through the text encoder(s)
 
     @torch.no_grad()
-    def encode(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def encode(self, captions: list[str], varies: list[bool] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Hidden states (and pooled) for `captions`. A caption that `varies` (shuffled or
+        dropped tags: another text next epoch) is encoded each time and not stored, so the
+        cache holds only captions that come back, and never grows with every shuffle."""
+        varies = varies or [False] * len(captions)
         missing = list(dict.fromkeys(c for c in captions if c not in self.entries))
+        fresh: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
         if missing:
             hidden, pooled = encode_text(self.bundle, missing, self.device)
             for i, caption in enumerate(missing):
-                self.entries[caption] = (hidden[i].clone(),
-                                         None if pooled is None else pooled[i].clone())
+                fresh[caption] = (hidden[i].clone(), None if pooled is None else pooled[i].clone())
             self.encoded += len(missing)
-        rows = [self.entries[c] for c in captions]
+        for caption, changes in zip(captions, varies):
+            if caption in fresh and not changes:
+                self.entries[caption] = fresh[caption]
+        rows = [self.entries.get(c) or fresh[c] for c in captions]
         hidden = torch.stack([h for h, _ in rows])
         pooled = None if rows[0][1] is None else torch.stack([p for _, p in rows])
         return hidden, pooled

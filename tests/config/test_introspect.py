@@ -55,7 +55,10 @@ def test_metadata_and_helpers():
 
 def test_list_item_fields_with_a_prefix():
     items = list(iter_fields(DatasetConfig, "data.datasets[]"))
-    assert [i.dotted_path for i in items] == ["data.datasets[].path", "data.datasets[].repeats"]
+    assert [i.dotted_path for i in items][:2] == ["data.datasets[].path",
+                                                  "data.datasets[].repeats"]
+    assert all(i.dotted_path.startswith("data.datasets[].") for i in items)
+    assert "data.datasets[].captions_file" in [i.dotted_path for i in items]
 
 
 def test_container_labels():
