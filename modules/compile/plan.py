@@ -146,7 +146,8 @@ def build_plan(config: CompileConfig, component: str, caps: Capabilities,
     """
     if component not in COMPONENTS:
         raise ValueError(f"unknown compile component {component!r}; expected one of {COMPONENTS}")
-    requested = config.backend if getattr(config, component) else CompileBackend.NONE
+    selected = config.denoiser if component == "unet" else getattr(config, component)
+    requested = config.backend if selected else CompileBackend.NONE
     wanted = backend if backend is not None else requested
     effective, degraded = usable_backend(wanted, caps)
     row = table[effective]

@@ -1,4 +1,4 @@
-"""Which SD family a diffusers folder holds, read from its component configs (no weights loaded).
+"""Whether a diffusers folder is whole and of the expected family; which SD family it holds, read from its component configs (no weights loaded).
 
 `model_index.json` names the same pipeline class for SD 1.x and 2.x, so the family comes from
 what differs between them: SDXL's UNet takes added text/time conditioning and a second text
@@ -49,13 +49,17 @@ def detect_folder_type(folder: Path) -> tuple[ModelType, str]:
 def check_folder(folder: Path, expected: ModelType) -> None:
     """Every component folder `expected` needs is there with its config, and the folder is of
     that family; FolderError says which folder is missing or which `model.type` to set."""
+    from modules.models.families import family_of
     spec = MODEL_TYPES[expected]
-    for component in ("unet", "vae", *spec.text_encoders, "scheduler"):
+    for component in (*spec.components, "scheduler"):
         read_config(folder, component)
     for tokenizer in spec.tokenizers:
         if not (folder / tokenizer).is_dir():
             raise FolderError(f"{folder}: has no {tokenizer}/ folder")
-    found, why = detect_folder_type(folder)
+    identify = family_of(expected).identify_folder
+    if identify is None:  # a family with one variant: its pipeline class said enough
+        return
+    found, why = identify(folder)
     if found != expected:
         raise FolderError(f"{folder}: is a {MODEL_TYPES[found].label} model ({why}), but "
                           f"model.type is {expected.value}; set model.type={found.value}")

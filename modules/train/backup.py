@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from modules.config.migrations import migrate
 from modules.train.backup_files import (INFO, TENSORS, BackupError, backups_folder,
                                         find_backup, list_backups)
 from modules.util.atomic import atomic_write_dir
@@ -285,10 +286,11 @@ MUST_MATCH = ("model.", "components.", "data.", "training.method", "training.lor
               "training.seed", "training.mixed_precision", "training.ema",
               "training.noise_offset", "training.min_snr_gamma", "training.weight_decay")
 MAY_CHANGE = ("model.allow_pickle", "model.tokenizer_path", "data.workers",
-              "components.unet.learning_rate", "components.text_encoder.learning_rate",
+              "components.denoiser.learning_rate", "components.text_encoder.learning_rate",
               "components.text_encoder_2.learning_rate", "components.vae.learning_rate")
 # Differences never worth mentioning: where the run is written and how it is resumed.
-IGNORED = ("output.dir", "training.resume_from", "general.", "logging.")
+# (config_version: a backup's config is migrated to this version before it is compared.)
+IGNORED = ("output.dir", "training.resume_from", "general.", "logging.", "config_version")
 
 
 def config_differences(saved: dict, current: dict) -> tuple[list[str], list[str]]:
@@ -369,7 +371,8 @@ def resume_point(output_dir: Path, resume_from: str, current: dict) -> ResumePoi
     else:
         folder = find_backup(output_dir, resume_from)
         info = verify_backup(folder)
-    blocking, allowed = config_differences(builtins_by_identity(info.get("config", {})),
+    saved = migrate(dict(info.get("config", {})), [])  # a backup written before a rename
+    blocking, allowed = config_differences(builtins_by_identity(saved),
                                            builtins_by_identity(current))
     if blocking:
         raise BackupError(f"{folder} was written by a run whose config differs in what changes "

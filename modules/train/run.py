@@ -11,15 +11,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from modules.compile import COMPONENTS as COMPILE_COMPONENTS
 from modules.compile import CompileEngine
-from modules.config.schema import Config, ModelType
+from modules.config.schema import Config
 from modules.data.dataset import ImageCaptionDataset, build_dataloader
 from modules.events import TrainerCallbacks, TrainerCommands
-from modules.models.loader import ModelBundle, encode_text, unet_conditioning
+from modules.models.families import ModelFamily
+from modules.models.loader import ModelBundle
 from modules.train.backup import (BoundaryState, NonFiniteBackup, backups_folder,
                                   save_backup)
 from modules.train.batch_shapes import BatchShapeLog
 from modules.train.builders import StepBudget, autocast_context
+from modules.train.compile_guard import COMPILE_DENOISER
 from modules.train.distributed import Distributed, parameter_checksum
 from modules.train.output_lock import OutputLock
 from modules.train.record import RunRecord
@@ -83,6 +86,11 @@ class Run:
     STOP_CHECK_EVERY_STEPS = 10
 
     @property
+    def family(self) -> ModelFamily:
+        """What the model's family does differently (noise, target, conditioning, denoiser)."""
+        return self.bundle.family
+
+    @property
     def trains_text_encoder(self) -> bool:
         return any(name.startswith("text_encoder") for name in self.trained)
 
@@ -106,18 +114,18 @@ class Run:
     def varying_shape(self, tensor: torch.Tensor, component: str) -> torch.Tensor:
         """With aspect-ratio buckets the batch's size, height and width change between batches:
         under compile.dynamic AUTO the compiled component's input is marked up front, so a
-        whole UNet or VAE does not first compile static and then recompile at the second
-        bucket (modules/compile/dynamic_dims.py)."""
+        whole denoiser or VAE does not first compile static and then recompile at the second
+        bucket (modules/compile/dynamic_dims.py). `component` is the compile engine's name."""
         if not self.config.data.aspect_buckets:
             return tensor
         return self.guard.mark_varying_input(component, tensor)
 
-    def unet_input(self, noisy: torch.Tensor) -> torch.Tensor:
-        """The UNet's noisy latents in the UNet's memory layout (a channels-last UNet's first
+    def denoiser_input(self, noisy: torch.Tensor) -> torch.Tensor:
+        """The noisy latents in the denoiser's memory layout (a channels-last denoiser's first
         convolution then reads them without a conversion), marked for varying shapes."""
         if self.config.training.channels_last:
             noisy = noisy.contiguous(memory_format=torch.channels_last)
-        return self.varying_shape(noisy, "unet")
+        return self.varying_shape(noisy, COMPILE_DENOISER)
 
     def recompiles(self) -> int:
         """Recompiles so far, summed over the compiled components."""
@@ -148,28 +156,28 @@ class Run:
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        return self.bundle.unet.dtype
+        return self.bundle.denoiser.dtype
 
-    def encode_captions(self, batch: dict, captions: list[str]):
-        """UNet conditioning for `captions` (the batch's, after caption dropout)."""
+    def encode_captions(self, batch: dict, captions: list[str]) -> dict:
+        """The denoiser's conditioning for `captions` (the batch's, after caption dropout)."""
         if self.text_cache is not None:
             hidden, pooled = self.text_cache.encode(captions)
         else:
-            hidden, pooled = encode_text(self.bundle, captions, self.device,
-                                         encoders=self.forward)
-        # Text encoders may be kept at another dtype than the UNet (a fine-tuned UNet trains
-        # at model.train_dtype while frozen encoders stay at model.weight_dtype).
+            hidden, pooled = self.family.encode_text(self.bundle, captions, self.device,
+                                                     self.forward)
+        # Text encoders may be kept at another dtype than the denoiser (a fine-tuned denoiser
+        # trains at model.train_dtype while frozen encoders stay at model.weight_dtype).
         hidden = hidden.to(self.compute_dtype)
         pooled = None if pooled is None else pooled.to(self.compute_dtype)
-        sizes = None
-        if self.config.model.type == ModelType.SDXL:
-            _, height, width = self.pixel_shape(batch)
-            sizes = size_conditioning(batch, height, width)
-        return unet_conditioning(hidden, pooled, sizes)
+        _, height, width = self.pixel_shape(batch)
+        return self.family.conditioning(hidden, pooled, batch, height, width)
 
-    def unet(self, *args, **kwargs):
-        """The UNet's training forward (through DDP when several processes train)."""
-        return self.forward.get("unet", self.bundle.unet)(*args, **kwargs)
+    def predict(self, noisy: torch.Tensor, timesteps: torch.Tensor,
+                conditioning: dict) -> torch.Tensor:
+        """The denoiser's training forward (through DDP when several processes train)."""
+        name = self.bundle.denoiser_name
+        denoiser = self.forward.get(name, self.bundle.denoiser)
+        return self.family.predict(denoiser, self.denoiser_input(noisy), timesteps, conditioning)
 
     def gradient_sync(self, closes_window: bool):
         """Average gradients over the processes only on the micro-batch that closes a window."""
@@ -285,7 +293,7 @@ class Run:
         checksums = self.dist.gather(parameter_checksum(self.all_params()))
         ran = [name for name, r in self.guard.report().items() if r.get("compiled_code_ran")]
         ran_everywhere = {name: all(self.dist.gather(1.0 if name in ran else 0.0))
-                          for name in ("unet", "text_encoder", "vae")}
+                          for name in COMPILE_COMPONENTS}
         return {"world_size": self.dist.world_size, "backend": self.dist.backend,
                 "data_parallel": {name: type(module).__name__
                                   for name, module in self.forward.items()},
@@ -357,15 +365,6 @@ class Run:
             self.writer.close()
         if self.lock is not None:
             self.lock.release()
-
-
-def size_conditioning(batch: dict, height: int, width: int) -> dict:
-    """SDXL's per-sample sizes: each image's real original size and crop, and the batch's
-    (its bucket's) height and width as the target size."""
-    count = len(batch["caption"])
-    return {"original_size": batch["original_size"].tolist(),
-            "crop_top_left": batch["crop_top_left"].tolist(),
-            "target_size": [(height, width)] * count}
 
 
 def item_buckets(config: Config, dataset) -> list[tuple[int, int]] | None:

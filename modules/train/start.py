@@ -18,6 +18,7 @@ from modules.config.schema import MixedPrecision
 from modules.data.buckets import assign_buckets, bucket_counts, describe_buckets
 from modules.data.dataset import ImageCaptionDataset, epoch_batch_sampler, expand_repeats
 from modules.events import StopRequested, TrainerCallbacks, TrainerCommands
+from modules.model_types import MODEL_TYPES
 from modules.train.backup import ResumePoint, backups_folder, load_states, restore_run
 from modules.train.builders import (build_lr_scheduler, build_optimizer, float32_precision,
                                     step_budget)
@@ -30,7 +31,7 @@ from modules.train.run import Run, item_buckets
 from modules.train.state import TrainingState, draws_generator
 from modules.train.text_cache import TextEncoderCache
 from modules.util.atomic import atomic_write_text, remove_temporaries
-from modules.train.weights import (apply_unet_memory_format, enable_gradient_checkpointing,
+from modules.train.weights import (apply_denoiser_memory_format, enable_gradient_checkpointing,
                                    prepare_trainable, trained_components)
 
 
@@ -91,7 +92,7 @@ def build_run(prepared: PreparedRun, callbacks: TrainerCallbacks, dist: Distribu
         enable_gradient_checkpointing(bundle, trained)
     for module in bundle.components().values():
         module.to(device)
-    apply_unet_memory_format(bundle, config)
+    apply_denoiser_memory_format(bundle, config)
 
     try:
         dataset = build_dataset(prepared, callbacks, lambda: commands.stop_requested)
@@ -253,7 +254,8 @@ def apply_changed_learning_rates(run: Run) -> None:
     config this recomputes exactly the rate the backup held."""
     scheduler = run.lr_scheduler
     for i, group in enumerate(run.optimizer.param_groups):
-        own = getattr(run.config.components, group["name"]).learning_rate
+        key = MODEL_TYPES[run.config.model.type].config_key(group["name"])
+        own = getattr(run.config.components, key).learning_rate
         base = run.config.training.learning_rate if own is None else own
         group["initial_lr"] = base
         scheduler.base_lrs[i] = base

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from modules.models.loader import ModelBundle, encode_text
+from modules.models.loader import ModelBundle
 
 
 class TextEncoderCache:
@@ -24,7 +24,7 @@ class TextEncoderCache:
     def encode(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor | None]:
         missing = list(dict.fromkeys(c for c in captions if c not in self.entries))
         if missing:
-            hidden, pooled = encode_text(self.bundle, missing, self.device)
+            hidden, pooled = self.bundle.family.encode_text(self.bundle, missing, self.device, None)
             for i, caption in enumerate(missing):
                 self.entries[caption] = (hidden[i].clone(),
                                          None if pooled is None else pooled[i].clone())

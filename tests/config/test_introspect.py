@@ -29,7 +29,7 @@ def test_kinds_of_representative_fields():
         "training.learning_rate": "float", "data.caption_extension": "str",
         "compile.backend": "enum", "model.path": "path", "output.dir": "path",
         "training.lora_target_modules": "list_str", "output.formats": "list_enum",
-        "components.unet.learning_rate": "optional_float", "data.datasets": "list_dataclass",
+        "components.denoiser.learning_rate": "optional_float", "data.datasets": "list_dataclass",
     }
     assert {path: fields[path].kind for path in expected} == expected
     assert {info.kind for info in iter_fields(Config)} == set(KINDS)
@@ -37,7 +37,7 @@ def test_kinds_of_representative_fields():
 
 def test_defaults_come_from_the_default_instance():
     fields = field_map(Config)
-    assert fields["components.unet.train"].default is True  # ComponentConfig.train is False
+    assert fields["components.denoiser.train"].default is True  # ComponentConfig.train is False
     assert fields["components.vae.train"].default is False
     assert fields["data.datasets"].default == [DatasetConfig()]
     assert fields["output.formats"].default == [SaveFormat.DIFFUSERS]
@@ -60,5 +60,5 @@ def test_list_item_fields_with_a_prefix():
 
 def test_container_labels():
     labels = container_labels(Config)
-    assert labels["components.unet"] == "UNet"
+    assert labels["components.denoiser"] == "UNet"
     assert labels["compile"] == "Model compilation"
