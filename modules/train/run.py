@@ -10,11 +10,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from torch.utils.data import Sampler
 
 from modules.compile import COMPONENTS as COMPILE_COMPONENTS
 from modules.compile import CompileEngine
 from modules.config.schema import Config
-from modules.data.dataset import ImageCaptionDataset, build_dataloader
+from modules.data.dataset import ImageCaptionDataset, epoch_dataloader, set_sampler_epoch
 from modules.events import TrainerCallbacks, TrainerCommands
 from modules.models.families import ModelFamily
 from modules.models.loader import ModelBundle
@@ -53,6 +54,7 @@ class Run:
     record: RunRecord
     callbacks: TrainerCallbacks
     dataset: ImageCaptionDataset
+    batches: Sampler[list]  # the epoch batch sampler, built once (start.py); budget counts it
     params: dict[str, list[torch.nn.Parameter]]  # trained parameters, per component
     optimizer: torch.optim.Optimizer
     lr_scheduler: torch.optim.lr_scheduler.LRScheduler
@@ -95,13 +97,12 @@ class Run:
         return any(name.startswith("text_encoder") for name in self.trained)
 
     def loader_for_epoch(self, epoch: int, skip_batches: int = 0):
-        return build_dataloader(self.dataset, batch_size=self.config.training.batch_size,
-                                skip_batches=skip_batches,
-                                seed=self.config.training.seed,
-                                num_workers=self.config.data.workers, start_epoch=epoch,
+        """The DataLoader of `epoch`, over the batch sampler the step budget was counted on."""
+        set_sampler_epoch(self.batches, epoch)
+        return epoch_dataloader(self.dataset, self.batches, seed=self.config.training.seed,
+                                num_workers=self.config.data.workers,
                                 pin_memory=self.device.type == "cuda",
-                                rank=self.dist.rank, world_size=self.dist.world_size,
-                                buckets=item_buckets(self.config, self.dataset))
+                                skip_batches=skip_batches)
 
     def stop_requested(self, commands: TrainerCommands) -> bool:
         """Stop, as seen by every process (only every few steps when there are several)."""

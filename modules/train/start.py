@@ -133,9 +133,9 @@ def build_run(prepared: PreparedRun, callbacks: TrainerCallbacks, dist: Distribu
         from torch.utils.tensorboard import SummaryWriter
         writer = SummaryWriter(str(output_dir / "tensorboard"))
     state = TrainingState(generator=draws_generator(config.training.seed, dist.rank))
-    run = Run(config, bundle, device, output_dir, record, callbacks, dataset, params, optimizer,
-              build_lr_scheduler(config, optimizer, budget.total_steps), budget, guard, dist,
-              state, scaler=scaler, writer=writer, trained=trained, ema=ema,
+    run = Run(config, bundle, device, output_dir, record, callbacks, dataset, batches, params,
+              optimizer, build_lr_scheduler(config, optimizer, budget.total_steps), budget,
+              guard, dist, state, scaler=scaler, writer=writer, trained=trained, ema=ema,
               text_cache=text_cache, forward=forward, restore_precision=restore_precision,
               lock=lock)
     if prepared.resume is not None:

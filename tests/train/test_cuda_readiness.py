@@ -162,9 +162,10 @@ def test_pinned_memory_on_cuda_only(monkeypatch, tiny_config):
     import modules.train.run as run_module
 
     seen = {}
-    monkeypatch.setattr(run_module, "build_dataloader", lambda *a, **kw: seen.update(kw))
-    fake = SimpleNamespace(config=tiny_config(), dataset=[], dist=SimpleNamespace(rank=0,
-                                                                                 world_size=1))
+    monkeypatch.setattr(run_module, "epoch_dataloader", lambda *a, **kw: seen.update(kw))
+    monkeypatch.setattr(run_module, "set_sampler_epoch", lambda batches, epoch: None)
+    fake = SimpleNamespace(config=tiny_config(), dataset=[], batches=None,
+                           dist=SimpleNamespace(rank=0, world_size=1))
     for device, pinned in (("cuda", True), ("cpu", False)):
         fake.device = torch.device(device)
         Run.loader_for_epoch(fake, 0)
