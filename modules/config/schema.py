@@ -278,8 +278,7 @@ class ComponentConfig:
 class ComponentsConfig:
     denoiser: ComponentConfig = setting(
         default_factory=lambda: ComponentConfig(train=True), label="UNet", group="Training",
-        help="The model family's denoiser: the UNet of SD 1.x, 2.x and SDXL (until config "
-             "version 2 this was components.unet, still accepted).")
+        help="The denoising UNet.")
     text_encoder: ComponentConfig = setting(default_factory=ComponentConfig, label="Text encoder",
                                             group="Training", help="The (first) CLIP text encoder.")
     text_encoder_2: ComponentConfig = setting(default_factory=ComponentConfig,
@@ -299,9 +298,7 @@ class CompileConfig:
              "inductor with CUDA graphs and shape padding too (there is no torch backend named "
              "'triton'). AOT_EAGER: AOTAutograd graphs run with eager kernels.")
     denoiser: bool = setting(True, label="Compile UNet", group="Advanced",
-                             help="Compile the denoiser, the UNet of SD 1.x, 2.x and SDXL (the "
-                                  "biggest gain; until config version 2 compile.unet, still "
-                                  "accepted).")
+                             help="Compile the UNet (the biggest gain).")
     text_encoder: bool = setting(False, label="Compile text encoder", group="Advanced",
                                  help="Compile every text encoder the model type has.")
     vae: bool = setting(False, label="Compile VAE", group="Advanced",

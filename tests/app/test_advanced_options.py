@@ -57,7 +57,7 @@ def test_component_toggles_and_details_are_saved(app, tmp_path):
     views["compile.strict"].toggle.toggle()
     views["compile.cache_dir"].var.set(str(tmp_path / "cc"))
     saved = saved_compile(app, tmp_path / "b.json")
-    assert saved == {"backend": "INDUCTOR", "unet": False, "text_encoder": True, "vae": True,
+    assert saved == {"backend": "INDUCTOR", "denoiser": False, "text_encoder": True, "vae": True,
                      "scope": other_scope, "mode": "MAX_AUTOTUNE", "dynamic": "STATIC",
                      "fullgraph": True, "strict": True, "cache_dir": "cc"}  # relative to preset
     loaded = load_config(tmp_path / "b.json").compile
