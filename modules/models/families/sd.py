@@ -15,7 +15,7 @@ from modules.config.schema import ModelConfig
 from modules.model_types import MODEL_TYPES, ModelType
 from modules.models.families.base import (FileConventions, ModelFamily, Objective,
                                           TextEmbeddings)
-from modules.models.family import detect_folder_type
+from modules.models.family import read_config
 from modules.models.loader import Dtypes, ModelBundle, load_model
 
 # REGIONAL compile's blocks of a diffusers UNet2DConditionModel (matched by class name)
@@ -115,6 +115,25 @@ def load_single_file(model_type: ModelType, path: Path, model: ModelConfig,
                                    allow_pickle=model.allow_pickle,
                                    tokenizer_folder=model.tokenizer_path or None,
                                    config_folder=model.config_path or None)
+
+
+def detect_folder_type(folder: Path) -> tuple[ModelType, str]:
+    """(SD version, the reason in words) of a diffusers folder, from its UNet and text encoder.
+
+    `model_index.json` names the same pipeline class for SD 1.x and 2.x, so the version comes
+    from what differs between them: SDXL's UNet takes added text/time conditioning and a second
+    text encoder; SD 2's text encoder is OpenCLIP (exact GELU, where SD 1's CLIP uses quick
+    GELU) and its UNet projects attention inputs with linear layers. These hold for the real
+    checkpoints and the built-in tiny ones alike (widths differ, the structure does not).
+    """
+    unet = read_config(folder, "unet")
+    if unet.get("addition_embed_type") == "text_time" or (folder / "text_encoder_2").is_dir():
+        return ModelType.SDXL, "its UNet takes SDXL's text/time conditioning"
+    text = read_config(folder, "text_encoder")
+    if text.get("hidden_act") == "gelu" or unet.get("use_linear_projection"):
+        return ModelType.SD2, ("its text encoder is OpenCLIP (exact GELU) and its UNet uses "
+                               "linear attention projections, as SD 2.x does")
+    return ModelType.SD15, "its text encoder is CLIP ViT-L (quick GELU), as SD 1.x uses"
 
 
 def build_tiny(model_type: ModelType, dest: Path, seed: int = 0) -> Path:

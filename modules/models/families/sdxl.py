@@ -13,7 +13,6 @@ from torch import nn
 from modules.model_types import MODEL_TYPES, ModelType
 from modules.models.families import sd
 from modules.models.families.base import FileConventions, ModelFamily, TextEmbeddings
-from modules.models.family import detect_folder_type
 from modules.models.loader import ModelBundle
 
 
@@ -74,7 +73,7 @@ SDXL = ModelFamily(
     conditioning=conditioning,
     denoiser_arguments=sd.unet_arguments,
     fp16_vae_overflows=True,
-    identify_folder=detect_folder_type,
+    identify_folder=sd.detect_folder_type,
     objective=sd.DDPM,
     build_tiny=functools.partial(sd.build_tiny, ModelType.SDXL),
     # sd-scripts trains SDXL on the sgm UNet, so its LoRAs carry the ldm names
