@@ -19,8 +19,8 @@ from modules.data.dataset import ImageCaptionDataset, epoch_dataloader, set_samp
 from modules.events import TrainerCallbacks, TrainerCommands
 from modules.models.families import ModelFamily
 from modules.models.loader import ModelBundle
-from modules.train.backup import (BoundaryState, NonFiniteBackup, backups_folder,
-                                  save_backup)
+from modules.train.backup import (BackupError, BoundaryState, NonFiniteBackup, backups_folder,
+                                  save_backup, set_random_states)
 from modules.train.batch_shapes import BatchShapeLog
 from modules.train.builders import StepBudget, autocast_context
 from modules.train.compile_guard import COMPILE_DENOISER
@@ -215,7 +215,52 @@ class Run:
 
     def mark_boundary(self) -> None:
         """Remember the small states as they are now, between two optimizer steps."""
-        self.boundary = BoundaryState.capture(self)
+        self.boundary = BoundaryState.capture(self.state.state_dict())
+
+    def trained_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """The trained parameters by `component.parameter_name` (stable across processes)."""
+        wanted = {id(p) for p in self.all_params()}
+        named: dict[str, torch.nn.Parameter] = {}
+        for component in self.params:
+            for name, param in self.bundle.component(component).named_parameters():
+                if id(param) in wanted:
+                    named[f"{component}.{name}"] = param
+        return named
+
+    def state_dict(self, boundary: BoundaryState) -> dict:
+        """Everything a backup holds (train/backup.py writes it): the trained weights, the
+        optimizer, LR schedule, scaler and EMA, and the small states at `boundary`."""
+        states = {"parameters": self.trained_parameters(),
+                  "optimizer": self.optimizer.state_dict(),
+                  "lr_scheduler": self.lr_scheduler.state_dict(),
+                  "training": boundary.training, "random": boundary.random}
+        if self.scaler is not None:
+            states["scaler"] = self.scaler.state_dict()
+        if self.ema is not None:
+            states["ema"] = self.ema.state_dict()
+        return states
+
+    def load_state_dict(self, states: dict) -> None:
+        """Put a backup's states into this freshly started run (same config in what changes
+        the math)."""
+        params = self.trained_parameters()
+        saved = states["parameters"]
+        if set(saved) != set(params):
+            missing = sorted(set(params) - set(saved))[:3]
+            extra = sorted(set(saved) - set(params))[:3]
+            raise BackupError(f"the backup's trained parameters do not match this run's "
+                              f"(missing {missing}, unexpected {extra})")
+        with torch.no_grad():
+            for name, param in params.items():
+                param.copy_(saved[name].to(param.device, param.dtype))
+        self.optimizer.load_state_dict(states["optimizer"])
+        self.lr_scheduler.load_state_dict(states["lr_scheduler"])
+        if self.scaler is not None and "scaler" in states:
+            self.scaler.load_state_dict(states["scaler"])
+        if self.ema is not None and "ema" in states:
+            self.ema.load_state_dict(states["ema"])
+        self.state.load_state_dict(states["training"])
+        set_random_states(states["random"])
 
     def backup_due(self) -> bool:
         out = self.config.output
@@ -235,7 +280,8 @@ class Run:
         step = self.boundary.training["step"]
         self.callbacks.on_status(f"writing a backup at step {step} ({reason})")
         try:
-            folder = guarded_write(lambda: save_backup(self, self.boundary, reason),
+            folder = guarded_write(lambda: save_backup(self.state_dict(self.boundary),
+                                                       self.config, self.output_dir, reason),
                                    backups_folder(self.output_dir), self.backup_bytes())
         except NonFiniteBackup as exc:
             self.refuse_backup(step, reason, str(exc))

@@ -19,7 +19,7 @@ from modules.data.buckets import assign_buckets, bucket_counts, describe_buckets
 from modules.data.dataset import ImageCaptionDataset, epoch_batch_sampler, expand_repeats
 from modules.events import StopRequested, TrainerCallbacks, TrainerCommands
 from modules.model_types import MODEL_TYPES
-from modules.train.backup import ResumePoint, backups_folder, load_states, restore_run
+from modules.train.backup import ResumePoint, backups_folder, load_states
 from modules.train.builders import (build_lr_scheduler, build_optimizer, float32_precision,
                                     step_budget)
 from modules.train.compile_guard import build_compile_guard
@@ -216,7 +216,7 @@ def resume_run(run: Run, resume: ResumePoint) -> None:
     """Load the backup into the freshly built run (weights, optimizer, schedule, states)."""
     run.callbacks.on_status(f"resuming from {resume.folder} (step {resume.step})")
     _, states = load_states(resume.folder)
-    restore_run(run, states)
+    run.load_state_dict(states)
     apply_changed_learning_rates(run)
     run.last_backup_step = run.step
 
