@@ -24,7 +24,7 @@ from modules.config.schema import CompileBackend, Config, Device
 
 TAB = "Advanced Options"
 DESCRIPTION_INDENT = 10 + 208  # under the menu: the field label column and its gap
-COMPONENT_TOGGLES = (("compile.unet", "UNet"), ("compile.text_encoder", "Text Encoder"),
+COMPONENT_TOGGLES = (("compile.denoiser", "UNet"), ("compile.text_encoder", "Text Encoder"),
                      ("compile.vae", "VAE"))
 DETAILS = ("compile.scope", "compile.mode", "compile.dynamic", "compile.fullgraph",
            "compile.cache_dir", "compile.strict")

@@ -28,8 +28,8 @@ def update_component_states(registry: FieldRegistry, config: Config) -> None:
         if not container.startswith("components."):
             continue
         component = container.split(".", 1)[1]
-        enabled = component in model_type.components
-        having = [spec.label for spec in MODEL_TYPES.values() if component in spec.components]
+        enabled = component in model_type.config_keys
+        having = [spec.label for spec in MODEL_TYPES.values() if component in spec.config_keys]
         why = f"{model_type.label} models have no {label.lower()}"
         for view in registry.all_views():
             if view.path.startswith(container + "."):

@@ -29,11 +29,23 @@ class ModelTypeSpec:
     tokenizers: tuple[str, ...]
     default_resolution: int
     builtin: str                  # the tiny locally built variant
+    denoiser: str = "unet"        # the denoiser's component name (bundle and pipeline)
+    denoiser_label: str = "UNet"  # what people call it
 
     @property
     def components(self) -> tuple[str, ...]:
         """Every trainable/compilable component this type has."""
-        return ("unet", *self.text_encoders, "vae")
+        return (self.denoiser, *self.text_encoders, "vae")
+
+    def config_key(self, component: str) -> str:
+        """The field of `components.*` that configures `component`: the denoiser's is
+        "denoiser" whatever the family calls it."""
+        return "denoiser" if component == self.denoiser else component
+
+    @property
+    def config_keys(self) -> tuple[str, ...]:
+        """The `components.*` fields this type has."""
+        return tuple(self.config_key(name) for name in self.components)
 
 
 MODEL_TYPES: dict[ModelType, ModelTypeSpec] = {

@@ -2,7 +2,7 @@
 
 Each setting trains the tiny SD 1.5 model in its own `tempera-train` process (fresh compiler
 state) on a generated dataset with three aspect ratios, and the numbers are read back from the
-run's own `run.json` (`compile.unet`, `batch_shapes`). Writes `buckets.json` and `buckets.md`.
+run's own `run.json` (`compile.denoiser`, `batch_shapes`). Writes `buckets.json` and `buckets.md`.
 The command line is ``scripts/benchmark_compile.py buckets`` (`modules.bench.cli`).
 """
 from __future__ import annotations
@@ -45,7 +45,7 @@ def bucket_config(out: Path, data: Path, cache_dir: str, backend: str, scope: st
         f"data.datasets=[{{\"path\": \"{data}\"}}]", "data.resolution=256",
         "data.aspect_buckets=true", "training.batch_size=2", f"training.epochs={epochs}",
         "training.max_steps=0", "training.learning_rate=1e-3", f"compile.backend={backend}",
-        "compile.unet=true", f"compile.scope={scope}", f"compile.dynamic={dynamic}",
+        "compile.denoiser=true", f"compile.scope={scope}", f"compile.dynamic={dynamic}",
         "sampling.prompts=[]", "logging.tensorboard=false", f"output.dir={out / name}",
         "output.overwrite=true"])
     set_precision(config, precision or default_precision(config))

@@ -85,7 +85,7 @@ def run_config(job: Job, ctx: Context, folder: Path, compile_cache: Path):
         "training.lr_warmup_steps=0", f"training.max_steps={size.steps}",
         f"training.batch_size={size.batch}", "training.gradient_checkpointing=true",
         f"training.mixed_precision={'BF16' if cuda else 'NO'}", "training.seed=1",
-        f"compile.backend={job.spec['backend']}", "compile.unet=true", "compile.scope=REGIONAL",
+        f"compile.backend={job.spec['backend']}", "compile.denoiser=true", "compile.scope=REGIONAL",
         "compile.dynamic=AUTO", f"compile.cache_dir={compile_cache}",
         "sampling.prompts=" + json.dumps([LORA_PROMPT]),
         f"sampling.every_steps={size.sample_every}", f"sampling.steps={size.sample_steps}",

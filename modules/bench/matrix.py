@@ -18,11 +18,11 @@ from modules.config.schema import (
     DynamicShapes,
 )
 
-# --components values -> which compile.* switches they turn on.
+# --components values -> which compile.* switches they turn on (the UNet is compile.denoiser).
 COMPONENT_SETS: dict[str, dict[str, bool]] = {
-    "unet": {"unet": True, "text_encoder": False, "vae": False},
-    "unet+te": {"unet": True, "text_encoder": True, "vae": False},
-    "all": {"unet": True, "text_encoder": True, "vae": True},
+    "unet": {"denoiser": True, "text_encoder": False, "vae": False},
+    "unet+te": {"denoiser": True, "text_encoder": True, "vae": False},
+    "all": {"denoiser": True, "text_encoder": True, "vae": True},
 }
 BASELINE = CompileBackend.NONE.value
 

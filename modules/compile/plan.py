@@ -187,7 +187,8 @@ def plan_component(config: CompileConfig, component: str, facts: CompileFacts,
     if component not in COMPONENTS:
         raise ValueError(f"unknown compile component {component!r}; expected one of {COMPONENTS}")
     caps = facts.capabilities
-    requested = config.backend if getattr(config, component) else CompileBackend.NONE
+    selected = config.denoiser if component == "unet" else getattr(config, component)
+    requested = config.backend if selected else CompileBackend.NONE
     wanted = backend if backend is not None else requested
     effective, fallback_reason = usable_backend(wanted, caps)
     degraded = (f"{fallback_reason}; using {effective.value} instead" if fallback_reason

@@ -38,7 +38,7 @@ _KIND_NAMES = {
 # How `--set` reads each kind of field, with examples (a test applies every example).
 SET_SYNTAX = {
     "bool": ("`true`/`false`, `yes`/`no`, `on`/`off`, `1`/`0`, any case",
-             ["compile.unet=false"]),
+             ["compile.denoiser=false"]),
     "int": ("a whole number", ["training.max_steps=200"]),
     "float": ("a number, e.g. `0.5` or `1e-4`", ["training.learning_rate=1e-4"]),
     "str": ("the text after `=`, as is", ["data.caption_extension=.caption"]),
@@ -50,7 +50,7 @@ SET_SYNTAX = {
                   'sampling.prompts=["a cat, sitting", "a dog"]']),
     "list_enum": ("comma-separated or a JSON list, any case", ["output.formats=diffusers"]),
     "optional_float": ("a number, or `none` / `null` / empty for no value",
-                       ["components.unet.learning_rate=5e-5",
+                       ["components.denoiser.learning_rate=5e-5",
                         "components.text_encoder.learning_rate=none"]),
     "list_dataclass": ("a JSON list of objects (missing keys take their defaults); one item's "
                        "field by index, `name[0].field` or `name.0.field`",

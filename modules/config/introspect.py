@@ -108,7 +108,7 @@ def iter_fields(cls: type, prefix: str = "", defaults: Any = None) -> Iterator[F
     """Every leaf field of `cls`, recursing into nested dataclasses but not into list items.
 
     Defaults are read from a default instance (`cls()` unless `defaults` is given), so a field
-    whose parent overrides it (`components.unet.train` is true, `ComponentConfig.train` is
+    whose parent overrides it (`components.denoiser.train` is true, `ComponentConfig.train` is
     false) reports the value a new config really has. For the item fields of a
     `list_dataclass` field, call `iter_fields(info.item_type, f"{info.dotted_path}[]")`.
     """
@@ -127,7 +127,7 @@ def iter_fields(cls: type, prefix: str = "", defaults: Any = None) -> Iterator[F
 
 
 def container_labels(cls: type, prefix: str = "") -> dict[str, str]:
-    """Dotted path of each nested dataclass field -> its label ("components.unet" -> "UNet")."""
+    """Dotted path of each nested dataclass field -> its label ("components.denoiser" -> "UNet")."""
     hints = typing.get_type_hints(cls)
     labels: dict[str, str] = {}
     for f in dataclasses.fields(cls):
@@ -164,7 +164,7 @@ def rule_at(cls: type, dotted_path: str, key: str) -> Any:
 
 
 def on_resume(dotted_path: str) -> Any:
-    """The `OnResume` rule of a config key (`components.unet.learning_rate`)."""
+    """The `OnResume` rule of a config key (`components.denoiser.learning_rate`)."""
     from modules.config.fields import OnResume
     from modules.config.schema import Config
     return rule_at(Config, dotted_path, "on_resume") or OnResume.MAY_CHANGE

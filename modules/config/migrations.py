@@ -26,8 +26,32 @@ def _v0_to_v1(data: dict) -> dict:
     return data
 
 
+# Keys renamed by a migration, old dotted prefix -> new: `--set` accepts the old ones too.
+RENAMED_KEYS: dict[str, str] = {"components.unet": "components.denoiser",
+                                "compile.unet": "compile.denoiser"}
+
+
+def _v1_to_v2(data: dict) -> dict:
+    """Version 1 named the denoiser by SD's, `components.unet` and `compile.unet`; version 2
+    says `denoiser`, whatever the model family calls it (a UNet for SD 1.x, 2.x and SDXL)."""
+    for section in ("components", "compile"):
+        part = data.get(section)
+        if isinstance(part, dict) and "unet" in part and "denoiser" not in part:
+            part = {("denoiser" if key == "unet" else key): value for key, value in part.items()}
+            data = {**data, section: part}
+    return data
+
+
+def renamed_key(dotted: str) -> str:
+    """`dotted` under its current name (`components.unet.train` -> `components.denoiser.train`)."""
+    for old, new in RENAMED_KEYS.items():
+        if dotted == old or dotted.startswith((old + ".", old + "[")):
+            return new + dotted[len(old):]
+    return dotted
+
+
 # MIGRATIONS[n] takes version n to n + 1.
-MIGRATIONS: list[Callable[[dict], dict]] = [_v0_to_v1]
+MIGRATIONS: list[Callable[[dict], dict]] = [_v0_to_v1, _v1_to_v2]
 assert len(MIGRATIONS) == CONFIG_VERSION, "every schema version needs a migration"
 
 

@@ -1,8 +1,10 @@
 """`--set dotted.key=value` overrides, parsed by the type of the field they name.
 
-Examples: `training.max_steps=200`, `compile.backend=aot_eager`, `compile.unet=false`,
+Examples: `training.max_steps=200`, `compile.backend=aot_eager`, `compile.denoiser=false`,
 `sampling.prompts=["a cat", "a dog"]`, `training.lora_target_modules=to_q,to_v`,
-`data.datasets[0].path=./images`, `components.unet.learning_rate=none`.
+`data.datasets[0].path=./images`, `components.denoiser.learning_rate=none`.
+Keys a config migration renamed (`compile.unet`, `components.unet.*`) are accepted under their
+old names too, as config files are.
 Path values given on the command line are relative to the current folder.
 """
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from modules.config.loader import from_dict, path_fields, resolve_path_value, to_dict
+from modules.config.migrations import renamed_key
 from modules.config.problems import ConfigError, Problem
 from modules.config.schema import Config
 
@@ -158,7 +161,7 @@ def apply_overrides(config: Config, assignments: list[str], cwd: Path | None = N
     assigned: list[str] = []
     for assignment in assignments:
         key, sep, text = assignment.partition("=")
-        key = key.strip()
+        key = renamed_key(key.strip())
         parts = _split_path(key) if sep else None
         found = _field_at(parts) if parts else None
         if not sep or found is None:

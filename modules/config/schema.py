@@ -16,7 +16,7 @@ from modules.model_types import (  # noqa: F401 - the config's own names for the
     ModelType,
 )
 
-CONFIG_VERSION = 1
+CONFIG_VERSION = 2
 
 
 class DType(str, Enum):
@@ -356,8 +356,9 @@ class ComponentConfig:
 
 @dataclass
 class ComponentsConfig:
-    unet: ComponentConfig = setting(default_factory=lambda: ComponentConfig(train=True),
-                                    label="UNet", group="Training", help="The denoising UNet.")
+    denoiser: ComponentConfig = setting(
+        default_factory=lambda: ComponentConfig(train=True), label="UNet", group="Training",
+        help="The denoising UNet.")
     text_encoder: ComponentConfig = setting(default_factory=ComponentConfig, label="Text encoder",
                                             group="Training", help="The (first) CLIP text encoder.")
     text_encoder_2: ComponentConfig = setting(default_factory=ComponentConfig,
@@ -376,8 +377,8 @@ class CompileConfig:
              "INDUCTOR: inductor with autotune, no CUDA graphs. TRITON: inductor with autotune "
              "and CUDA graphs (there is no torch backend named 'triton'). AOT_EAGER: "
              "AOTAutograd graphs run with eager kernels.")
-    unet: bool = setting(True, label="Compile UNet", group="Advanced",
-                         help="Compile the UNet (the biggest gain).")
+    denoiser: bool = setting(True, label="Compile UNet", group="Advanced",
+                             help="Compile the UNet (the biggest gain).")
     text_encoder: bool = setting(False, label="Compile text encoder", group="Advanced",
                                  help="Compile every text encoder the model type has.")
     vae: bool = setting(False, label="Compile VAE", group="Advanced",

@@ -30,7 +30,7 @@ SUPPORTED_FORMATS = {
     TrainingMethod.LORA: {SaveFormat.DIFFUSERS, SaveFormat.KOHYA},
     TrainingMethod.FINE_TUNE: {SaveFormat.DIFFUSERS, SaveFormat.SINGLE_FILE},
 }
-COMPONENT_NAMES = ("unet", "text_encoder", "text_encoder_2", "vae")
+COMPONENT_NAMES = ("denoiser", "text_encoder", "text_encoder_2", "vae")
 BUCKET_MAX_ASPECT_LIMIT = next(f.metadata["max"] for f in dataclasses.fields(DataConfig)
                                if f.name == "bucket_max_aspect")
 
@@ -71,14 +71,14 @@ def _check_components(config: Config) -> list[Problem]:
     problems = []
     for name in COMPONENT_NAMES:
         component = getattr(config.components, name)
-        if component.train and name not in spec.components:
+        if component.train and name not in spec.config_keys:
             problems.append(Problem(f"components.{name}.train", "false",
                                     "true", f"{spec.label} has no {name}"))
     if config.components.vae.train:
         problems.append(Problem("components.vae.train", "false", "true",
-                                "Tempera trains the UNet and text encoders, not the VAE"))
+                                "Tempera trains the denoiser and text encoders, not the VAE"))
     # The VAE is never trained, so training only the VAE also means nothing would be trained.
-    if not any(getattr(config.components, n).train for n in spec.components if n != "vae"):
+    if not any(getattr(config.components, n).train for n in spec.config_keys if n != "vae"):
         problems.append(Problem("components", "at least one component with train = true",
                                 "none", "nothing would be trained"))
     return problems

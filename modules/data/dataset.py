@@ -281,6 +281,21 @@ def build_dataloader(dataset: Dataset, batch_size: int, seed: int, num_workers: 
     batches = epoch_batch_sampler(len(dataset), batch_size, seed,  # type: ignore[arg-type]
                                   shuffle=shuffle, start_epoch=start_epoch, rank=rank,
                                   world_size=world_size, buckets=buckets)
+    return epoch_dataloader(dataset, batches, seed, num_workers=num_workers,
+                            pin_memory=pin_memory, skip_batches=skip_batches)
+
+
+def set_sampler_epoch(batches: Sampler[list[ItemKey]], epoch: int) -> None:
+    """Make the next pass of an `epoch_batch_sampler` run `epoch`."""
+    counter = batches.sampler if isinstance(batches, BatchSampler) else batches
+    counter.set_epoch(epoch)  # type: ignore[union-attr]
+
+
+def epoch_dataloader(dataset: Dataset, batches: Sampler[list[ItemKey]], seed: int,
+                     num_workers: int = 0, pin_memory: bool = False,
+                     skip_batches: int = 0) -> DataLoader:
+    """A DataLoader over the next pass of `batches` (an `epoch_batch_sampler`, built once per
+    run), without its first `skip_batches` (resume); see `build_dataloader`."""
     if skip_batches:
         batches = SkipFirstBatches(batches, skip_batches)
     generator = torch.Generator().manual_seed(derive_seed("loader", seed))

@@ -4,7 +4,7 @@ Each adapted layer is three tensors under one name, e.g. for SD 1.x
 ``lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q``:
 ``.lora_down.weight`` (peft's lora_A), ``.lora_up.weight`` (lora_B) and ``.alpha`` (a scalar;
 the update is scaled by alpha / rank). The name is the module path with dots turned into
-underscores, prefixed per component (`KOHYA_PREFIXES`).
+underscores, prefixed per component (the family's `FileConventions.kohya_prefixes`).
 
 UNet names follow what kohya's sd-scripts itself writes, since every reader is tested against
 its files: SD 1.x/2.x LoRAs use the diffusers module names (sd-scripts trains SD 1/2 on a
@@ -24,19 +24,10 @@ import torch
 from torch import nn
 
 from modules.config.schema import ModelType
+from modules.models.families import family_of
 from modules.models.single_file import clip_key_with_text_model, unet_key_to_ldm
 from modules.util.atomic import atomic_file
 
-KOHYA_PREFIXES: dict[ModelType, dict[str, str]] = {
-    ModelType.SD15: {"unet": "lora_unet_", "text_encoder": "lora_te_"},
-    ModelType.SD2: {"unet": "lora_unet_", "text_encoder": "lora_te_"},
-    ModelType.SDXL: {"unet": "lora_unet_", "text_encoder": "lora_te1_",
-                     "text_encoder_2": "lora_te2_"},
-}
-# "diffusers": module paths as in diffusers' UNet2DConditionModel; "ldm": the original SD names.
-KOHYA_UNET_NAMING: dict[ModelType, str] = {
-    ModelType.SD15: "diffusers", ModelType.SD2: "diffusers", ModelType.SDXL: "ldm",
-}
 PEFT_SUFFIXES = {".lora_A.weight": ".lora_down.weight", ".lora_B.weight": ".lora_up.weight"}
 
 
@@ -47,12 +38,14 @@ class KohyaError(ValueError):
 def kohya_module_name(component: str, module_path: str, model_type: ModelType,
                       unet_config: Any = None) -> str:
     """The kohya name of one adapted layer, e.g. ``lora_te_text_model_encoder_layers_0_mlp_fc1``."""
-    prefixes = KOHYA_PREFIXES[model_type]
+    files = family_of(model_type).files
+    prefixes = files.kohya_prefixes if files else {}
     if component not in prefixes:
         raise KohyaError(f"{model_type.value} has no component {component!r} in the kohya layout "
                          f"(known: {', '.join(prefixes)})")
     if component == "unet":
-        if KOHYA_UNET_NAMING[model_type] == "ldm":
+        # "diffusers": module paths as in diffusers' UNet2DConditionModel; "ldm": SD's own
+        if files.kohya_denoiser_naming == "ldm":
             if unet_config is None:
                 raise KohyaError(f"{model_type.value} LoRAs use ldm UNet names, which need the "
                                  "UNet's config (pass unet_config)")

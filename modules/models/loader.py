@@ -4,12 +4,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from modules.config.schema import BUILTIN_PREFIX, DType, ModelType, PredictionType
+from modules.config.schema import BUILTIN_PREFIX, DType, ModelConfig, ModelType, PredictionType
 from modules.model_types import MODEL_TYPES
+
+if TYPE_CHECKING:
+    from modules.models.families.base import ModelFamily
 
 TORCH_DTYPES = {DType.FLOAT32: torch.float32, DType.FLOAT16: torch.float16,
                 DType.BFLOAT16: torch.bfloat16}
@@ -18,24 +22,35 @@ PREDICTION_TYPES = {PredictionType.EPSILON: "epsilon", PredictionType.V_PREDICTI
 
 @dataclass
 class ModelBundle:
-    """Every component of a Stable Diffusion-style model, by the names the pipeline uses."""
+    """Every component of a latent diffusion model, by the names its pipeline uses: the
+    denoiser (its name is the family's, e.g. "unet"), the VAE, the text encoder(s)."""
     model_type: ModelType
     path: Path
-    unet: nn.Module
+    denoiser: nn.Module
     vae: nn.Module
     text_encoders: dict[str, nn.Module]
     tokenizers: dict[str, object]
     noise_scheduler: object
 
+    @property
+    def denoiser_name(self) -> str:
+        return MODEL_TYPES[self.model_type].denoiser
+
+    @property
+    def family(self) -> ModelFamily:
+        """What this model's family does differently (modules/models/families)."""
+        from modules.models.families import family_of
+        return family_of(self.model_type)
+
     def component(self, name: str) -> nn.Module:
-        if name == "unet":
-            return self.unet
+        if name == self.denoiser_name:
+            return self.denoiser
         if name == "vae":
             return self.vae
         return self.text_encoders[name]
 
     def components(self) -> dict[str, nn.Module]:
-        return {"unet": self.unet, **self.text_encoders, "vae": self.vae}
+        return {self.denoiser_name: self.denoiser, **self.text_encoders, "vae": self.vae}
 
     @property
     def prediction_type(self) -> str:
@@ -77,9 +92,24 @@ def resolve_model_path(path: str, cache_dir: Path) -> Path:
     return Path(path)
 
 
+def load_bundle(model_path: Path, model: ModelConfig, dtypes: Dtypes) -> ModelBundle:
+    """Load a diffusers folder, or a single-file checkpoint, of `model.type`'s family, each
+    component at its dtype (`train.weights.component_dtypes` says which)."""
+    from modules.models.families import family_of
+    from modules.models.single_file import is_single_file
+    family = family_of(model.type)
+    if is_single_file(model_path):
+        if family.load_single_file is None:
+            raise ValueError(f"{model_path}: {MODEL_TYPES[model.type].label} models load from "
+                             "a diffusers folder only")
+        return family.load_single_file(model_path, model, dtypes)
+    return family.load_folder(Path(model_path), model.prediction_type, dtypes)
+
+
 def load_model(path: Path, model_type: ModelType, prediction_type: PredictionType,
                dtype: Dtypes = torch.float32) -> ModelBundle:
-    """Load the components of a diffusers folder, each at its dtype; never from the network."""
+    """Load the components of a Stable Diffusion (UNet) diffusers folder, each at its dtype;
+    never from the network."""
     from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
     from transformers import AutoTokenizer, CLIPTextModel, CLIPTextModelWithProjection
 
@@ -103,52 +133,3 @@ def load_model(path: Path, model_type: ModelType, prediction_type: PredictionTyp
     return ModelBundle(model_type, Path(path), unet, vae, text_encoders, tokenizers, scheduler)
 
 
-def tokenize(tokenizer, captions: list[str]) -> torch.Tensor:
-    return tokenizer(captions, padding="max_length", max_length=tokenizer.model_max_length,
-                     truncation=True, return_tensors="pt").input_ids
-
-
-def encode_text(bundle: ModelBundle, captions: list[str], device: torch.device,
-                encoders: dict | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-caption text conditioning: hidden states, and (SDXL) the pooled embedding.
-
-    `encoders` may stand in for some of the bundle's text encoders by name (the trainer's
-    DistributedDataParallel wrappers); the others are the bundle's.
-    """
-    spec = MODEL_TYPES[bundle.model_type]
-    encoders = {**bundle.text_encoders, **{n: m for n, m in (encoders or {}).items()
-                                           if n in bundle.text_encoders}}
-    if bundle.model_type != ModelType.SDXL:
-        (te_name,), (tok_name,) = spec.text_encoders, spec.tokenizers
-        ids = tokenize(bundle.tokenizers[tok_name], captions).to(device)
-        return encoders[te_name](ids)[0], None
-    hidden, pooled = [], None
-    for te_name, tok_name in zip(spec.text_encoders, spec.tokenizers):
-        ids = tokenize(bundle.tokenizers[tok_name], captions).to(device)
-        out = encoders[te_name](ids, output_hidden_states=True)
-        hidden.append(out.hidden_states[-2])  # SDXL conditions on the penultimate layer
-        pooled = out[0]  # the last encoder's projected pooled output
-    return torch.cat(hidden, dim=-1), pooled
-
-
-def unet_conditioning(hidden: torch.Tensor, pooled: torch.Tensor | None,
-                      sizes: dict | None) -> tuple[torch.Tensor, dict | None]:
-    """The UNet's conditioning inputs: hidden states plus SDXL's added embeddings.
-
-    `sizes` (SDXL) holds per-sample original_size, crop_top_left and target_size pairs.
-    """
-    if pooled is None:
-        return hidden, None
-    time_ids = sdxl_time_ids(sizes, hidden.device, hidden.dtype)
-    return hidden, {"text_embeds": pooled, "time_ids": time_ids}
-
-
-def sdxl_time_ids(sizes: dict, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """SDXL's size and crop conditioning: (original h, w, crop top, left, target h, w)."""
-    rows = []
-    for i in range(len(sizes["target_size"])):
-        original = sizes["original_size"][i]
-        crop = sizes["crop_top_left"][i]
-        target = sizes["target_size"][i]
-        rows.append([*original, *crop, *target])
-    return torch.tensor(rows, device=device, dtype=dtype)

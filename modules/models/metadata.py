@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from modules.config.schema import ModelType
+from modules.models.families import family_of
+from modules.models.families.base import FileConventions
 
 SAI_MODEL_SPEC_VERSION = "1.0.0"
 # modelspec.implementation: LoRAs and ldm checkpoints follow the original (Stability) layout,
@@ -25,19 +27,16 @@ IMPL_DIFFUSERS = "diffusers"
 KINDS = ("lora", "checkpoint")
 LAYOUTS = ("kohya", "single_file", "diffusers")
 
-# kohya's `ss_base_model_version` values.
-BASE_MODEL_VERSIONS = {ModelType.SD15: "sd_v1", ModelType.SD2: "sd_v2",
-                       ModelType.SDXL: "sdxl_base_v1-0"}
+def conventions(model_type: ModelType) -> FileConventions:
+    files = family_of(model_type).files
+    if files is None:
+        raise ValueError(f"{model_type.value} has no modelspec / kohya metadata conventions")
+    return files
 
 
 def modelspec_architecture(model_type: ModelType, v_prediction: bool, kind: str) -> str:
     """The modelspec architecture id, e.g. ``stable-diffusion-v1/lora``."""
-    if model_type == ModelType.SDXL:
-        arch = "stable-diffusion-xl-v1-base"
-    elif model_type == ModelType.SD2:
-        arch = "stable-diffusion-v2-768-v" if v_prediction else "stable-diffusion-v2-512"
-    else:
-        arch = "stable-diffusion-v1"
+    arch = conventions(model_type).modelspec_architecture(v_prediction)
     return f"{arch}/lora" if kind == "lora" else arch
 
 
@@ -73,13 +72,13 @@ def training_metadata(config_dict: dict, model_type: ModelType, method: Any, kin
     }
     max_steps = steps if steps is not None else training.get("max_steps", 0)
     meta.update({
-        "ss_base_model_version": BASE_MODEL_VERSIONS[model_type],
-        "ss_v2": str(model_type == ModelType.SD2),
+        "ss_base_model_version": conventions(model_type).base_model_version,
+        "ss_v2": str(conventions(model_type).kohya_v2),
         "ss_v_parameterization": str(v_pred),
         "ss_sd_model_name": Path(str(model.get("path", ""))).name,  # no local folders in shared files
         "ss_resolution": f"({resolution}, {resolution})",
         "ss_learning_rate": str(training.get("learning_rate", "")),
-        "ss_unet_lr": str(_component_lr(config_dict, "unet")),
+        "ss_unet_lr": str(_component_lr(config_dict, "denoiser")),
         "ss_text_encoder_lr": str(_component_lr(config_dict, "text_encoder")),
         "ss_max_train_steps": str(max_steps),
         "ss_num_epochs": str(training.get("epochs", "")),
@@ -115,7 +114,7 @@ def _is_v_prediction(prediction_type: Any, model_type: ModelType) -> bool:
     if value in ("auto", ""):
         # AUTO follows the base model's scheduler; of the built-in configs only SD 2 (768-v)
         # predicts v. Callers that know the loaded scheduler pass `prediction_type`.
-        return model_type == ModelType.SD2
+        return conventions(model_type).predicts_v_by_default
     return value in ("v", "v_prediction")
 
 

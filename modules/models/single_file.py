@@ -21,20 +21,10 @@ from modules.util.atomic import atomic_file
 from modules.util.errors import first_line
 
 CONFIGS_DIR = Path(__file__).parent / "configs"
-CONFIG_FOLDERS = {ModelType.SD15: "sd15", ModelType.SD2: "sd2", ModelType.SDXL: "sdxl"}
 PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin")
 SAFETENSORS_SUFFIX = ".safetensors"
 LDM_UNET_PREFIX = "model.diffusion_model."
 LDM_VAE_PREFIX = "first_stage_model."
-
-# Where each text encoder lives in an ldm checkpoint, and in which layout: "hf" keeps the
-# transformers names (CLIP ViT-L), "open_clip" is OpenCLIP's (SD 2's ViT-H, SDXL's ViT-bigG).
-TEXT_ENCODER_LAYOUTS: dict[ModelType, dict[str, tuple[str, str]]] = {
-    ModelType.SD15: {"text_encoder": ("cond_stage_model.transformer.", "hf")},
-    ModelType.SD2: {"text_encoder": ("cond_stage_model.model.", "open_clip")},
-    ModelType.SDXL: {"text_encoder": ("conditioner.embedders.0.transformer.", "hf"),
-                     "text_encoder_2": ("conditioner.embedders.1.model.", "open_clip")},
-}
 
 # Keys whose presence identifies each family (checked in this order: SDXL files also hold
 # `conditioner.*`, never `cond_stage_model.*`).
@@ -71,7 +61,15 @@ class SingleFileError(ValueError):
 # --- detection and loading --------------------------------------------------------------
 def config_folder_for(model_type: ModelType) -> Path:
     """The diffusers config folder shipped with Tempera for `model_type` (no weights in it)."""
-    return CONFIGS_DIR / CONFIG_FOLDERS[model_type]
+    return CONFIGS_DIR / _conventions(model_type).single_file_configs
+
+
+def _conventions(model_type: ModelType):
+    from modules.models.families import family_of
+    files = family_of(model_type).files
+    if files is None:
+        raise SingleFileError(f"{model_type.value} has no single-file (ldm) layout")
+    return files
 
 
 def is_single_file(path: str | Path) -> bool:
@@ -394,7 +392,9 @@ def to_ldm_state_dict(components: dict[str, Any], model_type: ModelType) -> dict
         if ".mid.attn_1." in ldm_key and value.ndim == 2:
             value = value[:, :, None, None]  # ldm's VAE attention uses 1x1 convolutions
         out[LDM_VAE_PREFIX + ldm_key] = value
-    for name, (prefix, layout) in TEXT_ENCODER_LAYOUTS[model_type].items():
+    # where each text encoder lives in an ldm checkpoint, and in which layout: "hf" keeps the
+    # transformers names (CLIP ViT-L), "open_clip" is OpenCLIP's (SD 2's ViT-H, SDXL's bigG)
+    for name, (prefix, layout) in _conventions(model_type).single_file_text_encoders.items():
         weights = _plain_state_dict(components[name], name)
         if layout == "open_clip":
             converted = open_clip_to_ldm(weights)

@@ -5,10 +5,11 @@ temporary name, renamed into place last): `backup.json` (format, step, the resol
 JSON structure of every state) beside `tensors.safetensors` (every tensor of that structure).
 No pickle: a backup can be inspected with any safetensors reader and loading one runs no code.
 
-What it holds is what `Run` owns and the config does not rebuild: the trained parameters, the
-optimizer, the LR schedule, the GradScaler, the EMA weights, `TrainingState` (step, epoch,
-position in the epoch, loss smoothing) and every global random state (Python, numpy, torch CPU
-and CUDA). Each step's own draws need nothing saved: their generator is seeded from (seed, rank,
+What it holds is what `Run` owns and the config does not rebuild, as `Run.state_dict` gives it
+(and `Run.load_state_dict` takes it back): the trained parameters, the optimizer, the LR
+schedule, the GradScaler, the EMA weights, `TrainingState` (step, epoch, position in the epoch,
+loss smoothing) and every global random state (Python, numpy, torch CPU and CUDA). This module
+keeps the file format: writing, reading, checking, finding and rotating backups. Each step's own draws need nothing saved: their generator is seeded from (seed, rank,
 step). The state saved is the one at the last optimizer-step boundary (`BoundaryState`), so a
 backup written after a failure mid-window is still exact.
 
@@ -33,6 +34,7 @@ import torch
 from modules.config.fields import OnResume
 from modules.config.introspect import on_resume
 from modules.config.migrations import migrate
+from modules.config.schema import Config
 from modules.train.backup_files import (INFO, TENSORS, BackupError, backups_folder,
                                         find_backup, list_backups)
 from modules.util.atomic import atomic_write_dir
@@ -146,48 +148,27 @@ class BoundaryState:
     random: dict
 
     @classmethod
-    def capture(cls, run) -> "BoundaryState":
-        return cls(training=run.state.state_dict(), random=random_states())
+    def capture(cls, training: dict) -> "BoundaryState":
+        """`training` is the TrainingState's state_dict, taken now."""
+        return cls(training=training, random=random_states())
 
 
-# ---------------------------------------------------------------- what a run owns
-def trained_parameters(run) -> dict[str, torch.nn.Parameter]:
-    """The run's trained parameters by `component.parameter_name` (stable across processes)."""
-    wanted = {id(p) for plist in run.params.values() for p in plist}
-    named: dict[str, torch.nn.Parameter] = {}
-    for component in run.params:
-        for name, param in run.bundle.component(component).named_parameters():
-            if id(param) in wanted:
-                named[f"{component}.{name}"] = param
-    return named
-
-
-def run_states(run, boundary: BoundaryState) -> dict[str, Any]:
-    states = {"parameters": trained_parameters(run),
-              "optimizer": run.optimizer.state_dict(),
-              "lr_scheduler": run.lr_scheduler.state_dict(),
-              "training": boundary.training, "random": boundary.random}
-    if run.scaler is not None:
-        states["scaler"] = run.scaler.state_dict()
-    if run.ema is not None:
-        states["ema"] = run.ema.state_dict()
-    return states
-
-
-def save_backup(run, boundary: BoundaryState, reason: str) -> Path:
-    """Write a backup of `run` at its last step boundary and remove the oldest beyond
+def save_backup(states: dict[str, Any], config: Config, output_dir: Path, reason: str) -> Path:
+    """Write a run's states (`Run.state_dict`: its step is `states["training"]["step"]`) as a
+    backup of `output_dir`, with the config masked, and remove the oldest beyond
     `output.keep_backups`. Returns the folder."""
-    folder = backups_folder(run.output_dir) / f"step-{boundary.training['step']:06d}"
+    step = states["training"]["step"]
+    folder = backups_folder(output_dir) / f"step-{step:06d}"
     tensors: dict[str, torch.Tensor] = {}
-    structure = flatten(run_states(run, boundary), tensors, "s")
+    structure = flatten(states, tensors, "s")
     bad = non_finite(tensors)  # checked before anything is written: the last good one stays
     if bad:
-        raise NonFiniteBackup(f"the backup at step {boundary.training['step']} was not written: "
+        raise NonFiniteBackup(f"the backup at step {step} was not written: "
                               f"{len(bad)} of its {len(tensors)} tensors hold NaN or inf "
                               f"({describe_tensors(bad)})")
     from modules.config.secret_settings import masked_config
-    info = {"format": FORMAT, "step": boundary.training["step"], "reason": reason,
-            "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "config": masked_config(run.config),
+    info = {"format": FORMAT, "step": step, "reason": reason,
+            "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "config": masked_config(config),
             "states": structure}
 
     def write(tmp: Path) -> None:
@@ -197,7 +178,7 @@ def save_backup(run, boundary: BoundaryState, reason: str) -> Path:
         (tmp / INFO).write_text(json.dumps(info, indent=1) + "\n", encoding="utf-8")
 
     atomic_write_dir(folder, write)
-    rotate_backups(run.output_dir, run.config.output.keep_backups, boundary.training["step"])
+    rotate_backups(output_dir, config.output.keep_backups, step)
     return folder
 
 
@@ -255,28 +236,6 @@ def load_states(folder: Path) -> tuple[dict, dict]:
     tensors = _read_tensors(folder)
     check_tensors(folder, info, tensors)
     return info, unflatten(info["states"], tensors)
-
-
-def restore_run(run, states: dict) -> None:
-    """Put a backup's states into a freshly started run (same config in what changes the math)."""
-    params = trained_parameters(run)
-    saved = states["parameters"]
-    if set(saved) != set(params):
-        missing = sorted(set(params) - set(saved))[:3]
-        extra = sorted(set(saved) - set(params))[:3]
-        raise BackupError(f"the backup's trained parameters do not match this run's "
-                          f"(missing {missing}, unexpected {extra})")
-    with torch.no_grad():
-        for name, param in params.items():
-            param.copy_(saved[name].to(param.device, param.dtype))
-    run.optimizer.load_state_dict(states["optimizer"])
-    run.lr_scheduler.load_state_dict(states["lr_scheduler"])
-    if run.scaler is not None and "scaler" in states:
-        run.scaler.load_state_dict(states["scaler"])
-    if run.ema is not None and "ema" in states:
-        run.ema.load_state_dict(states["ema"])
-    run.state.load_state_dict(states["training"])
-    set_random_states(states["random"])
 
 
 # ---------------------------------------------------------------- which config changes are allowed
@@ -365,7 +324,8 @@ def resume_point(output_dir: Path, resume_from: str, current: dict) -> ResumePoi
     else:
         folder = find_backup(output_dir, resume_from)
         info = verify_backup(folder)
-    blocking, allowed = config_differences(builtins_by_identity(info.get("config", {})),
+    saved = migrate(dict(info.get("config", {})), [])  # a backup written before a rename
+    blocking, allowed = config_differences(builtins_by_identity(saved),
                                            builtins_by_identity(current))
     if blocking:
         raise BackupError(f"{folder} was written by a run whose config differs in what changes "

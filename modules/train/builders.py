@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from modules.config.optimizers import OPTIMIZERS
+from modules.model_types import MODEL_TYPES
 from modules.models.loader import vae_downscale
 from modules.train.schedules import lr_multiplier, schedule_shape
 from modules.config.schema import (
@@ -69,7 +70,8 @@ def build_optimizer(config: Config, params: dict[str, list[nn.Parameter]]) -> to
     t = config.training
     groups = []
     for name, plist in params.items():
-        lr = getattr(config.components, name).learning_rate
+        lr = getattr(config.components, MODEL_TYPES[config.model.type].config_key(name)
+                     ).learning_rate
         groups.append({"params": plist, "lr": t.learning_rate if lr is None else lr,
                        "name": name})
     row = OPTIMIZERS[t.optimizer]

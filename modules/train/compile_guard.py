@@ -15,10 +15,16 @@ from modules.compile import (Capabilities, CompileEngine, CompileFacts, CompileP
                              ComponentTraining, build_plan, compile_cache_folder,
                              detect_capabilities)
 from modules.config.schema import Config
+from modules.model_types import MODEL_TYPES
 from modules.events import TrainerCallbacks
+from modules.compile.regions import REPEATED_BLOCKS
 from modules.models.loader import ModelBundle
 from modules.train.builders import pick_device
 from modules.train.weights import trained_components
+
+# The compile engine's (and run.json's) name for the denoiser, whatever its family calls it:
+# `compile.denoiser` selects it.
+COMPILE_DENOISER = "unet"
 
 
 def component_training(config: Config, trained: list[str]) -> dict[str, ComponentTraining]:
@@ -30,7 +36,8 @@ def component_training(config: Config, trained: list[str]) -> dict[str, Componen
                                  gradient_checkpointing=is_trained and t.gradient_checkpointing,
                                  accumulation=t.gradient_accumulation)
 
-    return {"unet": how("unet" in trained),
+    denoiser = MODEL_TYPES[config.model.type].denoiser
+    return {COMPILE_DENOISER: how(denoiser in trained),
             "text_encoder": how(any(n.startswith("text_encoder") for n in trained)),
             "vae": how(False)}
 
@@ -60,13 +67,15 @@ def compile_plans(config: Config,
 def build_compile_guard(config: Config, bundle: ModelBundle, device: torch.device,
                         params: dict, trained: list[str],
                         callbacks: TrainerCallbacks) -> CompileEngine:
-    """Compile the selected components in place and return the engine that guards each step."""
+    """Compile the selected components in place and return the engine that guards each step.
+    REGIONAL compiles the denoiser's repeated blocks that its family names."""
     facts = compile_facts(config, detect_capabilities(device), trained)
     engine = CompileEngine(
         config.compile,
-        {"unet": bundle.unet, "text_encoder": list(bundle.text_encoders.values()),
+        {COMPILE_DENOISER: bundle.denoiser, "text_encoder": list(bundle.text_encoders.values()),
          "vae": bundle.vae},
-        callbacks=callbacks, capabilities=facts.capabilities,
+        regional_blocks={**REPEATED_BLOCKS, COMPILE_DENOISER: bundle.family.repeated_blocks},
+        callbacks=callbacks, device=device, capabilities=facts.capabilities,
         trainable_params=[p for plist in params.values() for p in plist],
         training=facts.training,
         cache_dir=compile_cache_folder(config.compile.cache_dir, config.general.cache_dir))

@@ -18,32 +18,35 @@ from modules.train.compile_guard import compile_facts
 from modules.config.problems import ConfigError
 from modules.config.schema import Config
 from modules.config.validate import validate
-from modules.models.loader import resolve_model_path, unet_conditioning
-from modules.models.loader import encode_text
+from modules.models.loader import load_bundle, resolve_model_path
 from modules.paths import cache_dir_for
 from modules.train.builders import pick_device
 from modules.train.inputs import check_inputs
-from modules.train.prepare import load_bundle
-from modules.train.weights import apply_unet_memory_format, unet_memory_format
+from modules.train.compile_guard import COMPILE_DENOISER
+from modules.train.weights import (apply_denoiser_memory_format, component_dtypes,
+                                   denoiser_memory_format)
 
 
 def _example_inputs(bundle, config: Config, device: torch.device) -> dict[str, tuple]:
-    """One realistic call per component: the UNet's noisy latents + conditioning, etc."""
+    """One realistic call per component: the denoiser's noisy latents + conditioning, etc."""
     res = config.data.resolution
     factor = bundle.latent_downscale
     latents = torch.randn(1, bundle.vae.config.latent_channels, res // factor, res // factor,
-                          device=device, dtype=bundle.unet.dtype).contiguous(
-        memory_format=unet_memory_format(config))  # as the training step hands it over
+                          device=device, dtype=bundle.denoiser.dtype).contiguous(
+        memory_format=denoiser_memory_format(config))  # as the training step hands it over
+    family = bundle.family
     with torch.no_grad():
-        hidden, pooled = encode_text(bundle, ["a photo"], device)
-    sizes = {"original_size": [(res, res)], "crop_top_left": [(0, 0)], "target_size": [(res, res)]}
-    hidden, added = unet_conditioning(hidden, pooled, sizes)
+        hidden, pooled = family.encode_text(bundle, ["a photo"], device, None)
+    batch = {"caption": ["a photo"], "original_size": torch.tensor([[res, res]]),
+             "crop_top_left": torch.tensor([[0, 0]])}
+    conditioning = family.conditioning(hidden, pooled, batch, res, res)
     timesteps = torch.tensor([500], device=device)
     first_encoder = next(iter(bundle.text_encoders.values()))
     ids = torch.zeros(1, 77, dtype=torch.long, device=device)
     pixels = torch.randn(1, 3, res, res, device=device, dtype=bundle.vae.dtype)
     return {
-        "unet": (bundle.unet, ((latents, timesteps, hidden), {"added_cond_kwargs": added})),
+        COMPILE_DENOISER: (bundle.denoiser,
+                           family.denoiser_arguments(latents, timesteps, conditioning)),
         "text_encoder": (first_encoder, ((ids,), {})),
         "vae": (bundle.vae.encoder, ((pixels,), {})),
     }
@@ -57,13 +60,15 @@ def explain_config(config: Config) -> dict[str, Any]:
         raise ConfigError(problems)
     device = pick_device(config.general.device)
     path = resolve_model_path(config.model.path, cache_dir_for(config.general.cache_dir))
-    bundle = load_bundle(path, config)  # the loading training does (a single file included)
+    # the loading training does (a single file included)
+    bundle = load_bundle(path, config.model, component_dtypes(config))
     for module in bundle.components().values():
         module.to(device).eval()
-    apply_unet_memory_format(bundle, config)  # the layout training compiles with
+    apply_denoiser_memory_format(bundle, config)  # the layout training compiles with
     examples = _example_inputs(bundle, config, device)
-    selected = {name: examples[name] for name in ("unet", "text_encoder", "vae")
-                if getattr(config.compile, name)}
+    wanted = {COMPILE_DENOISER: config.compile.denoiser,
+              "text_encoder": config.compile.text_encoder, "vae": config.compile.vae}
+    selected = {name: example for name, example in examples.items() if wanted[name]}
     return explain(config.compile, selected, compile_facts(config, detect_capabilities(device)))
 
 
@@ -71,5 +76,5 @@ def explain_text(config: Config) -> str:
     """`explain_config` as text for a terminal or a dialog."""
     result = explain_config(config)
     if not result:
-        return "No component is selected for compilation (compile.unet / text_encoder / vae)."
+        return "No component is selected for compilation (compile.denoiser / text_encoder / vae)."
     return format_explanation(result)

@@ -47,8 +47,7 @@ def estimated_save_bytes(config: Config) -> int:
         model = path.stat().st_size
     else:
         spec = MODEL_TYPES[config.model.type]
-        model = sum(f.stat().st_size for f in weight_files(path, ("unet", "vae",
-                                                                    *spec.text_encoders)))
+        model = sum(f.stat().st_size for f in weight_files(path, spec.components))
     formats = max(1, len(config.output.formats))
     if config.training.method == TrainingMethod.LORA:
         return max(MIN_FREE_BYTES, int(model * LORA_FRACTION) * formats)
@@ -90,7 +89,7 @@ def _check_folder(config: Config, folder: Path) -> list[Problem]:
     """Every component folder there, of `model.type`'s family, weights readable."""
     try:
         check_folder(folder, config.model.type)
-        check_weight_headers(folder, ("unet", "vae", *MODEL_TYPES[config.model.type].text_encoders))
+        check_weight_headers(folder, MODEL_TYPES[config.model.type].components)
     except FolderError as exc:
         text = str(exc)
         if "set model.type=" in text:

@@ -1,4 +1,7 @@
-"""Small pure functions for the training objective: noise offset, min-SNR weights, caption dropout."""
+"""Small pure functions around the training objective: noise offset, the MSE, caption dropout.
+
+The noise process, the target and loss weights (min-SNR) are the family's
+(`modules/models/families`, `Objective`)."""
 from __future__ import annotations
 
 import torch
@@ -13,24 +16,6 @@ def offset_noise(noise: torch.Tensor, offset_draw: torch.Tensor | None, strength
     if not strength or offset_draw is None:
         return noise
     return noise + strength * offset_draw.to(noise.device, noise.dtype)
-
-
-def snr(alphas_cumprod: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
-    """Signal-to-noise ratio alpha_bar / (1 - alpha_bar) at each timestep."""
-    a = alphas_cumprod.to(timesteps.device)[timesteps].float()
-    return a / (1.0 - a)
-
-
-def min_snr_weights(alphas_cumprod: torch.Tensor, timesteps: torch.Tensor, gamma: float,
-                    prediction_type: str) -> torch.Tensor:
-    """Per-sample loss weights of Min-SNR-gamma (Hang et al. 2023): min(SNR, gamma) / SNR.
-
-    For v-prediction the MSE on v already carries a factor SNR + 1, so the weight is
-    min(SNR, gamma) / (SNR + 1).
-    """
-    s = snr(alphas_cumprod, timesteps)
-    clipped = torch.clamp(s, max=gamma)
-    return clipped / (s + 1.0) if prediction_type == "v_prediction" else clipped / s
 
 
 def diffusion_mse(prediction: torch.Tensor, target: torch.Tensor,

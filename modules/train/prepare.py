@@ -18,7 +18,7 @@ from modules.config.validate import validate
 from modules.data.captions import CaptionsFileError, load_captions_file
 from modules.data.folders import DatasetError, DatasetSource, ScanResult, scan_datasets
 from modules.events import TrainerCallbacks
-from modules.models.loader import ModelBundle, load_model, resolve_model_path
+from modules.models.loader import ModelBundle, load_bundle, resolve_model_path
 from modules.paths import cache_dir_for
 from modules.runtime import runtime_problems
 from modules.train.backup import BackupError, ResumePoint, resume_point
@@ -46,20 +46,6 @@ def resolve_dataset_path(path: str, cache_dir: Path) -> Path:
         from modules.data.shapes import DATASET_BUILDERS
         return DATASET_BUILDERS[path](cache_dir)  # validation accepted only known names
     return Path(path)
-
-
-def load_bundle(model_path: Path, config: Config) -> ModelBundle:
-    """Load a diffusers folder, or a single-file checkpoint through the shipped configs, each
-    component at the dtype it trains at (`weights.component_dtypes`)."""
-    dtypes = component_dtypes(config)
-    from modules.models.single_file import is_single_file, load_single_file_bundle
-    if is_single_file(model_path):
-        m = config.model
-        return load_single_file_bundle(model_path, m.type, m.prediction_type, dtypes,
-                                       allow_pickle=m.allow_pickle,
-                                       tokenizer_folder=m.tokenizer_path or None,
-                                       config_folder=m.config_path or None)
-    return load_model(model_path, config.model.type, config.model.prediction_type, dtypes)
 
 
 @dataclass
@@ -127,7 +113,7 @@ def prepare_run(config: Config, callbacks: TrainerCallbacks) -> PreparedRun:
     checked = check_run(config, callbacks)
     callbacks.on_status("loading model")
     try:
-        bundle = load_bundle(checked.model_path, config)
+        bundle = load_bundle(checked.model_path, config.model, component_dtypes(config))
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         raise ConfigError([Problem("model.path", "a loadable diffusers model folder",
                                    repr(str(checked.model_path)), first_line(exc))]) from exc

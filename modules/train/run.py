@@ -10,18 +10,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from torch.utils.data import Sampler
 
+from modules.compile import COMPONENTS as COMPILE_COMPONENTS
 from modules.compile import CompileEngine
 from modules.config.optimizers import OPTIMIZERS
 from modules.config.prompts import SamplePrompt
-from modules.config.schema import Config, ModelType
-from modules.data.dataset import ImageCaptionDataset, build_dataloader
+from modules.config.schema import Config
+from modules.data.dataset import ImageCaptionDataset, epoch_dataloader, set_sampler_epoch
 from modules.events import TrainerCallbacks, TrainerCommands
-from modules.models.loader import ModelBundle, encode_text, unet_conditioning
-from modules.train.backup import (BoundaryState, NonFiniteBackup, backups_folder,
-                                  save_backup)
+from modules.models.families import ModelFamily
+from modules.models.loader import ModelBundle
+from modules.train.backup import (BackupError, BoundaryState, NonFiniteBackup, backups_folder,
+                                  save_backup, set_random_states)
 from modules.train.batch_shapes import BatchShapeLog
 from modules.train.builders import StepBudget, autocast_context, optimizer_scalars
+from modules.train.compile_guard import COMPILE_DENOISER
 from modules.train.distributed import Distributed, parameter_checksum
 from modules.train.output_lock import OutputLock
 from modules.train.record import RunRecord
@@ -52,6 +56,7 @@ class Run:
     record: RunRecord
     callbacks: TrainerCallbacks
     dataset: ImageCaptionDataset
+    batches: Sampler[list]  # the epoch batch sampler, built once (start.py); budget counts it
     params: dict[str, list[torch.nn.Parameter]]  # trained parameters, per component
     optimizer: torch.optim.Optimizer
     lr_scheduler: torch.optim.lr_scheduler.LRScheduler
@@ -86,17 +91,21 @@ class Run:
     STOP_CHECK_EVERY_STEPS = 10
 
     @property
+    def family(self) -> ModelFamily:
+        """What the model's family does differently (noise, target, conditioning, denoiser)."""
+        return self.bundle.family
+
+    @property
     def trains_text_encoder(self) -> bool:
         return any(name.startswith("text_encoder") for name in self.trained)
 
     def loader_for_epoch(self, epoch: int, skip_batches: int = 0):
-        return build_dataloader(self.dataset, batch_size=self.config.training.batch_size,
-                                skip_batches=skip_batches,
-                                seed=self.config.training.seed,
-                                num_workers=self.config.data.workers, start_epoch=epoch,
+        """The DataLoader of `epoch`, over the batch sampler the step budget was counted on."""
+        set_sampler_epoch(self.batches, epoch)
+        return epoch_dataloader(self.dataset, self.batches, seed=self.config.training.seed,
+                                num_workers=self.config.data.workers,
                                 pin_memory=self.device.type == "cuda",
-                                rank=self.dist.rank, world_size=self.dist.world_size,
-                                buckets=item_buckets(self.config, self.dataset))
+                                skip_batches=skip_batches)
 
     def stop_requested(self, commands: TrainerCommands) -> bool:
         """Stop, as seen by every process (only every few steps when there are several)."""
@@ -109,18 +118,18 @@ class Run:
     def varying_shape(self, tensor: torch.Tensor, component: str) -> torch.Tensor:
         """With aspect-ratio buckets the batch's size, height and width change between batches:
         under compile.dynamic AUTO the compiled component's input is marked up front, so a
-        whole UNet or VAE does not first compile static and then recompile at the second
-        bucket (modules/compile/dynamic_dims.py)."""
+        whole denoiser or VAE does not first compile static and then recompile at the second
+        bucket (modules/compile/dynamic_dims.py). `component` is the compile engine's name."""
         if not self.config.data.aspect_buckets:
             return tensor
         return self.guard.mark_varying_input(component, tensor)
 
-    def unet_input(self, noisy: torch.Tensor) -> torch.Tensor:
-        """The UNet's noisy latents in the UNet's memory layout (a channels-last UNet's first
+    def denoiser_input(self, noisy: torch.Tensor) -> torch.Tensor:
+        """The noisy latents in the denoiser's memory layout (a channels-last denoiser's first
         convolution then reads them without a conversion), marked for varying shapes."""
         if self.config.training.channels_last:
             noisy = noisy.contiguous(memory_format=torch.channels_last)
-        return self.varying_shape(noisy, "unet")
+        return self.varying_shape(noisy, COMPILE_DENOISER)
 
     def recompiles(self) -> int:
         """Recompiles so far, summed over the compiled components."""
@@ -151,28 +160,28 @@ class Run:
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        return self.bundle.unet.dtype
+        return self.bundle.denoiser.dtype
 
-    def encode_captions(self, batch: dict, captions: list[str]):
-        """UNet conditioning for `captions` (the batch's, after caption dropout)."""
+    def encode_captions(self, batch: dict, captions: list[str]) -> dict:
+        """The denoiser's conditioning for `captions` (the batch's, after caption dropout)."""
         if self.text_cache is not None:
             hidden, pooled = self.text_cache.encode(captions, batch.get("caption_varies"))
         else:
-            hidden, pooled = encode_text(self.bundle, captions, self.device,
-                                         encoders=self.forward)
-        # Text encoders may be kept at another dtype than the UNet (a fine-tuned UNet trains
-        # at model.train_dtype while frozen encoders stay at model.weight_dtype).
+            hidden, pooled = self.family.encode_text(self.bundle, captions, self.device,
+                                                     self.forward)
+        # Text encoders may be kept at another dtype than the denoiser (a fine-tuned denoiser
+        # trains at model.train_dtype while frozen encoders stay at model.weight_dtype).
         hidden = hidden.to(self.compute_dtype)
         pooled = None if pooled is None else pooled.to(self.compute_dtype)
-        sizes = None
-        if self.config.model.type == ModelType.SDXL:
-            _, height, width = self.pixel_shape(batch)
-            sizes = size_conditioning(batch, height, width)
-        return unet_conditioning(hidden, pooled, sizes)
+        _, height, width = self.pixel_shape(batch)
+        return self.family.conditioning(hidden, pooled, batch, height, width)
 
-    def unet(self, *args, **kwargs):
-        """The UNet's training forward (through DDP when several processes train)."""
-        return self.forward.get("unet", self.bundle.unet)(*args, **kwargs)
+    def predict(self, noisy: torch.Tensor, timesteps: torch.Tensor,
+                conditioning: dict) -> torch.Tensor:
+        """The denoiser's training forward (through DDP when several processes train)."""
+        name = self.bundle.denoiser_name
+        denoiser = self.forward.get(name, self.bundle.denoiser)
+        return self.family.predict(denoiser, self.denoiser_input(noisy), timesteps, conditioning)
 
     def gradient_sync(self, closes_window: bool):
         """Average gradients over the processes only on the micro-batch that closes a window."""
@@ -209,7 +218,52 @@ class Run:
 
     def mark_boundary(self) -> None:
         """Remember the small states as they are now, between two optimizer steps."""
-        self.boundary = BoundaryState.capture(self)
+        self.boundary = BoundaryState.capture(self.state.state_dict())
+
+    def trained_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """The trained parameters by `component.parameter_name` (stable across processes)."""
+        wanted = {id(p) for p in self.all_params()}
+        named: dict[str, torch.nn.Parameter] = {}
+        for component in self.params:
+            for name, param in self.bundle.component(component).named_parameters():
+                if id(param) in wanted:
+                    named[f"{component}.{name}"] = param
+        return named
+
+    def state_dict(self, boundary: BoundaryState) -> dict:
+        """Everything a backup holds (train/backup.py writes it): the trained weights, the
+        optimizer, LR schedule, scaler and EMA, and the small states at `boundary`."""
+        states = {"parameters": self.trained_parameters(),
+                  "optimizer": self.optimizer.state_dict(),
+                  "lr_scheduler": self.lr_scheduler.state_dict(),
+                  "training": boundary.training, "random": boundary.random}
+        if self.scaler is not None:
+            states["scaler"] = self.scaler.state_dict()
+        if self.ema is not None:
+            states["ema"] = self.ema.state_dict()
+        return states
+
+    def load_state_dict(self, states: dict) -> None:
+        """Put a backup's states into this freshly started run (same config in what changes
+        the math)."""
+        params = self.trained_parameters()
+        saved = states["parameters"]
+        if set(saved) != set(params):
+            missing = sorted(set(params) - set(saved))[:3]
+            extra = sorted(set(saved) - set(params))[:3]
+            raise BackupError(f"the backup's trained parameters do not match this run's "
+                              f"(missing {missing}, unexpected {extra})")
+        with torch.no_grad():
+            for name, param in params.items():
+                param.copy_(saved[name].to(param.device, param.dtype))
+        self.optimizer.load_state_dict(states["optimizer"])
+        self.lr_scheduler.load_state_dict(states["lr_scheduler"])
+        if self.scaler is not None and "scaler" in states:
+            self.scaler.load_state_dict(states["scaler"])
+        if self.ema is not None and "ema" in states:
+            self.ema.load_state_dict(states["ema"])
+        self.state.load_state_dict(states["training"])
+        set_random_states(states["random"])
 
     def backup_due(self) -> bool:
         out = self.config.output
@@ -229,7 +283,8 @@ class Run:
         step = self.boundary.training["step"]
         self.callbacks.on_status(f"writing a backup at step {step} ({reason})")
         try:
-            folder = guarded_write(lambda: save_backup(self, self.boundary, reason),
+            folder = guarded_write(lambda: save_backup(self.state_dict(self.boundary),
+                                                       self.config, self.output_dir, reason),
                                    backups_folder(self.output_dir), self.backup_bytes())
         except NonFiniteBackup as exc:
             self.refuse_backup(step, reason, str(exc))
@@ -310,7 +365,7 @@ class Run:
         checksums = self.dist.gather(parameter_checksum(self.all_params()))
         ran = [name for name, r in self.guard.report().items() if r.get("compiled_code_ran")]
         ran_everywhere = {name: all(self.dist.gather(1.0 if name in ran else 0.0))
-                          for name in ("unet", "text_encoder", "vae")}
+                          for name in COMPILE_COMPONENTS}
         return {"world_size": self.dist.world_size, "backend": self.dist.backend,
                 "data_parallel": {name: type(module).__name__
                                   for name, module in self.forward.items()},
@@ -382,15 +437,6 @@ class Run:
             self.writer.close()
         if self.lock is not None:
             self.lock.release()
-
-
-def size_conditioning(batch: dict, height: int, width: int) -> dict:
-    """SDXL's per-sample sizes: each image's real original size and crop, and the batch's
-    (its bucket's) height and width as the target size."""
-    count = len(batch["caption"])
-    return {"original_size": batch["original_size"].tolist(),
-            "crop_top_left": batch["crop_top_left"].tolist(),
-            "target_size": [(height, width)] * count}
 
 
 def item_buckets(config: Config, dataset) -> list[tuple[int, int]] | None:

@@ -20,7 +20,8 @@ from modules.data.captions import CaptionRules
 from modules.data.buckets import assign_buckets, bucket_counts, describe_buckets
 from modules.data.dataset import ImageCaptionDataset, epoch_batch_sampler, expand_repeats
 from modules.events import StopRequested, TrainerCallbacks, TrainerCommands
-from modules.train.backup import ResumePoint, backups_folder, load_states, restore_run
+from modules.model_types import MODEL_TYPES
+from modules.train.backup import ResumePoint, backups_folder, load_states
 from modules.train.builders import (build_lr_scheduler, build_optimizer, float32_precision,
                                     step_budget)
 from modules.train.compile_guard import build_compile_guard
@@ -32,7 +33,7 @@ from modules.train.run import Run, item_buckets
 from modules.train.state import TrainingState, draws_generator
 from modules.train.text_cache import TextEncoderCache
 from modules.util.atomic import atomic_write_text, remove_temporaries
-from modules.train.weights import (apply_unet_memory_format, enable_gradient_checkpointing,
+from modules.train.weights import (apply_denoiser_memory_format, enable_gradient_checkpointing,
                                    prepare_trainable, trained_components)
 
 
@@ -93,7 +94,7 @@ def build_run(prepared: PreparedRun, callbacks: TrainerCallbacks, dist: Distribu
         enable_gradient_checkpointing(bundle, trained)
     for module in bundle.components().values():
         module.to(device)
-    apply_unet_memory_format(bundle, config)
+    apply_denoiser_memory_format(bundle, config)
 
     try:
         dataset = build_dataset(prepared, callbacks, lambda: commands.stop_requested)
@@ -139,9 +140,9 @@ def build_run(prepared: PreparedRun, callbacks: TrainerCallbacks, dist: Distribu
         from torch.utils.tensorboard import SummaryWriter
         writer = SummaryWriter(str(output_dir / "tensorboard"))
     state = TrainingState(generator=draws_generator(config.training.seed, dist.rank))
-    run = Run(config, bundle, device, output_dir, record, callbacks, dataset, params, optimizer,
-              build_lr_scheduler(config, optimizer, budget.total_steps), budget, guard, dist,
-              state, scaler=scaler, writer=writer, trained=trained, ema=ema,
+    run = Run(config, bundle, device, output_dir, record, callbacks, dataset, batches, params,
+              optimizer, build_lr_scheduler(config, optimizer, budget.total_steps), budget,
+              guard, dist, state, scaler=scaler, writer=writer, trained=trained, ema=ema,
               text_cache=text_cache, forward=forward, restore_precision=restore_precision,
               lock=lock, prompts=sample_prompts(config)[0])  # check_inputs read them already
     if prepared.resume is not None:
@@ -222,7 +223,7 @@ def resume_run(run: Run, resume: ResumePoint) -> None:
     """Load the backup into the freshly built run (weights, optimizer, schedule, states)."""
     run.callbacks.on_status(f"resuming from {resume.folder} (step {resume.step})")
     _, states = load_states(resume.folder)
-    restore_run(run, states)
+    run.load_state_dict(states)
     apply_changed_learning_rates(run)
     run.last_backup_step = run.step
 
@@ -266,7 +267,8 @@ def apply_changed_learning_rates(run: Run) -> None:
     config this recomputes exactly the rate the backup held."""
     scheduler = run.lr_scheduler
     for i, group in enumerate(run.optimizer.param_groups):
-        own = getattr(run.config.components, group["name"]).learning_rate
+        key = MODEL_TYPES[run.config.model.type].config_key(group["name"])
+        own = getattr(run.config.components, key).learning_rate
         base = run.config.training.learning_rate if own is None else own
         group["initial_lr"] = base
         scheduler.base_lrs[i] = base

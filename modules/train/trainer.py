@@ -14,7 +14,7 @@ from modules.config.problems import ConfigError
 from modules.config.schema import Config, MixedPrecision
 from modules.events import (NullCallbacks, Progress, StopRequested, TrainerCallbacks,
                             TrainerCommands)
-from modules.train.objectives import diffusion_mse, drop_captions, min_snr_weights, offset_noise
+from modules.train.objectives import diffusion_mse, drop_captions, offset_noise
 from modules.train.distributed import init_distributed
 from modules.train.eta import estimated_sample_seconds, eta_seconds, samples_still_due
 from modules.train.history import record_compile_time
@@ -146,30 +146,25 @@ def batches(run: Run, commands: TrainerCommands) -> Iterator[tuple[int, dict, bo
 def micro_step(run: Run, batch: dict, draws: Draws) -> torch.Tensor:
     """One forward + backward on a batch: encode, noise, predict, loss, backward.
 
-    Returns the loss as a tensor on the device: reading it (a host sync) waits for the
-    optimizer step, so CUDA graphs and asynchronous kernels are not stalled every micro-step.
+    What differs between model families (the noise and the target, the conditioning, how the
+    denoiser is called) is asked of `run.family`. Returns the loss as a tensor on the device:
+    reading it (a host sync) waits for the optimizer step, so CUDA graphs and asynchronous
+    kernels are not stalled every micro-step.
     """
-    bundle, device, t = run.bundle, run.device, run.config.training
-    scheduler = bundle.noise_scheduler
+    objective, device, t = run.family.objective, run.device, run.config.training
     with run.autocast():
         with torch.no_grad():
             latents = run.encode_latents(batch, draws.vae_eps)
         noise = offset_noise(draws.noise.to(device, latents.dtype), draws.noise_offset,
                              t.noise_offset)
         timesteps = draws.timesteps.to(device)
-        noisy = scheduler.add_noise(latents, noise, timesteps)
+        noisy, target = objective.noisy_and_target(run.bundle, latents, noise, timesteps)
         captions = drop_captions(batch["caption"], draws.caption_dropout,
                                  run.config.data.caption_dropout)
         with torch.set_grad_enabled(run.trains_text_encoder):
-            hidden, added = run.encode_captions(batch, captions)
-        prediction = run.unet(run.unet_input(noisy), timesteps, hidden,
-                              added_cond_kwargs=added).sample
-        if bundle.prediction_type == "v_prediction":
-            target = scheduler.get_velocity(latents, noise, timesteps)
-        else:
-            target = noise
-        weights = (min_snr_weights(scheduler.alphas_cumprod, timesteps, t.min_snr_gamma,
-                                   bundle.prediction_type) if t.min_snr_gamma else None)
+            conditioning = run.encode_captions(batch, captions)
+        prediction = run.predict(noisy, timesteps, conditioning)
+        weights = objective.loss_weights(run.bundle, timesteps, t.min_snr_gamma)
         loss = diffusion_mse(prediction, target, weights)
     run.backward(loss / t.gradient_accumulation)
     return loss.detach()
@@ -189,7 +184,7 @@ def training_loop(run: Run, callbacks: TrainerCallbacks, commands: TrainerComman
         if window is None:  # the first micro-batch of an optimizer step
             state.reseed_draws(config.training.seed, run.dist.rank)
         draws = draw_randomness(state.generator, latent_shape(run.bundle.vae, *pixel_shape),
-                                run.bundle.noise_scheduler.config.num_train_timesteps,
+                                run.family.objective.train_timesteps(run.bundle),
                                 need_vae_eps="latents" not in batch)
         if window is None:  # a compile failure replays the whole window
             window = run.guard.window()

@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from modules.config.schema import Config, DType, ModelType, SaveFormat, TrainingMethod
+from modules.config.schema import Config, DType, SaveFormat, TrainingMethod
+from modules.models.families import family_of
 from modules.models.loader import TORCH_DTYPES, ModelBundle
 from modules.model_types import MODEL_TYPES
 from modules.models.single_file import clip_key_with_text_model, rename_weight_keys
@@ -23,7 +24,7 @@ LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 def trained_components(config: Config) -> list[str]:
     """Names of the components this run trains, in the model type's order."""
     spec = MODEL_TYPES[config.model.type]
-    return [n for n in spec.components if getattr(config.components, n).train]
+    return [n for n in spec.components if getattr(config.components, spec.config_key(n)).train]
 
 
 def component_dtypes(config: Config) -> dict[str, torch.dtype]:
@@ -31,15 +32,17 @@ def component_dtypes(config: Config) -> dict[str, torch.dtype]:
 
     Frozen weights use `model.weight_dtype`; fully trained components their training dtype from
     the start (loading them at a 16-bit weight dtype first would round the weights the run
-    starts from); SDXL's VAE stays float32 under FLOAT16, where its activations overflow to NaN.
+    starts from); a VAE whose activations overflow to NaN in float16 (SDXL's) stays float32
+    under FLOAT16.
     """
     spec = MODEL_TYPES[config.model.type]
     weight = TORCH_DTYPES[config.model.weight_dtype]
-    dtypes = {name: weight for name in ("unet", *spec.text_encoders, "vae")}
+    dtypes = {name: weight for name in spec.components}
     if config.training.method == TrainingMethod.FINE_TUNE:
         for name in trained_components(config):
             dtypes[name] = TORCH_DTYPES[config.model.train_dtype]
-    if config.model.type == ModelType.SDXL and config.model.weight_dtype == DType.FLOAT16:
+    if (family_of(config.model.type).fp16_vae_overflows
+            and config.model.weight_dtype == DType.FLOAT16):
         dtypes["vae"] = torch.float32
     return dtypes
 
@@ -65,7 +68,7 @@ def prepare_trainable(bundle: ModelBundle, config: Config) -> dict[str, list[nn.
         if name not in trained:
             continue
         if config.training.method == TrainingMethod.LORA:
-            targets = (config.training.lora_target_modules if name == "unet"
+            targets = (config.training.lora_target_modules if name == bundle.denoiser_name
                        else TEXT_ENCODER_LORA_TARGETS)
             module.add_adapter(LoraConfig(r=config.training.lora_rank,
                                           lora_alpha=config.training.lora_alpha,
@@ -81,25 +84,25 @@ def prepare_trainable(bundle: ModelBundle, config: Config) -> dict[str, list[nn.
     return params
 
 
-def unet_memory_format(config: Config) -> torch.memory_format:
-    """The UNet's memory layout (`training.channels_last`), for its weights and its input."""
+def denoiser_memory_format(config: Config) -> torch.memory_format:
+    """The denoiser's memory layout (`training.channels_last`), for its weights and its input."""
     return torch.channels_last if config.training.channels_last else torch.contiguous_format
 
 
-def apply_unet_memory_format(bundle: ModelBundle, config: Config) -> None:
-    """Store the UNet's 4-D weights channels-last when asked (before it is compiled, so the
+def apply_denoiser_memory_format(bundle: ModelBundle, config: Config) -> None:
+    """Store the denoiser's 4-D weights channels-last when asked (before it is compiled, so the
     compiled code is traced with the layout it runs with). Convolutions then keep their
     activations channels-last too, the layout NVIDIA tensor cores read without transposes."""
     if config.training.channels_last:
-        bundle.unet.to(memory_format=torch.channels_last)
+        bundle.denoiser.to(memory_format=torch.channels_last)
 
 
 def enable_gradient_checkpointing(bundle: ModelBundle, trained: list[str]) -> None:
     """Recompute activations of the trained components in backward to save memory."""
     for name in trained:
         module = bundle.component(name)
-        if name == "unet":
-            module.enable_gradient_checkpointing()
+        if name == bundle.denoiser_name:
+            bundle.family.enable_gradient_checkpointing(module)
         else:
             module.gradient_checkpointing_enable()
 
@@ -172,8 +175,7 @@ def write_full_single_file(bundle: ModelBundle, config: Config, folder: Path, st
     """The whole model as one .safetensors in the original SD/SDXL layout."""
     from modules.models.single_file import save_single_file
     path = folder / SINGLE_FILE_NAME
-    components = {"unet": bundle.unet, "vae": bundle.vae, **bundle.text_encoders,
-                  "scheduler": bundle.noise_scheduler}
+    components = {**bundle.components(), "scheduler": bundle.noise_scheduler}
     save_single_file(components, path, config.model.type,
                      _metadata(bundle, config, "checkpoint", "single_file", step))
     return path
@@ -224,9 +226,8 @@ def build_pipeline(bundle: ModelBundle, config: Config, scheduler=None):
 
     spec = MODEL_TYPES[config.model.type]
     cls = getattr(diffusers, spec.pipeline_class)
-    parts = {"unet": bundle.unet, "vae": bundle.vae,
-             "scheduler": scheduler or bundle.noise_scheduler,
-             **bundle.text_encoders, **bundle.tokenizers}
+    parts = {**bundle.components(), "scheduler": scheduler or bundle.noise_scheduler,
+             **bundle.tokenizers}
     if spec.pipeline_class == "StableDiffusionPipeline":
         parts.update(safety_checker=None, feature_extractor=None, requires_safety_checker=False)
     else:

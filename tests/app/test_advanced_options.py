@@ -40,7 +40,7 @@ def test_each_backend_is_saved_and_described(app, tmp_path, backend):
     text = panel.description.cget("text")
     for fragment in BACKEND_MAPPING[backend]:
         assert fragment in text, (backend, text)
-    enabled = panel.toggles["compile.unet"].toggle.cget("state") == "normal"
+    enabled = panel.toggles["compile.denoiser"].toggle.cget("state") == "normal"
     assert enabled == (backend != "NONE")
 
 
@@ -58,7 +58,7 @@ def test_the_description_says_what_training_will_run_and_why(app):
     app.binding.set_value("training.gradient_checkpointing", True)
     text = panel.description.cget("text")
     assert '"triton.cudagraphs": False' in text and "pytorch#154306" in text
-    app.binding.set_value("compile.unet", False)
+    app.binding.set_value("compile.denoiser", False)
     assert "no component is selected" in panel.description.cget("text")
 
 
@@ -68,7 +68,7 @@ def test_component_toggles_and_details_are_saved(app, tmp_path):
     defaults = saved_compile(app, tmp_path / "a.json")
     assert defaults == {"backend": "INDUCTOR"}            # UNet on, TE/VAE off by default
 
-    for path in ("compile.unet", "compile.text_encoder", "compile.vae"):
+    for path in ("compile.denoiser", "compile.text_encoder", "compile.vae"):
         panel.toggles[path].toggle.toggle()               # a click on each checkbox
     views = {v.path: v for v in panel.details}
     other_scope = next(s for s in CompileScope if s != CompileConfig().scope).value
@@ -79,7 +79,7 @@ def test_component_toggles_and_details_are_saved(app, tmp_path):
     views["compile.strict"].toggle.toggle()
     views["compile.cache_dir"].var.set(str(tmp_path / "cc"))
     saved = saved_compile(app, tmp_path / "b.json")
-    assert saved == {"backend": "INDUCTOR", "unet": False, "text_encoder": True, "vae": True,
+    assert saved == {"backend": "INDUCTOR", "denoiser": False, "text_encoder": True, "vae": True,
                      "scope": other_scope, "mode": "MAX_AUTOTUNE", "dynamic": "STATIC",
                      "fullgraph": True, "strict": True, "cache_dir": "cc"}  # relative to preset
     loaded = load_config(tmp_path / "b.json").compile
@@ -90,7 +90,7 @@ def test_component_toggles_and_details_are_saved(app, tmp_path):
 def test_compile_panel_sits_in_advanced_options_in_design_order(app):
     assert app.registry.tab_of["compile.backend"] == TAB
     panel = app.compile_panel
-    ys = [panel.backend.frame.winfo_y(), panel.toggles["compile.unet"].frame.master.winfo_y(),
+    ys = [panel.backend.frame.winfo_y(), panel.toggles["compile.denoiser"].frame.master.winfo_y(),
           *[v.frame.winfo_y() for v in panel.details], panel.check_button.master.winfo_y()]
     assert ys == sorted(ys)
 

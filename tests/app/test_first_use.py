@@ -28,7 +28,7 @@ def test_an_error_line_moves_no_field(app):
     settled(app)
     batch = app.registry.find("training.batch_size")
     below = app.registry.find("training.gradient_accumulation")
-    right = app.registry.find("components.unet.learning_rate")
+    right = app.registry.find("components.denoiser.learning_rate")
     before = (below.frame.winfo_rooty(), right.frame.winfo_rootx(), batch.frame.winfo_width())
     batch.var.set("four")
     settled(app)

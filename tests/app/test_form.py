@@ -46,11 +46,11 @@ def test_each_kind_of_widget_updates_the_config(app):
     cfg = app.binding.config
     view(app, "training.max_steps").var.set("17")
     view(app, "training.learning_rate").var.set("2e-4")
-    view(app, "components.unet.learning_rate").var.set("5e-5")
+    view(app, "components.denoiser.learning_rate").var.set("5e-5")
     assert (cfg.training.max_steps, cfg.training.learning_rate) == (17, 2e-4)
-    assert cfg.components.unet.learning_rate == 5e-5
-    view(app, "components.unet.learning_rate").var.set("")
-    assert cfg.components.unet.learning_rate is None          # empty means None
+    assert cfg.components.denoiser.learning_rate == 5e-5
+    view(app, "components.denoiser.learning_rate").var.set("")
+    assert cfg.components.denoiser.learning_rate is None          # empty means None
 
     view(app, "training.gradient_checkpointing").toggle.toggle()   # a click
     assert cfg.training.gradient_checkpointing is True
@@ -88,9 +88,9 @@ def test_components_the_model_type_lacks_are_greyed_with_the_reason(app):
     te2 = view(app, "components.text_encoder_2.train")
     title = app.registry.section_titles["components.text_encoder_2"]
     assert te2.toggle.cget("state") == "disabled"           # SD 1.x has no second encoder
-    assert te2.toggle.cget("progress_color") != view(app, "components.unet.train").toggle.cget(
+    assert te2.toggle.cget("progress_color") != view(app, "components.denoiser.train").toggle.cget(
         "progress_color")                                    # and it looks it
-    assert te2.label.cget("text_color") != view(app, "components.unet.train").label.cget(
+    assert te2.label.cget("text_color") != view(app, "components.denoiser.train").label.cget(
         "text_color")
     assert title.cget("text") == "Text encoder 2 (Stable Diffusion XL only)"
     assert "Stable Diffusion 1.x models have no text encoder 2" in te2.tooltips[0].text
@@ -98,7 +98,7 @@ def test_components_the_model_type_lacks_are_greyed_with_the_reason(app):
     assert app.binding.config.model.type == ModelType.SDXL
     assert view(app, "model.type").menu.get() == "Stable Diffusion XL"
     assert te2.toggle.cget("state") == "normal" and title.cget("text") == "Text encoder 2"
-    assert te2.toggle.cget("progress_color") == view(app, "components.unet.train").toggle.cget(
+    assert te2.toggle.cget("progress_color") == view(app, "components.denoiser.train").toggle.cget(
         "progress_color")
     assert te2.tooltips[0].text == te2.info.help
 

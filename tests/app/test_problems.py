@@ -17,7 +17,7 @@ def test_invalid_entries_are_flagged_at_the_field_and_block_start(app, tmp_path)
     lr.var.set("5")                                                # out of range (max 1)
     assert "between 0 and 1" in lr.error
     app.registry.find("data.resolution").var.set("100")           # parses; validate rejects
-    app.registry.find("components.unet.train").toggle.toggle()    # nothing trained
+    app.registry.find("components.denoiser.train").toggle.toggle()    # nothing trained
     app.registry.find("data.caption_extension").var.set("txt")    # advanced field
 
     assert app.runs.start() is False                           # ...and it blocks Start

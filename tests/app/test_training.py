@@ -201,7 +201,7 @@ def test_what_the_gui_saves_is_what_the_cli_trains(make_app, tmp_path):
     find("sampling.every_steps").var.set("0")
     find("sampling.prompts").set_text("a green triangle")
     find("compile.backend").menu._dropdown_callback("AOT_EAGER")
-    find("compile.unet").toggle.toggle()             # compile nothing: keeps the test fast
+    find("compile.denoiser").toggle.toggle()             # compile nothing: keeps the test fast
     presets = tmp_path / "presets"
     find("output.dir").var.set(str(presets / "runs" / "mine"))
     saved = app.presets_bar.save_as(presets / "mine.json")
@@ -216,5 +216,5 @@ def test_what_the_gui_saves_is_what_the_cli_trains(make_app, tmp_path):
     assert resolved.training.learning_rate == 0.0005
     assert resolved.training.seed == 7
     assert resolved.sampling.prompts == ["a green triangle"]
-    assert resolved.compile.backend.value == "AOT_EAGER" and resolved.compile.unet is False
+    assert resolved.compile.backend.value == "AOT_EAGER" and resolved.compile.denoiser is False
     assert resolved.training.max_steps == 2

@@ -176,7 +176,7 @@ def test_capability_degrade(caps, backend, effective, words):
 
 def test_only_selected_components_are_compiled(recorder):
     parts = components()
-    config = CompileConfig(backend=CompileBackend.AOT_EAGER, unet=False, text_encoder=True,
+    config = CompileConfig(backend=CompileBackend.AOT_EAGER, denoiser=False, text_encoder=True,
                            vae=False)
     engine = CompileEngine(config, parts, capabilities=GPU)
     engine.apply()
@@ -191,7 +191,7 @@ def test_only_selected_components_are_compiled(recorder):
 def test_vae_full_compiles_encoder_and_decoder(recorder):
     vae = nn.Module()
     vae.encoder, vae.decoder, vae.quant_conv = nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2)
-    config = CompileConfig(backend=CompileBackend.AOT_EAGER, unet=False, vae=True)
+    config = CompileConfig(backend=CompileBackend.AOT_EAGER, denoiser=False, vae=True)
     CompileEngine(config, {"vae": vae}, capabilities=GPU).apply()
     assert [module for module, _ in recorder.calls] == [vae.encoder, vae.decoder]
 

@@ -39,7 +39,7 @@ def test_reference_lists_every_field_with_its_default():
         assert row is not None, info.dotted_path
         assert info.help.replace("<", "&lt;").replace(">", "&gt;") in row
     assert "| `data.datasets[].repeats` | integer | `1` | 1 to 10,000 |" in text
-    assert "| `components.unet.train` | boolean | `true` |" in text
+    assert "| `components.denoiser.train` | boolean | `true` |" in text
     assert "| `compile.backend` | enum | `\"NONE\"` | `NONE`, `DEFAULT`" in text
 
 

@@ -29,7 +29,7 @@ def test_kinds_of_representative_fields():
         "training.learning_rate": "float", "data.caption_extension": "str",
         "compile.backend": "enum", "model.path": "path", "output.dir": "path",
         "training.lora_target_modules": "list_str", "output.formats": "list_enum",
-        "components.unet.learning_rate": "optional_float", "data.datasets": "list_dataclass",
+        "components.denoiser.learning_rate": "optional_float", "data.datasets": "list_dataclass",
     }
     assert {path: fields[path].kind for path in expected} == expected
     assert {info.kind for info in iter_fields(Config)} == set(KINDS)
@@ -37,7 +37,7 @@ def test_kinds_of_representative_fields():
 
 def test_defaults_come_from_the_default_instance():
     fields = field_map(Config)
-    assert fields["components.unet.train"].default is True  # ComponentConfig.train is False
+    assert fields["components.denoiser.train"].default is True  # ComponentConfig.train is False
     assert fields["components.vae.train"].default is False
     assert fields["data.datasets"].default == [DatasetConfig()]
     assert fields["output.formats"].default == [SaveFormat.DIFFUSERS]
@@ -63,7 +63,7 @@ def test_list_item_fields_with_a_prefix():
 
 def test_container_labels():
     labels = container_labels(Config)
-    assert labels["components.unet"] == "UNet"
+    assert labels["components.denoiser"] == "UNet"
     assert labels["compile"] == "Model compilation"
 
 
@@ -73,8 +73,8 @@ def test_a_section_rule_holds_for_its_fields_and_a_field_rule_is_the_exception()
     from modules.config.introspect import on_resume
     assert on_resume("model.path") is OnResume.MUST_MATCH           # from the section
     assert on_resume("model.allow_pickle") is OnResume.MAY_CHANGE   # the field's exception
-    assert on_resume("components.unet.train") is OnResume.MUST_MATCH
-    assert on_resume("components.unet.learning_rate") is OnResume.MAY_CHANGE
+    assert on_resume("components.denoiser.train") is OnResume.MUST_MATCH
+    assert on_resume("components.denoiser.learning_rate") is OnResume.MAY_CHANGE
     assert on_resume("training.lora_rank") is OnResume.MUST_MATCH    # declared on the field
     assert on_resume("training.learning_rate") is OnResume.MAY_CHANGE  # declared nowhere
     assert on_resume("general.cache_dir") is OnResume.IGNORED

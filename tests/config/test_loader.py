@@ -57,7 +57,7 @@ def test_unknown_key_far_from_any_gives_no_suggestion():
     ({"model": "builtin:tiny-sd15"}, "model", "an object", '"builtin:tiny-sd15"'),
     ({"model": {"path": 3}}, "model.path", "a string", "3"),
     ({"data": {"resolution": None}}, "data.resolution", "an integer", "null"),
-    ({"components": {"unet": {"learning_rate": "fast"}}}, "components.unet.learning_rate",
+    ({"components": {"denoiser": {"learning_rate": "fast"}}}, "components.denoiser.learning_rate",
      "a number or null", '"fast"'),
 ])
 def test_wrong_types_are_rejected(data, path, expected, given):
@@ -74,9 +74,9 @@ def test_whole_floats_are_accepted_as_integers_and_ints_as_floats():
 
 
 def test_optional_float_accepts_null_and_a_number():
-    config = from_dict({"components": {"unet": {"learning_rate": None},
+    config = from_dict({"components": {"denoiser": {"learning_rate": None},
                                        "text_encoder": {"learning_rate": 5e-5}}})
-    assert config.components.unet.learning_rate is None
+    assert config.components.denoiser.learning_rate is None
     assert config.components.text_encoder.learning_rate == 5e-5
 
 

@@ -17,7 +17,8 @@ def test_v0_to_v1_renames_compile_mode_to_backend():
     data = migrate({"config_version": 0, "compile": {"mode": "AOT_EAGER", "unet": True}},
                    problems)
     assert problems == []
-    assert data == {"config_version": 1, "compile": {"backend": "AOT_EAGER", "unet": True}}
+    assert data == {"config_version": CONFIG_VERSION,
+                    "compile": {"backend": "AOT_EAGER", "denoiser": True}}
 
 
 def test_v0_to_v1_keeps_mode_when_backend_is_present():
@@ -30,6 +31,34 @@ def test_v0_to_v1_does_not_modify_its_input():
     original = {"compile": {"mode": "AOT_EAGER"}}
     migrate(original, [])
     assert original == {"compile": {"mode": "AOT_EAGER"}}
+
+
+def test_v1_to_v2_names_the_denoiser_in_components_and_compile():
+    old = {"config_version": 1, "components": {"unet": {"train": False, "learning_rate": 1e-5},
+                                               "text_encoder": {"train": True}},
+           "compile": {"backend": "AOT_EAGER", "unet": False}}
+    data = migrate(old, [])
+    assert data["components"] == {"denoiser": {"train": False, "learning_rate": 1e-5},
+                                  "text_encoder": {"train": True}}
+    assert data["compile"] == {"backend": "AOT_EAGER", "denoiser": False}
+    assert "unet" in old["compile"]  # the input is left alone
+
+
+def test_an_old_file_with_unet_keys_loads_as_the_same_config(tmp_path):
+    import json
+
+    from modules.config import load_config
+    old, new = tmp_path / "old.json", tmp_path / "new.json"
+    old.write_text(json.dumps({"config_version": 1,
+                               "components": {"unet": {"train": False},
+                                              "text_encoder": {"train": True}},
+                               "compile": {"unet": False, "vae": True}}))
+    new.write_text(json.dumps({"config_version": CONFIG_VERSION,
+                               "components": {"denoiser": {"train": False},
+                                              "text_encoder": {"train": True}},
+                               "compile": {"denoiser": False, "vae": True}}))
+    assert load_config(old) == load_config(new)
+    assert load_config(old).components.denoiser.train is False
 
 
 def test_file_without_version_is_v0_and_gets_migrated():

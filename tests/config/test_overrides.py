@@ -26,12 +26,12 @@ def problems_of(*assignments: str) -> dict:
     ("false", False), ("FALSE", False), ("0", False), ("no", False), ("off", False),
 ])
 def test_bool_spellings(text, value):
-    assert set_(f"compile.unet={text}").compile.unet is value
+    assert set_(f"compile.denoiser={text}").compile.denoiser is value
     assert set_(f"data.center_crop={text}").data.center_crop is value
 
 
 def test_bad_bool_is_rejected():
-    problem = problems_of("compile.unet=maybe")["compile.unet"]
+    problem = problems_of("compile.denoiser=maybe")["compile.denoiser"]
     assert (problem.expected, problem.given) == ("true or false", '"maybe"')
 
 
@@ -102,17 +102,17 @@ def test_bad_item_in_list_of_enums_is_named_by_index():
 @pytest.mark.parametrize("text", ["none", "None", "null", "NULL", ""])
 def test_optional_float_none(text):
     config = Config()
-    config.components.unet.learning_rate = 1e-5
-    result = set_(f"components.unet.learning_rate={text}", config=config)
-    assert result.components.unet.learning_rate is None
+    config.components.denoiser.learning_rate = 1e-5
+    result = set_(f"components.denoiser.learning_rate={text}", config=config)
+    assert result.components.denoiser.learning_rate is None
 
 
 def test_optional_float_number():
-    assert set_("components.unet.learning_rate=5e-5").components.unet.learning_rate == 5e-5
+    assert set_("components.denoiser.learning_rate=5e-5").components.denoiser.learning_rate == 5e-5
 
 
 def test_optional_float_bad_value():
-    problem = problems_of("components.unet.learning_rate=fast")["components.unet.learning_rate"]
+    problem = problems_of("components.denoiser.learning_rate=fast")["components.denoiser.learning_rate"]
     assert problem.expected == "a number or null"
 
 
@@ -192,7 +192,7 @@ def test_bad_json_is_reported_with_its_position():
 def test_several_bad_sets_are_reported_at_once():
     with pytest.raises(ConfigError) as info:
         set_("training.max_step=3", "compile.backend=tvm", "data.datasets[3].path=x",
-             "sampling.prompts=[", "training.learning_rate=2", "compile.unet=true")
+             "sampling.prompts=[", "training.learning_rate=2", "compile.denoiser=true")
     paths = [p.path for p in info.value.problems]
     assert sorted(paths) == sorted(["training.max_step", "compile.backend",
                                     "data.datasets[3].path", "sampling.prompts",
@@ -254,3 +254,10 @@ def test_file_paths_use_the_file_folder_and_set_paths_the_cwd(tmp_path):
                              ["data.datasets[1].path=mine"], cwd=tmp_path / "work")
     assert config.data.datasets[0].path == str(preset_dir.resolve() / "images")
     assert config.data.datasets[1].path == str((tmp_path / "work" / "mine").resolve())
+
+
+def test_keys_renamed_by_a_migration_are_still_accepted():
+    """`compile.unet` and `components.unet.*` (config version 1) set the denoiser's fields."""
+    config = set_("compile.unet=false", "components.unet.learning_rate=5e-5")
+    assert config.compile.denoiser is False
+    assert config.components.denoiser.learning_rate == 5e-5

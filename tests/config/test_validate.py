@@ -40,18 +40,18 @@ def test_training_the_vae():
 
 
 def test_nothing_trained():
-    problem = problems_of(config_with("components.unet.train=false"))["components"]
+    problem = problems_of(config_with("components.denoiser.train=false"))["components"]
     assert problem.expected == "at least one component with train = true"
 
 
 def test_only_the_vae_trained_also_means_nothing_trained():
-    problems = problems_of(config_with("components.unet.train=false",
+    problems = problems_of(config_with("components.denoiser.train=false",
                                        "components.vae.train=true"))
     assert set(problems) == {"components", "components.vae.train"}
 
 
 def test_only_an_absent_component_trained_means_nothing_trained():
-    problems = problems_of(config_with("components.unet.train=false",
+    problems = problems_of(config_with("components.denoiser.train=false",
                                        "components.text_encoder_2.train=true"))
     assert set(problems) == {"components", "components.text_encoder_2.train"}
 

@@ -9,7 +9,7 @@ from PIL import Image
 
 from modules.data.dataset import (BucketBatchSampler, EpochShuffleSampler, ImageCaptionDataset,
                                   build_dataloader, collate_examples, epoch_batch_sampler,
-                                  expand_repeats)
+                                  epoch_dataloader, expand_repeats, set_sampler_epoch)
 from modules.data.folders import DatasetSource, scan_datasets
 
 RES = 16
@@ -112,6 +112,20 @@ def test_dataloader_is_reproducible_from_the_seed(tmp_path: Path) -> None:
     assert [p for p, _ in first[:3]] != [p for p, _ in first[3:]]  # epoch 2 reshuffled
     resumed = run_epochs(build_dataloader(dataset, batch_size=2, seed=3, start_epoch=1), 1)
     assert all(p1 == p2 and torch.equal(x1, x2) for (p1, x1), (p2, x2) in zip(first[3:], resumed))
+
+
+def test_one_batch_sampler_serves_every_epoch_as_a_fresh_one_would(tmp_path: Path) -> None:
+    """A run builds its batch sampler once (its length is the step budget) and sets each
+    epoch on it: the batches are those of a loader built for that epoch, resume included."""
+    dataset = make_dataset(tmp_path, count=5)
+    batches = epoch_batch_sampler(len(dataset), 2, 3)
+
+    for epoch, skip in ((1, 0), (0, 0), (1, 2)):
+        set_sampler_epoch(batches, epoch)
+        once = run_epochs(epoch_dataloader(dataset, batches, seed=3, skip_batches=skip), 1)
+        fresh = run_epochs(build_dataloader(dataset, batch_size=2, seed=3, start_epoch=epoch,
+                                            skip_batches=skip), 1)
+        assert [p for p, _ in once] == [p for p, _ in fresh] and len(once) == 3 - skip
 
 
 def test_workers_give_the_same_batches_as_the_main_process(tmp_path: Path) -> None:

@@ -113,7 +113,6 @@ def test_triton_through_three_buckets_never_crashes_mid_epoch(tiny_config, tmp_p
 def test_cached_captions_stay_themselves_under_cuda_graphs(cuda_config, monkeypatch):  # item 5
     """Each cached caption is its own encoding, not another caption's: a cache entry that
     aliased a CUDA graph's output would hold whatever the next replay wrote there."""
-    from modules.models.loader import encode_text
     from modules.train import text_cache
 
     caches = []
@@ -140,7 +139,8 @@ def test_cached_captions_stay_themselves_under_cuda_graphs(cuda_config, monkeypa
     try:
         assert record_of(result)["precision"] == precision  # the one the cache was filled at
         with torch.no_grad():
-            fresh = {caption: encode_text(cache.bundle, [caption], torch.device("cuda"))[0][0]
+            fresh = {caption: cache.bundle.family.encode_text(cache.bundle, [caption],
+                                                           torch.device("cuda"), None)[0][0]
                      .clone() for caption in cache.entries}
     finally:
         restore()

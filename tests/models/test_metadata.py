@@ -64,12 +64,12 @@ def test_saved_kohya_and_single_file_carry_the_metadata(tempera_cache, tmp_path)
     folder = ensure_builtin_model("builtin:tiny-sd15", tempera_cache)
     bundle = load_model(folder, ModelType.SD15, PredictionType.AUTO)
     config = _config_dict()
-    full = save_single_file({"unet": bundle.unet, "vae": bundle.vae, **bundle.text_encoders},
+    full = save_single_file({"unet": bundle.denoiser, "vae": bundle.vae, **bundle.text_encoders},
                             tmp_path / "full.safetensors", ModelType.SD15,
                             training_metadata(config, ModelType.SD15, "FINE_TUNE", "checkpoint",
                                               layout="single_file"))
-    bundle.unet.add_adapter(LoraConfig(r=8, lora_alpha=4, target_modules=["to_q"]))
-    lora = save_kohya_lora({"unet": bundle.unet}, tmp_path / "lora.safetensors", 4.0,
+    bundle.denoiser.add_adapter(LoraConfig(r=8, lora_alpha=4, target_modules=["to_q"]))
+    lora = save_kohya_lora({"unet": bundle.denoiser}, tmp_path / "lora.safetensors", 4.0,
                            ModelType.SD15,
                            training_metadata(config, ModelType.SD15, "LORA", "lora"))
     lora_meta = safe_open(str(lora), "pt").metadata()

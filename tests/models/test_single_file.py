@@ -18,7 +18,7 @@ from modules.model_types import MODEL_TYPES
 def _tiny(model_type, cache):
     folder = ensure_builtin_model(MODEL_TYPES[model_type].builtin, cache)
     bundle = load_model(folder, model_type, PredictionType.AUTO)
-    components = {"unet": bundle.unet, "vae": bundle.vae, **bundle.text_encoders,
+    components = {"unet": bundle.denoiser, "vae": bundle.vae, **bundle.text_encoders,
                   "scheduler": bundle.noise_scheduler}
     return folder, components
 

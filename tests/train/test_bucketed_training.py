@@ -15,9 +15,8 @@ from modules.data.buckets import assign_buckets
 from modules.data.dataset import ImageCaptionDataset, collate_examples, expand_repeats
 from modules.data.folders import DatasetSource, scan_datasets
 from modules.events import RecordingCallbacks
-from modules.models.loader import sdxl_time_ids
+from modules.models.families.sdxl import sdxl_time_ids, size_conditioning
 from modules.train.batch_shapes import BatchShapeLog
-from modules.train.run import size_conditioning
 from modules.train.trainer import train
 
 # At resolution 256 (max aspect 2) the buckets are 192x320, 256x256 and 320x192 (h x w).
@@ -139,7 +138,7 @@ def test_size_conditioning_uses_the_real_crop_and_the_bucket_size(tmp_path):
 
 def test_sdxl_trains_with_buckets_and_conditions_on_the_bucket(tiny_config, tmp_path,
                                                                monkeypatch):
-    import modules.models.loader as loader
+    import modules.models.families.sdxl as sdxl
     seen: list[list[list[int]]] = []
 
     def spy(sizes, device, dtype):
@@ -148,7 +147,7 @@ def test_sdxl_trains_with_buckets_and_conditions_on_the_bucket(tiny_config, tmp_
                                                       sizes["target_size"])])
         return sdxl_time_ids(sizes, device, dtype)
 
-    monkeypatch.setattr(loader, "sdxl_time_ids", spy)
+    monkeypatch.setattr(sdxl, "sdxl_time_ids", spy)
     folder = make_images(tmp_path / "data", [WIDE, SQUARE, TALL])
 
     result = train(bucket_config(tiny_config, folder, "model.path=builtin:tiny-sdxl",

@@ -29,7 +29,7 @@ def _train(config, monkeypatch) -> tuple[list[float], list[tuple[bool, bool]]]:
     def spy(run, callbacks, commands):
         result = loop(run, callbacks, commands)
         seen["layouts"] = [(w.is_contiguous(memory_format=torch.channels_last),
-                            w.is_contiguous()) for w in _conv_weights(run.bundle.unet)]
+                            w.is_contiguous()) for w in _conv_weights(run.bundle.denoiser)]
         return result
 
     monkeypatch.setattr(trainer, "training_loop", spy)

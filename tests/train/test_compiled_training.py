@@ -18,7 +18,7 @@ def test_aot_eager_training_matches_eager_and_saves_the_same_keys(tiny_config, t
     eager = train(tiny_config(f"output.dir={tmp_path / 'eager'}", "training.max_steps=4"))
     callbacks = RecordingCallbacks()
     compiled = train(tiny_config(f"output.dir={tmp_path / 'compiled'}", "training.max_steps=4",
-                                 "compile.backend=AOT_EAGER", "compile.unet=true",
+                                 "compile.backend=AOT_EAGER", "compile.denoiser=true",
                                  "compile.text_encoder=true"), callbacks)
     assert _record(compiled)["losses"] == pytest.approx(_record(eager)["losses"], rel=1e-4)
 

@@ -28,7 +28,7 @@ def _record(result) -> dict:
 def test_sampling_every_few_steps_does_not_recompile_the_compiled_unet(tiny_config):
     callbacks = RecordingCallbacks()
     result = train(tiny_config("training.max_steps=6", "compile.backend=AOT_EAGER",
-                               "compile.unet=true", "sampling.every_steps=2",
+                               "compile.denoiser=true", "sampling.every_steps=2",
                                "sampling.steps=2", 'sampling.prompts=["a red circle"]'),
                    callbacks)
     record = _record(result)
@@ -163,9 +163,10 @@ def test_pinned_memory_on_cuda_only(monkeypatch, tiny_config):
     import modules.train.run as run_module
 
     seen = {}
-    monkeypatch.setattr(run_module, "build_dataloader", lambda *a, **kw: seen.update(kw))
-    fake = SimpleNamespace(config=tiny_config(), dataset=[], dist=SimpleNamespace(rank=0,
-                                                                                 world_size=1))
+    monkeypatch.setattr(run_module, "epoch_dataloader", lambda *a, **kw: seen.update(kw))
+    monkeypatch.setattr(run_module, "set_sampler_epoch", lambda batches, epoch: None)
+    fake = SimpleNamespace(config=tiny_config(), dataset=[], batches=None,
+                           dist=SimpleNamespace(rank=0, world_size=1))
     for device, pinned in (("cuda", True), ("cpu", False)):
         fake.device = torch.device(device)
         Run.loader_for_epoch(fake, 0)
@@ -205,8 +206,8 @@ def test_a_fine_tuned_unet_is_loaded_at_its_training_dtype_not_rounded(tiny_conf
                          "model.train_dtype=FLOAT32")
     prepared = prepare_run(config, NullCallbacks())
     exact = load_model(prepared.bundle.path, config.model.type, config.model.prediction_type)
-    got, want = prepared.bundle.unet.state_dict(), exact.unet.state_dict()
-    assert prepared.bundle.unet.dtype == torch.float32
+    got, want = prepared.bundle.denoiser.state_dict(), exact.denoiser.state_dict()
+    assert prepared.bundle.denoiser.dtype == torch.float32
     assert all(torch.equal(got[k], want[k]) for k in want)  # not rounded through bfloat16
     assert prepared.bundle.vae.dtype == torch.bfloat16
 
@@ -218,4 +219,4 @@ def test_sdxl_keeps_its_vae_in_float32_under_float16(tiny_config):
     config = tiny_config("model.path=builtin:tiny-sdxl", "model.type=SDXL",
                          "model.weight_dtype=FLOAT16")
     bundle = prepare_run(config, NullCallbacks()).bundle
-    assert bundle.vae.dtype == torch.float32 and bundle.unet.dtype == torch.float16
+    assert bundle.vae.dtype == torch.float32 and bundle.denoiser.dtype == torch.float16

@@ -10,7 +10,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "explain_compile.py"
 
 
 def test_explains_only_selected_components_and_reports_the_degrade(tiny_config):
-    config = tiny_config("compile.backend=TRITON", "compile.unet=true",
+    config = tiny_config("compile.backend=TRITON", "compile.denoiser=true",
                          "compile.text_encoder=true", "compile.vae=false")
     result = explain_config(config)
     assert set(result) == {"unet", "text_encoder"}
@@ -45,7 +45,7 @@ def test_check_compilation_loads_a_single_file_model_as_training_does(tiny_confi
                                    "text_encoder": pipe.text_encoder, "scheduler": pipe.scheduler},
                                   tmp_path / "my-model.safetensors", ModelType.SD15)
     config = tiny_config(f"model.path={checkpoint}", f"model.config_path={folder}",
-                         "compile.backend=AOT_EAGER", "compile.unet=true")
+                         "compile.backend=AOT_EAGER", "compile.denoiser=true")
     assert set(explain_config(config)) == {"unet"}
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from modules.cli.train import main
 from modules.model_types import ModelType
-from modules.models.family import detect_folder_type
+from modules.models.families.sd import detect_folder_type
 from modules.models.tiny import ensure_builtin_model
 from modules.train.inputs import check_inputs
 

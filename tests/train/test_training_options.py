@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from modules.models.families import sd as sd_family
 from modules.train import objectives
 from modules.train.trainer import train
 
@@ -24,10 +25,10 @@ def test_min_snr_weights_follow_the_formula():
     alphas = torch.tensor([0.99, 0.5, 0.01])
     t = torch.tensor([0, 1, 2])
     snr = alphas / (1 - alphas)  # 99, 1, ~0.0101
-    eps = objectives.min_snr_weights(alphas, t, 5.0, "epsilon")
+    eps = sd_family.min_snr_weights(alphas, t, 5.0, "epsilon")
     assert torch.allclose(eps, torch.minimum(snr, torch.tensor(5.0)) / snr)
     assert eps[0] == pytest.approx(5 / 99) and eps[1] == pytest.approx(1.0)
-    v = objectives.min_snr_weights(alphas, t, 5.0, "v_prediction")
+    v = sd_family.min_snr_weights(alphas, t, 5.0, "v_prediction")
     assert torch.allclose(v, torch.minimum(snr, torch.tensor(5.0)) / (snr + 1))
 
 
@@ -70,15 +71,20 @@ def test_ema_saves_averaged_weights_without_changing_training(tiny_config, tmp_p
 
 def test_text_encoder_cache_encodes_each_caption_once_and_matches(tiny_config, tmp_path,
                                                                   monkeypatch):
-    import modules.train.text_cache as text_cache
+    import dataclasses
+
+    from modules.model_types import ModelType
+    from modules.models.families import FAMILIES
     calls = []
-    real = text_cache.encode_text
-    monkeypatch.setattr(text_cache, "encode_text",
-                        lambda bundle, captions, device: calls.append(len(captions))
-                        or real(bundle, captions, device))
+    family = FAMILIES[ModelType.SD15]
+    counting = dataclasses.replace(
+        family, encode_text=lambda bundle, captions, device, encoders: calls.append(len(captions))
+        or family.encode_text(bundle, captions, device, encoders))
     overrides = ["training.max_steps=30", "training.batch_size=4"]
-    cached = train(tiny_config(f"output.dir={tmp_path / 'c'}", "data.cache_text_encoder_outputs=true",
-                               *overrides))
+    with monkeypatch.context() as patch:  # counts the cached run's encodes only
+        patch.setitem(FAMILIES, ModelType.SD15, counting)
+        cached = train(tiny_config(f"output.dir={tmp_path / 'c'}",
+                                   "data.cache_text_encoder_outputs=true", *overrides))
     plain = train(tiny_config(f"output.dir={tmp_path / 'p'}", *overrides))
     dataset = Path(json.loads((cached.output_dir / "config.json").read_text())
                    ["data"]["datasets"][0]["path"])

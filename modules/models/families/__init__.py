@@ -1,0 +1,24 @@
+"""The model families, by model type: an explicit table, no registration at import time.
+
+`family_of(model_type)` is how the trainer, the loaders and the compile guard learn what a
+family does differently (`base.ModelFamily`).
+"""
+from __future__ import annotations
+
+from modules.model_types import ModelType
+from modules.models.families.base import ModelFamily, Objective
+from modules.models.families.sd import sd_family
+from modules.models.families.sdxl import SDXL
+
+FAMILIES: dict[ModelType, ModelFamily] = {
+    ModelType.SD15: sd_family(ModelType.SD15),
+    ModelType.SD2: sd_family(ModelType.SD2),
+    ModelType.SDXL: SDXL,
+}
+
+
+def family_of(model_type: ModelType) -> ModelFamily:
+    return FAMILIES[model_type]
+
+
+__all__ = ["FAMILIES", "ModelFamily", "Objective", "family_of"]
