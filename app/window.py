@@ -19,7 +19,7 @@ import customtkinter as ctk
 from app.benchmark_panel import BenchFn, BenchmarkSection
 from app.binding import ConfigBinding
 from app.cloud_panel import TAB as CLOUD_TAB, CloudPanel
-from app.compile_info import format_report
+from app.compile_check import CompileCheck
 from app.compile_panel import PLACED, CompilePanel
 from app.field_states import update_cache_hints, update_component_states
 from app.form import (FieldRegistry, build_fields, fields_of_group, groups_in_order, reveal,
@@ -36,7 +36,7 @@ from app.thread_guard import ThreadGuard, tk_thread_only
 from app.widgets import bind_select_all
 from app.window_size import WindowSizing, apply_scaling, place_window
 from modules import frontend
-from modules.config import Config, ConfigError
+from modules.config import Config
 
 RUN_TAB = "Run"
 ENGINE_AFTER_MS = 100  # torch is imported this long after the window is shown (its first paint)
@@ -67,7 +67,7 @@ class TemperaApp(ctk.CTk):
         self.title("Tempera")
         place_window(self, self.settings)
         self.engine_ready = False  # the engine's heavy imports are done (`_import_engine`)
-        self.explain_fn, self.poll_ms = explain_fn, poll_ms
+        self.poll_ms = poll_ms
         self.bench_fn = bench_fn
         self.confirm = confirm or ask_yes_no
         self.ask_unsaved = ask_unsaved or ask_yes_no_cancel  # save / discard / cancel
@@ -109,6 +109,8 @@ class TemperaApp(ctk.CTk):
             benchmark_running=lambda: self.benchmark.running,
             set_check_enabled=self.compile_panel.set_check_enabled,
             show_run_tab=lambda: self.tabview.set(RUN_TAB))
+        self.compile_check = CompileCheck(self.binding, self.compile_panel, self.problems_panel,
+                                          self.runs, self.run_panel, self.events, explain_fn)
         self.binding.subscribe(self._on_config_change)
         self.protocol("WM_DELETE_WINDOW", self.on_close)
         bind_select_all(self)
@@ -148,7 +150,7 @@ class TemperaApp(ctk.CTk):
             self.scroll_frames[title] = scroll
             if group == "Advanced":
                 self.compile_panel = CompilePanel(scroll, self.binding, self.registry,
-                                                  self.check_compilation)
+                                                  lambda: self.compile_check.start())
                 self.benchmark = BenchmarkSection(
                     self.compile_panel.box, self.binding,
                     lambda problems, title: self.problems_panel.show(
@@ -245,7 +247,7 @@ class TemperaApp(ctk.CTk):
             if kind == "exit" and self.closing:
                 self._finish_close()
         elif kind == "report":
-            self._show_report(*data)
+            self.compile_check.show_report(*data)
         elif kind == "cloud_push":
             self.cloud_panel.on_pushed(*data)
             self.run_panel.log("cloud: " + self.cloud_panel.status.cget("text"))
@@ -268,38 +270,6 @@ class TemperaApp(ctk.CTk):
         self.compile_panel.load_summaries()
         if self.run_panel.status_text.endswith("Loading the training engine (torch)…"):
             self.run_panel.set_status(self._status_before_engine)  # nothing newer was said
-
-    # --- compile check -----------------------------------------------------------------------
-    def check_compilation(self) -> None:
-        explain = self.explain_fn or frontend.explain
-        panel = self.compile_panel
-        if self.binding.errors:
-            self.problems_panel.show(self.binding.field_problems(), "Fix these fields first",
-                                     source=self.binding.field_problems)
-            return
-        if self.runs.training or self.runs.checking:
-            return
-        config = self.binding.snapshot()
-        panel.set_check_enabled(False, "checking…")
-        # Both would share dynamo's process-wide state: the check resets it and compiles
-        self.runs.block_start("check", "Check compilation is running (Advanced Options): "
-                                       "wait for its report")
-        panel.show_report(f"Checking {config.compile.backend.value}… (this traces the model "
-                          "once; it can take a while)")
-        run_in_thread(lambda: explain(config), self.events, "report")
-
-    def _show_report(self, ok: bool, value: Any) -> None:
-        self.runs.block_start("check", None)
-        self.compile_panel.set_check_enabled(not self.runs.training)
-        if not ok and isinstance(value, ConfigError):
-            self.problems_panel.show(value.problems)
-            text = f"Cannot check: {len(value.problems)} problem(s), listed below the tabs."
-        elif not ok:
-            text = f"The check failed:\n{getattr(value, 'formatted_traceback', value)}"
-        else:
-            text = format_report(value)
-        self.compile_panel.show_report(text, result=True)
-        self.run_panel.log("compilation check " + ("done" if ok else "failed"))
 
     # --- closing -----------------------------------------------------------------------------
     def _save_settings(self) -> None:

@@ -102,7 +102,7 @@ def test_check_compilation_shows_the_report_of_the_chosen_backend(app):
         calls.append(config.compile.backend)
         return f"UNet: {config.compile.backend.value} -> {config.compile.backend.value}, graph_breaks 0"
 
-    app.explain_fn = fake_explain
+    app.compile_check.explain = fake_explain
     app.compile_panel.backend.menu._dropdown_callback("AOT_EAGER")
     app.compile_panel.check_button.invoke()
     from tests.app.conftest import pump

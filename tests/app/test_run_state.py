@@ -57,7 +57,7 @@ def test_resume_is_offered_for_a_killed_run_and_starts_from_the_newest_backup(ap
 
 def test_check_compilation_is_off_while_training_and_its_report_goes_stale(app, tmp_path):
     panel = app.compile_panel
-    app.explain_fn = lambda config: "UNet: AOT_EAGER, graph_breaks 0"
+    app.compile_check.explain = lambda config: "UNet: AOT_EAGER, graph_breaks 0"
     panel.backend.menu._dropdown_callback("AOT_EAGER")
     panel.check_button.invoke()
     pump(app, lambda: "graph_breaks" in panel.report_text())
@@ -95,7 +95,7 @@ def test_start_is_refused_while_check_compilation_runs(app, tmp_path):
         started.append(config)
         return SimpleNamespace(status="finished", steps=1, output_dir=tmp_path)
 
-    app.explain_fn, app.runs.train_fn = slow_explain, fake_train
+    app.compile_check.explain, app.runs.train_fn = slow_explain, fake_train
     app.registry.find("output.dir").var.set(str(tmp_path / "out"))
     pump(app)
     assert start.cget("state") == "normal"
@@ -127,7 +127,7 @@ def test_start_is_refused_while_check_compilation_runs(app, tmp_path):
 ])
 def test_a_toggle_the_compile_plan_depends_on_writes_the_config_and_outdates_a_check(app, field):
     panel = app.compile_panel
-    app.explain_fn = lambda config: "UNet: AOT_EAGER, graph_breaks 0"
+    app.compile_check.explain = lambda config: "UNet: AOT_EAGER, graph_breaks 0"
     panel.check_button.invoke()
     pump(app, lambda: "graph_breaks" in panel.report_text())
     section, name = field.split(".")
