@@ -11,13 +11,14 @@ from __future__ import annotations
 import logging
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from modules.data.errors import DatasetError
 from modules.data.images import IMAGE_EXTENSIONS, inspect_image, is_image_file, oriented_size
+from modules.data.progress import ProgressCallback
 
 logger = logging.getLogger("tempera.data")
 
@@ -106,7 +107,8 @@ class ScanResult:
 
 def scan_datasets(sources: Sequence[DatasetSource], caption_extension: str = ".txt",
                   recursive: bool = False, check_threads: int | None = None,
-                  resolution: int | None = None) -> ScanResult:
+                  resolution: int | None = None,
+                  progress: Callable[[Path], ProgressCallback] | None = None) -> ScanResult:
     """Scan every source folder into a sorted list of usable images with captions.
 
     Only files directly in each folder are read unless `recursive` (then subfolders too, each
@@ -115,7 +117,8 @@ def scan_datasets(sources: Sequence[DatasetSource], caption_extension: str = ".t
     repeat count is below 1, or no usable image is found anywhere (the message names the
     folders and the skip reasons). Images are decoded on `check_threads` threads (default: up
     to 8; PIL releases the GIL while decoding); the result does not depend on the count.
-    With `resolution`, images far smaller than it are listed in `warnings`.
+    With `resolution`, images far smaller than it are listed in `warnings`. `progress(folder)`
+    gives the callback told (images checked, images in the folder) as each image decodes.
     """
     extension = normalize_caption_extension(caption_extension)
     _check_sources(sources)
@@ -124,7 +127,7 @@ def scan_datasets(sources: Sequence[DatasetSource], caption_extension: str = ".t
     for index, source in enumerate(sources):
         before = result.num_images
         _scan_folder(Path(source.path), index, extension, recursive, threads, result,
-                     source.captions or {})
+                     source.captions or {}, progress(Path(source.path)) if progress else None)
         found = result.num_images - before
         result.images_per_source.append(found)
         if found == 0:
@@ -165,7 +168,8 @@ def _check_sources(sources: Sequence[DatasetSource]) -> None:
 
 
 def _scan_folder(folder: Path, source_index: int, caption_extension: str, recursive: bool,
-                 threads: int, result: ScanResult, listed: Mapping[str, str]) -> None:
+                 threads: int, result: ScanResult, listed: Mapping[str, str],
+                 progress: ProgressCallback | None = None) -> None:
     """Append this folder's usable images to `result.items`, its bad files to `skipped`."""
     files, hidden, broken = _list_files(folder, recursive)
     result.hidden_ignored += hidden
@@ -180,8 +184,12 @@ def _scan_folder(folder: Path, source_index: int, caption_extension: str, recurs
                                 f"{'/'.join(sorted(IMAGE_EXTENSIONS))})")
     images = [path for path in files if is_image_file(path)]
     empty: list[Path] = []
+    checks = []
     with ThreadPoolExecutor(max_workers=threads) as pool:
-        checks = list(pool.map(inspect_image, images))  # map keeps the sorted order
+        for check in pool.map(inspect_image, images):  # map keeps the sorted order
+            checks.append(check)
+            if progress is not None:
+                progress(len(checks), len(images))
     for path, check in zip(images, checks):
         if check.reason is not None:
             _skip(result, path, check.reason)

@@ -30,6 +30,7 @@ from modules.data.errors import DatasetError
 from modules.data.folders import ScanItem
 from modules.data.images import (TargetSize, coin_flip, open_rgb, plan_crop,
                                  prepare_image, target_hw)
+from modules.data.progress import ProgressCallback
 from modules.events import StopRequested
 from modules.util.atomic import atomic_file
 
@@ -43,7 +44,6 @@ _HASH_CHUNK = 1 << 20
 _SAMPLED_BYTES_PER_TENSOR = 16 * 1024
 
 EncodeFn = Callable[[torch.Tensor], torch.Tensor]
-ProgressCallback = Callable[[int, int], None]
 
 
 class ContentHasher:

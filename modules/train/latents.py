@@ -6,6 +6,7 @@ from collections.abc import Callable
 import torch
 
 from modules.data.dataset import ImageCaptionDataset
+from modules.data.progress import RateMeter
 from modules.data.latent_cache import CachedLatentDataset, LatentCache, cache_latents, vae_fingerprint
 from modules.events import TrainerCallbacks
 from modules.train.prepare import PreparedRun
@@ -29,13 +30,11 @@ def cached_latent_dataset(dataset: ImageCaptionDataset, prepared: PreparedRun,
         posterior = vae.encode(pixels.to(device, vae.dtype)).latent_dist
         return (posterior.mean * vae.config.scaling_factor).float().cpu()
 
-    def progress(done: int, total: int) -> None:
-        if done == total or done % 16 == 0:
-            callbacks.on_status(f"caching latents: {done}/{total}")
-
     stats = cache_latents(dataset.items, encode, cache, dataset.resolution,
                           center_crop=dataset.center_crop, random_flip=dataset.random_flip,
-                          seed=dataset.seed, progress_callback=progress,
+                          seed=dataset.seed,
+                          progress_callback=RateMeter("caching latents", callbacks.on_status,
+                                                      unit="latents"),
                           target_sizes=dataset.target_sizes, should_stop=should_stop)
     callbacks.on_status(f"latent cache: {stats.hits} reused, {stats.misses} encoded")
     return CachedLatentDataset(dataset.items, stats.entries, cache,

@@ -16,6 +16,7 @@ from modules.config.schema import BUILTIN_PREFIX, Config
 from modules.config.secret_settings import masked_config, secret_warnings
 from modules.config.validate import validate
 from modules.data.captions import CaptionsFileError, load_captions_file
+from modules.data.progress import RateMeter
 from modules.data.folders import DatasetError, DatasetSource, ScanResult, scan_datasets
 from modules.events import TrainerCallbacks
 from modules.models.loader import ModelBundle, load_bundle, resolve_model_path
@@ -91,7 +92,9 @@ def check_run(config: Config, callbacks: TrainerCallbacks) -> CheckedRun:
     try:
         scan = scan_datasets(sources, caption_extension=resolved.data.caption_extension,
                              recursive=resolved.data.recursive,
-                             resolution=resolved.data.resolution)
+                             resolution=resolved.data.resolution,
+                             progress=lambda folder: RateMeter(f"scanning {folder.name}",
+                                                               callbacks.on_status))
     except DatasetError as exc:
         raise ConfigError([Problem("data.datasets", "folders with at least one readable image",
                                    str(exc))]) from exc
