@@ -207,12 +207,13 @@ def load_phases(raw: Path) -> list[dict[str, Any]]:
             for p in sorted(raw.glob("*.json"))]
 
 
-def replace_block(page: str, block: str) -> str:
-    if BEGIN not in page or END not in page:
-        raise ValueError(f"benchmarks.md has no {BEGIN} … {END} block to replace")
-    head, rest = page.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    return f"{head}{BEGIN}\n{block.rstrip()}\n{END}{tail}"
+def replace_block(page: str, block: str, begin: str = BEGIN, end: str = END) -> str:
+    """`page` with the text between the `begin` and `end` markers replaced by `block`."""
+    if begin not in page or end not in page:
+        raise ValueError(f"benchmarks.md has no {begin} … {end} block to replace")
+    head, rest = page.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    return f"{head}{begin}\n{block.rstrip()}\n{end}{tail}"
 
 
 def gpu_block(phases: list[dict[str, Any]]) -> str:
