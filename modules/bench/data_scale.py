@@ -116,6 +116,9 @@ def run(sizes: list[int], work: Path, kill_after: float, cache_up_to: int) -> di
     Latent caching is measured up to `cache_up_to` images (on a CPU it runs at a few images a
     second, so 20,000 would take hours), and the kill-and-resume on the largest of those."""
     import shutil
+    if not any(count <= cache_up_to for count in sizes):
+        raise ValueError(f"no size is at most {cache_up_to}: latent caching and its resume "
+                         "need one (lower a size or raise --cache-up-to)")
     for old in work.glob("cache-*"):
         shutil.rmtree(old)
     load_before = os.getloadavg()[0]
