@@ -31,8 +31,8 @@ def checked_and_trained(config, monkeypatch, caps: Capabilities) -> tuple[dict, 
     import modules.train.explain_run as explain_run
     from modules.models.loader import resolve_model_path
     from modules.paths import cache_dir_for
-    from modules.train.prepare import load_bundle
-    from modules.train.weights import trained_components
+    from modules.models.loader import load_bundle
+    from modules.train.weights import component_dtypes, trained_components
 
     monkeypatch.setattr(explain_run, "detect_capabilities", lambda device: caps)
     monkeypatch.setattr(compile_guard, "detect_capabilities", lambda device: caps)
@@ -42,7 +42,7 @@ def checked_and_trained(config, monkeypatch, caps: Capabilities) -> tuple[dict, 
                                                               "ops": 0, "breaks": []})
     checked = explain_run.explain_config(config)
     path = resolve_model_path(config.model.path, cache_dir_for(config.general.cache_dir))
-    bundle = _BUNDLES.get(str(path)) or _BUNDLES.setdefault(str(path), load_bundle(path, config))
+    bundle = _BUNDLES.get(str(path)) or _BUNDLES.setdefault(str(path), load_bundle(path, config.model, component_dtypes(config)))
     engine = compile_guard.build_compile_guard(config, bundle, "cpu", {},
                                                trained_components(config), NullCallbacks())
     try:
