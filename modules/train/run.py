@@ -1,5 +1,6 @@
-"""A started run: everything it owns, and the small steps the training loop reads as one
-sentence each (modules/train/start.py builds it)."""
+"""A started run's objects and state, as typed data (`TrainingRecipe.setup` in
+modules/train/recipe.py builds it; the recipe's step and loop read it), with the run's one
+`state_dict` / `load_state_dict` pair and the saving and sampling the loop asks for."""
 from __future__ import annotations
 
 import contextlib
@@ -21,11 +22,9 @@ from modules.data.dataset import ImageCaptionDataset, epoch_dataloader, set_samp
 from modules.events import TrainerCallbacks, TrainerCommands
 from modules.models.families import ModelFamily
 from modules.models.loader import ModelBundle
-from modules.train.backup import (BackupError, BoundaryState, NonFiniteBackup, backups_folder,
-                                  save_backup, set_random_states)
+from modules.train.backup import BackupError, BoundaryState, set_random_states
 from modules.train.batch_shapes import BatchShapeLog
-from modules.train.builders import StepBudget, autocast_context, optimizer_scalars
-from modules.train.compile_guard import COMPILE_DENOISER
+from modules.train.builders import StepBudget, optimizer_scalars
 from modules.train.distributed import Distributed, parameter_checksum
 from modules.train.output_lock import OutputLock
 from modules.train.record import RunRecord
@@ -43,11 +42,11 @@ if TYPE_CHECKING:  # imported where a run builds them, only when the option is o
 
 @dataclass
 class Run:
-    """One training run's objects and state, owned in one place.
+    """One training run's objects and state, owned in one place (the recipe's data).
 
-    What a backup saves and restores (train/backup.py) is exactly: the trained weights in
-    `bundle`, `optimizer`, `lr_scheduler`, `scaler`, `ema` and `state`. Everything else is
-    rebuilt from the config when a run starts.
+    What a backup saves and restores (`state_dict` / `load_state_dict`, written by
+    train/backup.py) is exactly: the trained weights in `bundle`, `optimizer`, `lr_scheduler`,
+    `scaler`, `ema` and `state`. Everything else is rebuilt from the config when a run starts.
     """
     config: Config
     bundle: ModelBundle
@@ -56,7 +55,7 @@ class Run:
     record: RunRecord
     callbacks: TrainerCallbacks
     dataset: ImageCaptionDataset
-    batches: Sampler[list]  # the epoch batch sampler, built once (start.py); budget counts it
+    batches: Sampler[list]  # the epoch batch sampler, built once (recipe.setup); budget counts it
     params: dict[str, list[torch.nn.Parameter]]  # trained parameters, per component
     optimizer: torch.optim.Optimizer
     lr_scheduler: torch.optim.lr_scheduler.LRScheduler
@@ -115,28 +114,9 @@ class Run:
             return False
         return self.dist.any(commands.stop_requested)
 
-    def varying_shape(self, tensor: torch.Tensor, component: str) -> torch.Tensor:
-        """With aspect-ratio buckets the batch's size, height and width change between batches:
-        under compile.dynamic AUTO the compiled component's input is marked up front, so a
-        whole denoiser or VAE does not first compile static and then recompile at the second
-        bucket (modules/compile/dynamic_dims.py). `component` is the compile engine's name."""
-        if not self.config.data.aspect_buckets:
-            return tensor
-        return self.guard.mark_varying_input(component, tensor)
-
-    def denoiser_input(self, noisy: torch.Tensor) -> torch.Tensor:
-        """The noisy latents in the denoiser's memory layout (a channels-last denoiser's first
-        convolution then reads them without a conversion), marked for varying shapes."""
-        if self.config.training.channels_last:
-            noisy = noisy.contiguous(memory_format=torch.channels_last)
-        return self.varying_shape(noisy, COMPILE_DENOISER)
-
     def recompiles(self) -> int:
         """Recompiles so far, summed over the compiled components."""
         return sum(report["recompiles"] for report in self.guard.report().values())
-
-    def autocast(self):
-        return autocast_context(self.config, self.device)
 
     def pixel_shape(self, batch: dict) -> tuple[int, int, int]:
         """(batch, height, width) in pixels, whether the batch holds pixels or cached latents."""
@@ -147,78 +127,9 @@ class Run:
         b, _, h, w = batch["latents"].shape
         return b, h * factor, w * factor
 
-    def encode_latents(self, batch: dict, vae_eps: torch.Tensor | None) -> torch.Tensor:
-        """Latents × scaling factor: from the cache, or the VAE posterior with pre-drawn noise."""
-        vae = self.bundle.vae
-        if "latents" in batch:
-            return batch["latents"].to(self.device, self.compute_dtype, non_blocking=True)
-        pixels = self.varying_shape(batch["pixel_values"].to(self.device, vae.dtype,
-                                                             non_blocking=True), "vae")
-        posterior = vae.encode(pixels).latent_dist
-        latents = posterior.mean + posterior.std * vae_eps.to(self.device, posterior.mean.dtype)
-        return (latents * vae.config.scaling_factor).to(self.compute_dtype)
-
     @property
     def compute_dtype(self) -> torch.dtype:
         return self.bundle.denoiser.dtype
-
-    def encode_captions(self, batch: dict, captions: list[str]) -> dict:
-        """The denoiser's conditioning for `captions` (the batch's, after caption dropout)."""
-        if self.text_cache is not None:
-            hidden, pooled = self.text_cache.encode(captions, batch.get("caption_varies"))
-        else:
-            hidden, pooled = self.family.encode_text(self.bundle, captions, self.device,
-                                                     self.forward)
-        # Text encoders may be kept at another dtype than the denoiser (a fine-tuned denoiser
-        # trains at model.train_dtype while frozen encoders stay at model.weight_dtype).
-        hidden = hidden.to(self.compute_dtype)
-        pooled = None if pooled is None else pooled.to(self.compute_dtype)
-        _, height, width = self.pixel_shape(batch)
-        return self.family.conditioning(hidden, pooled, batch, height, width)
-
-    def predict(self, noisy: torch.Tensor, timesteps: torch.Tensor,
-                conditioning: dict) -> torch.Tensor:
-        """The denoiser's training forward (through DDP when several processes train)."""
-        name = self.bundle.denoiser_name
-        denoiser = self.forward.get(name, self.bundle.denoiser)
-        return self.family.predict(denoiser, self.denoiser_input(noisy), timesteps, conditioning)
-
-    def gradient_sync(self, closes_window: bool):
-        """Average gradients over the processes only on the micro-batch that closes a window."""
-        return self.dist.gradient_sync(self.forward, closes_window)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        (self.scaler.scale(loss) if self.scaler else loss).backward()
-
-    def gradient_norm(self) -> torch.Tensor:
-        """Unscale (fp16) and clip the gradients; return their total norm, still on the device
-        (it is read with the loss, in the step's one host sync)."""
-        if self.scaler:
-            self.scaler.unscale_(self.optimizer)
-        params = self.all_params()
-        max_norm = self.config.training.max_grad_norm
-        if max_norm:
-            return torch.nn.utils.clip_grad_norm_(params, max_norm)
-        return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-
-    def optimizer_step(self, finite: bool) -> None:
-        """Step the optimizer and the LR schedule and clear the gradients. A step whose loss
-        or gradients are not finite leaves the weights (and the EMA) as they were."""
-        if self.scaler:
-            self.scaler.step(self.optimizer)  # skips by itself when the gradients hold inf/NaN
-            self.scaler.update()
-        elif finite:
-            self.optimizer.step()
-        self.lr_scheduler.step()
-        # CUDA graphs on a trained component need gradients that stay allocated (see
-        # modules/compile/plan.py: cudagraph_rules); otherwise free them between steps.
-        self.optimizer.zero_grad(set_to_none=not self.guard.persistent_grads)
-        if self.ema is not None and finite:
-            self.ema.step(self.all_params())
-
-    def mark_boundary(self) -> None:
-        """Remember the small states as they are now, between two optimizer steps."""
-        self.boundary = BoundaryState.capture(self.state.state_dict())
 
     def trained_parameters(self) -> dict[str, torch.nn.Parameter]:
         """The trained parameters by `component.parameter_name` (stable across processes)."""
@@ -264,47 +175,6 @@ class Run:
             self.ema.load_state_dict(states["ema"])
         self.state.load_state_dict(states["training"])
         set_random_states(states["random"])
-
-    def backup_due(self) -> bool:
-        out = self.config.output
-        by_steps = out.backup_every_steps and self.step % out.backup_every_steps == 0
-        by_time = (out.backup_every_minutes
-                   and time.monotonic() - self.last_backup_time >= 60 * out.backup_every_minutes)
-        # not while steps are being skipped as non-finite: keep the backups from before that
-        return (bool(by_steps or by_time) and self.step < self.budget.total_steps
-                and self.state.bad_steps == 0)
-
-    def backup(self, reason: str) -> Path | None:
-        """Write a backup at the last step boundary (once per step; the main process only)."""
-        if (not self.dist.is_main or self.boundary is None
-                or self.boundary.training["step"] in (0, self.last_backup_step,
-                                                      self.refused_backup_step)):
-            return None
-        step = self.boundary.training["step"]
-        self.callbacks.on_status(f"writing a backup at step {step} ({reason})")
-        try:
-            folder = guarded_write(lambda: save_backup(self.state_dict(self.boundary),
-                                                       self.config, self.output_dir, reason),
-                                   backups_folder(self.output_dir), self.backup_bytes())
-        except NonFiniteBackup as exc:
-            self.refuse_backup(step, reason, str(exc))
-            return None
-        self.last_backup_step = self.boundary.training["step"]
-        self.last_backup_time = time.monotonic()
-        self.record.write(last_backup=str(folder), last_backup_step=self.last_backup_step)
-        return folder
-
-    def refuse_backup(self, step: int, reason: str, why: str) -> None:
-        """A backup holding NaN or inf is never written (resuming it would only fail again):
-        say so, keep the previous one, and list the refusal in run.json."""
-        kept = (f"the backup of step {self.last_backup_step} is kept"
-                if self.last_backup_step > 0 else "there is no earlier backup")
-        self.callbacks.on_status(f"backup refused: {why}; {kept}")
-        refused = [*self.record.data.get("backups_refused", []),
-                   {"step": step, "reason": reason, "why": why}]
-        self.record.write(backups_refused=refused)
-        self.refused_backup_step = step
-        self.last_backup_time = time.monotonic()  # try again one interval later, not every step
 
     def backup_bytes(self) -> int:
         """About what one backup takes: trained weights, optimizer state and EMA copies."""
