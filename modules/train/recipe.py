@@ -34,6 +34,9 @@ from modules.train.compile_guard import COMPILE_DENOISER, build_compile_guard
 from modules.train.distributed import Distributed
 from modules.train.eta import estimated_sample_seconds, eta_seconds, samples_still_due
 from modules.train.objectives import diffusion_mse, drop_captions, offset_noise
+from modules.train.output_lock import OutputLock
+from modules.train.outputs import (backup_bytes, distributed_summary, log_scalars, sample,
+                                   save_checkpoint, save_final)
 from modules.train.prepare import PreparedRun
 from modules.train.record import peak_memory
 from modules.train.run import Run, item_buckets
@@ -85,7 +88,9 @@ class TrainingRecipe:
             raise
         return self.run
 
-    def _build(self, lock) -> Run:
+    def _build(self, lock: OutputLock | None) -> Run:
+        """`setup`'s body, in the order the run depends on: the record first, the weights on
+        the device before the latent cache, compile before the DDP wrap, the state last."""
         prepared, callbacks, dist, commands = (self.prepared, self.callbacks, self.dist,
                                                self.commands)
         config, bundle = prepared.config, prepared.bundle
@@ -199,19 +204,19 @@ class TrainingRecipe:
                 run.record.losses.append(loss)
                 smooth = state.smoothed.update(loss)
                 callbacks.on_progress(progress_event(run, loss, smooth, sample_seconds))
-                run.log_scalars(loss, smooth)
+                log_scalars(run, loss, smooth)
             else:
                 skip_non_finite_step(run, loss)
 
             every_sample = config.sampling.every_steps
             if commands.take_sample() or (every_sample and run.step % every_sample == 0):
                 sample_started = time.perf_counter()
-                run.sample(lambda: commands.stop_requested)
+                sample(run, lambda: commands.stop_requested)
                 sample_seconds = time.perf_counter() - sample_started
             every_save = config.output.save_every_steps
             if commands.take_save() or (every_save and run.step % every_save == 0
                                         and run.step < run.budget.total_steps):
-                run.save_checkpoint(f"step-{run.step:06d}")
+                save_checkpoint(run, f"step-{run.step:06d}")
             mark_boundary(run)
             if backup_due(run):
                 self.save_backup("scheduled")
@@ -222,16 +227,16 @@ class TrainingRecipe:
         if status == "stopped":
             self.save_backup("stopped")
         if run.step > 0:
-            run.save_final()
+            save_final(run)
         else:  # stopped before the first optimizer step: "final" weights would be the base model
             callbacks.on_status("stopped before the first optimizer step: no weights saved")
             run.record.write(final="not saved: stopped before the first optimizer step")
         if run.prompts and status == "finished" and state.last_sample_step != run.step:
-            run.sample(lambda: commands.stop_requested)
+            sample(run, lambda: commands.stop_requested)
         run.record.write(status=status, compile=run.guard.report(),
                          skipped_steps=state.skipped_steps,
                          batch_shapes=run.shape_log.report(run.recompiles()),
-                         distributed=run.distributed_summary(),
+                         distributed=distributed_summary(run),
                          memory=peak_memory(run.device.type == "cuda"))
         hint = resume_hint(run.output_dir) if status == "stopped" else ""
         callbacks.on_status(f"{status}: {run.step} steps, outputs in {run.output_dir}{hint}")
@@ -250,7 +255,7 @@ class TrainingRecipe:
         try:
             folder = guarded_write(lambda: save_backup(run.state_dict(run.boundary), run.config,
                                                        run.output_dir, reason),
-                                   backups_folder(run.output_dir), run.backup_bytes())
+                                   backups_folder(run.output_dir), backup_bytes(run))
         except NonFiniteBackup as exc:
             refuse_backup(run, step, reason, str(exc))
             return None

@@ -1,9 +1,8 @@
 """A started run's objects and state, as typed data (`TrainingRecipe.setup` in
 modules/train/recipe.py builds it; the recipe's step and loop read it), with the run's one
-`state_dict` / `load_state_dict` pair and the saving and sampling the loop asks for."""
+`state_dict` / `load_state_dict` pair (what it writes besides backups: train/outputs.py)."""
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -13,9 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.utils.data import Sampler
 
-from modules.compile import COMPONENTS as COMPILE_COMPONENTS
 from modules.compile import CompileEngine
-from modules.config.optimizers import OPTIMIZERS
 from modules.config.prompts import SamplePrompt
 from modules.config.schema import Config
 from modules.data.dataset import ImageCaptionDataset, epoch_dataloader, set_sampler_epoch
@@ -24,16 +21,12 @@ from modules.models.families import ModelFamily
 from modules.models.loader import ModelBundle
 from modules.train.backup import BackupError, BoundaryState, set_random_states
 from modules.train.batch_shapes import BatchShapeLog
-from modules.train.builders import StepBudget, optimizer_scalars
-from modules.train.distributed import Distributed, parameter_checksum
+from modules.train.builders import StepBudget
+from modules.train.distributed import Distributed
 from modules.train.output_lock import OutputLock
 from modules.train.record import RunRecord
-from modules.train.resume_offer import saved_step
-from modules.train.sampling import sample_images
 from modules.train.state import TrainingState
 from modules.train.text_cache import TextEncoderCache
-from modules.train.weights import save_weights
-from modules.util.disk import guarded_write
 
 if TYPE_CHECKING:  # imported where a run builds them, only when the option is on
     from diffusers.training_utils import EMAModel
@@ -176,129 +169,12 @@ class Run:
         self.state.load_state_dict(states["training"])
         set_random_states(states["random"])
 
-    def backup_bytes(self) -> int:
-        """About what one backup takes: trained weights, optimizer state and EMA copies."""
-        weights = sum(p.numel() * p.element_size() for p in self.all_params())
-        per_weight = OPTIMIZERS[self.config.training.optimizer].state_per_weight
-        state = int(sum(p.numel() * 4 * per_weight for p in self.all_params()))  # fp32 copies
-        return weights * (2 if self.ema is not None else 1) + state
-
     def all_params(self) -> list[torch.nn.Parameter]:
         return [p for plist in self.params.values() for p in plist]
-
-    @contextlib.contextmanager
-    def averaged_weights(self):
-        """Swap the averaged weights in (for sampling and saving) and the live ones back after:
-        the EMA's, or schedule-free AdamW's (its `eval()` weights). The live weights come back
-        bit for bit (a copy, not `train()`'s inverse interpolation), so sampling and saving
-        never change what training does next and a resumed run stays exact."""
-        if OPTIMIZERS[self.config.training.optimizer].schedule_free:
-            live = [p.detach().clone() for p in self.all_params()]
-            self.optimizer.eval()
-            try:
-                yield
-            finally:
-                self.optimizer.train()
-                with torch.no_grad():
-                    for param, saved in zip(self.all_params(), live):
-                        param.copy_(saved)
-            return
-        if self.ema is None:
-            yield
-            return
-        self.ema.store(self.all_params())
-        self.ema.copy_to(self.all_params())
-        try:
-            yield
-        finally:
-            self.ema.restore(self.all_params())
 
     def current_lr(self) -> float:
         """The first parameter group's learning rate for the next step."""
         return float(self.optimizer.param_groups[0]["lr"])
-
-    def log_scalars(self, loss: float, smoothed: float) -> None:
-        """TensorBoard's curves, and what the optimizer reports (Prodigy's d) in run.json."""
-        scalars = optimizer_scalars(self.config, self.optimizer)
-        if scalars:
-            self.record.data["optimizer"] = {"name": self.config.training.optimizer.value,
-                                             "step": self.step, **scalars}
-        if self.writer:
-            self.writer.add_scalar("loss/step", loss, self.step)
-            self.writer.add_scalar("loss/smoothed", smoothed, self.step)
-            self.writer.add_scalar("lr", self.current_lr(), self.step)
-            for name, value in scalars.items():
-                self.writer.add_scalar(f"optimizer/{name}", value, self.step)
-
-    def distributed_summary(self) -> dict:
-        """World size, and whether every rank ended with the same weights and ran compiled code."""
-        checksums = self.dist.gather(parameter_checksum(self.all_params()))
-        ran = [name for name, r in self.guard.report().items() if r.get("compiled_code_ran")]
-        ran_everywhere = {name: all(self.dist.gather(1.0 if name in ran else 0.0))
-                          for name in COMPILE_COMPONENTS}
-        return {"world_size": self.dist.world_size, "backend": self.dist.backend,
-                "data_parallel": {name: type(module).__name__
-                                  for name, module in self.forward.items()},
-                "ranks_in_sync": max(checksums) - min(checksums) <= 1e-6 * max(1.0, abs(checksums[0])),
-                "weight_checksums": checksums, "compiled_code_ran_on_all_ranks": ran_everywhere}
-
-    def sample(self, should_stop: Callable[[], bool] = lambda: False) -> None:
-        """Sample every prompt; `should_stop` (Stop) is asked between prompts and denoising
-        steps, so a stop does not wait for the whole pass."""
-        if not self.dist.is_main:
-            return
-        self.callbacks.on_status(f"sampling at step {self.step}")
-        self.state.last_sample_step = self.step
-        # Compiled code is bypassed: sampling (eval mode, no gradients, another batch size)
-        # would otherwise recompile the training graphs for work that is not the hot path.
-        with self.averaged_weights(), self.guard.bypassed():
-            rows = sample_images(self.bundle, self.config, self.prompts, self.device, self.step,
-                                 self.output_dir / "samples", should_stop)
-        if len(rows) < len(self.prompts):
-            self.callbacks.on_status(f"sampling at step {self.step} cut short by Stop "
-                                     f"({len(rows)} of {len(self.prompts)} "
-                                     "samples written)")
-        for i, (path, prompt, image) in enumerate(rows):
-            self.record.add_file(path)
-            self.callbacks.on_sample(path, prompt, self.step)
-            if self.writer:
-                import numpy as np
-                self.writer.add_image(f"sample/{i}", np.asarray(image), self.step,
-                                      dataformats="HWC")
-
-    def save_checkpoint(self, name: str) -> None:
-        self._save(self.output_dir / "checkpoints" / name)
-
-    def save_final(self) -> bool:
-        """Save final/, unless this is a resumed segment and final/ already holds weights of a
-        later step (a finished run continued from an older backup, then stopped): those are
-        kept, and the status and run.json say so. Returns whether final/ was written."""
-        folder = self.output_dir / "final"
-        if self.dist.is_main and self.config.training.resume_from:
-            kept = saved_step(folder)  # an unreadable marker raises: never replace blindly
-            if kept is not None and kept > self.step:
-                message = (f"final/ holds the weights of step {kept}, later than this segment's "
-                           f"step {self.step}: final/ was kept, not replaced (this segment's "
-                           "state is in its newest backup)")
-                self.callbacks.on_status(message)
-                self.record.write(final_kept={"final_step": kept, "segment_step": self.step,
-                                              "reason": message})
-                return False
-        self._save(folder)
-        return True
-
-    def _save(self, folder: Path) -> None:
-        if not self.dist.is_main:
-            return
-        self.callbacks.on_status(f"saving {folder.name} at step {self.step}")
-        with self.averaged_weights():
-            written = guarded_write(lambda: save_weights(self.bundle, self.config, folder,
-                                                         self.step),
-                                    folder, self.backup_bytes())
-        for path in written:
-            self.record.add_file(path)
-        self.record.write(step=self.step)
-        self.callbacks.on_saved(folder, self.step)
 
     def close(self) -> None:
         self.guard.close()
