@@ -1,155 +1,34 @@
-"""Starting a run: the first write into the output folder, then everything the loop needs.
-
-`start_run` takes the output folder's lock, writes config.json and run.json (continued when the
-run resumes), builds the trained weights, optimizer, schedule, data, compile guard, EMA and
-TensorBoard writer into one `Run`, and loads the backup being resumed into it.
+"""What `TrainingRecipe.setup` (train/recipe.py) calls on its way: the output folder's lock and
+cleaning, the start of run.json, the dataset, and the learning rates after a restore.
 """
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from modules.config.prompts import sample_prompts
 from modules.config.secret_settings import masked_config
 from modules.config.problems import ConfigError, Problem
-from modules.config.schema import MixedPrecision
 from modules.data.captions import CaptionRules
-from modules.data.buckets import assign_buckets, bucket_counts, describe_buckets
-from modules.data.dataset import ImageCaptionDataset, epoch_batch_sampler, expand_repeats
-from modules.events import StopRequested, TrainerCallbacks, TrainerCommands
+from modules.data.buckets import assign_buckets, bucket_counts
+from modules.data.dataset import ImageCaptionDataset, expand_repeats
+from modules.events import TrainerCallbacks
 from modules.model_types import MODEL_TYPES
-from modules.train.backup import ResumePoint, backups_folder, load_states
-from modules.train.builders import (build_lr_scheduler, build_optimizer, float32_precision,
-                                    step_budget)
-from modules.train.compile_guard import build_compile_guard
-from modules.train.distributed import Distributed
+from modules.train.backup import ResumePoint, backups_folder
+from modules.train.backup_files import list_backups
 from modules.train.output_lock import OutputBusy, OutputLock, describe_owner
 from modules.train.prepare import PreparedRun
 from modules.train.record import RunRecord, device_description, library_versions
-from modules.train.run import Run, item_buckets
-from modules.train.state import TrainingState, draws_generator
+from modules.train.run import Run
 from modules.train.text_cache import TextEncoderCache
 from modules.util.atomic import atomic_write_text, remove_temporaries
-from modules.train.weights import (apply_denoiser_memory_format, enable_gradient_checkpointing,
-                                   prepare_trainable, trained_components)
 
-
-def start_run(prepared: PreparedRun, callbacks: TrainerCallbacks, dist: Distributed,
-              commands: TrainerCommands | None = None) -> Run:
-    """Create the output folder and everything the loop needs; the first write happens here.
-    The output folder's lock is let go again if building the run fails. A Stop during latent
-    caching raises StopRequested, with run.json saying `stopped`."""
-    lock = (take_output_lock(Path(prepared.config.output.dir), callbacks) if dist.is_main
-            else None)
-    try:
-        return build_run(prepared, callbacks, dist, lock, commands or TrainerCommands())
-    except BaseException:
-        if lock is not None:
-            lock.release()
-        raise
-
-
-def build_run(prepared: PreparedRun, callbacks: TrainerCallbacks, dist: Distributed,
-              lock: OutputLock | None, commands: TrainerCommands) -> Run:
-    config, bundle = prepared.config, prepared.bundle
-    device = dist.device or prepared.device
-    output_dir = Path(config.output.dir)
-    # Resuming continues the run in the folder: output.overwrite (on in presets such as the
-    # demo, for repeated fresh starts) is not applied, and the run says so.
-    overwrite_ignored = bool(config.output.overwrite and prepared.resume is not None)
-    if overwrite_ignored:
-        callbacks.on_status(f"output.overwrite is not applied: resuming continues the run in "
-                            f"{output_dir} (nothing of it is removed)")
-    if dist.is_main:
-        clean_output_folder(output_dir, callbacks,
-                            overwrite=config.output.overwrite and prepared.resume is None)
-        (output_dir / "samples").mkdir(parents=True, exist_ok=True)
-        # secret-looking values masked (modules/config/secret_settings.py)
-        atomic_write_text(output_dir / "config.json",
-                          json.dumps(masked_config(config), indent=2) + "\n")
-    record = RunRecord(output_dir / "run.json", enabled=dist.is_main)
-    if prepared.resume is not None:
-        continue_record(record, prepared.resume)
-        for note in ("overwrite", "final", "final_kept"):  # how the earlier segment ended
-            record.data.pop(note, None)
-    if overwrite_ignored:
-        record.data["overwrite"] = "not applied: a resume continues the run in this folder"
-    record.write(status="running", versions=library_versions(),
-                 device=device_description(device), model_type=config.model.type.value,
-                 model_identity=model_identity(config.model.path),
-                 method=config.training.method.value,
-                 weight_dtype=config.model.weight_dtype.value,
-                 train_dtype=config.model.train_dtype.value,
-                 mixed_precision=config.training.mixed_precision.value,
-                 dataset={"images": len(prepared.scan.items), "skipped": len(prepared.scan.skipped),
-                          "skipped_files": [str(p) for p, _ in prepared.scan.skipped]})
-
-    torch.manual_seed(config.training.seed)  # LoRA init draws from the global generator
-    trained = trained_components(config)
-    params = prepare_trainable(bundle, config)
-    if config.training.gradient_checkpointing:
-        enable_gradient_checkpointing(bundle, trained)
-    for module in bundle.components().values():
-        module.to(device)
-    apply_denoiser_memory_format(bundle, config)
-
-    try:
-        dataset = build_dataset(prepared, callbacks, lambda: commands.stop_requested)
-    except StopRequested:
-        # no step was trained: nothing to back up; a resumed run's backups stay as they were
-        record.write(status="stopped", stopped_during="latent caching")
-        raise
-    batches = epoch_batch_sampler(len(dataset), config.training.batch_size,
-                                  config.training.seed, rank=dist.rank,
-                                  world_size=dist.world_size,
-                                  buckets=item_buckets(config, dataset))
-    budget = step_budget(config, len(batches))
-    if config.data.aspect_buckets:
-        record.write(buckets=bucket_record(dataset.target_sizes, batches))
-        callbacks.on_status(f"aspect buckets: {describe_buckets(dataset.target_sizes)}; "
-                            f"{len(batches)} batches per epoch, {batches.short_batches()} short")
-    optimizer = build_optimizer(config, params)
-    scaler = (torch.amp.GradScaler(device.type)
-              if config.training.mixed_precision == MixedPrecision.FP16 else None)
-    restore_precision, precision = float32_precision(config, device)
-    guard = build_compile_guard(config, bundle, device, params, trained, callbacks)
-    if guard.persistent_grads:
-        for plist in params.values():
-            for p in plist:
-                p.grad = torch.zeros_like(p)
-    record.write(precision=precision,
-                 sampling="eager: compiled code is bypassed while sampling")
-    components = bundle.components()
-    forward = dist.wrap_trained({name: components[name] for name in trained})  # compile, then wrap
-    ema = None
-    if config.training.ema:
-        from diffusers.training_utils import EMAModel
-        ema = EMAModel([p for plist in params.values() for p in plist],
-                       decay=config.training.ema_decay)
-    text_cache = TextEncoderCache(bundle, device) if config.data.cache_text_encoder_outputs else None
-    varying = [i for i, rules in enumerate(caption_rules(config)) if rules.varies]
-    if text_cache is not None and varying:
-        callbacks.on_status(f"data.datasets{varying} change their captions every epoch "
-                            "(shuffled or dropped tags): their text encoder outputs are "
-                            "encoded at each step, not cached")
-    writer = None
-    if config.logging.tensorboard and dist.is_main:
-        from torch.utils.tensorboard import SummaryWriter
-        writer = SummaryWriter(str(output_dir / "tensorboard"))
-    state = TrainingState(generator=draws_generator(config.training.seed, dist.rank))
-    run = Run(config, bundle, device, output_dir, record, callbacks, dataset, batches, params,
-              optimizer, build_lr_scheduler(config, optimizer, budget.total_steps), budget,
-              guard, dist, state, scaler=scaler, writer=writer, trained=trained, ema=ema,
-              text_cache=text_cache, forward=forward, restore_precision=restore_precision,
-              lock=lock, prompts=sample_prompts(config)[0])  # check_inputs read them already
-    if prepared.resume is not None:
-        resume_run(run, prepared.resume)
-    run.mark_boundary()
-    return run
-
+if TYPE_CHECKING:  # imported where a run builds them, only when the option is on
+    from diffusers.training_utils import EMAModel
+    from torch.utils.tensorboard import SummaryWriter
 
 # An earlier run's outputs that would mix with a new run's. Weights (final/, checkpoints/) are
 # not among them: they are replaced atomically as the new run saves, so a new run that fails
@@ -219,15 +98,6 @@ def continue_record(record: RunRecord, resume: ResumePoint) -> None:
                                        "the resumed run's compile warm")
 
 
-def resume_run(run: Run, resume: ResumePoint) -> None:
-    """Load the backup into the freshly built run (weights, optimizer, schedule, states)."""
-    run.callbacks.on_status(f"resuming from {resume.folder} (step {resume.step})")
-    _, states = load_states(resume.folder)
-    run.load_state_dict(states)
-    apply_changed_learning_rates(run)
-    run.last_backup_step = run.step
-
-
 def bucket_record(target_sizes: list[tuple[int, int]], batches) -> dict:
     """run.json's `buckets` section: items per bucket and this rank's batches per epoch."""
     return {"sizes": bucket_counts(target_sizes), "batches_per_epoch": len(batches),
@@ -275,3 +145,90 @@ def apply_changed_learning_rates(run: Run) -> None:
         lmbda = getattr(scheduler, "lr_lambdas", [None])[i]
         if lmbda is not None:
             group["lr"] = base * lmbda(scheduler.last_epoch)
+
+
+def prepare_output_folder(prepared: PreparedRun, callbacks: TrainerCallbacks,
+                          is_main: bool) -> RunRecord:
+    """Under the lock: clean the output folder, write config.json, and start run.json (continued
+    from the interrupted run's when resuming). Every process gets the record; only the main
+    one writes it."""
+    config = prepared.config
+    output_dir = Path(config.output.dir)
+    # Resuming continues the run in the folder: output.overwrite (on in presets such as the
+    # demo, for repeated fresh starts) is not applied, and the run says so.
+    overwrite_ignored = bool(config.output.overwrite and prepared.resume is not None)
+    if overwrite_ignored:
+        callbacks.on_status(f"output.overwrite is not applied: resuming continues the run in "
+                            f"{output_dir} (nothing of it is removed)")
+    if is_main:
+        clean_output_folder(output_dir, callbacks,
+                            overwrite=config.output.overwrite and prepared.resume is None)
+        (output_dir / "samples").mkdir(parents=True, exist_ok=True)
+        # secret-looking values masked (modules/config/secret_settings.py)
+        atomic_write_text(output_dir / "config.json",
+                          json.dumps(masked_config(config), indent=2) + "\n")
+    record = RunRecord(output_dir / "run.json", enabled=is_main)
+    if prepared.resume is not None:
+        continue_record(record, prepared.resume)
+        for note in ("overwrite", "final", "final_kept"):  # how the earlier segment ended
+            record.data.pop(note, None)
+    if overwrite_ignored:
+        record.data["overwrite"] = "not applied: a resume continues the run in this folder"
+    return record
+
+
+def start_record(record: RunRecord, prepared: PreparedRun, device: torch.device) -> None:
+    """run.json's first section: status running, the machine, the model and the dataset."""
+    config = prepared.config
+    record.write(status="running", versions=library_versions(),
+                 device=device_description(device), model_type=config.model.type.value,
+                 model_identity=model_identity(config.model.path),
+                 method=config.training.method.value,
+                 weight_dtype=config.model.weight_dtype.value,
+                 train_dtype=config.model.train_dtype.value,
+                 mixed_precision=config.training.mixed_precision.value,
+                 dataset={"images": len(prepared.scan.items), "skipped": len(prepared.scan.skipped),
+                          "skipped_files": [str(p) for p, _ in prepared.scan.skipped]})
+
+
+def build_ema(config, params: dict) -> EMAModel | None:
+    """The exponential moving average of the trained weights, when training.ema is on."""
+    if not config.training.ema:
+        return None
+    from diffusers.training_utils import EMAModel
+    return EMAModel([p for plist in params.values() for p in plist],
+                    decay=config.training.ema_decay)
+
+
+def text_encoder_cache(config, bundle, device: torch.device,
+                       callbacks: TrainerCallbacks) -> TextEncoderCache | None:
+    """The text encoder outputs' cache when data.cache_text_encoder_outputs is on; datasets
+    whose captions change every epoch are encoded at each step instead, and the run says so."""
+    if not config.data.cache_text_encoder_outputs:
+        return None
+    cache = TextEncoderCache(bundle, device)
+    varying = [i for i, rules in enumerate(caption_rules(config)) if rules.varies]
+    if varying:
+        callbacks.on_status(f"data.datasets{varying} change their captions every epoch "
+                            "(shuffled or dropped tags): their text encoder outputs are "
+                            "encoded at each step, not cached")
+    return cache
+
+
+def tensorboard_writer(config, is_main: bool) -> SummaryWriter | None:
+    """TensorBoard's writer into <output>/tensorboard (the main process only), when on."""
+    if not (config.logging.tensorboard and is_main):
+        return None
+    from torch.utils.tensorboard import SummaryWriter
+    return SummaryWriter(str(Path(config.output.dir) / "tensorboard"))
+
+
+def resume_hint(output_dir: Path) -> str:
+    """The end of a stopped or failed run's message: how to resume, or that nothing can be
+    (a stop before the first step, a disk full before the first backup): never a pointer to a
+    backups folder that does not exist."""
+    found = list_backups(output_dir)
+    if not found:
+        return "; nothing to resume (no backup was written)"
+    step, folder = found[-1]
+    return f"; resume with --resume latest (newest backup: step {step}, {folder})"

@@ -1,7 +1,7 @@
 """What changes while a run trains, apart from the weights and the optimizer: its position in the
 data, the generator every step's noise is drawn from, and the displayed loss's smoothing.
 
-`Run` (train/run.py) owns one `TrainingState` beside its model parts, optimizer, LR schedule,
+`Run` (train/run.py) holds one `TrainingState` beside its model parts, optimizer, LR schedule,
 GradScaler and EMA; a backup (train/backup.py) saves and restores exactly these.
 """
 from __future__ import annotations

@@ -213,7 +213,7 @@ def save_weights(bundle: ModelBundle, config: Config, folder: Path, step: int) -
             if wanted:
                 written.append(folder / writer(tmp).relative_to(tmp))
         # the step these weights hold, swapped in with them: a resumed run reads it before
-        # it saves final/ (Run.save_final), so an older segment never replaces newer weights
+        # it saves final/ (outputs.save_final), so an older segment never replaces newer weights
         (tmp / SAVED_STEP_FILE).write_text(json.dumps({"step": step}) + "\n", encoding="utf-8")
 
     atomic_write_dir(folder, write)

@@ -124,12 +124,12 @@ def test_check_validates_without_training(small_config, capsys):
 
 
 def test_failure_during_training_exits_1(small_config, capsys, monkeypatch):
-    import modules.train.trainer as trainer_module
+    import modules.train.recipe as recipe_module
 
     def explode(run, batch, draws):
         raise RuntimeError("CUDA error: device-side assert triggered")
 
-    monkeypatch.setattr(trainer_module, "micro_step", explode)
+    monkeypatch.setattr(recipe_module, "micro_step", explode)
     assert main(["--config", str(small_config), "--quiet"]) == 1
     assert "training failed at step 0" in capsys.readouterr().err
 

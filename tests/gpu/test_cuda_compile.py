@@ -14,6 +14,7 @@ from modules.compile.backends import BACKENDS, BackendRow
 from modules.compile.capabilities import triton_c_compiler
 from modules.config.schema import CompileBackend
 from modules.events import RecordingCallbacks
+from modules.train import recipe as recipe_module
 from modules.train import trainer as trainer_module
 from modules.train.builders import float32_precision
 from modules.train.trainer import TrainingError, train
@@ -66,7 +67,7 @@ def test_out_of_memory_is_reported_as_such(cuda_config, monkeypatch):  # item 3
     def huge(*args, **kwargs):
         return torch.empty(1 << 45, device="cuda")  # 32 TiB: a real CUDA OOM
 
-    monkeypatch.setattr(trainer_module, "diffusion_mse", huge)
+    monkeypatch.setattr(recipe_module, "diffusion_mse", huge)
     config = cuda_config("compile.backend=INDUCTOR")
     with pytest.raises(TrainingError, match="out of memory at step 0.*batch_size"):
         train(config)

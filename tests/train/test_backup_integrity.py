@@ -147,16 +147,16 @@ class PoisonMomentsAt(StopAt):
 
 def test_a_backup_holding_nan_is_never_written_and_the_previous_one_is_kept(tiny_config,
                                                                            monkeypatch):
-    import modules.train.start as start
+    from modules.train.recipe import TrainingRecipe
     built = {}
-    real_build_run = start.build_run
+    real_setup = TrainingRecipe.setup
 
-    def build_run(*args, **kwargs):  # keeps a handle on the run's optimizer for the poison
-        run = real_build_run(*args, **kwargs)
+    def setup(recipe):  # keeps a handle on the run's optimizer for the poison
+        run = real_setup(recipe)
         built["run"] = run
         return run
 
-    monkeypatch.setattr(start, "build_run", build_run)
+    monkeypatch.setattr(TrainingRecipe, "setup", setup)
     config = tiny_config("training.max_steps=5", "output.backup_every_steps=1")
     output = Path(config.output.dir)
     commands = TrainerCommands()

@@ -12,6 +12,7 @@ from modules.config.schema import Config
 from modules.config.loader import to_dict
 from modules.train import trainer
 from modules.train.backup import config_differences
+from modules.train.recipe import TrainingRecipe
 
 
 def _conv_weights(unet: torch.nn.Module) -> list[torch.Tensor]:
@@ -24,15 +25,15 @@ def _train(config, monkeypatch) -> tuple[list[float], list[tuple[bool, bool]]]:
     """Train; return the losses and, per 4-D UNet weight after training, whether it is
     (channels-last, contiguous in the default layout); a 1x1 kernel is both at once."""
     seen: dict = {}
-    loop = trainer.training_loop
+    loop = TrainingRecipe.train
 
-    def spy(run, callbacks, commands):
-        result = loop(run, callbacks, commands)
+    def spy(recipe):
+        result = loop(recipe)
         seen["layouts"] = [(w.is_contiguous(memory_format=torch.channels_last),
-                            w.is_contiguous()) for w in _conv_weights(run.bundle.denoiser)]
+                            w.is_contiguous()) for w in _conv_weights(recipe.run.bundle.denoiser)]
         return result
 
-    monkeypatch.setattr(trainer, "training_loop", spy)
+    monkeypatch.setattr(TrainingRecipe, "train", spy)
     result = trainer.train(config)
     losses = json.loads((result.output_dir / "run.json").read_text())["losses"]
     return losses, seen["layouts"]

@@ -15,6 +15,7 @@ from modules.compile.guarded import FallbackGuard
 from modules.config.problems import ConfigError
 from modules.events import RecordingCallbacks, TrainerCommands
 from modules.runtime import runtime_problems, version_tuple
+from modules.train import recipe as recipe_module
 from modules.train import trainer as trainer_module
 from modules.train.run import Run
 from modules.train.builders import float32_precision
@@ -119,7 +120,7 @@ def test_out_of_memory_stops_the_run_with_advice_and_no_fallback(tiny_config, mo
     def out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
 
-    monkeypatch.setattr(trainer_module, "diffusion_mse", out_of_memory)
+    monkeypatch.setattr(recipe_module, "diffusion_mse", out_of_memory)
     config = tiny_config("compile.backend=AOT_EAGER")
     with pytest.raises(TrainingError, match="out of memory at step 0.*batch_size"):
         train(config)

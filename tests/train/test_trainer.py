@@ -205,9 +205,9 @@ def test_invalid_config_raises_before_anything_is_written(tiny_config, tmp_path)
 
 
 def test_failure_mid_run_keeps_earlier_checkpoints(tiny_config, monkeypatch):
-    import modules.train.trainer as trainer_module
+    import modules.train.recipe as recipe_module
     config = tiny_config("training.max_steps=6", "output.save_every_steps=2")
-    real_step = trainer_module.micro_step
+    real_step = recipe_module.micro_step
     calls = {"n": 0}
 
     def failing_step(run, batch, draws):
@@ -216,7 +216,7 @@ def test_failure_mid_run_keeps_earlier_checkpoints(tiny_config, monkeypatch):
             raise RuntimeError("simulated out of memory\nsecond line")
         return real_step(run, batch, draws)
 
-    monkeypatch.setattr(trainer_module, "micro_step", failing_step)
+    monkeypatch.setattr(recipe_module, "micro_step", failing_step)
     callbacks = RecordingCallbacks()
     with pytest.raises(TrainingError, match="simulated out of memory"):
         train(config, callbacks)

@@ -1,0 +1,146 @@
+"""What a run writes besides its backups, as small functions over the run's data (`Run`):
+samples, weights (checkpoints/, final/), TensorBoard's curves, and the end-of-run summary of
+several processes. The recipe (train/recipe.py) calls them when they are due."""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from modules.compile import COMPONENTS as COMPILE_COMPONENTS
+from modules.config.optimizers import OPTIMIZERS
+from modules.train.builders import optimizer_scalars
+from modules.train.distributed import parameter_checksum
+from modules.train.resume_offer import saved_step
+from modules.train.run import Run
+from modules.train.sampling import sample_images
+from modules.train.weights import save_weights
+from modules.util.disk import guarded_write
+
+
+def backup_bytes(run: Run) -> int:
+    """About what one backup takes: trained weights, optimizer state and EMA copies."""
+    weights = sum(p.numel() * p.element_size() for p in run.all_params())
+    per_weight = OPTIMIZERS[run.config.training.optimizer].state_per_weight
+    state = int(sum(p.numel() * 4 * per_weight for p in run.all_params()))  # fp32 copies
+    return weights * (2 if run.ema is not None else 1) + state
+
+
+@contextlib.contextmanager
+def averaged_weights(run: Run):
+    """Swap the averaged weights in (for sampling and saving) and the live ones back after:
+    the EMA's, or schedule-free AdamW's (its `eval()` weights). The live weights come back
+    bit for bit (a copy, not `train()`'s inverse interpolation), so sampling and saving
+    never change what training does next and a resumed run stays exact."""
+    if OPTIMIZERS[run.config.training.optimizer].schedule_free:
+        live = [p.detach().clone() for p in run.all_params()]
+        run.optimizer.eval()
+        try:
+            yield
+        finally:
+            run.optimizer.train()
+            with torch.no_grad():
+                for param, saved in zip(run.all_params(), live):
+                    param.copy_(saved)
+        return
+    if run.ema is None:
+        yield
+        return
+    run.ema.store(run.all_params())
+    run.ema.copy_to(run.all_params())
+    try:
+        yield
+    finally:
+        run.ema.restore(run.all_params())
+
+
+def log_scalars(run: Run, loss: float, smoothed: float) -> None:
+    """TensorBoard's curves, and what the optimizer reports (Prodigy's d) in run.json."""
+    scalars = optimizer_scalars(run.config, run.optimizer)
+    if scalars:
+        run.record.data["optimizer"] = {"name": run.config.training.optimizer.value,
+                                        "step": run.step, **scalars}
+    if run.writer:
+        run.writer.add_scalar("loss/step", loss, run.step)
+        run.writer.add_scalar("loss/smoothed", smoothed, run.step)
+        run.writer.add_scalar("lr", run.current_lr(), run.step)
+        for name, value in scalars.items():
+            run.writer.add_scalar(f"optimizer/{name}", value, run.step)
+
+
+def distributed_summary(run: Run) -> dict:
+    """World size, and whether every rank ended with the same weights and ran compiled code."""
+    checksums = run.dist.gather(parameter_checksum(run.all_params()))
+    ran = [name for name, r in run.guard.report().items() if r.get("compiled_code_ran")]
+    ran_everywhere = {name: all(run.dist.gather(1.0 if name in ran else 0.0))
+                      for name in COMPILE_COMPONENTS}
+    return {"world_size": run.dist.world_size, "backend": run.dist.backend,
+            "data_parallel": {name: type(module).__name__
+                              for name, module in run.forward.items()},
+            "ranks_in_sync": max(checksums) - min(checksums) <= 1e-6 * max(1.0, abs(checksums[0])),
+            "weight_checksums": checksums, "compiled_code_ran_on_all_ranks": ran_everywhere}
+
+
+def sample(run: Run, should_stop: Callable[[], bool] = lambda: False) -> None:
+    """Sample every prompt; `should_stop` (Stop) is asked between prompts and denoising
+    steps, so a stop does not wait for the whole pass."""
+    if not run.dist.is_main:
+        return
+    run.callbacks.on_status(f"sampling at step {run.step}")
+    run.state.last_sample_step = run.step
+    # Compiled code is bypassed: sampling (eval mode, no gradients, another batch size)
+    # would otherwise recompile the training graphs for work that is not the hot path.
+    with averaged_weights(run), run.guard.bypassed():
+        rows = sample_images(run.bundle, run.config, run.prompts, run.device, run.step,
+                             run.output_dir / "samples", should_stop)
+    if len(rows) < len(run.prompts):
+        run.callbacks.on_status(f"sampling at step {run.step} cut short by Stop "
+                                f"({len(rows)} of {len(run.prompts)} samples written)")
+    for i, (path, prompt, image) in enumerate(rows):
+        run.record.add_file(path)
+        run.callbacks.on_sample(path, prompt, run.step)
+        if run.writer:
+            import numpy as np
+            run.writer.add_image(f"sample/{i}", np.asarray(image), run.step,
+                                 dataformats="HWC")
+
+
+def save_checkpoint(run: Run, name: str) -> None:
+    """Save checkpoints/<name>/ (the weights at this step)."""
+    save_weights_into(run, run.output_dir / "checkpoints" / name)
+
+
+def save_final(run: Run) -> bool:
+    """Save final/, unless this is a resumed segment and final/ already holds weights of a
+    later step (a finished run continued from an older backup, then stopped): those are
+    kept, and the status and run.json say so. Returns whether final/ was written."""
+    folder = run.output_dir / "final"
+    if run.dist.is_main and run.config.training.resume_from:
+        kept = saved_step(folder)  # an unreadable marker raises: never replace blindly
+        if kept is not None and kept > run.step:
+            message = (f"final/ holds the weights of step {kept}, later than this segment's "
+                       f"step {run.step}: final/ was kept, not replaced (this segment's "
+                       "state is in its newest backup)")
+            run.callbacks.on_status(message)
+            run.record.write(final_kept={"final_step": kept, "segment_step": run.step,
+                                         "reason": message})
+            return False
+    save_weights_into(run, folder)
+    return True
+
+
+def save_weights_into(run: Run, folder: Path) -> None:
+    """Save the (averaged) weights into `folder` (the main process only), listed in run.json."""
+    if not run.dist.is_main:
+        return
+    run.callbacks.on_status(f"saving {folder.name} at step {run.step}")
+    with averaged_weights(run):
+        written = guarded_write(lambda: save_weights(run.bundle, run.config, folder,
+                                                     run.step),
+                                folder, backup_bytes(run))
+    for path in written:
+        run.record.add_file(path)
+    run.record.write(step=run.step)
+    run.callbacks.on_saved(folder, run.step)
