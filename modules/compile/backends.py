@@ -38,6 +38,7 @@ class BackendRow:
     and ``mode``, uses inductor's cache and shares inductor's known limits.
     ``compiles`` False is the eager row (``torch.compile`` is not called).
     ``cuda_only`` is why the backend needs a CUDA GPU, or None when it does not.
+    ``falls_back_to`` is the backend a failing component tries next (None: the end, eager).
     """
     backend: str | None
     inductor: bool
@@ -46,6 +47,7 @@ class BackendRow:
     description: str = ""
     compiles: bool = True
     cuda_only: str | None = None
+    falls_back_to: CompileBackend | None = None
 
     @property
     def family(self) -> str:
@@ -60,11 +62,12 @@ BACKENDS: dict[CompileBackend, BackendRow] = {
         backend=None, inductor=False, compiles=False, label="None (eager)",
         description="No compilation: plain eager PyTorch. No start-up cost; use it to debug."),
     CompileBackend.DEFAULT: BackendRow(
-        backend=None, inductor=True, label="Default",
+        backend=None, inductor=True, label="Default", falls_back_to=CompileBackend.AOT_EAGER,
         description="torch's default backend (inductor) with no extra options: the safe first "
                     "choice."),
     CompileBackend.INDUCTOR: BackendRow(
         backend="inductor", inductor=True, label="Inductor",
+        falls_back_to=CompileBackend.DEFAULT,
         options={"max_autotune": True, "epilogue_fusion": True, "triton.cudagraphs": False},
         description="Inductor with max autotune, CUDA graphs off (its other options are "
                     "torch's defaults): for long runs on modern hardware."),
@@ -72,6 +75,7 @@ BACKENDS: dict[CompileBackend, BackendRow] = {
     # kernels on GPUs) plus CUDA graphs.
     CompileBackend.TRITON: BackendRow(
         backend="inductor", inductor=True, label="Triton + CUDA graphs",
+        falls_back_to=CompileBackend.INDUCTOR,
         options={"triton.cudagraphs": True, "shape_padding": True, "max_autotune": True,
                  "epilogue_fusion": True},
         cuda_only="CUDA graphs do not exist on the CPU",
@@ -79,6 +83,7 @@ BACKENDS: dict[CompileBackend, BackendRow] = {
                     "named \"triton\"): fastest on NVIDIA GPUs, slowest to compile."),
     CompileBackend.AOT_EAGER: BackendRow(
         backend="aot_eager", inductor=False, label="AOT eager (debug)",
+        falls_back_to=CompileBackend.NONE,
         description="AOTAutograd graphs run with eager kernels: little speed-up, low overhead "
                     "and memory; the stable fallback."),
 }
@@ -88,10 +93,23 @@ BACKENDS: dict[CompileBackend, BackendRow] = {
 # backends. tests/compile/test_plan.py reads torch's config so this cannot go stale.
 TORCH_DEFAULT_OPTIONS: frozenset[str] = frozenset({"epilogue_fusion", "shape_padding"})
 
-# The order a failing component falls back through (the capability check may skip some).
-FALLBACK_CHAIN: tuple[CompileBackend, ...] = (
-    CompileBackend.TRITON, CompileBackend.INDUCTOR, CompileBackend.DEFAULT,
-    CompileBackend.AOT_EAGER, CompileBackend.NONE)
+def fallback_chain(start: CompileBackend,
+                   table: Mapping[CompileBackend, BackendRow] | None = None
+                   ) -> tuple[CompileBackend, ...]:
+    """``start`` and the backends a failing component falls back through after it, read from
+    the rows' ``falls_back_to`` (the capability check may skip some)."""
+    rows = BACKENDS if table is None else table
+    chain = [start]
+    while (following := rows[chain[-1]].falls_back_to) is not None:
+        if following in chain:
+            raise ValueError(f"the fallback chain from {start.value} loops at {following.value}")
+        chain.append(following)
+    return tuple(chain)
+
+
+# The whole chain, from the backend nothing falls back to (docs and tests show it).
+FALLBACK_CHAIN: tuple[CompileBackend, ...] = fallback_chain(next(
+    b for b in BACKENDS if all(row.falls_back_to != b for row in BACKENDS.values())))
 
 MODE_NAMES: dict[CompileMode, str] = {
     CompileMode.DEFAULT: "default",

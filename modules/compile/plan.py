@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from modules.compile.backends import (BACKENDS, FALLBACK_CHAIN, INDUCTOR, BackendRow,
+from modules.compile.backends import (BACKENDS, INDUCTOR, BackendRow, fallback_chain,
                                       merged_inductor_options, torch_compile_kwargs)
 from modules.compile.capabilities import Capabilities, backend_problem
 from modules.config.schema import (CompileBackend, CompileConfig, CompileMode, CompileScope,
@@ -123,9 +123,8 @@ class CompilePlan:
 
 
 def next_backend(current: CompileBackend, caps: Capabilities) -> CompileBackend:
-    """The backend after ``current`` in the fallback chain that can run on ``caps``."""
-    start = FALLBACK_CHAIN.index(current) + 1
-    for candidate in FALLBACK_CHAIN[start:]:
+    """The backend after ``current`` in its row's fallback chain that can run on ``caps``."""
+    for candidate in fallback_chain(current)[1:]:
         if backend_problem(candidate, caps) is None:
             return candidate
     return CompileBackend.NONE

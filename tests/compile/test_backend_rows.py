@@ -69,3 +69,26 @@ def test_no_description_sells_a_torch_default_as_a_difference():
         for option in TORCH_DEFAULT_OPTIONS:
             words = option.replace("_", " ")
             assert words not in text or "default" in text, (row.label, text)
+
+
+def test_the_fallback_chain_is_read_from_the_rows():
+    import dataclasses
+
+    import pytest
+
+    from modules.compile.backends import BACKENDS, FALLBACK_CHAIN, fallback_chain
+    from modules.config.schema import CompileBackend
+    assert FALLBACK_CHAIN[0] == CompileBackend.TRITON and FALLBACK_CHAIN[-1] == CompileBackend.NONE
+    assert set(FALLBACK_CHAIN) == set(BACKENDS)  # every row is on the chain
+    assert fallback_chain(CompileBackend.DEFAULT) == (CompileBackend.DEFAULT,
+                                                      CompileBackend.AOT_EAGER,
+                                                      CompileBackend.NONE)
+    # a row that falls back elsewhere changes the chain; a loop is refused
+    rows = dict(BACKENDS)
+    rows[CompileBackend.INDUCTOR] = dataclasses.replace(rows[CompileBackend.INDUCTOR],
+                                                        falls_back_to=CompileBackend.AOT_EAGER)
+    assert CompileBackend.DEFAULT not in fallback_chain(CompileBackend.TRITON, rows)
+    rows[CompileBackend.AOT_EAGER] = dataclasses.replace(rows[CompileBackend.AOT_EAGER],
+                                                         falls_back_to=CompileBackend.INDUCTOR)
+    with pytest.raises(ValueError, match="loops"):
+        fallback_chain(CompileBackend.TRITON, rows)
