@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from modules.util.process import with_repo_on_pythonpath
+
 BEGIN, END = "<!-- data-scale:begin -->", "<!-- data-scale:end -->"
 RESOLUTION = 256  # bucketed; the images below are 192 to 768 px on their long side
 SHAPES = ((1, 1), (2, 3), (3, 2), (3, 4), (4, 3), (9, 16), (16, 9), (1, 2), (2, 1))
@@ -93,9 +95,7 @@ def _child(folder: Path, cache: Path, timeout: float | None = None,
     code = ("import json, sys; from pathlib import Path; from modules.bench.data_scale import "
             "measure; print(json.dumps(measure(Path(sys.argv[1]), Path(sys.argv[2]), "
             "sys.argv[3] == '1')))")
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        filter(None, [str(root), os.environ.get("PYTHONPATH", "")]))}
+    env = with_repo_on_pythonpath()
     proc = subprocess.Popen([sys.executable, "-c", code, str(folder), str(cache),
                              "1" if with_cache else "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,

@@ -18,7 +18,7 @@ from .conftest import git, sparse_config
 
 HF = "hf_" + "Xk7" * 12
 
-COMPILE = {"backend": "AOT_EAGER", "unet": False, "text_encoder": True, "vae": False}
+COMPILE = {"backend": "AOT_EAGER", "denoiser": False, "text_encoder": True, "vae": False}
 
 
 def tiny_config(**extra) -> dict:
