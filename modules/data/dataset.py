@@ -293,12 +293,15 @@ def set_sampler_epoch(batches: Sampler[list[ItemKey]], epoch: int) -> None:
 
 def epoch_dataloader(dataset: Dataset, batches: Sampler[list[ItemKey]], seed: int,
                      num_workers: int = 0, pin_memory: bool = False,
-                     skip_batches: int = 0) -> DataLoader:
+                     skip_batches: int = 0, persistent: bool = False) -> DataLoader:
     """A DataLoader over the next pass of `batches` (an `epoch_batch_sampler`, built once per
-    run), without its first `skip_batches` (resume); see `build_dataloader`."""
+    run), without its first `skip_batches` (resume); see `build_dataloader`. `persistent`
+    keeps its workers between passes (the batch sampler runs in the main process, so each
+    pass still follows the epoch it was set to)."""
     if skip_batches:
         batches = SkipFirstBatches(batches, skip_batches)
     generator = torch.Generator().manual_seed(derive_seed("loader", seed))
     return DataLoader(dataset, batch_sampler=batches, num_workers=num_workers,
                       collate_fn=collate_examples, generator=generator,
-                      pin_memory=pin_memory, persistent_workers=False)
+                      pin_memory=pin_memory,
+                      persistent_workers=persistent and num_workers > 0)

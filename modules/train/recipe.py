@@ -233,6 +233,7 @@ class TrainingRecipe:
             run.record.write(final="not saved: stopped before the first optimizer step")
         if run.prompts and status == "finished" and state.last_sample_step != run.step:
             sample(run, lambda: commands.stop_requested)
+        feeding(run)
         run.record.write(status=status, compile=run.guard.report(),
                          skipped_steps=state.skipped_steps,
                          batch_shapes=run.shape_log.report(run.recompiles()),
@@ -405,7 +406,7 @@ def batches(run: Run, commands: TrainerCommands) -> Iterator[MicroBatch]:
     while state.epoch < run.budget.epochs:
         loader = run.loader_for_epoch(state.epoch, skip_batches=state.batches_done)
         in_epoch = state.batches_done + len(loader)
-        for i, batch in enumerate(loader, start=state.batches_done):
+        for i, batch in enumerate(run.feed.timed(loader), start=state.batches_done):
             if i % accumulation == 0 and run.stop_requested(commands):
                 return
             closes = (i + 1) % accumulation == 0 or i + 1 == in_epoch
@@ -414,6 +415,18 @@ def batches(run: Run, commands: TrainerCommands) -> Iterator[MicroBatch]:
                 return
         state.epoch += 1
         state.batches_done = 0
+
+
+def feeding(run: Run) -> None:
+    """How long the steps waited for their batches, in run.json, and a hint in the status
+    when it was long enough to matter (the first step, compile included, is left out)."""
+    seconds = sum(run.record.step_seconds[1:])
+    workers, cached = run.config.data.workers, run.config.data.cache_latents
+    run.record.write(data_loading=run.feed.report(seconds, workers,
+                                                  pin_memory=run.device.type == "cuda"))
+    hint = run.feed.hint(seconds, workers, cached)
+    if hint:
+        run.callbacks.on_status(hint)
 
 
 def skip_non_finite_step(run: Run, loss: float) -> None:

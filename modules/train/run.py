@@ -10,12 +10,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import DataLoader, Sampler
 
 from modules.compile import CompileEngine
 from modules.config.prompts import SamplePrompt
 from modules.config.schema import Config
 from modules.data.dataset import ImageCaptionDataset, epoch_dataloader, set_sampler_epoch
+from modules.data.feed import FeedMeter
 from modules.events import TrainerCallbacks, TrainerCommands
 from modules.models.families import ModelFamily
 from modules.models.loader import ModelBundle
@@ -72,6 +73,8 @@ class Run:
     last_backup_step: int = -1
     refused_backup_step: int = -1  # a step whose backup held NaN/inf: not tried twice
     last_backup_time: float = field(default_factory=time.monotonic)
+    feed: FeedMeter = field(default_factory=FeedMeter)  # how long steps waited for batches
+    loader: DataLoader | None = None  # with workers: one loader whose workers outlive an epoch
 
     @property
     def step(self) -> int:
@@ -94,10 +97,17 @@ class Run:
     def loader_for_epoch(self, epoch: int, skip_batches: int = 0):
         """The DataLoader of `epoch`, over the batch sampler the step budget was counted on."""
         set_sampler_epoch(self.batches, epoch)
-        return epoch_dataloader(self.dataset, self.batches, seed=self.config.training.seed,
-                                num_workers=self.config.data.workers,
-                                pin_memory=self.device.type == "cuda",
-                                skip_batches=skip_batches)
+        options = dict(seed=self.config.training.seed, num_workers=self.config.data.workers,
+                       pin_memory=self.device.type == "cuda")
+        if skip_batches or not self.config.data.workers:  # a resumed epoch's rest: its own
+            return epoch_dataloader(self.dataset, self.batches, skip_batches=skip_batches,
+                                    **options)
+        # Workers are started once per run, not per epoch: a short epoch (a LoRA's few dozen
+        # images) would otherwise wait for their start-up every time.
+        if self.loader is None:
+            self.loader = epoch_dataloader(self.dataset, self.batches, persistent=True,
+                                           **options)
+        return self.loader
 
     def stop_requested(self, commands: TrainerCommands) -> bool:
         """Stop, as seen by every process (only every few steps when there are several)."""
@@ -177,6 +187,7 @@ class Run:
         return float(self.optimizer.param_groups[0]["lr"])
 
     def close(self) -> None:
+        self.loader = None  # its persistent workers shut down with it (refcount)
         self.guard.close()
         self.restore_precision()
         if self.writer:
