@@ -19,6 +19,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
 from modules.data.captions import CaptionRules, item_caption
 from modules.data.folders import ScanItem, ScanResult
 from modules.data.images import load_training_image
+from modules.data.regularization import balanced_repeats
 from modules.data.seeds import derive_seed
 
 # The sampler yields (epoch, index) pairs: the dataset reads the epoch from the key itself,
@@ -33,9 +34,10 @@ def item_rng(seed: int, epoch: int, index: int) -> random.Random:
 
 def expand_repeats(scan: ScanResult) -> list[ScanItem]:
     """Each scanned item repeated by its source's `repeats` times its own (a kohya-style
-    "N_name" subfolder's N): one epoch's worth of samples."""
-    return [item for item in scan.items
-            for _ in range(scan.sources[item.source_index].repeats * item.repeats)]
+    "N_name" subfolder's N): one epoch's worth of samples. Regularisation images are
+    repeated so they balance the training samples (modules/data/regularization.py)."""
+    repeats, _ = balanced_repeats(scan)
+    return [item for item, count in zip(scan.items, repeats) for _ in range(count)]
 
 
 def split_key(key: int | ItemKey) -> ItemKey:
@@ -57,14 +59,18 @@ class ImageCaptionDataset(Dataset):
     "original_size": (h, w), "crop_top_left": (top, left)}. Index with an int (epoch 0) or an
     (epoch, index) pair as `EpochShuffleSampler` yields. `target_sizes` holds each item's
     (height, width), its aspect-ratio bucket; by default every item is a `resolution` square.
+    With `loss_weights` (one per source) every item also carries its source's "loss_weight"
+    (regularisation folders: training.prior_loss_weight).
     """
 
     def __init__(self, items: Sequence[ScanItem], resolution: int, center_crop: bool = True,
                  random_flip: bool = False, seed: int = 0,
                  target_sizes: Sequence[tuple[int, int]] | None = None,
-                 caption_rules: Sequence[CaptionRules] = ()) -> None:
+                 caption_rules: Sequence[CaptionRules] = (),
+                 loss_weights: Sequence[float] = ()) -> None:
         self.items = list(items)
         self.caption_rules = tuple(caption_rules)  # per source: modules/data/captions.py
+        self.loss_weights = tuple(loss_weights)
         self.resolution = resolution
         self.center_crop = center_crop
         self.random_flip = random_flip
@@ -86,7 +92,14 @@ class ImageCaptionDataset(Dataset):
                                        self.seed, epoch, index)
         return {"pixel_values": image.pixels, "caption": caption, "caption_varies": varies,
                 "path": str(item.path), "original_size": image.original_size,
-                "crop_top_left": image.crop_top_left}
+                "crop_top_left": image.crop_top_left,
+                **source_loss_weight(item, self.loss_weights)}
+
+
+def source_loss_weight(item: ScanItem, loss_weights: Sequence[float]) -> dict[str, float]:
+    """{"loss_weight": the item's source's weight}, or {} when the run gives no weights (then
+    no batch carries one and the loss is computed as without regularisation)."""
+    return {"loss_weight": float(loss_weights[item.source_index])} if loss_weights else {}
 
 
 class EpochCounter:
@@ -218,7 +231,8 @@ def collate_examples(examples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
     "pixel_values" / "latents" -> stacked tensor (B, C, H, W); "caption", "caption_varies",
     "path" -> lists;
-    "original_size", "crop_top_left" -> long tensors (B, 2), ready for SDXL's time ids.
+    "original_size", "crop_top_left" -> long tensors (B, 2), ready for SDXL's time ids;
+    "loss_weight" (when the items have one) -> float tensor (B,).
     """
     batch: dict[str, Any] = {}
     for name in ("pixel_values", "latents"):
@@ -230,6 +244,9 @@ def collate_examples(examples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     for name in ("original_size", "crop_top_left"):
         batch[name] = torch.tensor([list(example[name]) for example in examples],
                                    dtype=torch.long)
+    if "loss_weight" in examples[0]:
+        batch["loss_weight"] = torch.tensor([example["loss_weight"] for example in examples],
+                                            dtype=torch.float32)
     return batch
 
 

@@ -38,10 +38,14 @@ SMALL_IMAGE_FRACTION = 0.25
 class DatasetSource:
     """One dataset folder, how many times each of its images is seen per epoch, and captions
     from a metadata file (image name or folder-relative path -> caption), which win over the
-    images' caption files."""
+    images' caption files. `default_caption` is the caption of an image that has neither
+    (kohya's class tokens); `regularization` marks a folder of class images
+    (modules/data/regularization.py)."""
     path: Path
     repeats: int = 1
     captions: Mapping[str, str] | None = field(default=None, compare=False, hash=False)
+    default_caption: str = ""
+    regularization: bool = False
 
 
 @dataclass(frozen=True)
@@ -127,7 +131,8 @@ def scan_datasets(sources: Sequence[DatasetSource], caption_extension: str = ".t
     for index, source in enumerate(sources):
         before = result.num_images
         _scan_folder(Path(source.path), index, extension, recursive, threads, result,
-                     source.captions or {}, progress(Path(source.path)) if progress else None)
+                     source.captions or {}, progress(Path(source.path)) if progress else None,
+                     source.default_caption.strip())
         found = result.num_images - before
         result.images_per_source.append(found)
         if found == 0:
@@ -138,8 +143,23 @@ def scan_datasets(sources: Sequence[DatasetSource], caption_extension: str = ".t
         logger.info("ignored %d hidden file(s) in the dataset folders", result.hidden_ignored)
     if result.num_images == 0:
         raise DatasetError(_no_images_message(result, recursive))
+    _check_training_images(result)
     logger.info("dataset: %s", result.summary())
     return result
+
+
+def _check_training_images(result: ScanResult) -> None:
+    """Regularisation images alone train nothing: at least one training image is needed; and
+    a regularisation folder without a usable image is a mistake, not an empty prior."""
+    empty = [str(s.path) for s, n in zip(result.sources, result.images_per_source)
+             if s.regularization and n == 0]
+    if empty:
+        raise DatasetError(f"the regularisation folder(s) {', '.join(empty)} hold no usable "
+                           "image; add class images or untick regularisation")
+    if all(result.sources[item.source_index].regularization for item in result.items):
+        folders = ", ".join(str(s.path) for s in result.sources if not s.regularization)
+        raise DatasetError("only regularisation images were found; the training folders "
+                           f"({folders or 'none is configured'}) hold no usable image")
 
 
 def normalize_caption_extension(caption_extension: str) -> str:
@@ -169,8 +189,9 @@ def _check_sources(sources: Sequence[DatasetSource]) -> None:
 
 def _scan_folder(folder: Path, source_index: int, caption_extension: str, recursive: bool,
                  threads: int, result: ScanResult, listed: Mapping[str, str],
-                 progress: ProgressCallback | None = None) -> None:
-    """Append this folder's usable images to `result.items`, its bad files to `skipped`."""
+                 progress: ProgressCallback | None = None, default_caption: str = "") -> None:
+    """Append this folder's usable images to `result.items`, its bad files to `skipped`; an
+    image without a caption gets `default_caption` when one is given."""
     files, hidden, broken = _list_files(folder, recursive)
     result.hidden_ignored += hidden
     if broken:
@@ -204,6 +225,10 @@ def _scan_folder(folder: Path, source_index: int, caption_extension: str, recurs
                                          repeats=repeats))
             continue
         caption_path = captions.get((path.parent, (path.stem + caption_extension).lower()))
+        if caption_path is None and default_caption:
+            result.items.append(ScanItem(path, default_caption, source_index, size=check.size,
+                                         repeats=repeats))
+            continue
         if caption_path is None:
             result.missing_captions.append(path)
             result.items.append(ScanItem(path, "", source_index, has_caption=False,

@@ -23,7 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.utils.data import Dataset
 
-from modules.data.dataset import ItemKey, item_rng, split_key, square_sizes
+from modules.data.dataset import ItemKey, item_rng, source_loss_weight, split_key, square_sizes
 from modules.data.captions import CaptionRules, item_caption
 from modules.data.seeds import derive_seed
 from modules.data.errors import DatasetError
@@ -342,7 +342,8 @@ class CachedLatentDataset(Dataset):
     def __init__(self, items: Sequence[ScanItem], entries: Mapping[Path, CachedImage],
                  cache: LatentCache, random_flip: bool = False, seed: int = 0,
                  target_sizes: Sequence[tuple[int, int]] | None = None,
-                 caption_rules: Sequence[CaptionRules] = ()) -> None:
+                 caption_rules: Sequence[CaptionRules] = (),
+                 loss_weights: Sequence[float] = ()) -> None:
         missing = [item.path for item in items if Path(item.path) not in entries]
         if missing:
             raise ValueError(f"{len(missing)} item(s) were not cached, e.g. {missing[0]}; "
@@ -354,6 +355,7 @@ class CachedLatentDataset(Dataset):
         self.random_flip = random_flip
         self.seed = seed
         self.caption_rules = tuple(caption_rules)
+        self.loss_weights = tuple(loss_weights)
 
     def __len__(self) -> int:
         return len(self.items)
@@ -372,4 +374,5 @@ class CachedLatentDataset(Dataset):
                                        self.seed, epoch, index)
         return {"latents": entry.latent, "caption": caption, "caption_varies": varies,
                 "path": str(item.path), "original_size": entry.original_size,
-                "crop_top_left": entry.crop_top_left}
+                "crop_top_left": entry.crop_top_left,
+                **source_loss_weight(item, self.loss_weights)}

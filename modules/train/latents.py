@@ -40,4 +40,5 @@ def cached_latent_dataset(dataset: ImageCaptionDataset, prepared: PreparedRun,
     return CachedLatentDataset(dataset.items, stats.entries, cache,
                                random_flip=dataset.random_flip, seed=dataset.seed,
                                target_sizes=dataset.target_sizes,
-                               caption_rules=dataset.caption_rules)
+                               caption_rules=dataset.caption_rules,
+                               loss_weights=dataset.loss_weights)

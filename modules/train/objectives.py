@@ -28,6 +28,17 @@ def diffusion_mse(prediction: torch.Tensor, target: torch.Tensor,
     return (per_sample * weights.to(per_sample.device)).mean()
 
 
+def sample_weights(loss_weights: torch.Tensor | None,
+                   batch_weights: torch.Tensor | None) -> torch.Tensor | None:
+    """The per-sample loss weights: the objective's (min-SNR) times the batch's own (a
+    regularisation image's training.prior_loss_weight); None when neither is given."""
+    if batch_weights is None:
+        return loss_weights
+    if loss_weights is None:
+        return batch_weights
+    return loss_weights * batch_weights.to(loss_weights.device, loss_weights.dtype)
+
+
 def drop_captions(captions: list[str], draws: torch.Tensor | None, probability: float) -> list[str]:
     """Replace each caption with "" where its uniform draw falls under `probability`.
 

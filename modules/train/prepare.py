@@ -84,7 +84,9 @@ def check_run(config: Config, callbacks: TrainerCallbacks) -> CheckedRun:
     try:
         sources = [DatasetSource(Path(ds.path), ds.repeats,
                                  load_captions_file(Path(ds.captions_file))
-                                 if ds.captions_file else None)
+                                 if ds.captions_file else None,
+                                 default_caption=ds.class_caption,
+                                 regularization=ds.regularization)
                    for ds in resolved.data.datasets]
     except CaptionsFileError as exc:  # check_inputs read it a moment ago: changed since
         raise ConfigError([Problem("data.datasets", "readable captions files", str(exc))]) \
