@@ -225,6 +225,12 @@ class DataConfig:
                                        "on disk; the VAE is then not needed during training.")
     caption_extension: str = setting(".txt", label="Caption extension", group="Data", advanced=True,
                                      help="File extension of the caption next to each image.")
+    masked_loss: bool = setting(
+        False, label="Masked loss", group="Data",
+        help="Train only the parts of each image its mask keeps: a greyscale <image "
+             "name>_mask.png beside the image (white counts, black is left out), else the "
+             "image's alpha channel; an image with neither counts whole. docs/datasets.md "
+             "says more.")
     caption_dropout: float = setting(0.0, label="Caption dropout", group="Data", min=0.0, max=1.0,
                                      help="Probability of training on an empty caption instead "
                                           "(helps classifier-free guidance).")

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from modules.data.errors import DatasetError
 from modules.data.images import IMAGE_EXTENSIONS, inspect_image, is_image_file, oriented_size
+from modules.data.masks import check_mask, split_masks
 from modules.data.progress import ProgressCallback
 
 logger = logging.getLogger("tempera.data")
@@ -61,6 +62,8 @@ class ScanItem:
     has_caption: bool = True
     size: tuple[int, int] | None = None
     repeats: int = 1  # from a kohya-style "N_name" subfolder; times its source's repeats
+    mask: Path | None = None  # its `<stem>_mask.png` (modules/data/masks.py)
+    alpha: bool = False       # it has transparency: its mask when it has no mask file
 
     def oriented_size(self) -> tuple[int, int]:
         """(height, width) after EXIF rotation: the scan's, or the file header's."""
@@ -112,7 +115,8 @@ class ScanResult:
 def scan_datasets(sources: Sequence[DatasetSource], caption_extension: str = ".txt",
                   recursive: bool = False, check_threads: int | None = None,
                   resolution: int | None = None,
-                  progress: Callable[[Path], ProgressCallback] | None = None) -> ScanResult:
+                  progress: Callable[[Path], ProgressCallback] | None = None,
+                  check_masks: bool = False) -> ScanResult:
     """Scan every source folder into a sorted list of usable images with captions.
 
     Only files directly in each folder are read unless `recursive` (then subfolders too, each
@@ -123,6 +127,8 @@ def scan_datasets(sources: Sequence[DatasetSource], caption_extension: str = ".t
     to 8; PIL releases the GIL while decoding); the result does not depend on the count.
     With `resolution`, images far smaller than it are listed in `warnings`. `progress(folder)`
     gives the callback told (images checked, images in the folder) as each image decodes.
+    Mask files (`<stem>_mask.png` beside an image) are never images; with `check_masks`
+    (data.masked_loss) each must decode at its image's size, else DatasetError names it.
     """
     extension = normalize_caption_extension(caption_extension)
     _check_sources(sources)
@@ -144,8 +150,19 @@ def scan_datasets(sources: Sequence[DatasetSource], caption_extension: str = ".t
     if result.num_images == 0:
         raise DatasetError(_no_images_message(result, recursive))
     _check_training_images(result)
+    if check_masks:
+        _check_masks(result)
     logger.info("dataset: %s", result.summary())
     return result
+
+
+def _check_masks(result: ScanResult) -> None:
+    """Every mask file decodes and has its image's size (data.masked_loss): one DatasetError
+    naming each bad file."""
+    problems = [why for item in result.items if item.mask is not None
+                for why in [check_mask(item.mask, item.size)] if why]
+    if problems:
+        raise DatasetError("bad mask file(s): " + "; ".join(problems))
 
 
 def _check_training_images(result: ScanResult) -> None:
@@ -203,7 +220,7 @@ def _scan_folder(folder: Path, source_index: int, caption_extension: str, recurs
         if path.suffix.lower() in UNSUPPORTED_IMAGE_EXTENSIONS:
             _skip(result, path, "unsupported image format (use "
                                 f"{'/'.join(sorted(IMAGE_EXTENSIONS))})")
-    images = [path for path in files if is_image_file(path)]
+    images, masks = split_masks(files, [path for path in files if is_image_file(path)])
     empty: list[Path] = []
     checks = []
     with ThreadPoolExecutor(max_workers=threads) as pool:
@@ -215,24 +232,22 @@ def _scan_folder(folder: Path, source_index: int, caption_extension: str, recurs
         if check.reason is not None:
             _skip(result, path, check.reason)
             continue
-        repeats = _folder_repeats(folder, path, result)
+        found = {"size": check.size, "repeats": _folder_repeats(folder, path, result),
+                 "alpha": check.alpha, "mask": masks.get((path.parent, path.stem.lower()))}
         relative = path.relative_to(folder).as_posix()
         if relative in listed or path.name in listed:
             caption = listed.get(relative, listed.get(path.name, ""))
             if not caption:
                 empty.append(path)
-            result.items.append(ScanItem(path, caption, source_index, size=check.size,
-                                         repeats=repeats))
+            result.items.append(ScanItem(path, caption, source_index, **found))
             continue
         caption_path = captions.get((path.parent, (path.stem + caption_extension).lower()))
         if caption_path is None and default_caption:
-            result.items.append(ScanItem(path, default_caption, source_index, size=check.size,
-                                         repeats=repeats))
+            result.items.append(ScanItem(path, default_caption, source_index, **found))
             continue
         if caption_path is None:
             result.missing_captions.append(path)
-            result.items.append(ScanItem(path, "", source_index, has_caption=False,
-                                         size=check.size, repeats=repeats))
+            result.items.append(ScanItem(path, "", source_index, has_caption=False, **found))
             continue
         try:
             caption = caption_path.read_text(encoding="utf-8-sig").strip()  # -sig: Notepad BOM
@@ -241,8 +256,7 @@ def _scan_folder(folder: Path, source_index: int, caption_extension: str, recurs
             continue
         if not caption:
             empty.append(caption_path)
-        result.items.append(ScanItem(path, caption, source_index, size=check.size,
-                                     repeats=repeats))
+        result.items.append(ScanItem(path, caption, source_index, **found))
     if empty:
         result.warnings.append(f"{len(empty)} caption file(s) are empty (those images train "
                                f"unconditioned): {_list_names(empty)}")

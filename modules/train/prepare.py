@@ -95,6 +95,7 @@ def check_run(config: Config, callbacks: TrainerCallbacks) -> CheckedRun:
         scan = scan_datasets(sources, caption_extension=resolved.data.caption_extension,
                              recursive=resolved.data.recursive,
                              resolution=resolved.data.resolution,
+                             check_masks=resolved.data.masked_loss,
                              progress=lambda folder: RateMeter(f"scanning {folder.name}",
                                                                callbacks.on_status))
     except DatasetError as exc:

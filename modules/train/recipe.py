@@ -305,7 +305,7 @@ def micro_step(run: Run, batch: dict, draws: Draws) -> torch.Tensor:
                                     conditioning)
         weights = family.objective.loss_weights(run.bundle, timesteps, t.min_snr_gamma)
         weights = sample_weights(weights, batch.get("loss_weight"))  # prior_loss_weight
-        loss = diffusion_mse(prediction, target, weights)
+        loss = diffusion_mse(prediction, target, weights, batch.get("mask"))
     scaled = loss / t.gradient_accumulation
     (run.scaler.scale(scaled) if run.scaler else scaled).backward()
     return loss.detach()

@@ -16,6 +16,7 @@ from modules.config.problems import ConfigError, Problem
 from modules.data.captions import CaptionRules
 from modules.data.buckets import assign_buckets, bucket_counts
 from modules.data.dataset import ImageCaptionDataset, expand_repeats
+from modules.data.masks import mask_source
 from modules.data.regularization import balanced_repeats
 from modules.events import TrainerCallbacks
 from modules.model_types import MODEL_TYPES
@@ -128,6 +129,23 @@ def regularization_record(scan) -> dict | None:
     return None if balance is None else dataclasses.asdict(balance)
 
 
+def mask_counts(scan) -> dict[str, int]:
+    """How many images take their loss mask from a mask file, from their alpha channel, and
+    how many have none (they train on the whole image): run.json's `masked_loss`."""
+    counts = {"file": 0, "alpha": 0, "none": 0}
+    for item in scan.items:
+        counts[mask_source(item.mask, item.alpha)] += 1
+    return counts
+
+
+def describe_masks(counts: dict[str, int]) -> str:
+    line = (f"masked loss: {counts['file']} image(s) use a mask file, {counts['alpha']} their "
+            "alpha channel")
+    if counts["none"]:
+        line += f"; {counts['none']} have no mask and train on the whole image"
+    return line
+
+
 def build_dataset(prepared: PreparedRun, callbacks: TrainerCallbacks,
                   should_stop: Callable[[], bool] = lambda: False) -> ImageCaptionDataset:
     """The training dataset, with latents encoded into the on-disk cache first when enabled.
@@ -146,7 +164,10 @@ def build_dataset(prepared: PreparedRun, callbacks: TrainerCallbacks,
                                   center_crop=config.data.center_crop,
                                   random_flip=config.data.random_flip, seed=config.training.seed,
                                   target_sizes=target_sizes, caption_rules=caption_rules(config),
-                                  loss_weights=source_loss_weights(config))
+                                  loss_weights=source_loss_weights(config),
+                                  masked_loss=config.data.masked_loss)
+    if config.data.masked_loss:
+        callbacks.on_status(describe_masks(mask_counts(prepared.scan)))
     if not config.data.cache_latents:
         return dataset
     from modules.train.latents import cached_latent_dataset
@@ -211,7 +232,8 @@ def start_record(record: RunRecord, prepared: PreparedRun, device: torch.device)
                  mixed_precision=config.training.mixed_precision.value,
                  dataset={"images": len(prepared.scan.items), "skipped": len(prepared.scan.skipped),
                           "skipped_files": [str(p) for p, _ in prepared.scan.skipped]},
-                 regularization=regularization_record(prepared.scan))
+                 regularization=regularization_record(prepared.scan),
+                 masked_loss=(mask_counts(prepared.scan) if config.data.masked_loss else None))
 
 
 def build_ema(config, params: dict) -> EMAModel | None:
