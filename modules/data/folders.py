@@ -18,7 +18,8 @@ from pathlib import Path
 
 from modules.data.errors import DatasetError
 from modules.data.images import IMAGE_EXTENSIONS, inspect_image, is_image_file, oriented_size
-from modules.data.masks import check_mask, split_masks
+from modules.data.file_kinds import split_masks
+from modules.data.masks import check_mask
 from modules.data.progress import ProgressCallback
 
 logger = logging.getLogger("tempera.data")

@@ -15,8 +15,8 @@ import torch
 from PIL import ExifTags, Image, ImageOps
 
 from modules.data.errors import DatasetError
+from modules.data.file_kinds import IMAGE_EXTENSIONS
 
-IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp"})
 
 Rng = random.Random | torch.Generator
 # What an image is cropped to: a square side (`data.resolution`) or an aspect-ratio bucket's

@@ -1,7 +1,7 @@
 """Loss masks (data.masked_loss): which pixels of a training image count in the loss.
 
 A mask is a greyscale PNG beside its image, named `<image stem>_mask.png` (`cat.jpg` +
-`cat_mask.png`): white counts, black is left out, grey counts partly. Without one, an image
+`cat_mask.png`, modules/data/file_kinds.py): white counts, black is left out, grey counts partly. Without one, an image
 with an alpha channel uses it (opaque counts). An image with neither trains on the whole
 image. Mask files are never trained on as images, whether masked loss is on or not.
 
@@ -22,33 +22,6 @@ from PIL import Image, ImageOps
 from modules.data.errors import DatasetError
 from modules.data.images import (PreparedImage, Rng, TargetSize, coin_flip, open_rgb,
                                  plan_crop, prepare_image, resized_size, target_hw)
-
-MASK_SUFFIX = "_mask.png"
-
-
-def mask_owner_stem(path: Path) -> str | None:
-    """The image stem a `<stem>_mask.png` file belongs to, or None for any other file."""
-    name = path.name
-    if not name.lower().endswith(MASK_SUFFIX) or len(name) == len(MASK_SUFFIX):
-        return None
-    return name[:-len(MASK_SUFFIX)]
-
-
-def split_masks(files: Sequence[Path], images: Sequence[Path]
-                ) -> tuple[list[Path], dict[tuple[Path, str], Path]]:
-    """(the images that are not masks, {(folder, lower-case image stem): its mask file}).
-
-    A `x_mask.png` counts as a mask only when an image `x.*` lies beside it; otherwise it is
-    an ordinary image."""
-    stems = {(p.parent, p.stem.lower()) for p in images}
-    masks: dict[tuple[Path, str], Path] = {}
-    for path in files:
-        stem = mask_owner_stem(path)
-        if stem is not None and (path.parent, stem.lower()) in stems:
-            masks[(path.parent, stem.lower())] = path
-    mask_files = set(masks.values())
-    return [p for p in images if p not in mask_files], masks
-
 
 def check_mask(mask: Path, image_size: tuple[int, int] | None) -> str | None:
     """Why `mask` cannot be the mask of an image of (height, width) `image_size`, or None."""
