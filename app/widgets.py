@@ -438,6 +438,7 @@ class ListView(FieldView):
         for row in self.rows:
             row.destroy()
         self.rows, self.item_views, self.remove_buttons = [], [], []
+        self.previews: list[Any] = []
         several = len(list(iter_fields(self.info.item_type))) > 2
         for index in range(len(value)):
             # An item with more than two fields is a framed card, two fields a line, so a
@@ -455,6 +456,7 @@ class ListView(FieldView):
                                 padx=(pad if column == 0 else 0, 10),
                                 pady=(pad if line == 0 else 0, pad if line == last else 0))
                 self.item_views.append(view)
+            self._add_preview(row, index, last + 1, pad)
             remove = ctk.CTkButton(row, text="Remove", width=70,
                                    command=lambda i=index: self.remove_row(i))
             remove.grid(row=0, column=ITEM_FIELDS_PER_LINE, sticky="nw", padx=(0, pad),
@@ -463,6 +465,16 @@ class ListView(FieldView):
             self.rows.append(row)
         if not self.enabled:
             self._set_input_enabled(False)
+
+    def _add_preview(self, row: Any, index: int, line: int, pad: int) -> None:
+        """A dataset's box ends with its caption (and mask) preview (app/data_preview.py)."""
+        if self.path != "data.datasets":
+            return
+        from app.data_preview import DatasetPreviewView
+        preview = DatasetPreviewView(row, self.binding, index)
+        preview.frame.grid(row=line, column=0, columnspan=ITEM_FIELDS_PER_LINE, sticky="w",
+                           padx=(pad, 10), pady=(0, pad))
+        self.previews.append(preview)
 
     def add_row(self) -> None:
         self.binding.add_list_item(self.path)

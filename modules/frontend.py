@@ -46,6 +46,22 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+# --- data ---------------------------------------------------------------------------------
+def dataset_preview(config: Config, index: int, draw: int = 0) -> Any:
+    """The Data tab's preview of dataset `index`: one caption after its caption rules (draw
+    `draw` of the shuffles), and with masked loss its first image with the mask over it
+    (modules/data/preview.py; torch-free). A built-in dataset is shown once a run has
+    generated it: a preview writes nothing."""
+    from modules.data.preview import preview_dataset
+
+    def builtin_folder(path: str):
+        from modules.data.shapes import BUILTIN_SHAPES, shapes_dataset_dir
+        return (shapes_dataset_dir(cache_dir_for(config.general.cache_dir))
+                if path == BUILTIN_SHAPES else None)
+
+    return preview_dataset(config, index, draw, builtin_folder=builtin_folder)
+
+
 # --- check ----------------------------------------------------------------------------------
 def check(config: Config) -> list[Problem]:
     """Every problem a start finds before it loads anything: the config's combinations

@@ -182,6 +182,16 @@ class DatasetConfig:
         help="Captions from a metadata file instead of .txt files: .json {\"image.png\": "
              "\"caption\"} or .jsonl lines with \"file_name\" and \"text\" (Hugging Face's "
              "metadata.jsonl). An image it does not list uses its .txt file. Empty: none.")
+    class_caption: str = setting(
+        "", label="Class caption", group="Data",
+        help="The caption of an image of this folder that has no caption file (kohya's class "
+             "tokens), e.g. 'a photo of a dog' for regularisation images. Empty: such an "
+             "image trains with an empty caption.")
+    regularization: bool = setting(
+        False, label="Regularisation images", group="Data",
+        help="This folder holds class images for prior preservation (DreamBooth): each epoch "
+             "mixes in as many of their samples as there are training samples, and their loss "
+             "counts training.prior_loss_weight times. docs/datasets.md gives the rule.")
 
 
 @dataclass
@@ -215,6 +225,12 @@ class DataConfig:
                                        "on disk; the VAE is then not needed during training.")
     caption_extension: str = setting(".txt", label="Caption extension", group="Data", advanced=True,
                                      help="File extension of the caption next to each image.")
+    masked_loss: bool = setting(
+        False, label="Masked loss", group="Data",
+        help="Train only the parts of each image its mask keeps: a greyscale <image "
+             "name>_mask.png beside the image (white counts, black is left out), else the "
+             "image's alpha channel; an image with neither counts whole. docs/datasets.md "
+             "says more.")
     caption_dropout: float = setting(0.0, label="Caption dropout", group="Data", min=0.0, max=1.0,
                                      help="Probability of training on an empty caption instead "
                                           "(helps classifier-free guidance).")
@@ -322,6 +338,12 @@ class TrainingConfig:
                                    max=100.0,
                                    help="Min-SNR loss weighting (gamma 5 is the usual choice); "
                                         "0 is off.")
+    prior_loss_weight: float = setting(
+        1.0, label="Prior loss weight", group="Training", min=0.0, max=100.0,
+        on_resume=OnResume.MUST_MATCH,
+        help="How much the loss of a regularisation (class) image counts against a training "
+             "image's (DreamBooth prior preservation; 1.0 as in kohya's sd-scripts). Only "
+             "used when a dataset is marked as regularisation images.")
     ema: bool = setting(False, label="EMA", on_resume=OnResume.MUST_MATCH, group="Training",
                         help="Keep an exponential moving average of the trained weights; "
                              "samples and saves use the average.")

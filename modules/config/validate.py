@@ -43,6 +43,7 @@ def validate(config: Config) -> list[Problem]:
     problems += _check_components(config)
     problems += _check_training(config)
     problems += _check_data(config)
+    problems += _check_regularization(config)
     problems += _check_output_and_sampling(config)
     problems += _check_builtin_names(config)
     return problems
@@ -165,6 +166,23 @@ def _check_data(config: Config) -> list[Problem]:
         problems.append(Problem("data.caption_extension", "an extension such as '.txt'",
                                 repr(d.caption_extension)))
     return problems
+
+
+def _check_regularization(config: Config) -> list[Problem]:
+    """Regularisation folders need a training folder beside them, and a prior loss weight
+    without any regularisation folder would be silently unused."""
+    datasets = config.data.datasets
+    if datasets and all(ds.regularization for ds in datasets):
+        return [Problem("data.datasets", "at least one dataset with regularization = false",
+                        "only regularisation folders",
+                        "class images alone train nothing: add the subject's folder")]
+    if config.training.prior_loss_weight != 1.0 and not any(ds.regularization
+                                                            for ds in datasets):
+        return [Problem("training.prior_loss_weight", "1.0 while no dataset has "
+                        "regularization = true", f"{config.training.prior_loss_weight:g}",
+                        "mark the class-images folder as regularisation images, or leave the "
+                        "weight at 1.0")]
+    return []
 
 
 def _check_buckets(resolution: int, max_aspect: float) -> list[Problem]:

@@ -19,6 +19,8 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
 from modules.data.captions import CaptionRules, item_caption
 from modules.data.folders import ScanItem, ScanResult
 from modules.data.images import load_training_image
+from modules.data.masks import load_masked_sample
+from modules.data.regularization import balanced_repeats
 from modules.data.seeds import derive_seed
 
 # The sampler yields (epoch, index) pairs: the dataset reads the epoch from the key itself,
@@ -33,9 +35,10 @@ def item_rng(seed: int, epoch: int, index: int) -> random.Random:
 
 def expand_repeats(scan: ScanResult) -> list[ScanItem]:
     """Each scanned item repeated by its source's `repeats` times its own (a kohya-style
-    "N_name" subfolder's N): one epoch's worth of samples."""
-    return [item for item in scan.items
-            for _ in range(scan.sources[item.source_index].repeats * item.repeats)]
+    "N_name" subfolder's N): one epoch's worth of samples. Regularisation images are
+    repeated so they balance the training samples (modules/data/regularization.py)."""
+    repeats, _ = balanced_repeats(scan)
+    return [item for item, count in zip(scan.items, repeats) for _ in range(count)]
 
 
 def split_key(key: int | ItemKey) -> ItemKey:
@@ -57,14 +60,20 @@ class ImageCaptionDataset(Dataset):
     "original_size": (h, w), "crop_top_left": (top, left)}. Index with an int (epoch 0) or an
     (epoch, index) pair as `EpochShuffleSampler` yields. `target_sizes` holds each item's
     (height, width), its aspect-ratio bucket; by default every item is a `resolution` square.
+    With `loss_weights` (one per source) every item also carries its source's "loss_weight"
+    (regularisation folders: training.prior_loss_weight); with `masked_loss` its "mask",
+    float (1, H, W) in [0, 1] (modules/data/masks.py; all ones for an image without one).
     """
 
     def __init__(self, items: Sequence[ScanItem], resolution: int, center_crop: bool = True,
                  random_flip: bool = False, seed: int = 0,
                  target_sizes: Sequence[tuple[int, int]] | None = None,
-                 caption_rules: Sequence[CaptionRules] = ()) -> None:
+                 caption_rules: Sequence[CaptionRules] = (),
+                 loss_weights: Sequence[float] = (), masked_loss: bool = False) -> None:
         self.items = list(items)
         self.caption_rules = tuple(caption_rules)  # per source: modules/data/captions.py
+        self.loss_weights = tuple(loss_weights)
+        self.masked_loss = masked_loss
         self.resolution = resolution
         self.center_crop = center_crop
         self.random_flip = random_flip
@@ -80,13 +89,26 @@ class ImageCaptionDataset(Dataset):
     def __getitem__(self, key: int | ItemKey) -> dict[str, Any]:
         epoch, index = split_key(key)
         item = self.items[index]
-        image = load_training_image(item.path, self.target_sizes[index], self.center_crop,
-                                    self.random_flip, item_rng(self.seed, epoch, index))
+        rng, masked = item_rng(self.seed, epoch, index), {}
+        if self.masked_loss:
+            image, masked["mask"] = load_masked_sample(
+                item.path, item.mask, item.alpha, self.target_sizes[index], self.center_crop,
+                self.random_flip, rng)
+        else:
+            image = load_training_image(item.path, self.target_sizes[index], self.center_crop,
+                                        self.random_flip, rng)
         caption, varies = item_caption(item.caption, item.source_index, self.caption_rules,
                                        self.seed, epoch, index)
         return {"pixel_values": image.pixels, "caption": caption, "caption_varies": varies,
                 "path": str(item.path), "original_size": image.original_size,
-                "crop_top_left": image.crop_top_left}
+                "crop_top_left": image.crop_top_left,
+                **source_loss_weight(item, self.loss_weights), **masked}
+
+
+def source_loss_weight(item: ScanItem, loss_weights: Sequence[float]) -> dict[str, float]:
+    """{"loss_weight": the item's source's weight}, or {} when the run gives no weights (then
+    no batch carries one and the loss is computed as without regularisation)."""
+    return {"loss_weight": float(loss_weights[item.source_index])} if loss_weights else {}
 
 
 class EpochCounter:
@@ -216,12 +238,13 @@ class BucketBatchSampler(EpochCounter, Sampler[list[ItemKey]]):
 def collate_examples(examples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Stack a list of dataset items into a batch.
 
-    "pixel_values" / "latents" -> stacked tensor (B, C, H, W); "caption", "caption_varies",
-    "path" -> lists;
-    "original_size", "crop_top_left" -> long tensors (B, 2), ready for SDXL's time ids.
+    "pixel_values" / "latents" / "mask" -> stacked tensor (B, C, H, W); "caption",
+    "caption_varies", "path" -> lists;
+    "original_size", "crop_top_left" -> long tensors (B, 2), ready for SDXL's time ids;
+    "loss_weight" (when the items have one) -> float tensor (B,).
     """
     batch: dict[str, Any] = {}
-    for name in ("pixel_values", "latents"):
+    for name in ("pixel_values", "latents", "mask"):
         if name in examples[0]:
             batch[name] = torch.stack([example[name] for example in examples])
     batch["caption"] = [example["caption"] for example in examples]
@@ -230,6 +253,9 @@ def collate_examples(examples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     for name in ("original_size", "crop_top_left"):
         batch[name] = torch.tensor([list(example[name]) for example in examples],
                                    dtype=torch.long)
+    if "loss_weight" in examples[0]:
+        batch["loss_weight"] = torch.tensor([example["loss_weight"] for example in examples],
+                                            dtype=torch.float32)
     return batch
 
 

@@ -18,6 +18,8 @@ from pathlib import Path
 
 from modules.data.errors import DatasetError
 from modules.data.images import IMAGE_EXTENSIONS, inspect_image, is_image_file, oriented_size
+from modules.data.file_kinds import split_masks
+from modules.data.masks import check_mask
 from modules.data.progress import ProgressCallback
 
 logger = logging.getLogger("tempera.data")
@@ -38,10 +40,14 @@ SMALL_IMAGE_FRACTION = 0.25
 class DatasetSource:
     """One dataset folder, how many times each of its images is seen per epoch, and captions
     from a metadata file (image name or folder-relative path -> caption), which win over the
-    images' caption files."""
+    images' caption files. `default_caption` is the caption of an image that has neither
+    (kohya's class tokens); `regularization` marks a folder of class images
+    (modules/data/regularization.py)."""
     path: Path
     repeats: int = 1
     captions: Mapping[str, str] | None = field(default=None, compare=False, hash=False)
+    default_caption: str = ""
+    regularization: bool = False
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,8 @@ class ScanItem:
     has_caption: bool = True
     size: tuple[int, int] | None = None
     repeats: int = 1  # from a kohya-style "N_name" subfolder; times its source's repeats
+    mask: Path | None = None  # its `<stem>_mask.png` (modules/data/masks.py)
+    alpha: bool = False       # it has transparency: its mask when it has no mask file
 
     def oriented_size(self) -> tuple[int, int]:
         """(height, width) after EXIF rotation: the scan's, or the file header's."""
@@ -108,7 +116,8 @@ class ScanResult:
 def scan_datasets(sources: Sequence[DatasetSource], caption_extension: str = ".txt",
                   recursive: bool = False, check_threads: int | None = None,
                   resolution: int | None = None,
-                  progress: Callable[[Path], ProgressCallback] | None = None) -> ScanResult:
+                  progress: Callable[[Path], ProgressCallback] | None = None,
+                  check_masks: bool = False) -> ScanResult:
     """Scan every source folder into a sorted list of usable images with captions.
 
     Only files directly in each folder are read unless `recursive` (then subfolders too, each
@@ -119,6 +128,8 @@ def scan_datasets(sources: Sequence[DatasetSource], caption_extension: str = ".t
     to 8; PIL releases the GIL while decoding); the result does not depend on the count.
     With `resolution`, images far smaller than it are listed in `warnings`. `progress(folder)`
     gives the callback told (images checked, images in the folder) as each image decodes.
+    Mask files (`<stem>_mask.png` beside an image) are never images; with `check_masks`
+    (data.masked_loss) each must decode at its image's size, else DatasetError names it.
     """
     extension = normalize_caption_extension(caption_extension)
     _check_sources(sources)
@@ -127,7 +138,8 @@ def scan_datasets(sources: Sequence[DatasetSource], caption_extension: str = ".t
     for index, source in enumerate(sources):
         before = result.num_images
         _scan_folder(Path(source.path), index, extension, recursive, threads, result,
-                     source.captions or {}, progress(Path(source.path)) if progress else None)
+                     source.captions or {}, progress(Path(source.path)) if progress else None,
+                     source.default_caption.strip())
         found = result.num_images - before
         result.images_per_source.append(found)
         if found == 0:
@@ -138,8 +150,34 @@ def scan_datasets(sources: Sequence[DatasetSource], caption_extension: str = ".t
         logger.info("ignored %d hidden file(s) in the dataset folders", result.hidden_ignored)
     if result.num_images == 0:
         raise DatasetError(_no_images_message(result, recursive))
+    _check_training_images(result)
+    if check_masks:
+        _check_masks(result)
     logger.info("dataset: %s", result.summary())
     return result
+
+
+def _check_masks(result: ScanResult) -> None:
+    """Every mask file decodes and has its image's size (data.masked_loss): one DatasetError
+    naming each bad file."""
+    problems = [why for item in result.items if item.mask is not None
+                for why in [check_mask(item.mask, item.size)] if why]
+    if problems:
+        raise DatasetError("bad mask file(s): " + "; ".join(problems))
+
+
+def _check_training_images(result: ScanResult) -> None:
+    """Regularisation images alone train nothing: at least one training image is needed; and
+    a regularisation folder without a usable image is a mistake, not an empty prior."""
+    empty = [str(s.path) for s, n in zip(result.sources, result.images_per_source)
+             if s.regularization and n == 0]
+    if empty:
+        raise DatasetError(f"the regularisation folder(s) {', '.join(empty)} hold no usable "
+                           "image; add class images or untick regularisation")
+    if all(result.sources[item.source_index].regularization for item in result.items):
+        folders = ", ".join(str(s.path) for s in result.sources if not s.regularization)
+        raise DatasetError("only regularisation images were found; the training folders "
+                           f"({folders or 'none is configured'}) hold no usable image")
 
 
 def normalize_caption_extension(caption_extension: str) -> str:
@@ -169,8 +207,9 @@ def _check_sources(sources: Sequence[DatasetSource]) -> None:
 
 def _scan_folder(folder: Path, source_index: int, caption_extension: str, recursive: bool,
                  threads: int, result: ScanResult, listed: Mapping[str, str],
-                 progress: ProgressCallback | None = None) -> None:
-    """Append this folder's usable images to `result.items`, its bad files to `skipped`."""
+                 progress: ProgressCallback | None = None, default_caption: str = "") -> None:
+    """Append this folder's usable images to `result.items`, its bad files to `skipped`; an
+    image without a caption gets `default_caption` when one is given."""
     files, hidden, broken = _list_files(folder, recursive)
     result.hidden_ignored += hidden
     if broken:
@@ -182,7 +221,7 @@ def _scan_folder(folder: Path, source_index: int, caption_extension: str, recurs
         if path.suffix.lower() in UNSUPPORTED_IMAGE_EXTENSIONS:
             _skip(result, path, "unsupported image format (use "
                                 f"{'/'.join(sorted(IMAGE_EXTENSIONS))})")
-    images = [path for path in files if is_image_file(path)]
+    images, masks = split_masks(files, [path for path in files if is_image_file(path)])
     empty: list[Path] = []
     checks = []
     with ThreadPoolExecutor(max_workers=threads) as pool:
@@ -194,20 +233,22 @@ def _scan_folder(folder: Path, source_index: int, caption_extension: str, recurs
         if check.reason is not None:
             _skip(result, path, check.reason)
             continue
-        repeats = _folder_repeats(folder, path, result)
+        found = {"size": check.size, "repeats": _folder_repeats(folder, path, result),
+                 "alpha": check.alpha, "mask": masks.get((path.parent, path.stem.lower()))}
         relative = path.relative_to(folder).as_posix()
         if relative in listed or path.name in listed:
             caption = listed.get(relative, listed.get(path.name, ""))
             if not caption:
                 empty.append(path)
-            result.items.append(ScanItem(path, caption, source_index, size=check.size,
-                                         repeats=repeats))
+            result.items.append(ScanItem(path, caption, source_index, **found))
             continue
         caption_path = captions.get((path.parent, (path.stem + caption_extension).lower()))
+        if caption_path is None and default_caption:
+            result.items.append(ScanItem(path, default_caption, source_index, **found))
+            continue
         if caption_path is None:
             result.missing_captions.append(path)
-            result.items.append(ScanItem(path, "", source_index, has_caption=False,
-                                         size=check.size, repeats=repeats))
+            result.items.append(ScanItem(path, "", source_index, has_caption=False, **found))
             continue
         try:
             caption = caption_path.read_text(encoding="utf-8-sig").strip()  # -sig: Notepad BOM
@@ -216,8 +257,7 @@ def _scan_folder(folder: Path, source_index: int, caption_extension: str, recurs
             continue
         if not caption:
             empty.append(caption_path)
-        result.items.append(ScanItem(path, caption, source_index, size=check.size,
-                                     repeats=repeats))
+        result.items.append(ScanItem(path, caption, source_index, **found))
     if empty:
         result.warnings.append(f"{len(empty)} caption file(s) are empty (those images train "
                                f"unconditioned): {_list_names(empty)}")

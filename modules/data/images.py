@@ -15,8 +15,8 @@ import torch
 from PIL import ExifTags, Image, ImageOps
 
 from modules.data.errors import DatasetError
+from modules.data.file_kinds import IMAGE_EXTENSIONS
 
-IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp"})
 
 Rng = random.Random | torch.Generator
 # What an image is cropped to: a square side (`data.resolution`) or an aspect-ratio bucket's
@@ -55,9 +55,11 @@ def is_image_file(path: Path) -> bool:
 @dataclass(frozen=True)
 class ImageCheck:
     """What the scan learns about one file: its (height, width) after EXIF rotation when it
-    loads, or why it cannot be trained on."""
+    loads, or why it cannot be trained on; and whether it has transparency (an alpha channel
+    is the image's mask under data.masked_loss)."""
     size: tuple[int, int] | None
     reason: str | None
+    alpha: bool = False
 
 
 def check_image(path: Path) -> str | None:
@@ -82,12 +84,13 @@ def inspect_image(path: Path) -> ImageCheck:
             image.draft("RGB", (_CHECK_SIZE, _CHECK_SIZE))  # JPEG only; other formats ignore it
             image.load()
             orientation = image.getexif().get(ExifTags.Base.Orientation, 1)
+            alpha = image.has_transparency_data
             to_rgb(ImageOps.exif_transpose(image))
     # PIL reports a bad file through many exception types (OSError, SyntaxError, ValueError,
     # struct.error, EOFError, DecompressionBombError...); each becomes a reported skip reason.
     except Exception as exc:  # noqa: BLE001 - converted to a reason, never swallowed
         return ImageCheck(None, f"{type(exc).__name__}: {exc}")
-    return ImageCheck(_displayed_hw(width, height, orientation), None)
+    return ImageCheck(_displayed_hw(width, height, orientation), None, alpha)
 
 
 def to_rgb(image: Image.Image) -> Image.Image:

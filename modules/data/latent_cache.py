@@ -23,13 +23,14 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.utils.data import Dataset
 
-from modules.data.dataset import ItemKey, item_rng, split_key, square_sizes
+from modules.data.dataset import ItemKey, item_rng, source_loss_weight, split_key, square_sizes
 from modules.data.captions import CaptionRules, item_caption
 from modules.data.seeds import derive_seed
 from modules.data.errors import DatasetError
 from modules.data.folders import ScanItem
 from modules.data.images import (TargetSize, coin_flip, open_rgb, plan_crop,
                                  prepare_image, target_hw)
+from modules.data.masks import latent_mask, open_mask, prepare_mask
 from modules.data.progress import ProgressCallback
 from modules.events import StopRequested
 from modules.util.atomic import atomic_file
@@ -113,25 +114,33 @@ def _tensor_bytes(tensor: torch.Tensor, limit: int | None) -> bytes:
 
 
 def latent_key(content_sha256: str, target: TargetSize, center_crop: bool,
-               crop_top_left: tuple[int, int], flipped: bool, vae_fingerprint: str) -> str:
+               crop_top_left: tuple[int, int], flipped: bool, vae_fingerprint: str,
+               mask: str | None = None) -> str:
     """The cache key of one latent: everything that changes what the VAE would produce.
 
     `target` is the square resolution or the image's bucket (height, width). The crop position
     is part of the key too: with a center crop it follows from the content and target, with a
-    random crop it is the one crop cached for the image.
+    random crop it is the one crop cached for the image. `mask` names the loss mask stored
+    with the latent (data.masked_loss: "file:<its sha256>" or "alpha"); an entry without one
+    keeps the key it had before masks existed, and one with a mask is never served to a run
+    that asks without, nor the other way round.
     """
     fields = {"version": CACHE_FORMAT_VERSION, "content": content_sha256,
               "target_size": list(target_hw(target)), "center_crop": center_crop,
               "crop_top_left": list(crop_top_left), "flipped": flipped, "vae": vae_fingerprint}
+    if mask is not None:
+        fields["mask"] = mask
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode("utf-8")).hexdigest()
 
 
 @dataclass(frozen=True)
 class LatentEntry:
-    """A cached latent (as `encode_fn` returned it, on the CPU) and its SDXL size conditioning."""
+    """A cached latent (as `encode_fn` returned it, on the CPU), its SDXL size conditioning
+    and its loss mask at the latent's size (1, h, w), when it was cached with one."""
     latent: torch.Tensor
     original_size: tuple[int, int]
     crop_top_left: tuple[int, int]
+    mask: torch.Tensor | None = None
 
 
 class LatentCache:
@@ -150,10 +159,10 @@ class LatentCache:
         self.corrupt = 0
 
     def key_for(self, path: Path, target: TargetSize, center_crop: bool,
-                crop_top_left: tuple[int, int], flipped: bool) -> str:
-        """The key of image `path` (by content) under this cache's VAE."""
+                crop_top_left: tuple[int, int], flipped: bool, mask: str | None = None) -> str:
+        """The key of image `path` (by content) under this cache's VAE, with its mask's name."""
         return latent_key(self.hasher.sha256(path), target, center_crop, crop_top_left,
-                          flipped, self.vae_fingerprint)
+                          flipped, self.vae_fingerprint, mask)
 
     def path_for(self, key: str) -> Path:
         return self.cache_dir / f"{key}.safetensors"
@@ -163,8 +172,9 @@ class LatentCache:
         entry = self.get_entry(key)
         return None if entry is None else entry.latent
 
-    def get_entry(self, key: str) -> LatentEntry | None:
-        """The cached latent and its metadata, or None on a miss (absent or unreadable)."""
+    def get_entry(self, key: str, require_mask: bool = False) -> LatentEntry | None:
+        """The cached latent and its metadata, or None on a miss (absent or unreadable, or
+        without the mask `require_mask` asks for)."""
         path = self.path_for(key)
         if not path.is_file():
             return None
@@ -172,10 +182,13 @@ class LatentCache:
             with safe_open(str(path), framework="pt") as file:
                 metadata = file.metadata() or {}
                 latent = file.get_tensor("latent")
+                mask = file.get_tensor("mask") if "mask" in file.keys() else None
             if metadata.get("vae_fingerprint") != self.vae_fingerprint:
                 raise ValueError("written for another VAE")
+            if require_mask and mask is None:
+                raise ValueError("it holds no loss mask")
             entry = LatentEntry(latent, _parse_pair(metadata["original_size"]),
-                                _parse_pair(metadata["crop_top_left"]))
+                                _parse_pair(metadata["crop_top_left"]), mask)
         # safetensors raises its own error type, OSError, KeyError or ValueError for a damaged
         # file; all of them mean "re-encode this entry", reported below.
         except Exception as exc:  # noqa: BLE001 - reported and counted, served as a miss
@@ -186,15 +199,18 @@ class LatentCache:
         return entry
 
     def put(self, key: str, latent: torch.Tensor, original_size: tuple[int, int] = (0, 0),
-            crop_top_left: tuple[int, int] = (0, 0)) -> Path:
-        """Store `latent` under `key` atomically (overwrites a previous or corrupt entry)."""
+            crop_top_left: tuple[int, int] = (0, 0), mask: torch.Tensor | None = None) -> Path:
+        """Store `latent` (and its loss `mask`) under `key` atomically (overwrites a previous
+        or corrupt entry)."""
         path = self.path_for(key)
         metadata = {"format": str(CACHE_FORMAT_VERSION), "vae_fingerprint": self.vae_fingerprint,
                     "original_size": _format_pair(original_size),
                     "crop_top_left": _format_pair(crop_top_left)}
-        tensor = latent.detach().to("cpu").contiguous().clone()
+        tensors = {"latent": latent.detach().to("cpu").contiguous().clone()}
+        if mask is not None:
+            tensors["mask"] = mask.detach().to("cpu", torch.float32).contiguous().clone()
         with atomic_file(path) as tmp:
-            save_file({"latent": tensor}, str(tmp), metadata=metadata)
+            save_file(tensors, str(tmp), metadata=metadata)
         return path
 
 
@@ -209,9 +225,11 @@ def _parse_pair(text: str) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class CachedImage:
-    """The cache keys of one image: `keys[flipped]` (both orientations when flips are on)."""
+    """The cache keys of one image: `keys[flipped]` (both orientations when flips are on);
+    `masked` when its entries hold a loss mask."""
     path: Path
     keys: Mapping[bool, str]
+    masked: bool = False
 
 
 @dataclass
@@ -230,6 +248,15 @@ class _Pending:
     target: tuple[int, int]
     crop_top_left: tuple[int, int]
     flipped: bool
+    item: ScanItem | None = None  # the item whose loss mask is stored with the latent
+
+
+def mask_name(item: ScanItem, hasher: ContentHasher) -> str | None:
+    """The name of an item's loss mask in cache keys: its mask file by content, its alpha
+    channel (already in the image's content hash), or None (no mask: an unmasked entry)."""
+    if item.mask is not None:
+        return "file:" + hasher.sha256(item.mask)
+    return "alpha" if item.alpha else None
 
 
 def cache_latents(items: Sequence[ScanItem], encode_fn: EncodeFn, cache: LatentCache,
@@ -237,7 +264,8 @@ def cache_latents(items: Sequence[ScanItem], encode_fn: EncodeFn, cache: LatentC
                   seed: int = 0, batch_size: int = 4,
                   progress_callback: ProgressCallback | None = None,
                   target_sizes: Sequence[tuple[int, int]] | None = None,
-                  should_stop: Callable[[], bool] = lambda: False) -> CacheStats:
+                  should_stop: Callable[[], bool] = lambda: False,
+                  masked_loss: bool = False) -> CacheStats:
     """Make sure every image in `items` has its latent(s) in `cache`; encode the missing ones.
 
     `encode_fn` maps a CPU float32 pixel batch (B, 3, H, W) in [-1, 1] to latents (B, ...):
@@ -250,6 +278,8 @@ def cache_latents(items: Sequence[ScanItem], encode_fn: EncodeFn, cache: LatentC
     `progress_callback(done, total)` counts latents resolved (hit or encoded).
     `should_stop` is asked before each image is looked up and each batch is encoded; when it
     says so, StopRequested is raised (every latent stored so far is whole and stays cached).
+    With `masked_loss` an image's loss mask (modules/data/masks.py), averaged down to the
+    latent's size, is stored in the same file, under a key that names the mask.
     """
     if not center_crop:
         logger.warning("random crop with cached latents: each image keeps one random crop drawn "
@@ -267,14 +297,17 @@ def cache_latents(items: Sequence[ScanItem], encode_fn: EncodeFn, cache: LatentC
         content = cache.hasher.sha256(path)
         crop_rng = None if center_crop else random.Random(derive_seed("crop", seed, content))
         crop = plan_crop(item_of[path].oriented_size(), target, center_crop, crop_rng)
-        keys = {flip: cache.key_for(path, target, center_crop, crop, flip) for flip in flips}
-        stats.entries[path] = CachedImage(path, keys)
+        mask = mask_name(item_of[path], cache.hasher) if masked_loss else None
+        keys = {flip: cache.key_for(path, target, center_crop, crop, flip, mask)
+                for flip in flips}
+        stats.entries[path] = CachedImage(path, keys, masked=mask is not None)
         for flip, key in keys.items():
-            if cache.get_entry(key) is not None:
+            if cache.get_entry(key, require_mask=mask is not None) is not None:
                 stats.hits += 1
                 _report(progress_callback, stats.hits, total)
             else:
-                pending.append(_Pending(path, key, target, crop, flip))
+                pending.append(_Pending(path, key, target, crop, flip,
+                                        item_of[path] if mask is not None else None))
     for batch in _same_size_batches(pending, batch_size):
         if should_stop():
             raise StopRequested(f"latent caching stopped with {stats.hits + stats.misses} of "
@@ -322,7 +355,17 @@ def _encode_batch(batch: Sequence[_Pending], encode_fn: EncodeFn, cache: LatentC
     if latents.shape[0] != len(batch):
         raise ValueError(f"encode_fn returned {latents.shape[0]} latents for {len(batch)} images")
     for pending, image, latent in zip(batch, prepared, latents):
-        cache.put(pending.key, latent, image.original_size, image.crop_top_left)
+        cache.put(pending.key, latent, image.original_size, image.crop_top_left,
+                  _latent_mask(pending, latent.shape[-2:]))
+
+
+def _latent_mask(pending: _Pending, size) -> torch.Tensor | None:
+    """The pending image's loss mask through its crop and flip, averaged to `size`."""
+    if pending.item is None:
+        return None
+    image = open_mask(pending.item.mask, pending.path, pending.item.alpha)
+    mask = prepare_mask(image, pending.target, pending.crop_top_left, pending.flipped)
+    return latent_mask(mask.unsqueeze(0), size)[0]
 
 
 def _report(callback: ProgressCallback | None, done: int, total: int) -> None:
@@ -342,7 +385,8 @@ class CachedLatentDataset(Dataset):
     def __init__(self, items: Sequence[ScanItem], entries: Mapping[Path, CachedImage],
                  cache: LatentCache, random_flip: bool = False, seed: int = 0,
                  target_sizes: Sequence[tuple[int, int]] | None = None,
-                 caption_rules: Sequence[CaptionRules] = ()) -> None:
+                 caption_rules: Sequence[CaptionRules] = (),
+                 loss_weights: Sequence[float] = (), masked_loss: bool = False) -> None:
         missing = [item.path for item in items if Path(item.path) not in entries]
         if missing:
             raise ValueError(f"{len(missing)} item(s) were not cached, e.g. {missing[0]}; "
@@ -354,6 +398,8 @@ class CachedLatentDataset(Dataset):
         self.random_flip = random_flip
         self.seed = seed
         self.caption_rules = tuple(caption_rules)
+        self.loss_weights = tuple(loss_weights)
+        self.masked_loss = masked_loss
 
     def __len__(self) -> int:
         return len(self.items)
@@ -362,8 +408,9 @@ class CachedLatentDataset(Dataset):
         epoch, index = split_key(key)
         item = self.items[index]
         flip = self.random_flip and coin_flip(item_rng(self.seed, epoch, index))
-        cache_key = self.entries[Path(item.path)].keys[flip]
-        entry = self.cache.get_entry(cache_key)
+        cached = self.entries[Path(item.path)]
+        cache_key = cached.keys[flip]
+        entry = self.cache.get_entry(cache_key, require_mask=cached.masked)
         if entry is None:
             raise DatasetError(f"the cached latent of {item.path} disappeared or was damaged "
                                f"during the run ({self.cache.path_for(cache_key)}); restart "
@@ -372,4 +419,14 @@ class CachedLatentDataset(Dataset):
                                        self.seed, epoch, index)
         return {"latents": entry.latent, "caption": caption, "caption_varies": varies,
                 "path": str(item.path), "original_size": entry.original_size,
-                "crop_top_left": entry.crop_top_left}
+                "crop_top_left": entry.crop_top_left,
+                **source_loss_weight(item, self.loss_weights), **self._mask(entry)}
+
+    def _mask(self, entry: LatentEntry) -> dict[str, torch.Tensor]:
+        """{"mask": the entry's loss mask, all ones for an image without one} under
+        masked_loss, else {}."""
+        if not self.masked_loss:
+            return {}
+        if entry.mask is not None:
+            return {"mask": entry.mask}
+        return {"mask": torch.ones(1, *entry.latent.shape[-2:])}

@@ -35,9 +35,12 @@ def cached_latent_dataset(dataset: ImageCaptionDataset, prepared: PreparedRun,
                           seed=dataset.seed,
                           progress_callback=RateMeter("caching latents", callbacks.on_status,
                                                       unit="latents"),
-                          target_sizes=dataset.target_sizes, should_stop=should_stop)
+                          target_sizes=dataset.target_sizes, should_stop=should_stop,
+                          masked_loss=dataset.masked_loss)
     callbacks.on_status(f"latent cache: {stats.hits} reused, {stats.misses} encoded")
     return CachedLatentDataset(dataset.items, stats.entries, cache,
                                random_flip=dataset.random_flip, seed=dataset.seed,
                                target_sizes=dataset.target_sizes,
-                               caption_rules=dataset.caption_rules)
+                               caption_rules=dataset.caption_rules,
+                               loss_weights=dataset.loss_weights,
+                               masked_loss=dataset.masked_loss)

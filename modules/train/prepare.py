@@ -84,7 +84,9 @@ def check_run(config: Config, callbacks: TrainerCallbacks) -> CheckedRun:
     try:
         sources = [DatasetSource(Path(ds.path), ds.repeats,
                                  load_captions_file(Path(ds.captions_file))
-                                 if ds.captions_file else None)
+                                 if ds.captions_file else None,
+                                 default_caption=ds.class_caption,
+                                 regularization=ds.regularization)
                    for ds in resolved.data.datasets]
     except CaptionsFileError as exc:  # check_inputs read it a moment ago: changed since
         raise ConfigError([Problem("data.datasets", "readable captions files", str(exc))]) \
@@ -93,6 +95,7 @@ def check_run(config: Config, callbacks: TrainerCallbacks) -> CheckedRun:
         scan = scan_datasets(sources, caption_extension=resolved.data.caption_extension,
                              recursive=resolved.data.recursive,
                              resolution=resolved.data.resolution,
+                             check_masks=resolved.data.masked_loss,
                              progress=lambda folder: RateMeter(f"scanning {folder.name}",
                                                                callbacks.on_status))
     except DatasetError as exc:

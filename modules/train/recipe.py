@@ -33,7 +33,7 @@ from modules.train.builders import (Draws, autocast_context, build_lr_scheduler,
 from modules.train.compile_guard import COMPILE_DENOISER, build_compile_guard
 from modules.train.distributed import Distributed
 from modules.train.eta import estimated_sample_seconds, eta_seconds, samples_still_due
-from modules.train.objectives import diffusion_mse, drop_captions, offset_noise
+from modules.train.objectives import diffusion_mse, drop_captions, offset_noise, sample_weights
 from modules.train.output_lock import OutputLock
 from modules.train.outputs import (backup_bytes, distributed_summary, log_scalars, sample,
                                    save_checkpoint, save_final)
@@ -305,7 +305,8 @@ def micro_step(run: Run, batch: dict, draws: Draws) -> torch.Tensor:
         prediction = family.predict(denoiser, denoiser_input(run, noisy), timesteps,
                                     conditioning)
         weights = family.objective.loss_weights(run.bundle, timesteps, t.min_snr_gamma)
-        loss = diffusion_mse(prediction, target, weights)
+        weights = sample_weights(weights, batch.get("loss_weight"))  # prior_loss_weight
+        loss = diffusion_mse(prediction, target, weights, batch.get("mask"))
     scaled = loss / t.gradient_accumulation
     (run.scaler.scale(scaled) if run.scaler else scaled).backward()
     return loss.detach()

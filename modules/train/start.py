@@ -3,6 +3,7 @@ cleaning, the start of run.json, the dataset, and the learning rates after a res
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +16,8 @@ from modules.config.problems import ConfigError, Problem
 from modules.data.captions import CaptionRules
 from modules.data.buckets import assign_buckets, bucket_counts
 from modules.data.dataset import ImageCaptionDataset, expand_repeats
+from modules.data.masks import mask_source
+from modules.data.regularization import balanced_repeats
 from modules.events import TrainerCallbacks
 from modules.model_types import MODEL_TYPES
 from modules.train.backup import ResumePoint, backups_folder
@@ -110,6 +113,39 @@ def caption_rules(config) -> list[CaptionRules]:
                          ds.tag_dropout) for ds in config.data.datasets]
 
 
+def source_loss_weights(config) -> list[float]:
+    """Each dataset's loss weight (regularisation folders: training.prior_loss_weight), or []
+    when no dataset is one (the batches then carry no weights at all)."""
+    datasets = config.data.datasets
+    if not any(ds.regularization for ds in datasets):
+        return []
+    return [config.training.prior_loss_weight if ds.regularization else 1.0 for ds in datasets]
+
+
+def regularization_record(scan) -> dict | None:
+    """run.json's `regularization` section, when a folder holds class images: samples per
+    epoch on each side and the class images left unused."""
+    _, balance = balanced_repeats(scan)
+    return None if balance is None else dataclasses.asdict(balance)
+
+
+def mask_counts(scan) -> dict[str, int]:
+    """How many images take their loss mask from a mask file, from their alpha channel, and
+    how many have none (they train on the whole image): run.json's `masked_loss`."""
+    counts = {"file": 0, "alpha": 0, "none": 0}
+    for item in scan.items:
+        counts[mask_source(item.mask, item.alpha)] += 1
+    return counts
+
+
+def describe_masks(counts: dict[str, int]) -> str:
+    line = (f"masked loss: {counts['file']} image(s) use a mask file, {counts['alpha']} their "
+            "alpha channel")
+    if counts["none"]:
+        line += f"; {counts['none']} have no mask and train on the whole image"
+    return line
+
+
 def build_dataset(prepared: PreparedRun, callbacks: TrainerCallbacks,
                   should_stop: Callable[[], bool] = lambda: False) -> ImageCaptionDataset:
     """The training dataset, with latents encoded into the on-disk cache first when enabled.
@@ -119,12 +155,19 @@ def build_dataset(prepared: PreparedRun, callbacks: TrainerCallbacks,
     """
     config = prepared.config
     items = expand_repeats(prepared.scan)
+    balance = balanced_repeats(prepared.scan)[1]
+    if balance is not None:
+        callbacks.on_status(balance.describe())
     target_sizes = (assign_buckets(items, config.data.resolution, config.data.bucket_max_aspect)
                     if config.data.aspect_buckets else None)
     dataset = ImageCaptionDataset(items, resolution=config.data.resolution,
                                   center_crop=config.data.center_crop,
                                   random_flip=config.data.random_flip, seed=config.training.seed,
-                                  target_sizes=target_sizes, caption_rules=caption_rules(config))
+                                  target_sizes=target_sizes, caption_rules=caption_rules(config),
+                                  loss_weights=source_loss_weights(config),
+                                  masked_loss=config.data.masked_loss)
+    if config.data.masked_loss:
+        callbacks.on_status(describe_masks(mask_counts(prepared.scan)))
     if not config.data.cache_latents:
         return dataset
     from modules.train.latents import cached_latent_dataset
@@ -188,7 +231,9 @@ def start_record(record: RunRecord, prepared: PreparedRun, device: torch.device)
                  train_dtype=config.model.train_dtype.value,
                  mixed_precision=config.training.mixed_precision.value,
                  dataset={"images": len(prepared.scan.items), "skipped": len(prepared.scan.skipped),
-                          "skipped_files": [str(p) for p, _ in prepared.scan.skipped]})
+                          "skipped_files": [str(p) for p, _ in prepared.scan.skipped]},
+                 regularization=regularization_record(prepared.scan),
+                 masked_loss=(mask_counts(prepared.scan) if config.data.masked_loss else None))
 
 
 def build_ema(config, params: dict) -> EMAModel | None:
