@@ -444,6 +444,16 @@ class OutputConfig:
     save_every_steps: int = setting(0, label="Save every N steps", group="General", min=0,
                                     max=100_000_000,
                                     help="Periodic checkpoints; 0 saves only at the end.")
+    save_every_epochs: int = setting(
+        0, label="Save every N epochs", group="General", min=0, max=1_000_000,
+        help="Also save a checkpoint (checkpoints/epoch-NNNNNN/) at the end of every Nth "
+             "epoch; 0 = none by epoch. Not at the run's last step (final/ holds it); a step "
+             "due by both is saved once, under the epoch name.")
+    keep_checkpoints: int = setting(
+        0, label="Checkpoints kept", group="General", min=0, max=1_000_000, advanced=True,
+        help="Keep only the newest N checkpoints/step-N and epoch-N folders, removing older "
+             "ones after each save (across resumed segments); 0 keeps all. final/, backups "
+             "and folders of your own are never removed (docs/saving.md).")
     formats: list[SaveFormat] = setting(
         default_factory=lambda: [SaveFormat.DIFFUSERS], label="Save formats", group="General",
         help="DIFFUSERS: LoRA as pytorch_lora_weights.safetensors (diffusers' load_lora_weights), "
