@@ -102,6 +102,13 @@ class SaveFormat(str, Enum):
     SINGLE_FILE = "SINGLE_FILE"
 
 
+class SaveDType(str, Enum):
+    AS_TRAINED = "AS_TRAINED"
+    FLOAT32 = "FLOAT32"
+    FLOAT16 = "FLOAT16"
+    BFLOAT16 = "BFLOAT16"
+
+
 class Device(str, Enum):
     AUTO = "AUTO"
     CPU = "CPU"
@@ -465,6 +472,12 @@ class OutputConfig:
                                    "first; its weights are replaced as the new run saves. Off "
                                    "refuses to start so nothing is lost. Not applied when "
                                    "resuming: a resume continues the run in the folder.")
+    save_dtype: SaveDType = setting(
+        SaveDType.AS_TRAINED, label="Save precision", group="General",
+        help="The dtype of the saved weights, in every format: AS_TRAINED (LoRA adapters in "
+             "float32, full models at the dtype each component was kept at while training), "
+             "FLOAT32, FLOAT16 (half the size; what most shared LoRAs use) or BFLOAT16. "
+             "Training itself is unchanged (docs/saving.md).")
     backup_every_steps: int = setting(
         0, label="Backup every N steps", group="General", min=0, max=100_000_000, advanced=True,
         help="Write a backup (everything needed to resume exactly: weights, optimizer, LR "
