@@ -25,6 +25,7 @@ from torch import nn
 
 from modules.config.schema import ModelType
 from modules.models.families import family_of
+from modules.models.metadata import MODEL_HASH_KEY, MODEL_HASH_PLACEHOLDER, stamp_model_hash
 from modules.models.precision import cast_for_saving
 from modules.models.single_file import clip_key_with_text_model, unet_key_to_ldm
 from modules.util.atomic import atomic_file
@@ -134,4 +135,6 @@ def save_kohya_lora(modules: dict[str, nn.Module], path: str | Path, alpha: floa
     path = Path(path)
     with atomic_file(path) as tmp:
         save_file(tensors, str(tmp), metadata=dict(metadata or {}))
+        if (metadata or {}).get(MODEL_HASH_KEY) == MODEL_HASH_PLACEHOLDER:
+            stamp_model_hash(tmp)
     return path

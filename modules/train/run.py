@@ -72,6 +72,7 @@ class Run:
     last_backup_step: int = -1
     refused_backup_step: int = -1  # a step whose backup held NaN/inf: not tried twice
     last_backup_time: float = field(default_factory=time.monotonic)
+    file_metadata: dict[str, str] = field(default_factory=dict)  # about the data, for saves
 
     @property
     def step(self) -> int:

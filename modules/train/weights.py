@@ -144,13 +144,14 @@ def write_lora_diffusers(bundle: ModelBundle, config: Config, folder: Path) -> P
     return folder / LORA_WEIGHT_NAME
 
 
-def write_lora_kohya(bundle: ModelBundle, config: Config, folder: Path, step: int) -> Path:
+def write_lora_kohya(bundle: ModelBundle, config: Config, folder: Path, step: int,
+                     extra: dict[str, str] | None = None) -> Path:
     """LoRA adapters in the kohya layout ComfyUI and A1111 read, with training metadata."""
     from modules.models.kohya import save_kohya_lora
     path = folder / KOHYA_WEIGHT_NAME
     save_kohya_lora({n: bundle.component(n) for n in trained_components(config)}, path,
                     config.training.lora_alpha, config.model.type,
-                    _metadata(bundle, config, "lora", "kohya", step),
+                    {**_metadata(bundle, config, "lora", "kohya", step), **(extra or {})},
                     dtype=lora_save_dtype(config))
     return path
 
@@ -182,13 +183,15 @@ def write_slow_tokenizer_files(tokenizer, folder: Path) -> None:
     backend.model.save(str(folder))
 
 
-def write_full_single_file(bundle: ModelBundle, config: Config, folder: Path, step: int) -> Path:
+def write_full_single_file(bundle: ModelBundle, config: Config, folder: Path, step: int,
+                           extra: dict[str, str] | None = None) -> Path:
     """The whole model as one .safetensors in the original SD/SDXL layout."""
     from modules.models.single_file import save_single_file
     path = folder / SINGLE_FILE_NAME
     components = {**bundle.components(), "scheduler": bundle.noise_scheduler}
     save_single_file(components, path, config.model.type,
-                     _metadata(bundle, config, "checkpoint", "single_file", step),
+                     {**_metadata(bundle, config, "checkpoint", "single_file", step),
+                      **(extra or {})},
                      dtype=SAVE_DTYPES[config.output.save_dtype])
     return path
 
@@ -202,21 +205,24 @@ def _metadata(bundle: ModelBundle, config: Config, kind: str, layout: str, step:
                              steps=step)
 
 
-def save_weights(bundle: ModelBundle, config: Config, folder: Path, step: int) -> list[Path]:
+def save_weights(bundle: ModelBundle, config: Config, folder: Path, step: int,
+                 extra_metadata: dict[str, str] | None = None) -> list[Path]:
     """Save what this run trains into `folder`, in every configured format, atomically.
 
     Everything is written into a temporary folder first and swapped in at the end, so an
-    interrupted save leaves the previous checkpoint of that name intact.
+    interrupted save leaves the previous checkpoint of that name intact. `extra_metadata`
+    (what the run knows about its data, train/data_metadata.py) goes into the files that
+    carry training metadata.
     """
     formats = set(config.output.formats)
     lora = config.training.method == TrainingMethod.LORA
     writers = [
         (lora and SaveFormat.DIFFUSERS in formats, lambda t: write_lora_diffusers(bundle, config, t)),
-        (lora and SaveFormat.KOHYA in formats, lambda t: write_lora_kohya(bundle, config, t, step)),
+        (lora and SaveFormat.KOHYA in formats, lambda t: write_lora_kohya(bundle, config, t, step, extra_metadata)),
         (not lora and SaveFormat.DIFFUSERS in formats,
          lambda t: write_full_diffusers(bundle, config, t)),
         (not lora and SaveFormat.SINGLE_FILE in formats,
-         lambda t: write_full_single_file(bundle, config, t, step)),
+         lambda t: write_full_single_file(bundle, config, t, step, extra_metadata)),
     ]
     written: list[Path] = []
 
