@@ -10,7 +10,8 @@ from enum import Enum
 
 from modules.config.schema import (CompileBackend, CompileMode, CompileScope, Device, DType,
                                    DynamicShapes, LRScheduler, MixedPrecision, Optimizer,
-                                   PredictionType, Sampler, SaveFormat, TrainingMethod)
+                                   PredictionType, Sampler, SaveDType, SaveFormat,
+                                   TrainingMethod)
 from modules.config.optimizers import OPTIMIZERS
 from modules.frontend import BACKENDS, MODEL_TYPES, ModelType
 
@@ -40,6 +41,8 @@ ENUM_LABELS: dict[type[Enum], dict[Enum, str]] = {
                     DynamicShapes.STATIC: "Static"},
     SaveFormat: {SaveFormat.DIFFUSERS: "Diffusers", SaveFormat.KOHYA: "Kohya LoRA",
                  SaveFormat.SINGLE_FILE: "Single file"},
+    SaveDType: {SaveDType.AS_TRAINED: "As trained", SaveDType.FLOAT32: "float32",
+                SaveDType.FLOAT16: "float16", SaveDType.BFLOAT16: "bfloat16"},
     ModelType: {member: spec.label for member, spec in MODEL_TYPES.items()},
 }
 

@@ -102,6 +102,13 @@ class SaveFormat(str, Enum):
     SINGLE_FILE = "SINGLE_FILE"
 
 
+class SaveDType(str, Enum):
+    AS_TRAINED = "AS_TRAINED"
+    FLOAT32 = "FLOAT32"
+    FLOAT16 = "FLOAT16"
+    BFLOAT16 = "BFLOAT16"
+
+
 class Device(str, Enum):
     AUTO = "AUTO"
     CPU = "CPU"
@@ -466,6 +473,16 @@ class OutputConfig:
     save_every_steps: int = setting(0, label="Save every N steps", group="General", min=0,
                                     max=100_000_000,
                                     help="Periodic checkpoints; 0 saves only at the end.")
+    save_every_epochs: int = setting(
+        0, label="Save every N epochs", group="General", min=0, max=1_000_000,
+        help="Also save a checkpoint (checkpoints/epoch-NNNNNN/) at the end of every Nth "
+             "epoch; 0 = none by epoch. Not at the run's last step (final/ holds it); a step "
+             "due by both is saved once, under the epoch name.")
+    keep_checkpoints: int = setting(
+        0, label="Checkpoints kept", group="General", min=0, max=1_000_000, advanced=True,
+        help="Keep only the newest N checkpoints/step-N and epoch-N folders, removing older "
+             "ones after each save (across resumed segments); 0 keeps all. final/, backups "
+             "and folders of your own are never removed (docs/saving.md).")
     formats: list[SaveFormat] = setting(
         default_factory=lambda: [SaveFormat.DIFFUSERS], label="Save formats", group="General",
         help="DIFFUSERS: LoRA as pytorch_lora_weights.safetensors (diffusers' load_lora_weights), "
@@ -477,6 +494,12 @@ class OutputConfig:
                                    "first; its weights are replaced as the new run saves. Off "
                                    "refuses to start so nothing is lost. Not applied when "
                                    "resuming: a resume continues the run in the folder.")
+    save_dtype: SaveDType = setting(
+        SaveDType.AS_TRAINED, label="Save precision", group="General",
+        help="The dtype of the saved weights, in every format: AS_TRAINED (LoRA adapters in "
+             "float32, full models at the dtype each component was kept at while training), "
+             "FLOAT32, FLOAT16 (half the size; what most shared LoRAs use) or BFLOAT16. "
+             "Training itself is unchanged (docs/saving.md).")
     backup_every_steps: int = setting(
         0, label="Backup every N steps", group="General", min=0, max=100_000_000, advanced=True,
         help="Write a backup (everything needed to resume exactly: weights, optimizer, LR "

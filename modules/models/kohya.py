@@ -25,6 +25,8 @@ from torch import nn
 
 from modules.config.schema import ModelType
 from modules.models.families import family_of
+from modules.models.metadata import MODEL_HASH_KEY, MODEL_HASH_PLACEHOLDER, stamp_model_hash
+from modules.models.precision import cast_for_saving
 from modules.models.single_file import clip_key_with_text_model, unet_key_to_ldm
 from modules.util.atomic import atomic_file
 
@@ -113,7 +115,9 @@ def save_kohya_lora(modules: dict[str, nn.Module], path: str | Path, alpha: floa
     """Write the LoRA adapters of `modules` (by pipeline name) as one kohya .safetensors.
 
     `alpha` None reads each module's peft config; a given alpha must agree with it, because
-    the file would otherwise not reproduce what was trained. Written atomically.
+    the file would otherwise not reproduce what was trained. The weights are written at
+    `dtype`; each layer's alpha stays a float32 scalar, so the strength is exact in any dtype.
+    Written atomically.
     """
     from peft.utils import get_peft_model_state_dict
     from safetensors.torch import save_file
@@ -125,11 +129,12 @@ def save_kohya_lora(modules: dict[str, nn.Module], path: str | Path, alpha: floa
             raise KohyaError(f"{name}: alpha {alpha} given, but its adapters were built with "
                              f"lora_alpha={configured}")
         alphas[name] = configured
-        states[name] = {k: v.detach().to("cpu", dtype).contiguous()
-                        for k, v in get_peft_model_state_dict(module).items()}
+        states[name] = cast_for_saving(get_peft_model_state_dict(module), dtype, name)
     unet_config = modules["unet"].config if "unet" in modules else None
     tensors = to_kohya(states, alphas, model_type, unet_config)
     path = Path(path)
     with atomic_file(path) as tmp:
         save_file(tensors, str(tmp), metadata=dict(metadata or {}))
+        if (metadata or {}).get(MODEL_HASH_KEY) == MODEL_HASH_PLACEHOLDER:
+            stamp_model_hash(tmp)
     return path

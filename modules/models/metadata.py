@@ -94,15 +94,95 @@ def training_metadata(config_dict: dict, model_type: ModelType, method: Any, kin
         "ss_training_comment": f"trained with Tempera ({_plain(method)})",
         "tempera.config": json.dumps(config_dict, sort_keys=True, default=_plain),
     })
+    meta["ss_output_name"] = meta["modelspec.title"]  # A1111's name for the LoRA in prompts
     if kind == "lora":
         meta.update({
             "ss_network_module": "networks.lora",
             "ss_network_dim": str(training.get("lora_rank", "")),
             "ss_network_alpha": _number(training.get("lora_alpha", "")),
-            "ss_network_args": json.dumps(
-                {"target_modules": training.get("lora_target_modules", [])}),
+            "ss_network_args": json.dumps(network_args(training)),
         })
+        if layout == "kohya":
+            meta[MODEL_HASH_KEY] = MODEL_HASH_PLACEHOLDER  # stamp_model_hash fills it in
     return meta
+
+
+# kohya's ss_network_args name -> the training.* field it comes from, for adapter settings
+# beyond the plain LoRA shape (conv rank/alpha, the LyCORIS algorithm, DoRA): a field that
+# does not exist in this config is left out, so adding an adapter option is adding a row.
+NETWORK_ARG_FIELDS = {"target_modules": "lora_target_modules", "algo": "adapter",
+                      "conv_dim": "lora_conv_rank", "conv_alpha": "lora_conv_alpha",
+                      "dora_wd": "use_dora"}
+
+
+def network_args(training: dict) -> dict:
+    """The adapter's settings beyond rank and alpha, as kohya's `ss_network_args` (values as
+    kohya writes them: strings, lists kept as lists; enum values lower-cased)."""
+    args = {}
+    for name, field_name in NETWORK_ARG_FIELDS.items():
+        if field_name not in training:
+            continue
+        value = _plain(training[field_name])
+        args[name] = (value if isinstance(value, list)
+                      else str(value).lower() if name == "algo" else str(value))
+    return args
+
+
+def tag_frequency(captions: list[tuple[str, str]]) -> dict[str, dict[str, int]]:
+    """{dataset folder name: {tag: images whose caption holds it}} from (folder, caption as
+    trained) pairs; tags are split at commas and stripped, as kohya counts them."""
+    counts: dict[str, dict[str, int]] = {}
+    for folder, caption in captions:
+        own = counts.setdefault(folder, {})
+        for tag in dict.fromkeys(t.strip() for t in caption.split(",")):
+            if tag:
+                own[tag] = own.get(tag, 0) + 1
+    return counts
+
+
+def dataset_metadata(captions: list[tuple[str, str]], folders: dict[str, tuple[int, int]],
+                     trigger_words: list[str]) -> dict[str, str]:
+    """The keys A1111's and Forge's extra-networks panels read about the training data:
+    `ss_tag_frequency` (their tag list and random prompt), `ss_dataset_dirs` (the dataset size
+    shown), `ss_num_train_images` (images per epoch, repeats counted), and the trigger words as
+    modelspec.trigger_phrase. `folders` is {folder name: (repeats, images)}."""
+    meta = {
+        "ss_tag_frequency": json.dumps(tag_frequency(captions), ensure_ascii=False),
+        "ss_dataset_dirs": json.dumps({name: {"n_repeats": repeats, "img_count": images}
+                                       for name, (repeats, images) in folders.items()},
+                                      ensure_ascii=False),
+        "ss_num_train_images": str(sum(r * n for r, n in folders.values())),
+    }
+    words = [w.strip() for w in trigger_words if w.strip()]
+    if words:
+        meta["modelspec.trigger_phrase"] = ", ".join(dict.fromkeys(words))
+    return meta
+
+
+MODEL_HASH_KEY = "sshs_model_hash"
+MODEL_HASH_PLACEHOLDER = "0" * 64
+
+
+def stamp_model_hash(path: Path) -> str:
+    """Fill in `sshs_model_hash`: the sha256 of the file's bytes after its header, the hash
+    A1111 shows for a LoRA (its "addnet" hash). The header held a placeholder of the same
+    length, so it is patched in place and the data bytes the hash covers do not move."""
+    import hashlib
+    import re
+
+    with open(path, "r+b") as f:
+        length = int.from_bytes(f.read(8), "little")
+        header = f.read(length)
+        digest = hashlib.sha256()
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+        found = re.search(rb'"%s"\s*:\s*"(%s)"' % (MODEL_HASH_KEY.encode(),
+                                                   MODEL_HASH_PLACEHOLDER.encode()), header)
+        if found is None:
+            raise ValueError(f"{path}: no {MODEL_HASH_KEY} placeholder in the header")
+        f.seek(8 + found.start(1))
+        f.write(digest.hexdigest().encode())
+    return digest.hexdigest()
 
 
 def _plain(value: Any) -> Any:

@@ -17,6 +17,7 @@ import torch
 
 from modules.config.schema import ModelType
 from modules.model_types import MODEL_TYPES
+from modules.models.precision import cast_for_saving
 from modules.util.atomic import atomic_file
 from modules.util.errors import first_line
 
@@ -427,8 +428,7 @@ def save_single_file(components: dict[str, Any], path: str | Path, model_type: M
     if path.suffix.lower() != SAFETENSORS_SUFFIX:
         raise SingleFileError(f"{path}: single-file checkpoints are saved as {SAFETENSORS_SUFFIX}")
     tensors = to_ldm_state_dict(components, model_type)
-    tensors = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v)
-               .detach().cpu().contiguous() for k, v in tensors.items()}
+    tensors = cast_for_saving(tensors, dtype, str(path))
     scheduler = components.get("scheduler")
     if scheduler is not None and scheduler.config.get("prediction_type") == "v_prediction":
         tensors["v_pred"] = torch.zeros(0)

@@ -12,6 +12,7 @@ import torch
 from modules.compile import COMPONENTS as COMPILE_COMPONENTS
 from modules.config.optimizers import OPTIMIZERS
 from modules.train.builders import optimizer_scalars
+from modules.train.checkpoints import checkpoints_folder, rotate_checkpoints
 from modules.train.distributed import parameter_checksum
 from modules.train.resume_offer import saved_step
 from modules.train.run import Run
@@ -108,8 +109,25 @@ def sample(run: Run, should_stop: Callable[[], bool] = lambda: False) -> None:
 
 
 def save_checkpoint(run: Run, name: str) -> None:
-    """Save checkpoints/<name>/ (the weights at this step)."""
-    save_weights_into(run, run.output_dir / "checkpoints" / name)
+    """Save checkpoints/<name>/ (the weights at this step), then remove the oldest ones beyond
+    `output.keep_checkpoints`; run.json lists each kept checkpoint with its step and epoch."""
+    if not run.dist.is_main:
+        return
+    save_weights_into(run, checkpoints_folder(run.output_dir) / name)
+    listed = dict(run.record.data.get("checkpoints", {}))
+    listed[name] = {"step": run.step, "epoch": run.state.epoch + 1}
+    removed = rotate_checkpoints(run.output_dir, run.config.output.keep_checkpoints, run.step)
+    for folder in removed:
+        listed.pop(folder.name, None)
+        run.record.files[:] = [f for f in run.record.files
+                               if not Path(f).is_relative_to(folder)]
+    if removed:
+        names = ", ".join(folder.name for folder in removed)
+        run.callbacks.on_status(f"removed older checkpoints ({names}): "
+                                f"output.keep_checkpoints is {run.config.output.keep_checkpoints}")
+    run.record.write(checkpoints=dict(sorted(listed.items(), key=lambda kv: kv[1]["step"])),
+                     checkpoints_removed=[*run.record.data.get("checkpoints_removed", []),
+                                          *(folder.name for folder in removed)])
 
 
 def save_final(run: Run) -> bool:
@@ -138,7 +156,7 @@ def save_weights_into(run: Run, folder: Path) -> None:
     run.callbacks.on_status(f"saving {folder.name} at step {run.step}")
     with averaged_weights(run):
         written = guarded_write(lambda: save_weights(run.bundle, run.config, folder,
-                                                     run.step),
+                                                     run.step, run.file_metadata),
                                 folder, backup_bytes(run))
     for path in written:
         run.record.add_file(path)

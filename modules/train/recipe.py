@@ -30,6 +30,8 @@ from modules.train.backup import (BoundaryState, NonFiniteBackup, ResumePoint, b
 from modules.train.builders import (Draws, autocast_context, build_lr_scheduler,
                                     build_optimizer, draw_randomness, float32_precision,
                                     latent_shape, step_budget)
+from modules.train.checkpoints import due_checkpoint
+from modules.train.data_metadata import training_data_metadata
 from modules.train.compile_guard import COMPILE_DENOISER, build_compile_guard
 from modules.train.distributed import Distributed
 from modules.train.eta import estimated_sample_seconds, eta_seconds, samples_still_due
@@ -149,6 +151,7 @@ class TrainingRecipe:
                   text_cache=text_encoder_cache(config, bundle, device, callbacks),
                   forward=forward, restore_precision=restore_precision, lock=lock,
                   prompts=sample_prompts(config)[0])  # check_inputs read them already
+        run.file_metadata = training_data_metadata(prepared.scan, config)
         if prepared.resume is not None:
             self.load_backup(run, prepared.resume)
         mark_boundary(run)
@@ -213,10 +216,11 @@ class TrainingRecipe:
                 sample_started = time.perf_counter()
                 sample(run, lambda: commands.stop_requested)
                 sample_seconds = time.perf_counter() - sample_started
-            every_save = config.output.save_every_steps
-            if commands.take_save() or (every_save and run.step % every_save == 0
-                                        and run.step < run.budget.total_steps):
-                save_checkpoint(run, f"step-{run.step:06d}")
+            if name := due_checkpoint(run.step, run.budget.total_steps, state.epoch,
+                                      state.batches_done, run.budget.batches_per_epoch,
+                                      config.output.save_every_steps,
+                                      config.output.save_every_epochs, commands.take_save()):
+                save_checkpoint(run, name)
             mark_boundary(run)
             if backup_due(run):
                 self.save_backup("scheduled")

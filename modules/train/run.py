@@ -75,6 +75,7 @@ class Run:
     last_backup_time: float = field(default_factory=time.monotonic)
     feed: FeedMeter = field(default_factory=FeedMeter)  # how long steps waited for batches
     loader: DataLoader | None = None  # with workers: one loader whose workers outlive an epoch
+    file_metadata: dict[str, str] = field(default_factory=dict)  # about the data, for saves
 
     @property
     def step(self) -> int:

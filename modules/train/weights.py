@@ -11,6 +11,7 @@ from torch import nn
 from modules.config.schema import Config, DType, SaveFormat, TrainingMethod
 from modules.models.families import family_of
 from modules.models.loader import TORCH_DTYPES, ModelBundle
+from modules.models.precision import SAVE_DTYPES, cast_for_saving, cast_weight_files
 from modules.model_types import MODEL_TYPES
 from modules.models.single_file import clip_key_with_text_model, rename_weight_keys
 from modules.train.resume_offer import SAVED_STEP_FILE
@@ -111,6 +112,12 @@ KOHYA_WEIGHT_NAME = "lora_kohya.safetensors"
 SINGLE_FILE_NAME = "model.safetensors"
 
 
+def lora_save_dtype(config: Config) -> torch.dtype:
+    """The dtype LoRA files are written in: output.save_dtype, or float32 (AS_TRAINED: lossless
+    for adapters trained in any dtype, and small)."""
+    return SAVE_DTYPES[config.output.save_dtype] or torch.float32
+
+
 def write_lora_diffusers(bundle: ModelBundle, config: Config, folder: Path) -> Path:
     """LoRA adapters in the diffusers/peft layout (`load_lora_weights` reads it).
 
@@ -129,21 +136,23 @@ def write_lora_diffusers(bundle: ModelBundle, config: Config, folder: Path) -> P
         # Text encoder keys in the `text_model.` form every stack reads (transformers 5.6+
         # flattened CLIPTextModel's names; older loaders crash on the flattened ones).
         rename = clip_key_with_text_model if name.startswith("text_encoder") else str
-        kwargs[f"{name}_lora_layers"] = {rename(k): v.detach().to(torch.float32).contiguous()
-                                         for k, v in get_peft_model_state_dict(module).items()}
+        layers = cast_for_saving(get_peft_model_state_dict(module), lora_save_dtype(config), name)
+        kwargs[f"{name}_lora_layers"] = {rename(k): v for k, v in layers.items()}
         kwargs[f"{name}_lora_adapter_metadata"] = module.peft_config["default"].to_dict()
     pipeline_cls.save_lora_weights(save_directory=folder, weight_name=LORA_WEIGHT_NAME,
                                    safe_serialization=True, **kwargs)
     return folder / LORA_WEIGHT_NAME
 
 
-def write_lora_kohya(bundle: ModelBundle, config: Config, folder: Path, step: int) -> Path:
+def write_lora_kohya(bundle: ModelBundle, config: Config, folder: Path, step: int,
+                     extra: dict[str, str] | None = None) -> Path:
     """LoRA adapters in the kohya layout ComfyUI and A1111 read, with training metadata."""
     from modules.models.kohya import save_kohya_lora
     path = folder / KOHYA_WEIGHT_NAME
     save_kohya_lora({n: bundle.component(n) for n in trained_components(config)}, path,
                     config.training.lora_alpha, config.model.type,
-                    _metadata(bundle, config, "lora", "kohya", step))
+                    {**_metadata(bundle, config, "lora", "kohya", step), **(extra or {})},
+                    dtype=lora_save_dtype(config))
     return path
 
 
@@ -153,6 +162,9 @@ def write_full_diffusers(bundle: ModelBundle, config: Config, folder: Path) -> P
     files (vocab.json, merges.txt) beside tokenizer.json."""
     build_pipeline(bundle, config).save_pretrained(folder, safe_serialization=True)
     spec = MODEL_TYPES[config.model.type]
+    if (dtype := SAVE_DTYPES[config.output.save_dtype]) is not None:
+        for name in spec.components:
+            cast_weight_files(folder / name, dtype)
     for name in spec.text_encoders:
         rename_weight_keys(folder / name, clip_key_with_text_model)
     for name in spec.tokenizers:
@@ -171,13 +183,16 @@ def write_slow_tokenizer_files(tokenizer, folder: Path) -> None:
     backend.model.save(str(folder))
 
 
-def write_full_single_file(bundle: ModelBundle, config: Config, folder: Path, step: int) -> Path:
+def write_full_single_file(bundle: ModelBundle, config: Config, folder: Path, step: int,
+                           extra: dict[str, str] | None = None) -> Path:
     """The whole model as one .safetensors in the original SD/SDXL layout."""
     from modules.models.single_file import save_single_file
     path = folder / SINGLE_FILE_NAME
     components = {**bundle.components(), "scheduler": bundle.noise_scheduler}
     save_single_file(components, path, config.model.type,
-                     _metadata(bundle, config, "checkpoint", "single_file", step))
+                     {**_metadata(bundle, config, "checkpoint", "single_file", step),
+                      **(extra or {})},
+                     dtype=SAVE_DTYPES[config.output.save_dtype])
     return path
 
 
@@ -190,21 +205,24 @@ def _metadata(bundle: ModelBundle, config: Config, kind: str, layout: str, step:
                              steps=step)
 
 
-def save_weights(bundle: ModelBundle, config: Config, folder: Path, step: int) -> list[Path]:
+def save_weights(bundle: ModelBundle, config: Config, folder: Path, step: int,
+                 extra_metadata: dict[str, str] | None = None) -> list[Path]:
     """Save what this run trains into `folder`, in every configured format, atomically.
 
     Everything is written into a temporary folder first and swapped in at the end, so an
-    interrupted save leaves the previous checkpoint of that name intact.
+    interrupted save leaves the previous checkpoint of that name intact. `extra_metadata`
+    (what the run knows about its data, train/data_metadata.py) goes into the files that
+    carry training metadata.
     """
     formats = set(config.output.formats)
     lora = config.training.method == TrainingMethod.LORA
     writers = [
         (lora and SaveFormat.DIFFUSERS in formats, lambda t: write_lora_diffusers(bundle, config, t)),
-        (lora and SaveFormat.KOHYA in formats, lambda t: write_lora_kohya(bundle, config, t, step)),
+        (lora and SaveFormat.KOHYA in formats, lambda t: write_lora_kohya(bundle, config, t, step, extra_metadata)),
         (not lora and SaveFormat.DIFFUSERS in formats,
          lambda t: write_full_diffusers(bundle, config, t)),
         (not lora and SaveFormat.SINGLE_FILE in formats,
-         lambda t: write_full_single_file(bundle, config, t, step)),
+         lambda t: write_full_single_file(bundle, config, t, step, extra_metadata)),
     ]
     written: list[Path] = []
 

@@ -1,0 +1,56 @@
+"""The metadata A1111's and Forge's extra-networks panels read from a saved LoRA: tag counts
+from the captions as trained, the dataset, trigger words, resolution, network args, and the
+file hash they show."""
+from __future__ import annotations
+
+import hashlib
+import json
+
+from safetensors import safe_open
+
+from modules.models.metadata import network_args, tag_frequency
+from modules.train.trainer import train
+from tests.train.test_checkpoints import caption_folder
+
+
+def addnet_hash(path) -> str:
+    """sha256 of the bytes after the safetensors header (how A1111 hashes a LoRA file)."""
+    data = path.read_bytes()
+    return hashlib.sha256(data[8 + int.from_bytes(data[:8], "little"):]).hexdigest()
+
+
+def test_tag_frequency_counts_each_tag_once_per_image():
+    assert tag_frequency([("a", "red, circle, red"), ("a", " red ,square"), ("b", "x,,")]) == {
+        "a": {"red": 2, "circle": 1, "square": 1}, "b": {"x": 1}}
+
+
+def test_network_args_come_from_the_adapter_fields_that_exist():
+    assert network_args({"lora_target_modules": ["to_q"], "lora_rank": 4}) == {
+        "target_modules": ["to_q"]}
+    assert network_args({"adapter": "LOCON", "lora_conv_rank": 8, "lora_conv_alpha": 4.0}) == {
+        "algo": "locon", "conv_dim": "8", "conv_alpha": "4.0"}
+
+
+def test_a_kohya_lora_says_what_it_was_trained_on(tiny_config, tmp_path):
+    images = caption_folder(tmp_path / "5_dogs")
+    result = train(tiny_config(f"data.datasets[0].path={images}", "data.datasets[0].repeats=2",
+                               "data.datasets[0].caption_prefix=sks dog",
+                               "training.max_steps=1", "training.lora_rank=4",
+                               "output.formats=kohya", "output.save_dtype=FLOAT16",
+                               f"output.dir={tmp_path / 'my-lora'}"))
+    path = result.output_dir / "final" / "lora_kohya.safetensors"
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+    # 5 captions (test_checkpoints.CAPTIONS), each with the prefix, counted once per image
+    assert json.loads(meta["ss_tag_frequency"]) == {"5_dogs": {
+        "sks dog": 5, "red": 3, "circle": 3, "plain": 2, "square": 1, "blue": 1,
+        "triangle": 1, "green": 1}}
+    assert json.loads(meta["ss_dataset_dirs"]) == {"5_dogs": {"n_repeats": 2, "img_count": 5}}
+    assert meta["ss_num_train_images"] == "10"
+    assert meta["modelspec.trigger_phrase"] == "sks dog"
+    assert meta["ss_output_name"] == "my-lora"
+    assert meta["ss_resolution"] == "(64, 64)"
+    assert meta["ss_network_dim"] == "4" and meta["ss_network_module"] == "networks.lora"
+    assert json.loads(meta["ss_network_args"]) == {
+        "target_modules": ["to_q", "to_k", "to_v", "to_out.0"]}
+    assert meta["sshs_model_hash"] == addnet_hash(path)
