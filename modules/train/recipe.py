@@ -31,6 +31,8 @@ from modules.train.builders import (Draws, autocast_context, build_lr_scheduler,
                                     build_optimizer, draw_randomness, float32_precision,
                                     latent_shape, step_budget)
 from modules.train.checkpoints import due_checkpoint
+from modules.models.model_hash import base_model_hashes
+from modules.paths import cache_dir_for
 from modules.train.data_metadata import training_data_metadata
 from modules.train.compile_guard import COMPILE_DENOISER, build_compile_guard
 from modules.train.distributed import Distributed
@@ -151,7 +153,9 @@ class TrainingRecipe:
                   text_cache=text_encoder_cache(config, bundle, device, callbacks),
                   forward=forward, restore_precision=restore_precision, lock=lock,
                   prompts=sample_prompts(config)[0])  # check_inputs read them already
-        run.file_metadata = training_data_metadata(prepared.scan, config)
+        run.file_metadata = {**training_data_metadata(prepared.scan, config),
+                             **base_model_hashes(config.model.path,
+                                                 cache_dir_for(config.general.cache_dir))}
         if prepared.resume is not None:
             self.load_backup(run, prepared.resume)
         mark_boundary(run)

@@ -1,6 +1,7 @@
 """Every save format through the trainer, read back by the tools users load them with."""
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -84,10 +85,15 @@ def test_training_starts_from_a_single_file_checkpoint(tiny_config, tempera_cach
                                   tmp_path / "my-model.safetensors", ModelType.SD15)
     before = checkpoint.read_bytes()
     result = train(tiny_config(f"model.path={checkpoint}", f"model.config_path={folder}",
-                               "training.max_steps=3"))
+                               "training.max_steps=3", 'output.formats=["DIFFUSERS", "KOHYA"]'))
     assert result.status == "finished" and result.steps == 3
     assert (result.output_dir / "final" / "pytorch_lora_weights.safetensors").is_file()
     assert checkpoint.read_bytes() == before, "training modified the user's checkpoint"
+    # the kohya file names the checkpoint it was trained on by its hashes (A1111, Forge)
+    with safe_open(str(result.output_dir / "final" / "lora_kohya.safetensors"), "pt") as f:
+        meta = f.metadata()
+    assert meta["ss_new_sd_model_hash"] == hashlib.sha256(before).hexdigest()
+    assert meta["ss_sd_model_hash"] == hashlib.sha256(before[0x100000:0x110000]).hexdigest()[:8]
     resolved = json.loads((result.output_dir / "config.json").read_text())["model"]
     assert resolved["path"] == str(checkpoint)
 
