@@ -95,14 +95,33 @@ def training_metadata(config_dict: dict, model_type: ModelType, method: Any, kin
         "tempera.config": json.dumps(config_dict, sort_keys=True, default=_plain),
     })
     if kind == "lora":
-        meta.update({
-            "ss_network_module": "networks.lora",
+        meta.update(_network_metadata(training))
+    return meta
+
+
+def _network_metadata(training: dict) -> dict[str, str]:
+    """kohya's ss_network_* keys for the run's adapter: networks.lora for LoRA / LoCon (with
+    conv_dim / conv_alpha, as kohya's LoCon writes them), lycoris.kohya with its algo for
+    LoHa, LoKr and DoRA, as LyCORIS writes them (A1111's info panel and Civitai read them)."""
+    from modules.config.adapters import ADAPTERS
+    from modules.config.schema import Adapter
+
+    row = ADAPTERS[Adapter(_plain(training.get("adapter", Adapter.LORA)))]
+    args: dict[str, Any] = {"target_modules": training.get("lora_target_modules", [])}
+    if row.convolutions and training.get("conv_rank", 0):
+        args.update(conv_dim=str(training["conv_rank"]),
+                    conv_alpha=_number(training.get("conv_alpha", "")))
+    if row.lycoris_algo:
+        args["algo"] = row.lycoris_algo
+    if _plain(training.get("adapter")) == Adapter.DORA.value:
+        args["dora_wd"] = "True"
+    for option in ("use_rslora", "lora_dropout", "module_dropout", "rank_dropout"):
+        if training.get(option):
+            args[option] = str(training[option])
+    return {"ss_network_module": row.kohya_network_module,
             "ss_network_dim": str(training.get("lora_rank", "")),
             "ss_network_alpha": _number(training.get("lora_alpha", "")),
-            "ss_network_args": json.dumps(
-                {"target_modules": training.get("lora_target_modules", [])}),
-        })
-    return meta
+            "ss_network_args": json.dumps(args)}
 
 
 def _plain(value: Any) -> Any:
