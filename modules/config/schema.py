@@ -36,6 +36,14 @@ class TrainingMethod(str, Enum):
     FINE_TUNE = "FINE_TUNE"
 
 
+class Adapter(str, Enum):
+    LORA = "LORA"
+    LOCON = "LOCON"
+    LOHA = "LOHA"
+    LOKR = "LOKR"
+    DORA = "DORA"
+
+
 class Optimizer(str, Enum):
     ADAMW = "ADAMW"
     ADAMW_8BIT = "ADAMW_8BIT"
@@ -266,6 +274,51 @@ class TrainingConfig:
         default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"],
         label="LoRA target modules", on_resume=OnResume.MUST_MATCH, group="Training", advanced=True,
         help="Names of the linear layers that get LoRA adapters in the UNet.")
+    adapter: Adapter = setting(
+        Adapter.LORA, label="Adapter", group="Training", compile_check=True,
+        on_resume=OnResume.MUST_MATCH,
+        help="With method LORA, which adapter: LORA (low-rank matrices on the attention "
+             "layers), LOCON (LoRA on the projections, feed-forward and time-embedding layers "
+             "too, and on the ResNet convolutions at training.conv_rank), LOHA (Hadamard "
+             "product of two low-rank pairs) and LOKR (Kronecker product) on the LoCon layers, "
+             "DORA (LoRA plus a trained magnitude per output channel). docs/adapters.md "
+             "compares them.")
+    conv_rank: int = setting(
+        0, label="Conv rank", group="Training", min=0, max=1024, on_resume=OnResume.MUST_MATCH,
+        help="Rank of the adapters on the UNet's convolutions larger than 1x1 (ResNet conv1 / "
+             "conv2, down- and upsamplers): LOCON, LOHA, LOKR and DORA; 0 adapts no "
+             "convolution.")
+    conv_alpha: float = setting(
+        1.0, label="Conv alpha", group="Training", min=0.0, max=100_000.0,
+        on_resume=OnResume.MUST_MATCH,
+        help="Alpha of the convolution adapters: their update is scaled by conv alpha / conv "
+             "rank (kohya's conv_alpha; 1 is usual).")
+    use_rslora: bool = setting(
+        False, label="Rank-stabilised scaling", group="Training", advanced=True,
+        on_resume=OnResume.MUST_MATCH,
+        help="rsLoRA: scale the update by alpha / sqrt(rank) instead of alpha / rank, so a "
+             "higher rank does not shrink it (LORA, LOCON, DORA). Saved kohya files carry an "
+             "alpha adjusted so other tools apply the same strength.")
+    lora_dropout: float = setting(
+        0.0, label="Adapter dropout", group="Training", min=0.0, max=0.9, advanced=True,
+        on_resume=OnResume.MUST_MATCH,
+        help="LORA, LOCON, DORA: dropout on each adapter's input while training (peft's "
+             "lora_dropout); 0 is off.")
+    module_dropout: float = setting(
+        0.0, label="Module dropout", group="Training", min=0.0, max=0.9, advanced=True,
+        on_resume=OnResume.MUST_MATCH,
+        help="LOHA, LOKR: leave a layer's whole adapter out of a training step with this "
+             "probability (LyCORIS's module_dropout); 0 is off.")
+    rank_dropout: float = setting(
+        0.0, label="Rank dropout", group="Training", min=0.0, max=0.9, advanced=True,
+        on_resume=OnResume.MUST_MATCH,
+        help="LOHA, LOKR: zero each output row of the adapter's update with this probability "
+             "while training (LyCORIS's rank_dropout); 0 is off.")
+    lokr_factor: int = setting(
+        -1, label="LoKr factor", group="Training", min=-1, max=1024, advanced=True,
+        on_resume=OnResume.MUST_MATCH,
+        help="LOKR: the size of the Kronecker product's small factor (the layer's dimensions "
+             "are split as factor x rest); -1 splits them as evenly as possible.")
     optimizer: Optimizer = setting(Optimizer.ADAMW, label="Optimizer", group="Training",
                                    on_resume=OnResume.MUST_MATCH,
                                    help="ADAMW; ADAMW_8BIT (bitsandbytes, CUDA only); PRODIGY "

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import math
 
+from modules.config.adapters import ADAPTERS, OPTION_OFF
 from modules.config.optimizers import OPTIMIZERS
 from modules.config.problems import Problem
 from modules.config.prompts import sample_prompts
@@ -42,6 +44,7 @@ def validate(config: Config) -> list[Problem]:
     problems: list[Problem] = []
     problems += _check_components(config)
     problems += _check_training(config)
+    problems += _check_adapter(config)
     problems += _check_data(config)
     problems += _check_regularization(config)
     problems += _check_output_and_sampling(config)
@@ -99,6 +102,38 @@ def _check_training(config: Config) -> list[Problem]:
         problems.append(Problem("general.device", "AUTO or CPU (no CUDA GPU is visible)",
                                 "CUDA"))
     return problems + _check_warmup(t)
+
+
+def _check_adapter(config: Config) -> list[Problem]:
+    """The adapter's options and save formats are ones it has (modules/config/adapters.py)."""
+    t = config.training
+    if t.method != TrainingMethod.LORA:
+        return []
+    name, row = t.adapter.value, ADAPTERS[t.adapter]
+    problems = []
+    for option, off in OPTION_OFF.items():
+        value = getattr(t, option)
+        if option not in row.options and value != off:
+            having = [a.value for a, r in ADAPTERS.items() if option in r.options]
+            problems.append(Problem(f"training.{option}", f"{json.dumps(off)} with {name}",
+                                    json.dumps(value),
+                                    f"{row.label} has no such option; "
+                                    f"{' / '.join(having)} have it"))
+    if t.conv_rank and not row.convolutions:
+        problems.append(Problem("training.conv_rank", f"0 with {name}", str(t.conv_rank),
+                                "LoRA adapts the attention layers only; use LOCON to adapt "
+                                "the convolutions too"))
+    if row.needs_convolutions and not t.conv_rank:
+        problems.append(Problem("training.conv_rank", f"at least 1 with {name} (4 to 16 is "
+                                "usual)", "0", f"{row.label} without convolutions is LORA "
+                                "with more training.lora_target_modules"))
+    for i, fmt in enumerate(config.output.formats):
+        if fmt in SUPPORTED_FORMATS[t.method] and fmt not in row.formats:
+            problems.append(Problem(f"output.formats[{i}]", " or ".join(
+                sorted(f.value for f in row.formats)), fmt.value,
+                f"diffusers cannot load {row.label} files; use KOHYA (ComfyUI, A1111 / Forge "
+                "and LyCORIS read it)"))
+    return problems
 
 
 def _check_optimizer(config: Config) -> list[Problem]:

@@ -1,9 +1,11 @@
-"""LoRA files in the kohya-ss layout, the one A1111, Forge and ComfyUI read.
+"""Adapter files in the kohya-ss / LyCORIS layout, the one A1111, Forge and ComfyUI read.
 
-Each adapted layer is three tensors under one name, e.g. for SD 1.x
-``lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q``:
+Each adapted layer is a few tensors under one name, e.g. for SD 1.x
+``lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q``. LoRA / LoCon:
 ``.lora_down.weight`` (peft's lora_A), ``.lora_up.weight`` (lora_B) and ``.alpha`` (a scalar;
-the update is scaled by alpha / rank). The name is the module path with dots turned into
+the update is scaled by alpha / rank); DoRA adds ``.dora_scale``; LoHa writes
+``.hada_w1_a/_b`` and ``.hada_w2_a/_b``, LoKr ``.lokr_w1`` (or ``_a/_b``) and ``.lokr_w2`` (or
+``_a/_b``), each with ``.alpha`` (LyCORIS's names; docs/adapters.md gives the maths). The name is the module path with dots turned into
 underscores, prefixed per component (the family's `FileConventions.kohya_prefixes`).
 
 UNet names follow what kohya's sd-scripts itself writes, since every reader is tested against
@@ -30,8 +32,6 @@ from modules.models.precision import cast_for_saving
 from modules.models.single_file import clip_key_with_text_model, unet_key_to_ldm
 from modules.util.atomic import atomic_file
 
-PEFT_SUFFIXES = {".lora_A.weight": ".lora_down.weight", ".lora_B.weight": ".lora_up.weight"}
-
 
 class KohyaError(ValueError):
     """LoRA weights that the kohya layout cannot express."""
@@ -57,81 +57,133 @@ def kohya_module_name(component: str, module_path: str, model_type: ModelType,
     return prefixes[component] + module_path.replace(".", "_")
 
 
-def to_kohya(component_state_dicts: dict[str, dict[str, torch.Tensor]], alphas: dict[str, float],
-             model_type: ModelType, unet_config: Any = None) -> dict[str, torch.Tensor]:
-    """peft LoRA state dicts (per component, from `get_peft_model_state_dict`) in kohya's layout.
-
-    `alphas` gives each component's lora_alpha; `unet_config` is needed for SDXL's ldm names.
+def to_kohya(layers: dict[str, dict[str, nn.Module]], model_type: ModelType,
+             unet_config: Any = None, dtype: torch.dtype | None = torch.float32
+             ) -> dict[str, torch.Tensor]:
+    """peft adapter layers ({component: {module path: layer}}) as kohya / LyCORIS tensors,
+    the weights at `dtype` (None: as trained; a float16 overflow is refused) and each alpha a
+    float32 scalar. `unet_config` is needed for SDXL's ldm names.
     """
     out: dict[str, torch.Tensor] = {}
-    for component, state in component_state_dicts.items():
-        if component not in alphas:
-            raise KohyaError(f"no LoRA alpha given for {component}")
-        layers = _split_layers(component, state)
-        for module_path, (down, up) in layers.items():
+    for component, by_path in layers.items():
+        for module_path, layer in by_path.items():
             name = kohya_module_name(component, module_path, model_type, unet_config)
-            if name in out or f"{name}.lora_down.weight" in out:
+            if any(k.startswith(name + ".") for k in out):
                 raise KohyaError(f"two layers map to the kohya name {name}")
-            out[f"{name}.lora_down.weight"] = down
-            out[f"{name}.lora_up.weight"] = up
-            out[f"{name}.alpha"] = torch.tensor(float(alphas[component]), dtype=torch.float32)
+            try:
+                tensors = layer_tensors(layer)
+            except KohyaError as error:
+                raise KohyaError(f"{component}: {module_path}: {error}") from None
+            alpha = tensors.pop("alpha")
+            weights = cast_for_saving(tensors, dtype, f"{component}: {module_path}")
+            out.update({f"{name}.{suffix}": t for suffix, t in weights.items()})
+            out[f"{name}.alpha"] = alpha
     return out
 
 
-def _split_layers(component: str, state: dict[str, torch.Tensor]
-                  ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """{module path: (lora_A, lora_B)} from a peft state dict; anything else is refused."""
-    parts: dict[str, dict[str, torch.Tensor]] = {}
-    for key, value in state.items():
-        suffix = next((s for s in PEFT_SUFFIXES if key.endswith(s)), None)
-        if suffix is None:
-            raise KohyaError(f"{component}: {key!r} is not a plain LoRA weight (DoRA magnitudes, "
-                             "LoRA biases and embedding LoRAs have no kohya LoRA equivalent)")
-        parts.setdefault(key[: -len(suffix)], {})[suffix] = value
-    layers = {}
-    for path, pair in parts.items():
-        if len(pair) != 2:
-            raise KohyaError(f"{component}: {path} has only {', '.join(pair)}")
-        layers[path] = (pair[".lora_A.weight"], pair[".lora_B.weight"])
-    return layers
+def adapter_layers(module: nn.Module) -> dict[str, nn.Module]:
+    """{module path: peft adapter layer} of a component, in module order."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    return {path: layer for path, layer in module.named_modules()
+            if isinstance(layer, BaseTunerLayer)}
+
+
+def layer_tensors(layer: nn.Module, adapter: str = "default") -> dict[str, torch.Tensor]:
+    """One peft layer's tensors under LyCORIS's suffixes, with an alpha that makes every reader
+    apply the update the layer applies.
+
+    Readers scale an update by alpha / rank (rank read from the tensors), so the saved alpha is
+    peft's scaling times the rank: rsLoRA's alpha / sqrt(rank) and per-layer conv ranks and
+    alphas come out right without the reader knowing of them.
+    """
+    from peft.tuners.loha.layer import LoHaLayer
+    from peft.tuners.lokr.layer import LoKrLayer
+    from peft.tuners.lora.layer import LoraLayer
+
+    if isinstance(layer, LoraLayer):
+        return _lora_tensors(layer, adapter)
+    if isinstance(layer, LoHaLayer):
+        if adapter in layer.hada_t1:
+            raise KohyaError("LoHa's Tucker form (use_effective_conv2d) is not written")
+        return {"hada_w1_a": layer.hada_w1_a[adapter], "hada_w1_b": layer.hada_w1_b[adapter],
+                "hada_w2_a": layer.hada_w2_a[adapter], "hada_w2_b": layer.hada_w2_b[adapter],
+                "alpha": _alpha(layer.scaling[adapter] * layer.r[adapter])}
+    if isinstance(layer, LoKrLayer):
+        return _lokr_tensors(layer, adapter)
+    raise KohyaError(f"{type(layer).__name__} adapters have no kohya / LyCORIS layout here")
+
+
+def _lora_tensors(layer: nn.Module, adapter: str) -> dict[str, torch.Tensor]:
+    """LoRA / LoCon: down (r, in[, kh, kw]), up (out, r[, 1, 1]); DoRA adds LyCORIS's
+    output-axis `dora_scale` (out, 1[, 1, 1]): peft's magnitude, one per output channel."""
+    if adapter not in layer.lora_A:
+        raise KohyaError("not a LoRA layer with weights (embedding LoRAs are not written)")
+    if getattr(layer, "lora_bias", {}).get(adapter):
+        raise KohyaError("LoRA biases have no kohya equivalent")
+    down, up = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
+    out = {"lora_down.weight": down, "lora_up.weight": up,
+           "alpha": _alpha(layer.scaling[adapter] * layer.r[adapter])}
+    if layer.use_dora.get(adapter):
+        magnitude = layer.lora_magnitude_vector[adapter].weight
+        base = layer.get_base_layer().weight
+        out["dora_scale"] = magnitude.reshape(base.shape[0], *[1] * (base.dim() - 1))
+    return out
+
+
+def _lokr_tensors(layer: nn.Module, adapter: str) -> dict[str, torch.Tensor]:
+    """LoKr: w1 (or w1_a @ w1_b) kron w2 (or w2_a @ w2_b).
+
+    Readers take the rank from w2_b (else w1_b) and scale by alpha / rank; with both factors
+    full they apply no scale at all (LyCORIS ignores alpha then), so peft's alpha / r is folded
+    into w1 and the alpha written is the rank, as LyCORIS writes it.
+    """
+    if adapter in layer.lokr_t2:
+        raise KohyaError("LoKr's Tucker form (use_effective_conv2d) is not written")
+    scale, rank = float(layer.scaling[adapter]), layer.r[adapter]
+    out: dict[str, torch.Tensor] = {}
+    full = adapter in layer.lokr_w1 and adapter in layer.lokr_w2
+    for factor in ("w1", "w2"):
+        if adapter in getattr(layer, f"lokr_{factor}"):
+            weight = getattr(layer, f"lokr_{factor}")[adapter]
+            out[f"lokr_{factor}"] = weight * scale if full and factor == "w1" else weight
+        else:
+            out[f"lokr_{factor}_a"] = getattr(layer, f"lokr_{factor}_a")[adapter]
+            out[f"lokr_{factor}_b"] = getattr(layer, f"lokr_{factor}_b")[adapter]
+    out["alpha"] = _alpha(rank if full else scale * rank)
+    return out
+
+
+def _alpha(value: float) -> torch.Tensor:
+    return torch.tensor(float(value), dtype=torch.float32)
 
 
 def lora_alpha(module: nn.Module, component: str) -> float:
-    """The module's peft lora_alpha, refusing settings the kohya layout cannot carry."""
+    """The alpha of the module's adapters (peft's lora_alpha, or alpha for LoHa / LoKr)."""
     config = module.peft_config["default"]
-    if getattr(config, "use_rslora", False):
-        raise KohyaError(f"{component}: rsLoRA scales by alpha/sqrt(rank); kohya files imply "
-                         "alpha/rank, so other tools would apply the wrong strength")
-    if getattr(config, "use_dora", False):
-        raise KohyaError(f"{component}: DoRA adapters have no kohya LoRA equivalent")
-    if getattr(config, "rank_pattern", None) or getattr(config, "alpha_pattern", None):
-        raise KohyaError(f"{component}: per-layer rank/alpha patterns are not supported here")
-    return float(config.lora_alpha)
+    return float(getattr(config, "lora_alpha", getattr(config, "alpha", 0.0)))
 
 
 def save_kohya_lora(modules: dict[str, nn.Module], path: str | Path, alpha: float | None,
                     model_type: ModelType, metadata: dict[str, str] | None = None,
                     dtype: torch.dtype = torch.float32) -> Path:
-    """Write the LoRA adapters of `modules` (by pipeline name) as one kohya .safetensors.
+    """Write the adapters of `modules` (by pipeline name) as one kohya / LyCORIS .safetensors.
 
-    `alpha` None reads each module's peft config; a given alpha must agree with it, because
-    the file would otherwise not reproduce what was trained. The weights are written at
-    `dtype`; each layer's alpha stays a float32 scalar, so the strength is exact in any dtype.
-    Written atomically.
+    `alpha` None takes each module's own; a given alpha must agree with the module's config,
+    because the file would otherwise not reproduce what was trained. The weights are written
+    at `dtype`; each layer's alpha stays a float32 scalar, so the strength is exact in any
+    dtype. Written atomically.
     """
-    from peft.utils import get_peft_model_state_dict
     from safetensors.torch import save_file
 
-    states, alphas = {}, {}
+    layers = {}
     for name, module in modules.items():
         configured = lora_alpha(module, name)
         if alpha is not None and float(alpha) != configured:
             raise KohyaError(f"{name}: alpha {alpha} given, but its adapters were built with "
                              f"lora_alpha={configured}")
-        alphas[name] = configured
-        states[name] = cast_for_saving(get_peft_model_state_dict(module), dtype, name)
+        layers[name] = adapter_layers(module)
     unet_config = modules["unet"].config if "unet" in modules else None
-    tensors = to_kohya(states, alphas, model_type, unet_config)
+    tensors = to_kohya(layers, model_type, unet_config, dtype)
     path = Path(path)
     with atomic_file(path) as tmp:
         save_file(tensors, str(tmp), metadata=dict(metadata or {}))

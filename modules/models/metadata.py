@@ -96,36 +96,35 @@ def training_metadata(config_dict: dict, model_type: ModelType, method: Any, kin
     })
     meta["ss_output_name"] = meta["modelspec.title"]  # A1111's name for the LoRA in prompts
     if kind == "lora":
-        meta.update({
-            "ss_network_module": "networks.lora",
-            "ss_network_dim": str(training.get("lora_rank", "")),
-            "ss_network_alpha": _number(training.get("lora_alpha", "")),
-            "ss_network_args": json.dumps(network_args(training)),
-        })
+        meta.update(network_metadata(training))
         if layout == "kohya":
             meta[MODEL_HASH_KEY] = MODEL_HASH_PLACEHOLDER  # stamp_model_hash fills it in
     return meta
 
 
-# kohya's ss_network_args name -> the training.* field it comes from, for adapter settings
-# beyond the plain LoRA shape (conv rank/alpha, the LyCORIS algorithm, DoRA): a field that
-# does not exist in this config is left out, so adding an adapter option is adding a row.
-NETWORK_ARG_FIELDS = {"target_modules": "lora_target_modules", "algo": "adapter",
-                      "conv_dim": "lora_conv_rank", "conv_alpha": "lora_conv_alpha",
-                      "dora_wd": "use_dora"}
+def network_metadata(training: dict) -> dict[str, str]:
+    """kohya's ss_network_* keys for the run's adapter: networks.lora for LoRA / LoCon (with
+    conv_dim / conv_alpha, as kohya's LoCon writes them), lycoris.kohya with its algo for
+    LoHa, LoKr and DoRA, as LyCORIS writes them (A1111's info panel and Civitai read them)."""
+    from modules.config.adapters import ADAPTERS
+    from modules.config.schema import Adapter
 
-
-def network_args(training: dict) -> dict:
-    """The adapter's settings beyond rank and alpha, as kohya's `ss_network_args` (values as
-    kohya writes them: strings, lists kept as lists; enum values lower-cased)."""
-    args = {}
-    for name, field_name in NETWORK_ARG_FIELDS.items():
-        if field_name not in training:
-            continue
-        value = _plain(training[field_name])
-        args[name] = (value if isinstance(value, list)
-                      else str(value).lower() if name == "algo" else str(value))
-    return args
+    row = ADAPTERS[Adapter(_plain(training.get("adapter", Adapter.LORA)))]
+    args: dict[str, Any] = {"target_modules": training.get("lora_target_modules", [])}
+    if row.convolutions and training.get("conv_rank", 0):
+        args.update(conv_dim=str(training["conv_rank"]),
+                    conv_alpha=_number(training.get("conv_alpha", "")))
+    if row.lycoris_algo:
+        args["algo"] = row.lycoris_algo
+    if _plain(training.get("adapter")) == Adapter.DORA.value:
+        args["dora_wd"] = "True"
+    for option in ("use_rslora", "lora_dropout", "module_dropout", "rank_dropout"):
+        if training.get(option):
+            args[option] = str(training[option])
+    return {"ss_network_module": row.kohya_network_module,
+            "ss_network_dim": str(training.get("lora_rank", "")),
+            "ss_network_alpha": _number(training.get("lora_alpha", "")),
+            "ss_network_args": json.dumps(args)}
 
 
 def tag_frequency(captions: list[tuple[str, str]]) -> dict[str, dict[str, int]]:

@@ -25,6 +25,7 @@ from modules.config.schema import MixedPrecision
 from modules.data.buckets import describe_buckets
 from modules.data.dataset import epoch_batch_sampler
 from modules.events import Progress, StopRequested, TrainerCallbacks, TrainerCommands
+from modules.train.adapters import seed_adapter_dropout
 from modules.train.backup import (BoundaryState, NonFiniteBackup, ResumePoint, backups_folder,
                                   load_states, save_backup)
 from modules.train.builders import (Draws, autocast_context, build_lr_scheduler,
@@ -174,6 +175,7 @@ class TrainingRecipe:
             pixel_shape = run.pixel_shape(batch)
             if window is None:  # the first micro-batch of the step: its draws are seeded
                 state.reseed_draws(config.training.seed, run.dist.rank)
+                seed_adapter_dropout(config, state.step, run.dist.rank)
             draws = draw_randomness(state.generator, latent_shape(run.bundle.vae, *pixel_shape),
                                     run.family.objective.train_timesteps(run.bundle),
                                     need_vae_eps="latents" not in batch)

@@ -14,11 +14,10 @@ from modules.models.loader import TORCH_DTYPES, ModelBundle
 from modules.models.precision import SAVE_DTYPES, cast_for_saving, cast_weight_files
 from modules.model_types import MODEL_TYPES
 from modules.models.single_file import clip_key_with_text_model, rename_weight_keys
+from modules.train.adapters import add_adapter
 from modules.train.resume_offer import SAVED_STEP_FILE
 from modules.util.atomic import atomic_write_dir
 
-# LoRA target layers of CLIP text encoders (the UNet's come from training.lora_target_modules).
-TEXT_ENCODER_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj"]
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 
 
@@ -51,12 +50,11 @@ def component_dtypes(config: Config) -> dict[str, torch.dtype]:
 def prepare_trainable(bundle: ModelBundle, config: Config) -> dict[str, list[nn.Parameter]]:
     """Freeze everything, then make the trained parts trainable; return their parameters.
 
-    LoRA adds peft adapters in place (`add_adapter`) so each component keeps its class and its
-    state-dict keys, which the compile engine and the savers rely on. Trainable tensors (full
-    weights or adapters) are kept at `model.train_dtype`.
+    LoRA adds the configured peft adapter in place (train/adapters.py: LoRA, LoCon, LoHa, LoKr
+    or DoRA) so each component keeps its class and its state-dict keys, which the compile
+    engine and the savers rely on. Trainable tensors (full weights or adapters) are kept at
+    `model.train_dtype`.
     """
-    from peft import LoraConfig
-
     trained = trained_components(config)
     dtypes = component_dtypes(config)
     train_dtype = TORCH_DTYPES[config.model.train_dtype]
@@ -69,12 +67,7 @@ def prepare_trainable(bundle: ModelBundle, config: Config) -> dict[str, list[nn.
         if name not in trained:
             continue
         if config.training.method == TrainingMethod.LORA:
-            targets = (config.training.lora_target_modules if name == bundle.denoiser_name
-                       else TEXT_ENCODER_LORA_TARGETS)
-            module.add_adapter(LoraConfig(r=config.training.lora_rank,
-                                          lora_alpha=config.training.lora_alpha,
-                                          init_lora_weights="gaussian",
-                                          target_modules=list(targets)))
+            add_adapter(module, config, denoiser=name == bundle.denoiser_name)
         else:
             module.requires_grad_(True)
         trainable = [p for p in module.parameters() if p.requires_grad]

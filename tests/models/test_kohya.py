@@ -170,8 +170,10 @@ def test_unsupported_adapters_and_wrong_alpha_are_refused(tempera_cache, tmp_pat
     pipe.unet.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=["to_q"]))
     with pytest.raises(KohyaError, match="lora_alpha=2"):
         save_kohya_lora({"unet": pipe.unet}, tmp_path / "a.safetensors", 4.0, ModelType.SD15)
-    pipe.text_encoder.add_adapter(LoraConfig(r=2, use_rslora=True, target_modules=["q_proj"]))
-    with pytest.raises(KohyaError, match="rsLoRA"):
-        save_kohya_lora({"text_encoder": pipe.text_encoder}, tmp_path / "b.safetensors", None,
-                        ModelType.SD15)
+    from peft import LoHaConfig
+    other = _pipeline(ModelType.SD15, tempera_cache)
+    other.unet.add_adapter(LoHaConfig(r=2, alpha=2, target_modules=["conv1"],
+                                      use_effective_conv2d=True))
+    with pytest.raises(KohyaError, match="resnets.0.conv1: LoHa's Tucker form"):
+        save_kohya_lora({"unet": other.unet}, tmp_path / "b.safetensors", None, ModelType.SD15)
     assert not list(tmp_path.iterdir())

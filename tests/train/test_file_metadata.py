@@ -8,7 +8,7 @@ import json
 
 from safetensors import safe_open
 
-from modules.models.metadata import network_args, tag_frequency
+from modules.models.metadata import network_metadata, tag_frequency
 from modules.train.trainer import train
 from tests.train.test_checkpoints import caption_folder
 
@@ -24,11 +24,18 @@ def test_tag_frequency_counts_each_tag_once_per_image():
         "a": {"red": 2, "circle": 1, "square": 1}, "b": {"x": 1}}
 
 
-def test_network_args_come_from_the_adapter_fields_that_exist():
-    assert network_args({"lora_target_modules": ["to_q"], "lora_rank": 4}) == {
-        "target_modules": ["to_q"]}
-    assert network_args({"adapter": "LOCON", "lora_conv_rank": 8, "lora_conv_alpha": 4.0}) == {
-        "algo": "locon", "conv_dim": "8", "conv_alpha": "4.0"}
+def test_network_args_say_the_adapter_as_kohya_and_lycoris_write_them():
+    locon = network_metadata({"adapter": "LOCON", "lora_target_modules": ["to_q"],
+                              "conv_rank": 8, "conv_alpha": 4.0, "lora_rank": 16,
+                              "lora_alpha": 8.0})
+    assert locon["ss_network_module"] == "networks.lora" and locon["ss_network_dim"] == "16"
+    assert json.loads(locon["ss_network_args"]) == {"target_modules": ["to_q"], "conv_dim": "8",
+                                                    "conv_alpha": "4.0"}
+    loha = network_metadata({"adapter": "LOHA", "lora_target_modules": ["to_q"],
+                             "rank_dropout": 0.1, "lora_rank": 4, "lora_alpha": 4.0})
+    assert loha["ss_network_module"] == "lycoris.kohya"
+    assert json.loads(loha["ss_network_args"]) == {"target_modules": ["to_q"], "algo": "loha",
+                                                   "rank_dropout": "0.1"}
 
 
 def test_a_kohya_lora_says_what_it_was_trained_on(tiny_config, tmp_path):

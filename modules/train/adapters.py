@@ -1,0 +1,132 @@
+"""Adding the configured adapter (LoRA, LoCon, LoHa, LoKr, DoRA) to a component with peft.
+
+The table in modules/config/adapters.py says what each method is; this module turns a row and
+the training options into a peft config, injects it with the component's `add_adapter` (so the
+component keeps its class and state-dict keys) and makes peft's LoHa/LoKr layers compile
+without graph breaks.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from modules.config.adapters import (
+    ADAPTERS,
+    CONV_TARGETS,
+    LOCON_LINEAR_TARGETS,
+    TEXT_ENCODER_LOCON_TARGETS,
+    TEXT_ENCODER_TARGETS,
+)
+from modules.config.schema import Adapter, Config, TrainingMethod
+from modules.data.seeds import derive_seed
+
+
+def adapter_of(config: Config) -> Adapter:
+    return config.training.adapter
+
+
+def target_modules(config: Config, denoiser: bool) -> tuple[list[str], list[str]]:
+    """(linear-rank targets, conv-rank targets) of one component, as peft module suffixes."""
+    row = ADAPTERS[adapter_of(config)]
+    if not denoiser:
+        extra = TEXT_ENCODER_LOCON_TARGETS if row.locon_layers else ()
+        return [*TEXT_ENCODER_TARGETS, *extra], []
+    linear = list(config.training.lora_target_modules)
+    if row.locon_layers:
+        linear += [t for t in LOCON_LINEAR_TARGETS if t not in linear]
+    convs = list(CONV_TARGETS) if row.convolutions and config.training.conv_rank > 0 else []
+    return linear, convs
+
+
+def peft_config(config: Config, denoiser: bool):
+    """The peft config of one component's adapters (the denoiser's or a text encoder's)."""
+    import peft
+
+    t = config.training
+    adapter = adapter_of(config)
+    row = ADAPTERS[adapter]
+    linear, convs = target_modules(config, denoiser)
+    # Patterns are peft suffixes: "conv1" sets the rank of every "...resnets.N.conv1".
+    ranks = {name: t.conv_rank for name in convs}
+    alphas = {name: t.conv_alpha for name in convs}
+    common = dict(r=t.lora_rank, target_modules=linear + convs, rank_pattern=ranks,
+                  alpha_pattern=alphas)
+    cls = getattr(peft, row.peft_config)
+    if row.peft_config == "LoraConfig":
+        return cls(lora_alpha=t.lora_alpha, init_lora_weights="gaussian",
+                   use_rslora=t.use_rslora, use_dora=adapter == Adapter.DORA,
+                   lora_dropout=t.lora_dropout, **common)
+    extra = ({"decompose_factor": t.lokr_factor, "rank_dropout_scale": False}
+             if adapter == Adapter.LOKR else {})
+    return cls(alpha=t.lora_alpha, rank_dropout=t.rank_dropout,
+               module_dropout=t.module_dropout, **extra, **common)
+
+
+def add_adapter(module: nn.Module, config: Config, denoiser: bool) -> None:
+    """Inject the configured adapter into `module` in place (its parameters trainable)."""
+    module.add_adapter(peft_config(config, denoiser))
+    make_lycoris_layers_compilable(module)
+
+
+def _lycoris_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """peft's LoHa/LoKr forward, with module dropout as a 0/1 factor on the update.
+
+    peft decides module dropout with `if torch.rand(1) > p` on every training forward, even at
+    p = 0: a branch on a tensor, which TorchDynamo can only handle by breaking the graph at
+    every adapted layer. Multiplying by the same draw's outcome keeps the distribution (the
+    update is kept with probability 1 - p, unscaled) and the graph whole; at p = 0 nothing is
+    drawn. The update itself stays peft's (`_get_delta_activations`).
+    """
+    previous_dtype = x.dtype
+    if self.disable_adapters and self.merged:
+        self.unmerge()
+    result = self.base_layer(x, *args, **kwargs)
+    if self.disable_adapters or self.merged:
+        return result.to(previous_dtype)
+    for name in self.active_adapters:
+        if name not in self._available_adapters:
+            continue
+        delta = self._get_delta_activations(name, x, *args, **kwargs)
+        dropout = self.module_dropout[name]
+        if self.training and dropout > 0:
+            delta = delta * (torch.rand(1, device=delta.device) > dropout).to(delta.dtype)
+        result = result + delta
+    return result.to(previous_dtype)
+
+
+_COMPILABLE: dict[type, type] = {}
+
+
+def make_lycoris_layers_compilable(module: nn.Module) -> int:
+    """Give every peft LoHa/LoKr layer in `module` the branch-free forward above; returns how
+    many. A named, explicit step (not a patch of peft): each layer's class becomes a subclass
+    of its own peft class that only overrides `forward`, so isinstance checks, state-dict keys
+    and peft's maths are unchanged."""
+    from peft.tuners.loha.layer import LoHaLayer
+    from peft.tuners.lokr.layer import LoKrLayer
+
+    count = 0
+    for layer in module.modules():
+        if isinstance(layer, (LoHaLayer, LoKrLayer)) and type(layer) not in _COMPILABLE.values():
+            cls = type(layer)
+            if cls not in _COMPILABLE:
+                _COMPILABLE[cls] = type(cls.__name__, (cls,), {"forward": _lycoris_forward,
+                                                               "__module__": __name__})
+            layer.__class__ = _COMPILABLE[cls]
+            count += 1
+    return count
+
+
+def uses_dropout(config: Config) -> bool:
+    t = config.training
+    return (t.method == TrainingMethod.LORA
+            and (t.lora_dropout > 0 or t.module_dropout > 0 or t.rank_dropout > 0))
+
+
+def seed_adapter_dropout(config: Config, step: int, rank: int) -> None:
+    """Seed torch's global generator, which peft's dropout draws from, from (seed, rank, step)
+    before a step: a resumed or retried step drops exactly what it dropped the first time,
+    whatever ran before it. Nothing happens when no adapter dropout is on."""
+    if uses_dropout(config):
+        torch.manual_seed(derive_seed("adapter-dropout", config.training.seed, rank, step)
+                          % 2**63)
