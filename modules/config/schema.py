@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from modules.config.fields import OnResume, setting
+from modules.config.loss import HuberSchedule, LossConfig, LossType  # noqa: F401 - `loss` section
 from modules.model_types import (  # noqa: F401 - the config's own names for them
     BUILTIN_PREFIX,
     BUILTIN_SHAPES,
@@ -151,7 +152,14 @@ class ModelConfig:
     prediction_type: PredictionType = setting(
         PredictionType.AUTO, label="Prediction type", group="Model", advanced=True,
         help="What the UNet predicts. AUTO reads it from the model's scheduler config "
-             "(SD 1.x: EPSILON, SD 2.x 768: V_PREDICTION).")
+             "(SD 1.x: EPSILON, SD 2.x 768: V_PREDICTION). SDXL v-prediction models "
+             "(NoobAI-XL v-pred and the like) need V_PREDICTION set here.")
+    zero_terminal_snr: bool = setting(
+        False, label="Zero terminal SNR", group="Model", advanced=True,
+        help="Rescale the noise schedule so its last timestep is pure noise (Lin et al. "
+             "2023), for training and for samples (which then space their steps 'trailing'). "
+             "Needs V_PREDICTION: an epsilon model cannot predict the noise from pure noise. "
+             "Turn on for models trained this way (NoobAI-XL v-pred).")
 
 
 @dataclass
@@ -490,6 +498,10 @@ class Config:
                                help="Training images and captions.")
     training: TrainingConfig = setting(default_factory=TrainingConfig, label="Training",
                                        group="Training", help="Optimisation settings.")
+    loss: LossConfig = setting(default_factory=LossConfig, label="Noise and loss",
+                               group="Training", on_resume=OnResume.MUST_MATCH,
+                               help="How the noise is drawn and the error weighed "
+                                    "(docs/noise_and_loss.md).")
     components: ComponentsConfig = setting(default_factory=ComponentsConfig, label="Components",
                                            compile_check=True, on_resume=OnResume.MUST_MATCH,
                                            group="Training", help="Per-component settings.")
