@@ -9,8 +9,9 @@ from __future__ import annotations
 from enum import Enum
 
 from modules.config.schema import (CompileBackend, CompileMode, CompileScope, Device, DType,
-                                   DynamicShapes, LRScheduler, MixedPrecision, Optimizer,
-                                   PredictionType, Sampler, SaveFormat, TrainingMethod)
+                                   DynamicShapes, HuberSchedule, LossType, LRScheduler,
+                                   MixedPrecision, Optimizer, PredictionType, Sampler,
+                                   SaveFormat, TrainingMethod)
 from modules.config.optimizers import OPTIMIZERS
 from modules.frontend import BACKENDS, MODEL_TYPES, ModelType
 
@@ -41,6 +42,10 @@ ENUM_LABELS: dict[type[Enum], dict[Enum, str]] = {
     SaveFormat: {SaveFormat.DIFFUSERS: "Diffusers", SaveFormat.KOHYA: "Kohya LoRA",
                  SaveFormat.SINGLE_FILE: "Single file"},
     ModelType: {member: spec.label for member, spec in MODEL_TYPES.items()},
+    LossType: {LossType.MSE: "MSE (squared error)", LossType.HUBER: "Huber",
+               LossType.SMOOTH_L1: "Smooth L1"},
+    HuberSchedule: {HuberSchedule.CONSTANT: "Constant", HuberSchedule.EXPONENTIAL: "Exponential",
+                    HuberSchedule.SNR: "By SNR"},
 }
 
 

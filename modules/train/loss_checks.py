@@ -14,6 +14,7 @@ from modules.config.schema import Config
 from modules.model_types import MODEL_TYPES
 from modules.models.families import family_of
 from modules.models.loader import ModelBundle
+from modules.models.single_file import schedule_markers
 
 
 def snr_options(config: Config) -> list[tuple[str, str, str]]:
@@ -46,7 +47,8 @@ def family_problems(config: Config) -> list[Problem]:
 
 def model_problems(config: Config, bundle: ModelBundle) -> list[Problem]:
     """Options the loaded model cannot serve: a timestep range beyond its schedule, zero
-    terminal SNR on a model that (with prediction type AUTO) turned out to predict epsilon."""
+    terminal SNR on a model that (with prediction type AUTO) turned out to predict epsilon,
+    or left off for a checkpoint marked as trained with it."""
     problems = []
     steps = bundle.family.objective.train_timesteps(bundle)
     if config.loss.max_timestep > steps:
@@ -58,4 +60,9 @@ def model_problems(config: Config, bundle: ModelBundle) -> list[Problem]:
                                 f"(this model predicts {bundle.prediction_type})",
                                 "zero terminal SNR needs a v-prediction model; set "
                                 "V_PREDICTION if it is one, or turn model.zero_terminal_snr off"))
+    if not config.model.zero_terminal_snr and "ztsnr" in schedule_markers(config.model.path):
+        problems.append(Problem("model.zero_terminal_snr", "true for this checkpoint", "false",
+                                "it carries the ztsnr marker: it was trained on a "
+                                "zero-terminal-SNR schedule, and training it on the plain one "
+                                "would work against that"))
     return problems
