@@ -324,7 +324,8 @@ class TrainingConfig:
                                   on_resume=OnResume.MUST_MATCH,
                                   help="Add a per-channel constant to the noise so the model can "
                                        "learn very dark and very bright images; 0 is off, 0.05 "
-                                       "to 0.1 is typical.")
+                                       "to 0.1 is typical. loss.adaptive_noise_scale adds to it "
+                                       "per image.")
     min_snr_gamma: float = setting(0.0, label="Min-SNR gamma", group="Training", min=0.0,
                                    on_resume=OnResume.MUST_MATCH,
                                    max=100.0,
