@@ -9,9 +9,9 @@ from __future__ import annotations
 from enum import Enum
 
 from modules.config.schema import (CompileBackend, CompileMode, CompileScope, Device, DType,
-                                   DynamicShapes, LRScheduler, MixedPrecision, Optimizer,
-                                   PredictionType, Sampler, SaveDType, SaveFormat,
-                                   TrainingMethod)
+                                   DynamicShapes, HuberSchedule, LossType, LRScheduler,
+                                   MixedPrecision, Optimizer, PredictionType, Sampler,
+                                   SaveDType, SaveFormat, TrainingMethod)
 from modules.config.optimizers import OPTIMIZERS
 from modules.frontend import BACKENDS, MODEL_TYPES, ModelType
 
@@ -44,6 +44,10 @@ ENUM_LABELS: dict[type[Enum], dict[Enum, str]] = {
     SaveDType: {SaveDType.AS_TRAINED: "As trained", SaveDType.FLOAT32: "float32",
                 SaveDType.FLOAT16: "float16", SaveDType.BFLOAT16: "bfloat16"},
     ModelType: {member: spec.label for member, spec in MODEL_TYPES.items()},
+    LossType: {LossType.MSE: "MSE (squared error)", LossType.HUBER: "Huber",
+               LossType.SMOOTH_L1: "Smooth L1"},
+    HuberSchedule: {HuberSchedule.CONSTANT: "Constant", HuberSchedule.EXPONENTIAL: "Exponential",
+                    HuberSchedule.SNR: "By SNR"},
 }
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from modules.config.fields import OnResume, setting
+from modules.config.loss import HuberSchedule, LossConfig, LossType  # noqa: F401 - `loss` section
 from modules.model_types import (  # noqa: F401 - the config's own names for them
     BUILTIN_PREFIX,
     BUILTIN_SHAPES,
@@ -166,7 +167,14 @@ class ModelConfig:
     prediction_type: PredictionType = setting(
         PredictionType.AUTO, label="Prediction type", group="Model", advanced=True,
         help="What the UNet predicts. AUTO reads it from the model's scheduler config "
-             "(SD 1.x: EPSILON, SD 2.x 768: V_PREDICTION).")
+             "(SD 1.x: EPSILON, SD 2.x 768: V_PREDICTION). SDXL v-prediction models "
+             "(NoobAI-XL v-pred and the like) need V_PREDICTION set here.")
+    zero_terminal_snr: bool = setting(
+        False, label="Zero terminal SNR", group="Model", advanced=True,
+        help="Rescale the noise schedule so its last timestep is pure noise (Lin et al. "
+             "2023), for training and for samples (which then space their steps 'trailing'). "
+             "Needs V_PREDICTION: an epsilon model cannot predict the noise from pure noise. "
+             "Turn on for models trained this way (NoobAI-XL v-pred).")
 
 
 @dataclass
@@ -392,7 +400,8 @@ class TrainingConfig:
                                   on_resume=OnResume.MUST_MATCH,
                                   help="Add a per-channel constant to the noise so the model can "
                                        "learn very dark and very bright images; 0 is off, 0.05 "
-                                       "to 0.1 is typical.")
+                                       "to 0.1 is typical. loss.adaptive_noise_scale adds to it "
+                                       "per image.")
     min_snr_gamma: float = setting(0.0, label="Min-SNR gamma", group="Training", min=0.0,
                                    on_resume=OnResume.MUST_MATCH,
                                    max=100.0,
@@ -588,6 +597,10 @@ class Config:
                                help="Training images and captions.")
     training: TrainingConfig = setting(default_factory=TrainingConfig, label="Training",
                                        group="Training", help="Optimisation settings.")
+    loss: LossConfig = setting(default_factory=LossConfig, label="Noise and loss",
+                               group="Training", on_resume=OnResume.MUST_MATCH,
+                               help="How the noise is drawn and the error weighed "
+                                    "(docs/noise_and_loss.md).")
     components: ComponentsConfig = setting(default_factory=ComponentsConfig, label="Components",
                                            compile_check=True, on_resume=OnResume.MUST_MATCH,
                                            group="Training", help="Per-component settings.")

@@ -22,6 +22,7 @@ from modules.config.schema import (
     Device,
     LRScheduler,
     MixedPrecision,
+    PredictionType,
     SaveFormat,
     TrainingMethod,
 )
@@ -49,6 +50,28 @@ def validate(config: Config) -> list[Problem]:
     problems += _check_regularization(config)
     problems += _check_output_and_sampling(config)
     problems += _check_builtin_names(config)
+    problems += _check_noise_and_loss(config)
+    return problems
+
+
+def _check_noise_and_loss(config: Config) -> list[Problem]:
+    """Combinations of the noise and loss options that cannot work (what depends on the model
+    family or the loaded model is `modules.train.loss_checks`')."""
+    loss, problems = config.loss, []
+    if loss.min_timestep >= loss.max_timestep:
+        problems.append(Problem("loss.min_timestep", f"less than loss.max_timestep "
+                                f"({loss.max_timestep})", str(loss.min_timestep),
+                                "timesteps are drawn from [min_timestep, max_timestep)"))
+    if loss.adaptive_noise_scale and not config.training.noise_offset:
+        problems.append(Problem("loss.adaptive_noise_scale", "0 while training.noise_offset is 0",
+                                f"{loss.adaptive_noise_scale:g}", "the adaptive scale adds to the "
+                                "noise offset: set training.noise_offset (0.05 to 0.1) too"))
+    if config.model.zero_terminal_snr and config.model.prediction_type == PredictionType.EPSILON:
+        problems.append(Problem("model.prediction_type", "V_PREDICTION with "
+                                "model.zero_terminal_snr", "EPSILON", "at the last timestep the "
+                                "input is pure noise, from which the noise itself is trivially "
+                                "known and the image cannot be recovered; use V_PREDICTION or "
+                                "turn model.zero_terminal_snr off"))
     return problems
 
 

@@ -94,7 +94,9 @@ def resolve_model_path(path: str, cache_dir: Path) -> Path:
 
 def load_bundle(model_path: Path, model: ModelConfig, dtypes: Dtypes) -> ModelBundle:
     """Load a diffusers folder, or a single-file checkpoint, of `model.type`'s family, each
-    component at its dtype (`train.weights.component_dtypes` says which)."""
+    component at its dtype (`train.weights.component_dtypes` says which), its noise schedule
+    rescaled for zero terminal SNR when `model.zero_terminal_snr` is on (training, samples
+    and saved schedulers then all use it)."""
     from modules.models.families import family_of
     from modules.models.single_file import is_single_file
     family = family_of(model.type)
@@ -102,8 +104,16 @@ def load_bundle(model_path: Path, model: ModelConfig, dtypes: Dtypes) -> ModelBu
         if family.load_single_file is None:
             raise ValueError(f"{model_path}: {MODEL_TYPES[model.type].label} models load from "
                              "a diffusers folder only")
-        return family.load_single_file(model_path, model, dtypes)
-    return family.load_folder(Path(model_path), model.prediction_type, dtypes)
+        bundle = family.load_single_file(model_path, model, dtypes)
+    else:
+        bundle = family.load_folder(Path(model_path), model.prediction_type, dtypes)
+    if model.zero_terminal_snr:
+        rescale = family.objective.zero_terminal_snr
+        if rescale is None:  # refused before loading (train/loss_checks.py); said again here
+            raise ValueError(f"{MODEL_TYPES[model.type].label} models have no noise schedule "
+                             "to rescale for zero terminal SNR")
+        bundle.noise_scheduler = rescale(bundle.noise_scheduler)
+    return bundle
 
 
 def load_model(path: Path, model_type: ModelType, prediction_type: PredictionType,

@@ -75,6 +75,7 @@ def training_metadata(config_dict: dict, model_type: ModelType, method: Any, kin
         "ss_base_model_version": conventions(model_type).base_model_version,
         "ss_v2": str(conventions(model_type).kohya_v2),
         "ss_v_parameterization": str(v_pred),
+        "ss_zero_terminal_snr": str(bool(model.get("zero_terminal_snr", False))),
         "ss_sd_model_name": Path(str(model.get("path", ""))).name,  # no local folders in shared files
         "ss_resolution": f"({resolution}, {resolution})",
         "ss_learning_rate": str(training.get("learning_rate", "")),

@@ -110,6 +110,19 @@ def checkpoint_keys(path: Path, allow_pickle: bool = False) -> list[str]:
     return list(load_pickle_checkpoint(path))
 
 
+# ComfyUI's marker keys in a checkpoint: it predicts v; its schedule has zero terminal SNR
+SCHEDULE_MARKERS = ("v_pred", "ztsnr")
+
+
+def schedule_markers(path: str | Path) -> set[str]:
+    """Which `SCHEDULE_MARKERS` a .safetensors checkpoint carries (its header only; other
+    files and folders carry none that are read)."""
+    path = Path(path)
+    if not is_single_file(path) or path.suffix.lower() != SAFETENSORS_SUFFIX:
+        return set()
+    return set(checkpoint_keys(path)) & set(SCHEDULE_MARKERS)
+
+
 def load_pickle_checkpoint(path: Path) -> dict[str, torch.Tensor]:
     """A pickle checkpoint's tensors, loaded with `weights_only=True` (no code is run)."""
     try:
@@ -254,6 +267,8 @@ def load_single_file_bundle(path: str | Path, model_type: ModelType, prediction_
     scheduler = DDPMScheduler.from_config(parts["scheduler"].config)
     if prediction_type != PredictionType.AUTO:
         scheduler.register_to_config(prediction_type=PREDICTION_TYPES[prediction_type])
+    elif "v_pred" in schedule_markers(path):  # AUTO: the file says it predicts v
+        scheduler.register_to_config(prediction_type="v_prediction")
     return ModelBundle(model_type, Path(path), parts["unet"], parts["vae"],
                        {n: parts[n] for n in spec.text_encoders},
                        {n: parts[n] for n in spec.tokenizers}, scheduler)
@@ -420,7 +435,8 @@ def save_single_file(components: dict[str, Any], path: str | Path, model_type: M
     """Write the full model as one ldm-layout .safetensors (what A1111/ComfyUI load), atomically.
 
     `components` holds unet, vae and the text encoder(s) by their pipeline names; a
-    `scheduler` predicting v adds ComfyUI's `v_pred` marker key.
+    `scheduler` predicting v adds ComfyUI's `v_pred` marker key, one rescaled for zero
+    terminal SNR its `ztsnr` key.
     """
     from safetensors.torch import save_file
 
@@ -432,6 +448,8 @@ def save_single_file(components: dict[str, Any], path: str | Path, model_type: M
     scheduler = components.get("scheduler")
     if scheduler is not None and scheduler.config.get("prediction_type") == "v_prediction":
         tensors["v_pred"] = torch.zeros(0)
+    if scheduler is not None and scheduler.config.get("rescale_betas_zero_snr"):
+        tensors["ztsnr"] = torch.zeros(0)  # ComfyUI's marker of a zero-terminal-SNR schedule
     with atomic_file(path) as tmp:
         save_file(tensors, str(tmp), metadata=dict(metadata or {}))
     return path

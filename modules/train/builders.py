@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from modules.config.loss import LossConfig
 from modules.config.optimizers import OPTIMIZERS
 from modules.model_types import MODEL_TYPES
 from modules.models.loader import vae_downscale
@@ -129,19 +130,44 @@ class Draws:
     timesteps: torch.Tensor
     noise_offset: torch.Tensor    # (B, C, 1, 1), used when training.noise_offset > 0
     caption_dropout: torch.Tensor  # (B,) uniform, used when data.caption_dropout > 0
+    perturbation: torch.Tensor | None = None   # latent-shaped, when loss.input_perturbation > 0
+    multires: tuple[torch.Tensor, ...] = ()    # pyramid levels, when multires noise is on
 
 
 def draw_randomness(generator: torch.Generator, latent_shape: tuple[int, ...],
-                    num_train_timesteps: int, need_vae_eps: bool) -> Draws:
+                    timestep_range: tuple[int, int], need_vae_eps: bool,
+                    loss: LossConfig | None = None) -> Draws:
     """Draw everything in a fixed order, whether or not an option uses it, so switching an
-    option on does not shift the noise every other option sees."""
+    option on does not shift the noise every other option sees. Timesteps come uniformly from
+    [low, high) of `timestep_range`. The noise options' draws (`loss`) come after all of
+    these and only when their option is on, so a run without them draws what it always drew."""
     batch, channels = latent_shape[0], latent_shape[1]
     vae_eps = torch.randn(latent_shape, generator=generator) if need_vae_eps else None
     noise = torch.randn(latent_shape, generator=generator)
-    timesteps = torch.randint(0, num_train_timesteps, (batch,), generator=generator)
+    timesteps = torch.randint(*timestep_range, (batch,), generator=generator)
     offset = torch.randn((batch, channels, 1, 1), generator=generator)
     dropout = torch.rand((batch,), generator=generator)
-    return Draws(vae_eps, noise, timesteps, offset, dropout)
+    perturbation = (torch.randn(latent_shape, generator=generator)
+                    if loss is not None and loss.input_perturbation else None)
+    multires = (draw_multires_levels(generator, latent_shape, loss.multires_noise_iterations)
+                if loss is not None else ())
+    return Draws(vae_eps, noise, timesteps, offset, dropout, perturbation, multires)
+
+
+def draw_multires_levels(generator: torch.Generator, latent_shape: tuple[int, ...],
+                         iterations: int) -> tuple[torch.Tensor, ...]:
+    """Multi-resolution noise's levels: level i is standard normal at the latent's size
+    divided by r^i, r drawn from [2, 4) per level (kohya's pyramid noise), down to one cell
+    on a side at most."""
+    batch, channels, height, width = latent_shape
+    levels = []
+    for i in range(iterations):
+        r = 2.0 + 2.0 * float(torch.rand((), generator=generator))
+        h, w = max(1, int(height / r ** i)), max(1, int(width / r ** i))
+        levels.append(torch.randn((batch, channels, h, w), generator=generator))
+        if h == 1 or w == 1:
+            break
+    return tuple(levels)
 
 
 def latent_shape(vae: nn.Module, batch_size: int, height: int, width: int) -> tuple[int, ...]:

@@ -26,6 +26,7 @@ from modules.train.backup import BackupError, ResumePoint, resume_point
 from modules.train.builders import pick_device
 from modules.train.resume_offer import finished_run_problem
 from modules.train.inputs import check_inputs
+from modules.train.loss_checks import family_problems, model_problems
 from modules.train.output_lock import busy_message
 from modules.util.errors import first_line
 from modules.train.weights import component_dtypes
@@ -63,7 +64,7 @@ def check_run(config: Config, callbacks: TrainerCallbacks) -> CheckedRun:
     """Every check a start runs short of loading the model: software, config, inputs on disk
     (model files' headers, datasets, output folder), the dataset scan, the backup to resume.
     `tempera-train --check` stops here; raises ConfigError with every problem found."""
-    problems = runtime_problems() + validate(config)
+    problems = runtime_problems() + validate(config) + family_problems(config)
     busy = busy_message(Path(config.output.dir)) if config.output.dir.strip() else None
     if busy:
         problems.append(Problem("output.dir", "a folder no other training is writing into",
@@ -123,6 +124,9 @@ def prepare_run(config: Config, callbacks: TrainerCallbacks) -> PreparedRun:
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         raise ConfigError([Problem("model.path", "a loadable diffusers model folder",
                                    repr(str(checked.model_path)), first_line(exc))]) from exc
+    problems = model_problems(config, bundle)
+    if problems:
+        raise ConfigError(problems)
     return PreparedRun(checked.config, pick_device(config.general.device), checked.cache_dir,
                        bundle, checked.scan, checked.resume)
 

@@ -38,7 +38,10 @@ from modules.train.data_metadata import training_data_metadata
 from modules.train.compile_guard import COMPILE_DENOISER, build_compile_guard
 from modules.train.distributed import Distributed
 from modules.train.eta import estimated_sample_seconds, eta_seconds, samples_still_due
-from modules.train.objectives import diffusion_mse, drop_captions, offset_noise, sample_weights
+from modules.train.objectives import (diffusion_loss, drop_captions, elementwise_loss,
+                                      multires_noise, noise_offset_strength,
+                                      noisy_input_and_target, offset_noise, sample_weights,
+                                      timestep_terms)
 from modules.train.output_lock import OutputLock
 from modules.train.outputs import (backup_bytes, distributed_summary, log_scalars, sample,
                                    save_checkpoint, save_final)
@@ -177,8 +180,8 @@ class TrainingRecipe:
                 state.reseed_draws(config.training.seed, run.dist.rank)
                 seed_adapter_dropout(config, state.step, run.dist.rank)
             draws = draw_randomness(state.generator, latent_shape(run.bundle.vae, *pixel_shape),
-                                    run.family.objective.train_timesteps(run.bundle),
-                                    need_vae_eps="latents" not in batch)
+                                    (config.loss.min_timestep, config.loss.max_timestep),
+                                    need_vae_eps="latents" not in batch, loss=config.loss)
             if window is None:
                 window = run.guard.window()
             with run.dist.gradient_sync(run.forward, closes_window):
@@ -299,14 +302,18 @@ def micro_step(run: Run, batch: dict, draws: Draws) -> torch.Tensor:
     reading it (a host sync) waits for the optimizer step, so CUDA graphs and asynchronous
     kernels are not stalled every micro-step.
     """
-    family, device, t = run.family, run.device, run.config.training
+    family, device, t, options = run.family, run.device, run.config.training, run.config.loss
     with autocast_context(run.config, device):
         with torch.no_grad():
             latents = encode_latents(run, batch, draws.vae_eps)
         noise = offset_noise(draws.noise.to(device, latents.dtype), draws.noise_offset,
-                             t.noise_offset)
+                             noise_offset_strength(latents, t.noise_offset,
+                                                   options.adaptive_noise_scale))
+        noise = multires_noise(noise, draws.multires, options.multires_noise_discount)
         timesteps = draws.timesteps.to(device)
-        noisy, target = family.objective.noisy_and_target(run.bundle, latents, noise, timesteps)
+        noisy, target = noisy_input_and_target(family.objective, run.bundle, latents, noise,
+                                               timesteps, draws.perturbation,
+                                               options.input_perturbation)
         captions = drop_captions(batch["caption"], draws.caption_dropout,
                                  run.config.data.caption_dropout)
         with torch.set_grad_enabled(run.trains_text_encoder):
@@ -314,9 +321,10 @@ def micro_step(run: Run, batch: dict, draws: Draws) -> torch.Tensor:
         denoiser = run.forward.get(run.bundle.denoiser_name, run.bundle.denoiser)  # DDP or not
         prediction = family.predict(denoiser, denoiser_input(run, noisy), timesteps,
                                     conditioning)
-        weights = family.objective.loss_weights(run.bundle, timesteps, t.min_snr_gamma)
+        weights, huber_c = timestep_terms(family.objective, run.bundle, timesteps, run.config)
         weights = sample_weights(weights, batch.get("loss_weight"))  # prior_loss_weight
-        loss = diffusion_mse(prediction, target, weights, batch.get("mask"))
+        loss = diffusion_loss(elementwise_loss(prediction, target, options.loss_type, huber_c),
+                              weights, batch.get("mask"))
     scaled = loss / t.gradient_accumulation
     (run.scaler.scale(scaled) if run.scaler else scaled).backward()
     return loss.detach()

@@ -22,6 +22,7 @@ from modules.events import TrainerCallbacks
 from modules.model_types import MODEL_TYPES
 from modules.train.backup import ResumePoint, backups_folder
 from modules.train.backup_files import list_backups
+from modules.train.objectives import noise_schedule_record
 from modules.train.output_lock import OutputBusy, OutputLock, describe_owner
 from modules.train.prepare import PreparedRun
 from modules.train.record import RunRecord, device_description, library_versions
@@ -230,6 +231,7 @@ def start_record(record: RunRecord, prepared: PreparedRun, device: torch.device)
                  weight_dtype=config.model.weight_dtype.value,
                  train_dtype=config.model.train_dtype.value,
                  mixed_precision=config.training.mixed_precision.value,
+                 noise_schedule=noise_schedule_record(prepared.bundle),
                  dataset={"images": len(prepared.scan.items), "skipped": len(prepared.scan.skipped),
                           "skipped_files": [str(p) for p, _ in prepared.scan.skipped]},
                  regularization=regularization_record(prepared.scan),

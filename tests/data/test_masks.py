@@ -17,7 +17,13 @@ from modules.data.folders import DatasetSource, scan_datasets
 from modules.data.latent_cache import (CachedLatentDataset, LatentCache, cache_latents,
                                        latent_key)
 from modules.data.masks import latent_mask, load_masked_sample
-from modules.train.objectives import diffusion_mse, masked_sample_mean
+from modules.config.loss import LossType
+from modules.train.objectives import diffusion_loss, elementwise_loss, masked_sample_mean
+
+
+def diffusion_mse(prediction, target, weights, mask=None):
+    """The training step's MSE loss: per element, then reduced with weights and mask."""
+    return diffusion_loss(elementwise_loss(prediction, target, LossType.MSE), weights, mask)
 
 
 def test_the_masked_loss_is_the_mask_weighted_mean_per_sample():

@@ -15,8 +15,14 @@ from modules.data.dataset import ImageCaptionDataset, collate_examples, expand_r
 from modules.data.errors import DatasetError
 from modules.data.folders import DatasetSource, scan_datasets
 from modules.data.regularization import balanced_repeats, regularization_repeats
-from modules.train.objectives import diffusion_mse, sample_weights
+from modules.config.loss import LossType
+from modules.train.objectives import diffusion_loss, elementwise_loss, sample_weights
 from tests.data.test_folders import make_image
+
+
+def diffusion_mse(prediction, target, weights, mask=None):
+    """The training step's MSE loss: per element, then reduced with weights and mask."""
+    return diffusion_loss(elementwise_loss(prediction, target, LossType.MSE), weights, mask)
 
 
 @pytest.mark.parametrize("train, own, expected", [

@@ -67,7 +67,7 @@ def test_out_of_memory_is_reported_as_such(cuda_config, monkeypatch):  # item 3
     def huge(*args, **kwargs):
         return torch.empty(1 << 45, device="cuda")  # 32 TiB: a real CUDA OOM
 
-    monkeypatch.setattr(recipe_module, "diffusion_mse", huge)
+    monkeypatch.setattr(recipe_module, "diffusion_loss", huge)
     config = cuda_config("compile.backend=INDUCTOR")
     with pytest.raises(TrainingError, match="out of memory at step 0.*batch_size"):
         train(config)

@@ -98,8 +98,7 @@ def flow_noisy_and_target(bundle: ModelBundle, latents: torch.Tensor, noise: tor
 FLOW_MATCHING = Objective(
     train_timesteps=lambda bundle: bundle.noise_scheduler.config.num_train_timesteps,
     noisy_and_target=flow_noisy_and_target,
-    loss_weights=lambda bundle, timesteps, gamma: None,
-)
+)  # no DDPM SNR and no beta schedule: the options that need them are refused for it
 
 DIT = ModelFamily(
     model_type=SLOT,

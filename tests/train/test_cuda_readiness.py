@@ -120,7 +120,7 @@ def test_out_of_memory_stops_the_run_with_advice_and_no_fallback(tiny_config, mo
     def out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
 
-    monkeypatch.setattr(recipe_module, "diffusion_mse", out_of_memory)
+    monkeypatch.setattr(recipe_module, "diffusion_loss", out_of_memory)
     config = tiny_config("compile.backend=AOT_EAGER")
     with pytest.raises(TrainingError, match="out of memory at step 0.*batch_size"):
         train(config)

@@ -157,14 +157,14 @@ def test_non_finite_loss_is_skipped_then_stops_with_no_nan_saved(tiny_config, mo
     are skipped, two in a row stop the run, and every saved file holds finite weights."""
     import modules.train.recipe as recipe
     calls = {"n": 0}
-    real = recipe.diffusion_mse
+    real = recipe.diffusion_loss
 
     def diverging(*args, **kwargs):
         calls["n"] += 1
         loss = real(*args, **kwargs)
         return loss * float("nan") if calls["n"] > 2 else loss
 
-    monkeypatch.setattr(recipe, "diffusion_mse", diverging)
+    monkeypatch.setattr(recipe, "diffusion_loss", diverging)
     config = tiny_config("training.max_steps=40", "training.max_bad_steps=2",
                          "output.save_every_steps=1", "output.backup_every_steps=1")
     with pytest.raises(TrainingError) as err:

@@ -25,10 +25,11 @@ def test_min_snr_weights_follow_the_formula():
     alphas = torch.tensor([0.99, 0.5, 0.01])
     t = torch.tensor([0, 1, 2])
     snr = alphas / (1 - alphas)  # 99, 1, ~0.0101
-    eps = sd_family.min_snr_weights(alphas, t, 5.0, "epsilon")
+    assert torch.allclose(sd_family.snr(alphas, t), snr)
+    eps = objectives.min_snr_weights(snr, 5.0, "epsilon")
     assert torch.allclose(eps, torch.minimum(snr, torch.tensor(5.0)) / snr)
     assert eps[0] == pytest.approx(5 / 99) and eps[1] == pytest.approx(1.0)
-    v = sd_family.min_snr_weights(alphas, t, 5.0, "v_prediction")
+    v = objectives.min_snr_weights(snr, 5.0, "v_prediction")
     assert torch.allclose(v, torch.minimum(snr, torch.tensor(5.0)) / (snr + 1))
 
 

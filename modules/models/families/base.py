@@ -30,13 +30,21 @@ class Objective:
     """The noise process and what the denoiser is trained to predict.
 
     `noisy_and_target(bundle, latents, noise, timesteps)` gives the denoiser's input and the
-    regression target; `loss_weights(bundle, timesteps, min_snr_gamma)` per-sample weights or
-    None; `train_timesteps(bundle)` how many integer timesteps the draws pick from.
+    regression target; `train_timesteps(bundle)` how many integer timesteps the draws pick
+    from. The rest say what the noise and loss options (config `loss`) can use, None where
+    the family's noise process has no such thing, and the options that need it are refused
+    for it (modules/train/loss_checks.py):
+    - `snr(bundle, timesteps)`: the signal-to-noise ratio alpha_bar / (1 - alpha_bar) per
+      sample, with `bundle.prediction_type` ("epsilon" / "v_prediction") the loss weights
+      (min-SNR, debiased estimation) and the SNR Huber schedule are computed from;
+    - `zero_terminal_snr(scheduler)`: the noise scheduler rescaled so its last timestep is
+      pure noise (and stepping "trailing" when sampling).
     """
     train_timesteps: Callable[[ModelBundle], int]
     noisy_and_target: Callable[[ModelBundle, torch.Tensor, torch.Tensor, torch.Tensor],
                                tuple[torch.Tensor, torch.Tensor]]
-    loss_weights: Callable[[ModelBundle, torch.Tensor, float], torch.Tensor | None]
+    snr: Callable[[ModelBundle, torch.Tensor], torch.Tensor] | None = None
+    zero_terminal_snr: Callable[[Any], Any] | None = None
 
 
 @dataclass(frozen=True)

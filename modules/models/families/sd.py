@@ -64,18 +64,6 @@ def snr(alphas_cumprod: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
     return a / (1.0 - a)
 
 
-def min_snr_weights(alphas_cumprod: torch.Tensor, timesteps: torch.Tensor, gamma: float,
-                    prediction_type: str) -> torch.Tensor:
-    """Per-sample loss weights of Min-SNR-gamma (Hang et al. 2023): min(SNR, gamma) / SNR.
-
-    For v-prediction the MSE on v already carries a factor SNR + 1, so the weight is
-    min(SNR, gamma) / (SNR + 1).
-    """
-    s = snr(alphas_cumprod, timesteps)
-    clipped = torch.clamp(s, max=gamma)
-    return clipped / (s + 1.0) if prediction_type == "v_prediction" else clipped / s
-
-
 def ddpm_noisy_and_target(bundle: ModelBundle, latents: torch.Tensor, noise: torch.Tensor,
                           timesteps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """DDPM's noised latents, and the target: the noise, or v (v-prediction)."""
@@ -86,18 +74,25 @@ def ddpm_noisy_and_target(bundle: ModelBundle, latents: torch.Tensor, noise: tor
     return noisy, noise
 
 
-def ddpm_loss_weights(bundle: ModelBundle, timesteps: torch.Tensor,
-                      min_snr_gamma: float) -> torch.Tensor | None:
-    if not min_snr_gamma:
-        return None
-    return min_snr_weights(bundle.noise_scheduler.alphas_cumprod, timesteps, min_snr_gamma,
-                           bundle.prediction_type)
+def ddpm_snr(bundle: ModelBundle, timesteps: torch.Tensor) -> torch.Tensor:
+    return snr(bundle.noise_scheduler.alphas_cumprod, timesteps)
+
+
+def ddpm_zero_terminal_snr(scheduler):
+    """The same DDPM scheduler with its betas rescaled so that alpha_bar at the last timestep
+    is 0 (Lin et al. 2023, diffusers' `rescale_betas_zero_snr`), and "trailing" timestep
+    spacing, which the samplers built from its config then use: with leading spacing a
+    sampler would never start from the pure-noise timestep the model was trained on."""
+    from diffusers import DDPMScheduler
+    return DDPMScheduler.from_config(scheduler.config, rescale_betas_zero_snr=True,
+                                     timestep_spacing="trailing")
 
 
 DDPM = Objective(
     train_timesteps=lambda bundle: bundle.noise_scheduler.config.num_train_timesteps,
     noisy_and_target=ddpm_noisy_and_target,
-    loss_weights=ddpm_loss_weights,
+    snr=ddpm_snr,
+    zero_terminal_snr=ddpm_zero_terminal_snr,
 )
 
 

@@ -1,0 +1,68 @@
+"""The noise and loss options checked against the model family and the loaded model.
+
+`validate` (config layer) checks what the config alone decides; what depends on the family's
+noise process (does it have a DDPM SNR, a beta schedule to rescale?) is checked here before
+the model is loaded (`family_problems`, from `check_run`), and what depends on the loaded
+model (its resolved prediction type, its number of training timesteps) right after it is
+loaded (`model_problems`, from `prepare_run`).
+"""
+from __future__ import annotations
+
+from modules.config.loss import HuberSchedule, LossType
+from modules.config.problems import Problem
+from modules.config.schema import Config
+from modules.model_types import MODEL_TYPES
+from modules.models.families import family_of
+from modules.models.loader import ModelBundle
+from modules.models.single_file import schedule_markers
+
+
+def snr_options(config: Config) -> list[tuple[str, str, str]]:
+    """(dotted path, what it should be, what it is) of each option on that reads the SNR."""
+    loss, on = config.loss, []
+    if config.training.min_snr_gamma:
+        on.append(("training.min_snr_gamma", "0", f"{config.training.min_snr_gamma:g}"))
+    if loss.debiased_estimation:
+        on.append(("loss.debiased_estimation", "false", "true"))
+    if loss.loss_type != LossType.MSE and loss.huber_schedule == HuberSchedule.SNR:
+        on.append(("loss.huber_schedule", "CONSTANT or EXPONENTIAL", "SNR"))
+    return on
+
+
+def family_problems(config: Config) -> list[Problem]:
+    """Options the model family's noise process cannot serve (e.g. min-SNR for a flow-matching
+    family, whose objective has no DDPM SNR)."""
+    objective = family_of(config.model.type).objective
+    label = MODEL_TYPES[config.model.type].label
+    problems = []
+    if objective.snr is None:
+        problems += [Problem(path, expected, given, f"{label} models have no DDPM "
+                             "signal-to-noise ratio to weigh the loss by")
+                     for path, expected, given in snr_options(config)]
+    if objective.zero_terminal_snr is None and config.model.zero_terminal_snr:
+        problems.append(Problem("model.zero_terminal_snr", "false", "true",
+                                f"{label} models have no DDPM beta schedule to rescale"))
+    return problems
+
+
+def model_problems(config: Config, bundle: ModelBundle) -> list[Problem]:
+    """Options the loaded model cannot serve: a timestep range beyond its schedule, zero
+    terminal SNR on a model that (with prediction type AUTO) turned out to predict epsilon,
+    or left off for a checkpoint marked as trained with it."""
+    problems = []
+    steps = bundle.family.objective.train_timesteps(bundle)
+    if config.loss.max_timestep > steps:
+        problems.append(Problem("loss.max_timestep", f"at most {steps} (this model's number of "
+                                "training timesteps)", str(config.loss.max_timestep)))
+    if config.model.zero_terminal_snr and bundle.prediction_type != "v_prediction":
+        problems.append(Problem("model.prediction_type", "V_PREDICTION with "
+                                "model.zero_terminal_snr", f"{config.model.prediction_type.value} "
+                                f"(this model predicts {bundle.prediction_type})",
+                                "zero terminal SNR needs a v-prediction model; set "
+                                "V_PREDICTION if it is one, or turn model.zero_terminal_snr off"))
+    if not config.model.zero_terminal_snr and "ztsnr" in schedule_markers(config.model.path):
+        problems.append(Problem("model.zero_terminal_snr", "true for this checkpoint", "false",
+                                "it carries the ztsnr marker: it was trained on a "
+                                "zero-terminal-SNR schedule, and training it on the plain one "
+                                "would work against that"))
+    return problems
