@@ -27,6 +27,7 @@ from modules.train.builders import pick_device
 from modules.train.resume_offer import finished_run_problem
 from modules.train.inputs import check_inputs
 from modules.train.output_lock import busy_message
+from modules.train.validation_set import ValidationImages, choose_validation
 from modules.util.errors import first_line
 from modules.train.weights import component_dtypes
 
@@ -39,6 +40,7 @@ class PreparedRun:
     bundle: ModelBundle
     scan: ScanResult
     resume: ResumePoint | None = None  # the backup this run continues from
+    validation: ValidationImages | None = None  # scored every validation.every_steps
 
 
 def resolve_dataset_path(path: str, cache_dir: Path) -> Path:
@@ -57,6 +59,7 @@ class CheckedRun:
     scan: ScanResult
     model_path: Path
     resume: ResumePoint | None
+    validation: ValidationImages | None = None
 
 
 def check_run(config: Config, callbacks: TrainerCallbacks) -> CheckedRun:
@@ -106,9 +109,13 @@ def check_run(config: Config, callbacks: TrainerCallbacks) -> CheckedRun:
                             f"({' or '.join(reasons)}); the log lists each with its reason")
     for warning in scan.warnings:
         callbacks.on_status(f"dataset warning: {warning}")
+    scan, validation = choose_validation(resolved, scan)  # held-out images leave the scan
+    if validation is not None:
+        callbacks.on_status(f"validation: {validation.origin}")
     model_path = resolve_model_path(config.model.path, cache_dir)
     resolved.model.path = str(model_path)
-    return CheckedRun(resolved, cache_dir, scan, model_path, check_resume(resolved, callbacks))
+    return CheckedRun(resolved, cache_dir, scan, model_path, check_resume(resolved, callbacks),
+                      validation)
 
 
 def prepare_run(config: Config, callbacks: TrainerCallbacks) -> PreparedRun:
@@ -121,7 +128,7 @@ def prepare_run(config: Config, callbacks: TrainerCallbacks) -> PreparedRun:
         raise ConfigError([Problem("model.path", "a loadable diffusers model folder",
                                    repr(str(checked.model_path)), first_line(exc))]) from exc
     return PreparedRun(checked.config, pick_device(config.general.device), checked.cache_dir,
-                       bundle, checked.scan, checked.resume)
+                       bundle, checked.scan, checked.resume, checked.validation)
 
 
 def check_resume(resolved: Config, callbacks: TrainerCallbacks) -> ResumePoint | None:

@@ -44,6 +44,8 @@ from modules.train.start import (apply_changed_learning_rates, bucket_record, bu
                                  build_ema, prepare_output_folder, resume_hint, start_record,
                                  take_output_lock, tensorboard_writer, text_encoder_cache)
 from modules.train.state import TrainingState, draws_generator
+from modules.train.validation import (build_validator, last_validated_step, validate,
+                                      validation_due, validation_record)
 from modules.train.weights import (apply_denoiser_memory_format, enable_gradient_checkpointing,
                                    prepare_trainable, trained_components)
 from modules.util.disk import guarded_write
@@ -148,9 +150,12 @@ class TrainingRecipe:
                   trained=trained, ema=build_ema(config, params),
                   text_cache=text_encoder_cache(config, bundle, device, callbacks),
                   forward=forward, restore_precision=restore_precision, lock=lock,
-                  prompts=sample_prompts(config)[0])  # check_inputs read them already
+                  prompts=sample_prompts(config)[0],  # check_inputs read them already
+                  validator=build_validator(config, prepared.validation))
         if prepared.resume is not None:
             self.load_backup(run, prepared.resume)
+        if run.validator is not None:  # a resumed run's history is the backup's
+            record.write(validation=validation_record(run))
         mark_boundary(run)
         return run
 
@@ -213,6 +218,8 @@ class TrainingRecipe:
                 sample_started = time.perf_counter()
                 sample(run, lambda: commands.stop_requested)
                 sample_seconds = time.perf_counter() - sample_started
+            if validation_due(run):
+                validate(run, forward_loss)
             every_save = config.output.save_every_steps
             if commands.take_save() or (every_save and run.step % every_save == 0
                                         and run.step < run.budget.total_steps):
@@ -233,6 +240,9 @@ class TrainingRecipe:
             run.record.write(final="not saved: stopped before the first optimizer step")
         if run.prompts and status == "finished" and state.last_sample_step != run.step:
             sample(run, lambda: commands.stop_requested)
+        if (run.validator is not None and status == "finished" and run.step > 0
+                and last_validated_step(run) != run.step):
+            validate(run, forward_loss)
         run.record.write(status=status, compile=run.guard.report(),
                          skipped_steps=state.skipped_steps,
                          batch_shapes=run.shape_log.report(run.recompiles()),
@@ -281,12 +291,24 @@ class TrainingRecipe:
 
 # ------------------------------------------------------------------ the step, beside the recipe
 def micro_step(run: Run, batch: dict, draws: Draws) -> torch.Tensor:
-    """One forward + backward on a batch: encode, noise, predict, loss, backward.
+    """One forward + backward on a batch: `forward_loss`, then backward.
+
+    Returns the loss as a tensor on the device: reading it (a host sync) waits for the
+    optimizer step, so CUDA graphs and asynchronous kernels are not stalled every micro-step.
+    """
+    loss = forward_loss(run, batch, draws)
+    scaled = loss / run.config.training.gradient_accumulation
+    (run.scaler.scale(scaled) if run.scaler else scaled).backward()
+    return loss.detach()
+
+
+def forward_loss(run: Run, batch: dict, draws: Draws) -> torch.Tensor:
+    """The training loss of a batch with its draws: encode, noise, predict, loss. Training
+    (`micro_step`) and validation (train/validation.py, under no_grad) both call it, so the
+    validation score is the loss training minimises.
 
     What differs between model families (the noise and the target, the conditioning, how the
-    denoiser is called) is asked of `run.family`. Returns the loss as a tensor on the device:
-    reading it (a host sync) waits for the optimizer step, so CUDA graphs and asynchronous
-    kernels are not stalled every micro-step.
+    denoiser is called) is asked of `run.family`.
     """
     family, device, t = run.family, run.device, run.config.training
     with autocast_context(run.config, device):
@@ -298,16 +320,14 @@ def micro_step(run: Run, batch: dict, draws: Draws) -> torch.Tensor:
         noisy, target = family.objective.noisy_and_target(run.bundle, latents, noise, timesteps)
         captions = drop_captions(batch["caption"], draws.caption_dropout,
                                  run.config.data.caption_dropout)
-        with torch.set_grad_enabled(run.trains_text_encoder):
+        # under validation's no_grad a trained text encoder builds no graph either
+        with torch.set_grad_enabled(run.trains_text_encoder and torch.is_grad_enabled()):
             conditioning = encode_captions(run, batch, captions)
         denoiser = run.forward.get(run.bundle.denoiser_name, run.bundle.denoiser)  # DDP or not
         prediction = family.predict(denoiser, denoiser_input(run, noisy), timesteps,
                                     conditioning)
         weights = family.objective.loss_weights(run.bundle, timesteps, t.min_snr_gamma)
-        loss = diffusion_mse(prediction, target, weights)
-    scaled = loss / t.gradient_accumulation
-    (run.scaler.scale(scaled) if run.scaler else scaled).backward()
-    return loss.detach()
+        return diffusion_mse(prediction, target, weights)
 
 
 def encode_latents(run: Run, batch: dict, vae_eps: torch.Tensor | None) -> torch.Tensor:
