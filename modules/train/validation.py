@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -108,12 +109,15 @@ def validation_record(run: Run) -> dict:
 def validate(run: Run, loss_fn: LossFn) -> float | None:
     """Score the validation images now; record it in the history, run.json, TensorBoard and
     the front end (the main process), and say it in the status line. Returns the loss."""
+    started = time.perf_counter()
     loss = score(run, loss_fn)
+    seconds = time.perf_counter() - started  # the first pass also loads and encodes the images
     run.state.validation.append([run.step, loss])
     if not run.dist.is_main:
         return loss
     best_step, best_loss = best_point(run.state.validation)
-    run.record.write(validation=validation_record(run))
+    run.record.write(validation={**validation_record(run),
+                                 "last_pass_seconds": round(seconds, 3)})
     if run.writer and loss is not None:
         run.writer.add_scalar("validation/loss", loss, run.step)
     run.callbacks.on_validation(ValidationScore(run.step, loss, best_step, best_loss,
@@ -202,9 +206,11 @@ def image_draws(run: Run, seed: int, indices: list[int],
 
 def latent_batch(run: Run, batch: dict, draws: Draws) -> dict:
     """`batch` with its pixels encoded into latents (on the CPU), as the training step would
-    encode them with these draws."""
+    encode them with these draws: a posterior sample, or with `data.cache_latents` (training
+    then reads cached posterior means) the mean."""
     from modules.train.recipe import encode_latents  # the training step's own encoder
+    eps = torch.zeros_like(draws.vae_eps) if run.config.data.cache_latents else draws.vae_eps
     with autocast_context(run.config, run.device):
-        latents = encode_latents(run, batch, draws.vae_eps)
+        latents = encode_latents(run, batch, eps)
     kept = {k: v for k, v in batch.items() if k != "pixel_values"}
     return {**kept, "latents": latents.cpu()}
