@@ -44,7 +44,7 @@ from modules.train.start import (apply_changed_learning_rates, bucket_record, bu
                                  build_ema, prepare_output_folder, resume_hint, start_record,
                                  take_output_lock, tensorboard_writer, text_encoder_cache)
 from modules.train.state import TrainingState, draws_generator
-from modules.train.validation import (build_validator, last_validated_step, validate,
+from modules.train.validation import (build_validator, last_validated_step, validation_pass,
                                       validation_due, validation_record)
 from modules.train.weights import (apply_denoiser_memory_format, enable_gradient_checkpointing,
                                    prepare_trainable, trained_components)
@@ -219,7 +219,7 @@ class TrainingRecipe:
                 sample(run, lambda: commands.stop_requested)
                 sample_seconds = time.perf_counter() - sample_started
             if validation_due(run):
-                validate(run, forward_loss)
+                validation_pass(run, forward_loss)
             every_save = config.output.save_every_steps
             if commands.take_save() or (every_save and run.step % every_save == 0
                                         and run.step < run.budget.total_steps):
@@ -242,7 +242,7 @@ class TrainingRecipe:
             sample(run, lambda: commands.stop_requested)
         if (run.validator is not None and status == "finished" and run.step > 0
                 and last_validated_step(run) != run.step):
-            validate(run, forward_loss)
+            validation_pass(run, forward_loss)
         run.record.write(status=status, compile=run.guard.report(),
                          skipped_steps=state.skipped_steps,
                          batch_shapes=run.shape_log.report(run.recompiles()),

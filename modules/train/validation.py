@@ -106,7 +106,7 @@ def validation_record(run: Run) -> dict:
             "best": None if step is None else {"step": step, "loss": loss}}
 
 
-def validate(run: Run, loss_fn: LossFn) -> float | None:
+def validation_pass(run: Run, loss_fn: LossFn) -> float | None:
     """Score the validation images now; record it in the history, run.json, TensorBoard and
     the front end (the main process), and say it in the status line. Returns the loss."""
     started = time.perf_counter()

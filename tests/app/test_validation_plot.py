@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
+import pytest
+
 from modules.events import Progress, ValidationScore
 from tests.app.conftest import pump
 from tests.app.test_run_state import fake_backup
+from tests.app.test_training import RUN_TIMEOUT, gui_demo_settings
 
 
 def progress(step: int, loss: float) -> Progress:
@@ -60,3 +63,22 @@ def test_a_resumed_run_shows_the_earlier_validation_passes(app, tmp_path):
     plot = app.run_panel.plot
     assert plot.steps == [1, 2, 3, 4]
     assert plot.validation == [(2, 0.75), (4, 0.7)] and plot.best_step == 4  # not step 5's
+
+
+@pytest.mark.engine
+def test_a_real_run_with_validation_plots_every_pass(make_app, tmp_path):
+    app = make_app()
+    out = tmp_path / "run"
+    gui_demo_settings(app, out, max_steps=2)
+    app.registry.find("validation.every_steps").var.set("1")
+    app.registry.find("validation.split_ratio").var.set("0.25")
+    assert app.runs.start(), [str(p) for p in app.binding.problems()]
+    pump(app, lambda: app.runs.worker is None, timeout=RUN_TIMEOUT)
+    plot = app.run_panel.plot
+    assert app.runs.last_result.status == "finished", app.run_panel.log_text()
+    history = json.loads((out / "run.json").read_text())["validation"]["history"]
+    assert [tuple(point) for point in history] == plot.validation
+    assert [step for step, _ in plot.validation] == [1, 2]
+    assert plot.best_step == min(history, key=lambda point: point[1])[0]
+    assert plot.canvas.find_withtag("validation") and plot.canvas.find_withtag("best")
+    assert "validation loss" in app.run_panel.log_text()
