@@ -22,7 +22,7 @@ from modules.train.state import TrainingState
 from modules.train.trainer import train
 from modules.train.validation import (Validator, best_point, build_validator, fixed_timesteps,
                                       score)
-from tests.train.test_bucketed_training import make_images
+from tests.train.test_bucketed_training import RESOLUTION, SQUARE, TALL, WIDE, make_images
 from tests.train.test_resume import StopAt, run_json
 
 SPLIT = ("validation.every_steps=2", "validation.split_ratio=0.25")  # 12 of the 48 shapes
@@ -188,9 +188,9 @@ def test_compiled_training_is_not_recompiled_by_validation(tiny_config, tmp_path
 
 
 def test_aspect_bucketed_validation_images_are_batched_by_size(tiny_config, tmp_path):
-    folder = make_images(tmp_path / "val", [(96, 64), (64, 64), (64, 96), (96, 64)])
+    folder = make_images(tmp_path / "val", [WIDE, SQUARE, TALL, WIDE])
     config = tiny_config("validation.every_steps=1", f"validation.folder={folder}",
-                         "data.aspect_buckets=true", "data.resolution=128",
+                         "data.aspect_buckets=true", f"data.resolution={RESOLUTION}",
                          "validation.batch_size=4")
     callbacks = RecordingCallbacks()
     recipe = TrainingRecipe(prepare_run(config, callbacks), callbacks, Distributed(),
