@@ -1,10 +1,12 @@
-"""A live loss curve on a plain tk Canvas: raw loss (thin) and smoothed loss (thick)."""
+"""A live loss curve on a plain tk Canvas: raw loss (thin), smoothed loss (thick) and, when the
+run validates, the validation loss (points joined, the best one ringed), with a legend."""
 from __future__ import annotations
 
 import tkinter
 from typing import Any
 
 PAD_LEFT, PAD_RIGHT, PAD_TOP, PAD_BOTTOM = 56, 12, 14, 24
+LOSS_COLOR, SMOOTHED_COLOR, VALIDATION_COLOR = "#6b8fb3", "#ffb74d", "#81c784"
 
 
 class LossPlot:
@@ -14,10 +16,13 @@ class LossPlot:
         self.steps: list[int] = []
         self.losses: list[float] = []
         self.smoothed: list[float] = []
+        self.validation: list[tuple[int, float]] = []  # (step, loss); not-finite ones left out
+        self.best_step: int | None = None
         self.canvas.bind("<Configure>", lambda _e: self.redraw())
 
     def clear(self) -> None:
         self.steps, self.losses, self.smoothed = [], [], []
+        self.validation, self.best_step = [], None
         self.redraw()
 
     def add(self, step: int, loss: float, smoothed: float) -> None:
@@ -25,37 +30,73 @@ class LossPlot:
         self.losses.append(loss)
         self.smoothed.append(smoothed)
 
+    def add_validation(self, step: int, loss: float | None, best_step: int | None) -> None:
+        """One validation pass; `best_step` is the run's best so far (ringed)."""
+        if loss is not None:
+            self.validation.append((step, loss))
+        self.best_step = best_step
+
+    def series(self) -> list[tuple[str, str, int, list[tuple[int, float]]]]:
+        """(name, colour, line width, points) of every series that has points."""
+        rows = [("loss", LOSS_COLOR, 1, list(zip(self.steps, self.losses))),
+                ("smoothed", SMOOTHED_COLOR, 2, list(zip(self.steps, self.smoothed))),
+                ("validation", VALIDATION_COLOR, 2, list(self.validation))]
+        return [row for row in rows if row[3]]
+
     def redraw(self) -> None:
         c = self.canvas
         c.delete("all")
         w, h = max(c.winfo_width(), 100), max(c.winfo_height(), 80)
         x0, x1, y0, y1 = PAD_LEFT, w - PAD_RIGHT, PAD_TOP, h - PAD_BOTTOM
         c.create_rectangle(x0, y0, x1, y1, outline="#555555")
-        if not self.steps:
+        series = self.series()
+        if not series:
             c.create_text((x0 + x1) / 2, (y0 + y1) / 2, text="loss appears here during training",
                           fill="#888888")
             return
-        lo, hi = min(self.losses + self.smoothed), max(self.losses + self.smoothed)
+        points = [p for _, _, _, pts in series for p in pts]
+        lo, hi = min(v for _, v in points), max(v for _, v in points)
         if hi - lo < 1e-12:
             lo, hi = lo - 0.5, hi + 0.5
-        first, last = self.steps[0], max(self.steps[-1], self.steps[0] + 1)
+        first = min(s for s, _ in points)
+        last = max(max(s for s, _ in points), first + 1)
 
         def point(step: int, value: float) -> tuple[float, float]:
             x = x0 + (step - first) / (last - first) * (x1 - x0)
             y = y1 - (value - lo) / (hi - lo) * (y1 - y0)
             return x, y
 
-        for values, color, width in ((self.losses, "#6b8fb3", 1), (self.smoothed, "#ffb74d", 2)):
-            coords = [v for s, l in zip(self.steps, values) for v in point(s, l)]
+        for name, color, width, pts in series:
+            coords = [v for s, l in pts for v in point(s, l)]
+            tags = ("curve", name)
             if len(coords) >= 4:
-                c.create_line(*coords, fill=color, width=width, tags=("curve",))
-            else:
-                x, y = coords
-                c.create_oval(x - 2, y - 2, x + 2, y + 2, fill=color, outline=color,
-                              tags=("curve",))
+                c.create_line(*coords, fill=color, width=width, tags=tags)
+            if name == "validation" or len(coords) < 4:  # validation passes are few: dots
+                for x, y in zip(coords[::2], coords[1::2]):
+                    c.create_oval(x - 2, y - 2, x + 2, y + 2, fill=color, outline=color,
+                                  tags=tags)
+        self._ring_best(point)
         for value, y in ((hi, y0), (lo, y1)):
             c.create_text(x0 - 4, y, text=f"{value:.4g}", anchor="e", fill="#bbbbbb")
         c.create_text(x0, y1 + 4, text=str(first), anchor="nw", fill="#bbbbbb")
-        c.create_text(x1, y1 + 4, text=f"step {self.steps[-1]}", anchor="ne", fill="#bbbbbb")
-        c.create_text(x1 - 4, y0 + 4, text="loss (smoothed: orange)", anchor="ne",
-                      fill="#bbbbbb")
+        newest = max(s for s, _ in points)
+        c.create_text(x1, y1 + 4, text=f"step {newest}", anchor="ne", fill="#bbbbbb")
+        self._legend(series, x1 - 4, y0 + 4)
+
+    def _ring_best(self, point) -> None:
+        best = [(s, v) for s, v in self.validation if s == self.best_step]
+        if best:
+            x, y = point(*best[-1])
+            self.canvas.create_oval(x - 5, y - 5, x + 5, y + 5, outline=VALIDATION_COLOR,
+                                    width=2, tags=("best",))
+
+    def _legend(self, series, right: float, top: float) -> None:
+        """Each series' name in its colour, right-aligned along the top edge."""
+        x = right
+        for name, color, _, _ in reversed(series):
+            label = (f"{name} (best: step {self.best_step})"
+                     if name == "validation" and self.best_step is not None else name)
+            item = self.canvas.create_text(x, top, text=label, anchor="ne", fill=color,
+                                           tags=("legend",))
+            left = self.canvas.bbox(item)[0] if self.canvas.bbox(item) else x - 60
+            x = left - 10

@@ -24,8 +24,8 @@ from modules.config import Config, Problem
 
 TENSORBOARD_URL = f"http://127.0.0.1:{external.TENSORBOARD_PORT}"
 # The events a training's worker sends (app.runner.QueueCallbacks and TrainingWorker)
-TRAINING_EVENTS = frozenset({"status", "progress", "sample", "compile", "saved", "error", "done",
-                             "config_error", "failed", "crashed", "exit"})
+TRAINING_EVENTS = frozenset({"status", "progress", "sample", "compile", "saved", "validation",
+                             "error", "done", "config_error", "failed", "crashed", "exit"})
 
 
 class RunControl:
@@ -102,6 +102,8 @@ class RunControl:
         step = backups[-1][0]
         points = frontend.earlier_losses(output, step)
         self.run_panel.show_earlier_losses(points)
+        for score in frontend.earlier_validation(output, step):
+            self.run_panel.show_validation(score)
         sample_step, samples = frontend.latest_samples(output, step)
         prompts = config.sampling.prompts
         for index, path in samples:
@@ -131,6 +133,8 @@ class RunControl:
                                      data.component)
         elif kind == "saved":
             panel.log(f"saved {data[0]} at step {data[1]}")
+        elif kind == "validation":  # the status line about it came as a status event
+            panel.show_validation(data)
         elif kind == "error":
             panel.set_status(data, error=True)
             panel.log("ERROR " + data)

@@ -259,6 +259,12 @@ class RunPanel:
         self.plot.add(p.step, p.loss, p.smoothed_loss)
 
     @tk_thread_only
+    def show_validation(self, score: Any) -> None:
+        """A validation pass (`ValidationScore`): a point on the plot's validation series."""
+        self.plot.add_validation(score.step, score.loss, score.best_step)
+        self.plot.redraw()
+
+    @tk_thread_only
     def show_earlier_losses(self, points: list[Any]) -> None:
         """The loss curve of the run a resume continues (`LossPoint`s), before its new steps."""
         for point in points:

@@ -13,13 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from modules.config import Config, ConfigError
-from modules.events import CompileEvent, Progress, TrainerCommands
+from modules.events import CompileEvent, Progress, TrainerCommands, ValidationScore
 
 
 @dataclass(frozen=True)
 class Event:
-    kind: str   # status | progress | sample | compile | saved | error | done | config_error
-                # | failed | crashed | exit | report
+    kind: str   # status | progress | sample | compile | saved | validation | error | done
+                # | config_error | failed | crashed | exit | report
     payload: Any = None
 
 
@@ -43,6 +43,9 @@ class QueueCallbacks:
 
     def on_saved(self, path: Path, step: int) -> None:
         self.events.put(Event("saved", (Path(path), step)))
+
+    def on_validation(self, score: ValidationScore) -> None:
+        self.events.put(Event("validation", score))
 
     def on_error(self, message: str) -> None:
         self.events.put(Event("error", message))

@@ -40,6 +40,17 @@ class CompileEvent:
     graph: int = 0  # progress: the graphs this component compiled so far (N of "graph N of M")
 
 
+@dataclass(frozen=True)
+class ValidationScore:
+    """One validation pass (modules/train/validation.py): its loss at `step` and the best so
+    far. A loss that was not finite is None (and never the best)."""
+    step: int
+    loss: float | None
+    best_step: int | None
+    best_loss: float | None
+    images: int
+
+
 class TrainerCallbacks(Protocol):
     def on_status(self, text: str) -> None: ...
     def on_progress(self, progress: Progress) -> None: ...
@@ -47,6 +58,7 @@ class TrainerCallbacks(Protocol):
     def on_compile(self, event: CompileEvent) -> None: ...
     def on_saved(self, path: Path, step: int) -> None: ...
     def on_error(self, message: str) -> None: ...
+    def on_validation(self, score: ValidationScore) -> None: ...
 
 
 class NullCallbacks:
@@ -70,6 +82,9 @@ class NullCallbacks:
     def on_error(self, message: str) -> None:
         pass
 
+    def on_validation(self, score: ValidationScore) -> None:
+        pass
+
 
 @dataclass
 class RecordingCallbacks(NullCallbacks):
@@ -80,6 +95,7 @@ class RecordingCallbacks(NullCallbacks):
     compile_events: list[CompileEvent] = field(default_factory=list)
     saves: list[tuple[Path, int]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    validations: list[ValidationScore] = field(default_factory=list)
 
     def on_status(self, text: str) -> None:
         self.statuses.append(text)
@@ -98,6 +114,9 @@ class RecordingCallbacks(NullCallbacks):
 
     def on_error(self, message: str) -> None:
         self.errors.append(message)
+
+    def on_validation(self, score: ValidationScore) -> None:
+        self.validations.append(score)
 
 
 class StopRequested(Exception):

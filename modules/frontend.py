@@ -26,7 +26,8 @@ from modules.events import TrainerCallbacks, TrainerCommands
 from modules.model_types import MODEL_TYPES, ModelType
 from modules.paths import cache_dir_for, compile_cache_folder
 from modules.train.backup_files import list_backups
-from modules.train.earlier_run import LossPoint, earlier_losses, latest_samples
+from modules.train.earlier_run import (LossPoint, earlier_losses, earlier_validation,
+                                       latest_samples)
 from modules.train.inputs import check_inputs
 from modules.train.record import read_run_status
 from modules.train.resume_offer import ResumeOffer, finished_run_problem, resume_offer
@@ -124,7 +125,8 @@ def expected_compile(config: Config) -> Any:
 __all__ = [
     "BACKENDS", "COMPONENT_LABELS", "LossPoint", "MODEL_TYPES", "ModelType", "ResumeOffer",
     "TrainingError", "atomic_write_text", "cache_dir_for", "check", "check_inputs", "check_run",
-    "compile_cache_folder", "compile_plans", "earlier_losses", "expected_compile", "explain",
+    "compile_cache_folder", "compile_plans", "earlier_losses", "earlier_validation",
+    "expected_compile", "explain",
     "finished_run_problem", "format_duration", "latest_samples", "list_backups", "load_engine",
     "machine_capabilities", "read_run_status", "resume_offer", "schedule_curve",
     "silence_torchvision_fallback_warnings", "train",

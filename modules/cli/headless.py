@@ -7,7 +7,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from modules.util.duration import format_duration
-from modules.events import CompileEvent, Progress
+from modules.events import CompileEvent, Progress, ValidationScore
 
 
 class TerminalCallbacks:
@@ -48,6 +48,9 @@ class TerminalCallbacks:
 
     def on_saved(self, path: Path, step: int) -> None:
         self._line(f"[tempera] saved {path} at step {step}")
+
+    def on_validation(self, score: ValidationScore) -> None:
+        pass  # the trainer's status line says it ("validation loss ... at step ...")
 
     def on_error(self, message: str) -> None:
         tqdm.write(f"[tempera] error: {message}", file=sys.stderr)

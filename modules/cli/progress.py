@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from modules.events import CompileEvent, Progress, TrainerCommands
+from modules.events import CompileEvent, Progress, TrainerCommands, ValidationScore
 from modules.util.atomic import atomic_write_text
 from modules.util.duration import format_duration
 
@@ -60,6 +60,9 @@ class ProgressReporter:
 
     def on_error(self, message: str) -> None:
         self.inner.on_error(message)
+
+    def on_validation(self, score: ValidationScore) -> None:
+        self.inner.on_validation(score)
 
     def on_compile(self, event: CompileEvent) -> None:
         self.inner.on_compile(event)

@@ -528,6 +528,32 @@ class SamplingConfig:
 
 
 @dataclass
+class ValidationConfig:
+    every_steps: int = setting(
+        0, label="Validate every N steps", group="Data", min=0, max=100_000_000,
+        on_resume=OnResume.MAY_CHANGE,
+        help="Score the held-out images every N optimizer steps (and at the end of the run); "
+             "0 turns validation off (no image is held out). docs/validation.md.")
+    split_ratio: float = setting(
+        0.0, label="Held-out fraction", group="Data", min=0.0, max=0.5,
+        help="Hold this fraction of the training images out for validation (chosen from the "
+             "seed and each file's name, so the same images on every run and resume); they "
+             "are not trained on. 0: use the validation folder instead.")
+    folder: str = setting(
+        "", label="Validation folder", group="Data", path=True,
+        help="A separate folder of validation images with their captions (instead of a "
+             "held-out fraction). Empty: none.")
+    timesteps: int = setting(
+        4, label="Validation timesteps", group="Data", min=1, max=1000, advanced=True,
+        help="Each validation image is scored at this many fixed, evenly spaced timesteps "
+             "with fixed noise, so the number is comparable from step to step.")
+    batch_size: int = setting(
+        0, label="Validation batch size", group="Data", min=0, max=4096, advanced=True,
+        help="Images per validation forward pass; 0 uses training.batch_size. It changes only "
+             "speed and memory, not the score's noise (drawn per image).")
+
+
+@dataclass
 class OutputConfig:
     dir: str = setting("output", label="Output folder", group="General", path=True,
                        on_resume=OnResume.IGNORED,
@@ -609,6 +635,10 @@ class Config:
                                      group="Advanced", help="torch.compile settings.")
     sampling: SamplingConfig = setting(default_factory=SamplingConfig, label="Sampling",
                                        group="Sampling", help="Sample images during training.")
+    validation: ValidationConfig = setting(default_factory=ValidationConfig,
+                                           label="Validation", group="Data",
+                                           on_resume=OnResume.MUST_MATCH,
+                                           help="A held-out split scored during training.")
     output: OutputConfig = setting(default_factory=OutputConfig, label="Output", group="General",
                                    help="Where results go.")
     logging: LoggingConfig = setting(default_factory=LoggingConfig, label="Logging",

@@ -51,6 +51,7 @@ def validate(config: Config) -> list[Problem]:
     problems += _check_output_and_sampling(config)
     problems += _check_builtin_names(config)
     problems += _check_noise_and_loss(config)
+    problems += _check_validation(config)
     return problems
 
 
@@ -73,6 +74,27 @@ def _check_noise_and_loss(config: Config) -> list[Problem]:
                                 "known and the image cannot be recovered; use V_PREDICTION or "
                                 "turn model.zero_terminal_snr off"))
     return problems
+
+
+def _check_validation(config: Config) -> list[Problem]:
+    """Validation needs exactly one source of images, and images given need a schedule. Counts
+    (a fraction that leaves a side empty) are known after the scan: validation_set.py."""
+    v = config.validation
+    source = v.split_ratio > 0 or bool(v.folder.strip())
+    if v.split_ratio > 0 and v.folder.strip():
+        return [Problem("validation.folder", "empty when validation.split_ratio is set",
+                        repr(v.folder), "hold out a fraction or use a folder, not both")]
+    if v.every_steps and not source:
+        return [Problem("validation.every_steps", "0, or validation.split_ratio > 0 or a "
+                        "validation.folder to score", str(v.every_steps),
+                        "there are no validation images")]
+    if source and not v.every_steps:
+        given = (f"split_ratio {v.split_ratio:g}" if v.split_ratio > 0
+                 else f"folder {v.folder!r}")
+        return [Problem("validation.every_steps", f"at least 1 when {given} is set", "0",
+                        "the validation images would never be scored" +
+                        (" (and never trained)" if v.split_ratio > 0 else ""))]
+    return []
 
 
 def _check_builtin_names(config: Config) -> list[Problem]:

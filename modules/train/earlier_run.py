@@ -8,6 +8,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from modules.events import ValidationScore
+
 SAMPLE_NAME = re.compile(r"step-(\d+)-(\d+)\.png$")  # modules/train/sampling.py's names
 
 
@@ -34,6 +36,26 @@ def earlier_losses(output_dir: Path, up_to_step: int) -> list[LossPoint]:
         if isinstance(loss, (int, float)):  # None: a skipped (non-finite) step
             points.append(LossPoint(step, float(loss), smoothing.update(float(loss))))
     return points
+
+
+def earlier_validation(output_dir: Path, up_to_step: int) -> list[ValidationScore]:
+    """The validation passes of steps up to `up_to_step` from run.json's `validation.history`,
+    each with the best step among them so far (empty when there are none)."""
+    try:
+        record = json.loads((Path(output_dir) / "run.json").read_text("utf-8"))
+        history = record["validation"]["history"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    scores: list[ValidationScore] = []
+    best: tuple[float, int] | None = None
+    for step, loss in (p for p in history if isinstance(p, list) and len(p) == 2):
+        if not isinstance(step, int) or step > up_to_step:
+            continue
+        loss = float(loss) if isinstance(loss, (int, float)) else None
+        if loss is not None and (best is None or loss < best[0]):
+            best = (loss, step)
+        scores.append(ValidationScore(step, loss, best and best[1], best and best[0], 0))
+    return scores
 
 
 def latest_samples(output_dir: Path, up_to_step: int | None = None

@@ -26,7 +26,16 @@ MIN_FREE_BYTES = 16 * 2**20
 def check_inputs(config: Config) -> list[Problem]:
     """Every problem with the model, datasets and output folder the config names."""
     return (_check_model_path(config) + _check_dataset_paths(config) + _check_output_dir(config)
-            + _check_prompts_file(config))
+            + _check_prompts_file(config) + _check_validation_folder(config))
+
+
+def _check_validation_folder(config: Config) -> list[Problem]:
+    """validation.folder exists (whether it holds images is the scan's to say)."""
+    folder = config.validation.folder.strip()
+    if not folder or Path(folder).is_dir():
+        return []
+    return [Problem("validation.folder", "an existing folder of validation images",
+                    repr(folder), "not a folder" if Path(folder).exists() else "no such folder")]
 
 
 def _check_prompts_file(config: Config) -> list[Problem]:

@@ -28,6 +28,7 @@ from modules.train.resume_offer import finished_run_problem
 from modules.train.inputs import check_inputs
 from modules.train.loss_checks import family_problems, model_problems
 from modules.train.output_lock import busy_message
+from modules.train.validation_set import ValidationImages, choose_validation
 from modules.util.errors import first_line
 from modules.train.weights import component_dtypes
 
@@ -40,6 +41,7 @@ class PreparedRun:
     bundle: ModelBundle
     scan: ScanResult
     resume: ResumePoint | None = None  # the backup this run continues from
+    validation: ValidationImages | None = None  # scored every validation.every_steps
 
 
 def resolve_dataset_path(path: str, cache_dir: Path) -> Path:
@@ -58,6 +60,7 @@ class CheckedRun:
     scan: ScanResult
     model_path: Path
     resume: ResumePoint | None
+    validation: ValidationImages | None = None
 
 
 def check_run(config: Config, callbacks: TrainerCallbacks) -> CheckedRun:
@@ -110,9 +113,13 @@ def check_run(config: Config, callbacks: TrainerCallbacks) -> CheckedRun:
                             f"({' or '.join(reasons)}); the log lists each with its reason")
     for warning in scan.warnings:
         callbacks.on_status(f"dataset warning: {warning}")
+    scan, validation = choose_validation(resolved, scan)  # held-out images leave the scan
+    if validation is not None:
+        callbacks.on_status(f"validation: {validation.origin}")
     model_path = resolve_model_path(config.model.path, cache_dir)
     resolved.model.path = str(model_path)
-    return CheckedRun(resolved, cache_dir, scan, model_path, check_resume(resolved, callbacks))
+    return CheckedRun(resolved, cache_dir, scan, model_path, check_resume(resolved, callbacks),
+                      validation)
 
 
 def prepare_run(config: Config, callbacks: TrainerCallbacks) -> PreparedRun:
@@ -128,7 +135,7 @@ def prepare_run(config: Config, callbacks: TrainerCallbacks) -> PreparedRun:
     if problems:
         raise ConfigError(problems)
     return PreparedRun(checked.config, pick_device(config.general.device), checked.cache_dir,
-                       bundle, checked.scan, checked.resume)
+                       bundle, checked.scan, checked.resume, checked.validation)
 
 
 def check_resume(resolved: Config, callbacks: TrainerCallbacks) -> ResumePoint | None:

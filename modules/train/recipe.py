@@ -52,6 +52,8 @@ from modules.train.start import (apply_changed_learning_rates, bucket_record, bu
                                  build_ema, prepare_output_folder, resume_hint, start_record,
                                  take_output_lock, tensorboard_writer, text_encoder_cache)
 from modules.train.state import TrainingState, draws_generator
+from modules.train.validation import (build_validator, last_validated_step, validation_pass,
+                                      validation_due, validation_record)
 from modules.train.weights import (apply_denoiser_memory_format, enable_gradient_checkpointing,
                                    prepare_trainable, trained_components)
 from modules.util.disk import guarded_write
@@ -156,12 +158,15 @@ class TrainingRecipe:
                   trained=trained, ema=build_ema(config, params),
                   text_cache=text_encoder_cache(config, bundle, device, callbacks),
                   forward=forward, restore_precision=restore_precision, lock=lock,
-                  prompts=sample_prompts(config)[0])  # check_inputs read them already
+                  prompts=sample_prompts(config)[0],  # check_inputs read them already
+                  validator=build_validator(config, prepared.validation))
         run.file_metadata = {**training_data_metadata(prepared.scan, config),
                              **base_model_hashes(config.model.path,
                                                  cache_dir_for(config.general.cache_dir))}
         if prepared.resume is not None:
             self.load_backup(run, prepared.resume)
+        if run.validator is not None:  # a resumed run's history is the backup's
+            record.write(validation=validation_record(run))
         mark_boundary(run)
         return run
 
@@ -225,6 +230,8 @@ class TrainingRecipe:
                 sample_started = time.perf_counter()
                 sample(run, lambda: commands.stop_requested)
                 sample_seconds = time.perf_counter() - sample_started
+            if validation_due(run):
+                validation_pass(run, forward_loss)
             if name := due_checkpoint(run.step, run.budget.total_steps, state.epoch,
                                       state.batches_done, run.budget.batches_per_epoch,
                                       config.output.save_every_steps,
@@ -246,6 +253,9 @@ class TrainingRecipe:
             run.record.write(final="not saved: stopped before the first optimizer step")
         if run.prompts and status == "finished" and state.last_sample_step != run.step:
             sample(run, lambda: commands.stop_requested)
+        if (run.validator is not None and status == "finished" and run.step > 0
+                and last_validated_step(run) != run.step):
+            validation_pass(run, forward_loss)
         feeding(run)
         run.record.write(status=status, compile=run.guard.report(),
                          skipped_steps=state.skipped_steps,
@@ -295,12 +305,24 @@ class TrainingRecipe:
 
 # ------------------------------------------------------------------ the step, beside the recipe
 def micro_step(run: Run, batch: dict, draws: Draws) -> torch.Tensor:
-    """One forward + backward on a batch: encode, noise, predict, loss, backward.
+    """One forward + backward on a batch: `forward_loss`, then backward.
+
+    Returns the loss as a tensor on the device: reading it (a host sync) waits for the
+    optimizer step, so CUDA graphs and asynchronous kernels are not stalled every micro-step.
+    """
+    loss = forward_loss(run, batch, draws)
+    scaled = loss / run.config.training.gradient_accumulation
+    (run.scaler.scale(scaled) if run.scaler else scaled).backward()
+    return loss.detach()
+
+
+def forward_loss(run: Run, batch: dict, draws: Draws) -> torch.Tensor:
+    """The training loss of a batch with its draws: encode, noise, predict, loss. Training
+    (`micro_step`) and validation (train/validation.py, under no_grad) both call it, so the
+    validation score is the loss training minimises.
 
     What differs between model families (the noise and the target, the conditioning, how the
-    denoiser is called) is asked of `run.family`. Returns the loss as a tensor on the device:
-    reading it (a host sync) waits for the optimizer step, so CUDA graphs and asynchronous
-    kernels are not stalled every micro-step.
+    denoiser is called) is asked of `run.family`.
     """
     family, device, t, options = run.family, run.device, run.config.training, run.config.loss
     with autocast_context(run.config, device):
@@ -316,18 +338,16 @@ def micro_step(run: Run, batch: dict, draws: Draws) -> torch.Tensor:
                                                options.input_perturbation)
         captions = drop_captions(batch["caption"], draws.caption_dropout,
                                  run.config.data.caption_dropout)
-        with torch.set_grad_enabled(run.trains_text_encoder):
+        # under validation's no_grad a trained text encoder builds no graph either
+        with torch.set_grad_enabled(run.trains_text_encoder and torch.is_grad_enabled()):
             conditioning = encode_captions(run, batch, captions)
         denoiser = run.forward.get(run.bundle.denoiser_name, run.bundle.denoiser)  # DDP or not
         prediction = family.predict(denoiser, denoiser_input(run, noisy), timesteps,
                                     conditioning)
         weights, huber_c = timestep_terms(family.objective, run.bundle, timesteps, run.config)
         weights = sample_weights(weights, batch.get("loss_weight"))  # prior_loss_weight
-        loss = diffusion_loss(elementwise_loss(prediction, target, options.loss_type, huber_c),
+        return diffusion_loss(elementwise_loss(prediction, target, options.loss_type, huber_c),
                               weights, batch.get("mask"))
-    scaled = loss / t.gradient_accumulation
-    (run.scaler.scale(scaled) if run.scaler else scaled).backward()
-    return loss.detach()
 
 
 def encode_latents(run: Run, batch: dict, vae_eps: torch.Tensor | None) -> torch.Tensor:

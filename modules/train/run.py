@@ -33,6 +33,8 @@ if TYPE_CHECKING:  # imported where a run builds them, only when the option is o
     from diffusers.training_utils import EMAModel
     from torch.utils.tensorboard import SummaryWriter
 
+    from modules.train.validation import Validator
+
 
 @dataclass
 class Run:
@@ -62,6 +64,7 @@ class Run:
     ema: EMAModel | None = None
     text_cache: TextEncoderCache | None = None
     prompts: list[SamplePrompt] = field(default_factory=list)  # sample prompts, read at the start
+    validator: Validator | None = None  # the held-out images, when validation is on
     # What the training forward calls, per component: the bundle's modules, or (several
     # processes) their DistributedDataParallel wrappers. Saving and sampling use the bundle.
     forward: dict[str, torch.nn.Module] = field(default_factory=dict)

@@ -57,6 +57,8 @@ class TrainingState:
     bad_steps: int = 0        # non-finite optimizer steps in a row (skipped)
     skipped_steps: int = 0    # non-finite optimizer steps in all
     smoothed: SmoothedValue = field(default_factory=SmoothedValue)
+    # [step, validation loss (None: not finite)] per validation pass (train/validation.py)
+    validation: list[list] = field(default_factory=list)
 
     def reseed_draws(self, seed: int, rank: int) -> None:
         """Seed the draws of the step about to run from (seed, rank, step): every process of a
@@ -69,10 +71,13 @@ class TrainingState:
         (seed, rank, step) at every step."""
         return {"step": self.step, "epoch": self.epoch, "batches_done": self.batches_done,
                 "last_sample_step": self.last_sample_step, "bad_steps": self.bad_steps,
-                "skipped_steps": self.skipped_steps, "smoothed": self.smoothed.state_dict()}
+                "skipped_steps": self.skipped_steps, "smoothed": self.smoothed.state_dict(),
+                "validation": [list(point) for point in self.validation]}
 
     def load_state_dict(self, state: dict) -> None:
         for name in ("step", "epoch", "batches_done", "last_sample_step", "bad_steps",
                      "skipped_steps"):
             setattr(self, name, int(state[name]))
         self.smoothed.load_state_dict(state["smoothed"])
+        # backups written before validation existed hold no history
+        self.validation = [[int(step), loss] for step, loss in state.get("validation", [])]

@@ -1,0 +1,225 @@
+"""Validation: the held-out images (train/validation_set.py) scored with the training loss,
+every `validation.every_steps` steps and at the end of a finished run.
+
+Comparable from step to step: each image has its own noise (and VAE posterior sample), drawn
+once from a generator seeded by (training.seed, image), and is scored at the same evenly
+spaced timesteps every pass, without caption dropout and with a center crop. The score is the
+mean of `forward_loss` (the function the training step differentiates) over images and
+timesteps, taken of the weights that are saved (the EMA's or schedule-free AdamW's averaged
+weights when those are on), with every module in eval mode and no gradients.
+
+Compile: validation runs with compiled code bypassed (eager), as sampling does. Running it
+through the compiled denoiser would compile another graph (grad mode, eval mode and the batch
+size are guarded), or with CUDA graphs record another tree; eager costs a slower forward for
+a few images and never touches the training graphs. run.json says so.
+
+Nothing validation does changes training: its generators are its own, the live weights come
+back bit for bit, and its history is part of the training state a backup holds, so a resumed
+run continues the same history.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from modules.data.buckets import assign_buckets
+from modules.data.dataset import ImageCaptionDataset, collate_examples
+from modules.data.seeds import derive_seed
+from modules.events import ValidationScore
+from modules.train.builders import Draws, autocast_context, draw_randomness, latent_shape
+from modules.train.outputs import averaged_weights
+from modules.train.run import Run
+from modules.train.validation_set import ValidationImages
+
+LossFn = Callable[[Run, dict, Draws], torch.Tensor]  # recipe.forward_loss
+COMPILE_NOTE = ("eager: compiled code is bypassed while validating, so the training graphs "
+                "are never recompiled (validation's forwards run uncompiled)")
+
+
+@dataclass
+class Validator:
+    """What a run scores (`Run.validator`): the images and, after the first pass, their
+    fixed batches (latents on the CPU, with their draws)."""
+    images: ValidationImages
+    batch_size: int
+    timestep_count: int
+    seed: int
+    batches: list[tuple[dict, Draws]] | None = None
+
+    @property
+    def count(self) -> int:
+        return len(self.images.items)
+
+
+def build_validator(config, images: ValidationImages | None) -> Validator | None:
+    """The run's validator, or None when validation is off."""
+    if images is None or not config.validation.every_steps:
+        return None
+    v = config.validation
+    return Validator(images, v.batch_size or config.training.batch_size, v.timesteps,
+                     config.training.seed)
+
+
+def fixed_timesteps(count: int, train_timesteps: int, low: int = 0,
+                    high: int | None = None) -> list[int]:
+    """`count` evenly spaced timesteps: the middles of `count` equal parts of the timesteps
+    training draws from, [low, high) within the schedule (4 of 1000: 125, 375, 625, 875)."""
+    high = train_timesteps if high is None else min(high, train_timesteps)
+    return [min(high - 1, low + int((k + 0.5) * (high - low) / count)) for k in range(count)]
+
+
+def run_timesteps(run: Run) -> list[int]:
+    """The run's fixed validation timesteps, inside its loss.min/max_timestep range."""
+    loss = run.config.loss
+    return fixed_timesteps(run.validator.timestep_count,
+                           run.family.objective.train_timesteps(run.bundle),
+                           loss.min_timestep, loss.max_timestep)
+
+
+def validation_due(run: Run) -> bool:
+    """A scheduled pass is due after this step."""
+    every = run.config.validation.every_steps
+    return run.validator is not None and bool(every) and run.step % every == 0
+
+
+def last_validated_step(run: Run) -> int | None:
+    history = run.state.validation
+    return history[-1][0] if history else None
+
+
+def best_point(history: list[list]) -> tuple[int | None, float | None]:
+    """(step, loss) of the lowest finite loss; the earliest step on a tie."""
+    finite = [(loss, step) for step, loss in history if loss is not None]
+    if not finite:
+        return None, None
+    loss, step = min(finite)
+    return step, loss
+
+
+def validation_record(run: Run) -> dict:
+    """run.json's `validation` section, from the training state's history."""
+    validator = run.validator
+    step, loss = best_point(run.state.validation)
+    return {"every_steps": run.config.validation.every_steps, "images": validator.count,
+            "origin": validator.images.origin,
+            "timesteps": run_timesteps(run),
+            "compile": COMPILE_NOTE,
+            "history": [list(point) for point in run.state.validation],
+            "best": None if step is None else {"step": step, "loss": loss}}
+
+
+def validation_pass(run: Run, loss_fn: LossFn) -> float | None:
+    """Score the validation images now; record it in the history, run.json, TensorBoard and
+    the front end (the main process), and say it in the status line. Returns the loss."""
+    started = time.perf_counter()
+    loss = score(run, loss_fn)
+    seconds = time.perf_counter() - started  # the first pass also loads and encodes the images
+    run.state.validation.append([run.step, loss])
+    if not run.dist.is_main:
+        return loss
+    best_step, best_loss = best_point(run.state.validation)
+    run.record.write(validation={**validation_record(run),
+                                 "last_pass_seconds": round(seconds, 3)})
+    if run.writer and loss is not None:
+        run.writer.add_scalar("validation/loss", loss, run.step)
+    run.callbacks.on_validation(ValidationScore(run.step, loss, best_step, best_loss,
+                                                run.validator.count))
+    shown = "not finite" if loss is None else f"{loss:.5f}"
+    best = "none finite" if best_step is None else f"step {best_step}"
+    run.callbacks.on_status(f"validation loss {shown} at step {run.step} (best: {best})")
+    return loss
+
+
+def score(run: Run, loss_fn: LossFn) -> float | None:
+    """The mean loss over the validation images at the fixed timesteps (None if not finite);
+    one host sync for the whole pass."""
+    validator = run.validator
+    timesteps = run_timesteps(run)
+    total = torch.zeros((), dtype=torch.float64, device=run.device)
+    count = 0
+    with torch.no_grad(), run.guard.bypassed(), eval_mode(run), averaged_weights(run):
+        if validator.batches is None:
+            validator.batches = fixed_batches(run, validator)
+        for batch, draws in validator.batches:
+            size = len(batch["caption"])
+            for t in timesteps:
+                at_t = dataclasses.replace(draws, timesteps=torch.full((size,), t,
+                                                                        dtype=torch.long))
+                total += loss_fn(run, batch, at_t).double() * size
+                count += size
+    value = float(total / count)  # the pass's one host sync
+    return value if math.isfinite(value) else None
+
+
+@contextlib.contextmanager
+def eval_mode(run: Run):
+    """Every component in eval mode (no dropout), and back to its own mode afterwards."""
+    modes = {name: m.training for name, m in run.bundle.components().items()}
+    for module in run.bundle.components().values():
+        module.eval()
+    try:
+        yield
+    finally:
+        for name, module in run.bundle.components().items():
+            module.train(modes[name])
+
+
+def fixed_batches(run: Run, validator: Validator) -> list[tuple[dict, Draws]]:
+    """The validation batches, once: images of one size together (aspect buckets), each
+    image's draws from its own generator, the latents encoded with its fixed VAE sample and
+    kept on the CPU (the VAE is never trained, so they do not change)."""
+    config = run.config
+    items = list(validator.images.items)
+    sizes = (assign_buckets(items, config.data.resolution, config.data.bucket_max_aspect)
+             if config.data.aspect_buckets else None)
+    dataset = ImageCaptionDataset(items, resolution=config.data.resolution, center_crop=True,
+                                  random_flip=False, seed=config.training.seed,
+                                  target_sizes=sizes, caption_rules=validator.images.rules)
+    by_size: dict[tuple[int, int], list[int]] = {}
+    for index, size in enumerate(dataset.target_sizes):
+        by_size.setdefault(size, []).append(index)
+    batches = []
+    for indices in by_size.values():
+        for start in range(0, len(indices), validator.batch_size):
+            chunk = indices[start:start + validator.batch_size]
+            batch = collate_examples([dataset[i] for i in chunk])
+            draws = image_draws(run, validator.seed, chunk, run.pixel_shape(batch))
+            batches.append((latent_batch(run, batch, draws), draws))
+    return batches
+
+
+def image_draws(run: Run, seed: int, indices: list[int],
+                pixel_shape: tuple[int, int, int]) -> Draws:
+    """The batch's draws, each image's from a generator of its own (so the score does not
+    depend on the validation batch size), captions never dropped."""
+    _, height, width = pixel_shape
+    shape = latent_shape(run.bundle.vae, 1, height, width)
+    steps = run.family.objective.train_timesteps(run.bundle)
+    # No loss options: input perturbation and pyramid noise are training-time augmentations,
+    # and the score is of the model, made with the plain noise (and the noise offset).
+    singles = [draw_randomness(torch.Generator("cpu").manual_seed(
+        derive_seed("validation", seed, index)), shape, (0, steps), need_vae_eps=True)
+        for index in indices]
+    joined = {f.name: (None if getattr(singles[0], f.name) is None else
+                       torch.cat([getattr(d, f.name) for d in singles]))
+              for f in dataclasses.fields(Draws)}
+    joined["caption_dropout"] = torch.ones(len(indices))  # never under a dropout probability
+    return Draws(**joined)
+
+
+def latent_batch(run: Run, batch: dict, draws: Draws) -> dict:
+    """`batch` with its pixels encoded into latents (on the CPU), as the training step would
+    encode them with these draws: a posterior sample, or with `data.cache_latents` (training
+    then reads cached posterior means) the mean."""
+    from modules.train.recipe import encode_latents  # the training step's own encoder
+    eps = torch.zeros_like(draws.vae_eps) if run.config.data.cache_latents else draws.vae_eps
+    with autocast_context(run.config, run.device):
+        latents = encode_latents(run, batch, eps)
+    kept = {k: v for k, v in batch.items() if k != "pixel_values"}
+    return {**kept, "latents": latents.cpu()}
