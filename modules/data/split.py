@@ -32,14 +32,22 @@ def held_out_count(images: int, ratio: float) -> int:
 def split_items(scan: ScanResult, ratio: float, seed: int) -> tuple[list[ScanItem],
                                                                      list[ScanItem]]:
     """(training items, held-out items), both in the scan's order. The held-out ones are the
-    `held_out_count` items whose derived rank (seed, identity) is smallest."""
-    count = held_out_count(len(scan.items), ratio)
-    ranked = sorted(scan.items, key=lambda item: (derive_seed("validation-split", seed,
+    `held_out_count` items whose derived rank (seed, identity) is smallest, among the training
+    images: class images (a regularisation folder's) are never held out, since the score is of
+    what the run is trained to learn."""
+    candidates = splittable_items(scan)
+    count = held_out_count(len(candidates), ratio)
+    ranked = sorted(candidates, key=lambda item: (derive_seed("validation-split", seed,
                                                               item_identity(scan, item)),
                                                   item_identity(scan, item)))
     held = {id(item) for item in ranked[:count]}
     return ([item for item in scan.items if id(item) not in held],
             [item for item in scan.items if id(item) in held])
+
+
+def splittable_items(scan: ScanResult) -> list[ScanItem]:
+    """The items a validation split may hold out: those of folders that are not class images."""
+    return [item for item in scan.items if not scan.sources[item.source_index].regularization]
 
 
 def without_items(scan: ScanResult, kept: list[ScanItem]) -> ScanResult:

@@ -180,7 +180,8 @@ def fixed_batches(run: Run, validator: Validator) -> list[tuple[dict, Draws]]:
              if config.data.aspect_buckets else None)
     dataset = ImageCaptionDataset(items, resolution=config.data.resolution, center_crop=True,
                                   random_flip=False, seed=config.training.seed,
-                                  target_sizes=sizes, caption_rules=validator.images.rules)
+                                  target_sizes=sizes, caption_rules=validator.images.rules,
+                                  masked_loss=config.data.masked_loss)
     by_size: dict[tuple[int, int], list[int]] = {}
     for index, size in enumerate(dataset.target_sizes):
         by_size.setdefault(size, []).append(index)
@@ -206,11 +207,19 @@ def image_draws(run: Run, seed: int, indices: list[int],
     singles = [draw_randomness(torch.Generator("cpu").manual_seed(
         derive_seed("validation", seed, index)), shape, (0, steps), need_vae_eps=True)
         for index in indices]
-    joined = {f.name: (None if getattr(singles[0], f.name) is None else
-                       torch.cat([getattr(d, f.name) for d in singles]))
+    joined = {f.name: join_draws([getattr(d, f.name) for d in singles])
               for f in dataclasses.fields(Draws)}
     joined["caption_dropout"] = torch.ones(len(indices))  # never under a dropout probability
     return Draws(**joined)
+
+
+def join_draws(values: list):
+    """One field of several images' draws along the batch: None and () (an option that is
+    off, such as the pyramid noise's levels) stay as they are."""
+    first = values[0]
+    if first is None or (isinstance(first, tuple) and not first):
+        return first
+    return torch.cat(values)
 
 
 def latent_batch(run: Run, batch: dict, draws: Draws) -> dict:

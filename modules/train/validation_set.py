@@ -14,7 +14,7 @@ from modules.config.problems import ConfigError, Problem
 from modules.config.schema import Config
 from modules.data.captions import CaptionRules
 from modules.data.folders import DatasetError, DatasetSource, ScanItem, ScanResult, scan_datasets
-from modules.data.split import held_out_count, split_items, without_items
+from modules.data.split import held_out_count, split_items, splittable_items, without_items
 
 
 @dataclass(frozen=True)
@@ -35,14 +35,15 @@ def choose_validation(config: Config, scan: ScanResult
     if v.folder:
         return scan, folder_images(config)
     train_items, held = split_items(scan, v.split_ratio, config.training.seed)
-    if not held or not train_items:
+    images = len(splittable_items(scan))  # class images are never held out
+    if not held or len(held) == images:
         side = "no validation image" if not held else "no training image"
-        fix = (f"raise it to at least {least_ratio(len(scan.items))}" if not held
+        fix = (f"raise it to at least {least_ratio(images)}" if not held
                else "lower it or add images")
         raise ConfigError([Problem(
             "validation.split_ratio", "a fraction that leaves images on both sides",
-            f"{v.split_ratio:g}", f"{v.split_ratio:g} of the dataset's {len(scan.items)} "
-            f"images holds out {held_out_count(len(scan.items), v.split_ratio)}: {side} "
+            f"{v.split_ratio:g}", f"{v.split_ratio:g} of the dataset's {images} "
+            f"training images holds out {held_out_count(images, v.split_ratio)}: {side} "
             f"would be left; {fix}, or use validation.folder")])
     rules = tuple(CaptionRules(ds.caption_prefix, ds.caption_suffix)
                   for ds in config.data.datasets)  # trigger words yes, no shuffle or dropout
@@ -64,7 +65,8 @@ def folder_images(config: Config) -> ValidationImages:
     try:
         scan = scan_datasets([DatasetSource(folder)],
                              caption_extension=config.data.caption_extension,
-                             recursive=config.data.recursive)
+                             recursive=config.data.recursive,
+                             check_masks=config.data.masked_loss)
     except DatasetError as exc:
         raise ConfigError([Problem("validation.folder", "a folder with at least one readable "
                                    "image", repr(str(folder)), str(exc))]) from exc

@@ -61,3 +61,15 @@ def test_without_items_keeps_the_per_source_counts_true():
     kept = without_items(scan, train)
     assert kept.items == train and sum(kept.images_per_source) == len(train) == 10
     assert scan.num_images == 20  # the original scan is not changed
+
+
+def test_class_images_are_never_held_out():
+    import dataclasses
+    scan = scan_of(Path("/data"), NAMES)
+    scan = dataclasses.replace(scan, sources=(scan.sources[0],
+                                              dataclasses.replace(scan.sources[1],
+                                                                  regularization=True)))
+    train, held = split_items(scan, 0.5, seed=7)
+    assert len(held) == held_out_count(14, 0.5) == 7  # counted on the 14 training images
+    assert all(item.source_index == 0 for item in held)
+    assert sum(1 for item in train if item.source_index == 1) == 6

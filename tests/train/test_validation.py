@@ -52,7 +52,7 @@ def test_a_split_that_leaves_a_side_empty_or_an_empty_folder_is_refused_at_start
         check_run(tiny_config("validation.every_steps=2", "validation.split_ratio=0.01"),
                   RecordingCallbacks())
     message = str(none_held.value)
-    assert "0.01 of the dataset's 48 images holds out 0" in message
+    assert "0.01 of the dataset's 48 training images holds out 0" in message
     assert "raise it to at least 0.02" in message
     one = make_images(tmp_path / "one", [(64, 64)])
     with pytest.raises(ConfigError, match="no training image would be left"):
