@@ -10,7 +10,8 @@ from modules.events import NullCallbacks, StopRequested, TrainerCallbacks, Train
 from modules.train.distributed import init_distributed
 from modules.train.history import record_compile_time
 from modules.train.prepare import PreparedRun, prepare_run
-from modules.train.recipe import NonFiniteTraining, RunResult, TrainingRecipe
+from modules.train.loop import NonFiniteTraining
+from modules.train.recipe import RunResult, TrainingRecipe
 from modules.train.record import peak_memory
 from modules.train.start import resume_hint
 from modules.util.disk import DiskFull
