@@ -28,5 +28,6 @@ def training_data_metadata(scan: ScanResult, config: Config) -> dict[str, str]:
         captions.append((name, transform_caption(item.caption, fixed, None)))
         repeats, images = folders.get(name, (source.repeats * item.repeats, 0))
         folders[name] = (repeats, images + 1)
-    triggers = [ds.caption_prefix for ds in config.data.datasets]
+    # a regularisation folder's prefix names the class, not what the LoRA adds
+    triggers = [ds.caption_prefix for ds in config.data.datasets if not ds.regularization]
     return dataset_metadata(captions, folders, triggers)
