@@ -128,7 +128,7 @@ class Draws:
     noise: torch.Tensor
     timesteps: torch.Tensor
     noise_offset: torch.Tensor    # (B, C, 1, 1), used when training.noise_offset > 0
-    caption_dropout: torch.Tensor  # (B,) uniform, used when data.caption_dropout > 0
+    caption_dropout: torch.Tensor  # (B,) uniform, used when a sample's caption dropout > 0
 
 
 def draw_randomness(generator: torch.Generator, latent_shape: tuple[int, ...],

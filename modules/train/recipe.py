@@ -38,7 +38,8 @@ from modules.train.data_metadata import training_data_metadata
 from modules.train.compile_guard import COMPILE_DENOISER, build_compile_guard
 from modules.train.distributed import Distributed
 from modules.train.eta import estimated_sample_seconds, eta_seconds, samples_still_due
-from modules.train.objectives import diffusion_mse, drop_captions, offset_noise, sample_weights
+from modules.train.objectives import (caption_dropouts, diffusion_mse, drop_captions,
+                                      offset_noise, sample_weights)
 from modules.train.output_lock import OutputLock
 from modules.train.outputs import (backup_bytes, distributed_summary, log_scalars, sample,
                                    save_checkpoint, save_final)
@@ -308,7 +309,7 @@ def micro_step(run: Run, batch: dict, draws: Draws) -> torch.Tensor:
         timesteps = draws.timesteps.to(device)
         noisy, target = family.objective.noisy_and_target(run.bundle, latents, noise, timesteps)
         captions = drop_captions(batch["caption"], draws.caption_dropout,
-                                 run.config.data.caption_dropout)
+                                 caption_dropouts(run.config, batch["source"]))
         with torch.set_grad_enabled(run.trains_text_encoder):
             conditioning = encode_captions(run, batch, captions)
         denoiser = run.forward.get(run.bundle.denoiser_name, run.bundle.denoiser)  # DDP or not
