@@ -126,7 +126,8 @@ def expected_compile(config: Config) -> Any:
 __all__ = [
     "BACKENDS", "COMPONENT_LABELS", "LossPoint", "MODEL_TYPES", "ModelType", "RULED_PATHS",
     "ResumeOffer", "TrainingError", "atomic_write_text", "cache_dir_for", "check",
-    "check_inputs", "check_run", "compile_cache_folder", "compile_plans", "earlier_losses", "expected_compile", "explain",
+    "check_inputs", "check_run", "compile_cache_folder", "compile_plans", "earlier_losses",
+    "expected_compile", "explain",
     "finished_run_problem", "format_duration", "latest_samples", "list_backups", "load_engine",
     "machine_capabilities", "read_run_status", "resume_offer", "schedule_curve",
     "silence_torchvision_fallback_warnings", "train", "unused_fields",
