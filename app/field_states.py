@@ -1,12 +1,14 @@
-"""Field states that follow the config: the components a model type lacks are greyed, and the
-two cache folders say where they are when left empty."""
+"""Field states that follow the config: the components a model type lacks are greyed, so are
+the settings the config leaves unused (modules/config/field_rules.py), each with its reason,
+and the two cache folders say where they are when left empty."""
 from __future__ import annotations
 
 from app.fields import container_labels
 from app.form import FieldRegistry
 from app.widgets import set_label_enabled
 from modules.config import Config
-from modules.frontend import MODEL_TYPES, cache_dir_for, compile_cache_folder
+from modules.frontend import (MODEL_TYPES, RULED_PATHS, cache_dir_for, compile_cache_folder,
+                              unused_fields)
 
 
 def update_cache_hints(registry: FieldRegistry, config: Config) -> None:
@@ -38,3 +40,16 @@ def update_component_states(registry: FieldRegistry, config: Config) -> None:
         if title is not None:
             title.configure(text=label if enabled else f"{label} ({' / '.join(having)} only)")
             set_label_enabled(title, enabled)
+
+
+def update_unused_fields(registry: FieldRegistry, config: Config) -> None:
+    """Grey the settings the config leaves unused (an adapter's options while fine-tuning,
+    lr_power without the POLYNOMIAL schedule, ...), the reason in the tooltip; the rest of the
+    ruled settings are enabled. A view already in the right state is left alone."""
+    unused = unused_fields(config)
+    for view in registry.all_views():
+        if view.path not in RULED_PATHS:
+            continue
+        why = unused.get(view.path, "")
+        if view.enabled != (not why) or view.disabled_why != why:
+            view.set_enabled(not why, why)

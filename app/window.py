@@ -21,7 +21,7 @@ from app.binding import ConfigBinding
 from app.cloud_panel import TAB as CLOUD_TAB, CloudPanel
 from app.compile_check import CompileCheck
 from app.compile_panel import PLACED, CompilePanel
-from app.field_states import update_cache_hints, update_component_states
+from app.field_states import update_cache_hints, update_component_states, update_unused_fields
 from app.form import (FieldRegistry, build_fields, fields_of_group, groups_in_order, reveal,
                       scroll_to, tab_title)
 from app.presets import BUILTIN_PRESETS_DIR
@@ -118,6 +118,7 @@ class TemperaApp(ctk.CTk):
             self.run_panel.log(settings_warning)
         self.presets_bar.load_initial(initial_preset)
         update_component_states(self.registry, self.binding.config)
+        update_unused_fields(self.registry, self.binding.config)
         update_cache_hints(self.registry, self.binding.config)
         self.runs.refresh_resume()
         # Importing torch took seconds with nothing on screen: the window is built without it,
@@ -179,6 +180,7 @@ class TemperaApp(ctk.CTk):
         self.problems_panel.schedule_recheck()
         if path is None or path == "model.type":
             update_component_states(self.registry, self.binding.config)
+        update_unused_fields(self.registry, self.binding.config)  # cheap: states that change
         if path is not None and not self.presets_bar.dirty:
             self.presets_bar.set_dirty(True)
         if path is None or path in ("output.dir", "training.max_steps"):

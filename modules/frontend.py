@@ -19,9 +19,11 @@ from typing import Any
 
 # Resume points (`list_backups`, `resume_offer`, `finished_run_problem`), how a run ended
 # (`read_run_status`), the earlier run a resume continues (`earlier_losses`, `latest_samples`),
-# where the caches are (`cache_dir_for`, `compile_cache_folder`): file-system only, re-exported.
+# where the caches are (`cache_dir_for`, `compile_cache_folder`), which settings the config
+# leaves unused (`unused_fields`, greyed in the GUI): file-system or config only, re-exported.
 from modules.compile.backends import BACKENDS  # the backend rows: torch-free
 from modules.config import Config, Problem, validate
+from modules.config.field_rules import RULED_PATHS, unused_fields
 from modules.events import TrainerCallbacks, TrainerCommands
 from modules.model_types import MODEL_TYPES, ModelType
 from modules.paths import cache_dir_for, compile_cache_folder
@@ -123,11 +125,12 @@ def expected_compile(config: Config) -> Any:
 
 
 __all__ = [
-    "BACKENDS", "COMPONENT_LABELS", "LossPoint", "MODEL_TYPES", "ModelType", "ResumeOffer",
-    "TrainingError", "atomic_write_text", "cache_dir_for", "check", "check_inputs", "check_run",
-    "compile_cache_folder", "compile_plans", "earlier_losses", "earlier_validation",
+    "BACKENDS", "COMPONENT_LABELS", "LossPoint", "MODEL_TYPES", "ModelType", "RULED_PATHS",
+    "ResumeOffer", "TrainingError", "atomic_write_text", "cache_dir_for", "check",
+    "check_inputs", "check_run", "compile_cache_folder", "compile_plans", "earlier_losses",
+    "earlier_validation",
     "expected_compile", "explain",
     "finished_run_problem", "format_duration", "latest_samples", "list_backups", "load_engine",
     "machine_capabilities", "read_run_status", "resume_offer", "schedule_curve",
-    "silence_torchvision_fallback_warnings", "train",
+    "silence_torchvision_fallback_warnings", "train", "unused_fields",
 ]

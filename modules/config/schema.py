@@ -210,6 +210,11 @@ class DatasetConfig:
         help="The caption of an image of this folder that has no caption file (kohya's class "
              "tokens), e.g. 'a photo of a dog' for regularisation images. Empty: such an "
              "image trains with an empty caption.")
+    caption_dropout: float | None = setting(
+        None, label="Caption dropout", group="Data", min=0.0, max=1.0,
+        help="Probability that an image of this folder trains on an empty caption instead; "
+             "empty uses data.caption_dropout (e.g. 0 for regularisation images, or a higher "
+             "value for a style folder).")
     regularization: bool = setting(
         False, label="Regularisation images", group="Data",
         help="This folder holds class images for prior preservation (DreamBooth): each epoch "
@@ -256,7 +261,8 @@ class DataConfig:
              "says more.")
     caption_dropout: float = setting(0.0, label="Caption dropout", group="Data", min=0.0, max=1.0,
                                      help="Probability of training on an empty caption instead "
-                                          "(helps classifier-free guidance).")
+                                          "(helps classifier-free guidance); a dataset's own "
+                                          "caption dropout, when set, replaces it.")
     cache_text_encoder_outputs: bool = setting(
         False, label="Cache text encoder outputs", group="Data",
         help="Encode each distinct caption once and reuse it (only when no text encoder is "

@@ -56,7 +56,8 @@ def square_sizes(count: int, resolution: int) -> list[tuple[int, int]]:
 class ImageCaptionDataset(Dataset):
     """Training samples as pixels: one dict per (repeated) image.
 
-    Items: {"pixel_values": float CHW in [-1, 1], "caption": str, "path": str,
+    Items: {"pixel_values": float CHW in [-1, 1], "caption": str, "source": the item's dataset
+    index, "path": str,
     "original_size": (h, w), "crop_top_left": (top, left)}. Index with an int (epoch 0) or an
     (epoch, index) pair as `EpochShuffleSampler` yields. `target_sizes` holds each item's
     (height, width), its aspect-ratio bucket; by default every item is a `resolution` square.
@@ -100,7 +101,8 @@ class ImageCaptionDataset(Dataset):
         caption, varies = item_caption(item.caption, item.source_index, self.caption_rules,
                                        self.seed, epoch, index)
         return {"pixel_values": image.pixels, "caption": caption, "caption_varies": varies,
-                "path": str(item.path), "original_size": image.original_size,
+                "source": item.source_index, "path": str(item.path),
+                "original_size": image.original_size,
                 "crop_top_left": image.crop_top_left,
                 **source_loss_weight(item, self.loss_weights), **masked}
 
@@ -239,7 +241,7 @@ def collate_examples(examples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Stack a list of dataset items into a batch.
 
     "pixel_values" / "latents" / "mask" -> stacked tensor (B, C, H, W); "caption",
-    "caption_varies", "path" -> lists;
+    "caption_varies", "path", "source" (each item's dataset index) -> lists;
     "original_size", "crop_top_left" -> long tensors (B, 2), ready for SDXL's time ids;
     "loss_weight" (when the items have one) -> float tensor (B,).
     """
@@ -250,6 +252,7 @@ def collate_examples(examples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     batch["caption"] = [example["caption"] for example in examples]
     batch["caption_varies"] = [example.get("caption_varies", False) for example in examples]
     batch["path"] = [example["path"] for example in examples]
+    batch["source"] = [example.get("source", 0) for example in examples]
     for name in ("original_size", "crop_top_left"):
         batch[name] = torch.tensor([list(example[name]) for example in examples],
                                    dtype=torch.long)

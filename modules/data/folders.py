@@ -63,6 +63,7 @@ class ScanItem:
     has_caption: bool = True
     size: tuple[int, int] | None = None
     repeats: int = 1  # from a kohya-style "N_name" subfolder; times its source's repeats
+    repeat_folder: str = ""  # that "N_name" subfolder's name ("" when it is in none)
     mask: Path | None = None  # its `<stem>_mask.png` (modules/data/masks.py)
     alpha: bool = False       # it has transparency: its mask when it has no mask file
 
@@ -233,7 +234,8 @@ def _scan_folder(folder: Path, source_index: int, caption_extension: str, recurs
         if check.reason is not None:
             _skip(result, path, check.reason)
             continue
-        found = {"size": check.size, "repeats": _folder_repeats(folder, path, result),
+        repeats, repeat_folder = _folder_repeats(folder, path, result)
+        found = {"size": check.size, "repeats": repeats, "repeat_folder": repeat_folder,
                  "alpha": check.alpha, "mask": masks.get((path.parent, path.stem.lower()))}
         relative = path.relative_to(folder).as_posix()
         if relative in listed or path.name in listed:
@@ -280,15 +282,16 @@ def _list_files(folder: Path, recursive: bool) -> tuple[list[Path], int, list[Pa
     return visible, hidden, sorted(broken)
 
 
-def _folder_repeats(root: Path, path: Path, result: ScanResult) -> int:
-    """N for an image under a top-level subfolder named "N_name" (kohya), else 1."""
+def _folder_repeats(root: Path, path: Path, result: ScanResult) -> tuple[int, str]:
+    """(N, the subfolder's name) for an image under a top-level subfolder named "N_name"
+    (kohya), else (1, "")."""
     parts = path.relative_to(root).parts
     match = REPEAT_PREFIX.match(parts[0]) if len(parts) > 1 else None
     if match is None or int(match.group(1)) < 1:
-        return 1
+        return 1, ""
     n, count = result.folder_repeats.get(parts[0], (int(match.group(1)), 0))
     result.folder_repeats[parts[0]] = (n, count + 1)
-    return n
+    return n, parts[0]
 
 
 def _warn_small_images(result: ScanResult, resolution: int | None) -> None:

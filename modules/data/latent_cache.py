@@ -418,7 +418,8 @@ class CachedLatentDataset(Dataset):
         caption, varies = item_caption(item.caption, item.source_index, self.caption_rules,
                                        self.seed, epoch, index)
         return {"latents": entry.latent, "caption": caption, "caption_varies": varies,
-                "path": str(item.path), "original_size": entry.original_size,
+                "source": item.source_index, "path": str(item.path),
+                "original_size": entry.original_size,
                 "crop_top_left": entry.crop_top_left,
                 **source_loss_weight(item, self.loss_weights), **self._mask(entry)}
 

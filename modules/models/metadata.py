@@ -128,6 +128,17 @@ def network_metadata(training: dict) -> dict[str, str]:
             "ss_network_args": json.dumps(args)}
 
 
+def a1111_card(model_type: ModelType, description: str, trigger_phrase: str,
+               notes: str = "") -> dict[str, Any]:
+    """The user metadata A1111 and Forge show on a LoRA's extra-networks card, which they read
+    from `<LoRA file stem>.json` beside the file (their card editor writes the same file):
+    "activation text" (added to the prompt with the LoRA: the trigger words), "sd version"
+    (the card's filter), a description and notes. "preferred weight" 0 leaves the weight to
+    the user's default."""
+    return {"description": description, "sd version": conventions(model_type).a1111_sd_version,
+            "activation text": trigger_phrase, "preferred weight": 0, "notes": notes}
+
+
 def tag_frequency(captions: list[tuple[str, str]]) -> dict[str, dict[str, int]]:
     """{dataset folder name: {tag: images whose caption holds it}} from (folder, caption as
     trained) pairs; tags are split at commas and stripped, as kohya counts them."""

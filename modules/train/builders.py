@@ -129,7 +129,7 @@ class Draws:
     noise: torch.Tensor
     timesteps: torch.Tensor
     noise_offset: torch.Tensor    # (B, C, 1, 1), used when training.noise_offset > 0
-    caption_dropout: torch.Tensor  # (B,) uniform, used when data.caption_dropout > 0
+    caption_dropout: torch.Tensor  # (B,) uniform, used when a sample's caption dropout > 0
     perturbation: torch.Tensor | None = None   # latent-shaped, when loss.input_perturbation > 0
     multires: tuple[torch.Tensor, ...] = ()    # pyramid levels, when multires noise is on
 

@@ -15,16 +15,19 @@ from modules.train.start import caption_rules
 def training_data_metadata(scan: ScanResult, config: Config) -> dict[str, str]:
     """`ss_tag_frequency` and friends for `scan`: each image's caption as trained (its
     dataset's prefix and suffix added; shuffling and tag dropout, which change per epoch, left
-    out), counted per dataset folder (two datasets with the same folder name count together)."""
+    out), counted per folder as kohya counts them: an image in a kohya `N_name` subfolder under
+    that subfolder's name, with its repeats (N times its dataset's), any other under its
+    dataset's folder name. Two folders with the same name count together (the first one's
+    repeats)."""
     rules = caption_rules(config)
     captions, folders = [], {}
     for item in scan.items:
         source = scan.sources[item.source_index]
+        name = item.repeat_folder or source.path.name
         fixed = replace(rules[item.source_index], shuffle_tags=False, tag_dropout=0.0)
-        captions.append((source.path.name, transform_caption(item.caption, fixed, None)))
-    for index, source in enumerate(scan.sources):
-        count = sum(1 for item in scan.items if item.source_index == index)
-        repeats, images = folders.get(source.path.name, (source.repeats, 0))
-        folders[source.path.name] = (repeats, images + count)
-    triggers = [ds.caption_prefix for ds in config.data.datasets]
+        captions.append((name, transform_caption(item.caption, fixed, None)))
+        repeats, images = folders.get(name, (source.repeats * item.repeats, 0))
+        folders[name] = (repeats, images + 1)
+    # a regularisation folder's prefix names the class, not what the LoRA adds
+    triggers = [ds.caption_prefix for ds in config.data.datasets if not ds.regularization]
     return dataset_metadata(captions, folders, triggers)

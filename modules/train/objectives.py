@@ -12,6 +12,7 @@ per-sample weights (timestep weights, prior-preservation weights).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -212,11 +213,22 @@ def sample_weights(loss_weights: torch.Tensor | None,
     return loss_weights * batch_weights.to(loss_weights.device, loss_weights.dtype)
 
 
-def drop_captions(captions: list[str], draws: torch.Tensor | None, probability: float) -> list[str]:
-    """Replace each caption with "" where its uniform draw falls under `probability`.
+def drop_captions(captions: list[str], draws: torch.Tensor | None,
+                  probabilities: Sequence[float]) -> list[str]:
+    """Replace each caption with "" where its uniform draw falls under its own probability
+    (one per sample: its dataset's caption dropout, `caption_dropouts`).
 
     Training on some empty captions is what makes classifier-free guidance work on the result.
     """
-    if not probability or draws is None:
+    if not any(probabilities) or draws is None:
         return list(captions)
-    return ["" if float(u) < probability else c for c, u in zip(captions, draws)]
+    return ["" if float(u) < p else c for c, u, p in zip(captions, draws, probabilities,
+                                                          strict=True)]
+
+
+def caption_dropouts(config: Config, sources: Sequence[int]) -> list[float]:
+    """Each sample's caption dropout: its dataset's (`data.datasets[i].caption_dropout`), or
+    `data.caption_dropout` where the dataset sets none."""
+    own = [config.data.caption_dropout if ds.caption_dropout is None else ds.caption_dropout
+           for ds in config.data.datasets]
+    return [own[source] for source in sources]

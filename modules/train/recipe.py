@@ -38,8 +38,8 @@ from modules.paths import cache_dir_for
 from modules.train.data_metadata import training_data_metadata
 from modules.train.compile_guard import COMPILE_DENOISER, build_compile_guard
 from modules.train.distributed import Distributed
-from modules.train.objectives import (diffusion_loss, drop_captions, elementwise_loss,
-                                      multires_noise, noise_offset_strength,
+from modules.train.objectives import (caption_dropouts, diffusion_loss, drop_captions,
+                                      elementwise_loss, multires_noise, noise_offset_strength,
                                       noisy_input_and_target, offset_noise, sample_weights,
                                       timestep_terms)
 from modules.train.output_lock import OutputLock
@@ -332,7 +332,7 @@ def forward_loss(run: Run, batch: dict, draws: Draws) -> torch.Tensor:
                                                timesteps, draws.perturbation,
                                                options.input_perturbation)
         captions = drop_captions(batch["caption"], draws.caption_dropout,
-                                 run.config.data.caption_dropout)
+                                 caption_dropouts(run.config, batch["source"]))
         # under validation's no_grad a trained text encoder builds no graph either
         with torch.set_grad_enabled(run.trains_text_encoder and torch.is_grad_enabled()):
             conditioning = encode_captions(run, batch, captions)

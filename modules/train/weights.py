@@ -139,14 +139,29 @@ def write_lora_diffusers(bundle: ModelBundle, config: Config, folder: Path) -> P
 
 def write_lora_kohya(bundle: ModelBundle, config: Config, folder: Path, step: int,
                      extra: dict[str, str] | None = None) -> Path:
-    """LoRA adapters in the kohya layout ComfyUI and A1111 read, with training metadata."""
+    """LoRA adapters in the kohya layout ComfyUI and A1111 read, with training metadata, and
+    beside it the card A1111 / Forge show for it (`lora_kohya.json`: trigger words, SD
+    version; modules/models/metadata.py `a1111_card`)."""
     from modules.models.kohya import save_kohya_lora
+    from modules.models.metadata import a1111_card
     path = folder / KOHYA_WEIGHT_NAME
+    meta = {**_metadata(bundle, config, "lora", "kohya", step), **(extra or {})}
     save_kohya_lora({n: bundle.component(n) for n in trained_components(config)}, path,
-                    config.training.lora_alpha, config.model.type,
-                    {**_metadata(bundle, config, "lora", "kohya", step), **(extra or {})},
+                    config.training.lora_alpha, config.model.type, meta,
                     dtype=lora_save_dtype(config))
+    card = a1111_card(config.model.type, _card_description(config, step),
+                      meta.get("modelspec.trigger_phrase", ""),
+                      f"Base model: {Path(config.model.path).name}")
+    path.with_suffix(".json").write_text(json.dumps(card, indent=4, ensure_ascii=False) + "\n",
+                                         encoding="utf-8")
     return path
+
+
+def _card_description(config: Config, step: int) -> str:
+    from modules.config.adapters import ADAPTERS
+    adapter = ADAPTERS[config.training.adapter].label
+    return (f"{adapter} for {MODEL_TYPES[config.model.type].label}, trained with Tempera for "
+            f"{step} steps.")
 
 
 def write_full_diffusers(bundle: ModelBundle, config: Config, folder: Path) -> Path:

@@ -8,7 +8,11 @@ import json
 
 from safetensors import safe_open
 
-from modules.models.metadata import network_metadata, tag_frequency
+from modules.config import Config
+from modules.config.schema import DatasetConfig, ModelType
+from modules.data.folders import DatasetSource, scan_datasets
+from modules.models.metadata import a1111_card, network_metadata, tag_frequency
+from modules.train.data_metadata import training_data_metadata
 from modules.train.trainer import train
 from tests.train.test_checkpoints import caption_folder
 
@@ -61,3 +65,46 @@ def test_a_kohya_lora_says_what_it_was_trained_on(tiny_config, tmp_path):
     assert json.loads(meta["ss_network_args"]) == {
         "target_modules": ["to_q", "to_k", "to_v", "to_out.0"]}
     assert meta["sshs_model_hash"] == addnet_hash(path)
+    # the card A1111 / Forge read from <file stem>.json beside the LoRA
+    card = json.loads((path.parent / "lora_kohya.json").read_text(encoding="utf-8"))
+    assert card == {"description": "LoRA for Stable Diffusion 1.x, trained with Tempera for 1 "
+                                   "steps.",
+                    "sd version": "SD1", "activation text": "sks dog", "preferred weight": 0,
+                    "notes": card["notes"]}
+    assert card["notes"].startswith("Base model: tiny-sd15")  # the built-in model's folder
+
+
+def test_kohya_repeat_subfolders_count_under_their_own_names(tmp_path):
+    """kohya keys ss_tag_frequency and ss_dataset_dirs by the `N_name` subfolder, with N (times
+    the dataset's repeats); an image outside such a subfolder counts under the dataset."""
+    root = tmp_path / "pets"
+    caption_folder(root / "10_dogs", ["dog, brown", "dog"])
+    caption_folder(root / "3_cats", ["cat"])
+    caption_folder(root / "misc", ["bird"])                # not N_name: the dataset's
+    config = Config()
+    config.data.datasets[0] = DatasetConfig(path=str(root), repeats=2, caption_prefix="pet")
+    scan = scan_datasets([DatasetSource(root, 2)], recursive=True)
+    assert [item.repeat_folder for item in scan.items] == ["10_dogs", "10_dogs", "3_cats", ""]
+    meta = training_data_metadata(scan, config)
+    assert json.loads(meta["ss_tag_frequency"]) == {
+        "10_dogs": {"pet": 2, "dog": 2, "brown": 1}, "3_cats": {"pet": 1, "cat": 1},
+        "pets": {"pet": 1, "bird": 1}}
+    assert json.loads(meta["ss_dataset_dirs"]) == {
+        "10_dogs": {"n_repeats": 20, "img_count": 2}, "3_cats": {"n_repeats": 6, "img_count": 1},
+        "pets": {"n_repeats": 2, "img_count": 1}}
+    assert meta["ss_num_train_images"] == str(scan.num_samples_per_epoch) == "48"
+
+
+def test_the_a1111_card_names_each_model_types_sd_version():
+    versions = {t: a1111_card(t, "", "")["sd version"] for t in ModelType}
+    assert versions == {ModelType.SD15: "SD1", ModelType.SD2: "SD2", ModelType.SDXL: "SDXL"}
+
+
+def test_trigger_words_leave_out_the_regularisation_folders_prefix(tmp_path):
+    dogs, reg = caption_folder(tmp_path / "dogs", ["x"]), caption_folder(tmp_path / "reg", ["y"])
+    config = Config()
+    config.data.datasets = [DatasetConfig(path=str(dogs), caption_prefix="sks dog"),
+                            DatasetConfig(path=str(reg), caption_prefix="dog",
+                                          regularization=True)]
+    scan = scan_datasets([DatasetSource(dogs), DatasetSource(reg, regularization=True)])
+    assert training_data_metadata(scan, config)["modelspec.trigger_phrase"] == "sks dog"

@@ -57,6 +57,7 @@ CASES = {
     "lora-accumulation-ema": ("training.gradient_accumulation=2", "training.ema=true",
                               "components.text_encoder.train=true"),
     "fine-tune": ("training.method=FINE_TUNE", "training.learning_rate=1e-4"),
+    "dataset-caption-dropout": ("data.caption_dropout=0.9", "data.datasets[0].caption_dropout=0.5"),
 }
 
 

@@ -31,7 +31,8 @@ def test_lora_in_both_layouts_loads_in_diffusers_with_every_adapted_layer(tiny_c
                                "training.lora_rank=4", "output.formats=diffusers,kohya"))
     final = result.output_dir / "final"
     assert {p.name for p in final.iterdir()} == {"pytorch_lora_weights.safetensors",
-                                                 "lora_kohya.safetensors", "tempera_step.json"}
+                                                 "lora_kohya.safetensors", "lora_kohya.json",
+                                                 "tempera_step.json"}
     assert json.loads((final / "tempera_step.json").read_text()) == {"step": 4}
     pipe = pipelines.load(_base_folder(result))
     before = pipelines.image(pipe)

@@ -8,9 +8,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from modules.config import Config
+from modules.config.schema import DatasetConfig
+from modules.data.dataset import ImageCaptionDataset, collate_examples
+from modules.data.folders import ScanItem
 from modules.models.families import sd as sd_family
 from modules.train import objectives
 from modules.train.trainer import train
+from tests.train.test_checkpoints import caption_folder
 
 
 def _losses(result) -> list[float]:
@@ -43,8 +48,44 @@ def test_noise_offset_shifts_each_channel_by_a_constant():
 
 def test_caption_dropout_empties_the_drawn_captions():
     captions = ["a", "b", "c"]
-    assert objectives.drop_captions(captions, torch.tensor([0.05, 0.5, 0.09]), 0.1) == ["", "b", ""]
-    assert objectives.drop_captions(captions, torch.tensor([0.0, 0.0, 0.0]), 0.0) == captions
+    assert objectives.drop_captions(captions, torch.tensor([0.05, 0.5, 0.09]),
+                                    [0.1] * 3) == ["", "b", ""]
+    assert objectives.drop_captions(captions, torch.tensor([0.0, 0.0, 0.0]),
+                                    [0.0] * 3) == captions
+    assert objectives.drop_captions(captions, torch.tensor([0.05, 0.05, 0.05]),
+                                    [0.0, 0.1, 0.0]) == ["a", "", "c"]  # each its own
+
+
+def test_each_dataset_drops_captions_at_its_own_rate_in_one_batch(tmp_path):
+    """A batch mixing three datasets: dropout 1.0 always empties, 0.0 never does, unset uses
+    data.caption_dropout; the draws are the step's usual uniform draws."""
+    folder = caption_folder(tmp_path / "images", ["a", "b", "c"])
+    images = sorted(folder.glob("*.png"))
+    config = Config()
+    config.data.caption_dropout = 0.3
+    config.data.datasets = [DatasetConfig(caption_dropout=1.0), DatasetConfig(caption_dropout=0.0),
+                            DatasetConfig()]
+    items = [ScanItem(images[i % 3], f"caption {i}", source_index=i % 3) for i in range(6)]
+    batch = collate_examples([ImageCaptionDataset(items, 64)[i] for i in range(6)])
+    assert batch["source"] == [0, 1, 2, 0, 1, 2]
+    assert objectives.caption_dropouts(config, batch["source"]) == [1.0, 0.0, 0.3] * 2
+    thresholds = objectives.caption_dropouts(config, batch["source"])
+    fixed = torch.tensor([0.999, 0.0, 0.2, 0.5, 0.0, 0.5])
+    assert objectives.drop_captions(batch["caption"], fixed, thresholds) == [
+        "", "caption 1", "", "", "caption 4", "caption 5"]           # 0.2 < 0.3 <= 0.5
+    for draws in torch.rand((20, 6), generator=torch.Generator().manual_seed(0)):
+        kept = objectives.drop_captions(batch["caption"], draws, thresholds)
+        assert kept[0] == kept[3] == ""                               # dropout 1.0: always
+        assert (kept[1], kept[4]) == ("caption 1", "caption 4")       # dropout 0.0: never
+
+
+def test_a_datasets_dropout_equal_to_the_global_one_trains_the_same(tiny_config, tmp_path):
+    """Same draws, same thresholds: setting it per dataset changes nothing else."""
+    def run(name, *overrides):
+        return _losses(train(tiny_config(f"output.dir={tmp_path / name}",
+                                         "training.max_steps=3", *overrides)))
+    assert run("global", "data.caption_dropout=0.5") == run(
+        "own", "data.datasets[0].caption_dropout=0.5")
 
 
 def test_each_option_changes_the_losses_and_off_means_off(tiny_config, tmp_path):

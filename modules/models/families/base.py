@@ -56,6 +56,7 @@ class FileConventions:
     - `kohya_prefixes`: component -> kohya name prefix ("lora_unet_", "lora_te1_", …);
     - `kohya_denoiser_naming`: "diffusers" module paths or the original "ldm" names;
     - `base_model_version`: kohya's `ss_base_model_version`; `kohya_v2`: its `ss_v2`;
+    - `a1111_sd_version`: the "sd version" A1111's LoRA card metadata (`<lora>.json`) names;
     - `modelspec_architecture(v_prediction)`: the modelspec architecture id (no /lora);
     - `predicts_v_by_default`: what prediction type AUTO means for the family's base models;
     - `single_file_configs`: the folder under models/configs/ with its architecture configs;
@@ -70,6 +71,7 @@ class FileConventions:
     single_file_text_encoders: Mapping[str, tuple[str, str]]
     kohya_v2: bool = False
     predicts_v_by_default: bool = False
+    a1111_sd_version: str = "Unknown"
 
 
 @dataclass(frozen=True)

@@ -143,7 +143,8 @@ SD_FILES = {
         kohya_denoiser_naming="diffusers", base_model_version="sd_v1",
         modelspec_architecture=lambda v_prediction: "stable-diffusion-v1",
         single_file_configs="sd15",
-        single_file_text_encoders={"text_encoder": ("cond_stage_model.transformer.", "hf")}),
+        single_file_text_encoders={"text_encoder": ("cond_stage_model.transformer.", "hf")},
+        a1111_sd_version="SD1"),
     ModelType.SD2: FileConventions(
         kohya_prefixes={"unet": "lora_unet_", "text_encoder": "lora_te_"},
         kohya_denoiser_naming="diffusers", base_model_version="sd_v2",
@@ -151,7 +152,8 @@ SD_FILES = {
                                                      else "stable-diffusion-v2-512"),
         single_file_configs="sd2",
         single_file_text_encoders={"text_encoder": ("cond_stage_model.model.", "open_clip")},
-        kohya_v2=True, predicts_v_by_default=True),  # SD 2's 768-v base predicts v
+        kohya_v2=True, predicts_v_by_default=True,  # SD 2's 768-v base predicts v
+        a1111_sd_version="SD2"),
 }
 
 

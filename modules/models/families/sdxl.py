@@ -85,5 +85,6 @@ SDXL = ModelFamily(
         single_file_configs="sdxl",
         single_file_text_encoders={
             "text_encoder": ("conditioner.embedders.0.transformer.", "hf"),
-            "text_encoder_2": ("conditioner.embedders.1.model.", "open_clip")}),
+            "text_encoder_2": ("conditioner.embedders.1.model.", "open_clip")},
+        a1111_sd_version="SDXL"),
 )

@@ -1,0 +1,80 @@
+"""The unused-settings rules (modules/config/field_rules.py): which fields the config leaves
+unused and the reason each gives, read from the adapters and optimizers tables."""
+from __future__ import annotations
+
+from modules.config import Config
+from modules.config.adapters import ADAPTERS
+from modules.config.field_rules import ADAPTER_FIELDS, RULED_PATHS, unused_fields
+from modules.config.introspect import iter_fields
+from modules.config.schema import (Adapter, DatasetConfig, LRScheduler, Optimizer,
+                                   TrainingMethod)
+
+
+def test_every_ruled_path_is_a_config_field():
+    paths = {info.dotted_path for info in iter_fields(Config)}
+    assert RULED_PATHS <= paths, RULED_PATHS - paths
+
+
+def test_fine_tuning_greys_every_adapter_field_with_the_reason():
+    config = Config()
+    config.training.method = TrainingMethod.FINE_TUNE
+    unused = unused_fields(config)
+    assert set(ADAPTER_FIELDS) <= set(unused)
+    assert {"training.adapter", "training.lokr_factor", "training.lora_rank"} <= set(unused)
+    assert unused["training.use_rslora"] == "FINE_TUNE trains the full weights, with no adapter"
+
+
+def test_each_adapter_leaves_unused_exactly_the_options_it_lacks():
+    for adapter, row in ADAPTERS.items():
+        config = Config()
+        config.training.adapter = adapter
+        unused = unused_fields(config)
+        for option in ("use_rslora", "lora_dropout", "module_dropout", "rank_dropout",
+                       "lokr_factor"):
+            assert (f"training.{option}" in unused) == (option not in row.options), (adapter,
+                                                                                     option)
+        assert ("training.conv_rank" in unused) == (not row.convolutions)
+    config = Config()
+    config.training.adapter = Adapter.LOHA
+    assert unused_fields(config)["training.lokr_factor"] == "LoHa has no such option (LOKR have it)"
+    assert unused_fields(config)["training.lora_dropout"] == (
+        "LoHa has no such option (LORA / LOCON / DORA have it)")
+    assert unused_fields(Config())["training.conv_alpha"].startswith("LoRA adapts no convolution")
+
+
+def test_schedule_options_follow_the_schedule_and_the_optimizer():
+    config = Config()
+    unused = unused_fields(config)
+    assert unused["training.lr_cycles"] == ("only the COSINE_WITH_RESTARTS schedule reads it "
+                                            "(CONSTANT is chosen)")
+    assert "training.lr_power" in unused and "training.learning_rate" not in unused
+    config.training.lr_scheduler = LRScheduler.POLYNOMIAL
+    unused = unused_fields(config)
+    assert "training.lr_power" not in unused and "training.lr_cycles" in unused
+    config.training.optimizer = Optimizer.SCHEDULE_FREE_ADAMW
+    unused = unused_fields(config)
+    assert unused["training.lr_power"] == "Schedule-free AdamW replaces the schedule"
+    assert "training.lr_warmup_steps" not in unused          # a warm-up still applies
+    config.training.optimizer = Optimizer.ADAFACTOR_RELATIVE
+    unused = unused_fields(config)
+    for path in ("training.learning_rate", "training.lr_warmup_steps", "training.lr_power"):
+        assert unused[path] == "Adafactor (relative step) sets its own step size"
+    assert "training.lr_scheduler" not in unused              # validation may ask to change it
+
+
+def test_data_sampling_and_ema_fields():
+    config = Config()
+    unused = unused_fields(config)
+    assert unused["training.prior_loss_weight"] == "no dataset is marked as regularisation images"
+    assert unused["data.bucket_max_aspect"] == "aspect-ratio buckets are off"
+    assert unused["training.ema_decay"] == "EMA is off"
+    assert "sampling.steps" not in unused
+    config.data.datasets.append(DatasetConfig(regularization=True))
+    config.data.aspect_buckets, config.training.ema = True, True
+    config.sampling.prompts = []
+    unused = unused_fields(config)
+    assert not {"training.prior_loss_weight", "data.bucket_max_aspect",
+                "training.ema_decay"} & set(unused)
+    assert unused["sampling.steps"] == "there are no prompts, so nothing is sampled"
+    config.sampling.prompts_file = "prompts.txt"
+    assert "sampling.steps" not in unused_fields(config)
