@@ -1,7 +1,9 @@
 """The one typed config tree. Each field is declared once, with its default and metadata.
 
 The GUI builds its widgets from this metadata, `--set` overrides walk it, `validate` checks it
-and `docs/config.md` is generated from it (`scripts/gen_config_docs.py`).
+and `docs/config.md` is generated from it (`scripts/gen_config_docs.py`). Some sections are
+declared in files beside this one and named here: `data` and `validation` (config/data.py),
+`loss` (config/loss.py), `sampling`, `output` and `logging` (config/outputs.py).
 """
 from __future__ import annotations
 
@@ -9,7 +11,16 @@ from dataclasses import dataclass
 from enum import Enum
 
 from modules.config.fields import OnResume, setting
+from modules.config.data import DataConfig, DatasetConfig, ValidationConfig  # noqa: F401
 from modules.config.loss import HuberSchedule, LossConfig, LossType  # noqa: F401 - `loss` section
+from modules.config.outputs import (  # noqa: F401 - the sampling, output and logging sections
+    LoggingConfig,
+    OutputConfig,
+    Sampler,
+    SamplingConfig,
+    SaveDType,
+    SaveFormat,
+)
 from modules.model_types import (  # noqa: F401 - the config's own names for them
     BUILTIN_PREFIX,
     BUILTIN_SHAPES,
@@ -65,14 +76,6 @@ class LRScheduler(str, Enum):
     INVERSE_SQRT = "INVERSE_SQRT"
 
 
-class Sampler(str, Enum):
-    DDIM = "DDIM"
-    EULER = "EULER"
-    EULER_A = "EULER_A"
-    DPMPP_2M_KARRAS = "DPMPP_2M_KARRAS"
-    UNIPC = "UNIPC"
-
-
 class MixedPrecision(str, Enum):
     NO = "NO"
     FP16 = "FP16"
@@ -103,19 +106,6 @@ class DynamicShapes(str, Enum):
     DYNAMIC = "DYNAMIC"
     AUTO = "AUTO"
     STATIC = "STATIC"
-
-
-class SaveFormat(str, Enum):
-    DIFFUSERS = "DIFFUSERS"
-    KOHYA = "KOHYA"
-    SINGLE_FILE = "SINGLE_FILE"
-
-
-class SaveDType(str, Enum):
-    AS_TRAINED = "AS_TRAINED"
-    FLOAT32 = "FLOAT32"
-    FLOAT16 = "FLOAT16"
-    BFLOAT16 = "BFLOAT16"
 
 
 class Device(str, Enum):
@@ -175,101 +165,6 @@ class ModelConfig:
              "2023), for training and for samples (which then space their steps 'trailing'). "
              "Needs V_PREDICTION: an epsilon model cannot predict the noise from pure noise. "
              "Turn on for models trained this way (NoobAI-XL v-pred).")
-
-
-@dataclass
-class DatasetConfig:
-    path: str = setting(BUILTIN_SHAPES, label="Folder", group="Data", path=True,
-                        help="A folder of images with same-name .txt captions, or "
-                             "'builtin:shapes' (a generated set of coloured shapes).")
-    repeats: int = setting(1, label="Repeats", group="Data", min=1, max=10_000,
-                           help="How many times each image of this folder is seen per epoch.")
-    shuffle_tags: bool = setting(
-        False, label="Shuffle tags", group="Data",
-        help="Captions are comma-separated tags: train them in a new order each epoch (the "
-             "first 'keep tags', or what comes before '|||', stay in place).")
-    keep_tags: int = setting(0, label="Keep tags", group="Data", min=0, max=1000,
-                             help="How many leading tags shuffling and tag dropout leave alone.")
-    tag_dropout: float = setting(
-        0.0, label="Tag dropout", group="Data", min=0.0, max=1.0,
-        help="Leave out each tag (not a kept one) with this probability, drawn anew each "
-             "epoch.")
-    caption_prefix: str = setting(
-        "", label="Caption prefix", group="Data",
-        help="Put before every caption of this folder (trigger words, e.g. 'sks dog'); never "
-             "shuffled or dropped.")
-    caption_suffix: str = setting("", label="Caption suffix", group="Data",
-                                  help="Put after every caption of this folder.")
-    captions_file: str = setting(
-        "", label="Captions file", group="Data", path=True, files=("*.json", "*.jsonl"),
-        help="Captions from a metadata file instead of .txt files: .json {\"image.png\": "
-             "\"caption\"} or .jsonl lines with \"file_name\" and \"text\" (Hugging Face's "
-             "metadata.jsonl). An image it does not list uses its .txt file. Empty: none.")
-    class_caption: str = setting(
-        "", label="Class caption", group="Data",
-        help="The caption of an image of this folder that has no caption file (kohya's class "
-             "tokens), e.g. 'a photo of a dog' for regularisation images. Empty: such an "
-             "image trains with an empty caption.")
-    caption_dropout: float | None = setting(
-        None, label="Caption dropout", group="Data", min=0.0, max=1.0,
-        help="Probability that an image of this folder trains on an empty caption instead; "
-             "empty uses data.caption_dropout (e.g. 0 for regularisation images, or a higher "
-             "value for a style folder).")
-    regularization: bool = setting(
-        False, label="Regularisation images", group="Data",
-        help="This folder holds class images for prior preservation (DreamBooth): each epoch "
-             "mixes in as many of their samples as there are training samples, and their loss "
-             "counts training.prior_loss_weight times. docs/datasets.md gives the rule.")
-
-
-@dataclass
-class DataConfig:
-    datasets: list[DatasetConfig] = setting(
-        default_factory=lambda: [DatasetConfig()], label="Datasets", group="Data",
-        help="One or more image folders, each with its own repeat count.")
-    recursive: bool = setting(
-        True, label="Include subfolders", group="Data",
-        help="Images in subfolders train too, each with its caption beside it; a top-level "
-             "subfolder named N_name (the kohya layout, e.g. 10_subject) repeats its images N "
-             "times per epoch. Off: only the images directly in each folder.")
-    resolution: int = setting(512, label="Resolution", group="Data", min=64, max=4096,
-                              compile_check=True,
-                              help="Training side length in pixels; must be a multiple of 64.")
-    center_crop: bool = setting(True, label="Center crop", group="Data",
-                                help="Crop the center after resizing; off means a random crop.")
-    random_flip: bool = setting(False, label="Random flip", group="Data",
-                                help="Flip images horizontally at random.")
-    aspect_buckets: bool = setting(
-        False, label="Aspect-ratio buckets", group="Data",
-        help="Train each image at the bucket size nearest its aspect ratio (sides multiples of "
-             "64, about resolution x resolution pixels) instead of a square crop; each batch "
-             "holds one bucket. Off crops every image to a square.")
-    bucket_max_aspect: float = setting(
-        2.0, label="Max bucket aspect", group="Data", min=1.0, max=4.0, advanced=True,
-        help="Longest over shortest side of the most elongated bucket; images beyond it go to "
-             "that bucket and lose more to the crop. Only used with aspect-ratio buckets.")
-    cache_latents: bool = setting(False, label="Cache latents", group="Data",
-                                  help="Encode every image with the VAE once and keep the latents "
-                                       "on disk; the VAE is then not needed during training.")
-    caption_extension: str = setting(".txt", label="Caption extension", group="Data", advanced=True,
-                                     help="File extension of the caption next to each image.")
-    masked_loss: bool = setting(
-        False, label="Masked loss", group="Data",
-        help="Train only the parts of each image its mask keeps: a greyscale <image "
-             "name>_mask.png beside the image (white counts, black is left out), else the "
-             "image's alpha channel; an image with neither counts whole. docs/datasets.md "
-             "says more.")
-    caption_dropout: float = setting(0.0, label="Caption dropout", group="Data", min=0.0, max=1.0,
-                                     help="Probability of training on an empty caption instead "
-                                          "(helps classifier-free guidance); a dataset's own "
-                                          "caption dropout, when set, replaces it.")
-    cache_text_encoder_outputs: bool = setting(
-        False, label="Cache text encoder outputs", group="Data",
-        help="Encode each distinct caption once and reuse it (only when no text encoder is "
-             "trained).")
-    workers: int = setting(0, label="Dataloader workers", group="Data", min=0, max=64, advanced=True,
-                           on_resume=OnResume.MAY_CHANGE,
-                           help="Background processes that load images; 0 loads in the trainer.")
 
 
 @dataclass
@@ -503,115 +398,6 @@ class CompileConfig:
     strict: bool = setting(False, label="Strict", group="Advanced",
                            help="Make any compile failure fatal instead of falling back to the "
                                 "next backend.")
-
-
-@dataclass
-class SamplingConfig:
-    prompts: list[str] = setting(default_factory=lambda: ["a red circle on a blue background"],
-                                 label="Prompts", group="Sampling", multiline=True,
-                                 help="Prompts sampled during training, one image each. A line "
-                                      "may end in kohya's flags: --n negative prompt, --w / --h "
-                                      "size, --d seed, --s steps, --l guidance scale "
-                                      "(docs/sampling.md).")
-    prompts_file: str = setting("", label="Prompts file", group="Sampling", path=True,
-                                files=("*.txt",), advanced=True,
-                                help="A text file of more prompts, one per line in the same "
-                                     "syntax (# starts a comment line); sampled after the "
-                                     "prompts above. Empty: none.")
-    sampler: Sampler = setting(Sampler.DDIM, label="Sampler", group="Sampling",
-                               help="The denoising method samples use (docs/sampling.md).")
-    negative_prompt: str = setting("", label="Negative prompt", group="Sampling",
-                                   help="What every sample steers away from (a prompt's --n "
-                                        "replaces it).")
-    every_steps: int = setting(0, label="Sample every N steps", group="Sampling", min=0,
-                               max=100_000_000, help="0 samples only at the end of the run.")
-    seed: int = setting(42, label="Sampling seed", group="Sampling", min=0, max=2**32 - 1,
-                        help="Seed for the sampling noise, so samples are comparable over time.")
-    steps: int = setting(20, label="Sampling steps", group="Sampling", min=1, max=1000,
-                         help="Denoising steps per sample.")
-    guidance_scale: float = setting(7.5, label="Guidance scale", group="Sampling", min=0.0,
-                                    max=100.0, help="Classifier-free guidance strength.")
-
-
-@dataclass
-class ValidationConfig:
-    every_steps: int = setting(
-        0, label="Validate every N steps", group="Data", min=0, max=100_000_000,
-        on_resume=OnResume.MAY_CHANGE,
-        help="Score the held-out images every N optimizer steps (and at the end of the run); "
-             "0 turns validation off (no image is held out). docs/validation.md.")
-    split_ratio: float = setting(
-        0.0, label="Held-out fraction", group="Data", min=0.0, max=0.5,
-        help="Hold this fraction of the training images out for validation (chosen from the "
-             "seed and each file's name, so the same images on every run and resume); they "
-             "are not trained on. 0: use the validation folder instead.")
-    folder: str = setting(
-        "", label="Validation folder", group="Data", path=True,
-        help="A separate folder of validation images with their captions (instead of a "
-             "held-out fraction). Empty: none.")
-    timesteps: int = setting(
-        4, label="Validation timesteps", group="Data", min=1, max=1000, advanced=True,
-        help="Each validation image is scored at this many fixed, evenly spaced timesteps "
-             "with fixed noise, so the number is comparable from step to step.")
-    batch_size: int = setting(
-        0, label="Validation batch size", group="Data", min=0, max=4096, advanced=True,
-        help="Images per validation forward pass; 0 uses training.batch_size. It changes only "
-             "speed and memory, not the score's noise (drawn per image).")
-
-
-@dataclass
-class OutputConfig:
-    dir: str = setting("output", label="Output folder", group="General", path=True,
-                       on_resume=OnResume.IGNORED,
-                       help="Where checkpoints, samples, logs and the run record are written.")
-    save_every_steps: int = setting(0, label="Save every N steps", group="General", min=0,
-                                    max=100_000_000,
-                                    help="Periodic checkpoints; 0 saves only at the end.")
-    save_every_epochs: int = setting(
-        0, label="Save every N epochs", group="General", min=0, max=1_000_000,
-        help="Also save a checkpoint (checkpoints/epoch-NNNNNN/) at the end of every Nth "
-             "epoch; 0 = none by epoch. Not at the run's last step (final/ holds it); a step "
-             "due by both is saved once, under the epoch name.")
-    keep_checkpoints: int = setting(
-        0, label="Checkpoints kept", group="General", min=0, max=1_000_000, advanced=True,
-        help="Keep only the newest N checkpoints/step-N and epoch-N folders, removing older "
-             "ones after each save (across resumed segments); 0 keeps all. final/, backups "
-             "and folders of your own are never removed (docs/saving.md).")
-    formats: list[SaveFormat] = setting(
-        default_factory=lambda: [SaveFormat.DIFFUSERS], label="Save formats", group="General",
-        help="DIFFUSERS: LoRA as pytorch_lora_weights.safetensors (diffusers' load_lora_weights), "
-             "fine-tune as a diffusers folder. KOHYA (LoRA): lora_kohya.safetensors for ComfyUI "
-             "and A1111. SINGLE_FILE (fine-tune): model.safetensors in the original SD layout.")
-    overwrite: bool = setting(False, label="Overwrite previous run", group="General",
-                              help="Start a new run in an output folder that holds an earlier "
-                                   "one: its samples, TensorBoard logs and backups are removed "
-                                   "first; its weights are replaced as the new run saves. Off "
-                                   "refuses to start so nothing is lost. Not applied when "
-                                   "resuming: a resume continues the run in the folder.")
-    save_dtype: SaveDType = setting(
-        SaveDType.AS_TRAINED, label="Save precision", group="General",
-        help="The dtype of the saved weights, in every format: AS_TRAINED (LoRA adapters in "
-             "float32, full models at the dtype each component was kept at while training), "
-             "FLOAT32, FLOAT16 (half the size; what most shared LoRAs use) or BFLOAT16. "
-             "Training itself is unchanged (docs/saving.md).")
-    backup_every_steps: int = setting(
-        0, label="Backup every N steps", group="General", min=0, max=100_000_000, advanced=True,
-        help="Write a backup (everything needed to resume exactly: weights, optimizer, LR "
-             "schedule, EMA, random states, position in the data) every N steps; 0 = none by "
-             "step count. A backup is also written on Stop, on SIGTERM/SIGINT and after a failure.")
-    backup_every_minutes: float = setting(
-        30.0, label="Backup every N minutes", group="General", min=0.0, max=10_000.0,
-        advanced=True, help="Also write a backup when this many minutes passed since the last "
-                            "one; 0 = none by time.")
-    keep_backups: int = setting(2, label="Backups kept", group="General", min=1, max=1000,
-                                advanced=True,
-                                help="Older backups beyond this many are removed (docs/resume.md).")
-
-
-@dataclass
-class LoggingConfig:
-    tensorboard: bool = setting(True, label="TensorBoard", group="General",
-                                help="Write loss, learning rate and samples for TensorBoard.")
 
 
 @dataclass
