@@ -66,6 +66,34 @@ def add_adapter(module: nn.Module, config: Config, denoiser: bool) -> None:
     """Inject the configured adapter into `module` in place (its parameters trainable)."""
     module.add_adapter(peft_config(config, denoiser))
     make_lycoris_layers_compilable(module)
+    if config.training.adapter == Adapter.DORA:
+        make_dora_traceable()
+
+
+def make_dora_traceable() -> None:
+    """Let TorchDynamo trace peft's DoRA layers without breaking the graph at each of them.
+
+    peft's DoRA forward asks `dequantize_module_weight(base_layer)` for the base weight, and
+    that helper tests `type(weight).__module__.startswith("torchao.")`, a string method
+    TorchDynamo cannot trace (peft 0.21): 34 graph breaks in the tiny UNet, one per adapted
+    layer, so a compiled DoRA ran mostly eager. The helper is replaced, in peft's DoRA module
+    only, by one that returns a plain `nn.Parameter` weight at once and hands anything else
+    (quantized weights) to peft's own. Same weights, same maths; called explicitly when a DoRA
+    adapter is built, and idempotent."""
+    from peft.tuners.lora import dora
+
+    original = dora.dequantize_module_weight
+    if getattr(original, "tempera_plain_weights", False):
+        return
+
+    def base_weight(module: nn.Module) -> torch.Tensor:
+        weight = module.weight
+        if type(weight) is nn.Parameter and not hasattr(module, "W_q"):
+            return weight
+        return original(module)
+
+    base_weight.tempera_plain_weights = True
+    dora.dequantize_module_weight = base_weight
 
 
 def _lycoris_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:

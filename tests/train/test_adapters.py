@@ -164,3 +164,25 @@ def test_options_a_method_lacks_are_refused_with_the_fix():
     # fine-tuning has no adapter: its options are not checked
     assert not _problems("training.method=FINE_TUNE", "training.adapter=LOHA",
                          "output.formats=diffusers")
+
+
+@pytest.mark.parametrize("adapter", [Adapter.LORA, Adapter.LOCON, Adapter.DORA])
+def test_lora_family_layers_trace_without_graph_breaks(adapter, tiny_config, tempera_cache,
+                                                       fresh_dynamo):
+    """LoRA, LoCon (convolutions too) and DoRA through peft's own forward, with their
+    options on (rsLoRA, dropout): one graph, so compiling them costs no extra graphs."""
+    import torch._dynamo
+    from diffusers import UNet2DConditionModel
+    from modules.models.tiny import ensure_builtin_model
+    from modules.train.adapters import add_adapter
+
+    folder = ensure_builtin_model("builtin:tiny-sd15", tempera_cache)
+    unet = UNet2DConditionModel.from_pretrained(folder, subfolder="unet")
+    unet.requires_grad_(False)
+    add_adapter(unet, tiny_config(f"training.adapter={adapter.value}", *METHODS[adapter]),
+                denoiser=True)
+    unet.train()
+    latents = torch.randn(1, unet.config.in_channels, 8, 8)
+    context = torch.randn(1, 4, unet.config.cross_attention_dim)
+    explained = torch._dynamo.explain(unet)(latents, torch.tensor([10]), context)
+    assert explained.graph_break_count == 0, explained.break_reasons
