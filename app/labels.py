@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from enum import Enum
 
-from modules.config.schema import (CompileBackend, CompileMode, CompileScope, Device, DType,
-                                   DynamicShapes, HuberSchedule, LossType, LRScheduler,
+from modules.config.schema import (Adapter, CompileBackend, CompileMode, CompileScope, Device,
+                                   DType, DynamicShapes, HuberSchedule, LossType, LRScheduler,
                                    MixedPrecision, Optimizer, PredictionType, Sampler,
                                    SaveDType, SaveFormat, TrainingMethod)
 from modules.config.optimizers import OPTIMIZERS
@@ -24,6 +24,8 @@ ENUM_LABELS: dict[type[Enum], dict[Enum, str]] = {
                      PredictionType.V_PREDICTION: "v-prediction"},
     TrainingMethod: {TrainingMethod.LORA: "LoRA", TrainingMethod.FINE_TUNE: "Full fine-tune"},
     Optimizer: {optimizer: row.label for optimizer, row in OPTIMIZERS.items()},
+    Adapter: {Adapter.LORA: "LoRA", Adapter.LOCON: "LoCon (LoRA + convolutions)",
+              Adapter.LOHA: "LoHa", Adapter.LOKR: "LoKr", Adapter.DORA: "DoRA"},
     LRScheduler: {LRScheduler.CONSTANT: "Constant", LRScheduler.COSINE: "Cosine",
                   LRScheduler.LINEAR: "Linear",
                   LRScheduler.COSINE_WITH_RESTARTS: "Cosine with restarts",
