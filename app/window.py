@@ -9,7 +9,6 @@ with callbacks. It holds one Config (in `ConfigBinding`). Training runs in a wor
 from __future__ import annotations
 
 import queue
-import time
 from collections.abc import Callable
 from pathlib import Path
 from tkinter import messagebox
@@ -40,8 +39,7 @@ from modules import frontend
 from modules.config import Config
 
 RUN_TAB = "Run"
-ENGINE_AFTER_MS = 100  # torch is imported once the window's layout was this long quiet
-ENGINE_WAIT_S = 5.0    # or this long after the window was built, whatever its layout does
+ENGINE_AFTER_MS = 100  # torch is imported this long after the window is shown (its first paint)
 
 
 def ask_yes_no(title: str, message: str) -> bool:
@@ -133,8 +131,6 @@ class TemperaApp(ctk.CTk):
                                   "(torch)…")
         self.update_idletasks()
         self.deiconify()
-        self._laid_out = self._engine_asked = time.monotonic()  # see _import_engine
-        self.bind("<Configure>", self._layout_changed, add="+")
         self._engine_id = self.after(ENGINE_AFTER_MS, self._import_engine)
         self._poll_id = self.after(self.poll_ms, self._poll)
 
@@ -260,18 +256,8 @@ class TemperaApp(ctk.CTk):
         elif kind == "cloud_status":
             self.cloud_panel.on_status(*data)
 
-    def _layout_changed(self, _event=None) -> None:
-        self._laid_out = time.monotonic()
-
     def _import_engine(self) -> None:
-        """torch and the compile engine, imported once the window is on screen: its first
-        layout (hundreds of <Configure> events while the scrollable tabs settle, longer on a
-        busy machine) has been quiet for ENGINE_AFTER_MS, or ENGINE_WAIT_S have passed."""
-        waited = time.monotonic() - self._engine_asked
-        if (time.monotonic() - self._laid_out < ENGINE_AFTER_MS / 1000
-                and waited < ENGINE_WAIT_S):
-            self._engine_id = self.after(ENGINE_AFTER_MS, self._import_engine)
-            return
+        """torch and the compile engine, imported once the window is on screen."""
         self._engine_id = None
         try:
             frontend.load_engine()  # imports torch

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import pytest
 
+from app.form import scroll_to
 from tests.child_env import with_repo_on_pythonpath
 from tests.app import xdo
 from tests.app.conftest import pump
@@ -37,6 +38,7 @@ def test_closing_with_unsaved_edits_asks_save_discard_or_cancel(make_app, tmp_pa
     shown(app)
     view = app.registry.find("training.max_steps")
     app.tabview.set("Training")
+    scroll_to(app.scroll_frames["Training"], view.entry)  # the tab is longer than the window
     xdo.settle(app)
     xdo.click(app, view.entry)
     xdo.clear_and_type(app, "9")
@@ -100,8 +102,9 @@ def _text(widget) -> str | None:
 def test_ctrl_a_selects_a_fields_text_so_typing_replaces_it(app, real_input):
     shown(app)
     app.tabview.set("Training")
-    xdo.settle(app)
     view = app.registry.find("training.max_steps")
+    scroll_to(app.scroll_frames["Training"], view.entry)  # the tab is longer than the window
+    xdo.settle(app)
     view.var.set("1234")
     xdo.click(app, view.entry)
     xdo._xdotool("key", "ctrl+a")
@@ -215,16 +218,25 @@ def test_the_window_is_on_screen_before_torch_is_imported(display, tmp_path):
     script = f"""
 import sys, threading, time
 from pathlib import Path
-importers = []
-class Watch:  # torch's import, and from which thread
+importers, seen, apps = [], [], []
+class Watch:  # torch's import, from which thread, and what the window showed as it began
     def find_spec(self, name, path, target=None):
         if name == "torch":
             importers.append(threading.current_thread().name)
+            if apps and not seen:
+                seen.append((apps[0].state(), apps[0].winfo_viewable(),
+                             apps[0].run_panel.status_text))
 sys.meta_path.insert(0, Watch())
 from app.window import TemperaApp
 app = TemperaApp(settings_path=Path({str(tmp_path / 'ui.json')!r}))
+apps.append(app)
 app.update()
-print("shown", app.state(), app.run_panel.status_text, flush=True)
+until = time.monotonic() + 60
+while not seen and not app.engine_ready and time.monotonic() < until:
+    app.update()
+state, viewable, status = seen[0] if seen else (app.state(), 0, app.run_panel.status_text)
+print("shown", state, status, flush=True)
+print("viewable", bool(viewable), flush=True)
 deadline = time.monotonic() + 120
 while not app.engine_ready and time.monotonic() < deadline:
     app.update()
@@ -237,7 +249,8 @@ app._finish_close()
                           timeout=300, cwd=REPO, env=with_repo_on_pythonpath())
     lines = dict(line.split(" ", 1) for line in done.stdout.splitlines() if " " in line)
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
-    assert lines["shown"].startswith("normal ")                  # on screen, saying torch loads
+    # as torch's import began: on screen, saying torch loads
+    assert lines["shown"].startswith("normal ") and lines["viewable"] == "True"
     assert lines["shown"].endswith("Loading the training engine (torch)…")
     assert lines["engine"].startswith("True ['MainThread'] ")    # then imported
     assert "Loading the training engine" not in lines["engine"]
