@@ -54,8 +54,9 @@ from modules.train.start import (apply_changed_learning_rates, bucket_record, bu
 from modules.train.state import TrainingState, draws_generator
 from modules.train.validation import (build_validator, last_validated_step, validation_pass,
                                       validation_due, validation_record)
-from modules.train.weights import (apply_denoiser_memory_format, enable_gradient_checkpointing,
-                                   prepare_trainable, trained_components)
+from modules.train.weights import (METADATA_FORMATS, apply_denoiser_memory_format,
+                                   enable_gradient_checkpointing, prepare_trainable,
+                                   trained_components)
 from modules.util.disk import guarded_write
 from modules.train.loop import (MicroBatch, backup_due, batches, feeding, mark_boundary,
                                 progress_event, refuse_backup, skip_non_finite_step)
@@ -155,9 +156,11 @@ class TrainingRecipe:
                   forward=forward, restore_precision=restore_precision, lock=lock,
                   prompts=sample_prompts(config)[0],  # check_inputs read them already
                   validator=build_validator(config, prepared.validation))
-        run.file_metadata = {**training_data_metadata(prepared.scan, config),
-                             **base_model_hashes(config.model.path,
-                                                 cache_dir_for(config.general.cache_dir))}
+        run.file_metadata = training_data_metadata(prepared.scan, config)
+        if dist.is_main and METADATA_FORMATS & set(config.output.formats):
+            # hashing a base checkpoint reads all of it: only where a saved file carries it
+            run.file_metadata.update(base_model_hashes(config.model.path,
+                                                       cache_dir_for(config.general.cache_dir)))
         if prepared.resume is not None:
             self.load_backup(run, prepared.resume)
         if run.validator is not None:  # a resumed run's history is the backup's

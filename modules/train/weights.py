@@ -102,6 +102,8 @@ def enable_gradient_checkpointing(bundle: ModelBundle, trained: list[str]) -> No
 
 
 KOHYA_WEIGHT_NAME = "lora_kohya.safetensors"
+# The formats whose files carry the run's kohya-style metadata (`save_weights`' extra_metadata)
+METADATA_FORMATS = {SaveFormat.KOHYA, SaveFormat.SINGLE_FILE}
 SINGLE_FILE_NAME = "model.safetensors"
 
 
