@@ -1,8 +1,8 @@
 """``scripts/gpu_validate.py``: one GPU validation phase per command, ``--list``, ``merge``.
 
     python scripts/gpu_validate.py --list
-    python scripts/gpu_validate.py 2 --out "$OUT"               # on the GPU machine
-    python scripts/gpu_validate.py 2 --device cpu --tiny --out x  # the rehearsal here
+    python scripts/gpu_validate.py 1 --out "$OUT"               # on the GPU machine
+    python scripts/gpu_validate.py 1 --device cpu --tiny --out x  # the rehearsal here
     python scripts/gpu_validate.py merge PATH [PATH ...]          # fold returned phases in docs/
 
 docs/gpu.md has the exact commands for the lent machine.
@@ -39,15 +39,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what comes back: at most 8 files (default $OUT, else ./gpu-out)")
     p.add_argument("--work", type=Path, default=DEFAULT_WORK,
                    help=f"models, runs and compile caches (default {DEFAULT_WORK}: on a warm "
-                        "machine the next phase finds them)")
+                        "machine the next phase reuses the built models)")
     p.add_argument("--budget", type=float, default=DEFAULT_BUDGET,
                    help=f"seconds the whole phase may take (default {DEFAULT_BUDGET:.0f})")
     p.add_argument("--parallel", type=int,
                    help="runs side by side in a group (default 6 on CUDA, 1 on the CPU)")
     p.add_argument("--backends", type=_csv,
                    help="comma list: run only the jobs of these backends (others: not started)")
-    p.add_argument("--cache-from", type=Path, metavar="FOLDER",
-                   help="a folder with a previous phase's compile-cache.tar.part* files")
     p.add_argument("--docs", type=Path, default=REPO / "docs", help="merge: the docs folder")
     p.add_argument("--allow-rehearsal", action="store_true",
                    help="merge: accept CPU / --tiny results (tests only)")
@@ -55,9 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def list_phases(docs: Path) -> str:
+    """Every phase, its minutes, the issue it answers and its results; then which to run next:
+    a lent session has time for one."""
     from modules.bench.gpu_phases import PHASES
 
-    lines = []
+    lines, missing = [], []
     for phase in PHASES:
         result = docs / "benchmarks" / "gpu" / f"{phase.key}.json"
         if result.is_file():
@@ -68,8 +68,13 @@ def list_phases(docs: Path) -> str:
                     "jobs ok)")
         else:
             have = "no results yet"
+            missing.append(phase.key)
         lines.append(f"{phase.key:<13} ~{phase.minutes:g} min  {phase.answers}\n"
-                     f"{'':<13} {have}")
+                     f"{'':<13} for the GPU issue: {phase.issue}; {have}")
+    lines.append("")
+    lines.append(f"next: phase {missing[0]} (a lent session's 15 minutes hold one phase; "
+                 "docs/gpu.md has the command)" if missing else
+                 "next: every phase has results; rerun one to measure again")
     return "\n".join(lines)
 
 
@@ -105,7 +110,7 @@ def merge(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     from modules.bench.gpu_jobs import KINDS
     from modules.bench.gpu_phases import find_phase, phase_jobs
-    from modules.bench.gpu_validate import run_phase, unpack_cache
+    from modules.bench.gpu_validate import run_phase
 
     try:
         phase = find_phase(args.phase)
@@ -117,13 +122,6 @@ def run(args: argparse.Namespace) -> int:
         if not torch.cuda.is_available():
             print("error: no CUDA GPU here; rehearse with --device cpu --tiny", file=sys.stderr)
             return 2
-    if args.cache_from:
-        try:
-            files = unpack_cache(args.cache_from, args.work)
-        except (OSError, ValueError) as err:
-            print(f"error: --cache-from: {err}", file=sys.stderr)
-            return 2
-        print(f"compile cache from {args.cache_from}: {files} files")
     parallel = args.parallel or (6 if args.device == "cuda" else 1)
     if phase.max_parallel:
         parallel = min(parallel, phase.max_parallel)

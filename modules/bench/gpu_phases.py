@@ -1,10 +1,14 @@
 """The GPU validation's phases, as data: what each runs, in order of value, and its time limits.
 
-Each phase fits one command on the lending machine (at most 10 minutes: the phase's budget is
-9). Phases 2 and 5 train through `scripts/train.py` exactly as a user does, with the compiled
-runs side by side to fit their cold starts in one command (their step times share the GPU:
-phases 3, 4 and 7 time each setting alone). `--tiny` swaps the SD-size random-weight models for
-the built-in tiny ones and shortens every run: the CPU suite rehearses every phase that way.
+A session lent the GPU machine has about 15 minutes of it, a start included, and a machine
+starts bare: so each phase is one command of at most 9 minutes that needs nothing from an
+earlier one (no compile cache, no model), and a lent session runs the earliest phase without
+results. Phases 1 and 4 train through `scripts/train.py` exactly as a user does, with the
+compiled runs side by side to fit their cold starts in one command (their step times share the
+GPU); phase 2 compiles side by side first and then times each setting alone on the cache it
+just filled, so its warm start and steady step are measured in the same command. `--tiny` swaps
+the SD-size random-weight models for the built-in tiny ones and shortens every run: the CPU
+suite rehearses every phase that way.
 """
 from __future__ import annotations
 
@@ -91,43 +95,59 @@ def _lora(key: str, run: str) -> Job:
 
 
 def _cell(key: str, size: Size, name: str, backend: str, extra: list[str], limit: float,
-          warm_from: str | None, answers: str, compare_with: str | None = None) -> Job:
-    """A timed cell, alone; ``warm_from``: the train job whose compile cache it starts from;
-    ``compare_with``: the cell (same phase) its speed-up is against (default: eager)."""
-    return Job(f"cell-{key}-{name}", "cell", limit * size.limit_scale,
+          warm_from: str | None, answers: str, compare_with: str | None = None,
+          group: str | None = None, prefix: str = "cell") -> Job:
+    """A timed cell, alone unless ``group`` is given; ``warm_from``: the job (same phase) whose
+    compile cache it starts from, and must have ended ok; ``compare_with``: the cell (same
+    phase) its speed-up is against (default: eager). Cells side by side share the GPU, so
+    their step times are never compared: their memory peaks (per process) still hold."""
+    baseline = None if name == "none" or group else compare_with or f"cell-{key}-none"
+    return Job(f"{prefix}-{key}-{name}", "cell", limit * size.limit_scale,
                {"size": key, "backend": backend, "overrides": extra, "model": size.model,
-                "warm_from": warm_from,
-                "compare_with": None if name == "none" else compare_with or f"cell-{key}-none"},
-               after=(f"build-{key}",), answers=answers)
+                "warm_from": warm_from, "compare_with": baseline},
+               group=group, after=(f"build-{key}",) + ((warm_from,) if warm_from else ()),
+               answers=answers)
 
 
-def phase_env(sizes: dict[str, Size]) -> list[Job]:
-    return [
-        Job("env", "env", 90, answers="GPU, driver, versions and what each backend can use"),
-        Job("tests-gpu", "pytest", 420,
-            {"paths": ["tests/gpu", "tests/bench/test_benchmark_cuda.py"], "per_test": 300},
-            answers="the CUDA-only tests (tests/gpu and the CUDA benchmark test)"),
-    ]
+def _cold(key: str, size: Size, name: str, backend: str, extra: list[str], limit: float) -> Job:
+    """The cold start of a cell, side by side with the other backends' (group "cold"): it
+    fills the compile cache that ``cell-KEY-NAME`` then starts from, alone. Its compile
+    seconds are an upper bound (the CPU was shared)."""
+    return _cell(key, size, name, backend, extra, limit, None, "the cold compile, side by "
+                 "side, that the cell alone then starts warm from", group="cold", prefix="cold")
 
 
 def phase_sd15(sizes: dict[str, Size]) -> list[Job]:
     size = sizes["sd15"]
-    jobs = [_build("sd15", size)]
+    jobs = [Job("env", "env", 90, answers="GPU, driver, versions and what each backend can use"),
+            _build("sd15", size)]
     jobs += [_train("sd15", size, name, backend, extra, 330)
              for name, backend, extra in SD15_TRAIN_RUNS]
+    # Side by side with the runs, in the first slot one frees (the eager run's).
+    jobs.append(Job("tests-gpu", "pytest", 420,
+                    {"paths": ["tests/gpu", "tests/bench/test_benchmark_cuda.py"],
+                     "per_test": 300}, group="train",
+                    answers="the CUDA-only tests (tests/gpu and the CUDA benchmark test)"))
     # A compiled run's LoRA too: a compile wrapper's names must not leak into the saved keys.
     jobs += [_lora("sd15", "inductor"), _lora("sd15", "aot_eager"), _lora("sd15", "none")]
     return jobs
 
 
+# Phase 2's compiled settings, in order of value: what the cells alone time, warm.
+SD15_WARM = [(name, backend, extra) for name, backend, extra in SD15_TRAIN_RUNS
+             if backend not in ("NONE", "AOT_EAGER")]   # AOT_EAGER: a debugging backend
+SD15_WARM.sort(key=lambda run: ["inductor", "triton-full", "default", "triton"].index(run[0]))
+
+
 def phase_sd15_warm(sizes: dict[str, Size]) -> list[Job]:
     size = sizes["sd15"]
     jobs = [_build("sd15", size)]
-    for name, backend, extra in SD15_TRAIN_RUNS:
-        if backend == "AOT_EAGER":  # a debugging backend: its speed is not a question on a GPU
-            continue
-        jobs.append(_cell("sd15", size, name, backend, extra, 150, f"train-sd15-{name}",
-                          "steady step time, ratio to eager, warm first step, memory, alone"))
+    jobs += [_cold("sd15", size, name, backend, extra, 300) for name, backend, extra in SD15_WARM]
+    jobs.append(_cell("sd15", size, "none", "NONE", [], 120, None,
+                      "eager's steady step time and memory, alone: the baseline"))
+    jobs += [_cell("sd15", size, name, backend, extra, 120, f"cold-sd15-{name}",
+                   "steady step time, ratio to eager, warm first step, memory, alone")
+             for name, backend, extra in SD15_WARM]
     for name, backend in (("channels-last-none", "NONE"), ("channels-last-inductor", "INDUCTOR")):
         jobs.append(_cell("sd15", size, name, backend, ["training.channels_last=true"], 240,
                           None, "does channels_last pay (against the same backend without)",
@@ -138,15 +158,15 @@ def phase_sd15_warm(sizes: dict[str, Size]) -> list[Job]:
 def phase_sd15_more(sizes: dict[str, Size]) -> list[Job]:
     size = sizes["sd15"]
     jobs = [_build("sd15", size)]
+    # Side by side: the question is memory (each process's own peaks), not speed.
     for backend in ("NONE", "INDUCTOR"):
         jobs.append(_cell("sd15", size, f"finetune-{backend.lower()}", backend,
                           FINE_TUNE, 300, None,
-                          "full fine-tune: step time and peak memory, eager vs compiled",
-                          compare_with="cell-sd15-finetune-none"))
+                          "full fine-tune: peak memory, eager vs compiled", group="finetune"))
     # Last: max_autotune's cold start may not fit at all (public figures: 4-25 min at SD
     # size); then its row says how long it ran, which answers the question too.
-    jobs += [_cell("sd15", size, "default", "DEFAULT", [], 150, "train-sd15-default",
-                   "DEFAULT, warm when phase 2's cache is here: what max_autotune is against"),
+    jobs += [_cell("sd15", size, "default", "DEFAULT", [], 240, None,
+                   "DEFAULT, cold: what max_autotune is against"),
              _cell("sd15", size, "inductor-autotune", "INDUCTOR", ["compile.mode=MAX_AUTOTUNE"],
                    480, None, "is max_autotune's cold start worth its step time at SD size",
                    compare_with="cell-sd15-default")]
@@ -165,15 +185,20 @@ def phase_sdxl(sizes: dict[str, Size]) -> list[Job]:
 
 
 def phase_rest(sizes: dict[str, Size]) -> list[Job]:
+    """Each run alone. FULL last: its cold start may outlast what is left, and then its row
+    says how long it ran, which answers the question too."""
     sd15, sdxl = sizes["sd15"], sizes["sdxl"]
     return [
+        _build("sdxl", sdxl),
+        _train("sdxl", sdxl, "finetune", "NONE", FINE_TUNE, 300, group=None,
+               answers="SDXL full fine-tune on one GPU: runs, or refuses up front with the "
+                       "memory it needs"),
         _build("sd15", sd15),
+        _train("sd15", sd15, "inductor-alone", "INDUCTOR", [], 240, group=None,
+               answers="REGIONAL INDUCTOR at SD size, alone: what FULL is against"),
         _train("sd15", sd15, "inductor-full", "INDUCTOR",
                ["compile.scope=FULL", "training.gradient_checkpointing=false"], 480, group=None,
                answers="FULL-scope INDUCTOR at SD size: cold start and speed against REGIONAL"),
-        _build("sdxl", sdxl),
-        _train("sdxl", sdxl, "finetune", "NONE", FINE_TUNE, 300, group=None,
-               answers="SDXL full fine-tune on one GPU: runs, or how much memory it needed"),
     ]
 
 
@@ -194,29 +219,31 @@ class Phase:
     key: str
     minutes: float          # expected minutes on the GPU machine (the budget is 9)
     answers: str
+    issue: str              # the GPU issue it brings results to
     jobs: Callable[[dict[str, Size]], list[Job]]
     max_parallel: int | None = None   # runs side by side at most (GPU memory), whatever asked
 
 
-# In order of value; the SD 1.5 GPU issue needs 1-4, the SDXL one 5, the last one 6 and 7.
+# In order of value: one per lent session, the earliest without results first.
 PHASES: list[Phase] = [
-    Phase("1-env", 5, "environment, capabilities, tests/gpu", phase_env),
-    Phase("2-sd15", 9, "SD 1.5 LoRA through train.py, every backend, cold, side by side; "
-          "saved LoRAs load in diffusers", phase_sd15),
-    Phase("3-sd15-warm", 9, "SD 1.5 step times alone on phase 2's cache; channels_last",
-          phase_sd15_warm),
-    Phase("4-sd15-more", 9, "SD 1.5 full fine-tune eager vs compiled; DEFAULT vs max_autotune",
-          phase_sd15_more),
+    Phase("1-sd15", 9, "SD 1.5 LoRA through train.py, every backend, cold, side by side; "
+          "saved LoRAs load in diffusers; environment and tests/gpu", "SD 1.5 (29)", phase_sd15),
+    Phase("2-sd15-warm", 9, "SD 1.5 step times alone, warm on the cache compiled side by side "
+          "first; channels_last", "SD 1.5 (29)", phase_sd15_warm),
+    Phase("3-sd15-more", 9, "SD 1.5 full fine-tune eager vs compiled; DEFAULT vs max_autotune",
+          "SD 1.5 (29)", phase_sd15_more),
     # Three SDXL runs at 1024 px (~5 GB of weights and ~15 GB of activations each) fit 80 GB.
-    Phase("5-sdxl", 9, "SDXL LoRA at 1024 px through train.py, fp16 VAE, LoRA in diffusers",
-          phase_sdxl, max_parallel=3),
-    Phase("6-rest", 9, "FULL-scope INDUCTOR at SD size; SDXL full fine-tune", phase_rest),
-    Phase("7-sd15-batch", 8, "SD 1.5 batch 1 vs 4, eager vs compiled", phase_sd15_batch),
+    Phase("4-sdxl", 9, "SDXL LoRA at 1024 px through train.py, fp16 VAE, LoRA in diffusers",
+          "SDXL (30)", phase_sdxl, max_parallel=3),
+    Phase("5-rest", 9, "FULL-scope INDUCTOR at SD size; SDXL full fine-tune",
+          "at size (31)", phase_rest),
+    Phase("6-sd15-batch", 8, "SD 1.5 batch 1 vs 4, eager vs compiled", "at size (31)",
+          phase_sd15_batch),
 ]
 
 
 def find_phase(name: str) -> Phase:
-    """A phase by its key ("2-sd15"), number ("2") or name ("sd15")."""
+    """A phase by its key ("1-sd15"), number ("1") or name ("sd15")."""
     for phase in PHASES:
         number, _, label = phase.key.partition("-")
         if name in (phase.key, number, label):

@@ -9,10 +9,9 @@ output folder, so a command killed from outside still returns what it measured:
 
     summary.md / summary.json   every job's row (the table is also printed last)
     runs.tar.gz                 each job's run.json, benchmark JSON and log tail
-    compile-cache.tar.partNN    the phase's compile cache in parts of at most 16 MiB, when it
-                                fits (the next call can then start warm: --cache-from)
 
-That is at most 8 files, what the lending machine gives back. ``--device cpu --tiny`` runs the
+Three files, well inside the 8 the lending machine gives back. A phase needs nothing from an
+earlier one: each lent session starts a bare machine. ``--device cpu --tiny`` runs the
 same jobs on the tiny built-in models (the CPU suite rehearses every phase this way).
 """
 from __future__ import annotations
@@ -35,8 +34,6 @@ from modules.util.process import kill_group, last_log_line, with_repo_on_pythonp
 
 REPO = Path(__file__).resolve().parents[2]
 MIB = 2**20
-PART_BYTES = 16 * MIB        # the largest file the lending machine gives back
-MAX_CACHE_PARTS = 3          # 8 files and 64 MiB in all: the summaries and runs.tar.gz beside
 PACK_RESERVE_SECONDS = 25    # kept back from the budget to write the outputs at the end
 MIN_JOB_SECONDS = 15         # a job with less time left than this is not started
 LOG_TAIL_LINES = 60
@@ -85,8 +82,8 @@ class Context:
         return self.work / "jobs" / self.phase / name
 
     def compile_cache(self) -> Path:
-        """One compile cache for every phase of a machine, so phase 3 finds phase 2's kernels;
-        each run has its own subfolder (a cold start must not find another backend's)."""
+        """The compile caches of a machine's phases: each job has its own subfolder (a cold
+        start must not find another backend's); a warm cell starts from its cold one's."""
         return self.work / "compile-cache"
 
 
@@ -262,7 +259,8 @@ def _finish(item: _Running, ctx: Context, kind: Kind, timed_out: bool) -> dict[s
 def _row(job: Job, status: str, seconds: float, **extra: Any) -> dict[str, Any]:
     return {"job": job.name, "kind": job.kind, "status": status, "seconds": round(seconds, 1),
             "answers": job.answers, **{k: v for k, v in job.spec.items()
-                                       if k in ("backend", "model", "compare_with")},
+                                       if k in ("backend", "model", "compare_with",
+                                                "warm_from")},
             **{k: v for k, v in extra.items() if v is not None}}
 
 
@@ -301,12 +299,14 @@ def versions() -> dict[str, str | None]:
 
 
 def write_outputs(ctx: Context, final: bool) -> None:
-    """summary.json, summary.md, runs.tar.gz now; the compile cache's parts at the end."""
+    """summary.json, summary.md and runs.tar.gz, as they stand; the cache's size at the end."""
     from modules.bench.gpu_report import summary_markdown
 
     data = summary_data(ctx, final)
     if final:
-        data["compile_cache"] = pack_cache(ctx.compile_cache(), ctx.out)
+        cache = ctx.compile_cache()
+        data["compile_cache"] = {"bytes": sum(p.stat().st_size for p in cache.rglob("*")
+                                              if p.is_file()) if cache.is_dir() else 0}
     _atomic_write(ctx.out / "summary.json", json.dumps(data, indent=2, default=str) + "\n")
     _atomic_write(ctx.out / "summary.md", summary_markdown(data))
     pack_runs(ctx)
@@ -336,48 +336,3 @@ def pack_runs(ctx: Context) -> None:
             info.size = len(tail)
             tar.addfile(info, io.BytesIO(tail))
     os.replace(tmp, ctx.out / "runs.tar.gz")
-
-
-def pack_cache(cache: Path, out: Path) -> dict[str, Any]:
-    """The compile cache as ``compile-cache.tar.partNN`` files of at most 16 MiB when the whole
-    fits in `MAX_CACHE_PARTS` parts; its size either way."""
-    for old in out.glob("compile-cache.tar.part*"):
-        old.unlink()
-    if not cache.is_dir():
-        return {"bytes": 0, "parts": 0, "note": "no compile cache"}
-    size = sum(p.stat().st_size for p in cache.rglob("*") if p.is_file())
-    limit = MAX_CACHE_PARTS * PART_BYTES
-    if size > limit * 2:  # compressed it will not fit either; do not spend the time
-        return {"bytes": size, "parts": 0,
-                "note": f"{size / MIB:.0f} MiB: too large to come back ({limit // MIB} MiB)"}
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
-        tar.add(cache, arcname="compile-cache")
-    packed = buffer.getvalue()
-    if len(packed) > limit:
-        return {"bytes": size, "packed_bytes": len(packed), "parts": 0,
-                "note": f"{len(packed) / MIB:.0f} MiB packed: too large to come back"}
-    parts = [packed[i:i + PART_BYTES] for i in range(0, len(packed), PART_BYTES)]
-    for number, part in enumerate(parts):
-        (out / f"compile-cache.tar.part{number:02d}").write_bytes(part)
-    return {"bytes": size, "packed_bytes": len(packed), "parts": len(parts),
-            "note": "carry the parts' folder and pass --cache-from to start warm"}
-
-
-def unpack_cache(parts_folder: Path, work: Path) -> int:
-    """Put a carried compile cache (the parts of `pack_cache`) back under ``work``; the
-    number of files it held."""
-    parts = sorted(Path(parts_folder).glob("compile-cache.tar.part*"))
-    if not parts:
-        raise FileNotFoundError(f"no compile-cache.tar.part* in {parts_folder}")
-    data = b"".join(p.read_bytes() for p in parts)
-    work.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
-        members = tar.getmembers()
-        for member in members:  # our own archive, but never write outside ``work``
-            if member.name.startswith(("/", "..")) or ".." in Path(member.name).parts:
-                raise ValueError(f"unsafe path in the cache archive: {member.name}")
-        tar.extractall(work, filter="data")
-    return sum(1 for m in members if m.isfile())
-
-

@@ -20,9 +20,7 @@ from modules.bench.gpu_validate import (
     Job,
     Kind,
     child_env,
-    pack_cache,
     run_phase,
-    unpack_cache,
 )
 
 
@@ -154,45 +152,9 @@ def test_child_processes_extend_pythonpath_instead_of_replacing_it(monkeypatch):
     assert env["TORCHINDUCTOR_COMPILE_THREADS"] == "3" and env["HF_HUB_OFFLINE"] == "1"
 
 
-def test_the_compile_cache_comes_back_in_parts_and_unpacks_to_the_same_files(tmp_path,
-                                                                                monkeypatch):
-    monkeypatch.setattr(gpu_validate, "PART_BYTES", 4096)
-    cache = tmp_path / "work" / "compile-cache"
-    for i in range(3):
-        (cache / f"job{i}").mkdir(parents=True)
-        (cache / f"job{i}" / "kernel.bin").write_bytes(os.urandom(3000))
-    out = tmp_path / "out"
-    out.mkdir()
-    packed = pack_cache(cache, out)
-    parts = sorted(out.glob("compile-cache.tar.part*"))
-    assert packed["parts"] == len(parts) == 3 and all(p.stat().st_size <= 4096 for p in parts)
-    fresh = tmp_path / "fresh"
-    assert unpack_cache(out, fresh) == 3
-    for i in range(3):
-        name = f"compile-cache/job{i}/kernel.bin"
-        assert (fresh / name).read_bytes() == (tmp_path / "work" / name).read_bytes()
-
-
-def test_a_cache_too_large_to_come_back_is_measured_not_packed(tmp_path, monkeypatch):
-    monkeypatch.setattr(gpu_validate, "PART_BYTES", 1024)
-    cache = tmp_path / "cache"
-    cache.mkdir()
-    (cache / "big.bin").write_bytes(os.urandom(20000))
-    out = tmp_path / "out"
-    out.mkdir()
-    packed = pack_cache(cache, out)
-    assert packed["parts"] == 0 and packed["bytes"] == 20000 and "too large" in packed["note"]
-    assert not list(out.glob("compile-cache*"))
-
-
-def test_unpack_refuses_a_folder_without_parts(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no compile-cache.tar.part"):
-        unpack_cache(tmp_path, tmp_path / "work")
-
-
 def test_phases_are_found_by_number_name_or_key_and_fit_the_command_limit():
-    assert find_phase("2").key == find_phase("sd15").key == find_phase("2-sd15").key == "2-sd15"
-    with pytest.raises(ValueError, match="unknown phase 'x'.*1-env"):
+    assert find_phase("1").key == find_phase("sd15").key == find_phase("1-sd15").key == "1-sd15"
+    with pytest.raises(ValueError, match="unknown phase 'x'.*1-sd15"):
         find_phase("x")
     for phase in PHASES:
         assert phase.minutes <= 9
@@ -203,6 +165,9 @@ def test_phases_are_found_by_number_name_or_key_and_fit_the_command_limit():
             for job in jobs:  # what a job needs comes before it in the phase
                 assert all(names.index(n) < names.index(job.name) for n in job.after), job
                 assert job.limit_s < gpu_validate.PACK_RESERVE_SECONDS + 540
+                # A phase needs nothing from an earlier one: a lent session starts bare.
+                if job.spec.get("warm_from"):
+                    assert job.spec["warm_from"] in job.after, job
 
 
 def phase_summary(tmp_path: Path, phase: str, device: str, tiny: bool) -> Path:
@@ -214,10 +179,13 @@ def phase_summary(tmp_path: Path, phase: str, device: str, tiny: bool) -> Path:
              "median_step_seconds": 0.31, "first_step_seconds": 121.0,
              "recompiles_after_first_pass": 0, "late_recompiles": 0,
              "peak_reserved_bytes": 9 * 2**30, "first_loss": 0.2, "final_loss": 0.1},
+            {"job": "cold-sd15-inductor", "kind": "cell", "status": "ok", "seconds": 150,
+             "compile_seconds": 100.0, "median_step_seconds": 0.5, "side_by_side": 4},
             {"job": "cell-sd15-none", "kind": "cell", "status": "ok", "seconds": 40,
              "median_step_seconds": 0.30, "peak_reserved_bytes": 8 * 2**30},
             {"job": "cell-sd15-inductor", "kind": "cell", "status": "ok", "seconds": 40,
              "compare_with": "cell-sd15-none", "warm_cache_found": True,
+             "warm_from": "cold-sd15-inductor",
              "median_step_seconds": 0.20, "compile_seconds": 6.0,
              "peak_reserved_bytes": 8.5 * 2**30}]
     data = {"phase": phase, "device": device, "tiny": tiny, "complete": True,
@@ -240,16 +208,18 @@ def docs_copy(tmp_path: Path) -> Path:
 
 def test_merge_puts_a_gpu_phase_into_the_docs_block_with_its_targets(tmp_path):
     docs = docs_copy(tmp_path)
-    out = phase_summary(tmp_path, "3-sd15-warm", "cuda", tiny=False)
+    out = phase_summary(tmp_path, "2-sd15-warm", "cuda", tiny=False)
     written = merge_results([out], docs)
     page = (docs / "benchmarks.md").read_text()
     assert page.startswith("# Benchmarks\n\nbefore") and page.endswith("after\n")
-    assert "an earlier block" not in page and "### Phase 3-sd15-warm" in page
+    assert "an earlier block" not in page and "### Phase 2-sd15-warm" in page
     assert "NVIDIA H100 80GB HBM3; torch 2.11.0+cu130; cuda 13.0; triton 3.6.0" in page
     assert "| cell-sd15-inductor | ok | warm | — | 200.0 | 1.50× | cell-sd15-none |" in page
     assert "cell-sd15-inductor: 1.50×" in page           # the speed-up target's row
     assert "cell-sd15-inductor: 1.06×" in page           # memory: 8.5 / 8 GiB reserved
-    assert (docs / "benchmarks" / "gpu" / "3-sd15-warm.json").is_file()
+    assert "cell-sd15-inductor: 6.0 s of 100.0 s (6%" in page  # warm against its cold start
+    assert "| cold-sd15-inductor | ok | cold | — | 500.0 | — | — |" in page  # never compared
+    assert (docs / "benchmarks" / "gpu" / "2-sd15-warm.json").is_file()
     assert (docs / "images" / "gpu-validate.png").stat().st_size > 1000
     assert docs / "benchmarks.md" in written
 
@@ -257,22 +227,23 @@ def test_merge_puts_a_gpu_phase_into_the_docs_block_with_its_targets(tmp_path):
 def test_merge_refuses_a_rehearsal_and_leaves_the_docs_alone(tmp_path, capsys):
     docs = docs_copy(tmp_path)
     before = (docs / "benchmarks.md").read_text()
-    out = phase_summary(tmp_path, "2-sd15", "cpu", tiny=True)
+    out = phase_summary(tmp_path, "1-sd15", "cpu", tiny=True)
     code = cli_main(["merge", str(out), "--docs", str(docs)])
     assert code == 2 and "is a rehearsal (tiny, device cpu)" in capsys.readouterr().err
     assert (docs / "benchmarks.md").read_text() == before
-    assert not (docs / "benchmarks" / "gpu" / "2-sd15.json").exists()
+    assert not (docs / "benchmarks" / "gpu" / "1-sd15.json").exists()
 
 
 def test_list_names_every_phase_and_which_have_results(tmp_path, capsys):
     docs = docs_copy(tmp_path)
-    merge_results([phase_summary(tmp_path, "2-sd15", "cuda", tiny=False)], docs)
+    merge_results([phase_summary(tmp_path, "1-sd15", "cuda", tiny=False)], docs)
     assert cli_main(["--list", "--docs", str(docs)]) == 0
     text = capsys.readouterr().out
     for phase in PHASES:
         assert phase.key in text
-    assert "results: 2026-11-25 on NVIDIA H100 80GB HBM3 (3/3 jobs ok)" in text
+    assert "results: 2026-11-25 on NVIDIA H100 80GB HBM3 (4/4 jobs ok)" in text
     assert text.count("no results yet") == len(PHASES) - 1
+    assert "next: phase 2-sd15-warm" in text  # the earliest without results
 
 
 def test_the_real_docs_page_has_the_block_merge_rewrites():
