@@ -17,6 +17,7 @@ adapters are counted exactly as peft adds them, and the plan costs no memory and
 """
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -114,6 +115,20 @@ def config_folders(config: Config, model_path: Path) -> Path:
         else config_folder_for(config.model.type)
 
 
+def component_class(folder: Path, name: str, model_type) -> type[nn.Module]:
+    """The class a component's config.json names (diffusers' `_class_name`, transformers'
+    `architectures`), so any family's components are built as their files say; else the one
+    the SD loader builds it as."""
+    import diffusers
+    import transformers
+    data = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    if data.get("_class_name"):
+        return getattr(diffusers, data["_class_name"])
+    if data.get("architectures"):
+        return getattr(transformers, data["architectures"][0])
+    return component_classes(model_type)[name]
+
+
 def weightless_bundle(config: Config, model_path: Path) -> ModelBundle:
     """The model's components on the meta device (shapes, no memory), from their configs."""
     from modules.train.weights import component_dtypes
@@ -121,7 +136,8 @@ def weightless_bundle(config: Config, model_path: Path) -> ModelBundle:
     dtypes = component_dtypes(config)
     modules: dict[str, nn.Module] = {}
     with torch.device("meta"):
-        for name, cls in component_classes(config.model.type).items():
+        for name in MODEL_TYPES[config.model.type].components:
+            cls = component_class(folder / name, name, config.model.type)
             if hasattr(cls, "load_config"):  # diffusers
                 modules[name] = cls.from_config(cls.load_config(folder / name))
             else:  # transformers
