@@ -81,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
             checked = check_run(config, NullCallbacks())
             print(f"{args.config}: valid ({len(checked.scan.items)} images; model "
                   f"{checked.model_path})")
+            if checked.memory is not None:
+                print("\n".join(checked.memory.describe()))
             return 0
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)

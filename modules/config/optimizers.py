@@ -25,33 +25,48 @@ class OptimizerRow:
     needs_cuda: bool = False
     schedule_free: bool = False   # averages weights itself: eval()/train() around sampling
     own_step_size: bool = False   # ignores the learning rate (Adafactor's relative step)
-    state_per_weight: float = 2   # optimizer state, in fp32 copies of each trained weight
+    # The optimizer's state per trained weight, one entry per tensor it keeps (STATE_KINDS);
+    # modules/train/memory_plan.py turns this into bytes (memory plan, backup size).
+    state: tuple[str, ...] = ("copy", "copy")
     logs: tuple[str, ...] = ()    # param_group entries worth logging (Prodigy's d)
     lr_range: tuple[float, float] | None = None  # where training.learning_rate must lie
 
+
+# What each entry of `OptimizerRow.state` is, for one trained weight of shape S:
+STATE_KINDS = {
+    "copy": "a tensor like the weight (its shape and dtype)",
+    "bf16_copy": "a bfloat16 tensor of the weight's shape (pytorch-optimizer's Adafactor "
+                 "momentum)",
+    "factored": "for a weight of 2 or more dimensions, a row and a column vector (S[:-1] and "
+                "S[:-2] + S[-1:]) in the weight's dtype; a 1-D weight gets a full copy",
+    "factored_only": "the same row and column vectors; nothing for a 1-D weight",
+    "8bit": "bitsandbytes' blockwise 8-bit state: 1 byte per element plus a float32 scale "
+            "per 256 elements; float32 (4 bytes per element) under 4,096 elements",
+}
 
 PYTORCH_OPTIMIZER = "pytorch_optimizer"
 OPTIMIZERS: dict[Optimizer, OptimizerRow] = {
     Optimizer.ADAMW: OptimizerRow("AdamW", "torch.optim", "AdamW"),
     Optimizer.ADAMW_8BIT: OptimizerRow("AdamW 8-bit", "bitsandbytes.optim", "AdamW8bit",
                                        package="bitsandbytes", needs_cuda=True,
-                                       state_per_weight=0.5),
+                                       state=("8bit", "8bit")),
     Optimizer.PRODIGY: OptimizerRow("Prodigy", PYTORCH_OPTIMIZER, "Prodigy",
-                                    package="pytorch-optimizer", state_per_weight=4,
+                                    package="pytorch-optimizer", state=("copy",) * 4,
                                     logs=("d",), lr_range=(0.1, 10.0)),
     Optimizer.ADAFACTOR: OptimizerRow(
         "Adafactor (fixed learning rate)", PYTORCH_OPTIMIZER, "AdaFactor",
         {"relative_step": False, "scale_parameter": False, "warmup_init": False},
-        package="pytorch-optimizer", state_per_weight=1),
+        package="pytorch-optimizer", state=("bf16_copy", "factored")),
     Optimizer.ADAFACTOR_RELATIVE: OptimizerRow(
         "Adafactor (relative step)", PYTORCH_OPTIMIZER, "AdaFactor",
         {"relative_step": True, "scale_parameter": True, "warmup_init": False},
-        package="pytorch-optimizer", own_step_size=True, state_per_weight=1),
+        package="pytorch-optimizer", own_step_size=True, state=("bf16_copy", "factored")),
     Optimizer.LION: OptimizerRow("Lion", PYTORCH_OPTIMIZER, "Lion",
-                                 package="pytorch-optimizer", state_per_weight=1),
+                                 package="pytorch-optimizer", state=("copy",)),
     Optimizer.SCHEDULE_FREE_ADAMW: OptimizerRow(
         "Schedule-free AdamW", PYTORCH_OPTIMIZER, "ScheduleFreeAdamW",
         package="pytorch-optimizer", schedule_free=True),
     Optimizer.CAME: OptimizerRow("CAME", PYTORCH_OPTIMIZER, "CAME",
-                                 package="pytorch-optimizer", state_per_weight=3),
+                                 package="pytorch-optimizer",
+                                 state=("copy", "factored", "factored_only")),
 }

@@ -121,7 +121,7 @@ def load_model(path: Path, model_type: ModelType, prediction_type: PredictionTyp
     """Load the components of a Stable Diffusion (UNet) diffusers folder, each at its dtype;
     never from the network."""
     from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
-    from transformers import AutoTokenizer, CLIPTextModel, CLIPTextModelWithProjection
+    from transformers import AutoTokenizer
 
     spec = MODEL_TYPES[model_type]
     common = {"local_files_only": True}
@@ -131,9 +131,8 @@ def load_model(path: Path, model_type: ModelType, prediction_type: PredictionTyp
                                         **common)
     text_encoders: dict[str, nn.Module] = {}
     tokenizers: dict[str, object] = {}
-    for i, (te_name, tok_name) in enumerate(zip(spec.text_encoders, spec.tokenizers)):
-        # SDXL's second encoder carries the projection that gives the pooled embedding.
-        cls = CLIPTextModelWithProjection if i == 1 else CLIPTextModel
+    for te_name, tok_name in zip(spec.text_encoders, spec.tokenizers):
+        cls = component_classes(model_type)[te_name]
         text_encoders[te_name] = cls.from_pretrained(path, subfolder=te_name,
                                                      torch_dtype=dtype_of(dtype, te_name), **common)
         tokenizers[tok_name] = AutoTokenizer.from_pretrained(path, subfolder=tok_name, **common)
@@ -143,3 +142,16 @@ def load_model(path: Path, model_type: ModelType, prediction_type: PredictionTyp
     return ModelBundle(model_type, Path(path), unet, vae, text_encoders, tokenizers, scheduler)
 
 
+
+
+def component_classes(model_type: ModelType) -> dict[str, type[nn.Module]]:
+    """The class each component of a `model_type` folder is built as, by component name (the
+    loader and the memory plan's weightless copies, train/memory_plan.py, agree on it)."""
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection
+
+    spec = MODEL_TYPES[model_type]
+    # SDXL's second encoder carries the projection that gives the pooled embedding.
+    encoders = {name: CLIPTextModelWithProjection if i == 1 else CLIPTextModel
+                for i, name in enumerate(spec.text_encoders)}
+    return {spec.denoiser: UNet2DConditionModel, **encoders, "vae": AutoencoderKL}

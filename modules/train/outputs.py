@@ -14,6 +14,7 @@ from modules.config.optimizers import OPTIMIZERS
 from modules.train.builders import optimizer_scalars
 from modules.train.checkpoints import checkpoints_folder, rotate_checkpoints
 from modules.train.distributed import parameter_checksum
+from modules.train.memory_plan import optimizer_state_bytes, tensor_bytes
 from modules.train.resume_offer import saved_step
 from modules.train.run import Run
 from modules.train.sampling import sample_images
@@ -23,9 +24,8 @@ from modules.util.disk import guarded_write
 
 def backup_bytes(run: Run) -> int:
     """About what one backup takes: trained weights, optimizer state and EMA copies."""
-    weights = sum(p.numel() * p.element_size() for p in run.all_params())
-    per_weight = OPTIMIZERS[run.config.training.optimizer].state_per_weight
-    state = int(sum(p.numel() * 4 * per_weight for p in run.all_params()))  # fp32 copies
+    weights = tensor_bytes(run.all_params())
+    state = optimizer_state_bytes(run.config.training.optimizer, run.all_params())
     return weights * (2 if run.ema is not None else 1) + state
 
 

@@ -24,6 +24,8 @@ from modules.paths import cache_dir_for
 from modules.runtime import runtime_problems
 from modules.train.backup import BackupError, ResumePoint, resume_point
 from modules.train.builders import pick_device
+from modules.train.distributed import launched_distributed
+from modules.train.memory_check import MemoryCheck, check_memory
 from modules.train.resume_offer import finished_run_problem
 from modules.train.inputs import check_inputs
 from modules.train.loss_checks import family_problems, model_problems
@@ -42,6 +44,7 @@ class PreparedRun:
     scan: ScanResult
     resume: ResumePoint | None = None  # the backup this run continues from
     validation: ValidationImages | None = None  # scored every validation.every_steps
+    memory: MemoryCheck | None = None  # the device memory plan, for run.json
 
 
 def resolve_dataset_path(path: str, cache_dir: Path) -> Path:
@@ -61,11 +64,13 @@ class CheckedRun:
     model_path: Path
     resume: ResumePoint | None
     validation: ValidationImages | None = None
+    memory: MemoryCheck | None = None  # the device memory plan (refused if over the card)
 
 
 def check_run(config: Config, callbacks: TrainerCallbacks) -> CheckedRun:
     """Every check a start runs short of loading the model: software, config, inputs on disk
-    (model files' headers, datasets, output folder), the dataset scan, the backup to resume.
+    (model files' headers, datasets, output folder), the dataset scan, the backup to resume,
+    the device memory plan (train/memory_check.py: a run that cannot fit the GPU is refused).
     `tempera-train --check` stops here; raises ConfigError with every problem found."""
     problems = runtime_problems() + validate(config) + family_problems(config)
     busy = busy_message(Path(config.output.dir)) if config.output.dir.strip() else None
@@ -118,8 +123,13 @@ def check_run(config: Config, callbacks: TrainerCallbacks) -> CheckedRun:
         callbacks.on_status(f"validation: {validation.origin}")
     model_path = resolve_model_path(config.model.path, cache_dir)
     resolved.model.path = str(model_path)
-    return CheckedRun(resolved, cache_dir, scan, model_path, check_resume(resolved, callbacks),
-                      validation)
+    resume = check_resume(resolved, callbacks)
+    # before the model is loaded or anything reaches the GPU: a run that cannot fit stops here
+    memory = check_memory(resolved, model_path, pick_device(config.general.device),
+                          distributed=launched_distributed())
+    for warning in memory.warnings:
+        callbacks.on_status(f"memory: {warning}")
+    return CheckedRun(resolved, cache_dir, scan, model_path, resume, validation, memory)
 
 
 def prepare_run(config: Config, callbacks: TrainerCallbacks) -> PreparedRun:
@@ -135,7 +145,7 @@ def prepare_run(config: Config, callbacks: TrainerCallbacks) -> PreparedRun:
     if problems:
         raise ConfigError(problems)
     return PreparedRun(checked.config, pick_device(config.general.device), checked.cache_dir,
-                       bundle, checked.scan, checked.resume, checked.validation)
+                       bundle, checked.scan, checked.resume, checked.validation, checked.memory)
 
 
 def check_resume(resolved: Config, callbacks: TrainerCallbacks) -> ResumePoint | None:

@@ -235,7 +235,9 @@ def start_record(record: RunRecord, prepared: PreparedRun, device: torch.device)
                  dataset={"images": len(prepared.scan.items), "skipped": len(prepared.scan.skipped),
                           "skipped_files": [str(p) for p, _ in prepared.scan.skipped]},
                  regularization=regularization_record(prepared.scan),
-                 masked_loss=(mask_counts(prepared.scan) if config.data.masked_loss else None))
+                 masked_loss=(mask_counts(prepared.scan) if config.data.masked_loss else None),
+                 # the plan's lower bound, to set beside memory.peak_allocated_bytes
+                 memory_plan=prepared.memory.record() if prepared.memory else None)
 
 
 def build_ema(config, params: dict) -> EMAModel | None:

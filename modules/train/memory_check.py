@@ -1,0 +1,176 @@
+"""The memory plan (train/memory_plan.py) against the GPU: refuse a run whose lower bound is
+more than the card holds, before anything is loaded onto it (a ConfigError from the check
+phase, like every other problem of the user's input), warn when it leaves too little room
+for activations, and name the changes that would make it fit, with what each saves.
+
+The decision is taken on the card's total memory, not on what is free right now: memory that
+other processes hold may be released before the run needs it (and this process's own cached
+blocks, say an earlier run in the GUI, count as used to the driver), so free memory only
+makes a warning.
+"""
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from modules.config.overrides import apply_overrides
+from modules.config.optimizers import OPTIMIZERS
+from modules.config.problems import ConfigError, Problem
+from modules.config.schema import Config, DType, TrainingMethod
+from modules.model_types import MODEL_TYPES
+from modules.train.memory_plan import (WARN_FRACTION, MemoryPlan, gib, plan_from, plan_memory,
+                                       weightless_trainable)
+from modules.train.weights import trained_components
+
+MAX_OPTIMIZER_FIXES = 3
+SAME_WEIGHTS = {"training.optimizer", "training.ema"}  # fixes that leave the weights as they are
+
+
+@dataclass(frozen=True)
+class CardMemory:
+    name: str
+    total_bytes: int
+    free_bytes: int  # free to this process: the driver's free plus this process's cached blocks
+
+
+@dataclass
+class MemoryCheck:
+    """The plan, the card it was compared with (None off CUDA) and the warnings it gave."""
+    plan: MemoryPlan
+    card: CardMemory | None
+    warnings: list[str] = field(default_factory=list)
+
+    def record(self) -> dict:
+        """run.json's `memory_plan`: the plan in bytes and the card it was checked against."""
+        card = ({"name": self.card.name, "total_bytes": self.card.total_bytes}
+                if self.card else None)
+        return {**self.plan.record(), "card": card, "warnings": list(self.warnings)}
+
+    def describe(self) -> list[str]:
+        """What `--check` prints: the card (or that there is none to compare with), the
+        plan's lines and the warnings."""
+        head = (f"memory plan for {self.card.name} ({gib(self.card.total_bytes)}):"
+                if self.card else "memory plan (no CUDA device here to compare with):")
+        return [head, *(f"  {line}" for line in self.plan.describe()),
+                *(f"warning: {w}" for w in self.warnings)]
+
+
+def card_memory(device: torch.device) -> CardMemory | None:
+    """The CUDA card the run will use, or None on any other device (the check is then only
+    the plan: a CPU's or MPS' memory is shared with everything else)."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    free, _ = torch.cuda.mem_get_info(index)
+    own_cached = torch.cuda.memory_reserved(index) - torch.cuda.memory_allocated(index)
+    props = torch.cuda.get_device_properties(index)
+    return CardMemory(props.name, int(props.total_memory), int(free + own_cached))
+
+
+def check_memory(config: Config, model_path: Path, device: torch.device,
+                 distributed: bool = False) -> MemoryCheck:
+    """The run's memory plan, checked against the card: raises ConfigError when the lower
+    bound is more than the card's memory; returns the plan with warnings otherwise."""
+    plan = plan_memory(config, model_path, distributed)
+    card = card_memory(device)
+    check = MemoryCheck(plan, card)
+    if card is None:
+        return check
+    if plan.total > card.total_bytes:
+        raise ConfigError([refusal(config, model_path, plan, card, distributed)])
+    if plan.total > WARN_FRACTION * card.total_bytes:
+        check.warnings.append(
+            f"the weights, gradients and optimizer state alone need {gib(plan.total)} of "
+            f"{card.name}'s {gib(card.total_bytes)} ({plan.total / card.total_bytes:.0%}): "
+            "activations will likely not fit. "
+            + fixes_sentence(config, model_path, plan, distributed))
+    elif plan.total > card.free_bytes:
+        check.warnings.append(
+            f"the run needs at least {gib(plan.total)}, and only {gib(card.free_bytes)} of "
+            f"{card.name}'s {gib(card.total_bytes)} is free now: other processes hold the rest")
+    return check
+
+
+def refusal(config: Config, model_path: Path, plan: MemoryPlan, card: CardMemory,
+            distributed: bool) -> Problem:
+    """The problem a run that cannot fit reports: where, what it needs, on what, and how to
+    make it fit."""
+    t = config.training
+    path = "training.method" if t.method == TrainingMethod.FINE_TUNE else "training.optimizer"
+    items = "; ".join(f"{what} {gib(size)}" for what, size in plan.lines)
+    return Problem(path, f"a run whose weights, gradients and optimizer state fit in "
+                         f"{card.name}'s {gib(card.total_bytes)}",
+                   f"{t.method.value} with {OPTIMIZERS[t.optimizer].label}, which needs at "
+                   f"least {gib(plan.total)} before activations",
+                   f"it needs {items}. " + fixes_sentence(config, model_path, plan, distributed))
+
+
+def fixes_sentence(config: Config, model_path: Path, plan: MemoryPlan,
+                   distributed: bool) -> str:
+    found = memory_fixes(config, model_path, plan, distributed)
+    if not found:
+        return "No setting of this run saves memory before activations: use a larger GPU."
+    return "What saves memory: " + "; ".join(
+        f"--set {o} saves {gib(saved)} (then {gib(plan.total - saved)})"
+        for o, saved in found) + "."
+
+
+def fix_candidates(config: Config) -> list[str]:
+    """`--set` overrides that may lower this config's plan: LoRA instead of a full fine-tune,
+    a leaner optimizer, not training a text encoder, no EMA, 16-bit weights."""
+    t, spec = config.training, MODEL_TYPES[config.model.type]
+    found = []
+    if t.method == TrainingMethod.FINE_TUNE:
+        found.append("training.method=LORA")
+    found += [f"training.optimizer={o.value}" for o in OPTIMIZERS if o != t.optimizer]
+    found += [f"components.{name}.train=false" for name in trained_components(config)
+              if name in spec.text_encoders]
+    if t.ema:
+        found.append("training.ema=false")
+    if config.model.weight_dtype == DType.FLOAT32:
+        found.append("model.weight_dtype=BFLOAT16")
+    if t.method == TrainingMethod.FINE_TUNE and config.model.train_dtype == DType.FLOAT32:
+        found.append("model.train_dtype=BFLOAT16")
+    return found
+
+
+def memory_fixes(config: Config, model_path: Path, plan: MemoryPlan,
+                 distributed: bool = False) -> list[tuple[str, int]]:
+    """(override, bytes it saves) for each candidate that lowers the plan, largest first;
+    of the optimizers only the best few. An optimizer that needs a package not installed
+    here says so."""
+    found: list[tuple[str, int]] = []
+    seen_states = {OPTIMIZERS[config.training.optimizer].state}
+    trainable = None  # the weightless model, reused where only the optimizer or EMA changes
+    for override in fix_candidates(config):
+        changed = apply_overrides(config, [override])
+        state = OPTIMIZERS[changed.training.optimizer].state
+        if override.startswith("training.optimizer="):
+            if state in seen_states:  # the same state as one named already (Adafactor's two)
+                continue
+            seen_states.add(state)
+        if override.split("=")[0] in SAME_WEIGHTS:
+            trainable = trainable or weightless_trainable(config, model_path)
+            saved = plan.total - plan_from(changed, *trainable, distributed).total
+        else:
+            saved = plan.total - plan_memory(changed, model_path, distributed).total
+        if saved > 0:
+            found.append((describe_override(override), saved))
+    found.sort(key=lambda item: -item[1])
+    optimizers = [f for f in found if f[0].startswith("training.optimizer=")]
+    dropped = {f[0] for f in optimizers[MAX_OPTIMIZER_FIXES:]}
+    return [f for f in found if f[0] not in dropped]
+
+
+def describe_override(override: str) -> str:
+    """The override, with what it needs when that is a package this machine lacks."""
+    key, _, value = override.partition("=")
+    if key != "training.optimizer":
+        return override
+    row = next(row for o, row in OPTIMIZERS.items() if o.value == value)
+    missing = row.package and importlib.util.find_spec(row.module.split(".")[0]) is None
+    return override + (f" ({row.label}, needs pip install {row.package})" if missing
+                       else f" ({row.label})")

@@ -1,0 +1,199 @@
+"""The GPU memory plan: a lower bound of the device memory a run needs before its first
+activation, itemised, so that a run that cannot fit is refused before anything is loaded onto
+the GPU (issue 31), and run.json can set the plan beside the measured peak.
+
+What it counts is what the trainer keeps on the device for the whole run: every component's
+weights (recipe.setup moves the denoiser, the text encoder(s) and the VAE to the device, with
+or without the latent and text encoder caches: sampling and the uncached paths need them),
+the trained weights' gradients, the optimizer's state (modules/config/optimizers.py `state`),
+the EMA copy, and DistributedDataParallel's gradient buckets when several processes train.
+What it does not count: activations (they depend on resolution, batch size, gradient
+checkpointing and what the compiler fuses), the compiler's and cuDNN's workspaces, CUDA graph
+pools, the optimizer's temporaries while it steps, the CUDA context, and fragmentation.
+
+The plan is computed on weightless copies of the components (PyTorch's meta device, built
+from the model's config files), with the same `prepare_trainable` the run uses, so a LoRA's
+adapters are counted exactly as peft adds them, and the plan costs no memory and no load.
+"""
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from modules.config.adapters import ADAPTERS
+from modules.config.optimizers import OPTIMIZERS
+from modules.config.schema import Config, Optimizer, TrainingMethod
+from modules.model_types import MODEL_TYPES
+from modules.models.loader import ModelBundle, component_classes
+
+GIB = 2 ** 30
+WARN_FRACTION = 0.9  # above this share of the card, activations will likely not fit
+NOT_COUNTED = ("a lower bound: activations, compiler and cuDNN workspaces, CUDA graph pools, "
+               "the optimizer's temporaries and the CUDA context are not counted")
+DTYPE_LABELS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes keeps smaller tensors' state in float32
+BNB_BLOCK = 256           # elements per float32 scale in its blockwise 8-bit state
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Device bytes a run needs before activations, as (what, bytes) lines."""
+    lines: tuple[tuple[str, int], ...]
+
+    @property
+    def total(self) -> int:
+        return sum(size for _, size in self.lines)
+
+    def describe(self) -> list[str]:
+        """One line per item, then the total: what `--check` prints."""
+        return [f"{what}: {gib(size)}" for what, size in self.lines] + [
+            f"total: {gib(self.total)} ({NOT_COUNTED})"]
+
+    def record(self) -> dict:
+        """run.json's `memory_plan`, in bytes (compare with memory.peak_allocated_bytes)."""
+        return {"total_bytes": self.total,
+                "lines": [{"what": what, "bytes": size} for what, size in self.lines],
+                "counts": NOT_COUNTED}
+
+
+def gib(size: int) -> str:
+    """A size for people: GiB with two decimals, MiB or KiB below one GiB."""
+    for unit, scale in (("GiB", GIB), ("MiB", 2 ** 20)):
+        if size >= scale:
+            return f"{size / scale:,.2f} {unit}"
+    return f"{size / 2 ** 10:,.1f} KiB"
+
+
+# ------------------------------------------------------------------- optimizer state, in bytes
+def state_bytes(kind: str, shape: Sequence[int], element_size: int) -> int:
+    """Bytes of one optimizer state tensor of `kind` (optimizers.STATE_KINDS) for one weight."""
+    numel = math.prod(shape)
+    factored = len(shape) >= 2
+    vectors = (math.prod(shape[:-1]) + math.prod(shape[:-2]) * shape[-1]) if factored else 0
+    if kind == "copy":
+        return numel * element_size
+    if kind == "bf16_copy":
+        return numel * 2
+    if kind == "factored":
+        return (vectors if factored else numel) * element_size
+    if kind == "factored_only":
+        return vectors * element_size
+    if kind == "8bit":
+        if numel < BNB_MIN_8BIT_SIZE:
+            return numel * 4
+        return numel + math.ceil(numel / BNB_BLOCK) * 4
+    raise ValueError(f"unknown optimizer state kind {kind!r}")
+
+
+def optimizer_state_bytes(optimizer: Optimizer, params: Iterable[torch.Tensor]) -> int:
+    """Bytes of the optimizer's state for these trained weights (the one place this is
+    computed: the memory plan and the backup's size both ask it)."""
+    kinds = OPTIMIZERS[optimizer].state
+    return sum(state_bytes(kind, tuple(p.shape), p.element_size())
+               for p in params for kind in kinds)
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+# -------------------------------------------------------------- the plan on weightless copies
+def config_folders(config: Config, model_path: Path) -> Path:
+    """The folder whose <component>/config.json files describe the model: the diffusers folder
+    itself, or for a single file the configs it is loaded with (model.config_path, else the
+    shipped ones)."""
+    from modules.models.single_file import config_folder_for, is_single_file
+    if not is_single_file(model_path):
+        return Path(model_path)
+    return Path(config.model.config_path) if config.model.config_path \
+        else config_folder_for(config.model.type)
+
+
+def component_class(folder: Path, name: str, model_type) -> type[nn.Module]:
+    """The class a component's config.json names (diffusers' `_class_name`, transformers'
+    `architectures`), so any family's components are built as their files say; else the one
+    the SD loader builds it as."""
+    import diffusers
+    import transformers
+    data = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    if data.get("_class_name"):
+        return getattr(diffusers, data["_class_name"])
+    if data.get("architectures"):
+        return getattr(transformers, data["architectures"][0])
+    return component_classes(model_type)[name]
+
+
+def weightless_bundle(config: Config, model_path: Path) -> ModelBundle:
+    """The model's components on the meta device (shapes, no memory), from their configs."""
+    from modules.train.weights import component_dtypes
+    folder = config_folders(config, model_path)
+    dtypes = component_dtypes(config)
+    modules: dict[str, nn.Module] = {}
+    with torch.device("meta"):
+        for name in MODEL_TYPES[config.model.type].components:
+            cls = component_class(folder / name, name, config.model.type)
+            if hasattr(cls, "load_config"):  # diffusers
+                modules[name] = cls.from_config(cls.load_config(folder / name))
+            else:  # transformers
+                modules[name] = cls(cls.config_class.from_pretrained(folder / name))
+            # at the dtype it is loaded at; nn.Module.to, as diffusers' own `to` warns about
+            # casting a loaded model (there is nothing loaded here to round)
+            nn.Module.to(modules[name], dtype=dtypes[name])
+    spec = MODEL_TYPES[config.model.type]
+    return ModelBundle(config.model.type, Path(model_path), modules[spec.denoiser],
+                       modules["vae"], {n: modules[n] for n in spec.text_encoders}, {}, None)
+
+
+def weightless_trainable(config: Config, model_path: Path
+                         ) -> tuple[ModelBundle, dict[str, list[nn.Parameter]]]:
+    """The weightless bundle made trainable as the run makes the real one (adapters, dtypes),
+    and its trained parameters."""
+    from modules.train.weights import prepare_trainable
+    bundle = weightless_bundle(config, model_path)
+    return bundle, prepare_trainable(bundle, config)
+
+
+def plan_memory(config: Config, model_path: Path, distributed: bool = False) -> MemoryPlan:
+    """The memory plan of `config` on the model at `model_path` (nothing is loaded)."""
+    return plan_from(config, *weightless_trainable(config, model_path), distributed)
+
+
+def plan_from(config: Config, bundle: ModelBundle, params: dict[str, list[nn.Parameter]],
+              distributed: bool = False) -> MemoryPlan:
+    """The plan's lines for a bundle whose trained parameters are `params` (meta or real)."""
+    trained_ids = {id(p) for plist in params.values() for p in plist}
+    trained = [p for plist in params.values() for p in plist]
+    what = ("trained weights" if config.training.method == TrainingMethod.FINE_TUNE
+            else f"{ADAPTERS[config.training.adapter].label} adapters")
+    lines: list[tuple[str, int]] = []
+    for name, module in bundle.components().items():
+        frozen = [t for t in [*module.parameters(), *module.buffers()] if id(t) not in trained_ids]
+        if frozen:
+            lines.append((f"{name} weights ({describe_tensors(frozen)})", tensor_bytes(frozen)))
+        if params.get(name):
+            lines.append((f"{name} {what} ({describe_tensors(params[name])})",
+                          tensor_bytes(params[name])))
+    lines.append(("gradients of the trained weights", tensor_bytes(trained)))
+    row = OPTIMIZERS[config.training.optimizer]
+    lines.append((f"optimizer state ({row.label}: {', '.join(row.state)} per weight)",
+                  optimizer_state_bytes(config.training.optimizer, trained)))
+    if config.training.ema:
+        lines.append(("EMA copy of the trained weights", tensor_bytes(trained)))
+    if distributed:  # DDP's buckets are a flat copy of the gradients it all-reduces
+        lines.append(("DistributedDataParallel gradient buckets", tensor_bytes(trained)))
+    return MemoryPlan(tuple(lines))
+
+
+def describe_tensors(tensors: list[torch.Tensor]) -> str:
+    """"bf16, 2,567,463,684 values" (several dtypes: each one's count)."""
+    counts: dict[torch.dtype, int] = {}
+    for t in tensors:
+        counts[t.dtype] = counts.get(t.dtype, 0) + t.numel()
+    return ", ".join(f"{DTYPE_LABELS.get(dtype, str(dtype).removeprefix('torch.'))}, "
+                     f"{count:,} values" for dtype, count in counts.items())
