@@ -144,6 +144,8 @@ def run_numbers(record: dict[str, Any]) -> dict[str, Any]:
         "peak_allocated_bytes": memory.get("peak_allocated_bytes"),
         "peak_reserved_bytes": memory.get("peak_reserved_bytes"),
         "peak_rss_bytes": memory.get("peak_rss_bytes"),
+        # the up-front lower bound (weights, gradients, optimizer state), beside the peaks
+        "memory_plan_bytes": (record.get("memory_plan") or {}).get("total_bytes"),
         "precision": record.get("precision"), "device_name": record.get("device"),
         "wall_seconds": record.get("wall_seconds"),
     }

@@ -61,8 +61,8 @@ def _effective(row: dict[str, Any]) -> str:
 def train_rows(rows: list[dict[str, Any]]) -> list[str]:
     header = ["run", "status", "runs as", "compile s", "first step s", "median step s",
               "recompiles after 1st pass", "late recompiles", "CUDA graphs", "peak reserved MiB",
-              "peak allocated MiB", "peak RSS MiB", "loss first → last", "side by side",
-              "notes"]
+              "peak allocated MiB", "memory plan MiB", "peak RSS MiB", "loss first → last",
+              "side by side", "notes"]
     table = []
     for r in rows:
         loss = (f"{r['first_loss']:.4f} → {r['final_loss']:.4f}"
@@ -74,7 +74,8 @@ def train_rows(rows: list[dict[str, Any]]) -> list[str]:
                       _num(r.get("late_recompiles"), "d"),
                       "—" if r.get("cudagraphs") is None else ("on" if r["cudagraphs"] else "off"),
                       _mib(r.get("peak_reserved_bytes")), _mib(r.get("peak_allocated_bytes")),
-                      _mib(r.get("peak_rss_bytes")), loss, str(r.get("side_by_side", 1)),
+                      _mib(r.get("memory_plan_bytes")), _mib(r.get("peak_rss_bytes")), loss,
+                      str(r.get("side_by_side", 1)),
                       _notes(r)])
     return _table(header, table)
 

@@ -248,6 +248,8 @@ def _finish(item: _Running, ctx: Context, kind: Kind, timed_out: bool) -> dict[s
     else:  # the job's own files say how it ended; without them, its exit code
         code = item.process.returncode
         status = extra.pop("status", None) or ("ok" if code == 0 else "failed")
+        if item.job.kind == "train" and code == 2 and status == "failed":
+            status = "refused"  # train.py's check phase refused it (a ConfigError): an answer
         error = extra.pop("error", None)
         if status != "ok" and not error:  # a crash's cause is in its log, not the missing file
             error = (last_log_line(item.folder / "log.txt") if code else None) or \

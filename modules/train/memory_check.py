@@ -24,6 +24,7 @@ from modules.model_types import MODEL_TYPES
 from modules.train.memory_plan import (WARN_FRACTION, MemoryPlan, gib, plan_from, plan_memory,
                                        weightless_trainable)
 from modules.train.weights import trained_components
+from modules.util.errors import describe
 
 MAX_OPTIMIZER_FIXES = 3
 SAME_WEIGHTS = {"training.optimizer", "training.ema"}  # fixes that leave the weights as they are
@@ -38,8 +39,9 @@ class CardMemory:
 
 @dataclass
 class MemoryCheck:
-    """The plan, the card it was compared with (None off CUDA) and the warnings it gave."""
-    plan: MemoryPlan
+    """The plan (None when it could not be computed: a warning says why), the card it was
+    compared with (None off CUDA) and the warnings it gave."""
+    plan: MemoryPlan | None
     card: CardMemory | None
     warnings: list[str] = field(default_factory=list)
 
@@ -47,14 +49,16 @@ class MemoryCheck:
         """run.json's `memory_plan`: the plan in bytes and the card it was checked against."""
         card = ({"name": self.card.name, "total_bytes": self.card.total_bytes}
                 if self.card else None)
-        return {**self.plan.record(), "card": card, "warnings": list(self.warnings)}
+        return {**(self.plan.record() if self.plan else {"total_bytes": None}), "card": card,
+                "warnings": list(self.warnings)}
 
     def describe(self) -> list[str]:
         """What `--check` prints: the card (or that there is none to compare with), the
         plan's lines and the warnings."""
         head = (f"memory plan for {self.card.name} ({gib(self.card.total_bytes)}):"
                 if self.card else "memory plan (no CUDA device here to compare with):")
-        return [head, *(f"  {line}" for line in self.plan.describe()),
+        lines = self.plan.describe() if self.plan else ["not computed"]
+        return [head, *(f"  {line}" for line in lines),
                 *(f"warning: {w}" for w in self.warnings)]
 
 
@@ -73,9 +77,16 @@ def card_memory(device: torch.device) -> CardMemory | None:
 def check_memory(config: Config, model_path: Path, device: torch.device,
                  distributed: bool = False) -> MemoryCheck:
     """The run's memory plan, checked against the card: raises ConfigError when the lower
-    bound is more than the card's memory; returns the plan with warnings otherwise."""
-    plan = plan_memory(config, model_path, distributed)
+    bound is more than the card's memory; returns the plan with warnings otherwise. A plan
+    that cannot be computed (a model whose config files this reading does not know) stops
+    nothing: the loader reports a model it cannot load, and the run says the check was not
+    made."""
     card = card_memory(device)
+    try:
+        plan = plan_memory(config, model_path, distributed)
+    except Exception as err:  # noqa: BLE001 - the check is advice; loading reports real errors
+        return MemoryCheck(None, card, [f"the memory plan could not be computed "
+                                        f"({describe(err)}): no up-front memory check"])
     check = MemoryCheck(plan, card)
     if card is None:
         return check

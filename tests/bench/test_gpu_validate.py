@@ -75,6 +75,21 @@ def test_a_crash_is_reported_from_its_log_and_what_needed_it_is_not_started(tmp_
     assert rows["needs-crash"]["error"] == "needs crash, which ended failed"
 
 
+def test_a_run_that_train_py_refuses_up_front_is_a_refused_row_with_its_reason(tmp_path):
+    # train.py exits 2 on a ConfigError (the check phase: a fine-tune too big for the card)
+    # before it writes run.json; that is an answer (issue 31), not a crash.
+    refuse = ("import sys; print('error: training.method: expected a run that fits, got "
+              "FINE_TUNE, which needs at least 60.00 GiB', file=sys.stderr); sys.exit(2)")
+    ctx = context(tmp_path)
+    jobs = [Job("train-big", "train", 30, {"code": refuse}),
+            Job("train-crash", "train", 30, {"code": "raise SystemExit('segfault')"})]
+    run_phase(ctx, jobs, {"train": script_kind()}, print_line=lambda line: None)
+    rows = rows_by_job(ctx)
+    assert rows["train-big"]["status"] == "refused"
+    assert rows["train-big"]["error"].endswith("which needs at least 60.00 GiB")
+    assert rows["train-crash"]["status"] == "failed"  # exit 1: not a refusal
+
+
 def test_a_spent_budget_leaves_the_remaining_jobs_not_started(tmp_path):
     ctx = context(tmp_path, budget=gpu_validate.PACK_RESERVE_SECONDS + 5)
     run_phase(ctx, [Job("late", "script", 30, {"code": WRITE_OK})], {"script": script_kind()},

@@ -207,3 +207,18 @@ def test_no_card_off_cuda(tiny_config):
     recorded = json.loads((result.output_dir / "run.json").read_text())["memory_plan"]
     assert recorded["card"] is None and recorded["total_bytes"] > 0
     assert not any(s.startswith("memory: ") for s in callbacks.statuses)
+
+
+def test_a_plan_that_cannot_be_computed_stops_nothing_and_says_so(tiny_config, monkeypatch):
+    def broken(*args, **kwargs):
+        raise ValueError("no config.json for this denoiser")
+    monkeypatch.setattr(memory_check, "plan_memory", broken)
+    fake_card(monkeypatch, 1 * MIB)  # would refuse, had the plan been computed
+    callbacks = RecordingCallbacks()
+    checked = check_run(tiny_config(*FINE_TUNE), callbacks)
+    assert checked.memory.plan is None
+    assert any(s.startswith("memory: the memory plan could not be computed (ValueError: no "
+                            "config.json for this denoiser): no up-front memory check")
+               for s in callbacks.statuses), callbacks.statuses
+    assert checked.memory.record()["total_bytes"] is None
+    assert checked.memory.describe()[1] == "  not computed"
