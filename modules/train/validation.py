@@ -32,6 +32,7 @@ from modules.data.buckets import assign_buckets
 from modules.data.dataset import ImageCaptionDataset, collate_examples
 from modules.data.seeds import derive_seed
 from modules.events import ValidationScore
+from modules.train.best_weights import keep_if_best
 from modules.train.builders import Draws, autocast_context, draw_randomness, latent_shape
 from modules.train.outputs import averaged_weights
 from modules.train.run import Run
@@ -133,6 +134,7 @@ def validation_pass(run: Run, loss_fn: LossFn) -> float | None:
     shown = "not finite" if loss is None else f"{loss:.5f}"
     best = "none finite" if best_step is None else f"step {best_step}"
     run.callbacks.on_status(f"validation loss {shown} at step {run.step} (best: {best})")
+    keep_if_best(run)  # validation.save_best: best/ follows the history's best
     return loss
 
 
