@@ -52,6 +52,7 @@ class Validator:
     timestep_count: int
     seed: int
     batches: list[tuple[dict, Draws]] | None = None
+    last_seconds: float | None = None  # the latest pass's duration, for the ETA
 
     @property
     def count(self) -> int:
@@ -121,6 +122,7 @@ def validation_pass(run: Run, loss_fn: LossFn) -> float | None:
     started = time.perf_counter()
     loss = score(run, loss_fn)
     seconds = time.perf_counter() - started  # the first pass also loads and encodes the images
+    run.validator.last_seconds = seconds
     run.state.validation.append([run.step, loss])
     if not run.dist.is_main:
         return loss
