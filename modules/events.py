@@ -21,8 +21,9 @@ class Progress:
     smoothed_loss: float
     lr: float
     seconds_per_step: float
-    eta_seconds: float               # steps and the sampling passes still to come
+    eta_seconds: float               # steps, sampling and validation passes still to come
     sampling_eta_seconds: float = 0.0  # the sampling part of eta_seconds
+    validation_eta_seconds: float = 0.0  # the validation part of eta_seconds
 
 
 @dataclass(frozen=True)

@@ -131,3 +131,9 @@ class ValidationConfig:
         0, label="Validation batch size", group="Data", min=0, max=4096, advanced=True,
         help="Images per validation forward pass; 0 uses training.batch_size. It changes only "
              "speed and memory, not the score's noise (drawn per image).")
+    save_best: bool = setting(
+        False, label="Keep the best weights", group="Data", on_resume=OnResume.MAY_CHANGE,
+        help="Each time the validation loss is lower than at every earlier pass, save the "
+             "weights (in output.formats) into best/ in the output folder, replacing the "
+             "previous best only once the new one is complete. Needs validation "
+             "(validation.every_steps). docs/validation.md.")

@@ -96,6 +96,10 @@ RULES: tuple[FieldRule, ...] = (
               lambda c: "aspect-ratio buckets are off"),
     FieldRule(SAMPLING_FIELDS, _has_prompts,
               lambda c: "there are no prompts, so nothing is sampled"),
+    # greyed only while off: when on, validation asks to turn it off, so it stays editable
+    FieldRule(("validation.save_best",),
+              lambda c: bool(c.validation.every_steps) or c.validation.save_best,
+              lambda c: "validation is off (validation.every_steps is 0)"),
 )
 RULED_PATHS = frozenset(path for rule in RULES for path in rule.paths)
 

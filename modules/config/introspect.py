@@ -6,6 +6,7 @@ The docs generator (`modules/config/docs.py`) and the GUI's form both read the s
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 from collections.abc import Iterator
@@ -144,6 +145,14 @@ def field_map(cls: type) -> dict[str, FieldInfo]:
     return {info.dotted_path: info for info in iter_fields(cls)}
 
 
+@functools.cache
+def type_hints(cls: type) -> dict[str, Any]:
+    """`typing.get_type_hints(cls)`, resolved once per class: the schema does not change while
+    the program runs, and the GUI asks `rule_at` on every keystroke (read only: do not
+    modify the returned dict)."""
+    return typing.get_type_hints(cls)
+
+
 def rule_at(cls: type, dotted_path: str, key: str) -> Any:
     """The metadata `key` that holds for `dotted_path`: the field's own value, else the nearest
     enclosing section's (None when none declares it). List indices (`data.datasets[0].path`)
@@ -157,7 +166,7 @@ def rule_at(cls: type, dotted_path: str, key: str) -> Any:
             break
         if fields[name].metadata.get(key) is not None:
             value = fields[name].metadata[key]
-        tp = typing.get_type_hints(tp)[name]
+        tp = type_hints(tp)[name]
         if typing.get_origin(tp) is list:
             tp = typing.get_args(tp)[0]
     return value

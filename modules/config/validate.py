@@ -25,6 +25,7 @@ from modules.config.schema import (
     PredictionType,
     SaveFormat,
     TrainingMethod,
+    ValidationConfig,
 )
 from modules.geometry import bucket_sizes, narrowest_non_square
 from modules.model_types import BUILTIN_DATASETS, MODEL_TYPES
@@ -77,9 +78,20 @@ def _check_noise_and_loss(config: Config) -> list[Problem]:
 
 
 def _check_validation(config: Config) -> list[Problem]:
-    """Validation needs exactly one source of images, and images given need a schedule. Counts
-    (a fraction that leaves a side empty) are known after the scan: validation_set.py."""
+    """Validation needs exactly one source of images, and images given need a schedule;
+    keeping the best weights needs a score. Counts (a fraction that leaves a side empty) are
+    known after the scan: validation_set.py."""
     v = config.validation
+    best = ([Problem("validation.save_best", "false while validation.every_steps is 0", "true",
+                     "with validation off there is no score to pick the best step by: set "
+                     "validation.every_steps (and a split_ratio or folder), or turn "
+                     "save_best off")]
+            if v.save_best and not v.every_steps else [])
+    return best + _validation_source(v)
+
+
+def _validation_source(v: ValidationConfig) -> list[Problem]:
+    """Exactly one source of validation images, and a schedule for the images given."""
     source = v.split_ratio > 0 or bool(v.folder.strip())
     if v.split_ratio > 0 and v.folder.strip():
         return [Problem("validation.folder", "empty when validation.split_ratio is set",

@@ -11,7 +11,8 @@ import torch
 from modules.config.schema import MixedPrecision
 from modules.events import Progress, TrainerCommands
 from modules.train.backup import BoundaryState
-from modules.train.eta import estimated_sample_seconds, eta_seconds, samples_still_due
+from modules.train.eta import (estimated_sample_seconds, estimated_validation_seconds,
+                               eta_seconds, samples_still_due, validations_still_due)
 from modules.train.run import Run
 
 MicroBatch = tuple[int, dict, bool]  # (index in the epoch, batch, closes the window)
@@ -77,19 +78,36 @@ def skip_non_finite_step(run: Run, loss: float) -> None:
 
 def progress_event(run: Run, loss: float, smoothed_loss: float,
                    sample_seconds: float | None = None) -> Progress:
-    """Progress after a step; the ETA counts the sampling passes still to come, at the last
-    pass's measured duration (`sample_seconds`) or an estimate before the first."""
+    """Progress after a step; the ETA counts the sampling and validation passes still to
+    come, each at its last pass's measured duration (`sample_seconds`, the validator's
+    `last_seconds`) or an estimate before the first."""
     times = run.record.step_seconds[1:] or run.record.step_seconds
     per_step = sorted(times)[len(times) // 2]
     config, total = run.config, run.budget.total_steps
     due = samples_still_due(run.step, total, config.sampling.every_steps, len(run.prompts))
     per_sample = (sample_seconds if sample_seconds is not None
-                  else estimated_sample_seconds(config, per_step))
-    eta, sampling = eta_seconds(total - run.step, per_step, due, per_sample)
+                  else estimated_sample_seconds(config, run.prompts, per_step))
+    validations, per_validation = validation_eta_terms(run, per_step)
+    eta, sampling, validating = eta_seconds(total - run.step, per_step, due, per_sample,
+                                            validations, per_validation)
     return Progress(step=run.step, max_steps=total, epoch=run.state.epoch + 1,
                     max_epochs=run.budget.epochs, loss=loss, smoothed_loss=smoothed_loss,
                     lr=run.current_lr(), seconds_per_step=per_step,
-                    eta_seconds=eta, sampling_eta_seconds=sampling)
+                    eta_seconds=eta, sampling_eta_seconds=sampling,
+                    validation_eta_seconds=validating)
+
+
+def validation_eta_terms(run: Run, per_step: float) -> tuple[int, float]:
+    """(validation passes still to come, seconds per pass) for the ETA; (0, 0) when
+    validation is off."""
+    validator = run.validator
+    if validator is None:
+        return 0, 0.0
+    due = validations_still_due(run.step, run.budget.total_steps,
+                                run.config.validation.every_steps)
+    seconds = (validator.last_seconds if validator.last_seconds is not None
+               else estimated_validation_seconds(run.config, validator.count, per_step))
+    return due, seconds
 
 
 def mark_boundary(run: Run) -> None:

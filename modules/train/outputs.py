@@ -156,7 +156,8 @@ def save_weights_into(run: Run, folder: Path) -> None:
     run.callbacks.on_status(f"saving {folder.name} at step {run.step}")
     with averaged_weights(run):
         written = guarded_write(lambda: save_weights(run.bundle, run.config, folder,
-                                                     run.step, run.file_metadata),
+                                                     run.step, run.file_metadata,
+                                                     warn=run.callbacks.on_status),
                                 folder, backup_bytes(run))
     for path in written:
         run.record.add_file(path)

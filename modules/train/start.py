@@ -28,7 +28,8 @@ from modules.train.prepare import PreparedRun
 from modules.train.record import RunRecord, device_description, library_versions
 from modules.train.run import Run
 from modules.train.text_cache import TextEncoderCache
-from modules.util.atomic import atomic_write_text, remove_temporaries
+from modules.util.atomic import (atomic_write_text, remove_temporaries,
+                                  restore_interrupted_swaps)
 
 if TYPE_CHECKING:  # imported where a run builds them, only when the option is on
     from diffusers.training_utils import EMAModel
@@ -69,8 +70,12 @@ def take_output_lock(output_dir: Path, callbacks: TrainerCallbacks) -> OutputLoc
 def clean_output_folder(output_dir: Path, callbacks: TrainerCallbacks, overwrite: bool) -> None:
     """Under the lock (no save is under way): remove leftovers of interrupted saves, and with
     `overwrite` the previous run's outputs that would mix with this one's."""
-    freed = remove_temporaries([output_dir, output_dir / "checkpoints", output_dir / "samples",
-                                backups_folder(output_dir)])
+    folders = [output_dir, output_dir / "checkpoints", output_dir / "samples",
+               backups_folder(output_dir)]
+    for restored in restore_interrupted_swaps(folders):
+        callbacks.on_status(f"restored {restored.name}/: a save that was replacing it was "
+                            "interrupted before the new one was in place")
+    freed = remove_temporaries(folders)
     if overwrite:
         cleared = clear_previous_run(output_dir)
         if cleared:

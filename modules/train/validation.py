@@ -32,6 +32,7 @@ from modules.data.buckets import assign_buckets
 from modules.data.dataset import ImageCaptionDataset, collate_examples
 from modules.data.seeds import derive_seed
 from modules.events import ValidationScore
+from modules.train.best_weights import keep_if_best
 from modules.train.builders import Draws, autocast_context, draw_randomness, latent_shape
 from modules.train.outputs import averaged_weights
 from modules.train.run import Run
@@ -51,6 +52,7 @@ class Validator:
     timestep_count: int
     seed: int
     batches: list[tuple[dict, Draws]] | None = None
+    last_seconds: float | None = None  # the latest pass's duration, for the ETA
 
     @property
     def count(self) -> int:
@@ -120,6 +122,7 @@ def validation_pass(run: Run, loss_fn: LossFn) -> float | None:
     started = time.perf_counter()
     loss = score(run, loss_fn)
     seconds = time.perf_counter() - started  # the first pass also loads and encodes the images
+    run.validator.last_seconds = seconds
     run.state.validation.append([run.step, loss])
     if not run.dist.is_main:
         return loss
@@ -133,6 +136,7 @@ def validation_pass(run: Run, loss_fn: LossFn) -> float | None:
     shown = "not finite" if loss is None else f"{loss:.5f}"
     best = "none finite" if best_step is None else f"step {best_step}"
     run.callbacks.on_status(f"validation loss {shown} at step {run.step} (best: {best})")
+    keep_if_best(run)  # validation.save_best: best/ follows the history's best
     return loss
 
 

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -19,6 +22,7 @@ from modules.train.resume_offer import SAVED_STEP_FILE
 from modules.util.atomic import atomic_write_dir
 
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
+logger = logging.getLogger("tempera.train")
 
 
 def trained_components(config: Config) -> list[str]:
@@ -140,10 +144,12 @@ def write_lora_diffusers(bundle: ModelBundle, config: Config, folder: Path) -> P
 
 
 def write_lora_kohya(bundle: ModelBundle, config: Config, folder: Path, step: int,
-                     extra: dict[str, str] | None = None) -> Path:
+                     extra: dict[str, str] | None = None, replaces: Path | None = None,
+                     warn: Callable[[str], None] = logger.warning) -> Path:
     """LoRA adapters in the kohya layout ComfyUI and A1111 read, with training metadata, and
     beside it the card A1111 / Forge show for it (`lora_kohya.json`: trigger words, SD
-    version; modules/models/metadata.py `a1111_card`)."""
+    version; modules/models/metadata.py `a1111_card`). `replaces` is the folder this save
+    will replace: the user's edits to its card are kept (modules/models/a1111_card.py)."""
     from modules.models.kohya import save_kohya_lora
     from modules.models.metadata import a1111_card
     path = folder / KOHYA_WEIGHT_NAME
@@ -154,9 +160,25 @@ def write_lora_kohya(bundle: ModelBundle, config: Config, folder: Path, step: in
     card = a1111_card(config.model.type, _card_description(config, step),
                       meta.get("modelspec.trigger_phrase", ""),
                       f"Base model: {Path(config.model.path).name}")
-    path.with_suffix(".json").write_text(json.dumps(card, indent=4, ensure_ascii=False) + "\n",
-                                         encoding="utf-8")
+    write_card(card, path.with_suffix(".json"), replaces, warn)
     return path
+
+
+def write_card(card: dict, path: Path, replaces: Path | None,
+               warn: Callable[[str], None]) -> None:
+    """Write the A1111 card at `path`, merged with the card of the folder being replaced; an
+    unreadable old card (or an earlier .bak of one) is carried into the new folder as .bak."""
+    from modules.models.a1111_card import merge_card
+    update = merge_card(card, replaces / path.name) if replaces else None
+    if update is not None:
+        card = update.card
+    backup = path.with_name(path.name + ".bak")
+    if update is not None and update.backup is not None:
+        backup.write_text(update.backup, encoding="utf-8")
+        warn(update.warning)
+    elif replaces and (replaces / backup.name).is_file():
+        shutil.copy2(replaces / backup.name, backup)
+    path.write_text(json.dumps(card, indent=4, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def _card_description(config: Config, step: int) -> str:
@@ -216,7 +238,8 @@ def _metadata(bundle: ModelBundle, config: Config, kind: str, layout: str, step:
 
 
 def save_weights(bundle: ModelBundle, config: Config, folder: Path, step: int,
-                 extra_metadata: dict[str, str] | None = None) -> list[Path]:
+                 extra_metadata: dict[str, str] | None = None,
+                 warn: Callable[[str], None] = logger.warning) -> list[Path]:
     """Save what this run trains into `folder`, in every configured format, atomically.
 
     Everything is written into a temporary folder first and swapped in at the end, so an
@@ -228,7 +251,8 @@ def save_weights(bundle: ModelBundle, config: Config, folder: Path, step: int,
     lora = config.training.method == TrainingMethod.LORA
     writers = [
         (lora and SaveFormat.DIFFUSERS in formats, lambda t: write_lora_diffusers(bundle, config, t)),
-        (lora and SaveFormat.KOHYA in formats, lambda t: write_lora_kohya(bundle, config, t, step, extra_metadata)),
+        (lora and SaveFormat.KOHYA in formats, lambda t: write_lora_kohya(bundle, config, t, step, extra_metadata,
+                                   replaces=folder, warn=warn)),
         (not lora and SaveFormat.DIFFUSERS in formats,
          lambda t: write_full_diffusers(bundle, config, t)),
         (not lora and SaveFormat.SINGLE_FILE in formats,

@@ -124,6 +124,23 @@ def is_temporary(path: Path) -> bool:
     return path.name.startswith(".") and path.name.endswith((".tmp", ".old"))
 
 
+def restore_interrupted_swaps(folders: list[Path]) -> list[Path]:
+    """Put back a folder whose replacement was interrupted between `atomic_write_dir`'s two
+    renames: `.<name>.old` with no `<name>` beside it is the last complete `<name>`. Returns
+    the folders restored. Call it before `remove_temporaries`, which would delete it."""
+    restored = []
+    for folder in folders:
+        for path in sorted(folder.iterdir()) if folder.is_dir() else []:
+            if not (path.name.startswith(".") and path.name.endswith(".old") and path.is_dir()
+                    and not path.is_symlink()):
+                continue
+            original = path.with_name(path.name[1:-len(".old")])
+            if original.name and not original.exists():
+                os.replace(path, original)
+                restored.append(original)
+    return restored
+
+
 def remove_temporaries(folders: list[Path]) -> int:
     """Remove the leftovers of interrupted atomic writes directly in `folders`; returns the
     bytes freed. Only call it where no write is under way (e.g. holding the output's lock)."""

@@ -13,6 +13,7 @@ from modules.cloud.hook import install_hook
 from modules.cloud.queue import list_statuses
 from modules.cloud.repo import init_training_repo
 from modules.cloud.runs import CloudSettings
+from modules.config.schema import CONFIG_VERSION
 
 # A stand-in for tempera-train that takes the same arguments: it records when it ran, writes a
 # run.json with its --run-meta, sleeps, and exits with `training.seed - 100` for a seed in 101..109
@@ -58,7 +59,9 @@ def fake_train(tmp_path) -> list[str]:
 
 
 def sparse_config(**sections) -> dict:
-    return {"config_version": 1, **sections}
+    """A config file holding only `sections`, at the current schema version (a test of
+    migration writes its old version itself)."""
+    return {"config_version": CONFIG_VERSION, **sections}
 
 
 def write_json(path: Path, data: dict) -> Path:

@@ -112,3 +112,17 @@ def test_a_resume_migrates_the_backups_config_and_refuses_one_from_the_future():
     blocking, allowed = config_differences(current, changed)
     assert blocking == ["training.lora_rank: 16 -> 8"]
     assert allowed == ["data.workers: 0 -> 2"]
+
+
+def test_rule_at_resolves_each_sections_type_hints_once(monkeypatch):
+    from modules.config.fields import OnResume
+    from modules.config.introspect import on_resume, rule_at
+    for path in ("data.datasets[0].path", "validation.every_steps"):  # warm the cache
+        on_resume(path)
+    calls = []
+    real = typing.get_type_hints
+    monkeypatch.setattr(typing, "get_type_hints", lambda *a, **k: calls.append(a) or real(*a, **k))
+    assert on_resume("data.datasets[3].repeats") == OnResume.MUST_MATCH
+    assert on_resume("validation.every_steps") == OnResume.MAY_CHANGE
+    assert rule_at(Config, "validation.split_ratio", "on_resume") == OnResume.MUST_MATCH
+    assert calls == []

@@ -211,3 +211,19 @@ def test_fixed_timesteps_and_the_best_point():
     assert fixed_timesteps(2, 1000, low=200, high=600) == [300, 500]  # loss.min/max_timestep
     assert best_point([[2, 0.5], [4, None], [6, 0.4], [8, 0.4]]) == (6, 0.4)
     assert best_point([[2, None]]) == (None, None)
+
+
+def test_the_eta_counts_the_validation_passes_still_to_come(tiny_config):
+    from modules.train.eta import estimated_validation_seconds
+    config = tiny_config(*SPLIT, "training.max_steps=4")
+    callbacks = RecordingCallbacks()
+    train(config, callbacks)
+    first, *_, last = callbacks.progress
+    # before any pass: the passes at steps 2 and 4, each estimated from the step time
+    estimate = estimated_validation_seconds(config, 12, first.seconds_per_step)
+    assert first.validation_eta_seconds == pytest.approx(2 * estimate) and estimate > 0
+    assert last.step == 4 and last.validation_eta_seconds > 0  # step 4's pass is still to come
+    for p in callbacks.progress:
+        steps_part = (p.max_steps - p.step) * p.seconds_per_step
+        assert p.eta_seconds == pytest.approx(steps_part + p.sampling_eta_seconds
+                                              + p.validation_eta_seconds)

@@ -146,3 +146,18 @@ def test_saved_files_and_folders_get_the_permissions_a_normal_write_gives(tmp_pa
         assert mode(tmp_path / root) == 0o777 & ~umask
         assert mode(tmp_path / root / "sub") == 0o777 & ~umask
         assert mode(tmp_path / root / "sub" / "w.safetensors") == 0o666 & ~umask
+
+
+def test_a_swap_interrupted_between_its_renames_is_restored_and_others_are_left(tmp_path):
+    from modules.util.atomic import remove_temporaries, restore_interrupted_swaps
+    # the crash came after `best` -> `.best.old` and before the new folder was renamed in
+    (tmp_path / ".best.old").mkdir()
+    (tmp_path / ".best.old" / "w.txt").write_text("old best", encoding="utf-8")
+    (tmp_path / ".best.abc123.tmp").mkdir()              # the new one, incomplete
+    # a leftover `.old` beside a complete folder is only a leftover
+    (tmp_path / "final").mkdir()
+    (tmp_path / ".final.old").mkdir()
+    assert restore_interrupted_swaps([tmp_path, tmp_path / "absent"]) == [tmp_path / "best"]
+    assert (tmp_path / "best" / "w.txt").read_text(encoding="utf-8") == "old best"
+    remove_temporaries([tmp_path])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best", "final"]
