@@ -244,11 +244,15 @@ def config_differences(saved: dict, current: dict) -> tuple[list[str], list[str]
 
     Each field's rule is its `on_resume` metadata in the schema (modules/config/fields.py:
     OnResume); the saved config is first brought to the current schema version."""
-    blocking, allowed = [], []
     problems: list = []
     saved = migrate(dict(saved), problems) if saved else saved
-    if problems:
-        blocking += [str(problem) for problem in problems]
+    blocking, allowed = leaf_differences(saved, current)
+    return [str(problem) for problem in problems] + blocking, allowed
+
+
+def leaf_differences(saved: dict, current: dict) -> tuple[list[str], list[str]]:
+    """`config_differences` of a saved config already at the current schema version."""
+    blocking, allowed = [], []
     before, after = _leaves(saved), _leaves(current)
     for key in sorted(set(before) | set(after)):
         old, new = before.get(key), after.get(key)
@@ -324,9 +328,13 @@ def resume_point(output_dir: Path, resume_from: str, current: dict) -> ResumePoi
     else:
         folder = find_backup(output_dir, resume_from)
         info = verify_backup(folder)
-    saved = migrate(dict(info.get("config", {})), [])  # a backup written before a rename
-    blocking, allowed = config_differences(builtins_by_identity(saved),
-                                           builtins_by_identity(current))
+    # Migrated once, here: a backup written before a rename compares under today's names
+    # (the built-ins are found by their keys), and one from a newer Tempera says so.
+    problems: list = []
+    saved = migrate(dict(info.get("config", {})), problems)
+    blocking, allowed = leaf_differences(builtins_by_identity(saved),
+                                         builtins_by_identity(current))
+    blocking = [str(problem) for problem in problems] + blocking
     if blocking:
         raise BackupError(f"{folder} was written by a run whose config differs in what changes "
                           "the training math: " + "; ".join(blocking)

@@ -52,6 +52,15 @@ class MemoryCheck:
         return {**(self.plan.record() if self.plan else {"total_bytes": None}), "card": card,
                 "warnings": list(self.warnings)}
 
+    def summary(self) -> str:
+        """One line for the run's log on a card (the GUI's Run tab, the CLI): what the plan
+        takes of it. Empty off CUDA or without a plan."""
+        if not (self.plan and self.card):
+            return ""
+        return (f"memory plan: at least {gib(self.plan.total)} of {self.card.name}'s "
+                f"{gib(self.card.total_bytes)} ({self.plan.total / self.card.total_bytes:.0%}) "
+                "before activations; run.json's memory_plan itemises it")
+
     def describe(self) -> list[str]:
         """What `--check` prints: the card (or that there is none to compare with), the
         plan's lines and the warnings."""

@@ -127,6 +127,8 @@ def check_run(config: Config, callbacks: TrainerCallbacks) -> CheckedRun:
     # before the model is loaded or anything reaches the GPU: a run that cannot fit stops here
     memory = check_memory(resolved, model_path, pick_device(config.general.device),
                           distributed=launched_distributed())
+    if memory.summary():
+        callbacks.on_status(memory.summary())
     for warning in memory.warnings:
         callbacks.on_status(f"memory: {warning}")
     return CheckedRun(resolved, cache_dir, scan, model_path, resume, validation, memory)

@@ -129,12 +129,21 @@ def _check_layer_set(suffixes: set[str]) -> None:
 
 
 # ------------------------------------------------------------------------- the tests
-@pytest.mark.parametrize("case", list(CASES))
-def test_sd15_file_is_what_the_trained_layers_apply(case, tiny_config, tempera_cache, tmp_path):
-    config = tiny_config(f"training.lora_rank={RANK}", f"training.lora_alpha={ALPHA}",
+# SD 2.x files use SD 1.x's names (one CLIP text encoder, the same UNet layout): a few cases
+# on the tiny SD 2 model (OpenCLIP-shaped, v-prediction) check that nothing assumes SD 1.5.
+SD_CASES = [(ModelType.SD15, case) for case in CASES] + [
+    (ModelType.SD2, case) for case in ("locon", "loha", "lokr-decomposed", "dora")]
+
+
+@pytest.mark.parametrize("model_type,case", SD_CASES)
+def test_sd1_and_sd2_file_is_what_the_trained_layers_apply(model_type, case, tiny_config,
+                                                           tempera_cache, tmp_path):
+    config = tiny_config(f"model.type={model_type.value}",
+                         f"model.path={MODEL_TYPES[model_type].builtin}",
+                         f"training.lora_rank={RANK}", f"training.lora_alpha={ALPHA}",
                          *CASES[case])
-    modules = _adapted(config, ModelType.SD15, tempera_cache)
-    path = save_kohya_lora(modules, tmp_path / "a.safetensors", None, ModelType.SD15)
+    modules = _adapted(config, model_type, tempera_cache)
+    path = save_kohya_lora(modules, tmp_path / "a.safetensors", None, model_type)
     groups = _groups(load_file(str(path)))
     prefixes = {"unet": "lora_unet_", "text_encoder": "lora_te_"}
     seen = set()

@@ -183,3 +183,17 @@ def test_a_backup_holding_nan_is_never_written_and_the_previous_one_is_kept(tiny
     resumed = train(tiny_config("training.max_steps=5", "output.backup_every_steps=1",
                                 "training.resume_from=latest"), RecordingCallbacks())
     assert resumed.status == "finished" and run_json(output)["resumed_at_step"] == 1
+
+
+def test_a_backup_from_a_newer_tempera_is_refused_with_that_reason(stopped_run):
+    # The backup's config is migrated once, and what the migration finds is not dropped.
+    config = stopped_run()
+    output = Path(config.output.dir)
+    _, newest = list_backups(output)[-1]
+    info_path = newest / "backup.json"
+    info = json.loads(info_path.read_text())
+    written_by = dict(info["config"])
+    info["config"]["config_version"] += 1
+    info_path.write_text(json.dumps(info))
+    with pytest.raises(BackupError, match="newer Tempera"):
+        resume_point(output, str(newest), written_by)

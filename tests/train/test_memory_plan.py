@@ -20,7 +20,7 @@ from modules.config.schema import Optimizer
 from modules.events import RecordingCallbacks
 from modules.models.loader import load_bundle
 from modules.train.memory_check import CardMemory, card_memory
-from modules.train.memory_plan import optimizer_state_bytes, state_bytes
+from modules.train.memory_plan import gib, optimizer_state_bytes, state_bytes
 from modules.train.prepare import check_run
 from modules.train.trainer import train
 from modules.train.weights import component_dtypes
@@ -198,6 +198,10 @@ def test_memory_held_by_others_warns_but_does_not_refuse(tiny_config, monkeypatc
     callbacks = RecordingCallbacks()
     check_run(config, callbacks)
     assert any("other processes hold the rest" in s for s in callbacks.statuses)
+    # and the log says what the plan takes of the card, in one line
+    summary = [s for s in callbacks.statuses if s.startswith("memory plan: ")]
+    assert summary == [f"memory plan: at least {gib(total)} of Test GPU 1's {gib(100 * total)} "
+                       "(1%) before activations; run.json's memory_plan itemises it"]
 
 
 def test_no_card_off_cuda(tiny_config):
