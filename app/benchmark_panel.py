@@ -15,7 +15,8 @@ from typing import Any
 import customtkinter as ctk
 
 from app.binding import ConfigBinding
-from app.widgets import pass_wheel_at_ends, set_readonly_text, set_widget_enabled
+from app.text_boxes import pass_wheel_at_ends, set_readonly_text
+from app.widgets import set_widget_enabled
 from modules.config import Config, ConfigError, Problem
 
 SHORT_STEPS, SHORT_WARMUP = 4, 3

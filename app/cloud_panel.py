@@ -19,7 +19,8 @@ import customtkinter as ctk
 from app.binding import ConfigBinding
 from app.dialogs import ask_directory
 from app.settings import UISettings
-from app.widgets import pass_wheel_at_ends, set_readonly_text, set_widget_enabled
+from app.text_boxes import pass_wheel_at_ends, set_readonly_text
+from app.widgets import set_widget_enabled
 
 TAB = "Cloud"
 LOG_LINES = 20

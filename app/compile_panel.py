@@ -16,8 +16,8 @@ import customtkinter as ctk
 from app.binding import ConfigBinding
 from app.compile_info import backend_description, describe_plan
 from app.form import FieldRegistry
-from app.widgets import (BoolView, FieldView, make_view, pass_wheel_at_ends, set_label_enabled,
-                         set_readonly_text, set_widget_enabled)
+from app.text_boxes import pass_wheel_at_ends, set_readonly_text
+from app.widgets import BoolView, FieldView, make_view, set_label_enabled, set_widget_enabled
 from modules import frontend
 from modules.config.introspect import outdates_compile_check
 from modules.config.schema import CompileBackend, Config, Device

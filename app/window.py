@@ -33,7 +33,7 @@ from app.schedule_preview import SchedulePreview
 from app.runner import Event, TrainFn, run_in_thread
 from app.settings import DEFAULT_SETTINGS_PATH, load_settings, save_settings
 from app.thread_guard import ThreadGuard, tk_thread_only
-from app.widgets import bind_select_all
+from app.text_boxes import bind_select_all
 from app.window_size import WindowSizing, apply_scaling, place_window
 from modules import frontend
 from modules.config import Config
