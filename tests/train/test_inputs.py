@@ -134,9 +134,14 @@ def test_leftovers_of_interrupted_saves_are_removed_at_the_next_start(tiny_confi
     from modules.train.output_lock import OutputLock
     from modules.train.trainer import train
     out = tmp_path / "out"
+    # `.final.old` beside a final/ is the replaced one a finished swap had still to delete;
+    # `.step-000008.old` alone is the last complete step-000008/ (a swap cut between its two
+    # renames): that one is put back, never deleted (modules/util/atomic.py)
+    (out / "final").mkdir(parents=True)
     leftovers = [out / ".final.k2j3.tmp", out / "checkpoints" / ".step-000010.x9.tmp",
                  out / ".final.old", out / "backups" / ".step-000004.q1.tmp"]
-    for folder in leftovers:
+    interrupted = out / "checkpoints" / ".step-000008.old"
+    for folder in [*leftovers, interrupted]:
         folder.mkdir(parents=True)
         (folder / "unet.safetensors").write_bytes(b"\0" * 300_000)
     (out / ".run.json.abcd.tmp").write_text("{}")
@@ -148,8 +153,13 @@ def test_leftovers_of_interrupted_saves_are_removed_at_the_next_start(tiny_confi
         assert all(folder.exists() for folder in leftovers)
     finally:
         lock.release()
+    assert interrupted.exists()
     callbacks = RecordingCallbacks()
     train(config, callbacks)
     assert not any(folder.exists() for folder in leftovers)
     assert not (out / ".run.json.abcd.tmp").exists()
     assert any("partly written saves" in s and "1.1 MB freed" in s for s in callbacks.statuses)
+    restored = out / "checkpoints" / "step-000008" / "unet.safetensors"
+    assert not interrupted.exists() and restored.stat().st_size == 300_000
+    assert "restored step-000008/: a save that was replacing it was interrupted before the new "\
+           "one was in place" in callbacks.statuses
