@@ -46,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="runs side by side in a group (default 6 on CUDA, 1 on the CPU)")
     p.add_argument("--backends", type=_csv,
                    help="comma list: run only the jobs of these backends (others: not started)")
+    p.add_argument("--jobs", type=lambda text: tuple(j.strip() for j in text.split(",")
+                                                     if j.strip()),
+                   help="comma list of job names: run only these, say to rerun one after a "
+                        "fix (what they need must be among them; others: not started)")
     p.add_argument("--docs", type=Path, default=REPO / "docs", help="merge: the docs folder")
     p.add_argument("--allow-rehearsal", action="store_true",
                    help="merge: accept CPU / --tiny results (tests only)")
@@ -122,14 +126,20 @@ def run(args: argparse.Namespace) -> int:
         if not torch.cuda.is_available():
             print("error: no CUDA GPU here; rehearse with --device cpu --tiny", file=sys.stderr)
             return 2
+    jobs = phase_jobs(phase, args.tiny)
+    unknown = sorted(set(args.jobs or ()) - {job.name for job in jobs})
+    if unknown:
+        print(f"error: --jobs: phase {phase.key} has no job {', '.join(unknown)}; its jobs: "
+              + ", ".join(job.name for job in jobs), file=sys.stderr)
+        return 2
     parallel = args.parallel or (6 if args.device == "cuda" else 1)
     if phase.max_parallel:
         parallel = min(parallel, phase.max_parallel)
     ctx = Context(phase=phase.key, device=args.device, tiny=args.tiny, out=args.out,
                   work=args.work, budget_s=args.budget, parallel=parallel,
-                  backends=args.backends)
+                  backends=args.backends, jobs=args.jobs)
     print(f"phase {phase.key}: {phase.answers} (budget {args.budget:.0f} s)", flush=True)
-    run_phase(ctx, phase_jobs(phase, args.tiny), KINDS,
+    run_phase(ctx, jobs, KINDS,
               print_line=lambda line: print(line, flush=True))
     print((ctx.out / "summary.md").read_text(encoding="utf-8"))  # the table, printed last
     return 0

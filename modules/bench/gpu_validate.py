@@ -68,6 +68,7 @@ class Context:
     budget_s: float
     parallel: int
     backends: tuple[str, ...] | None = None   # only jobs of these backends (None: all)
+    jobs: tuple[str, ...] | None = None       # only these jobs, by name (None: all)
     started: float = field(default_factory=time.monotonic)
     rows: list[dict[str, Any]] = field(default_factory=list)
     order: list[str] = field(default_factory=list)   # job names, as the phase lists them
@@ -194,6 +195,8 @@ def _why_not_started(job: Job, ctx: Context) -> str:
     backend = job.spec.get("backend")
     if job.spec.get("needs_cuda") and ctx.device != "cuda":
         return "needs a CUDA GPU"
+    if ctx.jobs is not None and job.name not in ctx.jobs:
+        return "not in --jobs"
     if ctx.backends is not None and backend and backend not in ctx.backends:
         return f"backend {backend} not in --backends {','.join(ctx.backends)}"
     for name in job.after:

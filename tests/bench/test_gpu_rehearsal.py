@@ -23,10 +23,11 @@ LEFT_OUT = re.compile(r"backend \w+ not in --backends [\w,]+|needs a CUDA GPU|"
                       r"needs [\w-]+, which ended not started")
 
 
-def run_phase(phase: str, out: Path, work: Path, backends: str) -> dict:
+def run_phase(phase: str, out: Path, work: Path, backends: str, jobs: str = "") -> dict:
     done = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "gpu_validate.py"), phase, "--device", "cpu",
-         "--tiny", "--backends", backends, "--out", str(out), "--work", str(work)],
+         "--tiny", "--backends", backends, "--out", str(out), "--work", str(work),
+         *(["--jobs", jobs] if jobs else [])],
         cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
@@ -136,14 +137,18 @@ def test_a_compiled_runs_lora_loads_and_the_warm_cell_starts_from_its_cold_twin(
     """INDUCTOR through train.py on the tiny model and its LoRA into diffusers (phase 1); then
     phase 2 on a fresh work folder, as a lent session starts bare: the cold cell fills the
     cache, the cell after it must hit it (a warm start)."""
-    trained = rows(run_phase("1", tmp_path / "out1", tmp_path / "work1", "INDUCTOR"))
+    # each inductor graph costs about a minute here: only the jobs this test reads
+    trained = rows(run_phase("1", tmp_path / "out1", tmp_path / "work1", "INDUCTOR",
+                             "build-sd15,train-sd15-inductor,lora-sd15-inductor"))
     run = trained["train-sd15-inductor"]
     assert run["status"] == "ok" and run["effective"] == {"unet": "INDUCTOR"}
     assert run["compiled_code_ran"] and run["recompiles_after_first_pass"] == 0
     lora = trained["lora-sd15-inductor"]
     assert lora["status"] == "ok", lora
     assert all(f["mean_abs_change"] > 0 for f in lora["files"].values())
-    timed = rows(run_phase("2", tmp_path / "out2", tmp_path / "work2", "INDUCTOR"))
+    timed = rows(run_phase("2", tmp_path / "out2", tmp_path / "work2", "INDUCTOR",
+                           "build-sd15,cold-sd15-inductor,cell-sd15-inductor"))
+    assert timed["cell-sd15-channels-last-inductor"]["error"] == "not in --jobs"
     cold, warm = timed["cold-sd15-inductor"], timed["cell-sd15-inductor"]
     assert cold["status"] == "ok" and not cold["warm_cache_found"]
     assert warm["status"] == "ok" and warm["warm_cache_found"], warm

@@ -249,6 +249,21 @@ def test_merge_refuses_a_rehearsal_and_leaves_the_docs_alone(tmp_path, capsys):
     assert not (docs / "benchmarks" / "gpu" / "1-sd15.json").exists()
 
 
+def test_jobs_runs_only_the_named_jobs_and_refuses_a_name_the_phase_lacks(tmp_path, capsys):
+    ctx = context(tmp_path, jobs=("second",))
+    run_phase(ctx, [Job("first", "script", 30, {"code": WRITE_OK}),
+                    Job("second", "script", 30, {"code": WRITE_OK})],
+              {"script": script_kind()}, print_line=lambda line: None)
+    rows = rows_by_job(ctx)
+    assert rows["first"] == {**rows["first"], "status": "not started", "error": "not in --jobs"}
+    assert rows["second"]["status"] == "ok"
+    code = cli_main(["1", "--device", "cpu", "--tiny", "--jobs", "train-sd15-none,typo",
+                     "--out", str(tmp_path / "o"), "--work", str(tmp_path / "w")])
+    err = capsys.readouterr().err
+    assert code == 2 and "phase 1-sd15 has no job typo; its jobs: env, build-sd15," in err
+    assert not (tmp_path / "o").exists()
+
+
 def test_list_names_every_phase_and_which_have_results(tmp_path, capsys):
     docs = docs_copy(tmp_path)
     merge_results([phase_summary(tmp_path, "1-sd15", "cuda", tiny=False)], docs)
