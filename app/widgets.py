@@ -19,6 +19,7 @@ import customtkinter as ctk
 from app.binding import ConfigBinding, format_value
 from app.dialogs import ask_directory, ask_open_file
 from app.labels import enum_label, enum_member
+from app.text_boxes import pass_wheel_at_ends
 from app.tooltip import Tooltip
 
 ERROR_COLOR = ("#c62828", "#ef5350")
