@@ -3,7 +3,6 @@ moment (also while a backup is being written) leaves a run that `--resume` finis
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
 import subprocess

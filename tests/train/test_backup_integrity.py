@@ -10,7 +10,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
 from modules.config.problems import ConfigError

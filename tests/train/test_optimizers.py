@@ -3,7 +3,6 @@ cannot run here is refused before a run starts, and each logs what it reports.""
 from __future__ import annotations
 
 import importlib.util
-import json
 
 import pytest
 import torch

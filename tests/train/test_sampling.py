@@ -10,7 +10,6 @@ import torch
 from PIL import Image
 
 from modules.config import Config, apply_overrides
-from modules.config.problems import ConfigError
 from modules.config.prompts import parse_prompt, prompt_defaults, sample_prompts
 from modules.config.schema import Sampler
 from modules.config.validate import validate

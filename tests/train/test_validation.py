@@ -5,7 +5,6 @@ graphs are never recompiled by it."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
