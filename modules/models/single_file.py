@@ -17,6 +17,8 @@ import torch
 
 from modules.config.schema import ModelType
 from modules.model_types import MODEL_TYPES
+from modules.models.bundle import PREDICTION_TYPES, Dtypes, ModelBundle, dtype_of, widest_dtype
+from modules.models.families.base import FileConventions
 from modules.models.precision import cast_for_saving
 from modules.util.atomic import atomic_file
 from modules.util.errors import first_line
@@ -60,17 +62,9 @@ class SingleFileError(ValueError):
 
 
 # --- detection and loading --------------------------------------------------------------
-def config_folder_for(model_type: ModelType) -> Path:
-    """The diffusers config folder shipped with Tempera for `model_type` (no weights in it)."""
-    return CONFIGS_DIR / _conventions(model_type).single_file_configs
-
-
-def _conventions(model_type: ModelType):
-    from modules.models.families import family_of
-    files = family_of(model_type).files
-    if files is None:
-        raise SingleFileError(f"{model_type.value} has no single-file (ldm) layout")
-    return files
+def config_folder_for(files: FileConventions) -> Path:
+    """The diffusers config folder shipped with Tempera for a family's ldm layout (no weights)."""
+    return CONFIGS_DIR / files.single_file_configs
 
 
 def is_single_file(path: str | Path) -> bool:
@@ -200,20 +194,20 @@ def _has_tokenizer(folder: Path) -> bool:
         (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file())
 
 
-def load_single_file(path: str | Path, model_type: ModelType, dtype: torch.dtype = torch.float32,
-                     allow_pickle: bool = False, config_folder: str | Path | None = None,
+def load_single_file(path: str | Path, model_type: ModelType, *, config_folder: str | Path,
+                     dtype: torch.dtype = torch.float32, allow_pickle: bool = False,
                      tokenizer_folder: str | Path | None = None) -> dict[str, Any]:
     """The components (unet, vae, text encoder(s), tokenizer(s), scheduler) of a checkpoint file.
 
-    `config_folder` defaults to the shipped config of `model_type`; the tests pass a tiny
-    model's folder instead. Pickles are read with `weights_only=True` (diffusers does the same).
+    `config_folder`: the architecture configs, the family's shipped one (`config_folder_for`)
+    or, in the tests, a tiny model's folder. Pickles are read with `weights_only=True` (diffusers does the same).
     """
     import diffusers
     from transformers import AutoTokenizer
 
     path = Path(path)
     detect_model_type(path, expected=model_type, allow_pickle=allow_pickle)
-    config = Path(config_folder) if config_folder else config_folder_for(model_type)
+    config = Path(config_folder)
     spec = MODEL_TYPES[model_type]
     kwargs: dict[str, Any] = {}
     if not all(_has_tokenizer(config / n) for n in spec.tokenizers):
@@ -245,10 +239,10 @@ def _check_all_loaded(path: Path, parts: dict[str, Any]) -> None:
                                       "its keys or shapes do not match the config")
 
 
-def load_single_file_bundle(path: str | Path, model_type: ModelType, prediction_type,
-                            dtype=torch.float32, allow_pickle: bool = False,
-                            tokenizer_folder: str | Path | None = None,
-                            config_folder: str | Path | None = None):
+def load_single_file_bundle(path: str | Path, model_type: ModelType, prediction_type, *,
+                            config_folder: str | Path, dtype: Dtypes = torch.float32,
+                            allow_pickle: bool = False,
+                            tokenizer_folder: str | Path | None = None) -> ModelBundle:
     """A `ModelBundle` from a checkpoint file, like `loader.load_model` gives for a folder.
 
     ``dtype`` is one dtype or one per component: the file is read once at the most precise of
@@ -257,10 +251,10 @@ def load_single_file_bundle(path: str | Path, model_type: ModelType, prediction_
     from diffusers import DDPMScheduler
 
     from modules.config.schema import PredictionType
-    from modules.models.loader import PREDICTION_TYPES, ModelBundle, dtype_of, widest_dtype
 
-    parts = load_single_file(path, model_type, widest_dtype(dtype), allow_pickle, config_folder,
-                             tokenizer_folder)
+    parts = load_single_file(path, model_type, config_folder=config_folder,
+                             dtype=widest_dtype(dtype), allow_pickle=allow_pickle,
+                             tokenizer_folder=tokenizer_folder)
     spec = MODEL_TYPES[model_type]
     for name in ("unet", "vae", *spec.text_encoders):
         parts[name].to(dtype=dtype_of(dtype, name))
@@ -396,8 +390,10 @@ def open_clip_to_ldm(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     return out
 
 
-def to_ldm_state_dict(components: dict[str, Any], model_type: ModelType) -> dict[str, torch.Tensor]:
-    """The whole model's weights under the original SD / SDXL checkpoint names."""
+def to_ldm_state_dict(components: dict[str, Any], files: FileConventions
+                      ) -> dict[str, torch.Tensor]:
+    """The whole model's weights under the original SD / SDXL checkpoint names (`files`: the
+    family's, which says where each text encoder goes)."""
     out: dict[str, torch.Tensor] = {}
     unet, vae = components["unet"], components["vae"]
     for key, value in _plain_state_dict(unet, "unet").items():
@@ -410,7 +406,7 @@ def to_ldm_state_dict(components: dict[str, Any], model_type: ModelType) -> dict
         out[LDM_VAE_PREFIX + ldm_key] = value
     # where each text encoder lives in an ldm checkpoint, and in which layout: "hf" keeps the
     # transformers names (CLIP ViT-L), "open_clip" is OpenCLIP's (SD 2's ViT-H, SDXL's bigG)
-    for name, (prefix, layout) in _conventions(model_type).single_file_text_encoders.items():
+    for name, (prefix, layout) in files.single_file_text_encoders.items():
         weights = _plain_state_dict(components[name], name)
         if layout == "open_clip":
             converted = open_clip_to_ldm(weights)
@@ -429,12 +425,13 @@ def _plain_state_dict(module: torch.nn.Module, name: str) -> dict[str, torch.Ten
     return state
 
 
-def save_single_file(components: dict[str, Any], path: str | Path, model_type: ModelType,
+def save_single_file(components: dict[str, Any], path: str | Path, files: FileConventions,
                      metadata: dict[str, str] | None = None,
                      dtype: torch.dtype | None = None) -> Path:
     """Write the full model as one ldm-layout .safetensors (what A1111/ComfyUI load), atomically.
 
-    `components` holds unet, vae and the text encoder(s) by their pipeline names; a
+    `components` holds unet, vae and the text encoder(s) by their pipeline names (`files`:
+    the family's conventions, `family_files(model_type)`, say where each encoder goes); a
     `scheduler` predicting v adds ComfyUI's `v_pred` marker key, one rescaled for zero
     terminal SNR its `ztsnr` key.
     """
@@ -443,7 +440,7 @@ def save_single_file(components: dict[str, Any], path: str | Path, model_type: M
     path = Path(path)
     if path.suffix.lower() != SAFETENSORS_SUFFIX:
         raise SingleFileError(f"{path}: single-file checkpoints are saved as {SAFETENSORS_SUFFIX}")
-    tensors = to_ldm_state_dict(components, model_type)
+    tensors = to_ldm_state_dict(components, files)
     tensors = cast_for_saving(tensors, dtype, str(path))
     scheduler = components.get("scheduler")
     if scheduler is not None and scheduler.config.get("prediction_type") == "v_prediction":

@@ -13,7 +13,7 @@ from torch import nn
 from modules.config.loss import LossConfig
 from modules.config.optimizers import OPTIMIZERS
 from modules.model_types import MODEL_TYPES
-from modules.models.loader import vae_downscale
+from modules.models.bundle import vae_downscale
 from modules.train.schedules import lr_multiplier, schedule_shape
 from modules.config.schema import (
     Config,

@@ -18,9 +18,10 @@ from modules.config.schema import Config
 from modules.model_types import MODEL_TYPES
 from modules.events import TrainerCallbacks
 from modules.compile.regions import REPEATED_BLOCKS
-from modules.models.loader import ModelBundle
+from modules.models.bundle import ModelBundle
 from modules.train.builders import pick_device
 from modules.train.weights import trained_components
+from modules.models.families import family_of
 
 # The compile engine's (and run.json's) name for the denoiser, whatever its family calls it:
 # `compile.denoiser` selects it.
@@ -74,7 +75,7 @@ def build_compile_guard(config: Config, bundle: ModelBundle, device: torch.devic
         config.compile,
         {COMPILE_DENOISER: bundle.denoiser, "text_encoder": list(bundle.text_encoders.values()),
          "vae": bundle.vae},
-        regional_blocks={**REPEATED_BLOCKS, COMPILE_DENOISER: bundle.family.repeated_blocks},
+        regional_blocks={**REPEATED_BLOCKS, COMPILE_DENOISER: family_of(bundle.model_type).repeated_blocks},
         callbacks=callbacks, device=device, capabilities=facts.capabilities,
         trainable_params=[p for plist in params.values() for p in plist],
         training=facts.training,

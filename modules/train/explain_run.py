@@ -18,6 +18,7 @@ from modules.train.compile_guard import compile_facts
 from modules.config.problems import ConfigError
 from modules.config.schema import Config
 from modules.config.validate import validate
+from modules.models.families import family_of
 from modules.models.loader import load_bundle, resolve_model_path
 from modules.paths import cache_dir_for
 from modules.train.builders import pick_device
@@ -34,7 +35,7 @@ def _example_inputs(bundle, config: Config, device: torch.device) -> dict[str, t
     latents = torch.randn(1, bundle.vae.config.latent_channels, res // factor, res // factor,
                           device=device, dtype=bundle.denoiser.dtype).contiguous(
         memory_format=denoiser_memory_format(config))  # as the training step hands it over
-    family = bundle.family
+    family = family_of(bundle.model_type)
     with torch.no_grad():
         hidden, pooled = family.encode_text(bundle, ["a photo"], device, None)
     batch = {"caption": ["a photo"], "original_size": torch.tensor([[res, res]]),

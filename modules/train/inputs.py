@@ -14,7 +14,8 @@ from modules.config.prompts import sample_prompts
 from modules.config.schema import Config, SaveFormat, TrainingMethod
 from modules.data.captions import CaptionsFileError, load_captions_file
 from modules.model_types import BUILTIN_PREFIX, MODEL_TYPES
-from modules.models.family import FolderError, check_folder, check_weight_headers, weight_files
+from modules.models.family import check_folder
+from modules.models.folder import FolderError, check_weight_headers, weight_files
 from modules.util.disk import free_bytes, megabytes, nearest_existing
 
 # A LoRA save is a small fraction of the model (rank 16-128 adapters on attention layers);

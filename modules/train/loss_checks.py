@@ -13,7 +13,7 @@ from modules.config.problems import Problem
 from modules.config.schema import Config
 from modules.model_types import MODEL_TYPES
 from modules.models.families import family_of
-from modules.models.loader import ModelBundle
+from modules.models.bundle import ModelBundle
 from modules.models.single_file import schedule_markers
 
 
@@ -50,7 +50,7 @@ def model_problems(config: Config, bundle: ModelBundle) -> list[Problem]:
     terminal SNR on a model that (with prediction type AUTO) turned out to predict epsilon,
     or left off for a checkpoint marked as trained with it."""
     problems = []
-    steps = bundle.family.objective.train_timesteps(bundle)
+    steps = family_of(bundle.model_type).objective.train_timesteps(bundle)
     if config.loss.max_timestep > steps:
         problems.append(Problem("loss.max_timestep", f"at most {steps} (this model's number of "
                                 "training timesteps)", str(config.loss.max_timestep)))

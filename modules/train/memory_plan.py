@@ -30,7 +30,8 @@ from modules.config.adapters import ADAPTERS
 from modules.config.optimizers import OPTIMIZERS
 from modules.config.schema import Config, Optimizer, TrainingMethod
 from modules.model_types import MODEL_TYPES
-from modules.models.loader import ModelBundle, component_classes
+from modules.models.bundle import ModelBundle
+from modules.models.sd_folder import component_classes
 
 GIB = 2 ** 30
 WARN_FRACTION = 0.9  # above this share of the card, activations will likely not fit
@@ -108,11 +109,12 @@ def config_folders(config: Config, model_path: Path) -> Path:
     """The folder whose <component>/config.json files describe the model: the diffusers folder
     itself, or for a single file the configs it is loaded with (model.config_path, else the
     shipped ones)."""
+    from modules.models.families import family_files
     from modules.models.single_file import config_folder_for, is_single_file
     if not is_single_file(model_path):
         return Path(model_path)
     return Path(config.model.config_path) if config.model.config_path \
-        else config_folder_for(config.model.type)
+        else config_folder_for(family_files(config.model.type))
 
 
 def component_class(folder: Path, name: str, model_type) -> type[nn.Module]:

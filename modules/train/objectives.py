@@ -24,7 +24,7 @@ from modules.data.masks import latent_mask
 if TYPE_CHECKING:
     from modules.config.schema import Config
     from modules.models.families.base import Objective
-    from modules.models.loader import ModelBundle
+    from modules.models.bundle import ModelBundle
 
 
 # --- noise ------------------------------------------------------------------------------

@@ -19,7 +19,8 @@ from modules.data.captions import CaptionsFileError, load_captions_file
 from modules.data.progress import RateMeter
 from modules.data.folders import DatasetError, DatasetSource, ScanResult, scan_datasets
 from modules.events import TrainerCallbacks
-from modules.models.loader import ModelBundle, load_bundle, resolve_model_path
+from modules.models.bundle import ModelBundle
+from modules.models.loader import load_bundle, resolve_model_path
 from modules.paths import cache_dir_for
 from modules.runtime import runtime_problems
 from modules.train.backup import BackupError, ResumePoint, resume_point

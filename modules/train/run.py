@@ -19,7 +19,7 @@ from modules.data.dataset import ImageCaptionDataset, epoch_dataloader, set_samp
 from modules.data.feed import FeedMeter
 from modules.events import TrainerCallbacks, TrainerCommands
 from modules.models.families import ModelFamily
-from modules.models.loader import ModelBundle
+from modules.models.bundle import ModelBundle
 from modules.train.backup import BackupError, BoundaryState, set_random_states
 from modules.train.batch_shapes import BatchShapeLog
 from modules.train.builders import StepBudget
@@ -28,6 +28,7 @@ from modules.train.output_lock import OutputLock
 from modules.train.record import RunRecord
 from modules.train.state import TrainingState
 from modules.train.text_cache import TextEncoderCache
+from modules.models.families import family_of
 
 if TYPE_CHECKING:  # imported where a run builds them, only when the option is on
     from diffusers.training_utils import EMAModel
@@ -92,7 +93,7 @@ class Run:
     @property
     def family(self) -> ModelFamily:
         """What the model's family does differently (noise, target, conditioning, denoiser)."""
-        return self.bundle.family
+        return family_of(self.bundle.model_type)
 
     @property
     def trains_text_encoder(self) -> bool:

@@ -9,7 +9,7 @@ from PIL import Image
 
 from modules.config.prompts import SamplePrompt
 from modules.config.schema import Config, Sampler
-from modules.models.loader import ModelBundle
+from modules.models.bundle import ModelBundle
 from modules.train.weights import build_pipeline
 from modules.util.atomic import atomic_file
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from modules.models.loader import ModelBundle
+from modules.models.bundle import ModelBundle
+from modules.models.families import family_of
 
 
 class TextEncoderCache:
@@ -30,7 +31,7 @@ class TextEncoderCache:
         missing = list(dict.fromkeys(c for c in captions if c not in self.entries))
         fresh: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
         if missing:
-            hidden, pooled = self.bundle.family.encode_text(self.bundle, missing, self.device, None)
+            hidden, pooled = family_of(self.bundle.model_type).encode_text(self.bundle, missing, self.device, None)
             for i, caption in enumerate(missing):
                 fresh[caption] = (hidden[i].clone(), None if pooled is None else pooled[i].clone())
             self.encoded += len(missing)

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from modules.config.schema import Config, DType, SaveFormat, TrainingMethod
-from modules.models.families import family_of
-from modules.models.loader import TORCH_DTYPES, ModelBundle
+from modules.models.bundle import TORCH_DTYPES, ModelBundle
+from modules.models.families import family_files, family_of
 from modules.models.precision import SAVE_DTYPES, cast_for_saving, cast_weight_files
 from modules.model_types import MODEL_TYPES
 from modules.models.single_file import clip_key_with_text_model, rename_weight_keys
@@ -100,7 +100,7 @@ def enable_gradient_checkpointing(bundle: ModelBundle, trained: list[str]) -> No
     for name in trained:
         module = bundle.component(name)
         if name == bundle.denoiser_name:
-            bundle.family.enable_gradient_checkpointing(module)
+            family_of(bundle.model_type).enable_gradient_checkpointing(module)
         else:
             module.gradient_checkpointing_enable()
 
@@ -221,7 +221,7 @@ def write_full_single_file(bundle: ModelBundle, config: Config, folder: Path, st
     from modules.models.single_file import save_single_file
     path = folder / SINGLE_FILE_NAME
     components = {**bundle.components(), "scheduler": bundle.noise_scheduler}
-    save_single_file(components, path, config.model.type,
+    save_single_file(components, path, family_files(config.model.type),
                      {**_metadata(bundle, config, "checkpoint", "single_file", step),
                       **(extra or {})},
                      dtype=SAVE_DTYPES[config.output.save_dtype])

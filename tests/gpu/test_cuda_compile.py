@@ -14,6 +14,7 @@ from modules.compile.backends import BACKENDS, BackendRow
 from modules.compile.capabilities import triton_c_compiler
 from modules.config.schema import CompileBackend
 from modules.events import RecordingCallbacks
+from modules.models.families import family_of
 from modules.train import recipe as recipe_module
 from modules.train import trainer as trainer_module
 from modules.train.builders import float32_precision
@@ -140,7 +141,7 @@ def test_cached_captions_stay_themselves_under_cuda_graphs(cuda_config, monkeypa
     try:
         assert record_of(result)["precision"] == precision  # the one the cache was filled at
         with torch.no_grad():
-            fresh = {caption: cache.bundle.family.encode_text(cache.bundle, [caption],
+            fresh = {caption: family_of(cache.bundle.model_type).encode_text(cache.bundle, [caption],
                                                            torch.device("cuda"), None)[0][0]
                      .clone() for caption in cache.entries}
     finally:

@@ -20,7 +20,7 @@ import torch
 from modules.model_types import MODEL_TYPES, ModelType
 from modules.models.families import FAMILIES, sd
 from modules.models.families.base import ModelFamily, Objective
-from modules.models.loader import Dtypes, ModelBundle, dtype_of
+from modules.models.bundle import Dtypes, ModelBundle, dtype_of
 
 SLOT = ModelType.SD15  # the table entry the test family stands in for
 SPEC = dataclasses.replace(MODEL_TYPES[SLOT], label="tiny DiT (tests)",

@@ -11,6 +11,7 @@ from modules.config import apply_overrides, Config
 from modules.config.loader import to_dict
 from modules.config.schema import ModelType, PredictionType
 from modules.models.metadata import training_metadata
+from modules.models.families import family_files
 
 NOW = dt.datetime(2025, 1, 2, 3, 4, 5, tzinfo=dt.timezone.utc)
 
@@ -57,7 +58,7 @@ def test_saved_kohya_and_single_file_carry_the_metadata(tempera_cache, tmp_path)
     from peft import LoraConfig
 
     from modules.models.kohya import save_kohya_lora
-    from modules.models.loader import load_model
+    from modules.models.sd_folder import load_model
     from modules.models.single_file import save_single_file
     from modules.models.tiny import ensure_builtin_model
 
@@ -65,7 +66,7 @@ def test_saved_kohya_and_single_file_carry_the_metadata(tempera_cache, tmp_path)
     bundle = load_model(folder, ModelType.SD15, PredictionType.AUTO)
     config = _config_dict()
     full = save_single_file({"unet": bundle.denoiser, "vae": bundle.vae, **bundle.text_encoders},
-                            tmp_path / "full.safetensors", ModelType.SD15,
+                            tmp_path / "full.safetensors", family_files(ModelType.SD15),
                             training_metadata(config, ModelType.SD15, "FINE_TUNE", "checkpoint",
                                               layout="single_file"))
     bundle.denoiser.add_adapter(LoraConfig(r=8, lora_alpha=4, target_modules=["to_q"]))

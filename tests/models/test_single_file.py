@@ -7,12 +7,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from modules.config.schema import ModelType, PredictionType
-from modules.models.loader import load_model
+from modules.models.sd_folder import load_model
 from modules.models.single_file import (
     SingleFileError, config_folder_for, detect_model_type, load_single_file, save_single_file,
     to_ldm_state_dict)
 from modules.models.tiny import ensure_builtin_model
 from modules.model_types import MODEL_TYPES
+from modules.models.families import family_files
 
 
 def _tiny(model_type, cache):
@@ -34,7 +35,7 @@ def _assert_same_weights(original, loaded):
 def test_tiny_model_round_trips_through_diffusers_single_file_loader(model_type, tempera_cache,
                                                                     tmp_path):
     folder, components = _tiny(model_type, tempera_cache)
-    path = save_single_file(components, tmp_path / "model.safetensors", model_type,
+    path = save_single_file(components, tmp_path / "model.safetensors", family_files(model_type),
                             {"modelspec.title": "t"})
     assert detect_model_type(path) == model_type
     assert safe_open(str(path), "pt").metadata()["modelspec.title"] == "t"
@@ -53,7 +54,7 @@ def test_sdxl_layout_is_what_diffusers_converters_read(tempera_cache, tmp_path):
     from safetensors.torch import load_file
 
     _, components = _tiny(ModelType.SDXL, tempera_cache)
-    path = save_single_file(components, tmp_path / "xl.safetensors", ModelType.SDXL)
+    path = save_single_file(components, tmp_path / "xl.safetensors", family_files(ModelType.SDXL))
     assert detect_model_type(path) == ModelType.SDXL
     ckpt = load_file(path)
     unet, vae = components["unet"], components["vae"]
@@ -80,14 +81,14 @@ def test_shipped_configs_give_the_real_architectures_ldm_names(model_type, kind)
         convert_ldm_unet_checkpoint, convert_ldm_vae_checkpoint, infer_diffusers_model_type)
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
-    folder = config_folder_for(model_type)
+    folder = config_folder_for(family_files(model_type))
     classes = {"text_encoder": CLIPTextModel, "text_encoder_2": CLIPTextModelWithProjection}
     with torch.device("meta"):
         unet = UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(folder / "unet"))
         vae = AutoencoderKL.from_config(AutoencoderKL.load_config(folder / "vae"))
         encoders = {n: classes[n](CLIPTextConfig.from_pretrained(folder / n))
                     for n in MODEL_TYPES[model_type].text_encoders}
-    ldm = to_ldm_state_dict({"unet": unet, "vae": vae, **encoders}, model_type)
+    ldm = to_ldm_state_dict({"unet": unet, "vae": vae, **encoders}, family_files(model_type))
     assert infer_diffusers_model_type(ldm) == kind
     for converted, module in ((convert_ldm_unet_checkpoint(ldm, unet.config), unet),
                               (convert_ldm_vae_checkpoint(ldm, vae.config), vae)):
@@ -119,7 +120,7 @@ def test_detect_reports_a_type_mismatch(tmp_path):
 def test_pickles_are_refused_by_default_and_loaded_weights_only_on_opt_in(tempera_cache,
                                                                          tmp_path):
     folder, components = _tiny(ModelType.SD15, tempera_cache)
-    state = {"state_dict": to_ldm_state_dict(components, ModelType.SD15)}
+    state = {"state_dict": to_ldm_state_dict(components, family_files(ModelType.SD15))}
     ckpt = tmp_path / "model.ckpt"
     torch.save(state, ckpt)
     with pytest.raises(SingleFileError, match="arbitrary code"):
@@ -143,9 +144,10 @@ def test_a_pickle_holding_code_is_refused_even_on_opt_in(tmp_path):
 
 def test_shipped_config_without_a_tokenizer_says_where_to_put_one(tempera_cache, tmp_path):
     _, components = _tiny(ModelType.SD15, tempera_cache)
-    path = save_single_file(components, tmp_path / "model.safetensors", ModelType.SD15)
+    path = save_single_file(components, tmp_path / "model.safetensors", family_files(ModelType.SD15))
     with pytest.raises(SingleFileError, match="tokenizer"):
-        load_single_file(path, ModelType.SD15)
+        load_single_file(path, ModelType.SD15,
+                         config_folder=config_folder_for(family_files(ModelType.SD15)))
 
 
 def test_adapted_components_are_refused(tempera_cache, tmp_path):
@@ -153,7 +155,7 @@ def test_adapted_components_are_refused(tempera_cache, tmp_path):
     _, components = _tiny(ModelType.SD15, tempera_cache)
     components["unet"].add_adapter(LoraConfig(r=2, target_modules=["to_q"]))
     with pytest.raises(SingleFileError, match="LoRA adapters"):
-        save_single_file(components, tmp_path / "model.safetensors", ModelType.SD15)
+        save_single_file(components, tmp_path / "model.safetensors", family_files(ModelType.SD15))
     assert not (tmp_path / "model.safetensors").exists()
 
 
@@ -179,7 +181,7 @@ def test_bundle_from_a_single_file_matches_the_folder_bundle(tempera_cache, tmp_
     from modules.models.single_file import is_single_file, load_single_file_bundle
 
     folder, components = _tiny(ModelType.SD2, tempera_cache)
-    path = save_single_file(components, tmp_path / "sd2.safetensors", ModelType.SD2)
+    path = save_single_file(components, tmp_path / "sd2.safetensors", family_files(ModelType.SD2))
     assert is_single_file(path) and not is_single_file(folder)
     bundle = load_single_file_bundle(path, ModelType.SD2, PredictionType.EPSILON,
                                      config_folder=folder)

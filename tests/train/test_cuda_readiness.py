@@ -200,7 +200,7 @@ def test_component_dtypes(tiny_config):
 
 def test_a_fine_tuned_unet_is_loaded_at_its_training_dtype_not_rounded(tiny_config):
     from modules.events import NullCallbacks
-    from modules.models.loader import load_model
+    from modules.models.sd_folder import load_model
     from modules.train.prepare import prepare_run
 
     config = tiny_config("model.weight_dtype=BFLOAT16", "training.method=FINE_TUNE",

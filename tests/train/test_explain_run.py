@@ -5,6 +5,7 @@ import importlib.util
 from pathlib import Path
 
 from modules.train.explain_run import explain_config, explain_text
+from modules.models.families import family_files
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "explain_compile.py"
 
@@ -43,7 +44,7 @@ def test_check_compilation_loads_a_single_file_model_as_training_does(tiny_confi
                                                    local_files_only=True)
     checkpoint = save_single_file({"unet": pipe.unet, "vae": pipe.vae,
                                    "text_encoder": pipe.text_encoder, "scheduler": pipe.scheduler},
-                                  tmp_path / "my-model.safetensors", ModelType.SD15)
+                                  tmp_path / "my-model.safetensors", family_files(ModelType.SD15))
     config = tiny_config(f"model.path={checkpoint}", f"model.config_path={folder}",
                          "compile.backend=AOT_EAGER", "compile.denoiser=true")
     assert set(explain_config(config)) == {"unet"}

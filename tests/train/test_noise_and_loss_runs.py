@@ -18,6 +18,7 @@ from modules.events import RecordingCallbacks
 from modules.models.families import sd as sd_family
 from modules.train.sampling import sampling_scheduler
 from modules.train.trainer import train
+from modules.models.families import family_files
 from tests.models.test_dit_family import dit_config, dit_folder  # noqa: F401 - fixtures
 from tests.train.test_resume import final_tensors, run_json, stop_then_resume
 
@@ -176,7 +177,7 @@ def test_a_checkpoint_marked_v_pred_and_ztsnr_is_read_as_such(tempera_cache, tmp
     components["scheduler"] = sd_family.ddpm_zero_terminal_snr(
         DDPMScheduler.from_config(components["scheduler"].config,
                                   prediction_type="v_prediction"))
-    path = save_single_file(components, tmp_path / "noob.safetensors", ModelType.SD15)
+    path = save_single_file(components, tmp_path / "noob.safetensors", family_files(ModelType.SD15))
     bundle = load_single_file_bundle(path, ModelType.SD15, PredictionType.AUTO,
                                      config_folder=folder)
     assert bundle.prediction_type == "v_prediction"  # AUTO reads ComfyUI's v_pred marker

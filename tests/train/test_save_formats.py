@@ -12,6 +12,7 @@ from modules.config.schema import ModelType
 from modules.models.single_file import load_single_file, save_single_file
 from modules.models.tiny import ensure_builtin_model
 from modules.train.trainer import train
+from modules.models.families import family_files
 
 
 def _base_folder(result) -> Path:
@@ -83,7 +84,7 @@ def test_training_starts_from_a_single_file_checkpoint(tiny_config, tempera_cach
     checkpoint = save_single_file({"unet": pipe.unet, "vae": pipe.vae,
                                    "text_encoder": pipe.text_encoder,
                                    "scheduler": pipe.scheduler},
-                                  tmp_path / "my-model.safetensors", ModelType.SD15)
+                                  tmp_path / "my-model.safetensors", family_files(ModelType.SD15))
     before = checkpoint.read_bytes()
     result = train(tiny_config(f"model.path={checkpoint}", f"model.config_path={folder}",
                                "training.max_steps=3", 'output.formats=["DIFFUSERS", "KOHYA"]'))

@@ -6,7 +6,7 @@ family does differently (`base.ModelFamily`).
 from __future__ import annotations
 
 from modules.model_types import ModelType
-from modules.models.families.base import ModelFamily, Objective
+from modules.models.families.base import FileConventions, ModelFamily, Objective
 from modules.models.families.sd import sd_family
 from modules.models.families.sdxl import SDXL
 
@@ -21,4 +21,14 @@ def family_of(model_type: ModelType) -> ModelFamily:
     return FAMILIES[model_type]
 
 
-__all__ = ["FAMILIES", "ModelFamily", "Objective", "family_of"]
+def family_files(model_type: ModelType) -> FileConventions:
+    """How other tools name a family's files; ValueError for a family that has no such files."""
+    files = family_of(model_type).files
+    if files is None:
+        raise ValueError(f"{model_type.value} has no file layout other tools read (kohya, "
+                         "single file)")
+    return files
+
+
+__all__ = ["FAMILIES", "FileConventions", "ModelFamily", "Objective", "family_files",
+           "family_of"]

@@ -11,15 +11,13 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from modules.model_types import MODEL_TYPES, ModelType, ModelTypeSpec
-
-if TYPE_CHECKING:
-    from modules.models.loader import ModelBundle
+from modules.models.bundle import ModelBundle
 
 # (hidden states, pooled embedding or None) for a list of captions
 TextEmbeddings = tuple[torch.Tensor, "torch.Tensor | None"]

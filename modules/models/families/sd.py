@@ -15,8 +15,9 @@ from modules.config.schema import ModelConfig
 from modules.model_types import MODEL_TYPES, ModelType
 from modules.models.families.base import (FileConventions, ModelFamily, Objective,
                                           TextEmbeddings)
-from modules.models.family import read_config
-from modules.models.loader import Dtypes, ModelBundle, load_model
+from modules.models.bundle import Dtypes, ModelBundle
+from modules.models.folder import read_config
+from modules.models.sd_folder import load_model
 
 # REGIONAL compile's blocks of a diffusers UNet2DConditionModel (matched by class name)
 UNET_BLOCKS = ("BasicTransformerBlock", "ResnetBlock2D")
@@ -102,14 +103,14 @@ def load_folder(model_type: ModelType, path: Path, prediction_type, dtypes: Dtyp
     return load_model(path, model_type, prediction_type, dtypes)
 
 
-def load_single_file(model_type: ModelType, path: Path, model: ModelConfig,
-                     dtypes: Dtypes) -> ModelBundle:
-    """An original-layout (ldm) checkpoint through the shipped configs."""
-    from modules.models.single_file import load_single_file_bundle
-    return load_single_file_bundle(path, model_type, model.prediction_type, dtypes,
-                                   allow_pickle=model.allow_pickle,
-                                   tokenizer_folder=model.tokenizer_path or None,
-                                   config_folder=model.config_path or None)
+def load_single_file(model_type: ModelType, files: FileConventions, path: Path,
+                     model: ModelConfig, dtypes: Dtypes) -> ModelBundle:
+    """An original-layout (ldm) checkpoint through the shipped configs (`files`: the family's)."""
+    from modules.models.single_file import config_folder_for, load_single_file_bundle
+    return load_single_file_bundle(
+        path, model_type, model.prediction_type, dtype=dtypes, allow_pickle=model.allow_pickle,
+        tokenizer_folder=model.tokenizer_path or None,
+        config_folder=model.config_path or config_folder_for(files))
 
 
 def detect_folder_type(folder: Path) -> tuple[ModelType, str]:
@@ -163,7 +164,7 @@ def sd_family(model_type: ModelType) -> ModelFamily:
         model_type=model_type,
         repeated_blocks=UNET_BLOCKS,
         load_folder=functools.partial(load_folder, model_type),
-        load_single_file=functools.partial(load_single_file, model_type),
+        load_single_file=functools.partial(load_single_file, model_type, SD_FILES[model_type]),
         encode_text=encode_text,
         conditioning=text_conditioning,
         denoiser_arguments=unet_arguments,

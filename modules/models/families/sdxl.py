@@ -13,7 +13,7 @@ from torch import nn
 from modules.model_types import MODEL_TYPES, ModelType
 from modules.models.families import sd
 from modules.models.families.base import FileConventions, ModelFamily, TextEmbeddings
-from modules.models.loader import ModelBundle
+from modules.models.bundle import ModelBundle
 
 
 def encode_text(bundle: ModelBundle, captions: list[str], device: torch.device,
@@ -64,11 +64,24 @@ def conditioning(hidden: torch.Tensor, pooled: torch.Tensor | None, batch: dict,
     return added_conditioning(hidden, pooled, size_conditioning(batch, height, width))
 
 
+# sd-scripts trains SDXL on the sgm UNet, so its LoRAs carry the ldm names
+SDXL_FILES = FileConventions(
+    kohya_prefixes={"unet": "lora_unet_", "text_encoder": "lora_te1_",
+                    "text_encoder_2": "lora_te2_"},
+    kohya_denoiser_naming="ldm", base_model_version="sdxl_base_v1-0",
+    modelspec_architecture=lambda v_prediction: "stable-diffusion-xl-v1-base",
+    single_file_configs="sdxl",
+    single_file_text_encoders={
+        "text_encoder": ("conditioner.embedders.0.transformer.", "hf"),
+        "text_encoder_2": ("conditioner.embedders.1.model.", "open_clip")},
+    a1111_sd_version="SDXL")
+
+
 SDXL = ModelFamily(
     model_type=ModelType.SDXL,
     repeated_blocks=sd.UNET_BLOCKS,
     load_folder=functools.partial(sd.load_folder, ModelType.SDXL),
-    load_single_file=functools.partial(sd.load_single_file, ModelType.SDXL),
+    load_single_file=functools.partial(sd.load_single_file, ModelType.SDXL, SDXL_FILES),
     encode_text=encode_text,
     conditioning=conditioning,
     denoiser_arguments=sd.unet_arguments,
@@ -76,15 +89,5 @@ SDXL = ModelFamily(
     identify_folder=sd.detect_folder_type,
     objective=sd.DDPM,
     build_tiny=functools.partial(sd.build_tiny, ModelType.SDXL),
-    # sd-scripts trains SDXL on the sgm UNet, so its LoRAs carry the ldm names
-    files=FileConventions(
-        kohya_prefixes={"unet": "lora_unet_", "text_encoder": "lora_te1_",
-                        "text_encoder_2": "lora_te2_"},
-        kohya_denoiser_naming="ldm", base_model_version="sdxl_base_v1-0",
-        modelspec_architecture=lambda v_prediction: "stable-diffusion-xl-v1-base",
-        single_file_configs="sdxl",
-        single_file_text_encoders={
-            "text_encoder": ("conditioner.embedders.0.transformer.", "hf"),
-            "text_encoder_2": ("conditioner.embedders.1.model.", "open_clip")},
-        a1111_sd_version="SDXL"),
+    files=SDXL_FILES,
 )

@@ -1,0 +1,76 @@
+"""A loaded model as one value: every component of a latent diffusion model, by the names its
+pipeline uses, and the dtype helpers the loaders share. Plain data: it imports no loader and no
+family, so every loader and family can import it."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from modules.config.schema import DType, ModelType, PredictionType
+from modules.model_types import MODEL_TYPES
+
+TORCH_DTYPES = {DType.FLOAT32: torch.float32, DType.FLOAT16: torch.float16,
+                DType.BFLOAT16: torch.bfloat16}
+PREDICTION_TYPES = {PredictionType.EPSILON: "epsilon", PredictionType.V_PREDICTION: "v_prediction"}
+
+
+@dataclass
+class ModelBundle:
+    """Every component of a latent diffusion model, by the names its pipeline uses: the
+    denoiser (its name is the family's, e.g. "unet"), the VAE, the text encoder(s)."""
+    model_type: ModelType
+    path: Path
+    denoiser: nn.Module
+    vae: nn.Module
+    text_encoders: dict[str, nn.Module]
+    tokenizers: dict[str, object]
+    noise_scheduler: object
+
+    @property
+    def denoiser_name(self) -> str:
+        return MODEL_TYPES[self.model_type].denoiser
+
+    def component(self, name: str) -> nn.Module:
+        if name == self.denoiser_name:
+            return self.denoiser
+        if name == "vae":
+            return self.vae
+        return self.text_encoders[name]
+
+    def components(self) -> dict[str, nn.Module]:
+        return {self.denoiser_name: self.denoiser, **self.text_encoders, "vae": self.vae}
+
+    @property
+    def prediction_type(self) -> str:
+        return self.noise_scheduler.config.prediction_type
+
+    @property
+    def latent_downscale(self) -> int:
+        """How many pixels one latent cell covers per side (8 for every SD model)."""
+        return vae_downscale(self.vae)
+
+
+def vae_downscale(vae: nn.Module) -> int:
+    """The VAE's spatial reduction: one halving per down block after the first."""
+    return 2 ** (len(vae.config.block_out_channels) - 1)
+
+
+# One dtype for every component, or a dtype per component name ("unet", "vae", "text_encoder"...)
+Dtypes = torch.dtype | Mapping[str, torch.dtype]
+
+
+def dtype_of(dtypes: Dtypes, name: str) -> torch.dtype:
+    return dtypes if isinstance(dtypes, torch.dtype) else dtypes[name]
+
+
+def widest_dtype(dtypes: Dtypes) -> torch.dtype:
+    """One dtype to read a file at, so that each component is rounded once, to its own: the
+    common dtype when all agree, else float32 (holds both float16 and bfloat16 exactly)."""
+    if isinstance(dtypes, torch.dtype):
+        return dtypes
+    distinct = set(dtypes.values())
+    return distinct.pop() if len(distinct) == 1 else torch.float32
