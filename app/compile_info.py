@@ -2,7 +2,7 @@
 
 The description is the backend row's (`modules.compile.backends.BACKENDS`: each row carries its
 label and description); what `torch.compile` gets and what runs on this machine, and why, is the
-plan training applies (`modules.train.compile_guard.compile_plans`). This module only renders.
+plan training applies (`modules.train.recipe.compile_guard.compile_plans`). This module only renders.
 """
 from __future__ import annotations
 

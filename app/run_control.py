@@ -211,7 +211,7 @@ class RunControl:
     def refresh_resume(self) -> None:
         """Offer Resume when the output folder holds backups of a run that ended early (and
         say how it ended); a finished run only offers to continue when Max steps was raised
-        above its end (`modules/train/resume_offer.py` decides, as it does for the CLI)."""
+        above its end (`modules/train/state/resume_offer.py` decides, as it does for the CLI)."""
         output = self.output_dir()
         found = frontend.list_backups(output)
         offer = frontend.resume_offer(output, self.binding.config.training.max_steps)

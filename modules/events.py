@@ -43,7 +43,7 @@ class CompileEvent:
 
 @dataclass(frozen=True)
 class ValidationScore:
-    """One validation pass (modules/train/validation.py): its loss at `step` and the best so
+    """One validation pass (modules/train/validation/validation.py): its loss at `step` and the best so
     far. A loss that was not finite is None (and never the best)."""
     step: int
     loss: float | None

@@ -27,13 +27,13 @@ from modules.config.field_rules import RULED_PATHS, unused_fields
 from modules.events import TrainerCallbacks, TrainerCommands
 from modules.model_types import MODEL_TYPES, ModelType
 from modules.paths import cache_dir_for, compile_cache_folder
-from modules.train.backup_files import list_backups
-from modules.train.earlier_run import (LossPoint, earlier_losses, earlier_validation,
-                                       latest_samples)
-from modules.train.inputs import check_inputs
-from modules.train.record import read_run_status
-from modules.train.resume_offer import ResumeOffer, finished_run_problem, resume_offer
-from modules.train.schedules import schedule_curve
+from modules.train.state.backup_files import list_backups
+from modules.train.state.earlier_run import (LossPoint, earlier_losses, earlier_validation,
+                                             latest_samples)
+from modules.train.setup.inputs import check_inputs
+from modules.train.outputs.record import read_run_status
+from modules.train.state.resume_offer import ResumeOffer, finished_run_problem, resume_offer
+from modules.train.recipe.schedules import schedule_curve
 from modules.util.atomic import atomic_write_text
 from modules.util.duration import format_duration
 from modules.util.library_noise import silence_torchvision_fallback_warnings
@@ -75,7 +75,7 @@ def check(config: Config) -> list[Problem]:
 def check_run(config: Config, callbacks: TrainerCallbacks) -> Any:
     """Every check a start runs, short of loading the model and training (the CLI's --check):
     a `CheckedRun`, or ConfigError with the problems."""
-    from modules.train.prepare import check_run as engine_check_run
+    from modules.train.setup.prepare import check_run as engine_check_run
     return engine_check_run(config, callbacks)
 
 
@@ -96,21 +96,21 @@ def train(config: Config, callbacks: TrainerCallbacks | None = None,
 # --- explain, the compile plan and expected compile time ------------------------------------
 def machine_capabilities(config: Config) -> Any:
     """What the configured device can compile with (imports torch and triton)."""
-    from modules.train.compile_guard import machine_capabilities as engine_capabilities
+    from modules.train.recipe.compile_guard import machine_capabilities as engine_capabilities
     return engine_capabilities(config)
 
 
 def compile_plans(config: Config, machine: Any = None) -> Any:
     """The compile plan of each component, as training will apply it on `machine` (the one
-    plan every front end shows: modules.train.compile_guard.compile_plans)."""
-    from modules.train.compile_guard import compile_plans as engine_plans
+    plan every front end shows: modules.train.recipe.compile_guard.compile_plans)."""
+    from modules.train.recipe.compile_guard import compile_plans as engine_plans
     return engine_plans(config, machine)
 
 
 def explain(config: Config) -> str:
     """What compiling with this config does here, as text (*Check compilation*,
     scripts/explain_compile.py): traces the model once."""
-    from modules.train.explain_run import explain_text
+    from modules.train.setup.explain_run import explain_text
     return explain_text(config)
 
 
@@ -119,8 +119,8 @@ def expected_compile(config: Config) -> Any:
     `CompileExpectation`; None: no record, or nothing compiles)."""
     if config.compile.backend.value == "NONE":
         return None
-    from modules.train.builders import pick_device
-    from modules.train.history import compile_expectation
+    from modules.train.recipe.builders import pick_device
+    from modules.train.state.history import compile_expectation
     return compile_expectation(config, pick_device(config.general.device).type)
 
 

@@ -19,7 +19,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", action="store_true", help="print the full result as JSON")
     args = parser.parse_args(argv)
     from modules.config import ConfigError, apply_overrides, load_config
-    from modules.train.explain_run import explain_config, explain_text
+    from modules.train.setup.explain_run import explain_config, explain_text
     try:
         config = apply_overrides(load_config(args.config), args.overrides)
         print(json.dumps(explain_config(config), indent=2, default=str) if args.json

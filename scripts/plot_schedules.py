@@ -4,7 +4,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from modules.train.schedules import plot_schedules  # noqa: E402
+from modules.train.recipe.schedules import plot_schedules  # noqa: E402
 
 if __name__ == "__main__":
     target = Path(__file__).resolve().parent.parent / "docs" / "images" / "schedules.png"

@@ -57,12 +57,12 @@ def test_app_imports_the_engine_only_through_the_frontend_module():
 
 def test_the_rule_refuses_a_deep_import(tmp_path):
     bad = tmp_path / "window.py"
-    bad.write_text("def f():\n    from modules.train.inputs import check_inputs\n"
+    bad.write_text("def f():\n    from modules.train.setup.inputs import check_inputs\n"
                    "from modules import frontend, paths\n")
     names = sorted(name for _, name in engine_imports(bad))
-    assert names == ["modules.frontend", "modules.paths", "modules.train.inputs"]
+    assert names == ["modules.frontend", "modules.paths", "modules.train.setup.inputs"]
     assert [name for name in names if not allowed(name, bad)] == ["modules.paths",
-                                                                   "modules.train.inputs"]
+                                                                   "modules.train.setup.inputs"]
     assert not allowed("modules.cloud.repo", bad)  # only the Cloud tab's file may
     assert allowed("modules.cloud.repo", tmp_path / "cloud_panel.py")
 
@@ -122,6 +122,90 @@ def test_every_import_in_modules_points_down():
 
 def test_the_layer_checker_sees_a_lazy_upward_import(tmp_path):
     source = tmp_path / "example.py"
-    source.write_text("def f():\n    from modules.train.run import Run\n", encoding="utf-8")
+    source.write_text("def f():\n    from modules.train.state.run import Run\n", encoding="utf-8")
     assert _imported_packages(source) == {"train"}
     assert _layer("train") > _layer("config")
+
+
+# --- no circles between the files of modules/ ------------------------------------------------
+def module_graph(root: Path) -> dict[str, set[str]]:
+    """Each module under ``root`` (its dotted name, ``root`` being the ``modules`` folder) and
+    the modules of ``root`` it imports, at any depth: lazy imports inside functions and types
+    under ``TYPE_CHECKING`` too (a circle through either still ties the two files together).
+    Importing ``a.b.c`` counts as depending on ``a.b.c``, not on the package ``a.b`` around it."""
+    top = root.name
+    files = {".".join(p.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__"):
+             p for p in root.rglob("*.py")}
+
+    def owner(name: str) -> str | None:  # the module a dotted name lives in
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for module, path in files.items():
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [f"{node.module}.{alias.name}" for alias in node.names]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            found |= {owner(name) for name in names if name.split(".")[0] == top} - {None}
+        graph[module] = found - {module}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for other in sorted(graph.get(node, ())):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_two_files_of_modules_import_each_other_in_a_circle():
+    assert circles(module_graph(MODULES)) == [], (
+        "import circles in modules/ (move what both files need into a lower file; "
+        "docs/architecture.md, 'The trainer's rooms')")
+
+
+def test_the_circle_checker_finds_a_lazy_circle_inside_a_folder(tmp_path):
+    room = tmp_path / "modules" / "train" / "room"
+    room.mkdir(parents=True)
+    for folder in (tmp_path / "modules", tmp_path / "modules" / "train", room):
+        (folder / "__init__.py").write_text("")
+    (room / "a.py").write_text("from modules.train.room.b import f\n")
+    (room / "b.py").write_text("def f():\n    from modules.train.room import c\n")
+    (room / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                               "    from modules.train.room.a import X\n")
+    (room / "d.py").write_text("import modules.train.room.a\n")  # outside the circle
+    graph = module_graph(tmp_path / "modules")
+    assert graph["modules.train.room.b"] == {"modules.train.room.c"}
+    assert circles(graph) == [["modules.train.room.a", "modules.train.room.b",
+                               "modules.train.room.c"]]

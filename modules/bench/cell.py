@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from modules.events import CompileEvent, NullCallbacks, Progress, TrainerCommands
-from modules.train.record import peak_memory
+from modules.train.outputs.record import peak_memory
 from modules.util.errors import describe
 
 # After a compile, a CUDA-graph tree runs the new graph without a graph first (warm-up, in the
@@ -135,7 +135,7 @@ def may_use_cudagraphs(config: Any, cuda: bool) -> bool:
     """Whether the run's compile plan keeps CUDA graphs on for a component: the plan training
     applies (`compile_plans`; run.json says after the run). Used only to decide when enough steps
     were seen."""
-    from modules.train.compile_guard import compile_plans
+    from modules.train.recipe.compile_guard import compile_plans
 
     return cuda and any(plan.cudagraphs for plan in compile_plans(config).values())
 

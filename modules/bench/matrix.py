@@ -129,7 +129,7 @@ def model_config(base: Config, *, model_path: str, model_type, resolution: int, 
 def default_precision(config: Config) -> str:
     """bf16 where the run will be on CUDA (what SD training uses there; fp32 would leave the
     tensor cores idle and time the wrong thing), fp32 on the CPU (bf16 is emulated slowly)."""
-    from modules.train.builders import pick_device
+    from modules.train.recipe.builders import pick_device
 
     return "bf16" if pick_device(config.general.device).type == "cuda" else "fp32"
 

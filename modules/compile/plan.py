@@ -4,7 +4,7 @@ Everything the compile engine decides before the first step is decided here, so 
 decision is CPU-testable for every preset: the backend that can run on this machine, the exact
 ``torch.compile`` arguments, the recompile limit and whether CUDA graphs stay on given how the
 component is trained. Every front end asks `build_plan` with the same `CompileFacts` (the
-machine and how the run trains each component; ``modules.train.compile_guard.compile_facts``
+machine and how the run trains each component; ``modules.train.recipe.compile_guard.compile_facts``
 derives them from a config): training, *Check compilation*, the GUI's summary line and the
 benchmark, so none of them can report a decision the run does not make.
 """

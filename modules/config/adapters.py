@@ -2,7 +2,7 @@
 it adapts and which file layouts can carry it.
 
 Data only (class names as strings, nothing imported): validation reads it to refuse an option
-or a save format a method cannot honour, modules/train/adapters.py builds the peft config from
+or a save format a method cannot honour, modules/train/recipe/adapters.py builds the peft config from
 it, and modules/models/kohya.py names the saved tensors from what peft built.
 
 peft implements every method (LoRA with rsLoRA and DoRA, LoHa, LoKr): one maintained library

@@ -1,7 +1,7 @@
 """The optimizers, as a table: what builds each, what it needs, and what it logs.
 
 Data only (class names as strings, nothing imported): validation reads it to refuse a
-missing package or device, and modules/train/builders.py builds the optimizer from it.
+missing package or device, and modules/train/recipe/builders.py builds the optimizer from it.
 
 Each row names a well-kept implementation instead of Tempera's own maths: torch's AdamW,
 bitsandbytes' 8-bit AdamW (CUDA), and pytorch-optimizer's Prodigy, Adafactor, Lion,
@@ -26,7 +26,7 @@ class OptimizerRow:
     schedule_free: bool = False   # averages weights itself: eval()/train() around sampling
     own_step_size: bool = False   # ignores the learning rate (Adafactor's relative step)
     # The optimizer's state per trained weight, one entry per tensor it keeps (STATE_KINDS);
-    # modules/train/memory_plan.py turns this into bytes (memory plan, backup size).
+    # modules/train/memory/memory_plan.py turns this into bytes (memory plan, backup size).
     state: tuple[str, ...] = ("copy", "copy")
     logs: tuple[str, ...] = ()    # param_group entries worth logging (Prodigy's d)
     lr_range: tuple[float, float] | None = None  # where training.learning_rate must lie

@@ -42,7 +42,7 @@ BUCKET_MAX_ASPECT_LIMIT = next(f.metadata["max"] for f in dataclasses.fields(Dat
 def validate(config: Config) -> list[Problem]:
     """Every problem with the config's values and combinations. Nothing on disk is opened: the
     inputs themselves (model, datasets, output folder) are checked by
-    `modules.train.inputs.check_inputs` when a run is prepared or `--check`ed."""
+    `modules.train.setup.inputs.check_inputs` when a run is prepared or `--check`ed."""
     problems: list[Problem] = []
     problems += _check_components(config)
     problems += _check_training(config)
@@ -58,7 +58,7 @@ def validate(config: Config) -> list[Problem]:
 
 def _check_noise_and_loss(config: Config) -> list[Problem]:
     """Combinations of the noise and loss options that cannot work (what depends on the model
-    family or the loaded model is `modules.train.loss_checks`')."""
+    family or the loaded model is `modules.train.recipe.loss_checks`')."""
     loss, problems = config.loss, []
     if loss.min_timestep >= loss.max_timestep:
         problems.append(Problem("loss.min_timestep", f"less than loss.max_timestep "

@@ -39,7 +39,7 @@ class DatasetPreview:
 
 
 def dataset_rules(ds) -> CaptionRules:
-    """A dataset config's caption rules (the same as a run's, modules/train/start.py)."""
+    """A dataset config's caption rules (the same as a run's, modules/train/setup/start.py)."""
     return CaptionRules(ds.caption_prefix, ds.caption_suffix, ds.shuffle_tags, ds.keep_tags,
                         ds.tag_dropout)
 

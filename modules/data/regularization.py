@@ -3,7 +3,7 @@
 A dataset marked `regularization` holds images of the subject's class ("a photo of a dog")
 that keep the model from forgetting what the class looks like while it learns the subject.
 Its samples are mixed into the same batches as the training samples, and their loss counts
-`training.prior_loss_weight` times (`modules/train/objectives.py: sample_weights`).
+`training.prior_loss_weight` times (`modules/train/recipe/objectives.py: sample_weights`).
 
 How many regularisation samples an epoch holds follows kohya's sd-scripts, so a dataset laid
 out for it trains the same: an epoch sees as many regularisation samples as training samples.

@@ -1,7 +1,7 @@
 """The A1111 / Forge card beside a kohya LoRA (`<stem>.json`) across saves: the user's edits
 in the extra-networks card editor survive the next save of the same folder.
 
-A save rebuilds its folder from scratch (train/weights.py swaps in a new one), so the card
+A save rebuilds its folder from scratch (train/outputs/saving.py swaps in a new one), so the card
 would be rewritten with Tempera's values every time, losing a description, notes or preferred
 weight the user typed in A1111. `merge_card` keeps them: Tempera owns only the fields it
 derives from the run ("sd version", "activation text" from the trigger words), and the

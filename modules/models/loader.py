@@ -34,7 +34,7 @@ def load_bundle(model_path: Path, model: ModelConfig, dtypes: Dtypes) -> ModelBu
         bundle = family.load_folder(Path(model_path), model.prediction_type, dtypes)
     if model.zero_terminal_snr:
         rescale = family.objective.zero_terminal_snr
-        if rescale is None:  # refused before loading (train/loss_checks.py); said again here
+        if rescale is None:  # refused before loading (train/recipe/loss_checks.py); said again here
             raise ValueError(f"{MODEL_TYPES[model.type].label} models have no noise schedule "
                              "to rescale for zero terminal SNR")
         bundle.noise_scheduler = rescale(bundle.noise_scheduler)

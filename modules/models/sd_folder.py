@@ -40,7 +40,7 @@ def load_model(path: Path, model_type: ModelType, prediction_type: PredictionTyp
 
 def component_classes(model_type: ModelType) -> dict[str, type[nn.Module]]:
     """The class each component of a `model_type` folder is built as, by component name (the
-    loader and the memory plan's weightless copies, train/memory_plan.py, agree on it)."""
+    loader and the memory plan's weightless copies, train/memory/memory_plan.py, agree on it)."""
     from diffusers import AutoencoderKL, UNet2DConditionModel
     from transformers import CLIPTextModel, CLIPTextModelWithProjection
 

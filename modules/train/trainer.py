@@ -1,5 +1,5 @@
 """The training run's public entry: prepare (validate, load; nothing written), then the recipe
-(train/recipe.py: setup → train → close), with one failure handling for every front end."""
+(train/recipe/recipe.py: setup → train → close), with one failure handling for every front end."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,13 +7,13 @@ from pathlib import Path
 from modules.config.problems import ConfigError
 from modules.config.schema import Config
 from modules.events import NullCallbacks, StopRequested, TrainerCallbacks, TrainerCommands
-from modules.train.distributed import init_distributed
-from modules.train.history import record_compile_time
-from modules.train.prepare import PreparedRun, prepare_run
-from modules.train.loop import NonFiniteTraining
-from modules.train.recipe import RunResult, TrainingRecipe
-from modules.train.record import peak_memory
-from modules.train.start import resume_hint
+from modules.train.recipe.distributed import init_distributed
+from modules.train.state.history import record_compile_time
+from modules.train.setup.prepare import PreparedRun, prepare_run
+from modules.train.recipe.loop import NonFiniteTraining
+from modules.train.recipe.recipe import RunResult, TrainingRecipe
+from modules.train.outputs.record import peak_memory
+from modules.train.setup.start import resume_hint
 from modules.util.disk import DiskFull
 from modules.util.errors import describe, is_out_of_memory
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from modules.train.resume_offer import saved_step
+from modules.train.state.resume_offer import saved_step
 from tests.app.conftest import pump
 from tests.app.test_training import RUN_TIMEOUT, gui_demo_settings
 

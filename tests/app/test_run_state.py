@@ -167,7 +167,7 @@ def test_every_prompt_of_the_latest_step_is_shown_and_compiling_is_busy(app, tmp
     for i, color in enumerate(("red", "blue", "green")):
         images.append(tmp_path / f"s{i}.png")
         Image.new("RGB", (64, 64), color).save(images[-1])
-    from modules.train.history import CompileExpectation
+    from modules.train.state.history import CompileExpectation
     app.runs.expected_compile = CompileExpectation(65.0, warm=False, cold_seconds=65.0,
                                               graphs={"unet": 12})
     panel = app.run_panel

@@ -12,7 +12,7 @@ from modules.bench import BenchmarkResult, apply_fastest
 from modules.bench.apply import ApplyError, recommended_settings
 from modules.bench.buckets import bucket_config
 from modules.bench.cell import StepTimer, excluded_steps, step_cap
-from modules.train.record import peak_memory
+from modules.train.outputs.record import peak_memory
 from modules.bench.cli import benchmark_config, build_parser
 from modules.bench.models import unet_parameter_count
 from modules.bench.report import markdown_report, plain_table

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from modules.train.backup_files import TENSORS, list_backups
+from modules.train.state.backup_files import TENSORS, list_backups
 from tests.child_env import with_repo_on_pythonpath
 from tests.cli.test_resume_cli import REPO, wait_for
 from tests.train.test_backup_integrity import fingerprint, truncate

@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from modules.train.backup import verify_backup
-from modules.train.backup_files import list_backups
+from modules.train.state.backup import verify_backup
+from modules.train.state.backup_files import list_backups
 from tests.cli.test_damaged_backup_cli import train_process
 from tests.cli.test_resume_cli import wait_for
 

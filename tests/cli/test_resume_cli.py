@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from modules.cli.train import main
-from modules.train.backup_files import list_backups
+from modules.train.state.backup_files import list_backups
 from tests.child_env import with_repo_on_pythonpath
 from tests.cli.run_settings import backed_up_run
 

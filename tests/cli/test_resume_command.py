@@ -10,8 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from modules.train.backup_files import list_backups
-from modules.train.resume_offer import saved_step
+from modules.train.state.backup_files import list_backups
+from modules.train.state.resume_offer import saved_step
 from tests.child_env import with_repo_on_pythonpath
 from tests.cli.test_resume_cli import record, wait_for
 from tests.cli.run_settings import backed_up_run

@@ -8,7 +8,7 @@ import json
 import signal
 from pathlib import Path
 
-from modules.train.backup_files import list_backups
+from modules.train.state.backup_files import list_backups
 from tests.cli.test_damaged_backup_cli import train_process
 from tests.cli.test_resume_cli import wait_for
 from tests.util.test_secrets import HF

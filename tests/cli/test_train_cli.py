@@ -124,7 +124,7 @@ def test_check_validates_without_training(small_config, capsys):
 
 
 def test_failure_during_training_exits_1(small_config, capsys, monkeypatch):
-    import modules.train.recipe as recipe_module
+    import modules.train.recipe.recipe as recipe_module
 
     def explode(run, batch, draws):
         raise RuntimeError("CUDA error: device-side assert triggered")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from modules.compile import Capabilities, CompileEngine, CompileFacts, build_plan
 from modules.config.schema import CompileBackend
-from modules.train.compile_guard import component_training
-from modules.train.weights import trained_components
+from modules.train.recipe.compile_guard import component_training
+from modules.train.recipe.trainable import trained_components
 from tests.gpu.scenarios import assert_unet_keeps_cudagraphs, cudagraphs_through_three_buckets
 
 # What tests/gpu's check asserts first: an H100-like machine on which every backend runs.
@@ -24,7 +24,7 @@ def test_the_three_bucket_cuda_graph_check_keeps_cuda_graphs_on(tiny_config, tmp
     assert plan.effective == CompileBackend.TRITON and plan.cudagraphs
     assert plan.degraded is None, plan.degraded
 
-    # The same question through the engine the trainer builds (modules/train/compile_guard.py),
+    # The same question through the engine the trainer builds (modules/train/recipe/compile_guard.py),
     # answered with the report run.json gets; applying is lazy, so nothing compiles here.
     engine = CompileEngine(config.compile, {"unet": make_unet(lora=False, checkpointing=True)},
                            capabilities=H100, training=training, cache_dir=tmp_path / "compile")

@@ -292,8 +292,8 @@ PRESETS = sorted((Path(__file__).resolve().parents[2] / "training_presets").rglo
                                            (CompileBackend.INDUCTOR, CompileMode.MAX_AUTOTUNE)])
 def test_every_preset_gets_a_safe_cudagraph_plan_on_a_gpu(preset, backend, mode):
     from modules.config import load_config
-    from modules.train.compile_guard import component_training
-    from modules.train.weights import trained_components
+    from modules.train.recipe.compile_guard import component_training
+    from modules.train.recipe.trainable import trained_components
 
     config = load_config(preset)
     config.compile.backend, config.compile.mode = backend, mode

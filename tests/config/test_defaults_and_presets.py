@@ -23,7 +23,7 @@ USER_SUPPLIED = {"model.path", "data.datasets"}
 
 def all_problems(config):
     """validate() and the checks of the inputs on disk, as a start runs them."""
-    from modules.train.inputs import check_inputs
+    from modules.train.setup.inputs import check_inputs
     return validate(config) + check_inputs(config)
 
 

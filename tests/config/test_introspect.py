@@ -97,7 +97,7 @@ def test_compile_check_dependencies_come_from_the_schema():
 
 def test_a_resume_migrates_the_backups_config_and_refuses_one_from_the_future():
     from modules.config import Config, apply_overrides, to_dict
-    from modules.train.backup import config_differences
+    from modules.train.state.backup import config_differences
     current = to_dict(Config())
     old = to_dict(Config())
     old.pop("config_version")

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from modules.config import Config, Problem, apply_overrides, validate
-from modules.train.inputs import check_inputs
+from modules.train.setup.inputs import check_inputs
 
 
 def config_with(*assignments: str, cwd: Path | None = None) -> Config:

@@ -14,7 +14,7 @@ from modules.data.captions import (CaptionRules, CaptionsFileError, item_caption
                                    load_captions_file, transform_caption)
 from modules.data.dataset import ImageCaptionDataset
 from modules.data.folders import DatasetSource, scan_datasets
-from modules.train.inputs import check_inputs
+from modules.train.setup.inputs import check_inputs
 
 TAGS = "1girl, red hair, smile, outdoors, tree, sky"
 

@@ -210,7 +210,7 @@ def test_quiet_oddities_are_warned_about(tmp_path):
 
 def test_a_bmp_is_an_unsupported_format_not_unreadable(tmp_path, tiny_config):
     from modules.events import RecordingCallbacks
-    from modules.train.prepare import check_run
+    from modules.train.setup.prepare import check_run
     root = tmp_path / "data"
     make_image(root / "ok.png", size=(64, 64), caption="ok")
     Image.new("RGB", (64, 64)).save(root / "old.bmp")

@@ -18,7 +18,7 @@ from modules.data.latent_cache import (CachedLatentDataset, LatentCache, cache_l
                                        latent_key)
 from modules.data.masks import latent_mask, load_masked_sample
 from modules.config.loss import LossType
-from modules.train.objectives import diffusion_loss, elementwise_loss, masked_sample_mean
+from modules.train.recipe.objectives import diffusion_loss, elementwise_loss, masked_sample_mean
 
 
 def diffusion_mse(prediction, target, weights, mask=None):

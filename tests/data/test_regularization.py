@@ -16,7 +16,7 @@ from modules.data.errors import DatasetError
 from modules.data.folders import DatasetSource, scan_datasets
 from modules.data.regularization import balanced_repeats, regularization_repeats
 from modules.config.loss import LossType
-from modules.train.objectives import diffusion_loss, elementwise_loss, sample_weights
+from modules.train.recipe.objectives import diffusion_loss, elementwise_loss, sample_weights
 from tests.data.test_folders import make_image
 
 

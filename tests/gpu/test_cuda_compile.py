@@ -15,9 +15,9 @@ from modules.compile.capabilities import triton_c_compiler
 from modules.config.schema import CompileBackend
 from modules.events import RecordingCallbacks
 from modules.models.families import family_of
-from modules.train import recipe as recipe_module
+from modules.train.recipe import recipe as recipe_module
 from modules.train import trainer as trainer_module
-from modules.train.builders import float32_precision
+from modules.train.recipe.builders import float32_precision
 from modules.train.trainer import TrainingError, train
 from tests.gpu.scenarios import (assert_unet_keeps_cudagraphs, bucket_images, buckets,
                                  cudagraphs_through_three_buckets)
@@ -115,7 +115,7 @@ def test_triton_through_three_buckets_never_crashes_mid_epoch(tiny_config, tmp_p
 def test_cached_captions_stay_themselves_under_cuda_graphs(cuda_config, monkeypatch):  # item 5
     """Each cached caption is its own encoding, not another caption's: a cache entry that
     aliased a CUDA graph's output would hold whatever the next replay wrote there."""
-    from modules.train import text_cache
+    from modules.train.recipe import text_cache
 
     caches = []
 
@@ -124,7 +124,7 @@ def test_cached_captions_stay_themselves_under_cuda_graphs(cuda_config, monkeypa
             super().__init__(*args, **kwargs)
             caches.append(self)
 
-    import modules.train.start as start_module
+    import modules.train.setup.start as start_module
     monkeypatch.setattr(start_module, "TextEncoderCache", Kept)
     # One precision for the cache and the fresh encodes below: full float32. A TF32 cache was
     # 2.6e-3 from a float32 encode (a TF32 simulation), past the 1e-4 below; TF32 on both sides

@@ -16,7 +16,7 @@ from modules.config.schema import ModelType
 from modules.models.kohya import adapter_layers, kohya_module_name, save_kohya_lora
 from modules.models.tiny import ensure_builtin_model
 from modules.model_types import MODEL_TYPES
-from modules.train.adapters import add_adapter
+from modules.train.recipe.adapters import add_adapter
 
 CASES = {
     "lora-rslora": ("training.adapter=LORA", "training.use_rslora=true"),

@@ -91,7 +91,7 @@ def test_lycoris_layers_trace_without_graph_breaks(adapter, tiny_config, tempera
     import torch._dynamo
     from diffusers import UNet2DConditionModel
     from modules.models.tiny import ensure_builtin_model
-    from modules.train.adapters import add_adapter
+    from modules.train.recipe.adapters import add_adapter
 
     folder = ensure_builtin_model("builtin:tiny-sd15", tempera_cache)
     unet = UNet2DConditionModel.from_pretrained(folder, subfolder="unet")
@@ -174,7 +174,7 @@ def test_lora_family_layers_trace_without_graph_breaks(adapter, tiny_config, tem
     import torch._dynamo
     from diffusers import UNet2DConditionModel
     from modules.models.tiny import ensure_builtin_model
-    from modules.train.adapters import add_adapter
+    from modules.train.recipe.adapters import add_adapter
 
     folder = ensure_builtin_model("builtin:tiny-sd15", tempera_cache)
     unet = UNet2DConditionModel.from_pretrained(folder, subfolder="unet")

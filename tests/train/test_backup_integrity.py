@@ -14,8 +14,8 @@ from safetensors.torch import load_file, save_file
 
 from modules.config.problems import ConfigError
 from modules.events import RecordingCallbacks, TrainerCommands
-from modules.train.backup import BackupError, resume_point, verify_backup
-from modules.train.backup_files import TENSORS, list_backups
+from modules.train.state.backup import BackupError, resume_point, verify_backup
+from modules.train.state.backup_files import TENSORS, list_backups
 from modules.train.trainer import train
 from tests.train.test_resume import StopAt, run_json
 
@@ -146,7 +146,7 @@ class PoisonMomentsAt(StopAt):
 
 def test_a_backup_holding_nan_is_never_written_and_the_previous_one_is_kept(tiny_config,
                                                                            monkeypatch):
-    from modules.train.recipe import TrainingRecipe
+    from modules.train.recipe.recipe import TrainingRecipe
     built = {}
     real_setup = TrainingRecipe.setup
 

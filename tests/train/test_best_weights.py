@@ -1,4 +1,4 @@
-"""validation.save_best (train/best_weights.py): best/ holds the weights of the step with the
+"""validation.save_best (train/outputs/best_weights.py): best/ holds the weights of the step with the
 lowest validation loss, a worse score never replaces it (also after a resume), it survives
 output.keep_checkpoints, an interrupted save leaves it intact, and the setting is refused
 without validation and greyed while validation is off.
@@ -17,9 +17,9 @@ from safetensors.torch import load_file
 from modules.config.field_rules import unused_fields
 from modules.config.validate import validate as validate_config
 from modules.events import RecordingCallbacks, TrainerCommands
-from modules.train import validation
-from modules.train.best_weights import latest_pass_improves
-from modules.train.resume_offer import saved_step
+from modules.train.validation import validation
+from modules.train.outputs.best_weights import latest_pass_improves
+from modules.train.state.resume_offer import saved_step
 from modules.train.trainer import TrainingError, train
 from tests.train.test_resume import StopAt, run_json
 
@@ -116,7 +116,7 @@ def test_a_resumed_run_knows_the_best_so_far(tiny_config, tmp_path, scripted_sco
 
 def test_an_interrupted_save_leaves_the_previous_best(tiny_config, tmp_path, scripted_scores,
                                                       monkeypatch):
-    from modules.train import weights as weights_module
+    from modules.train.outputs.writes import saving as weights_module
     scripted_scores.update({1: 1.0, 2: 0.5})
     real = weights_module.write_lora_diffusers
     calls = []

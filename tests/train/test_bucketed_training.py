@@ -16,7 +16,7 @@ from modules.data.dataset import ImageCaptionDataset, collate_examples, expand_r
 from modules.data.folders import DatasetSource, scan_datasets
 from modules.events import RecordingCallbacks
 from modules.models.families.sdxl import sdxl_time_ids, size_conditioning
-from modules.train.batch_shapes import BatchShapeLog
+from modules.train.recipe.batch_shapes import BatchShapeLog
 from modules.train.trainer import train
 
 # At resolution 256 (max aspect 2) the buckets are 192x320, 256x256 and 320x192 (h x w).

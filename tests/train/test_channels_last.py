@@ -11,8 +11,8 @@ from modules.config.overrides import apply_overrides
 from modules.config.schema import Config
 from modules.config.loader import to_dict
 from modules.train import trainer
-from modules.train.backup import config_differences
-from modules.train.recipe import TrainingRecipe
+from modules.train.state.backup import config_differences
+from modules.train.recipe.recipe import TrainingRecipe
 
 
 def _conv_weights(unet: torch.nn.Module) -> list[torch.Tensor]:

@@ -12,9 +12,9 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from modules.events import RecordingCallbacks, TrainerCommands
-from modules.train.backup_files import list_backups
-from modules.train.checkpoints import due_checkpoint, rotate_checkpoints
-from modules.train.resume_offer import SAVED_STEP_FILE
+from modules.train.state.backup_files import list_backups
+from modules.train.outputs.checkpoints import due_checkpoint, rotate_checkpoints
+from modules.train.state.resume_offer import SAVED_STEP_FILE
 from modules.train.trainer import train
 from tests.train.test_resume import StopAt
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from modules.config import apply_overrides
 from modules.config.schema import Config
-from modules.train.history import compile_expectation, history_path, record_compile_time
+from modules.train.state.history import compile_expectation, history_path, record_compile_time
 
 
 def config_in(tmp_path, *more: str) -> Config:

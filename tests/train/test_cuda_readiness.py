@@ -15,10 +15,10 @@ from modules.compile.guarded import FallbackGuard
 from modules.config.problems import ConfigError
 from modules.events import RecordingCallbacks, TrainerCommands
 from modules.runtime import runtime_problems, version_tuple
-from modules.train import recipe as recipe_module
+from modules.train.recipe import recipe as recipe_module
 from modules.train import trainer as trainer_module
-from modules.train.run import Run
-from modules.train.builders import float32_precision
+from modules.train.state.run import Run
+from modules.train.recipe.builders import float32_precision
 from modules.train.trainer import TrainingError, failure_message, train
 
 
@@ -83,8 +83,8 @@ def test_persistent_gradients_train_exactly_like_freed_ones(tiny_config, tmp_pat
 
 def test_cached_text_encoder_outputs_are_copies_not_views(tiny_config):
     from modules.events import NullCallbacks
-    from modules.train.prepare import prepare_run
-    from modules.train.text_cache import TextEncoderCache
+    from modules.train.setup.prepare import prepare_run
+    from modules.train.recipe.text_cache import TextEncoderCache
 
     bundle = prepare_run(tiny_config(), NullCallbacks()).bundle
     cache = TextEncoderCache(bundle, torch.device("cpu"))
@@ -161,7 +161,7 @@ def test_several_processes_agree_on_stop_only_every_few_steps():
 
 
 def test_pinned_memory_on_cuda_only(monkeypatch, tiny_config):
-    import modules.train.run as run_module
+    import modules.train.state.run as run_module
 
     seen = {}
     monkeypatch.setattr(run_module, "epoch_dataloader", lambda *a, **kw: seen.update(kw))
@@ -187,7 +187,7 @@ def test_a_torch_older_than_the_tested_floor_is_refused(tiny_config, monkeypatch
 
 
 def test_component_dtypes(tiny_config):
-    from modules.train.weights import component_dtypes
+    from modules.train.recipe.trainable import component_dtypes
 
     lora = component_dtypes(tiny_config("model.weight_dtype=BFLOAT16"))
     assert set(lora.values()) == {torch.bfloat16}
@@ -201,7 +201,7 @@ def test_component_dtypes(tiny_config):
 def test_a_fine_tuned_unet_is_loaded_at_its_training_dtype_not_rounded(tiny_config):
     from modules.events import NullCallbacks
     from modules.models.sd_folder import load_model
-    from modules.train.prepare import prepare_run
+    from modules.train.setup.prepare import prepare_run
 
     config = tiny_config("model.weight_dtype=BFLOAT16", "training.method=FINE_TUNE",
                          "model.train_dtype=FLOAT32")
@@ -215,7 +215,7 @@ def test_a_fine_tuned_unet_is_loaded_at_its_training_dtype_not_rounded(tiny_conf
 
 def test_sdxl_keeps_its_vae_in_float32_under_float16(tiny_config):
     from modules.events import NullCallbacks
-    from modules.train.prepare import prepare_run
+    from modules.train.setup.prepare import prepare_run
 
     config = tiny_config("model.path=builtin:tiny-sdxl", "model.type=SDXL",
                          "model.weight_dtype=FLOAT16")

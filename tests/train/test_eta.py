@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from modules.config.schema import Config
 from modules.config.prompts import sample_prompts
-from modules.train.eta import (estimated_sample_seconds, estimated_validation_seconds,
-                               eta_seconds, samples_still_due, validations_still_due)
+from modules.train.recipe.eta import (estimated_sample_seconds, estimated_validation_seconds,
+                                      eta_seconds, samples_still_due, validations_still_due)
 
 
 def test_samples_still_due_counts_the_periodic_passes_and_the_final_one():

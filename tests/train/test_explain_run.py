@@ -4,7 +4,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from modules.train.explain_run import explain_config, explain_text
+from modules.train.setup.explain_run import explain_config, explain_text
 from modules.models.families import family_files
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "explain_compile.py"
@@ -52,7 +52,7 @@ def test_check_compilation_loads_a_single_file_model_as_training_does(tiny_confi
 
 def test_a_run_records_its_compile_time_for_the_next_one_with_the_same_settings(tiny_config,
                                                                                  tmp_path):
-    from modules.train.history import expected_compile_seconds
+    from modules.train.state.history import expected_compile_seconds
     from modules.train.trainer import train
     own_cache = f"compile.cache_dir={tmp_path / 'compile-cache'}"  # a history of its own
     config = tiny_config("compile.backend=AOT_EAGER", "training.max_steps=1", own_cache)
@@ -60,7 +60,7 @@ def test_a_run_records_its_compile_time_for_the_next_one_with_the_same_settings(
     train(config)
     seconds = expected_compile_seconds(config, "cpu")
     assert seconds is not None and seconds > 0
-    from modules.train.history import compile_expectation
+    from modules.train.state.history import compile_expectation
     assert compile_expectation(config, "cpu").graphs["unet"] >= 1  # for "graph N of M"
     other = tiny_config("compile.backend=AOT_EAGER", "training.max_steps=1",
                         "data.resolution=128", own_cache)

@@ -67,7 +67,7 @@ def test_training_says_how_long_it_waited_for_data(tiny_config, tmp_path):
 
 def test_workers_start_once_per_run_and_train_what_the_main_process_trains(
         tiny_config, tmp_path, monkeypatch):
-    import modules.train.run as run_module
+    import modules.train.state.run as run_module
     folder = _small_folder(tmp_path)
     built = itertools.count()
     real = run_module.epoch_dataloader

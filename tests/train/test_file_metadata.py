@@ -12,7 +12,7 @@ from modules.config import Config
 from modules.config.schema import DatasetConfig, ModelType
 from modules.data.folders import DatasetSource, scan_datasets
 from modules.models.metadata import a1111_card, network_metadata, tag_frequency
-from modules.train.data_metadata import training_data_metadata
+from modules.train.outputs.data_metadata import training_data_metadata
 from modules.train.trainer import train
 from tests.train.test_checkpoints import caption_folder
 

@@ -13,7 +13,7 @@ from modules.cli.train import main
 from modules.model_types import ModelType
 from modules.models.families.sd import detect_folder_type
 from modules.models.tiny import ensure_builtin_model
-from modules.train.inputs import check_inputs
+from modules.train.setup.inputs import check_inputs
 
 
 @pytest.fixture
@@ -74,7 +74,7 @@ def test_an_output_folder_under_a_regular_file_is_refused(tiny_config, tmp_path)
 
 
 def test_a_read_only_output_folder_is_refused(tiny_config, tmp_path, monkeypatch):
-    import modules.train.inputs as inputs
+    import modules.train.setup.inputs as inputs
     monkeypatch.setattr(inputs.os, "access", lambda path, mode: False)
     monkeypatch.setattr(inputs, "_read_only", lambda path: True)
     message = problems(tiny_config(f"output.dir={tmp_path / 'out'}"))["output.dir"]
@@ -83,7 +83,7 @@ def test_a_read_only_output_folder_is_refused(tiny_config, tmp_path, monkeypatch
 
 def test_an_output_disk_without_room_for_one_save_is_refused(tiny_config, model_copy,
                                                               tmp_path, monkeypatch):
-    import modules.train.inputs as inputs
+    import modules.train.setup.inputs as inputs
     folder = model_copy("builtin:tiny-sd15")
     monkeypatch.setattr(inputs, "free_bytes", lambda path: 1000)
     config = tiny_config(f"model.path={folder}", f"output.dir={tmp_path / 'out'}",
@@ -109,7 +109,7 @@ def test_check_runs_every_input_check_a_start_runs(tmp_path, tempera_cache, caps
 
 def test_an_error_at_run_start_is_one_line_not_a_traceback(tmp_path, tempera_cache, capsys,
                                                             monkeypatch):
-    import modules.train.start as start
+    import modules.train.setup.start as start
     config_file = tmp_path / "c.json"
     config_file.write_text(json.dumps({
         "general": {"cache_dir": str(tempera_cache)}, "data": {"resolution": 64},
@@ -124,14 +124,14 @@ def test_an_error_at_run_start_is_one_line_not_a_traceback(tmp_path, tempera_cac
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: the run could not start: OSError: [Errno 28]")
     assert not any("Traceback" in line for line in err)
-    from modules.train.output_lock import busy_message
+    from modules.train.setup.output_lock import busy_message
     assert busy_message(tmp_path / "out") is None  # the failed start let the folder go
 
 
 def test_leftovers_of_interrupted_saves_are_removed_at_the_next_start(tiny_config, tmp_path):
     from modules.events import RecordingCallbacks
     from modules.config.problems import ConfigError
-    from modules.train.output_lock import OutputLock
+    from modules.train.setup.output_lock import OutputLock
     from modules.train.trainer import train
     out = tmp_path / "out"
     # `.final.old` beside a final/ is the replaced one a finished swap had still to delete;

@@ -1,4 +1,4 @@
-"""The GPU memory plan (modules/train/memory_plan.py, memory_check.py): its arithmetic on the
+"""The GPU memory plan (modules/train/memory/memory_plan.py, memory_check.py): its arithmetic on the
 tiny model against parameters counted here, its optimizer state against what each optimizer
 really allocates, the refusal of a run too big for a (monkeypatched) card through the real
 entry points with the output folder untouched, the warning band, and no check off CUDA."""
@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-import modules.train.memory_check as memory_check
+import modules.train.memory.memory_check as memory_check
 from modules.cli.train import main
 from modules.config import ConfigError
 from modules.config.loader import save_config
@@ -19,11 +19,11 @@ from modules.config.optimizers import OPTIMIZERS
 from modules.config.schema import Optimizer
 from modules.events import RecordingCallbacks
 from modules.models.loader import load_bundle
-from modules.train.memory_check import CardMemory, card_memory
-from modules.train.memory_plan import gib, optimizer_state_bytes, state_bytes
-from modules.train.prepare import check_run
+from modules.train.memory.memory_check import CardMemory, card_memory
+from modules.train.memory.memory_plan import gib, optimizer_state_bytes, state_bytes
+from modules.train.setup.prepare import check_run
 from modules.train.trainer import train
-from modules.train.weights import component_dtypes
+from modules.train.recipe.trainable import component_dtypes
 
 MIB = 2 ** 20
 FINE_TUNE = ("training.method=FINE_TUNE",)

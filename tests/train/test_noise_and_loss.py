@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from modules.config import Config, apply_overrides
 from modules.config.loss import HuberSchedule, LossConfig, LossType
 from modules.models.families import sd as sd_family
-from modules.train import objectives
-from modules.train.builders import draw_randomness
+from modules.train.recipe import objectives
+from modules.train.recipe.builders import draw_randomness
 
 PREDICTION = torch.tensor([[[[0.0, 0.05], [1.0, -3.0]]], [[[2.0, 0.5], [-0.2, 0.0]]]])
 TARGET = torch.tensor([[[[0.0, 0.0], [0.0, 0.0]]], [[[0.0, 0.0], [0.0, 1.0]]]])

@@ -16,7 +16,7 @@ from modules.config.problems import ConfigError
 from modules.config.schema import Sampler
 from modules.events import RecordingCallbacks
 from modules.models.families import sd as sd_family
-from modules.train.sampling import sampling_scheduler
+from modules.train.outputs.sampling import sampling_scheduler
 from modules.train.trainer import train
 from modules.models.families import family_files
 from tests.models.test_dit_family import dit_config, dit_folder  # noqa: F401 - fixtures
@@ -170,7 +170,7 @@ def test_a_checkpoint_marked_v_pred_and_ztsnr_is_read_as_such(tempera_cache, tmp
     from modules.config import Config, apply_overrides
     from modules.config.schema import ModelType, PredictionType
     from modules.models.single_file import load_single_file_bundle, save_single_file
-    from modules.train.loss_checks import model_problems
+    from modules.train.recipe.loss_checks import model_problems
     from tests.models.test_single_file import _tiny
 
     folder, components = _tiny(ModelType.SD15, tempera_cache)

@@ -27,12 +27,12 @@ def plan_facts(entry: dict) -> dict:
 def checked_and_trained(config, monkeypatch, caps: Capabilities) -> tuple[dict, dict]:
     """(what Check compilation says per component, what the training engine applies)."""
     import modules.compile.explain as explain_module
-    import modules.train.compile_guard as compile_guard
-    import modules.train.explain_run as explain_run
+    import modules.train.recipe.compile_guard as compile_guard
+    import modules.train.setup.explain_run as explain_run
     from modules.models.loader import resolve_model_path
     from modules.paths import cache_dir_for
     from modules.models.loader import load_bundle
-    from modules.train.weights import component_dtypes, trained_components
+    from modules.train.recipe.trainable import component_dtypes, trained_components
 
     monkeypatch.setattr(explain_run, "detect_capabilities", lambda device: caps)
     monkeypatch.setattr(compile_guard, "detect_capabilities", lambda device: caps)

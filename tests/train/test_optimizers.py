@@ -68,7 +68,7 @@ def test_schedule_free_samples_and_saves_its_averaged_weights_and_trains_on(tiny
     live ones back bit for bit: a run that samples and checkpoints every step trains exactly
     as one that never does, and what it saves is not the live weights."""
     from safetensors.torch import load_file
-    from modules.train.backup_files import list_backups
+    from modules.train.state.backup_files import list_backups
 
     base = ("training.max_steps=3", "training.optimizer=SCHEDULE_FREE_ADAMW",
             "training.method=FINE_TUNE", "training.learning_rate=1e-3")

@@ -12,8 +12,8 @@ from safetensors.torch import load_file
 
 from modules.config.problems import ConfigError
 from modules.events import RecordingCallbacks, TrainerCommands
-from modules.train.backup import flatten, unflatten
-from modules.train.backup_files import list_backups
+from modules.train.state.backup import flatten, unflatten
+from modules.train.state.backup_files import list_backups
 from modules.train.trainer import TrainingError, train
 from tests.train.test_bucketed_training import RESOLUTION, SQUARE, TALL, WIDE, make_images
 
@@ -156,7 +156,7 @@ def test_resume_without_a_backup_is_a_clear_error(tiny_config):
 def test_non_finite_loss_is_skipped_then_stops_with_no_nan_saved(tiny_config, monkeypatch):
     """From step 3 on the loss is NaN (as after a learning rate that exploded): those steps
     are skipped, two in a row stop the run, and every saved file holds finite weights."""
-    import modules.train.recipe as recipe
+    import modules.train.recipe.recipe as recipe
     calls = {"n": 0}
     real = recipe.diffusion_loss
 
@@ -185,7 +185,7 @@ def test_non_finite_loss_is_skipped_then_stops_with_no_nan_saved(tiny_config, mo
 
 
 def test_second_run_on_a_busy_output_folder_is_refused(tiny_config):
-    from modules.train.output_lock import OutputLock
+    from modules.train.setup.output_lock import OutputLock
     config = tiny_config()
     lock = OutputLock(Path(config.output.dir)).acquire()
     try:
@@ -198,7 +198,7 @@ def test_second_run_on_a_busy_output_folder_is_refused(tiny_config):
 
 
 def test_disk_full_during_a_backup_keeps_the_previous_one(tiny_config, monkeypatch):
-    import modules.train.backup as backup
+    import modules.train.state.backup as backup
     config = tiny_config("training.max_steps=4", "output.backup_every_steps=1")
     real = backup.atomic_write_dir
 
@@ -245,7 +245,7 @@ class FillDiskBeforeBackup(RecordingCallbacks):
 
 
 def test_a_really_full_disk_during_a_backup_keeps_the_previous_one(tiny_config, small_disk):
-    from modules.train.backup import load_states
+    from modules.train.state.backup import load_states
     config = tiny_config(f"output.dir={small_disk / 'out'}", "training.max_steps=4",
                          "output.backup_every_steps=1")
     with pytest.raises(TrainingError) as err:
@@ -272,7 +272,7 @@ def test_a_new_learning_rate_applies_from_the_resumed_step(tiny_config):
 
 
 def test_incomplete_backup_folders_are_never_picked(tmp_path):
-    from modules.train.backup_files import find_backup
+    from modules.train.state.backup_files import find_backup
     root = tmp_path / "backups"
     (root / "step-000004").mkdir(parents=True)        # no backup.json: written half-way
     (root / ".step-000006.abc.tmp").mkdir()           # a write that was interrupted

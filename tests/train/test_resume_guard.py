@@ -12,8 +12,8 @@ from modules.config.problems import ConfigError
 from modules.events import RecordingCallbacks, TrainerCommands
 from modules.models.tiny import builtin_identity, builtin_model_dir
 from modules.data.shapes import builtin_dataset_identity, shapes_dataset_dir
-from modules.train.backup_files import list_backups
-from modules.train.resume_offer import SAVED_STEP_FILE, resume_offer, saved_step
+from modules.train.state.backup_files import list_backups
+from modules.train.state.resume_offer import SAVED_STEP_FILE, resume_offer, saved_step
 from modules.train.trainer import train
 from tests.train.test_resume import StopAt, run_json
 

@@ -15,8 +15,8 @@ from modules.config.schema import Sampler
 from modules.config.validate import validate
 from modules.events import RecordingCallbacks
 from modules.models.tiny import ensure_builtin_model
-from modules.train.inputs import check_inputs
-from modules.train.sampling import SAMPLERS, sampling_scheduler
+from modules.train.setup.inputs import check_inputs
+from modules.train.outputs.sampling import SAMPLERS, sampling_scheduler
 from modules.train.trainer import train
 
 

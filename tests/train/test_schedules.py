@@ -11,8 +11,8 @@ from modules.config.problems import ConfigError
 from modules.config.schema import LRScheduler
 from modules.config.validate import validate
 from modules.events import RecordingCallbacks
-from modules.train.builders import build_lr_scheduler
-from modules.train.schedules import SCHEDULES, ScheduleShape, lr_multiplier, schedule_curve
+from modules.train.recipe.builders import build_lr_scheduler
+from modules.train.recipe.schedules import SCHEDULES, ScheduleShape, lr_multiplier, schedule_curve
 from modules.train.trainer import train
 from tests.train.test_resume import run_json, stop_then_resume
 

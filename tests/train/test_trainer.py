@@ -205,7 +205,7 @@ def test_invalid_config_raises_before_anything_is_written(tiny_config, tmp_path)
 
 
 def test_failure_mid_run_keeps_earlier_checkpoints(tiny_config, monkeypatch):
-    import modules.train.recipe as recipe_module
+    import modules.train.recipe.recipe as recipe_module
     config = tiny_config("training.max_steps=6", "output.save_every_steps=2")
     real_step = recipe_module.micro_step
     calls = {"n": 0}

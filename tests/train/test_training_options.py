@@ -13,7 +13,7 @@ from modules.config.schema import DatasetConfig
 from modules.data.dataset import ImageCaptionDataset, collate_examples
 from modules.data.folders import ScanItem
 from modules.models.families import sd as sd_family
-from modules.train import objectives
+from modules.train.recipe import objectives
 from modules.train.trainer import train
 from tests.train.test_checkpoints import caption_folder
 

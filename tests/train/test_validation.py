@@ -12,15 +12,15 @@ import torch
 from modules.config.problems import ConfigError
 from modules.config.validate import validate as validate_config
 from modules.events import RecordingCallbacks, TrainerCommands
-from modules.train.backup_files import list_backups
-from modules.train.distributed import Distributed
-from modules.train.inputs import check_inputs
-from modules.train.prepare import check_run, prepare_run
-from modules.train.recipe import TrainingRecipe, forward_loss
-from modules.train.state import TrainingState
+from modules.train.state.backup_files import list_backups
+from modules.train.recipe.distributed import Distributed
+from modules.train.setup.inputs import check_inputs
+from modules.train.setup.prepare import check_run, prepare_run
+from modules.train.recipe.recipe import TrainingRecipe, forward_loss
+from modules.train.state.training_state import TrainingState
 from modules.train.trainer import train
-from modules.train.validation import (Validator, best_point, build_validator, fixed_timesteps,
-                                      score)
+from modules.train.validation.validation import best_point, fixed_timesteps, score
+from modules.train.validation.validation_set import Validator, build_validator
 from tests.train.test_bucketed_training import RESOLUTION, SQUARE, TALL, WIDE, make_images
 from tests.train.test_resume import StopAt, run_json
 
@@ -213,7 +213,7 @@ def test_fixed_timesteps_and_the_best_point():
 
 
 def test_the_eta_counts_the_validation_passes_still_to_come(tiny_config):
-    from modules.train.eta import estimated_validation_seconds
+    from modules.train.recipe.eta import estimated_validation_seconds
     config = tiny_config(*SPLIT, "training.max_steps=4")
     callbacks = RecordingCallbacks()
     train(config, callbacks)

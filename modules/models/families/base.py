@@ -31,7 +31,7 @@ class Objective:
     regression target; `train_timesteps(bundle)` how many integer timesteps the draws pick
     from. The rest say what the noise and loss options (config `loss`) can use, None where
     the family's noise process has no such thing, and the options that need it are refused
-    for it (modules/train/loss_checks.py):
+    for it (modules/train/recipe/loss_checks.py):
     - `snr(bundle, timesteps)`: the signal-to-noise ratio alpha_bar / (1 - alpha_bar) per
       sample, with `bundle.prediction_type` ("epsilon" / "v_prediction") the loss weights
       (min-SNR, debiased estimation) and the SNR Huber schedule are computed from;

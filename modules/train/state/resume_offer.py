@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from modules.config.problems import Problem
-from modules.train.backup_files import list_backups
+from modules.train.state.backup_files import list_backups
 
 # Written inside every saved weights folder (final/, checkpoints/step-N/) with the weights, in
 # the same atomic swap: the step those weights hold, so a later save can tell that it is older.

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from modules.events import ValidationScore
 
-SAMPLE_NAME = re.compile(r"step-(\d+)-(\d+)\.png$")  # modules/train/sampling.py's names
+SAMPLE_NAME = re.compile(r"step-(\d+)-(\d+)\.png$")  # modules/train/outputs/sampling.py's names
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,7 @@ class LossPoint:
 def earlier_losses(output_dir: Path, up_to_step: int) -> list[LossPoint]:
     """The losses of steps 1..`up_to_step` from run.json, smoothed as the trainer smooths them
     (empty when there is no readable run.json)."""
-    from modules.train.state import SmoothedValue
+    from modules.train.state.training_state import SmoothedValue
     try:
         record = json.loads((Path(output_dir) / "run.json").read_text("utf-8"))
     except (OSError, ValueError):

@@ -1,4 +1,4 @@
-"""What `TrainingRecipe.setup` (train/recipe.py) calls on its way: the output folder's lock and
+"""What `TrainingRecipe.setup` (train/recipe/recipe.py) calls on its way: the output folder's lock and
 cleaning, the start of run.json, the dataset, and the learning rates after a restore.
 """
 from __future__ import annotations
@@ -20,14 +20,14 @@ from modules.data.masks import mask_source
 from modules.data.regularization import balanced_repeats
 from modules.events import TrainerCallbacks
 from modules.model_types import MODEL_TYPES
-from modules.train.backup import ResumePoint, backups_folder
-from modules.train.backup_files import list_backups
-from modules.train.objectives import noise_schedule_record
-from modules.train.output_lock import OutputBusy, OutputLock, describe_owner
-from modules.train.prepare import PreparedRun
-from modules.train.record import RunRecord, device_description, library_versions
-from modules.train.run import Run
-from modules.train.text_cache import TextEncoderCache
+from modules.train.state.backup import ResumePoint, backups_folder
+from modules.train.state.backup_files import list_backups
+from modules.train.recipe.objectives import noise_schedule_record
+from modules.train.setup.output_lock import OutputBusy, OutputLock, describe_owner
+from modules.train.setup.prepare import PreparedRun
+from modules.train.outputs.record import RunRecord, device_description, library_versions
+from modules.train.state.run import Run
+from modules.train.recipe.text_cache import TextEncoderCache
 from modules.util.atomic import (atomic_write_text, remove_temporaries,
                                   restore_interrupted_swaps)
 
@@ -176,7 +176,7 @@ def build_dataset(prepared: PreparedRun, callbacks: TrainerCallbacks,
         callbacks.on_status(describe_masks(mask_counts(prepared.scan)))
     if not config.data.cache_latents:
         return dataset
-    from modules.train.latents import cached_latent_dataset
+    from modules.train.recipe.latents import cached_latent_dataset
     return cached_latent_dataset(dataset, prepared, callbacks, should_stop)
 
 

@@ -35,8 +35,8 @@ from modules.config.fields import OnResume
 from modules.config.introspect import on_resume
 from modules.config.migrations import migrate
 from modules.config.schema import Config
-from modules.train.backup_files import (INFO, TENSORS, BackupError, backups_folder,
-                                        find_backup, list_backups)
+from modules.train.state.backup_files import (INFO, TENSORS, BackupError, backups_folder,
+                                              find_backup, list_backups)
 from modules.util.atomic import atomic_write_dir
 
 FORMAT = 1

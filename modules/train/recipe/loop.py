@@ -1,4 +1,4 @@
-"""The training loop's small helpers around the step (train/recipe.py runs them): the
+"""The training loop's small helpers around the step (train/recipe/recipe.py runs them): the
 micro-batches of an accumulation window, what a step reports, skipped non-finite steps, how
 long steps waited for data, and when a backup is due."""
 from __future__ import annotations
@@ -10,10 +10,10 @@ import torch
 
 from modules.config.schema import MixedPrecision
 from modules.events import Progress, TrainerCommands
-from modules.train.backup import BoundaryState
-from modules.train.eta import (estimated_sample_seconds, estimated_validation_seconds,
-                               eta_seconds, samples_still_due, validations_still_due)
-from modules.train.run import Run
+from modules.train.state.backup import BoundaryState
+from modules.train.recipe.eta import (estimated_sample_seconds, estimated_validation_seconds,
+                                      eta_seconds, samples_still_due, validations_still_due)
+from modules.train.state.run import Run
 
 MicroBatch = tuple[int, dict, bool]  # (index in the epoch, batch, closes the window)
 

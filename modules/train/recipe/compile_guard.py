@@ -19,8 +19,8 @@ from modules.model_types import MODEL_TYPES
 from modules.events import TrainerCallbacks
 from modules.compile.regions import REPEATED_BLOCKS
 from modules.models.bundle import ModelBundle
-from modules.train.builders import pick_device
-from modules.train.weights import trained_components
+from modules.train.recipe.builders import pick_device
+from modules.train.recipe.trainable import trained_components
 from modules.models.families import family_of
 
 # The compile engine's (and run.json's) name for the denoiser, whatever its family calls it:

@@ -15,7 +15,7 @@ import re
 import shutil
 from pathlib import Path
 
-from modules.train.resume_offer import saved_step
+from modules.train.state.resume_offer import saved_step
 
 CHECKPOINTS = "checkpoints"
 # Only folders named like this (and holding Tempera's step marker) are ever rotated away.

@@ -1,8 +1,8 @@
 """What changes while a run trains, apart from the weights and the optimizer: its position in the
 data, the generator every step's noise is drawn from, and the displayed loss's smoothing.
 
-`Run` (train/run.py) holds one `TrainingState` beside its model parts, optimizer, LR schedule,
-GradScaler and EMA; a backup (train/backup.py) saves and restores exactly these.
+`Run` (train/state/run.py) holds one `TrainingState` beside its model parts, optimizer, LR schedule,
+GradScaler and EMA; a backup (train/state/backup.py) saves and restores exactly these.
 """
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ class TrainingState:
     bad_steps: int = 0        # non-finite optimizer steps in a row (skipped)
     skipped_steps: int = 0    # non-finite optimizer steps in all
     smoothed: SmoothedValue = field(default_factory=SmoothedValue)
-    # [step, validation loss (None: not finite)] per validation pass (train/validation.py)
+    # [step, validation loss (None: not finite)] per validation pass (train/validation/validation.py)
     validation: list[list] = field(default_factory=list)
 
     def reseed_draws(self, seed: int, rank: int) -> None:

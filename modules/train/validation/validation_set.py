@@ -9,12 +9,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from modules.config.problems import ConfigError, Problem
 from modules.config.schema import Config
 from modules.data.captions import CaptionRules
 from modules.data.folders import DatasetError, DatasetSource, ScanItem, ScanResult, scan_datasets
 from modules.data.split import held_out_count, split_items, splittable_items, without_items
+
+if TYPE_CHECKING:  # torch-free at import: the GUI's checks read this file
+    from modules.train.recipe.builders import Draws
 
 
 @dataclass(frozen=True)
@@ -71,3 +75,28 @@ def folder_images(config: Config) -> ValidationImages:
         raise ConfigError([Problem("validation.folder", "a folder with at least one readable "
                                    "image", repr(str(folder)), str(exc))]) from exc
     return ValidationImages(tuple(scan.items), (), f"folder {folder}: {len(scan.items)} images")
+
+
+@dataclass
+class Validator:
+    """What a run scores (`Run.validator`): the images and, after the first pass, their
+    fixed batches (latents on the CPU, with their draws)."""
+    images: ValidationImages
+    batch_size: int
+    timestep_count: int
+    seed: int
+    batches: list[tuple[dict, Draws]] | None = None
+    last_seconds: float | None = None  # the latest pass's duration, for the ETA
+
+    @property
+    def count(self) -> int:
+        return len(self.images.items)
+
+
+def build_validator(config, images: ValidationImages | None) -> Validator | None:
+    """The run's validator, or None when validation is off."""
+    if images is None or not config.validation.every_steps:
+        return None
+    v = config.validation
+    return Validator(images, v.batch_size or config.training.batch_size, v.timesteps,
+                     config.training.seed)

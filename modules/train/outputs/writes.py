@@ -1,6 +1,6 @@
 """What a run writes besides its backups, as small functions over the run's data (`Run`):
 samples, weights (checkpoints/, final/), TensorBoard's curves, and the end-of-run summary of
-several processes. The recipe (train/recipe.py) calls them when they are due."""
+several processes. The recipe (train/recipe/recipe.py) calls them when they are due."""
 from __future__ import annotations
 
 import contextlib
@@ -11,14 +11,14 @@ import torch
 
 from modules.compile import COMPONENTS as COMPILE_COMPONENTS
 from modules.config.optimizers import OPTIMIZERS
-from modules.train.builders import optimizer_scalars
-from modules.train.checkpoints import checkpoints_folder, rotate_checkpoints
-from modules.train.distributed import parameter_checksum
-from modules.train.memory_plan import optimizer_state_bytes, tensor_bytes
-from modules.train.resume_offer import saved_step
-from modules.train.run import Run
-from modules.train.sampling import sample_images
-from modules.train.weights import save_weights
+from modules.train.recipe.builders import optimizer_scalars
+from modules.train.outputs.checkpoints import checkpoints_folder, rotate_checkpoints
+from modules.train.recipe.distributed import parameter_checksum
+from modules.train.memory.memory_plan import optimizer_state_bytes, tensor_bytes
+from modules.train.state.resume_offer import saved_step
+from modules.train.state.run import Run
+from modules.train.outputs.sampling import sample_images
+from modules.train.outputs.saving import save_weights
 from modules.util.disk import guarded_write
 
 

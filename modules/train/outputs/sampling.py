@@ -10,7 +10,7 @@ from PIL import Image
 from modules.config.prompts import SamplePrompt
 from modules.config.schema import Config, Sampler
 from modules.models.bundle import ModelBundle
-from modules.train.weights import build_pipeline
+from modules.train.outputs.saving import build_pipeline
 from modules.util.atomic import atomic_file
 
 

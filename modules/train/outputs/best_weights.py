@@ -1,6 +1,6 @@
 """The weights of the best validation pass, kept in `<output>/best/` (`validation.save_best`).
 
-After a validation pass (train/validation.py) whose loss is lower than every earlier pass's in
+After a validation pass (train/validation/validation.py) whose loss is lower than every earlier pass's in
 the run's history, the weights it scored (the averaged ones with EMA or schedule-free AdamW,
 as a checkpoint holds) are saved into best/ through the checkpoints' own save path, in every
 `output.formats`. That path writes a temporary folder and swaps it in only when complete, so
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from modules.train.outputs import save_weights_into
-from modules.train.run import Run
+from modules.train.outputs.writes import save_weights_into
+from modules.train.state.run import Run
 
 BEST = "best"
 

@@ -14,7 +14,7 @@ from modules.config.loss import LossConfig
 from modules.config.optimizers import OPTIMIZERS
 from modules.model_types import MODEL_TYPES
 from modules.models.bundle import vae_downscale
-from modules.train.schedules import lr_multiplier, schedule_shape
+from modules.train.recipe.schedules import lr_multiplier, schedule_shape
 from modules.config.schema import (
     Config,
     Device,
@@ -89,7 +89,7 @@ def optimizer_scalars(config: Config, optimizer: torch.optim.Optimizer) -> dict[
 
 
 def build_lr_scheduler(config: Config, optimizer: torch.optim.Optimizer, total_steps: int):
-    """The run's schedule (modules/train/schedules.py) as a LambdaLR: its state is the step
+    """The run's schedule (modules/train/recipe/schedules.py) as a LambdaLR: its state is the step
     count alone, so a resumed run continues the same curve."""
     shape = schedule_shape(config, total_steps)
     schedule = config.training.lr_scheduler

@@ -14,18 +14,18 @@ import torch
 
 from modules.compile import detect_capabilities
 from modules.compile.explain import explain, format_explanation
-from modules.train.compile_guard import compile_facts
+from modules.train.recipe.compile_guard import compile_facts
 from modules.config.problems import ConfigError
 from modules.config.schema import Config
 from modules.config.validate import validate
 from modules.models.families import family_of
 from modules.models.loader import load_bundle, resolve_model_path
 from modules.paths import cache_dir_for
-from modules.train.builders import pick_device
-from modules.train.inputs import check_inputs
-from modules.train.compile_guard import COMPILE_DENOISER
-from modules.train.weights import (apply_denoiser_memory_format, component_dtypes,
-                                   denoiser_memory_format)
+from modules.train.recipe.builders import pick_device
+from modules.train.setup.inputs import check_inputs
+from modules.train.recipe.compile_guard import COMPILE_DENOISER
+from modules.train.recipe.trainable import (apply_denoiser_memory_format, component_dtypes,
+                                            denoiser_memory_format)
 
 
 def _example_inputs(bundle, config: Config, device: torch.device) -> dict[str, tuple]:

@@ -1,4 +1,4 @@
-"""The memory plan (train/memory_plan.py) against the GPU: refuse a run whose lower bound is
+"""The memory plan (train/memory/memory_plan.py) against the GPU: refuse a run whose lower bound is
 more than the card holds, before anything is loaded onto it (a ConfigError from the check
 phase, like every other problem of the user's input), warn when it leaves too little room
 for activations, and name the changes that would make it fit, with what each saves.
@@ -21,9 +21,9 @@ from modules.config.optimizers import OPTIMIZERS
 from modules.config.problems import ConfigError, Problem
 from modules.config.schema import Config, DType, TrainingMethod
 from modules.model_types import MODEL_TYPES
-from modules.train.memory_plan import (WARN_FRACTION, MemoryPlan, gib, plan_from, plan_memory,
-                                       weightless_trainable)
-from modules.train.weights import trained_components
+from modules.train.memory.memory_plan import (WARN_FRACTION, MemoryPlan, gib, plan_from,
+                                              plan_memory, weightless_trainable)
+from modules.train.recipe.trainable import trained_components
 from modules.util.errors import describe
 
 MAX_OPTIMIZER_FIXES = 3

@@ -3,12 +3,12 @@ recipe): `setup` builds everything the run needs from the prepared run, `train_s
 optimizer step, `train` is the loop, `save_backup` / `load_backup` write and read the run's
 state, `close` lets go of what the run holds.
 
-The run's state is typed data: `Run` (train/run.py) with one `state_dict` / `load_state_dict`
+The run's state is typed data: `Run` (train/state/run.py) with one `state_dict` / `load_state_dict`
 pair. The loop's helpers around the step (the window's micro-batches, what a step reports,
-when a backup is due) are in train/loop.py. One optimizer step passes through four files:
+when a backup is due) are in train/recipe/loop.py. One optimizer step passes through four files:
 this one (`train_step`, `micro_step` and the small helpers below it), the model family (models/families/: conditioning, noise and
-target, the denoiser's call), the objective and step helpers (train/objectives.py,
-train/builders.py) and the guarded compile window (compile/guarded.py).
+target, the denoiser's call), the objective and step helpers (train/recipe/objectives.py,
+train/recipe/builders.py) and the guarded compile window (compile/guarded.py).
 """
 from __future__ import annotations
 
@@ -26,40 +26,43 @@ from modules.config.schema import MixedPrecision
 from modules.data.buckets import describe_buckets
 from modules.data.dataset import epoch_batch_sampler
 from modules.events import StopRequested, TrainerCallbacks, TrainerCommands
-from modules.train.adapters import seed_adapter_dropout
-from modules.train.backup import (NonFiniteBackup, ResumePoint, backups_folder, load_states,
-                                  save_backup)
-from modules.train.builders import (Draws, autocast_context, build_lr_scheduler,
-                                    build_optimizer, draw_randomness, float32_precision,
-                                    latent_shape, step_budget)
-from modules.train.checkpoints import due_checkpoint
+from modules.train.recipe.adapters import seed_adapter_dropout
+from modules.train.state.backup import (NonFiniteBackup, ResumePoint, backups_folder, load_states,
+                                        save_backup)
+from modules.train.recipe.builders import (Draws, autocast_context, build_lr_scheduler,
+                                           build_optimizer, draw_randomness, float32_precision,
+                                           latent_shape, step_budget)
+from modules.train.outputs.checkpoints import due_checkpoint
 from modules.models.model_hash import base_model_hashes
 from modules.paths import cache_dir_for
-from modules.train.data_metadata import training_data_metadata
-from modules.train.compile_guard import COMPILE_DENOISER, build_compile_guard
-from modules.train.distributed import Distributed
-from modules.train.objectives import (caption_dropouts, diffusion_loss, drop_captions,
-                                      elementwise_loss, multires_noise, noise_offset_strength,
-                                      noisy_input_and_target, offset_noise, sample_weights,
-                                      timestep_terms)
-from modules.train.output_lock import OutputLock
-from modules.train.outputs import (backup_bytes, distributed_summary, log_scalars, sample,
-                                   save_checkpoint, save_final)
-from modules.train.prepare import PreparedRun
-from modules.train.record import peak_memory
-from modules.train.run import Run, item_buckets
-from modules.train.start import (apply_changed_learning_rates, bucket_record, build_dataset,
-                                 build_ema, prepare_output_folder, resume_hint, start_record,
-                                 take_output_lock, tensorboard_writer, text_encoder_cache)
-from modules.train.state import TrainingState, draws_generator
-from modules.train.validation import (build_validator, last_validated_step, validation_pass,
-                                      validation_due, validation_record)
-from modules.train.weights import (METADATA_FORMATS, apply_denoiser_memory_format,
-                                   enable_gradient_checkpointing, prepare_trainable,
-                                   trained_components)
+from modules.train.outputs.data_metadata import training_data_metadata
+from modules.train.recipe.compile_guard import build_compile_guard
+from modules.train.recipe.distributed import Distributed
+from modules.train.recipe.objectives import (caption_dropouts, diffusion_loss, drop_captions,
+                                             elementwise_loss, multires_noise,
+                                             noise_offset_strength, noisy_input_and_target,
+                                             offset_noise, sample_weights, timestep_terms)
+from modules.train.setup.output_lock import OutputLock
+from modules.train.outputs.writes import (backup_bytes, distributed_summary, log_scalars, sample,
+                                          save_checkpoint, save_final)
+from modules.train.setup.prepare import PreparedRun
+from modules.train.outputs.record import peak_memory
+from modules.train.state.run import Run, item_buckets
+from modules.train.setup.start import (apply_changed_learning_rates, bucket_record, build_dataset,
+                                       build_ema, prepare_output_folder, resume_hint, start_record,
+                                       take_output_lock, tensorboard_writer, text_encoder_cache)
+from modules.train.state.training_state import TrainingState, draws_generator
+from modules.train.validation.validation import (last_validated_step, validation_due,
+                                                 validation_pass, validation_record)
+from modules.train.validation.validation_set import build_validator
+from modules.train.recipe.trainable import (apply_denoiser_memory_format,
+                                            enable_gradient_checkpointing, prepare_trainable,
+                                            trained_components)
+from modules.train.outputs.saving import METADATA_FORMATS
+from modules.train.recipe.step_inputs import denoiser_input, encode_captions, encode_latents
 from modules.util.disk import guarded_write
-from modules.train.loop import (MicroBatch, backup_due, batches, feeding, mark_boundary,
-                                progress_event, refuse_backup, skip_non_finite_step)
+from modules.train.recipe.loop import (MicroBatch, backup_due, batches, feeding, mark_boundary,
+                                       progress_event, refuse_backup, skip_non_finite_step)
 
 
 @dataclass
@@ -316,7 +319,7 @@ def micro_step(run: Run, batch: dict, draws: Draws) -> torch.Tensor:
 
 def forward_loss(run: Run, batch: dict, draws: Draws) -> torch.Tensor:
     """The training loss of a batch with its draws: encode, noise, predict, loss. Training
-    (`micro_step`) and validation (train/validation.py, under no_grad) both call it, so the
+    (`micro_step`) and validation (train/validation/validation.py, under no_grad) both call it, so the
     validation score is the loss training minimises.
 
     What differs between model families (the noise and the target, the conditioning, how the
@@ -346,50 +349,6 @@ def forward_loss(run: Run, batch: dict, draws: Draws) -> torch.Tensor:
         weights = sample_weights(weights, batch.get("loss_weight"))  # prior_loss_weight
         return diffusion_loss(elementwise_loss(prediction, target, options.loss_type, huber_c),
                               weights, batch.get("mask"))
-
-
-def encode_latents(run: Run, batch: dict, vae_eps: torch.Tensor | None) -> torch.Tensor:
-    """Latents × scaling factor: from the cache, or the VAE posterior with pre-drawn noise."""
-    vae = run.bundle.vae
-    if "latents" in batch:
-        return batch["latents"].to(run.device, run.compute_dtype, non_blocking=True)
-    pixels = varying_shape(run, batch["pixel_values"].to(run.device, vae.dtype,
-                                                         non_blocking=True), "vae")
-    posterior = vae.encode(pixels).latent_dist
-    latents = posterior.mean + posterior.std * vae_eps.to(run.device, posterior.mean.dtype)
-    return (latents * vae.config.scaling_factor).to(run.compute_dtype)
-
-
-def encode_captions(run: Run, batch: dict, captions: list[str]) -> dict:
-    """The denoiser's conditioning for `captions` (the batch's, after caption dropout)."""
-    if run.text_cache is not None:
-        hidden, pooled = run.text_cache.encode(captions, batch.get("caption_varies"))
-    else:
-        hidden, pooled = run.family.encode_text(run.bundle, captions, run.device, run.forward)
-    # Text encoders may be kept at another dtype than the denoiser (a fine-tuned denoiser
-    # trains at model.train_dtype while frozen encoders stay at model.weight_dtype).
-    hidden = hidden.to(run.compute_dtype)
-    pooled = None if pooled is None else pooled.to(run.compute_dtype)
-    _, height, width = run.pixel_shape(batch)
-    return run.family.conditioning(hidden, pooled, batch, height, width)
-
-
-def varying_shape(run: Run, tensor: torch.Tensor, component: str) -> torch.Tensor:
-    """With aspect-ratio buckets the batch's size, height and width change between batches:
-    under compile.dynamic AUTO the compiled component's input is marked up front, so a whole
-    denoiser or VAE does not first compile static and then recompile at the second bucket
-    (modules/compile/dynamic_dims.py). `component` is the compile engine's name."""
-    if not run.config.data.aspect_buckets:
-        return tensor
-    return run.guard.mark_varying_input(component, tensor)
-
-
-def denoiser_input(run: Run, noisy: torch.Tensor) -> torch.Tensor:
-    """The noisy latents in the denoiser's memory layout (a channels-last denoiser's first
-    convolution then reads them without a conversion), marked for varying shapes."""
-    if run.config.training.channels_last:
-        noisy = noisy.contiguous(memory_format=torch.channels_last)
-    return varying_shape(run, noisy, COMPILE_DENOISER)
 
 
 def gradient_norm(run: Run) -> torch.Tensor:

@@ -133,7 +133,7 @@ def component_class(folder: Path, name: str, model_type) -> type[nn.Module]:
 
 def weightless_bundle(config: Config, model_path: Path) -> ModelBundle:
     """The model's components on the meta device (shapes, no memory), from their configs."""
-    from modules.train.weights import component_dtypes
+    from modules.train.recipe.trainable import component_dtypes
     folder = config_folders(config, model_path)
     dtypes = component_dtypes(config)
     modules: dict[str, nn.Module] = {}
@@ -156,7 +156,7 @@ def weightless_trainable(config: Config, model_path: Path
                          ) -> tuple[ModelBundle, dict[str, list[nn.Parameter]]]:
     """The weightless bundle made trainable as the run makes the real one (adapters, dtypes),
     and its trained parameters."""
-    from modules.train.weights import prepare_trainable
+    from modules.train.recipe.trainable import prepare_trainable
     bundle = weightless_bundle(config, model_path)
     return bundle, prepare_trainable(bundle, config)
 

@@ -1,4 +1,4 @@
-"""Validation: the held-out images (train/validation_set.py) scored with the training loss,
+"""Validation: the held-out images (train/validation/validation_set.py) scored with the training loss,
 every `validation.every_steps` steps and at the end of a finished run.
 
 Comparable from step to step: each image has its own noise (and VAE posterior sample), drawn
@@ -24,7 +24,6 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -32,40 +31,16 @@ from modules.data.buckets import assign_buckets
 from modules.data.dataset import ImageCaptionDataset, collate_examples
 from modules.data.seeds import derive_seed
 from modules.events import ValidationScore
-from modules.train.best_weights import keep_if_best
-from modules.train.builders import Draws, autocast_context, draw_randomness, latent_shape
-from modules.train.outputs import averaged_weights
-from modules.train.run import Run
-from modules.train.validation_set import ValidationImages
+from modules.train.outputs.best_weights import keep_if_best
+from modules.train.recipe.builders import Draws, autocast_context, draw_randomness, latent_shape
+from modules.train.outputs.writes import averaged_weights
+from modules.train.state.run import Run
+from modules.train.recipe.step_inputs import encode_latents  # the training step's own encoder
+from modules.train.validation.validation_set import Validator
 
 LossFn = Callable[[Run, dict, Draws], torch.Tensor]  # recipe.forward_loss
 COMPILE_NOTE = ("eager: compiled code is bypassed while validating, so the training graphs "
                 "are never recompiled (validation's forwards run uncompiled)")
-
-
-@dataclass
-class Validator:
-    """What a run scores (`Run.validator`): the images and, after the first pass, their
-    fixed batches (latents on the CPU, with their draws)."""
-    images: ValidationImages
-    batch_size: int
-    timestep_count: int
-    seed: int
-    batches: list[tuple[dict, Draws]] | None = None
-    last_seconds: float | None = None  # the latest pass's duration, for the ETA
-
-    @property
-    def count(self) -> int:
-        return len(self.images.items)
-
-
-def build_validator(config, images: ValidationImages | None) -> Validator | None:
-    """The run's validator, or None when validation is off."""
-    if images is None or not config.validation.every_steps:
-        return None
-    v = config.validation
-    return Validator(images, v.batch_size or config.training.batch_size, v.timesteps,
-                     config.training.seed)
 
 
 def fixed_timesteps(count: int, train_timesteps: int, low: int = 0,
@@ -230,7 +205,6 @@ def latent_batch(run: Run, batch: dict, draws: Draws) -> dict:
     """`batch` with its pixels encoded into latents (on the CPU), as the training step would
     encode them with these draws: a posterior sample, or with `data.cache_latents` (training
     then reads cached posterior means) the mean."""
-    from modules.train.recipe import encode_latents  # the training step's own encoder
     eps = torch.zeros_like(draws.vae_eps) if run.config.data.cache_latents else draws.vae_eps
     with autocast_context(run.config, run.device):
         latents = encode_latents(run, batch, eps)

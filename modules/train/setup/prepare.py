@@ -23,17 +23,17 @@ from modules.models.bundle import ModelBundle
 from modules.models.loader import load_bundle, resolve_model_path
 from modules.paths import cache_dir_for
 from modules.runtime import runtime_problems
-from modules.train.backup import BackupError, ResumePoint, resume_point
-from modules.train.builders import pick_device
-from modules.train.distributed import launched_distributed
-from modules.train.memory_check import MemoryCheck, check_memory
-from modules.train.resume_offer import finished_run_problem
-from modules.train.inputs import check_inputs
-from modules.train.loss_checks import family_problems, model_problems
-from modules.train.output_lock import busy_message
-from modules.train.validation_set import ValidationImages, choose_validation
+from modules.train.state.backup import BackupError, ResumePoint, resume_point
+from modules.train.recipe.builders import pick_device
+from modules.train.recipe.distributed import launched_distributed
+from modules.train.memory.memory_check import MemoryCheck, check_memory
+from modules.train.state.resume_offer import finished_run_problem
+from modules.train.setup.inputs import check_inputs
+from modules.train.recipe.loss_checks import family_problems, model_problems
+from modules.train.setup.output_lock import busy_message
+from modules.train.validation.validation_set import ValidationImages, choose_validation
 from modules.util.errors import first_line
-from modules.train.weights import component_dtypes
+from modules.train.recipe.trainable import component_dtypes
 
 
 @dataclass
@@ -71,7 +71,7 @@ class CheckedRun:
 def check_run(config: Config, callbacks: TrainerCallbacks) -> CheckedRun:
     """Every check a start runs short of loading the model: software, config, inputs on disk
     (model files' headers, datasets, output folder), the dataset scan, the backup to resume,
-    the device memory plan (train/memory_check.py: a run that cannot fit the GPU is refused).
+    the device memory plan (train/memory/memory_check.py: a run that cannot fit the GPU is refused).
     `tempera-train --check` stops here; raises ConfigError with every problem found."""
     problems = runtime_problems() + validate(config) + family_problems(config)
     busy = busy_message(Path(config.output.dir)) if config.output.dir.strip() else None

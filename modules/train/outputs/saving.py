@@ -1,4 +1,6 @@
-"""What is trained (LoRA adapters or full weights) and how it is saved, atomically."""
+"""How what a run trained is saved, atomically: LoRA files (diffusers/peft and kohya layouts,
+with the A1111 card), full models (a diffusers folder, an ldm single file), and the pipeline
+samples are drawn with."""
 from __future__ import annotations
 
 import inspect
@@ -9,102 +11,19 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from torch import nn
 
-from modules.config.schema import Config, DType, SaveFormat, TrainingMethod
-from modules.models.bundle import TORCH_DTYPES, ModelBundle
-from modules.models.families import family_files, family_of
-from modules.models.precision import SAVE_DTYPES, cast_for_saving, cast_weight_files
+from modules.config.schema import Config, SaveFormat, TrainingMethod
 from modules.model_types import MODEL_TYPES
+from modules.models.bundle import ModelBundle
+from modules.models.families import family_files
+from modules.models.precision import SAVE_DTYPES, cast_for_saving, cast_weight_files
 from modules.models.single_file import clip_key_with_text_model, rename_weight_keys
-from modules.train.adapters import add_adapter
-from modules.train.resume_offer import SAVED_STEP_FILE
+from modules.train.state.resume_offer import SAVED_STEP_FILE
+from modules.train.recipe.trainable import trained_components
 from modules.util.atomic import atomic_write_dir
 
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 logger = logging.getLogger("tempera.train")
-
-
-def trained_components(config: Config) -> list[str]:
-    """Names of the components this run trains, in the model type's order."""
-    spec = MODEL_TYPES[config.model.type]
-    return [n for n in spec.components if getattr(config.components, spec.config_key(n)).train]
-
-
-def component_dtypes(config: Config) -> dict[str, torch.dtype]:
-    """The dtype each component is loaded and kept at.
-
-    Frozen weights use `model.weight_dtype`; fully trained components their training dtype from
-    the start (loading them at a 16-bit weight dtype first would round the weights the run
-    starts from); a VAE whose activations overflow to NaN in float16 (SDXL's) stays float32
-    under FLOAT16.
-    """
-    spec = MODEL_TYPES[config.model.type]
-    weight = TORCH_DTYPES[config.model.weight_dtype]
-    dtypes = {name: weight for name in spec.components}
-    if config.training.method == TrainingMethod.FINE_TUNE:
-        for name in trained_components(config):
-            dtypes[name] = TORCH_DTYPES[config.model.train_dtype]
-    if (family_of(config.model.type).fp16_vae_overflows
-            and config.model.weight_dtype == DType.FLOAT16):
-        dtypes["vae"] = torch.float32
-    return dtypes
-
-
-def prepare_trainable(bundle: ModelBundle, config: Config) -> dict[str, list[nn.Parameter]]:
-    """Freeze everything, then make the trained parts trainable; return their parameters.
-
-    LoRA adds the configured peft adapter in place (train/adapters.py: LoRA, LoCon, LoHa, LoKr
-    or DoRA) so each component keeps its class and its state-dict keys, which the compile
-    engine and the savers rely on. Trainable tensors (full weights or adapters) are kept at
-    `model.train_dtype`.
-    """
-    trained = trained_components(config)
-    dtypes = component_dtypes(config)
-    train_dtype = TORCH_DTYPES[config.model.train_dtype]
-    params: dict[str, list[nn.Parameter]] = {}
-    for name, module in bundle.components().items():
-        module.requires_grad_(False)
-        if module.dtype != dtypes[name]:
-            module.to(dtype=dtypes[name])
-        module.eval()
-        if name not in trained:
-            continue
-        if config.training.method == TrainingMethod.LORA:
-            add_adapter(module, config, denoiser=name == bundle.denoiser_name)
-        else:
-            module.requires_grad_(True)
-        trainable = [p for p in module.parameters() if p.requires_grad]
-        for p in trainable:
-            p.data = p.data.to(train_dtype)
-        module.train()
-        params[name] = trainable
-    return params
-
-
-def denoiser_memory_format(config: Config) -> torch.memory_format:
-    """The denoiser's memory layout (`training.channels_last`), for its weights and its input."""
-    return torch.channels_last if config.training.channels_last else torch.contiguous_format
-
-
-def apply_denoiser_memory_format(bundle: ModelBundle, config: Config) -> None:
-    """Store the denoiser's 4-D weights channels-last when asked (before it is compiled, so the
-    compiled code is traced with the layout it runs with). Convolutions then keep their
-    activations channels-last too, the layout NVIDIA tensor cores read without transposes."""
-    if config.training.channels_last:
-        bundle.denoiser.to(memory_format=torch.channels_last)
-
-
-def enable_gradient_checkpointing(bundle: ModelBundle, trained: list[str]) -> None:
-    """Recompute activations of the trained components in backward to save memory."""
-    for name in trained:
-        module = bundle.component(name)
-        if name == bundle.denoiser_name:
-            family_of(bundle.model_type).enable_gradient_checkpointing(module)
-        else:
-            module.gradient_checkpointing_enable()
-
-
 KOHYA_WEIGHT_NAME = "lora_kohya.safetensors"
 # The formats whose files carry the run's kohya-style metadata (`save_weights`' extra_metadata)
 METADATA_FORMATS = {SaveFormat.KOHYA, SaveFormat.SINGLE_FILE}
@@ -244,7 +163,7 @@ def save_weights(bundle: ModelBundle, config: Config, folder: Path, step: int,
 
     Everything is written into a temporary folder first and swapped in at the end, so an
     interrupted save leaves the previous checkpoint of that name intact. `extra_metadata`
-    (what the run knows about its data, train/data_metadata.py) goes into the files that
+    (what the run knows about its data, train/outputs/data_metadata.py) goes into the files that
     carry training metadata.
     """
     formats = set(config.output.formats)

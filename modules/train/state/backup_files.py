@@ -1,5 +1,5 @@
 """Where backups are and which are complete: file-system only (no torch), so a front end can
-list them without loading the engine. What a backup holds: modules/train/backup.py."""
+list them without loading the engine. What a backup holds: modules/train/state/backup.py."""
 from __future__ import annotations
 
 import re

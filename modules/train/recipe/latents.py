@@ -9,7 +9,7 @@ from modules.data.dataset import ImageCaptionDataset
 from modules.data.progress import RateMeter
 from modules.data.latent_cache import CachedLatentDataset, LatentCache, cache_latents, vae_fingerprint
 from modules.events import TrainerCallbacks
-from modules.train.prepare import PreparedRun
+from modules.train.setup.prepare import PreparedRun
 
 
 def cached_latent_dataset(dataset: ImageCaptionDataset, prepared: PreparedRun,

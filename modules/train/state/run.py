@@ -1,6 +1,6 @@
 """A started run's objects and state, as typed data (`TrainingRecipe.setup` in
-modules/train/recipe.py builds it; the recipe's step and loop read it), with the run's one
-`state_dict` / `load_state_dict` pair (what it writes besides backups: train/outputs.py)."""
+modules/train/recipe/recipe.py builds it; the recipe's step and loop read it), with the run's one
+`state_dict` / `load_state_dict` pair (what it writes besides backups: train/outputs/writes.py)."""
 from __future__ import annotations
 
 import time
@@ -20,21 +20,21 @@ from modules.data.feed import FeedMeter
 from modules.events import TrainerCallbacks, TrainerCommands
 from modules.models.families import ModelFamily
 from modules.models.bundle import ModelBundle
-from modules.train.backup import BackupError, BoundaryState, set_random_states
-from modules.train.batch_shapes import BatchShapeLog
-from modules.train.builders import StepBudget
-from modules.train.distributed import Distributed
-from modules.train.output_lock import OutputLock
-from modules.train.record import RunRecord
-from modules.train.state import TrainingState
-from modules.train.text_cache import TextEncoderCache
+from modules.train.state.backup import BackupError, BoundaryState, set_random_states
+from modules.train.recipe.batch_shapes import BatchShapeLog
+from modules.train.recipe.builders import StepBudget
+from modules.train.recipe.distributed import Distributed
+from modules.train.setup.output_lock import OutputLock
+from modules.train.outputs.record import RunRecord
+from modules.train.state.training_state import TrainingState
+from modules.train.recipe.text_cache import TextEncoderCache
 from modules.models.families import family_of
 
 if TYPE_CHECKING:  # imported where a run builds them, only when the option is on
     from diffusers.training_utils import EMAModel
     from torch.utils.tensorboard import SummaryWriter
 
-    from modules.train.validation import Validator
+    from modules.train.validation.validation_set import Validator
 
 
 @dataclass
@@ -42,7 +42,7 @@ class Run:
     """One training run's objects and state, owned in one place (the recipe's data).
 
     What a backup saves and restores (`state_dict` / `load_state_dict`, written by
-    train/backup.py) is exactly: the trained weights in `bundle`, `optimizer`, `lr_scheduler`,
+    train/state/backup.py) is exactly: the trained weights in `bundle`, `optimizer`, `lr_scheduler`,
     `scaler`, `ema` and `state`. Everything else is rebuilt from the config when a run starts.
     """
     config: Config
@@ -150,7 +150,7 @@ class Run:
         return named
 
     def state_dict(self, boundary: BoundaryState) -> dict:
-        """Everything a backup holds (train/backup.py writes it): the trained weights, the
+        """Everything a backup holds (train/state/backup.py writes it): the trained weights, the
         optimizer, LR schedule, scaler and EMA, and the small states at `boundary`."""
         states = {"parameters": self.trained_parameters(),
                   "optimizer": self.optimizer.state_dict(),

@@ -1,0 +1,93 @@
+"""What a run trains: which components, at which dtypes, with LoRA adapters added or the full
+weights unfrozen, and the memory-saving switches (channels-last, gradient checkpointing) set on
+them (how they are saved: train/outputs/saving.py)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from modules.config.schema import Config, DType, TrainingMethod
+from modules.model_types import MODEL_TYPES
+from modules.models.bundle import TORCH_DTYPES, ModelBundle
+from modules.models.families import family_of
+from modules.train.recipe.adapters import add_adapter
+
+
+def trained_components(config: Config) -> list[str]:
+    """Names of the components this run trains, in the model type's order."""
+    spec = MODEL_TYPES[config.model.type]
+    return [n for n in spec.components if getattr(config.components, spec.config_key(n)).train]
+
+
+def component_dtypes(config: Config) -> dict[str, torch.dtype]:
+    """The dtype each component is loaded and kept at.
+
+    Frozen weights use `model.weight_dtype`; fully trained components their training dtype from
+    the start (loading them at a 16-bit weight dtype first would round the weights the run
+    starts from); a VAE whose activations overflow to NaN in float16 (SDXL's) stays float32
+    under FLOAT16.
+    """
+    spec = MODEL_TYPES[config.model.type]
+    weight = TORCH_DTYPES[config.model.weight_dtype]
+    dtypes = {name: weight for name in spec.components}
+    if config.training.method == TrainingMethod.FINE_TUNE:
+        for name in trained_components(config):
+            dtypes[name] = TORCH_DTYPES[config.model.train_dtype]
+    if (family_of(config.model.type).fp16_vae_overflows
+            and config.model.weight_dtype == DType.FLOAT16):
+        dtypes["vae"] = torch.float32
+    return dtypes
+
+
+def prepare_trainable(bundle: ModelBundle, config: Config) -> dict[str, list[nn.Parameter]]:
+    """Freeze everything, then make the trained parts trainable; return their parameters.
+
+    LoRA adds the configured peft adapter in place (train/recipe/adapters.py: LoRA, LoCon, LoHa, LoKr
+    or DoRA) so each component keeps its class and its state-dict keys, which the compile
+    engine and the savers rely on. Trainable tensors (full weights or adapters) are kept at
+    `model.train_dtype`.
+    """
+    trained = trained_components(config)
+    dtypes = component_dtypes(config)
+    train_dtype = TORCH_DTYPES[config.model.train_dtype]
+    params: dict[str, list[nn.Parameter]] = {}
+    for name, module in bundle.components().items():
+        module.requires_grad_(False)
+        if module.dtype != dtypes[name]:
+            module.to(dtype=dtypes[name])
+        module.eval()
+        if name not in trained:
+            continue
+        if config.training.method == TrainingMethod.LORA:
+            add_adapter(module, config, denoiser=name == bundle.denoiser_name)
+        else:
+            module.requires_grad_(True)
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        for p in trainable:
+            p.data = p.data.to(train_dtype)
+        module.train()
+        params[name] = trainable
+    return params
+
+
+def denoiser_memory_format(config: Config) -> torch.memory_format:
+    """The denoiser's memory layout (`training.channels_last`), for its weights and its input."""
+    return torch.channels_last if config.training.channels_last else torch.contiguous_format
+
+
+def apply_denoiser_memory_format(bundle: ModelBundle, config: Config) -> None:
+    """Store the denoiser's 4-D weights channels-last when asked (before it is compiled, so the
+    compiled code is traced with the layout it runs with). Convolutions then keep their
+    activations channels-last too, the layout NVIDIA tensor cores read without transposes."""
+    if config.training.channels_last:
+        bundle.denoiser.to(memory_format=torch.channels_last)
+
+
+def enable_gradient_checkpointing(bundle: ModelBundle, trained: list[str]) -> None:
+    """Recompute activations of the trained components in backward to save memory."""
+    for name in trained:
+        module = bundle.component(name)
+        if name == bundle.denoiser_name:
+            family_of(bundle.model_type).enable_gradient_checkpointing(module)
+        else:
+            module.gradient_checkpointing_enable()
