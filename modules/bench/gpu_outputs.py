@@ -128,8 +128,7 @@ def pack_runs(ctx: Context) -> None:
     """Every job's records (run.json, result JSON) and its log tail, in one small archive."""
     tmp = ctx.out / "runs.tar.gz.tmp"
     with tarfile.open(tmp, "w:gz") as tar:
-        jobs_root = ctx.work / "jobs" / ctx.phase
-        for folder in sorted(p for p in jobs_root.glob("*") if p.is_dir()):
+        for folder in sorted(p for p in ctx.jobs_root().glob("*") if p.is_dir()):
             for path in sorted(folder.rglob("*.json")):
                 if path.name in RUN_FILES and path.stat().st_size < 4 * MIB:
                     tar.add(path, arcname=f"{folder.name}/{path.relative_to(folder)}")

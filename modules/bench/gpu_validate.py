@@ -115,8 +115,12 @@ class Context:
     def row(self, name: str) -> dict[str, Any] | None:
         return next((r for r in self.rows if r["job"] == name), None)
 
+    def jobs_root(self) -> Path:
+        """This phase's job folders: what the runs archive holds."""
+        return self.work / "jobs" / self.phase
+
     def job_dir(self, name: str) -> Path:
-        return self.work / "jobs" / self.phase / name
+        return self.jobs_root() / name
 
     def compile_cache(self) -> Path:
         """The compile caches of a machine's phases: each job has its own subfolder (a cold
@@ -173,6 +177,10 @@ def run_phase(ctx: Context, jobs: list[Job], kinds: dict[str, Kind],
     it; on SIGTERM/SIGINT the rows say so and `PhaseStopped` is raised after the outputs."""
     ctx.out.mkdir(parents=True, exist_ok=True)
     ctx.work.mkdir(parents=True, exist_ok=True)
+    # An earlier run of this phase on this machine (a rerun with a smaller --budget) left its
+    # jobs' folders: the archive must hold this run's only. Models and caches stay.
+    if ctx.jobs_root().exists():
+        shutil.rmtree(ctx.jobs_root())
     ctx.order = [job.name for job in jobs]
     waiting: list[Job] = list(jobs)
     running: list[_Running] = []

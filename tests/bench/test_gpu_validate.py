@@ -119,10 +119,15 @@ def test_the_results_so_far_are_written_before_the_next_job_runs(tmp_path):
                                                                "error": None if ok else str(summary)}))
     """
     ctx = context(tmp_path)
+    stale = ctx.job_dir("from-an-earlier-run")   # the same phase, run before on this machine
+    stale.mkdir(parents=True)
+    (stale / "run.json").write_text("{}")
     run_phase(ctx, [Job("first", "script", 30, {"code": WRITE_OK}),
                     Job("second", "script", 30, {"code": check})],
               {"script": script_kind()}, print_line=lambda line: None)
     assert rows_by_job(ctx)["second"]["status"] == "ok", rows_by_job(ctx)["second"]
+    names = tarfile.open(ctx.out / "runs.tar.gz").getnames()
+    assert not [n for n in names if n.startswith("from-an-earlier-run")], names
     summary = json.loads((ctx.out / "summary.json").read_text())
     assert summary["complete"] and [r["job"] for r in summary["jobs"]] == ["first", "second"]
     assert "| first | ok |" in (ctx.out / "summary.md").read_text()
@@ -218,7 +223,8 @@ def test_the_breadth_phase_wastes_no_slot():
     assert [j.name for j in runs] == ["train-sd15-none", "train-sd15-aot_eager",
                                       "train-sd15-default", "train-sd15-inductor",
                                       "train-sd15-triton-full"]
-    assert all(j.limit_s == REST and j.reserve_s == LORA_SECONDS for j in runs)
+    assert all(j.limit_s == REST and j.reserve_s == LORA_SECONDS
+               for j in [*runs, jobs["tests-gpu"]])
     loras = sorted(j.spec["train_job"] for j in jobs.values() if j.kind == "lora")
     assert loras == ["train-sd15-aot_eager", "train-sd15-default", "train-sd15-none"]
 
