@@ -157,9 +157,10 @@ def phase_sd15_breadth(sizes: dict[str, Size]) -> list[Job]:
     jobs = [_env(), _build("sd15", size)]
     jobs += [_train("sd15", size, name, backend, extra, REST, reserve=LORA_SECONDS)
              for name, backend, extra in SD15_TRAIN_RUNS]
+    # It too leaves the LoRA checks their time (and its slot once the runs end).
     jobs.append(Job("tests-gpu", "pytest", REST,
                     {"paths": ["tests/gpu", "tests/bench/test_benchmark_cuda.py"],
-                     "per_test": 300}, group="train",
+                     "per_test": 300}, group="train", reserve_s=LORA_SECONDS,
                     answers="the CUDA-only tests (tests/gpu and the CUDA benchmark test)"))
     # A compiled run's LoRA too: a compile wrapper's names must not leak into the saved keys.
     # DEFAULT's, not INDUCTOR's: a max_autotune run is the likeliest to be killed, and its

@@ -1,8 +1,8 @@
 """Every GPU validation phase end to end on the CPU with the tiny models (``--device cpu
 --tiny``), through the script as the GPU machine runs it: so the script cannot rot between the
 rare sessions that are lent a GPU. Eager and AOT_EAGER here (inductor costs about a minute per
-graph on this CPU); one inductor-marked test runs the headline phase's compiled cell (its ratio
-to eager, its LoRA in diffusers) and the warm cache.
+graph on this CPU); one inductor-marked test runs the headline phase's compiled cell (cold,
+alone, its LoRA in diffusers) and the warm cache.
 
 CI time is scarce: each property is rehearsed once. `REHEARSED` names the jobs each phase runs
 here (with what they need); what a job has in common with another phase's (the env job, the
@@ -160,20 +160,19 @@ def test_merge_folds_the_rehearsal_into_a_docs_copy(phases, tmp_path):
 
 @pytest.mark.inductor
 def test_the_headline_ratio_the_compiled_cells_lora_and_the_warm_cache(tmp_path):
-    """The headline phase with DEFAULT (inductor without max_autotune: the cheaper compile
-    here): eager and DEFAULT cold, each alone, a ratio between them, and the DEFAULT cell's
-    LoRA into diffusers. Then the warm phase on a fresh work folder, as a lent session starts
-    bare: the cold cell fills the cache, the cell after it must hit it (a warm start)."""
+    """The headline phase's compiled part with DEFAULT (inductor without max_autotune): the
+    cold cell alone and its saved LoRA into diffusers (the eager cell it is compared with runs
+    in the rehearsal above; the ratio's arithmetic is test_gpu_validate.py's). Then the warm
+    phase on a fresh work folder, as a lent session starts bare: the cold cell fills the
+    cache, the cell after it must hit it (a warm start)."""
     # each inductor graph costs about a minute here: only the jobs this test reads
-    summary = run_phase("1", tmp_path / "out1", tmp_path / "work1", "NONE,DEFAULT",
-                        "build-sd15,cell-sd15-none,cell-sd15-default,lora-sd15-default")
-    headline = rows(summary)
+    headline = rows(run_phase("1", tmp_path / "out1", tmp_path / "work1", "DEFAULT",
+                              "build-sd15,cell-sd15-default,lora-sd15-default"))
     cell = headline["cell-sd15-default"]
     assert cell["status"] == "ok" and cell["effective"] == {"unet": "DEFAULT"}, cell
     assert cell["compiled_code_ran"] and not cell["warm_cache_found"]
     assert cell["compare_with"] == "cell-sd15-none" and cell["side_by_side"] == 1
-    ratio = headline["cell-sd15-none"]["median_step_seconds"] / cell["median_step_seconds"]
-    assert f"| {ratio:.2f}× | cell-sd15-none |" in (tmp_path / "out1" / "summary.md").read_text()
+    assert cell["median_step_seconds"] > 0 and cell["compile_seconds"] > 0
     lora = headline["lora-sd15-default"]
     assert lora["status"] == "ok", lora
     assert all(f["mean_abs_change"] > 0 for f in lora["files"].values())
