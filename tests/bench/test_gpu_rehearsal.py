@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from modules.bench.gpu_cli import source_commit
 from modules.bench.gpu_phases import PHASES
 from modules.bench.gpu_report import merge_results
 
@@ -107,7 +108,7 @@ def test_the_headline_phase_names_the_machine_and_times_eager_alone(phases):
     assert jobs["cell-sd15-default"]["error"].startswith("backend DEFAULT not in")
     assert jobs["lora-sd15-default"]["error"] == "needs cell-sd15-default, which ended not started"
     assert jobs["cell-sd15-inductor"]["error"].startswith("backend INDUCTOR not in")
-    assert phases["1-sd15-headline"][0]["commit"]     # this checkout's, from git
+    assert phases["1-sd15-headline"][0]["commit"] == source_commit(None)  # from git, if any
 
 
 def test_the_breadth_phase_trains_through_train_py_and_runs_the_cuda_tests(phases):

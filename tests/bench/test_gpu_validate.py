@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from modules.bench import gpu_validate
-from modules.bench.gpu_cli import gpu_command
+from modules.bench.gpu_cli import gpu_command, source_commit
 from modules.bench.gpu_cli import main as cli_main
 from modules.bench.gpu_jobs import KINDS, on_gpu_else_cpu, train_collect
 from modules.bench.gpu_phases import LORA_SECONDS, PHASES, find_phase, phase_jobs
@@ -380,8 +380,9 @@ def test_list_names_every_phase_and_which_have_results(tmp_path, capsys):
     assert cli_main(["--list", "--docs", str(docs)]) == 0
     text = capsys.readouterr().out
     assert "next: phase 1-sd15-headline" in text      # the headline first, until it has results
-    assert text.rstrip().endswith("scripts/gpu_validate.py 1 --commit "
-                                  + text.split("--commit ")[1].split()[0] + " --out $OUT")
+    commit = source_commit(None)   # this checkout's (None where there is no git: a tarball)
+    assert text.rstrip().endswith("scripts/gpu_validate.py 1"
+                                  + (f" --commit {commit}" if commit else "") + " --out $OUT")
     merge_results([phase_summary(tmp_path, "1-sd15-headline", "cuda", tiny=False)], docs)
     assert cli_main(["--list", "--docs", str(docs)]) == 0
     text = capsys.readouterr().out
@@ -390,7 +391,7 @@ def test_list_names_every_phase_and_which_have_results(tmp_path, capsys):
     assert "results: 2026-11-25 on NVIDIA H100 80GB HBM3 (4/4 jobs ok)" in text
     assert text.count("no results yet") == len(PHASES) - 1
     assert "next: phase 2-sd15-breadth" in text  # the earliest without results
-    assert "python3 scripts/gpu_validate.py 2 --commit" in text
+    assert "python3 scripts/gpu_validate.py 2 " in text
 
 
 def test_the_gpu_command_carries_the_wheels_and_the_commit():
