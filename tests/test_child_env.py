@@ -48,3 +48,18 @@ def test_no_test_or_module_replaces_pythonpath_for_a_child():
              for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
              if REPLACED.search(line)]
     assert found == [], "use tests/child_env.with_repo_on_pythonpath:\n" + "\n".join(found)
+
+
+def test_a_stray_tests_package_on_the_path_does_not_shadow_this_one(tmp_path):
+    # An image may carry a site-packages/tests/ of some library: as regular packages, this
+    # checkout's tests/ and tests/gpu/ come first (a namespace package would lose to it).
+    stray = tmp_path / "site-packages"
+    for package in ("tests", "tests/gpu"):
+        (stray / package).mkdir(parents=True)
+        (stray / package / "__init__.py").write_text("STRAY = True\n")
+    env = with_repo_on_pythonpath({**os.environ, "PYTHONPATH": str(stray)})
+    code = "import tests.gpu.scenarios, tests.child_env; print(tests.gpu.scenarios.__file__)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                         text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    assert Path(out.stdout.strip()).resolve() == REPO / "tests" / "gpu" / "scenarios.py"

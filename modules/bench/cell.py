@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -32,6 +33,7 @@ from typing import Any
 
 from modules.events import CompileEvent, NullCallbacks, Progress, TrainerCommands
 from modules.train.outputs.record import peak_memory
+from modules.util.atomic import atomic_write_text
 from modules.util.errors import describe
 
 # After a compile, a CUDA-graph tree runs the new graph without a graph first (warm-up, in the
@@ -41,6 +43,7 @@ from modules.util.errors import describe
 # seconds and the compile steps, so the first GPU run can confirm the count.
 CUDAGRAPH_SETTLE_STEPS = 2
 KEPT_EVENT_KINDS = ("fallback", "degraded", "recompile", "warning")
+PROGRESS_EVERY_SECONDS = 2.0
 
 
 def step_cap(warmup: int, steps: int) -> int:
@@ -75,10 +78,14 @@ class StepTimer(NullCallbacks):
     """
 
     def __init__(self, cuda: bool, *, steps: int | None = None, warmup: int = 1,
-                 settle_steps: int = 0, commands: TrainerCommands | None = None) -> None:
+                 settle_steps: int = 0, commands: TrainerCommands | None = None,
+                 progress: Path | None = None) -> None:
         self.cuda = cuda
         self.wanted, self.warmup, self.settle_steps = steps, warmup, settle_steps
         self.commands = commands
+        self.progress = progress     # where the step and the last compile status go, if set
+        self.compile_status = ""
+        self.progress_written = -math.inf
         self.stamps: list[float] = []        # perf_counter at each step's end
         self.cuda_events: list[Any] = []     # torch.cuda.Event at each step's end (CUDA)
         self.graphs: list[int] = []          # dynamo's unique_graphs after each step
@@ -98,6 +105,20 @@ class StepTimer(NullCallbacks):
             self.compile_events.append({"step": self.step_in_flight + 1,
                                         "component": event.component, "kind": event.kind,
                                         "message": event.message})
+        self.compile_status = f"{event.component} {event.kind}: {event.message}"[:120]
+        self._write_progress()
+
+    def _write_progress(self, every: float = 0.0) -> None:
+        """What a cell killed at its limit has done: steps ended, the last compile status (at
+        most once per ``every`` seconds: a write is host time inside a timed step)."""
+        now = time.monotonic()
+        if self.progress is None or now - self.progress_written < every:
+            return
+        self.progress_written = now
+        atomic_write_text(self.progress, json.dumps({
+            "step": self.step_in_flight, "compile": self.compile_status,
+            "compile_steps": sorted(s + 1 for s in self.compile_steps),
+            "updated_at": time.time()}) + "\n")
 
     def on_progress(self, progress: Progress) -> None:
         step = self.step_in_flight
@@ -111,6 +132,7 @@ class StepTimer(NullCallbacks):
         if graphs != (self.graphs[-1] if self.graphs else 0):
             self.compile_steps.add(step)  # a graph no engine event announced
         self.graphs.append(graphs)
+        self._write_progress(every=PROGRESS_EVERY_SECONDS)
         if self.commands is not None and self.wanted is not None and len(self.timed_steps(
                 self.settle_steps)) >= self.wanted:
             self.commands.request_stop()
@@ -170,7 +192,7 @@ def run_cell(spec: dict[str, Any]) -> dict[str, Any]:
     commands = TrainerCommands()
     timer = StepTimer(cuda, steps=steps, warmup=warmup, commands=commands,
                       settle_steps=CUDAGRAPH_SETTLE_STEPS if may_use_cudagraphs(config, cuda)
-                      else 0)
+                      else 0, progress=Path(spec["progress"]) if spec.get("progress") else None)
     started = time.perf_counter()
     result = train(config, timer, commands)
     wall = time.perf_counter() - started

@@ -1,7 +1,7 @@
 """``scripts/gpu_validate.py``: one GPU validation phase per command, ``--list``, ``merge``.
 
-    python scripts/gpu_validate.py --list
-    python scripts/gpu_validate.py 1 --out "$OUT"               # on the GPU machine
+    python scripts/gpu_validate.py --list                        # ends with the next command
+    python scripts/gpu_validate.py 1 --commit SHA --out "$OUT"   # on the GPU machine
     python scripts/gpu_validate.py 1 --device cpu --tiny --out x  # the rehearsal here
     python scripts/gpu_validate.py merge PATH [PATH ...]          # fold returned phases in docs/
 
@@ -12,10 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
+import subprocess
 import sys
 from pathlib import Path
 
-from modules.bench.gpu_validate import REPO, Context
+from modules.bench.gpu_context import Context
+from modules.bench.gpu_validate import REPO, PhaseStopped
 
 DEFAULT_WORK = Path("/tmp/tempera-gpu-work")
 DEFAULT_BUDGET = 540.0  # the lending machine kills a command at 600 s
@@ -50,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                      if j.strip()),
                    help="comma list of job names: run only these, say to rerun one after a "
                         "fix (what they need must be among them; others: not started)")
+    p.add_argument("--commit",
+                   help="the commit the source is at, recorded in the summary (the copy on a "
+                        "lent GPU machine has no .git: --list prints the command with it); "
+                        "default: git's answer here, if there is one")
     p.add_argument("--docs", type=Path, default=REPO / "docs", help="merge: the docs folder")
     p.add_argument("--allow-rehearsal", action="store_true",
                    help="merge: accept CPU / --tiny results (tests only)")
@@ -57,8 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def list_phases(docs: Path) -> str:
-    """Every phase, its minutes, the issue it answers and its results; then which to run next:
-    a lent session has time for one."""
+    """Every phase, its minutes, the issue it answers and its results; then which to run next
+    (a lent session has time for one) and the command for it, with this checkout's commit."""
     from modules.bench.gpu_phases import PHASES
 
     lines, missing = [], []
@@ -73,13 +80,42 @@ def list_phases(docs: Path) -> str:
         else:
             have = "no results yet"
             missing.append(phase.key)
-        lines.append(f"{phase.key:<13} ~{phase.minutes:g} min  {phase.answers}\n"
-                     f"{'':<13} for the GPU issue: {phase.issue}; {have}")
+        lines.append(f"{phase.key:<16} ~{phase.minutes:g} min  {phase.answers}\n"
+                     f"{'':<16} for the GPU issue: {phase.issue}; {have}")
     lines.append("")
+    if not missing:
+        lines.append("next: every phase has results; rerun one to measure again")
+        return "\n".join(lines)
     lines.append(f"next: phase {missing[0]} (a lent session's 15 minutes hold one phase; "
-                 "docs/gpu.md has the command)" if missing else
-                 "next: every phase has results; rerun one to measure again")
+                 "docs/gpu.md has the call):")
+    lines.append(gpu_command(missing[0].split("-")[0], source_commit(None)))
     return "\n".join(lines)
+
+
+def gpu_command(phase: str, commit: str | None) -> str:
+    """The lent GPU machine's command for ``phase``: the carried wheels into .site/, then the
+    phase with the commit it runs (the copy there has no .git)."""
+    return ("python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir "
+            "--upgrade --target .site .whl/*.whl && export PYTHONPATH=$PWD/.site:$PWD || exit; "
+            f"PYTHONUNBUFFERED=1 python3 scripts/gpu_validate.py {phase}"
+            + (f" --commit {shlex.quote(commit)}" if commit else "") + " --out $OUT")
+
+
+def source_commit(given: str | None) -> str | None:
+    """``given``, else this checkout's commit from git (with "-dirty" when files differ from
+    it: the working tree is what a lent machine gets), else None."""
+    if given:
+        return given
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO,
+                              capture_output=True, text=True, timeout=30)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO,
+                               capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None  # no git here (the lent machine's copy): the summary says "unknown"
+    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,9 +173,14 @@ def run(args: argparse.Namespace) -> int:
         parallel = min(parallel, phase.max_parallel)
     ctx = Context(phase=phase.key, device=args.device, tiny=args.tiny, out=args.out,
                   work=args.work, budget_s=args.budget, parallel=parallel,
-                  backends=args.backends, jobs=args.jobs)
-    print(f"phase {phase.key}: {phase.answers} (budget {args.budget:.0f} s)", flush=True)
-    run_phase(ctx, jobs, KINDS,
-              print_line=lambda line: print(line, flush=True))
+                  backends=args.backends, jobs=args.jobs, commit=source_commit(args.commit))
+    print(f"phase {phase.key}: {phase.answers} (budget {args.budget:.0f} s, commit "
+          f"{ctx.commit or 'unknown'})", flush=True)
+    code = 0
+    try:
+        run_phase(ctx, jobs, KINDS, print_line=lambda line: print(line, flush=True))
+    except PhaseStopped as stop:  # every job is killed and the results so far are written
+        print(f"stopped: {stop}", flush=True)
+        code = 128 + stop.signum
     print((ctx.out / "summary.md").read_text(encoding="utf-8"))  # the table, printed last
-    return 0
+    return code

@@ -4,6 +4,10 @@ Every job is its own process, so the phase can kill it at its time limit and a c
 ``train`` runs ``scripts/train.py`` as a user does; ``cell`` runs one timed benchmark cell
 (`modules.bench.cell`); ``pytest`` runs tests; ``env``, ``build`` and ``lora`` run the bodies
 below as ``python -m modules.bench.gpu_jobs KIND --spec FILE --result FILE``.
+
+A job killed at its limit still tells what it did: train runs and cells keep a
+``progress.json`` (step, last compile status) that its row and the runs archive carry, and a
+number the job never reported is left out of its row (the tables print "—"), never a zero.
 """
 from __future__ import annotations
 
@@ -15,13 +19,18 @@ import sys
 import time
 import traceback
 import xml.etree.ElementTree as ElementTree
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from modules.bench.gpu_phases import FULL_SIZES, TINY_SIZES, Size
-from modules.bench.gpu_validate import Context, Job, Kind, has_xdist, python
+from modules.bench.gpu_context import Context
+from modules.bench.gpu_validate import Job, Kind, has_xdist, python
 
 LORA_PROMPT = "a red square on a wooden table"
+PROGRESS_EVERY_SECONDS = 5      # train.py --progress-every: a killed run's last state
+PYTEST_INTERRUPT_SECONDS = 20   # SIGINT to pytest, then this long to write its junit file
+PYTEST_MARGIN_SECONDS = 10      # a test's own limit ends this much before pytest is stopped
 # (width, height) factors of the resolution: wide and square images, four of each, so a batch
 # of 2 or 4 is always full and the run goes through exactly two buckets.
 BUCKET_IMAGES = [(1.5, 1.0)] * 4 + [(1.0, 1.0)] * 4
@@ -108,12 +117,28 @@ def train_command(job: Job, ctx: Context, folder: Path) -> list[str]:
 
     config = run_config(job, ctx, folder, _fresh(ctx.compile_cache() / job.name))
     save_config(config, folder / "config.json")
-    return [python(), "scripts/train.py", "--config", str(folder / "config.json"), "--quiet"]
+    # The progress file, not --quiet: a run killed at its limit leaves its step and its last
+    # compile status there, and its status and compile lines in the log.
+    return [python(), "scripts/train.py", "--config", str(folder / "config.json"),
+            "--progress-file", str(folder / "progress.json"),
+            "--progress-every", str(PROGRESS_EVERY_SECONDS)]
+
+
+def read_progress(folder: Path) -> dict[str, Any] | None:
+    """The job's last progress.json (None: it never wrote one)."""
+    try:
+        return _read(folder / "progress.json")
+    except (OSError, ValueError):
+        return None
 
 
 def train_collect(job: Job, ctx: Context, folder: Path) -> dict[str, Any]:
-    record = _read(folder / "out" / "run.json")
-    row = run_numbers(record)
+    progress = read_progress(folder)
+    try:
+        record = _read(folder / "out" / "run.json")
+    except (OSError, ValueError) as err:  # killed before train.py wrote its record
+        return {"progress": progress, "collect_error": f"{type(err).__name__}: {err}"}
+    row = {**run_numbers(record), "progress": progress}
     row["status"] = "ok" if record.get("status") == "finished" else "failed"
     if row["status"] != "ok":
         row["error"] = record.get("error") or f"run ended {record.get('status')}"
@@ -121,22 +146,26 @@ def train_collect(job: Job, ctx: Context, folder: Path) -> dict[str, Any]:
 
 
 def run_numbers(record: dict[str, Any]) -> dict[str, Any]:
-    """A run.json folded into one row: what compiled, how long, recompiles, memory, loss."""
+    """A run.json folded into one row: what compiled, how long, recompiles, memory, loss. A
+    run that did not reach its end has no compile report yet: those numbers are None (the
+    tables print "—"), not the zeros of an empty report."""
     from modules.bench.cell import summarize_compile
 
-    compiled = summarize_compile(record.get("compile", {}))
+    report = record.get("compile")
+    compiled: dict[str, Any] = summarize_compile(report) if report is not None else {}
     shapes = record.get("batch_shapes") or {}
-    late = sum(r.get("late_recompiles", 0) for r in record.get("compile", {}).values())
     memory = record.get("memory") or {}
     losses = [x for x in record.get("losses", []) if x is not None]
     return {
-        "effective": compiled["effective"], "fallbacks": compiled["fallbacks"],
-        "degraded": compiled["degraded"], "compile_seconds": compiled["compile_seconds"],
-        "recompiles": compiled["recompiles"],
+        "effective": compiled.get("effective"), "fallbacks": compiled.get("fallbacks"),
+        "degraded": compiled.get("degraded"), "compile_seconds": compiled.get("compile_seconds"),
+        "recompiles": compiled.get("recompiles"),
         "recompiles_after_first_pass": shapes.get("recompiles_after_first_pass"),
-        "late_recompiles": late, "cache": compiled["cache"],
-        "compiled_code_ran": compiled["compiled_code_ran"],
-        "cudagraphs": any(r.get("cudagraphs") for r in record.get("compile", {}).values()),
+        "late_recompiles": (sum(r.get("late_recompiles", 0) for r in report.values())
+                            if report is not None else None),
+        "cache": compiled.get("cache"), "compiled_code_ran": compiled.get("compiled_code_ran"),
+        "cudagraphs": (any(r.get("cudagraphs") for r in report.values())
+                       if report is not None else None),
         "first_step_seconds": record.get("first_step_seconds"),
         "median_step_seconds": record.get("median_step_seconds"),
         "steps_done": record.get("steps_done"), "first_loss": losses[0] if losses else None,
@@ -170,7 +199,7 @@ def cell_command(job: Job, ctx: Context, folder: Path) -> list[str]:
     (folder / "cache.json").write_text(json.dumps({"warm_cache_found": warm,
                                                    "cache_folder": str(cache)}) + "\n", "utf-8")
     spec = {"config": to_dict(config), "steps": steps, "warmup": warmup,
-            "phase": "warm" if warm else "cold"}
+            "phase": "warm" if warm else "cold", "progress": str(folder / "progress.json")}
     path = folder / "cell-spec.json"
     path.write_text(json.dumps(spec, indent=2) + "\n", encoding="utf-8")
     return [python(), "-m", "modules.bench.cell", "--spec", str(path),
@@ -178,7 +207,12 @@ def cell_command(job: Job, ctx: Context, folder: Path) -> list[str]:
 
 
 def cell_collect(job: Job, ctx: Context, folder: Path) -> dict[str, Any]:
-    result = _read(folder / "result.json")
+    progress = read_progress(folder)
+    try:
+        result = _read(folder / "result.json")
+    except (OSError, ValueError) as err:  # killed before it wrote its result
+        return {"progress": progress, **_read(folder / "cache.json"),
+                "collect_error": f"{type(err).__name__}: {err}"}
     keep = ("status", "error", "median_step_seconds", "first_step_seconds",
             "first_step_overhead_seconds", "timed_steps", "compile_steps", "step_seconds",
             "cudagraphs", "peak_allocated_bytes", "peak_reserved_bytes", "peak_rss_bytes",
@@ -191,8 +225,13 @@ def cell_collect(job: Job, ctx: Context, folder: Path) -> dict[str, Any]:
 
 # --- pytest ----------------------------------------------------------------------------------
 def pytest_command(job: Job, ctx: Context, folder: Path) -> list[str]:
-    command = [python(), "-m", "pytest", *job.spec["paths"], "-q", "-p", "no:cacheprovider",
-               "--timeout", str(job.spec.get("per_test", 300)),
+    """-v: the log tail names each test and its outcome. A test's own time limit ends before
+    the job's (``job.limit_s``, the limit it got), so a hung test fails as a test; at the
+    job's limit pytest gets SIGINT first (`Kind.interrupt_s`) and writes its junit file."""
+    per_test = min(job.spec.get("per_test", 300),
+                   job.limit_s - PYTEST_INTERRUPT_SECONDS - PYTEST_MARGIN_SECONDS)
+    command = [python(), "-m", "pytest", *job.spec["paths"], "-v", "-p", "no:cacheprovider",
+               "--timeout", str(max(10, int(per_test))),
                "--junitxml", str(folder / "junit.xml")]
     if ctx.device == "cuda" and has_xdist():
         command += ["-n", "4"]
@@ -259,12 +298,13 @@ def result_collect(name: str):
 
 
 def env_body(spec: dict[str, Any]) -> dict[str, Any]:
-    """GPU, driver, library versions, and whether each compile backend can run here."""
+    """GPU (its name: the one place the phase reads it), driver, library versions, TF32 as
+    the runs set it, and whether each compile backend can run here."""
     import dataclasses
 
     import torch
 
-    from modules.bench.gpu_validate import versions
+    from modules.bench.gpu_machine import versions
     from modules.compile.capabilities import backend_problem, detect_capabilities
     from modules.config.schema import CompileBackend
 
@@ -275,8 +315,12 @@ def env_body(spec: dict[str, Any]) -> dict[str, Any]:
         "capabilities": {k: (sorted(v) if isinstance(v, frozenset) else v)
                          for k, v in dataclasses.asdict(caps).items()},
         "backends": {b.value: backend_problem(b, caps) or "runs" for b in CompileBackend},
-        "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
     }
+    try:
+        info["tf32"] = runs_tf32("cuda" if cuda else "cpu")
+    except Exception as err:  # noqa: BLE001 - the row says so; the GPU's name still matters
+        traceback.print_exc()
+        info["tf32"] = {"error": f"{type(err).__name__}: {err}"}
     if cuda:
         props = torch.cuda.get_device_properties(0)
         info["gpu"] = {"name": props.name, "capability": f"{props.major}.{props.minor}",
@@ -291,11 +335,28 @@ def env_body(spec: dict[str, Any]) -> dict[str, Any]:
     return info
 
 
+def runs_tf32(device: str) -> dict[str, Any]:
+    """TF32 as the runs set it: the trainer's own switch (`float32_precision`) applied to the
+    runs' config on ``device`` (`run_config` leaves `training.allow_tf32` at its default),
+    what torch then reports, then put back."""
+    import torch
+
+    from modules.config import Config, apply_overrides
+    from modules.train.recipe.builders import float32_precision
+
+    config = apply_overrides(Config(), [f"general.device={device.upper()}"])
+    restore, record = float32_precision(config, torch.device(device))
+    try:
+        return {**record, "matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+                "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32}
+    finally:
+        restore()
+
+
 def build_body(spec: dict[str, Any]) -> dict[str, Any]:
     """The model's folder: a built-in tiny model, or a benchmark model built once. Big ones
-    are initialised on the GPU when there is one (minutes on the CPU at SDXL size)."""
-    import contextlib
-
+    are initialised on the GPU when there is one (minutes on the CPU at SDXL size), and on
+    the CPU when that raises; ``built_on`` says which, ``gpu_build_error`` why."""
     import torch
 
     from modules.bench.models import ensure_bench_model, unet_parameter_count
@@ -304,17 +365,36 @@ def build_body(spec: dict[str, Any]) -> dict[str, Any]:
     started = time.perf_counter()
     cache = Path(spec["cache_dir"])
     name = spec["model"]
+    found: dict[str, Any] = {}
     if name.startswith("builtin:"):
         path, parameters = str(ensure_builtin_model(name, cache)), None
+        found["built_on"] = "cpu"
     else:
-        where = (torch.device("cuda") if spec["device"] == "cuda" and torch.cuda.is_available()
-                 else contextlib.nullcontext())
-        with where:
-            path = ensure_bench_model(name, cache)
+        cuda = spec["device"] == "cuda" and torch.cuda.is_available()
+        path, found = on_gpu_else_cpu(lambda: ensure_bench_model(name, cache), cuda)
         parameters = unet_parameter_count(name)
     size = sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
-    return {"path": path, "unet_parameters": parameters, "folder_bytes": size,
+    return {"path": path, "unet_parameters": parameters, "folder_bytes": size, **found,
             "build_seconds": round(time.perf_counter() - started, 1)}
+
+
+def on_gpu_else_cpu(build: Callable[[], Any], cuda: bool) -> tuple[Any, dict[str, Any]]:
+    """``build()`` under the CUDA device context (tensors it makes start on the GPU), and again
+    on the CPU when that raises: the result, and where it was built (with the GPU's error).
+    The GPU path has never run before a lent machine: a failure there must not cost the phase
+    its model."""
+    import torch
+
+    if not cuda:
+        return build(), {"built_on": "cpu"}
+    try:
+        with torch.device("cuda"):
+            return build(), {"built_on": "cuda"}
+    except Exception as err:  # noqa: BLE001 - recorded in the row and the log, then the CPU
+        traceback.print_exc()
+        error = f"{type(err).__name__}: {err}"[:500]
+    print(f"building on the GPU failed ({error}); building on the CPU", file=sys.stderr)
+    return build(), {"built_on": "cpu", "gpu_build_error": error}
 
 
 def lora_body(spec: dict[str, Any]) -> dict[str, Any]:
@@ -361,7 +441,7 @@ BODIES = {"env": env_body, "build": build_body, "lora": lora_body}
 
 KINDS: dict[str, Kind] = {
     "env": Kind(env_command, result_collect("env.json")),
-    "pytest": Kind(pytest_command, pytest_collect),
+    "pytest": Kind(pytest_command, pytest_collect, interrupt_s=PYTEST_INTERRUPT_SECONDS),
     "build": Kind(build_command, result_collect("model.json")),
     "train": Kind(train_command, train_collect),
     "cell": Kind(cell_command, cell_collect),

@@ -3,19 +3,22 @@
 A session lent the GPU machine has about 15 minutes of it, a start included, and a machine
 starts bare: so each phase is one command of at most 9 minutes that needs nothing from an
 earlier one (no compile cache, no model), and a lent session runs the earliest phase without
-results. Phases 1 and 4 train through `scripts/train.py` exactly as a user does, with the
-compiled runs side by side to fit their cold starts in one command (their step times share the
-GPU); phase 2 compiles side by side first and then times each setting alone on the cache it
-just filled, so its warm start and steady step are measured in the same command. `--tiny` swaps
-the SD-size random-weight models for the built-in tiny ones and shortens every run: the CPU
-suite rehearses every phase that way.
+results. Phase 1 brings back the headline number first: eager and DEFAULT each timed alone
+(DEFAULT cold, with every core), then INDUCTOR alone with what is left. Phases 2 and 5 train
+through `scripts/train.py` exactly as a user does, with the compiled runs side by side to fit
+their cold starts in one command (their step times share the GPU); phase 3 compiles side by
+side first and then times each setting alone on the cache it just filled, so its warm start
+and steady step are measured in the same command. Every phase starts with the env job: the
+GPU's name, driver and TF32 setting as the runs set it (each phase may be lent another card).
+`--tiny` swaps the SD-size random-weight models for the built-in tiny ones and shortens every
+run: the CPU suite rehearses every phase that way.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from modules.bench.gpu_validate import Job
+from modules.bench.gpu_validate import REST, Job
 
 
 @dataclass(frozen=True)
@@ -44,15 +47,15 @@ TINY_SIZES = {
     "sdxl": Size("builtin:tiny-sdxl", "SDXL", 192, 2, 4, 2, 2, 2, cell_steps=3),
 }
 
-# Phase 2's runs: the backends as the presets run them (REGIONAL, gradient checkpointing), and
-# TRITON FULL without checkpointing: the one setting where the plan keeps CUDA graphs (with
-# persistent gradients) at SD size.
+# The breadth phase's runs: the backends as the presets run them (REGIONAL, gradient
+# checkpointing), and TRITON FULL without checkpointing: the one setting where the plan keeps
+# CUDA graphs (with persistent gradients) at SD size. TRITON REGIONAL is not among them: with
+# gradient checkpointing the plan turns its CUDA graphs off, so it would be INDUCTOR again.
 SD15_TRAIN_RUNS: list[tuple[str, str, list[str]]] = [
     ("none", "NONE", []),
     ("aot_eager", "AOT_EAGER", []),
     ("default", "DEFAULT", []),
     ("inductor", "INDUCTOR", []),
-    ("triton", "TRITON", []),
     ("triton-full", "TRITON", ["compile.scope=FULL", "training.gradient_checkpointing=false"]),
 ]
 SDXL_TRAIN_RUNS: list[tuple[str, str, list[str]]] = [
@@ -62,35 +65,46 @@ SDXL_TRAIN_RUNS: list[tuple[str, str, list[str]]] = [
     ("fp16", "NONE", ["training.mixed_precision=FP16", "model.weight_dtype=FLOAT16"]),  # CUDA
     ("triton", "TRITON", []),
 ]
+# A LoRA check's limit, and what a run it checks leaves it of the budget: load a pipeline,
+# generate once before and once per saved file.
+LORA_SECONDS = 120
 
 
 # Full fine-tunes save the whole model (the kohya layout is for LoRA files only).
 FINE_TUNE = ["training.method=FINE_TUNE", 'output.formats=["DIFFUSERS"]']
 
 
+def _env() -> Job:
+    return Job("env", "env", 90, answers="GPU, driver, versions, TF32 as the runs set it, and "
+                                         "what each backend can use")
+
+
 def _build(key: str, size: Size) -> Job:
     return Job(f"build-{key}", "build", 300 * size.limit_scale,
                {"model": size.model, "model_type": size.model_type,
                 "resolution": size.resolution},
-               answers="the random-weight model at full architecture, built on this machine")
+               answers="the random-weight model at full architecture, built on this machine "
+                       "(on the GPU; on the CPU if that fails, and the row says so)")
 
 
 def _train(key: str, size: Size, name: str, backend: str, extra: list[str],
-           limit: float, group: str | None = "train", answers: str = "") -> Job:
+           limit: float, group: str | None = "train", answers: str = "",
+           reserve: float = 0.0) -> Job:
     # FP16 autocast exists only on CUDA: the CPU rehearsal records such a run as not started.
     needs_cuda = "training.mixed_precision=FP16" in extra
     return Job(f"train-{key}-{name}", "train", limit * size.limit_scale,
                {"size": key, "backend": backend, "overrides": extra, "model": size.model,
                 "needs_cuda": needs_cuda},
-               group=group, after=(f"build-{key}",),
+               group=group, after=(f"build-{key}",), reserve_s=reserve,
                answers=answers or f"{backend} trains {key} through train.py: effective backend, "
                                   "compile time, recompiles, memory")
 
 
-def _lora(key: str, run: str) -> Job:
-    # In the train group: it starts as soon as its run has ended, beside the others.
-    return Job(f"lora-{key}-{run}", "lora", 180, {"size": key, "train_job": f"train-{key}-{run}"},
-               group="train", after=(f"train-{key}-{run}",),
+def _lora(key: str, trained: str, group: str | None = "train") -> Job:
+    """The LoRA that job ``trained`` (a train run or a cell) saved, into a diffusers pipeline.
+    In a group it starts as soon as its run has ended, beside the others."""
+    return Job(f"lora-{key}-{trained.split('-', 2)[2]}", "lora", LORA_SECONDS,
+               {"size": key, "train_job": trained}, group=group, after=(trained,),
                answers="the saved LoRA loads into a diffusers pipeline and changes its output")
 
 
@@ -117,31 +131,53 @@ def _cold(key: str, size: Size, name: str, backend: str, extra: list[str], limit
                  "side, that the cell alone then starts warm from", group="cold", prefix="cold")
 
 
-def phase_sd15(sizes: dict[str, Size]) -> list[Job]:
+def phase_sd15_headline(sizes: dict[str, Size]) -> list[Job]:
+    """The number the product is about, first: eager and DEFAULT each alone, DEFAULT cold with
+    every core (no max_autotune: the most likely to finish; the cell's median leaves its
+    compile steps out), its LoRA in diffusers, then INDUCTOR (the presets' backend, with
+    max_autotune) alone with what is left: its ratio, or how long its cold start ran alone."""
     size = sizes["sd15"]
-    jobs = [Job("env", "env", 90, answers="GPU, driver, versions and what each backend can use"),
-            _build("sd15", size)]
-    jobs += [_train("sd15", size, name, backend, extra, 330)
+    return [
+        _env(), _build("sd15", size),
+        _cell("sd15", size, "none", "NONE", [], 150, None,
+              "eager's steady step time and memory, alone: the baseline"),
+        _cell("sd15", size, "default", "DEFAULT", [], 300, None,
+              "DEFAULT (inductor, no max_autotune) cold and alone: its speed-up over eager"),
+        _lora("sd15", "cell-sd15-default", group=None),
+        _cell("sd15", size, "inductor", "INDUCTOR", [], REST, None,
+              "INDUCTOR (max_autotune, as the presets) cold and alone with what is left: its "
+              "speed-up, or how long its cold start ran"),
+    ]
+
+
+def phase_sd15_breadth(sizes: dict[str, Size]) -> list[Job]:
+    """Every backend through train.py side by side, each run with what the budget has left
+    less its LoRA check; the CUDA tests in the slot the eager run frees."""
+    size = sizes["sd15"]
+    jobs = [_env(), _build("sd15", size)]
+    jobs += [_train("sd15", size, name, backend, extra, REST, reserve=LORA_SECONDS)
              for name, backend, extra in SD15_TRAIN_RUNS]
-    # Side by side with the runs, in the first slot one frees (the eager run's).
-    jobs.append(Job("tests-gpu", "pytest", 420,
+    # It too leaves the LoRA checks their time (and its slot once the runs end).
+    jobs.append(Job("tests-gpu", "pytest", REST,
                     {"paths": ["tests/gpu", "tests/bench/test_benchmark_cuda.py"],
-                     "per_test": 300}, group="train",
+                     "per_test": 300}, group="train", reserve_s=LORA_SECONDS,
                     answers="the CUDA-only tests (tests/gpu and the CUDA benchmark test)"))
     # A compiled run's LoRA too: a compile wrapper's names must not leak into the saved keys.
-    jobs += [_lora("sd15", "inductor"), _lora("sd15", "aot_eager"), _lora("sd15", "none")]
+    # DEFAULT's, not INDUCTOR's: a max_autotune run is the likeliest to be killed, and its
+    # check with it.
+    jobs += [_lora("sd15", f"train-sd15-{run}") for run in ("default", "aot_eager", "none")]
     return jobs
 
 
-# Phase 2's compiled settings, in order of value: what the cells alone time, warm.
+# The warm phase's compiled settings, in order of value: what the cells alone time, warm.
 SD15_WARM = [(name, backend, extra) for name, backend, extra in SD15_TRAIN_RUNS
              if backend not in ("NONE", "AOT_EAGER")]   # AOT_EAGER: a debugging backend
-SD15_WARM.sort(key=lambda run: ["inductor", "triton-full", "default", "triton"].index(run[0]))
+SD15_WARM.sort(key=lambda run: ["inductor", "triton-full", "default"].index(run[0]))
 
 
 def phase_sd15_warm(sizes: dict[str, Size]) -> list[Job]:
     size = sizes["sd15"]
-    jobs = [_build("sd15", size)]
+    jobs = [_env(), _build("sd15", size)]
     jobs += [_cold("sd15", size, name, backend, extra, 300) for name, backend, extra in SD15_WARM]
     jobs.append(_cell("sd15", size, "none", "NONE", [], 120, None,
                       "eager's steady step time and memory, alone: the baseline"))
@@ -157,7 +193,7 @@ def phase_sd15_warm(sizes: dict[str, Size]) -> list[Job]:
 
 def phase_sd15_more(sizes: dict[str, Size]) -> list[Job]:
     size = sizes["sd15"]
-    jobs = [_build("sd15", size)]
+    jobs = [_env(), _build("sd15", size)]
     # Side by side: the question is memory (each process's own peaks), not speed.
     for backend in ("NONE", "INDUCTOR"):
         jobs.append(_cell("sd15", size, f"finetune-{backend.lower()}", backend,
@@ -175,12 +211,13 @@ def phase_sd15_more(sizes: dict[str, Size]) -> list[Job]:
 
 def phase_sdxl(sizes: dict[str, Size]) -> list[Job]:
     size = sizes["sdxl"]
-    jobs = [_build("sdxl", size)]
+    jobs = [_env(), _build("sdxl", size)]
     jobs += [_train("sdxl", size, name, backend, ["data.cache_text_encoder_outputs=true", *extra],
-                    400, answers=f"{backend} trains SDXL at {size.resolution} px"
+                    REST, reserve=LORA_SECONDS,
+                    answers=f"{backend} trains SDXL at {size.resolution} px"
                     + (" in fp16: the VAE gives finite latents" if name == "fp16" else ""))
              for name, backend, extra in SDXL_TRAIN_RUNS]
-    jobs += [_lora("sdxl", "inductor"), _lora("sdxl", "none")]
+    jobs += [_lora("sdxl", f"train-sdxl-{run}") for run in ("default", "none")]
     return jobs
 
 
@@ -189,7 +226,7 @@ def phase_rest(sizes: dict[str, Size]) -> list[Job]:
     says how long it ran, which answers the question too."""
     sd15, sdxl = sizes["sd15"], sizes["sdxl"]
     return [
-        _build("sdxl", sdxl),
+        _env(), _build("sdxl", sdxl),
         _train("sdxl", sdxl, "finetune", "NONE", FINE_TUNE, 300, group=None,
                answers="SDXL full fine-tune on one GPU: runs, or refuses up front with the "
                        "memory it needs"),
@@ -204,7 +241,7 @@ def phase_rest(sizes: dict[str, Size]) -> list[Job]:
 
 def phase_sd15_batch(sizes: dict[str, Size]) -> list[Job]:
     size = sizes["sd15"]
-    jobs = [_build("sd15", size)]
+    jobs = [_env(), _build("sd15", size)]
     for batch in (1, 4):
         for backend in ("NONE", "INDUCTOR"):
             jobs.append(_cell("sd15", size, f"batch{batch}-{backend.lower()}", backend,
@@ -226,24 +263,29 @@ class Phase:
 
 # In order of value: one per lent session, the earliest without results first.
 PHASES: list[Phase] = [
-    Phase("1-sd15", 9, "SD 1.5 LoRA through train.py, every backend, cold, side by side; "
-          "saved LoRAs load in diffusers; environment and tests/gpu", "SD 1.5 (29)", phase_sd15),
-    Phase("2-sd15-warm", 9, "SD 1.5 step times alone, warm on the cache compiled side by side "
+    Phase("1-sd15-headline", 9, "SD 1.5 LoRA: eager and DEFAULT each alone (DEFAULT cold), its "
+          "speed-up and its LoRA in diffusers; INDUCTOR alone with what is left",
+          "SD 1.5 (29)", phase_sd15_headline),
+    # Five runs, the CUDA tests in the eager run's slot once it ends.
+    Phase("2-sd15-breadth", 9, "SD 1.5 LoRA through train.py, every backend, cold, side by "
+          "side; saved LoRAs load in diffusers; tests/gpu", "SD 1.5 (29)", phase_sd15_breadth,
+          max_parallel=5),
+    Phase("3-sd15-warm", 9, "SD 1.5 step times alone, warm on the cache compiled side by side "
           "first; channels_last", "SD 1.5 (29)", phase_sd15_warm),
-    Phase("3-sd15-more", 9, "SD 1.5 full fine-tune eager vs compiled; DEFAULT vs max_autotune",
+    Phase("4-sd15-more", 9, "SD 1.5 full fine-tune eager vs compiled; DEFAULT vs max_autotune",
           "SD 1.5 (29)", phase_sd15_more),
     # Three SDXL runs at 1024 px (~5 GB of weights and ~15 GB of activations each) fit 80 GB.
-    Phase("4-sdxl", 9, "SDXL LoRA at 1024 px through train.py, fp16 VAE, LoRA in diffusers",
+    Phase("5-sdxl", 9, "SDXL LoRA at 1024 px through train.py, fp16 VAE, LoRA in diffusers",
           "SDXL (30)", phase_sdxl, max_parallel=3),
-    Phase("5-rest", 9, "FULL-scope INDUCTOR at SD size; SDXL full fine-tune",
+    Phase("6-rest", 9, "FULL-scope INDUCTOR at SD size; SDXL full fine-tune",
           "at size (31)", phase_rest),
-    Phase("6-sd15-batch", 8, "SD 1.5 batch 1 vs 4, eager vs compiled", "at size (31)",
+    Phase("7-sd15-batch", 8, "SD 1.5 batch 1 vs 4, eager vs compiled", "at size (31)",
           phase_sd15_batch),
 ]
 
 
 def find_phase(name: str) -> Phase:
-    """A phase by its key ("1-sd15"), number ("1") or name ("sd15")."""
+    """A phase by its key ("1-sd15-headline"), number ("1") or name ("sd15-headline")."""
     for phase in PHASES:
         number, _, label = phase.key.partition("-")
         if name in (phase.key, number, label):

@@ -8,36 +8,55 @@ left for is recorded as not started. After every job the results so far are writ
 output folder, so a command killed from outside still returns what it measured:
 
     summary.md / summary.json   every job's row (the table is also printed last)
-    runs.tar.gz                 each job's run.json, benchmark JSON and log tail
+    runs.tar.gz                 each job's run.json, benchmark JSON, progress and log tail
 
-Three files, well inside the 8 the lending machine gives back. A phase needs nothing from an
-earlier one: each lent session starts a bare machine. ``--device cpu --tiny`` runs the
-same jobs on the tiny built-in models (the CPU suite rehearses every phase this way).
+Three files (`modules.bench.gpu_outputs` writes them), well inside the 8 the lending machine
+gives back. A phase needs nothing from an earlier one: each lent session starts a bare
+machine. ``--device cpu --tiny`` runs the same jobs on the tiny built-in models (the CPU suite
+rehearses every phase this way).
+
+Nothing outlives the phase: the jobs run in their own process sessions (so a job is killed
+whole, compile workers included), and the runner kills every one still running when it ends
+in any way: in a ``finally``, on SIGTERM or SIGINT (recorded as ``stopped`` rows), and, on
+Linux, by the kernel when the runner itself is SIGKILLed (`dies_with_parent`). The parent
+never touches CUDA: the GPU's name is read by the env job that starts every phase.
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import importlib.util
-import io
 import json
+import math
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
-import tarfile
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from modules.util.process import kill_group, last_log_line, with_repo_on_pythonpath
+from modules.bench.gpu_context import Context
+from modules.bench.gpu_machine import card_memory
+from modules.bench.gpu_outputs import log_tail, write_outputs
+from modules.util.process import (
+    dies_with_parent,
+    kill_group,
+    last_log_line,
+    with_repo_on_pythonpath,
+)
 
 REPO = Path(__file__).resolve().parents[2]
-MIB = 2**20
 PACK_RESERVE_SECONDS = 25    # kept back from the budget to write the outputs at the end
 MIN_JOB_SECONDS = 15         # a job with less time left than this is not started
-LOG_TAIL_LINES = 60
 POLL_SECONDS = 0.2
+REST = math.inf              # a job's limit_s: whatever the phase's budget has left
+OUT_OF_MEMORY = re.compile(r"out of memory|OutOfMemoryError", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -46,7 +65,9 @@ class Job:
 
     ``group``: jobs of one group run side by side (at most ``Context.parallel`` at once) and
     are recorded as such. ``after``: jobs that must have ended "ok" first (else: not started).
-    ``limit_s``: its own time limit at full size; the phase's remaining budget may cut it.
+    ``limit_s``: its own time limit at full size (`REST`: what the budget has left); the
+    phase's remaining budget cuts it, less ``reserve_s`` kept for the jobs that follow the
+    runs of its group (their LoRA checks): a job that would leave them less is not started.
     """
     name: str
     kind: str
@@ -55,44 +76,25 @@ class Job:
     group: str | None = None
     after: tuple[str, ...] = ()
     answers: str = ""
-
-
-@dataclass
-class Context:
-    """Where a phase runs and what its jobs have found so far."""
-    phase: str
-    device: str                      # "cuda" | "cpu"
-    tiny: bool
-    out: Path                        # what comes back ($OUT)
-    work: Path                       # models, runs and caches; kept on a warm machine
-    budget_s: float
-    parallel: int
-    backends: tuple[str, ...] | None = None   # only jobs of these backends (None: all)
-    jobs: tuple[str, ...] | None = None       # only these jobs, by name (None: all)
-    started: float = field(default_factory=time.monotonic)
-    rows: list[dict[str, Any]] = field(default_factory=list)
-    order: list[str] = field(default_factory=list)   # job names, as the phase lists them
-
-    def remaining(self) -> float:
-        return self.budget_s - (time.monotonic() - self.started)
-
-    def row(self, name: str) -> dict[str, Any] | None:
-        return next((r for r in self.rows if r["job"] == name), None)
-
-    def job_dir(self, name: str) -> Path:
-        return self.work / "jobs" / self.phase / name
-
-    def compile_cache(self) -> Path:
-        """The compile caches of a machine's phases: each job has its own subfolder (a cold
-        start must not find another backend's); a warm cell starts from its cold one's."""
-        return self.work / "compile-cache"
+    reserve_s: float = 0.0
 
 
 @dataclass(frozen=True)
 class Kind:
-    """How a kind of job runs: the command of its process, and the row read from its files."""
+    """How a kind of job runs: the command of its process (given the job with the limit it
+    got), and the row read from its files. ``interrupt_s``: at its limit the job first gets
+    SIGINT, and this long to write its results (pytest's junit file), before SIGKILL."""
     command: Callable[[Job, Context, Path], list[str]]
     collect: Callable[[Job, Context, Path], dict[str, Any]]
+    interrupt_s: float = 0.0
+
+
+class PhaseStopped(Exception):
+    """The runner got SIGTERM or SIGINT: the jobs are killed, the results so far written."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"the runner got {signal.Signals(signum).name}")
+        self.signum = signum
 
 
 def python() -> str:
@@ -119,46 +121,133 @@ def has_xdist() -> bool:
 
 # --- running -------------------------------------------------------------------------------
 def run_phase(ctx: Context, jobs: list[Job], kinds: dict[str, Kind],
-                print_line: Callable[[str], None] = print) -> list[dict[str, Any]]:
+              print_line: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """Run ``jobs`` in their order: a job without a group runs alone; jobs of one group run
     side by side (at most ``ctx.parallel``), each starting once the jobs it needs have ended.
-    The outputs are written again after every job."""
+    The outputs are written again after every job. However the phase ends, no job outlives
+    it; on SIGTERM/SIGINT the rows say so and `PhaseStopped` is raised after the outputs."""
     ctx.out.mkdir(parents=True, exist_ok=True)
     ctx.work.mkdir(parents=True, exist_ok=True)
+    # An earlier run of this phase on this machine (a rerun with a smaller --budget) left its
+    # jobs' folders: the archive must hold this run's only. Models and caches stay.
+    if ctx.jobs_root().exists():
+        shutil.rmtree(ctx.jobs_root())
     ctx.order = [job.name for job in jobs]
     waiting: list[Job] = list(jobs)
     running: list[_Running] = []
-    while waiting or running:
-        job = _next_startable(waiting, running, ctx)
-        if job is not None:
-            waiting.remove(job)
-            why = _why_not_started(job, ctx)
-            if why:
-                _record(ctx, _row(job, "not started", 0.0, error=why), print_line, why)
-                continue
-            try:
-                running.append(_start(job, ctx, kinds[job.kind]))
-            except Exception as err:  # noqa: BLE001 - a job that cannot start is its row
-                error = f"could not start: {type(err).__name__}: {err}"
-                _record(ctx, _row(job, "failed", 0.0, error=error), print_line, error)
-                continue
-            print_line(f"[{job.name}] started, limit {running[-1].limit:.0f} s"
-                       + (f", side by side with {len(running) - 1}" if len(running) > 1 else ""))
-            continue
-        for item in running:
-            item.side_by_side = max(item.side_by_side, len(running))
-        for item in [r for r in running if r.process.poll() is not None
-                     or time.monotonic() >= r.deadline]:
-            running.remove(item)
-            timed_out = item.process.poll() is None
-            if timed_out:
+    with _stop_on_signals():  # inside it, a second signal does not cut the cleanup short
+        try:
+            while waiting or running:
+                if _start_next(waiting, running, ctx, kinds, print_line):
+                    continue
+                _end_finished(running, ctx, kinds, print_line)
+                if running:
+                    time.sleep(POLL_SECONDS)
+        except BaseException as err:
+            why = str(err) if isinstance(err, PhaseStopped) else \
+                f"the runner failed: {type(err).__name__}: {err}"
+            _abandon(ctx, running, waiting, kinds, why, print_line)
+            raise
+        finally:
+            for item in running:  # only after an exception: every ended job was removed
                 kill_group(item.process)
-            row = _finish(item, ctx, kinds[item.job.kind], timed_out)
-            _record(ctx, row, print_line, row.get("error"))
-        if running:
-            time.sleep(POLL_SECONDS)
     write_outputs(ctx, final=True)
     return ctx.rows
+
+
+@contextlib.contextmanager
+def _stop_on_signals() -> Iterator[None]:
+    """SIGTERM and SIGINT raise `PhaseStopped` in the loop (once: cleaning up is not
+    interrupted again), so the caller's cleanup runs; the handlers before are put back."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be set from the main thread
+        return
+    seen: list[int] = []
+
+    def stop(signum: int, frame: Any) -> None:
+        if not seen:
+            seen.append(signum)
+            raise PhaseStopped(signum)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _abandon(ctx: Context, running: list["_Running"], waiting: list[Job],
+             kinds: dict[str, Kind], why: str, print_line: Callable[[str], None]) -> None:
+    """The phase ends early: kill what runs (a `stopped` row each, with what it wrote), the
+    rest is not started; the outputs are written as they stand."""
+    for item in list(running):
+        kill_group(item.process)
+        running.remove(item)
+        try:
+            row = _finish(item, ctx, kinds[item.job.kind], timed_out=False, stopped=why)
+        except Exception as err:  # noqa: BLE001 - ending anyway: the row says what failed
+            row = _row(item.job, "stopped", time.monotonic() - item.started,
+                       error=f"{why}; its files were not read: {type(err).__name__}: {err}")
+        ctx.rows.append(row)
+        print_line(f"[{row['job']}] stopped after {row['seconds']:.0f} s: {why}")
+    for job in waiting:
+        ctx.rows.append(_row(job, "not started", 0.0, error=why))
+    waiting.clear()
+    write_outputs(ctx, final=False)
+
+
+def _start_next(waiting: list[Job], running: list["_Running"], ctx: Context,
+                kinds: dict[str, Kind], print_line: Callable[[str], None]) -> bool:
+    """Start (or record as not started) the next job that may start now; False: none may."""
+    job = _next_startable(waiting, running, ctx)
+    if job is None:
+        return False
+    waiting.remove(job)
+    why = _why_not_started(job, ctx)
+    if why:
+        _record(ctx, _row(job, "not started", 0.0, error=why), print_line, why)
+        return True
+    try:
+        running.append(_start(job, ctx, kinds[job.kind]))
+    except Exception as err:  # noqa: BLE001 - a job that cannot start is its row
+        error = f"could not start: {type(err).__name__}: {err}"
+        _record(ctx, _row(job, "failed", 0.0, error=error), print_line, error)
+        return True
+    print_line(f"[{job.name}] started, limit {running[-1].limit:.0f} s"
+               + (f", side by side with {len(running) - 1}" if len(running) > 1 else ""))
+    return True
+
+
+def _end_finished(running: list["_Running"], ctx: Context, kinds: dict[str, Kind],
+                  print_line: Callable[[str], None]) -> None:
+    """Record every job that ended or reached its limit (interrupting, then killing, it)."""
+    for item in running:
+        item.side_by_side = max(item.side_by_side, len(running))
+    now = time.monotonic()
+    for item in list(running):
+        kind = kinds[item.job.kind]
+        if item.process.poll() is None:
+            if now < item.deadline:
+                continue
+            if kind.interrupt_s and item.interrupted is None:
+                _interrupt(item, now)   # SIGINT: it writes what it has, then exits
+                continue
+            if item.interrupted is not None and now < item.interrupted + kind.interrupt_s:
+                continue
+            item.timed_out = True
+        kill_group(item.process)  # what it started dies with it, even when it ended itself
+        running.remove(item)
+        row = _finish(item, ctx, kind, item.timed_out or item.interrupted is not None)
+        _record(ctx, row, print_line, row.get("error"))
+
+
+def _interrupt(item: "_Running", now: float) -> None:
+    item.interrupted = now
+    try:
+        os.kill(item.process.pid, signal.SIGINT)   # the job's leader only: it stops its own
+    except ProcessLookupError:
+        pass
 
 
 def _record(ctx: Context, row: dict[str, Any], print_line: Callable[[str], None],
@@ -204,9 +293,18 @@ def _why_not_started(job: Job, ctx: Context) -> str:
         if before is None or before["status"] != "ok":
             return f"needs {name}, which " + ("did not run" if before is None else
                                              f"ended {before['status']}")
-    if ctx.remaining() - PACK_RESERVE_SECONDS < MIN_JOB_SECONDS:
-        return f"the phase's budget is spent ({ctx.remaining():.0f} s left of {ctx.budget_s:.0f})"
+    if ctx.remaining() - PACK_RESERVE_SECONDS - job.reserve_s < MIN_JOB_SECONDS:
+        return (f"the phase's budget is spent ({ctx.remaining():.0f} s left of "
+                f"{ctx.budget_s:.0f}" + (f", {job.reserve_s:.0f} s of it kept for the checks "
+                                         "after the runs" if job.reserve_s else "") + ")")
     return ""
+
+
+def job_limit(job: Job, remaining: float) -> float:
+    """The seconds ``job`` may run with ``remaining`` seconds of budget left: its own limit,
+    cut to the budget less the packing reserve and less its reserve for the jobs that follow
+    the runs of its group (their LoRA checks: kept even when the group runs one at a time)."""
+    return min(job.limit_s, remaining - PACK_RESERVE_SECONDS - job.reserve_s)
 
 
 @dataclass
@@ -218,6 +316,8 @@ class _Running:
     deadline: float
     limit: float
     side_by_side: int = 1    # the most jobs that ran at once while this one ran
+    interrupted: float | None = None   # when it got SIGINT at its limit
+    timed_out: bool = False
 
 
 def _start(job: Job, ctx: Context, kind: Kind) -> _Running:
@@ -225,27 +325,33 @@ def _start(job: Job, ctx: Context, kind: Kind) -> _Running:
     if folder.exists():
         shutil.rmtree(folder)
     folder.mkdir(parents=True)
-    limit = min(job.limit_s, ctx.remaining() - PACK_RESERVE_SECONDS)
-    command = kind.command(job, ctx, folder)
+    limit = job_limit(job, ctx.remaining())
+    command = kind.command(dataclasses.replace(job, limit_s=limit), ctx, folder)
     (folder / "command.json").write_text(json.dumps(command) + "\n", encoding="utf-8")
     threads = compile_threads(ctx.parallel if job.group else 1)
     with open(folder / "log.txt", "w", encoding="utf-8") as log:
         process = subprocess.Popen(command, cwd=REPO, env=child_env(threads), stdout=log,
-                                   stderr=subprocess.STDOUT, start_new_session=True)
+                                   stderr=subprocess.STDOUT, start_new_session=True,
+                                   preexec_fn=dies_with_parent())
     now = time.monotonic()
-    return _Running(job, folder, process, now, now + limit, limit)
+    # A job that is interrupted first gets its SIGINT early enough to be killed at its limit.
+    return _Running(job, folder, process, now, now + max(1.0, limit - kind.interrupt_s), limit)
 
 
-def _finish(item: _Running, ctx: Context, kind: Kind, timed_out: bool) -> dict[str, Any]:
+def _finish(item: _Running, ctx: Context, kind: Kind, timed_out: bool,
+            stopped: str = "") -> dict[str, Any]:
     seconds = time.monotonic() - item.started
     extra: dict[str, Any] = {"side_by_side": item.side_by_side}
     try:
         extra.update(kind.collect(item.job, ctx, item.folder))
     except (OSError, ValueError, KeyError) as err:  # no result file: the log tail says why
         extra.setdefault("collect_error", f"{type(err).__name__}: {err}")
-    if timed_out:
-        status = "timeout"
-        error = f"{item.job.name} > {item.limit:.0f} s (killed at its time limit)"
+    if timed_out or stopped:
+        status = "stopped" if stopped else "timeout"
+        error = (f"{stopped}: killed after {seconds:.0f} s" if stopped else
+                 f"{item.job.name} > {item.limit:.0f} s ("
+                 + ("interrupted" if item.interrupted is not None else "killed")
+                 + " at its time limit)")
         extra.pop("status", None)
         extra.pop("error", None)
     else:  # the job's own files say how it ended; without them, its exit code
@@ -257,6 +363,9 @@ def _finish(item: _Running, ctx: Context, kind: Kind, timed_out: bool) -> dict[s
         if status != "ok" and not error:  # a crash's cause is in its log, not the missing file
             error = (last_log_line(item.folder / "log.txt") if code else None) or \
                 extra.get("collect_error")
+    if status not in ("ok", "refused") and OUT_OF_MEMORY.search(
+            f"{error}\n{log_tail(item.folder / 'log.txt')}"):
+        extra["card_memory"] = card_memory()  # a neighbour's use may be why, not the backend
     return _row(item.job, status, seconds, error=error, exit_code=item.process.returncode,
                 **extra)
 
@@ -267,77 +376,3 @@ def _row(job: Job, status: str, seconds: float, **extra: Any) -> dict[str, Any]:
                                        if k in ("backend", "model", "compare_with",
                                                 "warm_from")},
             **{k: v for k, v in extra.items() if v is not None}}
-
-
-def log_tail(log: Path, lines: int = LOG_TAIL_LINES) -> str:
-    try:
-        return "\n".join(log.read_text("utf-8", "replace").splitlines()[-lines:]) + "\n"
-    except OSError:
-        return ""
-
-
-# --- outputs ---------------------------------------------------------------------------------
-def summary_data(ctx: Context, final: bool) -> dict[str, Any]:
-    from modules.bench.report import machine_info
-
-    place = {name: i for i, name in enumerate(ctx.order)}
-    rows = sorted(ctx.rows, key=lambda r: place.get(r["job"], len(place)))
-    return {"phase": ctx.phase, "device": ctx.device, "tiny": ctx.tiny, "complete": final,
-            "budget_seconds": ctx.budget_s, "parallel": ctx.parallel,
-            "elapsed_seconds": round(time.monotonic() - ctx.started, 1),
-            "machine": machine_info(), "versions": versions(), "jobs": rows}
-
-
-def versions() -> dict[str, str | None]:
-    """The libraries whose versions decide what compiles (None: not installed)."""
-    found: dict[str, str | None] = {}
-    for name in ("torch", "triton", "diffusers", "transformers", "peft", "accelerate"):
-        try:
-            module = __import__(name)
-            found[name] = getattr(module, "__version__", "?")
-        except ImportError:
-            found[name] = None
-    import torch
-    found["cuda"] = torch.version.cuda
-    found["python"] = sys.version.split()[0]
-    return found
-
-
-def write_outputs(ctx: Context, final: bool) -> None:
-    """summary.json, summary.md and runs.tar.gz, as they stand; the cache's size at the end."""
-    from modules.bench.gpu_report import summary_markdown
-
-    data = summary_data(ctx, final)
-    if final:
-        cache = ctx.compile_cache()
-        data["compile_cache"] = {"bytes": sum(p.stat().st_size for p in cache.rglob("*")
-                                              if p.is_file()) if cache.is_dir() else 0}
-    _atomic_write(ctx.out / "summary.json", json.dumps(data, indent=2, default=str) + "\n")
-    _atomic_write(ctx.out / "summary.md", summary_markdown(data))
-    pack_runs(ctx)
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
-RUN_FILES = ("run.json", "result.json", "benchmark.json", "tests.json", "env.json",
-             "lora.json", "model.json", "command.json")
-
-
-def pack_runs(ctx: Context) -> None:
-    """Every job's records (run.json, result JSON) and its log tail, in one small archive."""
-    tmp = ctx.out / "runs.tar.gz.tmp"
-    with tarfile.open(tmp, "w:gz") as tar:
-        jobs_root = ctx.work / "jobs" / ctx.phase
-        for folder in sorted(p for p in jobs_root.glob("*") if p.is_dir()):
-            for path in sorted(folder.rglob("*.json")):
-                if path.name in RUN_FILES and path.stat().st_size < 4 * MIB:
-                    tar.add(path, arcname=f"{folder.name}/{path.relative_to(folder)}")
-            tail = log_tail(folder / "log.txt").encode("utf-8")
-            info = tarfile.TarInfo(f"{folder.name}/log-tail.txt")
-            info.size = len(tail)
-            tar.addfile(info, io.BytesIO(tail))
-    os.replace(tmp, ctx.out / "runs.tar.gz")

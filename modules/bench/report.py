@@ -23,8 +23,12 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def machine_info() -> dict[str, Any]:
-    """What the numbers were measured on; the load average matters on a shared machine."""
+def machine_info(ask_cuda: bool = True) -> dict[str, Any]:
+    """What the numbers were measured on; the load average matters on a shared machine.
+
+    ``ask_cuda`` False leaves ``cuda_device`` None: asking for the GPU's name creates a CUDA
+    context, which a parent process that only starts and watches jobs must not hold (the GPU
+    validation reads the name in its env job instead)."""
     import torch
 
     info: dict[str, Any] = {
@@ -34,7 +38,8 @@ def machine_info() -> dict[str, Any]:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "cuda_device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "cuda_device": (torch.cuda.get_device_name(0) if ask_cuda and torch.cuda.is_available()
+                        else None),
         "cuda_version": torch.version.cuda,
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }

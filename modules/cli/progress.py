@@ -69,7 +69,8 @@ class ProgressReporter:
         self.compile_status = f"{event.component} {event.kind}: {event.message}"[:120]
         if self.latest is not None:
             self.latest["compile"] = self.compile_status
-            self._write(self.latest)
+        # Before the first step too: a run stopped during its first compile says where it was.
+        self._write(self.latest or {"step": 0, "max_steps": None, "compile": self.compile_status})
 
     def on_progress(self, progress: Progress) -> None:
         self.inner.on_progress(progress)

@@ -1,10 +1,12 @@
 """Child processes started in their own session: killing them whole, and why they ended."""
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
-from collections.abc import Mapping
+import sys
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,6 +32,26 @@ def kill_group(process: subprocess.Popen) -> None:
     except ProcessLookupError:
         pass
     process.wait()
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def dies_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that asks Linux to SIGKILL the child when the process that started it
+    dies, even by SIGKILL, which no cleanup of the parent can catch (None elsewhere: then only
+    the parent's own cleanup kills its children). A child in its own session is otherwise left
+    running when its parent is killed, holding a GPU that a rerun then finds busy."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork, not in the child
+    parent = os.getpid()
+
+    def arm() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the parent died before the request took effect
+            os.kill(os.getpid(), signal.SIGKILL)
+    return arm
 
 
 def last_log_line(log: Path, limit: int = 400) -> str:
