@@ -10,7 +10,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tempera-installed
 
-.PHONY: demo test test-fast ui docs
+.PHONY: demo test test-fast lint ui docs
 
 $(STAMP): pyproject.toml requirements/constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,9 +23,13 @@ $(STAMP): pyproject.toml requirements/constraints.txt
 demo: $(STAMP)
 	$(PY) scripts/train.py --config training_presets/demo.json
 
-test: $(STAMP)
+test: $(STAMP) lint
 	bash scripts/ensure_xvfb.sh
 	$(PY) -m pytest
+
+# ruff's small bug-finding rule set (pyproject.toml), run first by `make test` and CI.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not inductor and not gui"

@@ -124,7 +124,8 @@ def expected_compile(config: Config) -> Any:
     return compile_expectation(config, pick_device(config.general.device).type)
 
 
-__all__ = [
+# COMPONENT_LABELS and TrainingError are loaded on first use by __getattr__ (they import torch).
+__all__ = [  # noqa: F822
     "BACKENDS", "COMPONENT_LABELS", "LossPoint", "MODEL_TYPES", "ModelType", "RULED_PATHS",
     "ResumeOffer", "TrainingError", "atomic_write_text", "cache_dir_for", "check",
     "check_inputs", "check_run", "compile_cache_folder", "compile_plans", "earlier_losses",

@@ -21,12 +21,12 @@ class OnResume(str, Enum):
 def setting(
     default: Any = dataclasses.MISSING,
     *,
-    help: str,
+    help: str,  # noqa: A002 - the field's help text: the word every config DSL uses
     label: str,
     group: str,
     default_factory: Any = dataclasses.MISSING,
-    min: float | None = None,
-    max: float | None = None,
+    min: float | None = None,  # noqa: A002 - the field's bounds, read as metadata keys
+    max: float | None = None,  # noqa: A002
     path: bool = False,
     advanced: bool = False,
     multiline: bool = False,

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import signal
-from pathlib import Path
 
 from modules.train.state.backup_files import list_backups
 from tests.cli.test_damaged_backup_cli import train_process

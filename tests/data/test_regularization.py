@@ -2,7 +2,6 @@
 and a run with them that resumes exactly."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest

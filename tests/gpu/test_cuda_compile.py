@@ -16,7 +16,6 @@ from modules.config.schema import CompileBackend
 from modules.events import RecordingCallbacks
 from modules.models.families import family_of
 from modules.train.recipe import recipe as recipe_module
-from modules.train import trainer as trainer_module
 from modules.train.recipe.builders import float32_precision
 from modules.train.trainer import TrainingError, train
 from tests.gpu.scenarios import (assert_unet_keeps_cudagraphs, bucket_images, buckets,
