@@ -198,13 +198,17 @@ def _check_optimizer(config: Config) -> list[Problem]:
     for one that ignores it (modules/config/optimizers.py says which)."""
     t = config.training
     row, name = OPTIMIZERS[t.optimizer], t.optimizer.value
-    missing = row.package and importlib.util.find_spec(row.module.split(".")[0]) is None
-    if missing:
-        return [Problem("training.optimizer", f"ADAMW ({row.package} is not installed)", name,
-                        f"pip install {row.package}, or use ADAMW")]
+    # The device first: installing the package would only lead to this refusal.
     if row.needs_cuda and config.general.device == Device.CPU:
         return [Problem("training.optimizer", "an optimizer that runs on the CPU", name,
                         f"{row.label} needs a CUDA GPU; use ADAMW")]
+    missing = row.package and importlib.util.find_spec(row.module.split(".")[0]) is None
+    if missing:
+        fix = (f"{row.label} runs on a CUDA GPU only: on a machine with one, pip install "
+               f"{row.package}; otherwise use ADAMW" if row.needs_cuda
+               else f"pip install {row.package}, or use ADAMW")
+        return [Problem("training.optimizer", f"ADAMW ({row.package} is not installed)", name,
+                        fix)]
     if row.schedule_free and t.ema:
         return [Problem("training.ema", f"false with {name}", "true",
                         "schedule-free AdamW averages the weights itself")]

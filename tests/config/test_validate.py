@@ -175,9 +175,17 @@ def test_a_valid_model_folder(tmp_path, tempera_cache):
 
 def test_missing_model_folder(tmp_path):
     problem = _files_ok(tmp_path, "model.path=missing")["model.path"]
-    assert problem.expected == "an existing diffusers model folder"
+    assert problem.expected == "an existing diffusers model folder or .safetensors checkpoint"
     assert str(tmp_path / "missing") in problem.given
     assert problem.message == "no such file or folder"
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "model.ckpt"])
+def test_a_missing_checkpoint_file_is_not_called_a_folder(tmp_path, name):
+    """Single files are supported: a missing one is a missing file, not a missing folder."""
+    problem = _files_ok(tmp_path, f"model.path={name}")["model.path"]
+    assert problem.expected == "an existing checkpoint file"
+    assert problem.message == "no such file" and "folder" not in str(problem)
 
 
 def test_damaged_checkpoint_file(tmp_path):
