@@ -49,8 +49,9 @@ from modules.train.setup.prepare import PreparedRun
 from modules.train.outputs.record import peak_memory
 from modules.train.state.run import Run, item_buckets
 from modules.train.setup.start import (apply_changed_learning_rates, bucket_record, build_dataset,
-                                       build_ema, prepare_output_folder, resume_hint, start_record,
-                                       take_output_lock, tensorboard_writer, text_encoder_cache)
+                                       build_ema, prepare_output_folder, record_warnings,
+                                       resume_hint, start_record, take_output_lock,
+                                       tensorboard_writer, text_encoder_cache)
 from modules.train.state.training_state import TrainingState, draws_generator
 from modules.train.validation.validation import (last_validated_step, validation_due,
                                                  validation_pass, validation_record)
@@ -129,6 +130,7 @@ class TrainingRecipe:
                                       world_size=dist.world_size,
                                       buckets=item_buckets(config, dataset))
         budget = step_budget(config, len(batches))
+        record_warnings(record, config, budget.total_steps, callbacks)
         if config.data.aspect_buckets:
             record.write(buckets=bucket_record(dataset.target_sizes, batches))
             callbacks.on_status(f"aspect buckets: {describe_buckets(dataset.target_sizes)}; "

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from modules.config.caveats import config_warnings
+from modules.config.optimizers import OPTIMIZERS
 from modules.config.secret_settings import masked_config
 from modules.config.problems import ConfigError, Problem
 from modules.data.captions import CaptionRules
@@ -243,6 +245,30 @@ def start_record(record: RunRecord, prepared: PreparedRun, device: torch.device)
                  masked_loss=(mask_counts(prepared.scan) if config.data.masked_loss else None),
                  # the plan's lower bound, to set beside memory.peak_allocated_bytes
                  memory_plan=prepared.memory.record() if prepared.memory else None)
+
+
+def warmup_warning(config, total_steps: int) -> str | None:
+    """A warm-up longer than a run counted in epochs (validation refuses it when
+    training.max_steps says the length): the rate would still be rising at the end."""
+    t = config.training
+    if OPTIMIZERS[t.optimizer].own_step_size or t.lr_warmup_ratio:
+        return None
+    if t.lr_warmup_steps <= total_steps:
+        return None
+    return (f"training.lr_warmup_steps is {t.lr_warmup_steps}, longer than the run's "
+            f"{total_steps} steps: the rate is still rising when the run ends, at "
+            f"{total_steps / t.lr_warmup_steps:.0%} of training.learning_rate (lower the "
+            "warm-up, or set it as training.lr_warmup_ratio)")
+
+
+def record_warnings(record: RunRecord, config, total_steps: int,
+                    callbacks: TrainerCallbacks) -> None:
+    """run.json's `warnings`: the config's caveats (said by check_run already) and what the
+    run's length adds, which is said now."""
+    late = [w for w in (warmup_warning(config, total_steps),) if w]
+    for warning in late:
+        callbacks.on_status(f"warning: {warning}")
+    record.write(warnings=config_warnings(config) + late)
 
 
 def build_ema(config, params: dict) -> EMAModel | None:
