@@ -14,6 +14,7 @@ from modules.config.problems import ConfigError
 from modules.events import RecordingCallbacks, TrainerCommands
 from modules.train.state.backup import flatten, unflatten
 from modules.train.state.backup_files import list_backups
+from modules.train.state.resume_offer import saved_step
 from modules.train.trainer import TrainingError, train
 from tests.train.test_bucketed_training import RESOLUTION, SQUARE, TALL, WIDE, make_images
 
@@ -291,6 +292,7 @@ def test_overwrite_starts_clean_and_leaves_the_users_own_files(tiny_config):
     train(first)
     output = Path(first.output.dir)
     (output / "notes.txt").write_text("mine")
+    (output / "checkpoints" / "mine.txt").write_text("mine")
     assert len(list((output / "samples").iterdir())) == 2 and list_backups(output)
     second = tiny_config("training.max_steps=1", "output.overwrite=true",
                          "sampling.prompts=[\"a blue square\"]", "sampling.every_steps=0",
@@ -302,5 +304,11 @@ def test_overwrite_starts_clean_and_leaves_the_users_own_files(tiny_config):
     assert not list_backups(output)  # no old backup for --resume latest to pick
     assert len(list((output / "tensorboard").iterdir())) == 1  # one run's event file
     assert (output / "notes.txt").read_text() == "mine"
-    assert (output / "checkpoints" / "step-000001").is_dir()  # weights are never cleared
-    assert any("removed the previous run's samples/" in s for s in callbacks.statuses)
+    # the old run's checkpoints are gone too (they would sit beside the new run's, outside
+    # keep_checkpoints); the user's own file in checkpoints/ stays; final/ is the new run's
+    assert sorted(p.name for p in (output / "checkpoints").iterdir()) == ["mine.txt"]
+    assert saved_step(output / "final") == 1
+    removed = "1 checkpoint(s) (step-000001)"  # the last step's weights are final/'s
+    assert any("removed the previous run's samples/" in s and removed in s
+               for s in callbacks.statuses)
+    assert removed in run_json(output)["overwrite"]["removed"]
