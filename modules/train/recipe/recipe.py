@@ -59,7 +59,7 @@ from modules.train.validation.validation_set import build_validator
 from modules.train.recipe.trainable import (apply_denoiser_memory_format,
                                             enable_gradient_checkpointing, prepare_trainable,
                                             trained_components)
-from modules.train.outputs.saving import METADATA_FORMATS
+from modules.train.outputs.saving import hashes_base_model
 from modules.train.recipe.step_inputs import denoiser_input, encode_captions, encode_latents
 from modules.util.disk import guarded_write
 from modules.train.recipe.loop import (MicroBatch, backup_due, batches, feeding, mark_boundary,
@@ -162,7 +162,7 @@ class TrainingRecipe:
                   prompts=sample_prompts(config)[0],  # check_inputs read them already
                   validator=build_validator(config, prepared.validation))
         run.file_metadata = training_data_metadata(prepared.scan, config)
-        if dist.is_main and METADATA_FORMATS & set(config.output.formats):
+        if dist.is_main and hashes_base_model(config):
             # hashing a base checkpoint reads all of it: only where a saved file carries it
             run.file_metadata.update(base_model_hashes(config.model.path,
                                                        cache_dir_for(config.general.cache_dir)))
