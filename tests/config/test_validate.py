@@ -364,7 +364,8 @@ def test_a_warmup_longer_than_the_run_is_refused_with_the_rate_it_would_end_at()
     assert "training.lr_warmup_steps" not in problems_of(
         config_with("training.max_steps=25", "training.lr_warmup_steps=25"))
     # a run counted in epochs is warned once its length is known (recipe setup)
-    assert "training.lr_warmup_steps" not in problems_of(config_with("training.lr_warmup_steps=600"))
+    epochs = config_with("training.lr_warmup_steps=600")
+    assert "training.lr_warmup_steps" not in problems_of(epochs)
 
 
 @pytest.mark.parametrize("factor", [0, 1])

@@ -46,7 +46,7 @@ from modules.train.setup.output_lock import OutputLock
 from modules.train.outputs.writes import (backup_bytes, distributed_summary, log_scalars, sample,
                                           save_checkpoint, save_final)
 from modules.train.setup.prepare import PreparedRun
-from modules.train.outputs.record import peak_memory
+from modules.train.outputs.record import RunRecord, peak_memory
 from modules.train.state.run import Run, item_buckets
 from modules.train.setup.start import (apply_changed_learning_rates, bucket_record, build_dataset,
                                        build_ema, prepare_output_folder, record_warnings,
@@ -82,6 +82,7 @@ class TrainingRecipe:
         self.prepared, self.callbacks, self.dist, self.commands = (prepared, callbacks, dist,
                                                                    commands)
         self.run: Run | None = None  # the run's objects and state, once `setup` built them
+        self.record: RunRecord | None = None  # run.json, once `setup` started it
 
     # ------------------------------------------------------------------------------ setup
     def setup(self) -> Run:
@@ -105,7 +106,7 @@ class TrainingRecipe:
                                                self.commands)
         config, bundle = prepared.config, prepared.bundle
         device = dist.device or prepared.device
-        record = prepare_output_folder(prepared, callbacks, dist.is_main)
+        record = self.record = prepare_output_folder(prepared, callbacks, dist.is_main)
         start_record(record, prepared, device)
 
         # the trained weights (LoRA init draws from the global generator)
@@ -234,7 +235,7 @@ class TrainingRecipe:
                 sample(run, lambda: commands.stop_requested)
                 sample_seconds = time.perf_counter() - sample_started
             if validation_due(run):
-                validation_pass(run, forward_loss)
+                validation_pass(run, forward_loss, lambda: commands.stop_requested)
             if name := due_checkpoint(run.step, run.budget.total_steps, state.epoch,
                                       state.batches_done, run.budget.batches_per_epoch,
                                       config.output.save_every_steps,
@@ -258,7 +259,7 @@ class TrainingRecipe:
             sample(run, lambda: commands.stop_requested)
         if (run.validator is not None and status == "finished" and run.step > 0
                 and last_validated_step(run) != run.step):
-            validation_pass(run, forward_loss)
+            validation_pass(run, forward_loss, lambda: commands.stop_requested)
         feeding(run)
         run.record.write(status=status, compile=run.guard.report(),
                          skipped_steps=state.skipped_steps,
