@@ -82,7 +82,7 @@ def test_schedule_free_samples_and_saves_its_averaged_weights_and_trains_on(tiny
     assert final_tensors(tmp_path / "busy").keys() == final_tensors(tmp_path / "quiet").keys()
     saved = load_file(str(next((tmp_path / "busy" / "checkpoints" / "step-000002" / "unet")
                                .glob("*.safetensors"))))["conv_in.weight"]
-    (_, backup), = list_backups(tmp_path / "busy")  # step 2: the live weights
+    backup = dict(list_backups(tmp_path / "busy"))[2]  # step 2's: the live weights
     from safetensors import safe_open
     with safe_open(str(backup / "tensors.safetensors"), framework="pt") as f:
         key = next(k for k in f.keys() if k.startswith("s.parameters.unet.conv_in.weight#"))

@@ -99,12 +99,13 @@ def test_backups_rotate_and_hold_no_pickle(tiny_config):
                          "output.keep_backups=2", "training.ema=true")
     result = train(config)
     found = list_backups(result.output_dir)
-    # steps 1-4 by schedule (none at the last step: the final save covers it), two kept
-    assert [step for step, _ in found] == [3, 4]
+    # steps 1-4 by schedule and 5 at the run's end (a continue starts there), two kept
+    assert [step for step, _ in found] == [4, 5]
     folder = found[-1][1]
     assert sorted(p.name for p in folder.iterdir()) == ["backup.json", "tensors.safetensors"]
     info = json.loads((folder / "backup.json").read_text())
-    assert info["step"] == 4 and info["config"]["training"]["max_steps"] == 5
+    assert info["step"] == 5 and info["config"]["training"]["max_steps"] == 5
+    assert info["reason"] == "finished"
     assert {"parameters", "optimizer", "lr_scheduler", "ema", "training", "random"} <= set(
         info["states"])
     with safe_open(str(folder / "tensors.safetensors"), framework="pt") as f:

@@ -61,9 +61,10 @@ from modules.train.recipe.trainable import (apply_denoiser_memory_format,
                                             trained_components)
 from modules.train.outputs.saving import hashes_base_model
 from modules.train.recipe.step_inputs import denoiser_input, encode_captions, encode_latents
-from modules.util.disk import guarded_write
+from modules.util.disk import DiskFull, guarded_write
 from modules.train.recipe.loop import (MicroBatch, backup_due, batches, feeding, mark_boundary,
-                                       progress_event, refuse_backup, skip_non_finite_step)
+                                       mark_end, progress_event, refuse_backup,
+                                       skip_non_finite_step)
 
 
 @dataclass
@@ -260,6 +261,8 @@ class TrainingRecipe:
         if (run.validator is not None and status == "finished" and run.step > 0
                 and last_validated_step(run) != run.step):
             validation_pass(run, forward_loss, lambda: commands.stop_requested)
+        if status == "finished":
+            self.save_final_backup()
         feeding(run)
         run.record.write(status=status, compile=run.guard.report(),
                          skipped_steps=state.skipped_steps,
@@ -291,6 +294,22 @@ class TrainingRecipe:
         run.last_backup_time = time.monotonic()
         run.record.write(last_backup=str(folder), last_backup_step=run.last_backup_step)
         return folder
+
+    def save_final_backup(self) -> None:
+        """A finished run's backup at its last step, so raising training.max_steps continues
+        it from its end (docs/resume.md). Written after final/ and the end-of-run sample and
+        validation, whose marks it holds (the step's random states stay the boundary's). A
+        disk too full for it leaves the run finished, said and recorded: a continue would
+        then start from the newest scheduled backup."""
+        run = self.run
+        if run.step == 0 or run.boundary is None:
+            return
+        mark_end(run)
+        try:
+            self.save_backup("finished")
+        except DiskFull as exc:
+            run.callbacks.on_status(f"no backup at the final step: {exc}")
+            run.record.write(final_backup=f"not written: {exc}")
 
     def load_backup(self, run: Run, resume: ResumePoint) -> None:
         """Load the backup into the freshly built run (weights, optimizer, schedule, states)."""

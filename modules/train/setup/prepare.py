@@ -28,7 +28,7 @@ from modules.train.state.backup import BackupError, ResumePoint, resume_point
 from modules.train.recipe.builders import pick_device
 from modules.train.recipe.distributed import launched_distributed
 from modules.train.memory.memory_check import MemoryCheck, check_memory
-from modules.train.state.resume_offer import finished_run_problem
+from modules.train.state.resume_offer import finished_run_problem, resume_offer
 from modules.train.setup.inputs import check_inputs
 from modules.train.recipe.loss_checks import family_problems, model_problems
 from modules.train.setup.output_lock import busy_message
@@ -206,8 +206,13 @@ def check_resume(resolved: Config, callbacks: TrainerCallbacks) -> ResumePoint |
         return None
     finished = finished_run_problem(Path(resolved.output.dir), resolved.training.resume_from,
                                     resolved.training.max_steps)
-    if finished:  # a resume would re-train the run's last steps over its final weights
+    if finished:  # a finished run continues only past its end
         raise ConfigError([finished])
+    if resolved.training.resume_from == "latest":  # the offer's own backup: say what it does
+        note = resume_offer(Path(resolved.output.dir),
+                            resolved.training.max_steps).continue_note()
+        if note:
+            callbacks.on_status(note)
     callbacks.on_status("checking the backup to resume")
     try:
         # backup.json holds the config masked (modules/config/secret_settings.py): compare alike
