@@ -54,7 +54,7 @@ def write_lora_diffusers(bundle: ModelBundle, config: Config, folder: Path,
                     "StableDiffusionXLPipeline": StableDiffusionXLPipeline}[
         MODEL_TYPES[config.model.type].pipeline_class]
     model_name = shared_name(config.model.path)
-    kwargs = {}
+    kwargs: dict[str, dict] = {}
     for name in trained_components(config):
         module = bundle.component(name)
         # Text encoder keys in the `text_model.` form every stack reads (transformers 5.6+
@@ -79,7 +79,8 @@ def add_file_metadata(path: Path, entries: dict[str, str]) -> None:
     from safetensors.torch import load_file, save_file
     with safe_open(str(path), "pt") as f:
         metadata = f.metadata() or {}
-    save_file(load_file(str(path)), str(path), metadata={**metadata, **entries})
+    tensors = load_file(str(path))
+    save_file(tensors, str(path), metadata={**metadata, **entries})
 
 
 def hashes_base_model(config: Config) -> bool:

@@ -120,7 +120,8 @@ def mark_end(run: Run) -> None:
     """The boundary of a finished run's last step, with what the end-of-run sample and
     validation added to the training state (the history, the last sample's step); the random
     states stay the step's, as the loop marked them."""
-    run.boundary = BoundaryState(run.state.state_dict(), run.boundary.random)
+    marked = run.boundary if run.boundary is not None else BoundaryState.capture({})
+    run.boundary = BoundaryState(run.state.state_dict(), marked.random)
 
 
 def backup_due(run: Run) -> bool:

@@ -302,7 +302,7 @@ class TrainingRecipe:
         disk too full for it leaves the run finished, said and recorded: a continue would
         then start from the newest scheduled backup."""
         run = self.run
-        if run.step == 0 or run.boundary is None:
+        if run is None or run.step == 0 or run.boundary is None:
             return
         mark_end(run)
         try:

@@ -98,14 +98,14 @@ class ResumeOffer:
         (a run finished before Tempera wrote a backup at the end): steps after the backup
         are trained again, on the raised budget's schedule, and the history after it is
         replaced."""
-        return (self.continues_finished and self.backup_step is not None
-                and self.backup_step < self.finished_step)
+        return (self.finished_step is not None and self.backup_step is not None
+                and self.continues_finished and self.backup_step < self.finished_step)
 
     @property
     def steps_to_train(self) -> int:
         """Optimizer steps a resume (or continue) trains: from the newest backup to
         `max_steps` (equal to `more_steps` for a finished run unless it `rewinds`)."""
-        if not self.can_resume or not self.max_steps:
+        if self.backup_step is None or not self.can_resume or not self.max_steps:
             return 0
         return max(0, self.max_steps - self.backup_step)
 
@@ -128,7 +128,7 @@ class ResumeOffer:
     def continue_note(self) -> str | None:
         """What a continue of a finished run does, in words (a status line when it starts),
         or None when this is no continue."""
-        if not self.continues_finished:
+        if not self.continues_finished or self.backup_step is None:
             return None
         if not self.rewinds:
             return (f"continuing the run that finished at step {self.finished_step} from its "

@@ -99,9 +99,11 @@ def validation_pass(run: Run, loss_fn: LossFn,
     `should_stop` (Stop) is asked before each forward (a batch at one timestep), as sampling
     asks between denoising steps: a pass cut short is not a score, so it is left out of the
     history and run.json says how much of it was done (`validation.cut_short`)."""
+    validator = run.validator
+    assert validator is not None  # validation_due / the end of a finished run ask first
     if run.dist.is_main:
-        run.callbacks.on_status(f"validating at step {run.step} ({run.validator.count} images "
-                                f"at {run.validator.timestep_count} timesteps)")
+        run.callbacks.on_status(f"validating at step {run.step} ({validator.count} images "
+                                f"at {validator.timestep_count} timesteps)")
     started = time.perf_counter()
     # Several processes finish the pass: a forward one of them skipped could leave the
     # others waiting in a collective.
@@ -141,6 +143,7 @@ def score(run: Run, loss_fn: LossFn, should_stop: Callable[[], bool] = lambda: F
     and how many of the pass's forwards were scored (all, unless `should_stop` said stop
     before one); one host sync for the whole pass."""
     validator = run.validator
+    assert validator is not None
     timesteps = run_timesteps(run)
     total = torch.zeros((), dtype=torch.float64, device=run.device)
     count = scored = 0
