@@ -39,7 +39,8 @@ from modules.util.duration import format_duration
 from modules.util.library_noise import silence_torchvision_fallback_warnings
 
 # Names read on first use (`__getattr__`): importing them imports torch.
-_LAZY = {"TrainingError": "modules.train.trainer", "COMPONENT_LABELS": "modules.compile.plan"}
+_LAZY = {"TrainingError": "modules.train.trainer", "TrainingAborted": "modules.train.trainer",
+         "COMPONENT_LABELS": "modules.compile.plan"}
 
 
 def __getattr__(name: str) -> Any:
@@ -124,11 +125,12 @@ def expected_compile(config: Config) -> Any:
     return compile_expectation(config, pick_device(config.general.device).type)
 
 
-# COMPONENT_LABELS and TrainingError are loaded on first use by __getattr__ (they import torch).
+# COMPONENT_LABELS, TrainingError and TrainingAborted are loaded on first use by __getattr__
+# (they import torch).
 __all__ = [  # noqa: F822
     "BACKENDS", "COMPONENT_LABELS", "LossPoint", "MODEL_TYPES", "ModelType", "RULED_PATHS",
-    "ResumeOffer", "TrainingError", "atomic_write_text", "cache_dir_for", "check",
-    "check_inputs", "check_run", "compile_cache_folder", "compile_plans", "earlier_losses",
+    "ResumeOffer", "TrainingAborted", "TrainingError", "atomic_write_text", "cache_dir_for",
+    "check", "check_inputs", "check_run", "compile_cache_folder", "compile_plans", "earlier_losses",
     "earlier_validation",
     "expected_compile", "explain",
     "finished_run_problem", "format_duration", "latest_samples", "list_backups", "load_engine",
