@@ -66,6 +66,9 @@ class RunControl:
                                       "for its report: it resets torch's compiler state, which "
                                       "the training's compiled code lives in.", error=True)
             return False
+        if "engine" in self._blockers:  # the button is greyed; a click that got through
+            self.run_panel.set_status(f"Not yet: {self._blockers['engine']}.", error=True)
+            return False
         problems = self.start_problems(resume)
         if problems:
             self.problems.show(problems, source=lambda: self.start_problems(resume))

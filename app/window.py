@@ -21,6 +21,7 @@ from app.binding import ConfigBinding
 from app.cloud_panel import TAB as CLOUD_TAB, CloudPanel
 from app.compile_check import CompileCheck
 from app.compile_panel import PLACED, CompilePanel
+from app.engine_loader import EVENT as ENGINE_EVENT, LOADING, EngineLoader
 from app.field_states import update_cache_hints, update_component_states, update_unused_fields
 from app.form import (FieldRegistry, build_fields, fields_of_group, groups_in_order, reveal,
                       scroll_to, tab_title)
@@ -39,7 +40,8 @@ from modules import frontend
 from modules.config import Config
 
 RUN_TAB = "Run"
-ENGINE_AFTER_MS = 100  # torch is imported this long after the window is shown (its first paint)
+ENGINE_AFTER_MS = 1500  # the engine starts loading this long after the map at the latest
+LOADING_STATUS = "Loading the training engine (torch)…"
 
 
 def ask_yes_no(title: str, message: str) -> bool:
@@ -58,7 +60,10 @@ class TemperaApp(ctk.CTk):
                  explain_fn: Callable[[Config], Any] | None = None, poll_ms: int = 50,
                  bench_fn: BenchFn | None = None,
                  initial_preset: Path | None = None,
-                 ask_unsaved: Callable[[str, str], bool | None] | None = None) -> None:
+                 ask_unsaved: Callable[[str, str], bool | None] | None = None,
+                 load_engine: Callable[[], None] | None = None) -> None:
+        """`load_engine` imports the training engine (default `frontend.load_engine`, which
+        imports torch); the window calls it once, in a thread, after it is shown."""
         self.settings_path = Path(settings_path or DEFAULT_SETTINGS_PATH).expanduser()
         self.settings, settings_warning = load_settings(self.settings_path)
         apply_scaling(self.settings.scaling)
@@ -66,7 +71,6 @@ class TemperaApp(ctk.CTk):
         self.withdraw()  # shown once every tab is built: no half-drawn first paint
         self.title("Tempera")
         place_window(self, self.settings)
-        self.engine_ready = False  # the engine's heavy imports are done (`_import_engine`)
         self.poll_ms = poll_ms
         self.bench_fn = bench_fn
         self.confirm = confirm or ask_yes_no
@@ -76,6 +80,8 @@ class TemperaApp(ctk.CTk):
         self.registry = FieldRegistry()
         self.binding.subscribe(self.registry.on_change)
         self.events: "queue.Queue[Event]" = queue.Queue()
+        self.engine = EngineLoader(load_engine or frontend.load_engine, self.events)
+        self._engine_id: str | None = None
         self.closing = False
 
         self.grid_columnconfigure(0, weight=1)
@@ -104,6 +110,8 @@ class TemperaApp(ctk.CTk):
                 ("sample", "sample_now"), ("save", "save_now"),
                 ("open_output", "open_output_folder"), ("tensorboard", "start_tensorboard"))})
         self.run_panel.bar.grid(row=3, column=0, sticky="ew", padx=8, pady=(4, 8))
+        self.sizing.set_compact = self.run_panel.set_compact
+        self.sizing.pages = list(self.scroll_frames.values())
         self.runs = RunControl(
             self.binding, self.events, train_fn, self.run_panel, self.problems_panel,
             benchmark_running=lambda: self.benchmark.running,
@@ -121,17 +129,18 @@ class TemperaApp(ctk.CTk):
         update_unused_fields(self.registry, self.binding.config)
         update_cache_hints(self.registry, self.binding.config)
         self.runs.refresh_resume()
-        # Importing torch took seconds with nothing on screen: the window is built without it,
-        # shown, and then imports it, saying so. On the Tk thread, not in a thread: a worker's
-        # garbage collection can delete a Tk font, which waits for the Tk thread, while the Tk
-        # thread waits for the worker's import lock (seen as a hang).
+        # Importing torch took seconds with nothing on screen, then seconds of a frozen grey
+        # window: the window is built without it, shown, and imports it in a thread
+        # (`app.engine_loader`) while it stays drawn and editable. What needs the engine
+        # waits for it, saying why: Start, Resume, Check compilation, the plan's line.
         self.compile_panel.cancel_pending()
+        self.runs.block_start("engine", LOADING)
+        self.compile_panel.set_check_enabled(False, LOADING)
         self._status_before_engine = self.run_panel.status_text
-        self.run_panel.set_status(f"{self._status_before_engine} Loading the training engine "
-                                  "(torch)…")
+        self.run_panel.set_status(f"{self._status_before_engine} {LOADING_STATUS}")
         self.update_idletasks()
+        self._map_id = self.bind("<Map>", self._mapped, add="+")
         self.deiconify()
-        self._engine_id = self.after(ENGINE_AFTER_MS, self._import_engine)
         self._poll_id = self.after(self.poll_ms, self._poll)
 
     def _action(self, fn: Callable[[], Any]) -> Callable[[], Any]:
@@ -248,6 +257,8 @@ class TemperaApp(ctk.CTk):
             self.runs.show_event(kind, data)
             if kind == "exit" and self.closing:
                 self._finish_close()
+        elif kind == ENGINE_EVENT:
+            self._engine_loaded(*data)
         elif kind == "report":
             self.compile_check.show_report(*data)
         elif kind == "cloud_push":
@@ -256,21 +267,47 @@ class TemperaApp(ctk.CTk):
         elif kind == "cloud_status":
             self.cloud_panel.on_status(*data)
 
-    def _import_engine(self) -> None:
-        """torch and the compile engine, imported once the window is on screen."""
-        self._engine_id = None
-        try:
-            frontend.load_engine()  # imports torch
-        except Exception as exc:  # training would fail the same way: say so now
-            import traceback
-            self.run_panel.set_status(f"The training engine could not be loaded: {exc}",
-                                      error=True)
-            self.run_panel.log("ERROR the training engine could not be loaded:\n"
-                               + traceback.format_exc())
+    def _mapped(self, event: Any) -> None:
+        """The window is on screen: its first layout (the columns fitted to its width) and
+        paint come first, then the engine loads (the two share the interpreter, so the paint
+        would otherwise come in pieces)."""
+        if event.widget is self and self.engine.thread is None and not self.closed:
+            self.unbind("<Map>", self._map_id)
+            self.sizing.fitted.append(lambda: self.after_idle(self._load_engine))
+            self._engine_id = self.after(ENGINE_AFTER_MS, self._load_engine)  # at the latest
+
+    def _load_engine(self) -> None:
+        if self.engine.thread is not None or self.closed:
             return
-        self.engine_ready = True
-        self.compile_panel.load_summaries()
-        if self.run_panel.status_text.endswith("Loading the training engine (torch)…"):
+        if self._engine_id is not None:
+            self.after_cancel(self._engine_id)
+        self._engine_id = None
+        config = self.binding.snapshot()
+        # what the configured device can compile with: triton and the trainer's modules load too
+        self.engine.start(lambda: self.compile_panel.detect(config))
+
+    @property
+    def engine_ready(self) -> bool:
+        """The training engine (torch) is imported: what needs it can run."""
+        return self.engine.ready
+
+    def _engine_loaded(self, ok: bool, value: Any) -> None:
+        """The engine's import ended (`app.engine_loader`): on success Start and Check
+        compilation are free and the plan's torch.compile(...) line is shown."""
+        self.engine.finished(ok)
+        loading = self.run_panel.status_text.endswith(LOADING_STATUS)
+        if not ok:  # training would fail the same way: say so now, and keep Start refused
+            why = f"the training engine could not be loaded: {value}"
+            self.runs.block_start("engine", why)
+            self.compile_panel.set_check_enabled(False, why)
+            self.run_panel.set_status(why[0].upper() + why[1:], error=True)
+            self.run_panel.log("ERROR the training engine could not be loaded:\n"
+                               + getattr(value, "formatted_traceback", str(value)))
+            return
+        self.runs.block_start("engine", None)
+        self.compile_panel.set_check_enabled(not self.runs.training)
+        self.compile_panel.load_summaries(value)
+        if loading:
             self.run_panel.set_status(self._status_before_engine)  # nothing newer was said
 
     # --- closing -----------------------------------------------------------------------------
