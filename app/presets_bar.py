@@ -40,10 +40,11 @@ class PresetsBar:
         ctk.CTkLabel(bar, text="Preset").pack(side="left", padx=(10, 6), pady=6)
         self.menu = ctk.CTkOptionMenu(bar, values=[NO_PRESET], width=300, dynamic_resizing=False)
         self.menu.pack(side="left")
+        self.buttons: dict[str, Any] = {}
         for text, command in (("Load", self.load_selected), ("Save", self.save),
                               ("Save as…", self.save_as)):
-            ctk.CTkButton(bar, text=text, width=80, command=action(command)).pack(
-                side="left", padx=3)
+            self.buttons[text] = ctk.CTkButton(bar, text=text, width=80, command=action(command))
+            self.buttons[text].pack(side="left", padx=3)
         self.refresh()
 
     def refresh(self) -> None:

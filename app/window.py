@@ -32,7 +32,7 @@ from app.run_panel import RunPanel
 from app.run_control import TRAINING_EVENTS, RunControl
 from app.schedule_preview import SchedulePreview
 from app.runner import Event, TrainFn, run_in_thread
-from app.settings import DEFAULT_SETTINGS_PATH, load_settings, save_settings
+from app.settings import default_settings_path, load_settings, save_settings
 from app.thread_guard import ThreadGuard, tk_thread_only
 from app.text_boxes import bind_select_all
 from app.window_size import WindowSizing, apply_scaling, place_window
@@ -64,7 +64,7 @@ class TemperaApp(ctk.CTk):
                  load_engine: Callable[[], None] | None = None) -> None:
         """`load_engine` imports the training engine (default `frontend.load_engine`, which
         imports torch); the window calls it once, in a thread, after it is shown."""
-        self.settings_path = Path(settings_path or DEFAULT_SETTINGS_PATH).expanduser()
+        self.settings_path = Path(settings_path or default_settings_path()).expanduser()
         self.settings, settings_warning = load_settings(self.settings_path)
         apply_scaling(self.settings.scaling)
         super().__init__()
@@ -355,6 +355,8 @@ class TemperaApp(ctk.CTk):
         self.benchmark.stop()
         self._tempera_closed = True
         self.sizing.close()
+        self.withdraw()  # off the screen now: destroying its widgets takes a second
+        self.update_idletasks()
         self.destroy()
 
 
