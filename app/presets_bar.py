@@ -79,11 +79,19 @@ class PresetsBar:
             return False
         return self.load(entry.path)
 
+    def display_name(self) -> str:
+        """The loaded preset as the menu names it ("sdxl / lora": lora.json alone does not
+        say which family), or its file name when it is not listed (--config)."""
+        if self.current is None:
+            return "unsaved settings"
+        resolved = self.current.resolve()
+        listed = next((p.label for p in self.presets if p.path.resolve() == resolved), None)
+        return listed or self.current.name
+
     def set_dirty(self, dirty: bool) -> None:
         """Mark unsaved edits in the title ("*"), as editors do."""
         self.dirty = dirty
-        name = self.current.name if self.current else "unsaved settings"
-        self.set_title(f"Tempera — {name}{' *' if dirty else ''}")
+        self.set_title(f"Tempera — {self.display_name()}{' *' if dirty else ''}")
 
     def load(self, path: Path) -> bool:
         """Load a preset file into the window; its problems are listed, nothing crashes."""
@@ -97,9 +105,9 @@ class PresetsBar:
         self.binding.replace(config)
         self.current = Path(path)
         self.settings.last_preset = str(Path(path).resolve())
+        self.refresh()
         self.set_dirty(False)
         self.loaded()
-        self.refresh()
         self.hide_problems()
         self.set_status(f"Loaded {path}.")
         return True
@@ -138,8 +146,8 @@ class PresetsBar:
             return None
         self.current = written
         self.settings.last_preset = str(written.resolve())
-        self.set_dirty(False)
         self.refresh()
+        self.set_dirty(False)
         self.set_status(f"Saved {written}.")
         self.log(f"saved preset {written}")
         return written

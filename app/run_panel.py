@@ -82,7 +82,10 @@ class RunPanel:
         self.status_tip = Tooltip(self.status, "", wraplength=720)
         self.status_text, self.status_error = "Ready.", False
         self.idle_text: Callable[[], str] = lambda: "Ready."  # the window says what is true
-        self._status_step = 0  # the newest step shown when the status line was set
+        self._shown_step = 0  # the newest step on the step bar
+        self._status_step, self._status_of_run = 0, False  # the step bar when the status came
+        self._last_progress: Progress | None = None
+        self._ended = False
         self.tensorboard_url: str | None = None
         self.progress = ctk.CTkFrame(self.bar, fg_color="transparent")
         self.progress.grid(row=2, column=0, sticky="ew", padx=8, pady=(0, 6))
@@ -245,9 +248,30 @@ class RunPanel:
             self.step_bar.configure(mode="determinate")
 
     @tk_thread_only
-    def reset(self) -> None:
+    def show_ended(self, outcome: str | None) -> None:
+        """The run ended (`outcome`: finished, stopped, failed, crashed; None: its thread
+        ended, the outcome said or not): the step line keeps where it got to, without the rate
+        and ETA of a run that no longer runs, and a busy bar stops."""
+        if outcome is None and self._ended:
+            return
+        self._ended = True
         self._stop_busy()
-        self._clear_samples("the samples of this run appear here")
+        p, said = self._last_progress, outcome or "ended"
+        if p is not None:
+            self.step_label.configure(text=f"{p.step}/{p.max_steps} · {said} · loss "
+                                           f"{p.smoothed_loss:.4f}")
+        elif self.step_label.cget("text"):  # "compiling UNet…" when it failed
+            self.step_label.configure(text=said)
+        if self._status_of_run:
+            self._status_of_run = False
+            if self.status_text == "Training…":
+                self.set_status(self.idle_text())
+
+    @tk_thread_only
+    def reset(self, caption: str = "the samples of this run appear here") -> None:
+        self._stop_busy()
+        self._last_progress, self._shown_step, self._ended = None, 0, False
+        self._clear_samples(caption)
         self.step_bar.set(0)
         self.epoch_bar.set(0)
         self.step_label.configure(text="")
@@ -255,10 +279,13 @@ class RunPanel:
         self.plot.clear()
 
     @tk_thread_only
-    def set_status(self, text: str, error: bool = False) -> None:
+    def set_status(self, text: str, error: bool = False, of_run: bool = False) -> None:
         """One line, cut to the window's width (the whole text on hover). An error stays
-        until the next action or edit (`clear_notice`)."""
+        until the next action or edit (`clear_notice`). `of_run`: what the running training
+        does now ("sampling at step 20"), which goes once a later step is shown."""
         self.status_text, self.status_error = text, error
+        self._status_of_run = of_run
+        self._status_step = self._shown_step
         line = " ".join(text.split())
         scale = self.bar._get_widget_scaling()
         width = self.bar.winfo_width() / scale - 40 if self.bar.winfo_width() > 1 else 900
@@ -285,6 +312,9 @@ class RunPanel:
     @tk_thread_only
     def show_progress(self, p: Progress) -> None:
         self._stop_busy()
+        self._last_progress, self._shown_step = p, p.step
+        if self._status_of_run and p.step > self._status_step and not self.status_error:
+            self.set_status("Training…", of_run=True)  # "sampling at step 20" is over
         self.step_bar.set(p.step / max(p.max_steps, 1))
         rate = f"{1 / p.seconds_per_step:.2f} it/s" if p.seconds_per_step > 0 else "– it/s"
         self.step_label.configure(text=f"{p.step}/{p.max_steps} · {rate} · ETA "

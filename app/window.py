@@ -100,7 +100,7 @@ class TemperaApp(ctk.CTk):
             hide_problems=lambda: self.problems_panel.hide(),
             set_status=lambda text, error=False: self.run_panel.set_status(text, error),
             log=lambda line: self.run_panel.log(line), set_title=self.title,
-            loaded=lambda: self.runs.refresh_resume(), action=self._action)
+            loaded=lambda: self._preset_loaded(), action=self._action)
         self.problems_panel = ProblemsPanel(
             self, self.registry, self.jump_to,
             lambda: self.run_panel.set_status("Every listed problem is fixed."))
@@ -110,6 +110,7 @@ class TemperaApp(ctk.CTk):
                 ("sample", "sample_now"), ("save", "save_now"),
                 ("open_output", "open_output_folder"), ("tensorboard", "start_tensorboard"))})
         self.run_panel.bar.grid(row=3, column=0, sticky="ew", padx=8, pady=(4, 8))
+        self.run_panel.idle_text = self._idle_status
         self.sizing.set_compact = self.run_panel.set_compact
         self.sizing.pages = list(self.scroll_frames.values())
         self.runs = RunControl(
@@ -142,6 +143,23 @@ class TemperaApp(ctk.CTk):
         self._map_id = self.bind("<Map>", self._mapped, add="+")
         self.deiconify()
         self._poll_id = self.after(self.poll_ms, self._poll)
+
+    def _idle_status(self) -> str:
+        """The status line when nothing newer is to be said: what is true now."""
+        if self.runs.training:
+            return "Training is running."
+        if self.problems_panel.is_open and self.problems_panel.problems:
+            return (f"{len(self.problems_panel.problems)} problem(s) listed below the tabs: "
+                    "click one to go to its field.")
+        if self.engine.loading:
+            return LOADING_STATUS
+        return "Ready."
+
+    def _preset_loaded(self) -> None:
+        """Another preset: the Run tab's steps, ETA, curve and samples were another run's."""
+        if not self.runs.training:
+            self.run_panel.reset("the latest samples appear here")
+        self.runs.refresh_resume()
 
     def _action(self, fn: Callable[[], Any]) -> Callable[[], Any]:
         """A button's command: the status line's old error goes before the action runs."""
@@ -324,7 +342,7 @@ class TemperaApp(ctk.CTk):
             return
         presets = self.presets_bar
         if presets.dirty:
-            name = presets.current.name if presets.current else "the settings"
+            name = presets.display_name() if presets.current else "the settings"
             answer = self.ask_unsaved(
                 "Save your changes?", f"The settings were changed since {name} was loaded or "
                 "saved. Save them before closing? (No closes without saving.)")

@@ -47,5 +47,5 @@ def test_a_finished_run_offers_no_resume_only_continue_when_max_steps_is_raised(
     record = run_json(out)
     assert record["resume_count"] == 1 and saved_step(out / "final") == 6
     assert record["overwrite"].startswith("not applied")  # the demo's overwrite = true
-    assert "output.overwrite is not applied" in panel.log_text()
+    assert "“Overwrite previous run” is not applied" in panel.log_text()  # its label
     assert resume.cget("state") == "disabled"  # finished again, at the raised maximum
