@@ -100,10 +100,10 @@ class RunControl:
         """A resumed run continues a curve and samples: show the earlier losses (run.json) up
         to the backup it resumes from, and the newest samples, before its first step."""
         output = Path(config.output.dir).expanduser()
-        backups = frontend.list_backups(output)
-        if not backups:
+        # where the engine resumes: the step the run so far is shown up to (one decision)
+        step = frontend.resume_offer(output, config.training.max_steps).backup_step
+        if step is None:
             return
-        step = backups[-1][0]
         points = frontend.earlier_losses(output, step)
         self.run_panel.show_earlier_losses(points)
         for score in frontend.earlier_validation(output, step):
@@ -227,9 +227,14 @@ class RunControl:
         output = self.output_dir()
         found = frontend.list_backups(output)
         offer = frontend.resume_offer(output, self.binding.config.training.max_steps)
+        try:
+            final = frontend.final_weights_step(output)
+        except ValueError as exc:  # an unreadable marker: the run would refuse to replace it
+            final = None
+            self.run_panel.log(f"final/: {exc}")
         self.run_panel.show_backups(output, [step for step, _ in found], offer,
                                     can_resume=offer.can_resume and not self.training,
-                                    ended=frontend.read_run_status(output))
+                                    ended=frontend.read_run_status(output), final_step=final)
 
     def stop(self) -> None:
         if self.worker is not None:

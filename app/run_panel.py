@@ -194,9 +194,12 @@ class RunPanel:
 
     @tk_thread_only
     def show_backups(self, output: Path, steps: list[int], offer: ResumeOffer,
-                     can_resume: bool, ended: str) -> None:
+                     can_resume: bool, ended: str, final_step: int | None = None) -> None:
         """The output folder's backups, and Resume from the newest when the run ended early.
-        A finished run shows no Resume: only Continue, when Max steps was raised past its end."""
+        A finished run shows no Resume: only Continue, when Max steps was raised past its end.
+        `final_step`: the step of the weights in final/; later than the newest backup, they
+        are a run's that got further (a finished run continued from an older backup, then
+        stopped), and the note says so."""
         why_not = "training is running" if self.running else self.start_why_not
         listed = (f"Backups in {output / 'backups'}: step " + ", ".join(str(s) for s in steps)
                   + ". ") if steps else ""
@@ -222,7 +225,11 @@ class RunPanel:
             how = {"failed": "failed", "running": "was killed or crashed",
                    "interrupted": "was interrupted", "stopped": "was stopped"}.get(ended)
             lead = f"The last run here {how}. " if how else ""
-            self.backups_label.configure(text=f"{lead}{listed}Resume continues the newest.")
+            kept = (f" final/ still holds the weights of step {final_step}, where a run here "
+                    f"had got to: Resume replaces them only with a later step's."
+                    if final_step is not None and final_step > steps[-1] else "")
+            self.backups_label.configure(text=f"{lead}{listed}Resume continues the newest."
+                                              f"{kept}")
         else:
             self.buttons["resume"].configure(text="Resume")
             self._enable("resume", False, "the output folder holds no backup")
