@@ -325,8 +325,10 @@ class TemperaApp(ctk.CTk):
         self.runs.block_start("engine", None)
         self.compile_panel.set_check_enabled(not self.runs.training)
         self.compile_panel.load_summaries(value)
-        if loading:
-            self.run_panel.set_status(self._status_before_engine)  # nothing newer was said
+        if loading:  # nothing newer was said than what the load was added to
+            status = self.run_panel.status_text
+            self.run_panel.set_status(self._idle_status() if status == LOADING_STATUS
+                                      else self._status_before_engine)
 
     # --- closing -----------------------------------------------------------------------------
     def _save_settings(self) -> None:
