@@ -30,9 +30,11 @@ class EngineLoader:
 
     def __init__(self, load: Callable[[], None], events: "queue.Queue[Event]") -> None:
         self.load, self.events = load, events
-        self.ready = self.done = False
+        self.ready = self.done = self.closed = False
         self.thread: threading.Thread | None = None
         self._gc_was_enabled = False
+        self._lock = threading.Lock()
+        self._ended: set[str] = set()  # "import" and "window" once each has ended
 
     @property
     def loading(self) -> bool:
@@ -54,12 +56,28 @@ class EngineLoader:
         self._gc_was_enabled = gc.isenabled()
         gc.disable()
         def work() -> Any:
-            self.load()
-            return then()
+            try:
+                self.load()
+                return then()
+            finally:
+                self._release("import")
         self.thread = run_in_thread(work, self.events, EVENT)
 
     def finished(self, ok: bool) -> None:
         """On the Tk thread, when the outcome arrived: the collector is on again."""
         self.ready, self.done = ok, True
-        if self._gc_was_enabled:
-            gc.enable()
+        self._release("window")
+
+    def close(self) -> None:
+        """The window closes without waiting for an import still running: the collector is
+        on again once both have ended (no Tk thread is left to wait for)."""
+        self.closed = True
+        if self.thread is not None:
+            self._release("window")
+
+    def _release(self, side: str) -> None:
+        with self._lock:
+            self._ended.add(side)
+            if self._ended == {"import", "window"} and self._gc_was_enabled:
+                self._gc_was_enabled = False
+                gc.enable()

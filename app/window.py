@@ -372,6 +372,7 @@ class TemperaApp(ctk.CTk):
         self.compile_panel.cancel_pending()
         if self._engine_id is not None:
             self.after_cancel(self._engine_id)
+        self.engine.close()
         self.benchmark.stop()
         self._tempera_closed = True
         self.sizing.close()

@@ -364,3 +364,34 @@ print("closed", app.closed, time.time(), flush=True)
     assert closed == "True"
     closing, leaving = float(returned) - float(lines["answered"]), ended - float(returned)
     assert closing < 3.0 and leaving < 1.0, (closing, leaving)  # leaving took 2-9 s
+
+
+def test_the_engine_loader_turns_the_collector_back_on_whoever_ends_last():
+    """The collector is off while torch is imported in the loader's thread (a collection
+    there could finalize a Tk object and wait for the Tk thread); it comes back once both
+    the import and the window are done with it, in either order."""
+    import gc
+    import queue
+    import threading
+
+    from app.engine_loader import EngineLoader
+    assert gc.isenabled()
+    held = threading.Event()
+    loader = EngineLoader(lambda: held.wait(10), queue.Queue())
+    try:
+        loader.start()
+        assert not gc.isenabled() and loader.loading
+        loader.close()                          # the window closed first
+        assert not gc.isenabled()
+        held.set()
+        loader.thread.join(10)
+        assert gc.isenabled()
+        loader = EngineLoader(lambda: None, queue.Queue())
+        loader.start()
+        loader.thread.join(10)
+        assert not gc.isenabled()               # until the window took the outcome
+        loader.finished(True)
+        assert gc.isenabled() and loader.ready and not loader.loading
+    finally:
+        held.set()
+        gc.enable()
