@@ -24,7 +24,8 @@ LEFT_AS_WORDS = frozenset({"CPU", "CUDA", "NO", "SNR", "MSE"})
 # What the command line's words are in the window.
 CLI_WORDS = (("resume with --resume latest", "Resume continues it"),
              ("--resume latest", "Resume"), ("--resume", "Resume"))
-_VALUE = re.compile(r"\b[A-Z][A-Z0-9_]*[A-Z0-9]\b( \()?")
+# a word in capitals, not part of a path or file name ("/data/SDXL/x.png", "LORA.json")
+_VALUE = re.compile(r"(?<![\w./\\-])[A-Z][A-Z0-9_]*[A-Z0-9](?![\w/\\-]|\.\w)( \()?")
 _PATH = re.compile(r"(?<![\w./\\-])([a-z][a-z0-9_]*(?:\[\d+\])?(?:\.[a-z][a-z0-9_]*(?:\[\d+\])?)+)"
                    r"(?![\w/\\-]|\.[a-z])")
 _INDEX = re.compile(r"\[(\d+)\]")

@@ -148,3 +148,21 @@ def test_a_stopped_benchmark_offers_no_fastest_and_says_why_inside_the_window(ap
     assert status.winfo_rootx() + status.winfo_reqwidth() <= app.winfo_rootx() + app.winfo_width()
     assert status.winfo_height() >= status.winfo_reqheight()
     assert "TRITON = Triton + CUDA graphs" in section.text()
+
+
+def test_engine_text_is_named_as_the_window_names_things_and_paths_are_left_alone():
+    from app.readable import readable
+    from modules.config.schema import DynamicShapes
+    assert readable("raise training.max_steps above 60; data.datasets[1].path: no such "
+                    "folder; validation.every_steps is 0") == (
+        "raise “Max steps” above 60; “Datasets › row 2 › Folder”: no such folder; "
+        "“Validate every N steps” is 0")
+    assert readable("LOCON (LoRA on more layers) and ADAFACTOR (fixed learning rate), not "
+                    "NONE") == ("LoCon (LoRA + convolutions; LoRA on more layers) and "
+                                "Adafactor (fixed learning rate), not None (eager)")
+    assert readable("AUTO (recommended)", DynamicShapes) == "Automatic (recommended)"
+    assert readable("AUTO") == "AUTO"               # three enums, three labels: left as it is
+    kept = "/data/SDXL/x.png, LORA.json, config.json, torch.compile, a CUDA GPU, min SNR, e.g."
+    assert readable(kept) == kept
+    assert readable("stopped; resume with --resume latest (newest backup: step 2)") == (
+        "stopped; Resume continues it (newest backup: step 2)")
