@@ -25,7 +25,9 @@ def test_benchmark_button_runs_eager_against_the_chosen_backend(app, tempera_cac
     assert not app.runs.start(), "training must wait for the benchmark"
     pump(app, until=lambda: not section.running and section.events.empty()
          and section.button.cget("text") == "Benchmark…", timeout=300)
-    table = section.text().splitlines()
+    text, legend = section.text().rstrip("\n").split("\n\n")
+    table = text.splitlines()
+    assert legend == "NONE = None (eager) · AOT_EAGER = AOT eager (debug)"  # the menu's names
     assert table[0].split()[:2] == ["backend", "components"]
     assert [line.split()[0] for line in table[1:]] == ["NONE", "AOT_EAGER"]
     compiled = section.result.cells[1]
