@@ -23,9 +23,11 @@ $(STAMP): pyproject.toml requirements/constraints.txt
 demo: $(STAMP)
 	$(PY) scripts/train.py --config training_presets/demo.json
 
+# On every core (pytest-xdist, at most 4 workers); the window tests and those marked `exclusive`
+# run in one group on one worker (tests/conftest.py). --durations shows the slowest tests.
 test: $(STAMP) lint
 	bash scripts/ensure_xvfb.sh
-	$(PY) -m pytest
+	$(PY) -m pytest -n auto --maxprocesses=4 --dist loadgroup
 
 # ruff's small bug-finding rule set (pyproject.toml), run first by `make test` and CI.
 lint: $(STAMP)

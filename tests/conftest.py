@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 
@@ -11,6 +12,45 @@ from modules.config import Config, apply_overrides
 # then not collected at all (their modules import it), and the header says so.
 GUI_TOOLKIT_MISSING = importlib.util.find_spec("customtkinter") is None
 collect_ignore = ["app"] if GUI_TOOLKIT_MISSING else []
+
+
+# `make test` runs the suite on every core with pytest-xdist (one worker per core). Each worker
+# would otherwise start as many torch threads as there are cores, so two workers on CI's two
+# cores would fight over them (and over inductor's compile pool): give each worker its share,
+# before anything imports torch. Training subprocesses the tests start inherit the same share.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    _SHARE = str(max(1, (os.cpu_count() or 1) // _WORKERS))
+    for _name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TORCHINDUCTOR_COMPILE_THREADS"):
+        os.environ.setdefault(_name, _SHARE)
+
+# How `--dist loadgroup` spreads the tests over the workers (tests/conftest.py is the only place):
+# - the window tests (one Xvfb, real pointer input, waits a busy core would stretch) and whatever
+#   a module marks `@pytest.mark.exclusive` run in one group, on one worker, one at a time;
+# - the tests of a file that share a module- or class-scoped fixture (one training run read by
+#   several tests) stay together, or each worker would build the fixture again;
+# - every other test goes wherever a worker is free.
+EXCLUSIVE_GROUP = "exclusive"
+SHARED_SCOPES = {"module", "class", "package"}
+
+
+def xdist_group_of(item, app_tests: str) -> str | None:
+    if str(item.fspath).startswith(app_tests) or item.get_closest_marker("exclusive"):
+        return EXCLUSIVE_GROUP
+    fixtures = getattr(item, "_fixtureinfo", None)
+    if fixtures is not None and any(d.scope in SHARED_SCOPES
+                                    for defs in fixtures.name2fixturedefs.values() for d in defs):
+        return item.nodeid.split("::")[0]
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    app_tests = os.path.join(os.path.dirname(__file__), "app") + os.sep
+    for item in items:
+        group = xdist_group_of(item, app_tests)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 def pytest_report_header(config):
