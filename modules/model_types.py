@@ -19,6 +19,7 @@ class ModelType(str, Enum):
     SD15 = "SD15"
     SD2 = "SD2"
     SDXL = "SDXL"
+    ZIMAGE = "ZIMAGE"
 
 
 @dataclass(frozen=True)
@@ -56,4 +57,7 @@ MODEL_TYPES: dict[ModelType, ModelTypeSpec] = {
     ModelType.SDXL: ModelTypeSpec("Stable Diffusion XL", "StableDiffusionXLPipeline",
                                   ("text_encoder", "text_encoder_2"), ("tokenizer", "tokenizer_2"),
                                   1024, "builtin:tiny-sdxl"),
+    ModelType.ZIMAGE: ModelTypeSpec("Z-Image", "ZImagePipeline", ("text_encoder",),
+                                    ("tokenizer",), 1024, "builtin:tiny-zimage",
+                                    denoiser="transformer", denoiser_label="Transformer"),
 }

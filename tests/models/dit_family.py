@@ -75,9 +75,8 @@ def load_folder(path: Path, prediction_type, dtypes: Dtypes) -> ModelBundle:
         FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler", **local))
 
 
-def conditioning(hidden: torch.Tensor, pooled, batch: dict, height: int, width: int
-                 ) -> dict[str, Any]:
-    return {"encoder_hidden_states": hidden}
+def conditioning(embeddings, batch: dict, height: int, width: int) -> dict[str, Any]:
+    return {"encoder_hidden_states": embeddings.hidden}
 
 
 def transformer_arguments(noisy: torch.Tensor, timesteps: torch.Tensor,

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -19,8 +19,20 @@ from torch import nn
 from modules.model_types import MODEL_TYPES, ModelType, ModelTypeSpec
 from modules.models.bundle import ModelBundle
 
-# (hidden states, pooled embedding or None) for a list of captions
-TextEmbeddings = tuple[torch.Tensor, "torch.Tensor | None"]
+
+class TextEmbeddings(NamedTuple):
+    """A list of captions encoded: `hidden` (B, L, D), the pooled embedding (B, D) or None,
+    and for families whose captions keep their own length (Qwen3 chat encoders) `lengths`
+    (B,) of each caption's real tokens, `hidden` zero-padded past them; None where every
+    caption is padded to the encoder's full length and conditions the denoiser so (CLIP)."""
+    hidden: torch.Tensor
+    pooled: torch.Tensor | None = None
+    lengths: torch.Tensor | None = None
+
+
+def model_output_sample(output: Any) -> torch.Tensor:
+    """The prediction in a diffusers model's output (`.sample`)."""
+    return output.sample
 
 
 @dataclass(frozen=True)
@@ -81,11 +93,15 @@ class ModelFamily:
     - `repeated_blocks`: class names of the denoiser's blocks REGIONAL compile compiles;
     - `load_folder(path, prediction_type, dtypes)` / `load_single_file(path, config_model,
       dtypes)`: a `ModelBundle`, each component at its dtype;
-    - `encode_text(bundle, captions, device, encoders)`: per-caption (hidden, pooled);
-    - `conditioning(hidden, pooled, batch, height, width)`: the denoiser's conditioning inputs
+    - `encode_text(bundle, captions, device, encoders)`: the captions' `TextEmbeddings`;
+    - `conditioning(embeddings, batch, height, width)`: the denoiser's conditioning inputs
       (keyword arguments of `predict`);
     - `denoiser_arguments(noisy, timesteps, conditioning)`: the denoiser's call as (args,
       kwargs), for the training step (`predict`) and "Check compilation" alike;
+    - `read_prediction(output)`: the prediction, as the objective's target is defined, from
+      what the denoiser returned (diffusers' `.sample`; Z-Image's is a list, negated);
+    - `lora_scope`: a regular expression the path of an adapted layer must start with (the
+      main blocks of a transformer whose refiner blocks keep their weights), None: anywhere;
     - `objective`: noise, target and loss weights (`Objective`);
     - `build_tiny(dest, seed)`: a tiny randomly initialised model folder, for tests and demos;
     - `enable_gradient_checkpointing(module)` on the denoiser;
@@ -100,7 +116,7 @@ class ModelFamily:
     load_single_file: Callable[..., ModelBundle] | None
     encode_text: Callable[[ModelBundle, list[str], torch.device, Mapping[str, nn.Module] | None],
                           TextEmbeddings]
-    conditioning: Callable[[torch.Tensor, torch.Tensor | None, dict, int, int], dict[str, Any]]
+    conditioning: Callable[[TextEmbeddings, dict, int, int], dict[str, Any]]
     denoiser_arguments: Callable[[torch.Tensor, torch.Tensor, dict[str, Any]],
                                  tuple[tuple, dict[str, Any]]]
     objective: Objective
@@ -110,6 +126,8 @@ class ModelFamily:
     fp16_vae_overflows: bool = False
     identify_folder: Callable[[Path], tuple[ModelType, str]] | None = None
     files: FileConventions | None = None
+    read_prediction: Callable[[Any], torch.Tensor] = model_output_sample
+    lora_scope: str | None = None
 
     @property
     def spec(self) -> ModelTypeSpec:
@@ -122,6 +140,6 @@ class ModelFamily:
 
     def predict(self, denoiser: nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
                 conditioning: dict[str, Any]) -> torch.Tensor:
-        """The denoiser's prediction (diffusers models return it as `.sample`)."""
+        """The denoiser's prediction (`read_prediction` of what it returns)."""
         args, kwargs = self.denoiser_arguments(noisy, timesteps, conditioning)
-        return denoiser(*args, **kwargs).sample
+        return self.read_prediction(denoiser(*args, **kwargs))

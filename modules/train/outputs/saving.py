@@ -42,12 +42,11 @@ def write_lora_diffusers(bundle: ModelBundle, config: Config, folder: Path) -> P
     The peft state dict is saved as it is: diffusers' conversion to its older key names only
     covers attention layers, and a file mixing both namings loses the other layers on load.
     """
-    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+    import diffusers
     from peft.utils import get_peft_model_state_dict
 
-    pipeline_cls = {"StableDiffusionPipeline": StableDiffusionPipeline,
-                    "StableDiffusionXLPipeline": StableDiffusionXLPipeline}[
-        MODEL_TYPES[config.model.type].pipeline_class]
+    # each pipeline's LoRA loader mixin has the saver its own loader reads
+    pipeline_cls = getattr(diffusers, MODEL_TYPES[config.model.type].pipeline_class)
     kwargs = {}
     for name in trained_components(config):
         module = bundle.component(name)

@@ -1,0 +1,105 @@
+"""Z-Image (Tongyi-MAI, Apache-2.0): a single-stream DiT (diffusers' ZImageTransformer2DModel:
+two noise-refiner and two context-refiner blocks, then 30 main blocks over the image and caption
+tokens together), conditioned on Qwen3-4B's second-to-last hidden layer through its chat
+template, on the 16-channel Flux.1 VAE, trained with flow matching.
+
+The transformer is called as diffusers' ZImagePipeline calls it: a list of (C, 1, H, W)
+latents, the timestep as 1 - sigma, each caption's real tokens as its own tensor; it returns
+a list whose negation is the flow's velocity (noise - x0), the target of `flow.FLOW_MATCHING`.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from modules.model_types import ModelType
+from modules.models.bundle import Dtypes, ModelBundle, dtype_of
+from modules.models.chat_text import ChatEncoding, caption_list, encode_chat
+from modules.models.families.base import ModelFamily, TextEmbeddings
+from modules.models.families.flow import FLOW_MATCHING
+from modules.models.families.sd import text_encoders
+
+# The blocks REGIONAL compiles: the class diffusers declares repeated
+# (ZImageTransformer2DModel._repeated_blocks); the refiners are blocks of the same class.
+ZIMAGE_BLOCKS = ("ZImageTransformerBlock",)
+# How ZImagePipeline reads Qwen3: the second-to-last hidden layer, at most 512 tokens; lengths
+# padded to 32, the transformer's own caption padding (SEQ_MULTI_OF), so padding costs nothing
+# there.
+ZIMAGE_TEXT = ChatEncoding(hidden_layer=-2, max_length=512, pad_multiple=32)
+# LoRA goes on the main blocks only (`layers.N.`): the refiners stay as trained, as the
+# reference LoRA trainers leave them.
+MAIN_BLOCKS = r"layers\.\d+\."
+
+
+def load_folder(path: Path, prediction_type, dtypes: Dtypes) -> ModelBundle:
+    """A `ZImagePipeline` diffusers folder, each component at its dtype; never the network."""
+    from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler,
+                           ZImageTransformer2DModel)
+    from transformers import AutoTokenizer, Qwen3Model
+
+    local = {"local_files_only": True}
+    transformer = ZImageTransformer2DModel.from_pretrained(
+        path, subfolder="transformer", torch_dtype=dtype_of(dtypes, "transformer"), **local)
+    vae = AutoencoderKL.from_pretrained(path, subfolder="vae",
+                                        torch_dtype=dtype_of(dtypes, "vae"), **local)
+    text_encoder = Qwen3Model.from_pretrained(path, subfolder="text_encoder",
+                                              dtype=dtype_of(dtypes, "text_encoder"), **local)
+    tokenizer = AutoTokenizer.from_pretrained(path, subfolder="tokenizer", **local)
+    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler",
+                                                                **local)
+    return ModelBundle(ModelType.ZIMAGE, Path(path), transformer, vae,
+                       {"text_encoder": text_encoder}, {"tokenizer": tokenizer}, scheduler)
+
+
+def encode_text(bundle: ModelBundle, captions: list[str], device: torch.device,
+                encoders: Mapping[str, nn.Module] | None = None) -> TextEmbeddings:
+    """Qwen3's second-to-last hidden states of each caption's chat prompt, as ZImagePipeline
+    computes them, with each caption's length."""
+    return encode_chat(bundle.tokenizers["tokenizer"],
+                       text_encoders(bundle, encoders)["text_encoder"], captions, device,
+                       ZIMAGE_TEXT)
+
+
+def conditioning(embeddings: TextEmbeddings, batch: dict, height: int, width: int
+                 ) -> dict[str, Any]:
+    """Each caption's real tokens, one tensor per sample (the transformer pads them itself)."""
+    return {"cap_feats": caption_list(embeddings)}
+
+
+def transformer_arguments(noisy: torch.Tensor, timesteps: torch.Tensor,
+                          conditioning: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    """ZImageTransformer2DModel(x, t, cap_feats): latents as a list of (C, 1, H, W), the
+    timestep as 1 - sigma (ZImagePipeline's `(1000 - t) / 1000`)."""
+    latents = list(noisy.unsqueeze(2).unbind(dim=0))
+    model_time = (1000 - timesteps.to(torch.float32)) / 1000
+    return (latents, model_time.to(noisy.dtype), conditioning["cap_feats"]), {}
+
+
+def read_prediction(output: Any) -> torch.Tensor:
+    """The velocity noise - x0: the transformer's per-sample outputs stacked and negated (it
+    predicts x0 - noise; ZImagePipeline negates it before the scheduler's step)."""
+    return -torch.stack(list(output.sample), dim=0).squeeze(2)
+
+
+def build_tiny(dest: Path, seed: int = 0) -> Path:
+    from modules.models.tiny_zimage import build_tiny_zimage
+    return build_tiny_zimage(dest, seed)
+
+
+ZIMAGE = ModelFamily(
+    model_type=ModelType.ZIMAGE,
+    repeated_blocks=ZIMAGE_BLOCKS,
+    load_folder=load_folder,
+    load_single_file=None,
+    encode_text=encode_text,
+    conditioning=conditioning,
+    denoiser_arguments=transformer_arguments,
+    objective=FLOW_MATCHING,
+    build_tiny=build_tiny,
+    read_prediction=read_prediction,
+    lora_scope=MAIN_BLOCKS,
+)
