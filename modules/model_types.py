@@ -32,6 +32,11 @@ class ModelTypeSpec:
     builtin: str                  # the tiny locally built variant
     denoiser: str = "unet"        # the denoiser's component name (bundle and pipeline)
     denoiser_label: str = "UNet"  # what people call it
+    # trained with flow matching (the family's objective is families/flow.py's), not DDPM: the
+    # config layer reads it to offer and refuse the options of each (tests check it agrees)
+    flow_matching: bool = False
+    # the sampling.sampler values its pipeline can sample with (None: every one)
+    samplers: tuple[str, ...] | None = None
 
     @property
     def components(self) -> tuple[str, ...]:
@@ -59,5 +64,6 @@ MODEL_TYPES: dict[ModelType, ModelTypeSpec] = {
                                   1024, "builtin:tiny-sdxl"),
     ModelType.ZIMAGE: ModelTypeSpec("Z-Image", "ZImagePipeline", ("text_encoder",),
                                     ("tokenizer",), 1024, "builtin:tiny-zimage",
-                                    denoiser="transformer", denoiser_label="Transformer"),
+                                    denoiser="transformer", denoiser_label="Transformer",
+                                    flow_matching=True, samplers=("EULER",)),
 }

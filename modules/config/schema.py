@@ -12,7 +12,12 @@ from enum import Enum
 
 from modules.config.fields import OnResume, setting
 from modules.config.data import DataConfig, DatasetConfig, ValidationConfig  # noqa: F401
-from modules.config.loss import HuberSchedule, LossConfig, LossType  # noqa: F401 - `loss` section
+from modules.config.loss import (  # noqa: F401 - `loss` section
+    HuberSchedule,
+    LossConfig,
+    LossType,
+    TimestepSampling,
+)
 from modules.config.outputs import (  # noqa: F401 - the sampling, output and logging sections
     LoggingConfig,
     OutputConfig,

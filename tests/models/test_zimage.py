@@ -42,7 +42,11 @@ def lora_run(zimage_folder, tempera_cache, tmp_path_factory):
         f"general.cache_dir={tempera_cache}", f"output.dir={out}", "data.resolution=64",
         "model.type=ZIMAGE", "model.path=builtin:tiny-zimage", "training.max_steps=3",
         "training.batch_size=2", "training.learning_rate=1e-2", "training.lora_rank=4",
-        "training.lora_alpha=8", "sampling.prompts=[]", "logging.tensorboard=false"])
+        "training.lora_alpha=8", "logging.tensorboard=false",
+        # flow matching's options, and a sample at the end with CFG and a negative prompt
+        "loss.timestep_sampling=LOGIT_NORMAL", "loss.dynamic_shift=true",
+        'sampling.prompts=["a red circle --n a blue square"]', "sampling.sampler=EULER",
+        "sampling.steps=2", "sampling.guidance_scale=4"])
     return train(config)
 
 
@@ -115,3 +119,10 @@ def test_zimage_pipeline_applies_the_saved_lora_as_trained(lora_run, zimage_fold
     assert loaded.keys() == saved.keys()
     assert all(torch.equal(loaded[k], saved[k]) for k in saved)
     assert any(saved[k].abs().sum() > 0 for k in saved if "lora_B" in k)  # it moved
+
+
+def test_a_sample_is_drawn_with_the_flow_matching_euler_scheduler_and_cfg(lora_run):
+    samples = sorted((lora_run.output_dir / "samples").glob("*.png"))
+    assert len(samples) == 1, samples
+    from PIL import Image
+    assert Image.open(samples[0]).size == (64, 64)

@@ -48,13 +48,18 @@ class Objective:
       sample, with `bundle.prediction_type` ("epsilon" / "v_prediction") the loss weights
       (min-SNR, debiased estimation) and the SNR Huber schedule are computed from;
     - `zero_terminal_snr(scheduler)`: the noise scheduler rescaled so its last timestep is
-      pure noise (and stepping "trailing" when sampling).
+      pure noise (and stepping "trailing" when sampling);
+    - `continuous_timesteps(bundle, normal, loss, latent_size)`: for an objective whose
+      timesteps are continuous (flow matching's sigma * T), the step's timesteps from one
+      standard normal draw per sample, the loss options and the latent's (height, width);
+      None: the integer timesteps drawn uniformly are the step's (DDPM).
     """
     train_timesteps: Callable[[ModelBundle], int]
     noisy_and_target: Callable[[ModelBundle, torch.Tensor, torch.Tensor, torch.Tensor],
                                tuple[torch.Tensor, torch.Tensor]]
     snr: Callable[[ModelBundle, torch.Tensor], torch.Tensor] | None = None
     zero_terminal_snr: Callable[[Any], Any] | None = None
+    continuous_timesteps: Callable[..., torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -100,6 +105,9 @@ class ModelFamily:
       kwargs), for the training step (`predict`) and "Check compilation" alike;
     - `read_prediction(output)`: the prediction, as the objective's target is defined, from
       what the denoiser returned (diffusers' `.sample`; Z-Image's is a list, negated);
+    - `samplers`: sampler -> (diffusers scheduler class, settings) for a family whose
+      pipeline samples with schedulers of its own (flow matching's Euler), None: the DDPM
+      samplers (train/outputs/sampling.py);
     - `lora_scope`: a regular expression the path of an adapted layer must start with (the
       main blocks of a transformer whose refiner blocks keep their weights), None: anywhere;
     - `objective`: noise, target and loss weights (`Objective`);
@@ -128,6 +136,7 @@ class ModelFamily:
     files: FileConventions | None = None
     read_prediction: Callable[[Any], torch.Tensor] = model_output_sample
     lora_scope: str | None = None
+    samplers: Mapping[Any, tuple[str, dict]] | None = None
 
     @property
     def spec(self) -> ModelTypeSpec:

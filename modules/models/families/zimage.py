@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from modules.config.outputs import Sampler
 from modules.model_types import ModelType
 from modules.models.bundle import Dtypes, ModelBundle, dtype_of
 from modules.models.chat_text import ChatEncoding, caption_list, encode_chat
@@ -33,6 +34,9 @@ ZIMAGE_TEXT = ChatEncoding(hidden_layer=-2, max_length=512, pad_multiple=32)
 # LoRA goes on the main blocks only (`layers.N.`): the refiners stay as trained, as the
 # reference LoRA trainers leave them.
 MAIN_BLOCKS = r"layers\.\d+\."
+# ZImagePipeline samples with the flow-matching Euler scheduler, built from the model's own
+# scheduler config (its shift): the one sampler (model_types.py lists it for the config layer)
+SAMPLERS = {Sampler.EULER: ("FlowMatchEulerDiscreteScheduler", {})}
 
 
 def load_folder(path: Path, prediction_type, dtypes: Dtypes) -> ModelBundle:
@@ -102,4 +106,5 @@ ZIMAGE = ModelFamily(
     build_tiny=build_tiny,
     read_prediction=read_prediction,
     lora_scope=MAIN_BLOCKS,
+    samplers=SAMPLERS,
 )

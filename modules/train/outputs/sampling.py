@@ -10,6 +10,7 @@ from PIL import Image
 from modules.config.prompts import SamplePrompt
 from modules.config.schema import Config, Sampler
 from modules.models.bundle import ModelBundle
+from modules.models.families import family_of
 from modules.train.outputs.saving import build_pipeline
 from modules.util.atomic import atomic_file
 
@@ -27,10 +28,11 @@ SAMPLERS: dict[Sampler, tuple[str, dict]] = {
 }
 
 
-def sampling_scheduler(sampler: Sampler, model_scheduler_config):
-    """The diffusers scheduler that runs `sampler` on the model's noise schedule."""
+def sampling_scheduler(sampler: Sampler, model_scheduler_config, samplers=None):
+    """The diffusers scheduler that runs `sampler` on the model's noise schedule; `samplers`:
+    the family's own table (a flow-matching family's), else the DDPM samplers above."""
     import diffusers
-    name, settings = SAMPLERS[sampler]
+    name, settings = (samplers or SAMPLERS)[sampler]
     return getattr(diffusers, name).from_config(model_scheduler_config, **settings)
 
 
@@ -66,7 +68,8 @@ def sample_images(bundle: ModelBundle, config: Config, prompts: list[SamplePromp
     for module in bundle.components().values():
         module.eval()
     try:
-        scheduler = sampling_scheduler(config.sampling.sampler, bundle.noise_scheduler.config)
+        scheduler = sampling_scheduler(config.sampling.sampler, bundle.noise_scheduler.config,
+                                       family_of(bundle.model_type).samplers)
         pipeline = build_pipeline(bundle, config, scheduler=scheduler)
         pipeline.set_progress_bar_config(disable=True)
         rows = []

@@ -41,7 +41,8 @@ from modules.train.recipe.distributed import Distributed
 from modules.train.recipe.objectives import (caption_dropouts, diffusion_loss, drop_captions,
                                              elementwise_loss, multires_noise,
                                              noise_offset_strength, noisy_input_and_target,
-                                             offset_noise, sample_weights, timestep_terms)
+                                             offset_noise, sample_weights, step_timesteps,
+                                             timestep_terms)
 from modules.train.setup.output_lock import OutputLock
 from modules.train.outputs.writes import (backup_bytes, distributed_summary, log_scalars, sample,
                                           save_checkpoint, save_final)
@@ -187,7 +188,9 @@ class TrainingRecipe:
                 seed_adapter_dropout(config, state.step, run.dist.rank)
             draws = draw_randomness(state.generator, latent_shape(run.bundle.vae, *pixel_shape),
                                     (config.loss.min_timestep, config.loss.max_timestep),
-                                    need_vae_eps="latents" not in batch, loss=config.loss)
+                                    need_vae_eps="latents" not in batch, loss=config.loss,
+                                    continuous=run.family.objective.continuous_timesteps
+                                    is not None)
             if window is None:
                 window = run.guard.window()
             with run.dist.gradient_sync(run.forward, closes_window):
@@ -333,7 +336,8 @@ def forward_loss(run: Run, batch: dict, draws: Draws) -> torch.Tensor:
                              noise_offset_strength(latents, t.noise_offset,
                                                    options.adaptive_noise_scale))
         noise = multires_noise(noise, draws.multires, options.multires_noise_discount)
-        timesteps = draws.timesteps.to(device)
+        timesteps = step_timesteps(family.objective, run.bundle, draws, options,
+                                   latents.shape[-2:]).to(device)
         noisy, target = noisy_input_and_target(family.objective, run.bundle, latents, noise,
                                                timesteps, draws.perturbation,
                                                options.input_perturbation)
