@@ -14,7 +14,7 @@ from modules.config.loss import LossConfig, TimestepSampling
 from modules.models.families import family_of
 from modules.models.families.flow import (FLOW_MATCHING, calculate_mu, flow_timesteps, shifted,
                                           unit_draw)
-from modules.model_types import MODEL_TYPES, ModelType
+from modules.model_types import MODEL_TYPES
 from modules.train.recipe.loss_checks import family_problems
 
 
