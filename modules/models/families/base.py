@@ -108,6 +108,10 @@ class ModelFamily:
     - `samplers`: sampler -> (diffusers scheduler class, settings) for a family whose
       pipeline samples with schedulers of its own (flow matching's Euler), None: the DDPM
       samplers (train/outputs/sampling.py);
+    - `pipeline_text_arguments(prompt, negative)`: the pipeline's keyword arguments that hand
+      it encoded prompts (`prompt_embeds`, ...), so samples need no text encoder on the GPU;
+      a family that has it lets its text encoder leave the GPU once every caption is cached
+      (None: the encoder stays);
     - `lora_scope`: a regular expression the path of an adapted layer must start with (the
       main blocks of a transformer whose refiner blocks keep their weights), None: anywhere;
     - `objective`: noise, target and loss weights (`Objective`);
@@ -137,6 +141,7 @@ class ModelFamily:
     read_prediction: Callable[[Any], torch.Tensor] = model_output_sample
     lora_scope: str | None = None
     samplers: Mapping[Any, tuple[str, dict]] | None = None
+    pipeline_text_arguments: Callable[[TextEmbeddings, TextEmbeddings], dict[str, Any]] | None = None
 
     @property
     def spec(self) -> ModelTypeSpec:

@@ -89,6 +89,14 @@ def read_prediction(output: Any) -> torch.Tensor:
     return -torch.stack(list(output.sample), dim=0).squeeze(2)
 
 
+def pipeline_text_arguments(prompt: TextEmbeddings, negative: TextEmbeddings
+                            ) -> dict[str, Any]:
+    """ZImagePipeline's encoded prompts: each caption's real tokens, as its encode_prompt
+    returns them."""
+    return {"prompt_embeds": caption_list(prompt),
+            "negative_prompt_embeds": caption_list(negative)}
+
+
 def build_tiny(dest: Path, seed: int = 0) -> Path:
     from modules.models.tiny_zimage import build_tiny_zimage
     return build_tiny_zimage(dest, seed)
@@ -107,4 +115,5 @@ ZIMAGE = ModelFamily(
     read_prediction=read_prediction,
     lora_scope=MAIN_BLOCKS,
     samplers=SAMPLERS,
+    pipeline_text_arguments=pipeline_text_arguments,
 )

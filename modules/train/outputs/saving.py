@@ -190,14 +190,19 @@ def save_weights(bundle: ModelBundle, config: Config, folder: Path, step: int,
     return written
 
 
-def build_pipeline(bundle: ModelBundle, config: Config, scheduler=None):
-    """A diffusers pipeline over the bundle's (possibly LoRA-adapted) live components."""
+def build_pipeline(bundle: ModelBundle, config: Config, scheduler=None,
+                   without_text_encoders: bool = False):
+    """A diffusers pipeline over the bundle's (possibly LoRA-adapted) live components;
+    `without_text_encoders`: for prompts handed over encoded (the encoders are off the
+    device)."""
     import diffusers
 
     spec = MODEL_TYPES[config.model.type]
     cls = getattr(diffusers, spec.pipeline_class)
     parts = {**bundle.components(), "scheduler": scheduler or bundle.noise_scheduler,
              **bundle.tokenizers}
+    if without_text_encoders:
+        parts.update({name: None for name in spec.text_encoders})
     if spec.pipeline_class == "StableDiffusionPipeline":
         parts.update(safety_checker=None, feature_extractor=None, requires_safety_checker=False)
     else:

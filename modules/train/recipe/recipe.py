@@ -114,8 +114,13 @@ class TrainingRecipe:
         params = prepare_trainable(bundle, config)
         if config.training.gradient_checkpointing:
             enable_gradient_checkpointing(bundle, trained)
-        for module in bundle.components().values():
-            module.to(device)
+        # before the model moves: a text encoder that can leave the device encodes every
+        # caption alone on it, then stays on the CPU
+        text_cache = text_encoder_cache(prepared, bundle, device, callbacks)
+        offloaded = text_cache is not None and text_cache.encoder_device() != device
+        for name, module in bundle.components().items():
+            if not (offloaded and name in bundle.text_encoders):
+                module.to(device)
         apply_denoiser_memory_format(bundle, config)
 
         # the data, and the step budget counted on the one batch sampler training uses
@@ -156,7 +161,7 @@ class TrainingRecipe:
                   TrainingState(generator=draws_generator(config.training.seed, dist.rank)),
                   scaler=scaler, writer=tensorboard_writer(config, dist.is_main),
                   trained=trained, ema=build_ema(config, params),
-                  text_cache=text_encoder_cache(config, bundle, device, callbacks),
+                  text_cache=text_cache,
                   forward=forward, restore_precision=restore_precision, lock=lock,
                   prompts=sample_prompts(config)[0],  # check_inputs read them already
                   validator=build_validator(config, prepared.validation))
