@@ -13,6 +13,24 @@ GUI_TOOLKIT_MISSING = importlib.util.find_spec("customtkinter") is None
 collect_ignore = ["app"] if GUI_TOOLKIT_MISSING else []
 
 
+def pytest_addoption(parser):
+    parser.addoption("--comfyui", default="", metavar="PATH",
+                     help="a ComfyUI checkout: the tests that run ComfyUI's own loading code "
+                          "(tests/models/comfyui_harness.py) are skipped without it")
+
+
+@pytest.fixture(scope="session")
+def comfyui(request):
+    """ComfyUI's loading modules from the checkout `--comfyui` names (skipped without it)."""
+    from pathlib import Path
+
+    from tests.models.comfyui_harness import import_comfyui
+    path = request.config.getoption("--comfyui")
+    if not path:
+        pytest.skip("no ComfyUI checkout given (pytest --comfyui=PATH)")
+    return import_comfyui(Path(path))
+
+
 def pytest_report_header(config):
     if GUI_TOOLKIT_MISSING:
         return "tests/app not collected: customtkinter is not installed (the GUI tests need it)"

@@ -46,7 +46,9 @@ class ModelBundle:
 
     @property
     def prediction_type(self) -> str:
-        return self.noise_scheduler.config.prediction_type
+        """"epsilon" / "v_prediction" (DDPM), or "flow_matching" for a flow-matching scheduler,
+        which has no such setting."""
+        return self.noise_scheduler.config.get("prediction_type") or "flow_matching"
 
     @property
     def latent_downscale(self) -> int:

@@ -76,7 +76,10 @@ class FileConventions:
     - `predicts_v_by_default`: what prediction type AUTO means for the family's base models;
     - `single_file_configs`: the folder under models/configs/ with its architecture configs;
     - `single_file_text_encoders`: text encoder -> (key prefix in an ldm file, "hf" or
-      "open_clip" layout).
+      "open_clip" layout);
+    - `kohya_separator`: what joins a module path's parts in a LoRA name: "_" as kohya writes
+      SD's (`lora_unet_down_blocks_0_…`), "." where the readers expect the diffusers path as
+      it is (ComfyUI's and diffusers' Z-Image loaders: `diffusion_model.layers.0.attention.to_q`).
     """
     kohya_prefixes: Mapping[str, str]
     kohya_denoiser_naming: str
@@ -87,6 +90,7 @@ class FileConventions:
     kohya_v2: bool = False
     predicts_v_by_default: bool = False
     a1111_sd_version: str = "Unknown"
+    kohya_separator: str = "_"
 
 
 @dataclass(frozen=True)

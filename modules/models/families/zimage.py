@@ -20,7 +20,7 @@ from modules.config.outputs import Sampler
 from modules.model_types import ModelType
 from modules.models.bundle import Dtypes, ModelBundle, dtype_of
 from modules.models.chat_text import ChatEncoding, caption_list, encode_chat
-from modules.models.families.base import ModelFamily, TextEmbeddings
+from modules.models.families.base import FileConventions, ModelFamily, TextEmbeddings
 from modules.models.families.flow import FLOW_MATCHING
 from modules.models.families.sd import text_encoders
 
@@ -37,6 +37,17 @@ MAIN_BLOCKS = r"layers\.\d+\."
 # ZImagePipeline samples with the flow-matching Euler scheduler, built from the model's own
 # scheduler config (its shift): the one sampler (model_types.py lists it for the config layer)
 SAMPLERS = {Sampler.EULER: ("FlowMatchEulerDiscreteScheduler", {})}
+
+
+# The LoRA file ComfyUI and diffusers both read for Z-Image: the diffusers module path under
+# `diffusion_model.`, LyCORIS's tensor names (`lora_down` / `lora_up` / `alpha`, `hada_*`,
+# `lokr_*`). ComfyUI maps it onto its fused attention (comfy/utils.py `z_image_to_diffusers`),
+# diffusers' ZImageLoraLoaderMixin folds the alpha in (`_convert_non_diffusers_z_image_lora_...`).
+ZIMAGE_FILES = FileConventions(
+    kohya_prefixes={"transformer": "diffusion_model."}, kohya_denoiser_naming="diffusers",
+    kohya_separator=".", base_model_version="z_image",
+    modelspec_architecture=lambda v_prediction: "z-image",
+    single_file_configs="zimage", single_file_text_encoders={})
 
 
 def load_folder(path: Path, prediction_type, dtypes: Dtypes) -> ModelBundle:
@@ -115,5 +126,6 @@ ZIMAGE = ModelFamily(
     read_prediction=read_prediction,
     lora_scope=MAIN_BLOCKS,
     samplers=SAMPLERS,
+    files=ZIMAGE_FILES,
     pipeline_text_arguments=pipeline_text_arguments,
 )
