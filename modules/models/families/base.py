@@ -116,6 +116,11 @@ class ModelFamily:
       it encoded prompts (`prompt_embeds`, ...), so samples need no text encoder on the GPU;
       a family that has it lets its text encoder leave the GPU once every caption is cached
       (None: the encoder stays);
+    - `input_problems(model config, single_file)`: what is wrong with the model's files
+      beyond what the shared checks see (Z-Image: its three ComfyUI files, a Turbo model),
+      before anything is written; None: nothing more;
+    - `write_single_file(bundle, path, metadata, dtype)`: the fine-tuned model as one file
+      other tools load, when it is not the SD ldm layout (`files`); None: that layout;
     - `lora_scope`: a regular expression the path of an adapted layer must start with (the
       main blocks of a transformer whose refiner blocks keep their weights), None: anywhere;
     - `objective`: noise, target and loss weights (`Objective`);
@@ -146,6 +151,8 @@ class ModelFamily:
     lora_scope: str | None = None
     samplers: Mapping[Any, tuple[str, dict]] | None = None
     pipeline_text_arguments: Callable[[TextEmbeddings, TextEmbeddings], dict[str, Any]] | None = None
+    input_problems: Callable[[Any, bool], list[Any]] | None = None
+    write_single_file: Callable[..., Path] | None = None
 
     @property
     def spec(self) -> ModelTypeSpec:

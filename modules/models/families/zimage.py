@@ -70,6 +70,36 @@ def load_folder(path: Path, prediction_type, dtypes: Dtypes) -> ModelBundle:
                        {"text_encoder": text_encoder}, {"tokenizer": tokenizer}, scheduler)
 
 
+def load_single_file(path: Path, model, dtypes: Dtypes) -> ModelBundle:
+    """ComfyUI's three files (model.path, model.text_encoder_path, model.vae_path), built
+    from the shipped Z-Image configs (or model.config_path), the tokenizer from
+    model.tokenizer_path."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from modules.models.single_file import config_folder_for
+    from modules.models.zimage_files import load_split_files
+    folder = Path(model.config_path) if model.config_path else config_folder_for(ZIMAGE_FILES)
+    parts = load_split_files(model, folder, dtypes)
+    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(folder, subfolder="scheduler",
+                                                                local_files_only=True)
+    return ModelBundle(ModelType.ZIMAGE, Path(path), parts["transformer"], parts["vae"],
+                       {"text_encoder": parts["text_encoder"]},
+                       {"tokenizer": parts["tokenizer"]}, scheduler)
+
+
+def input_problems(model, single_file: bool) -> list:
+    """ComfyUI's three files, each what its field says (single files); a Turbo model."""
+    from modules.models.zimage_files import distilled_problems, split_file_problems
+    return (split_file_problems(model) if single_file else []) + distilled_problems(model)
+
+
+def write_single_file(bundle: ModelBundle, path: Path, metadata: dict, dtype) -> Path:
+    """The fine-tuned transformer as ComfyUI's diffusion-model file (the text encoder and VAE
+    are not trained: the user's files of them still serve)."""
+    from modules.models.zimage_files import save_transformer_file
+    return save_transformer_file(bundle.denoiser, path, metadata, dtype)
+
+
 def encode_text(bundle: ModelBundle, captions: list[str], device: torch.device,
                 encoders: Mapping[str, nn.Module] | None = None) -> TextEmbeddings:
     """Qwen3's second-to-last hidden states of each caption's chat prompt, as ZImagePipeline
@@ -117,7 +147,7 @@ ZIMAGE = ModelFamily(
     model_type=ModelType.ZIMAGE,
     repeated_blocks=ZIMAGE_BLOCKS,
     load_folder=load_folder,
-    load_single_file=None,
+    load_single_file=load_single_file,
     encode_text=encode_text,
     conditioning=conditioning,
     denoiser_arguments=transformer_arguments,
@@ -127,5 +157,7 @@ ZIMAGE = ModelFamily(
     lora_scope=MAIN_BLOCKS,
     samplers=SAMPLERS,
     files=ZIMAGE_FILES,
+    input_problems=input_problems,
+    write_single_file=write_single_file,
     pipeline_text_arguments=pipeline_text_arguments,
 )

@@ -136,8 +136,13 @@ def write_slow_tokenizer_files(tokenizer, folder: Path) -> None:
 def write_full_single_file(bundle: ModelBundle, config: Config, folder: Path, step: int,
                            extra: dict[str, str] | None = None) -> Path:
     """The whole model as one .safetensors in the original SD/SDXL layout."""
+    from modules.models.families import family_of
     from modules.models.single_file import save_single_file
     path = folder / SINGLE_FILE_NAME
+    own = family_of(config.model.type).write_single_file
+    if own is not None:  # a family whose single file is not the ldm layout
+        return own(bundle, path, {**_metadata(bundle, config, "checkpoint", "single_file", step),
+                                  **(extra or {})}, SAVE_DTYPES[config.output.save_dtype])
     components = {**bundle.components(), "scheduler": bundle.noise_scheduler}
     save_single_file(components, path, family_files(config.model.type),
                      {**_metadata(bundle, config, "checkpoint", "single_file", step),

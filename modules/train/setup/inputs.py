@@ -14,6 +14,7 @@ from modules.config.prompts import sample_prompts
 from modules.config.schema import Config, SaveFormat, TrainingMethod
 from modules.data.captions import CaptionsFileError, load_captions_file
 from modules.model_types import BUILTIN_PREFIX, MODEL_TYPES
+from modules.models.families import family_of
 from modules.models.family import check_folder
 from modules.models.folder import FolderError, check_weight_headers, weight_files
 from modules.util.disk import free_bytes, megabytes, nearest_existing
@@ -73,8 +74,9 @@ def _check_model_path(config: Config) -> list[Problem]:
     if not p.exists():
         return [Problem("model.path", "an existing diffusers model folder", repr(path),
                         "no such file or folder")]
+    own = family_of(config.model.type).input_problems
     if p.is_file():
-        return _check_single_file(config, p)
+        return own(config.model, True) if own else _check_single_file(config, p)
     index = p / "model_index.json"
     if not index.is_file():
         return [Problem("model.path", "a diffusers model folder (with model_index.json)",
@@ -92,7 +94,7 @@ def _check_model_path(config: Config) -> list[Problem]:
                 repr(path), f"its model_index.json names {cls}")]
         return [Problem("model.type", " or ".join(matching), config.model.type.value,
                         f"{path} holds a {cls}, not a {spec.pipeline_class}")]
-    return _check_folder(config, p)
+    return _check_folder(config, p) or (own(config.model, False) if own else [])
 
 
 def _check_folder(config: Config, folder: Path) -> list[Problem]:
