@@ -43,6 +43,14 @@ def tempera_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("tempera-cache")
 
 
+@pytest.fixture(scope="session")
+def zimage_folder(tempera_cache):
+    """The tiny Z-Image (builtin:tiny-zimage), built once per session into the cache."""
+    from modules.model_types import MODEL_TYPES, ModelType
+    from modules.models.tiny import ensure_builtin_model
+    return ensure_builtin_model(MODEL_TYPES[ModelType.ZIMAGE].builtin, tempera_cache)
+
+
 @pytest.fixture
 def tiny_config(tempera_cache, tmp_path):
     """A config that trains the tiny SD 1.5 model on the shapes dataset in a few seconds."""

@@ -85,7 +85,8 @@ def _check_objective_options(config: Config) -> list[Problem]:
                                 f"{spec.label} is trained with flow matching: it predicts the "
                                 "velocity from the image to the noise, and epsilon or v "
                                 "prediction are DDPM's"))
-    if spec.samplers is not None and config.sampling.sampler.value not in spec.samplers:
+    samples = bool(config.sampling.prompts or config.sampling.prompts_file)
+    if samples and spec.samplers is not None and config.sampling.sampler.value not in spec.samplers:
         problems.append(Problem("sampling.sampler", " or ".join(spec.samplers),
                                 config.sampling.sampler.value,
                                 f"{spec.label} samples with the flow-matching Euler scheduler "

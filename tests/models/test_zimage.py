@@ -10,18 +10,12 @@ import math
 import pytest
 import torch
 
-from modules.model_types import MODEL_TYPES, ModelType
+from modules.model_types import ModelType
 from modules.models.families import family_of
-from modules.models.tiny import ensure_builtin_model
 from tests.train.test_resume import run_json
 
 CAPTIONS = ["a red circle", "", "a small blue square on a large yellow triangle, seen from "
             "far above on a cloudy day with long shadows"]
-
-
-@pytest.fixture(scope="session")
-def zimage_folder(tempera_cache):
-    return ensure_builtin_model(MODEL_TYPES[ModelType.ZIMAGE].builtin, tempera_cache)
 
 
 @pytest.fixture(scope="module")

@@ -18,11 +18,10 @@ from modules.models.families import family_of
 from modules.models.single_file import vae_key_to_ldm
 from modules.models.zimage_files import (distilled_problems, split_file_problems,
                                          to_original_names)
-from tests.models.test_zimage import zimage_folder  # noqa: F401 - the session's tiny Z-Image
 
 
 @pytest.fixture(scope="module")
-def split_files(zimage_folder, tmp_path_factory):  # noqa: F811
+def split_files(zimage_folder, tmp_path_factory):
     """The tiny model as ComfyUI's three files: the diffusion model in the original layout,
     Qwen3 under `model.`, the VAE in the ldm layout Flux's ae.safetensors uses."""
     bundle = family_of(ModelType.ZIMAGE).load_folder(zimage_folder, None, torch.float32)
@@ -44,7 +43,7 @@ def split_files(zimage_folder, tmp_path_factory):  # noqa: F811
     return bundle, paths
 
 
-def _model(zimage_folder, paths, **changes):  # noqa: F811
+def _model(zimage_folder, paths, **changes):
     settings = {"model.type": "ZIMAGE", "model.path": paths["transformer"],
                 "model.text_encoder_path": paths["text_encoder"],
                 "model.vae_path": paths["vae"], "model.config_path": zimage_folder,
@@ -52,7 +51,7 @@ def _model(zimage_folder, paths, **changes):  # noqa: F811
     return apply_overrides(Config(), [f"{k}={v}" for k, v in settings.items()]).model
 
 
-def test_the_three_files_load_as_the_model_they_came_from(split_files, zimage_folder):  # noqa: F811
+def test_the_three_files_load_as_the_model_they_came_from(split_files, zimage_folder):
     bundle, paths = split_files
     loaded = family_of(ModelType.ZIMAGE).load_single_file(
         paths["transformer"], _model(zimage_folder, paths), torch.float32)
@@ -63,7 +62,7 @@ def test_the_three_files_load_as_the_model_they_came_from(split_files, zimage_fo
     assert loaded.tokenizers["tokenizer"].chat_template
 
 
-def test_a_wrong_or_missing_part_is_named_with_what_was_expected(split_files, zimage_folder):  # noqa: F811
+def test_a_wrong_or_missing_part_is_named_with_what_was_expected(split_files, zimage_folder):
     _, paths = split_files
     assert split_file_problems(_model(zimage_folder, paths)) == []
     swapped = {p.path: p for p in split_file_problems(_model(
@@ -84,7 +83,7 @@ def test_a_wrong_or_missing_part_is_named_with_what_was_expected(split_files, zi
     assert [p.path for p in wrong] == ["model.path"] and "a LoRA" in wrong[0].message
 
 
-def test_turbo_is_named_with_what_to_do(zimage_folder, split_files, tmp_path):  # noqa: F811
+def test_turbo_is_named_with_what_to_do(zimage_folder, split_files, tmp_path):
     turbo = tmp_path / "Z-Image-Turbo-copy"
     shutil.copytree(zimage_folder / "scheduler", turbo / "scheduler")
     config = json.loads((turbo / "scheduler" / "scheduler_config.json").read_text())
@@ -104,7 +103,7 @@ def test_turbo_is_named_with_what_to_do(zimage_folder, split_files, tmp_path):  
 
 
 def test_a_fine_tuned_transformer_is_saved_in_the_layout_diffusers_reads_back(
-        split_files, zimage_folder, tmp_path):  # noqa: F811
+        split_files, zimage_folder, tmp_path):
     from diffusers import ZImageTransformer2DModel
 
     from modules.models.zimage_files import save_transformer_file
@@ -135,7 +134,7 @@ def test_comfyui_detects_the_saved_layout_as_z_image_at_full_size(comfyui):
 
 
 def test_swapped_files_are_refused_before_anything_is_written(split_files, zimage_folder,
-                                                              tmp_path):  # noqa: F811
+                                                              tmp_path):
     from modules.train.setup.inputs import check_inputs
     _, paths = split_files
     config = apply_overrides(Config(), [
@@ -148,7 +147,7 @@ def test_swapped_files_are_refused_before_anything_is_written(split_files, zimag
 
 
 def test_a_full_fine_tune_saves_a_diffusers_folder_and_comfyuis_file(tiny_config, tmp_path,
-                                                                     zimage_folder):  # noqa: F811
+                                                                     zimage_folder):
     """2 steps of FINE_TUNE: final/ holds a ZImagePipeline folder and model.safetensors, the
     same transformer in ComfyUI's diffusion-model layout."""
     from diffusers import ZImagePipeline, ZImageTransformer2DModel

@@ -16,13 +16,12 @@ from modules.train.outputs.sampling import prompt_texts
 from modules.train.recipe.text_cache import (TextEncoderCache, text_encoder_leaves_device,
                                              varying_datasets)
 from modules.train.recipe.text_store import TextEmbeddingStore, encoder_identity
-from tests.models.test_zimage import zimage_folder  # noqa: F401 - the session's tiny Z-Image
 
 CAPTIONS = ["a red circle", "a blue square on a yellow field", ""]
 
 
 @pytest.fixture(scope="module")
-def bundle(zimage_folder):  # noqa: F811
+def bundle(zimage_folder):
     return family_of(ModelType.ZIMAGE).load_folder(zimage_folder, None, torch.float32)
 
 
@@ -78,7 +77,7 @@ def test_the_encoder_leaves_the_device_only_when_every_caption_is_known():
                                                   "model.path=builtin:tiny-sd15"))
 
 
-def test_the_memory_plan_counts_the_encoder_only_while_it_stays(zimage_folder):  # noqa: F811
+def test_the_memory_plan_counts_the_encoder_only_while_it_stays(zimage_folder):
     from modules.train.memory.memory_plan import plan_memory
     leaving = plan_memory(_config(), zimage_folder)
     staying = plan_memory(_config('data.datasets=[{"path": "builtin:shapes", '
@@ -89,7 +88,7 @@ def test_the_memory_plan_counts_the_encoder_only_while_it_stays(zimage_folder): 
     assert any("only while its captions are cached" in what for what, _ in leaving.lines)
 
 
-def test_samples_from_cached_prompts_are_the_pipelines_own(bundle, tmp_path, zimage_folder):  # noqa: F811
+def test_samples_from_cached_prompts_are_the_pipelines_own(bundle, tmp_path, zimage_folder):
     from diffusers import ZImagePipeline
     pipe = ZImagePipeline.from_pretrained(zimage_folder, local_files_only=True)
     pipe.set_progress_bar_config(disable=True)

@@ -116,6 +116,9 @@ class ModelFamily:
       it encoded prompts (`prompt_embeds`, ...), so samples need no text encoder on the GPU;
       a family that has it lets its text encoder leave the GPU once every caption is cached
       (None: the encoder stays);
+    - `varying_lengths(conditioning)`: the conditioning tensors whose first dimension is a
+      caption's own length (Z-Image's `cap_feats`), marked dynamic up front for a compiled
+      denoiser; none for a family that pads every caption to one length;
     - `input_problems(model config, single_file)`: what is wrong with the model's files
       beyond what the shared checks see (Z-Image: its three ComfyUI files, a Turbo model),
       before anything is written; None: nothing more;
@@ -151,6 +154,7 @@ class ModelFamily:
     lora_scope: str | None = None
     samplers: Mapping[Any, tuple[str, dict]] | None = None
     pipeline_text_arguments: Callable[[TextEmbeddings, TextEmbeddings], dict[str, Any]] | None = None
+    varying_lengths: Callable[[dict[str, Any]], list[torch.Tensor]] = lambda conditioning: []
     input_problems: Callable[[Any, bool], list[Any]] | None = None
     write_single_file: Callable[..., Path] | None = None
 

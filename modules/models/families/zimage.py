@@ -50,6 +50,19 @@ ZIMAGE_FILES = FileConventions(
     single_file_configs="zimage", single_file_text_encoders={})
 
 
+def warm_rope_tables(transformer: nn.Module) -> nn.Module:
+    """Fill the transformer's rotary-embedding tables now. diffusers' RopeEmbedder builds them
+    at its first call and keeps them in an attribute, so a FULL-compiled transformer would be
+    traced once with the attribute unset and recompiled at the next call; built here, every
+    call sees them set (they still move to the GPU at the first call there, within the first
+    step). The same tables the first call would build."""
+    rope = transformer.rope_embedder
+    if rope.freqs_cis is None:
+        rope.freqs_cis = rope.precompute_freqs_cis(rope.axes_dims, rope.axes_lens,
+                                                   theta=rope.theta)
+    return transformer
+
+
 def load_folder(path: Path, prediction_type, dtypes: Dtypes) -> ModelBundle:
     """A `ZImagePipeline` diffusers folder, each component at its dtype; never the network."""
     from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler,
@@ -66,7 +79,7 @@ def load_folder(path: Path, prediction_type, dtypes: Dtypes) -> ModelBundle:
     tokenizer = AutoTokenizer.from_pretrained(path, subfolder="tokenizer", **local)
     scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler",
                                                                 **local)
-    return ModelBundle(ModelType.ZIMAGE, Path(path), transformer, vae,
+    return ModelBundle(ModelType.ZIMAGE, Path(path), warm_rope_tables(transformer), vae,
                        {"text_encoder": text_encoder}, {"tokenizer": tokenizer}, scheduler)
 
 
@@ -82,7 +95,8 @@ def load_single_file(path: Path, model, dtypes: Dtypes) -> ModelBundle:
     parts = load_split_files(model, folder, dtypes)
     scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(folder, subfolder="scheduler",
                                                                 local_files_only=True)
-    return ModelBundle(ModelType.ZIMAGE, Path(path), parts["transformer"], parts["vae"],
+    return ModelBundle(ModelType.ZIMAGE, Path(path), warm_rope_tables(parts["transformer"]),
+                       parts["vae"],
                        {"text_encoder": parts["text_encoder"]},
                        {"tokenizer": parts["tokenizer"]}, scheduler)
 
@@ -157,6 +171,7 @@ ZIMAGE = ModelFamily(
     lora_scope=MAIN_BLOCKS,
     samplers=SAMPLERS,
     files=ZIMAGE_FILES,
+    varying_lengths=lambda conditioning: list(conditioning["cap_feats"]),
     input_problems=input_problems,
     write_single_file=write_single_file,
     pipeline_text_arguments=pipeline_text_arguments,

@@ -37,7 +37,10 @@ def encode_captions(run: Run, batch: dict, captions: list[str]) -> dict:
         hidden=embeddings.hidden.to(run.compute_dtype),
         pooled=None if pooled is None else pooled.to(run.compute_dtype))
     _, height, width = run.pixel_shape(batch)
-    return run.family.conditioning(embeddings, batch, height, width)
+    conditioning = run.family.conditioning(embeddings, batch, height, width)
+    for tensor in run.family.varying_lengths(conditioning):
+        run.guard.mark_varying_length(COMPILE_DENOISER, tensor)
+    return conditioning
 
 
 def varying_shape(run: Run, tensor: torch.Tensor, component: str) -> torch.Tensor:
