@@ -14,7 +14,6 @@ from modules.config.prompts import sample_prompts
 from modules.config.schema import Config, SaveFormat, TrainingMethod
 from modules.data.captions import CaptionsFileError, load_captions_file
 from modules.model_types import BUILTIN_PREFIX, MODEL_TYPES
-from modules.models.families import family_of
 from modules.models.family import check_folder
 from modules.models.folder import (PICKLE_SUFFIXES, SAFETENSORS_SUFFIX, FolderError,
                                    check_weight_headers, weight_files)
@@ -78,6 +77,8 @@ def _check_model_path(config: Config) -> list[Problem]:
                             "no such file")]
         return [Problem("model.path", "an existing diffusers model folder or .safetensors "
                         "checkpoint", repr(path), "no such file or folder")]
+    # imports torch: lazily, the front ends import this module before torch (test_layers)
+    from modules.models.families import family_of
     own = family_of(config.model.type).input_problems
     if p.is_file():
         return own(config.model, True) if own else _check_single_file(config, p)
