@@ -75,26 +75,32 @@ def _flow(config: Config) -> bool:
 
 # Each objective's own settings and their off value: greyed for a family trained with the
 # other objective only while off (validation refuses them when set, so they stay editable).
-FLOW_ONLY = {"loss.timestep_sampling": lambda c: c.loss.timestep_sampling
-             != TimestepSampling.UNIFORM,
-             "loss.timestep_shift": lambda c: c.loss.timestep_shift is not None,
-             "loss.dynamic_shift": lambda c: c.loss.dynamic_shift}
-DDPM_ONLY = {"model.prediction_type": lambda c: c.model.prediction_type != PredictionType.AUTO,
-             "model.zero_terminal_snr": lambda c: c.model.zero_terminal_snr,
-             "training.min_snr_gamma": lambda c: bool(c.training.min_snr_gamma),
-             "loss.debiased_estimation": lambda c: c.loss.debiased_estimation}
+IsSet = Callable[[Config], bool]
+FLOW_ONLY: dict[str, IsSet] = {
+    "loss.timestep_sampling": lambda c: c.loss.timestep_sampling != TimestepSampling.UNIFORM,
+    "loss.timestep_shift": lambda c: c.loss.timestep_shift is not None,
+    "loss.dynamic_shift": lambda c: c.loss.dynamic_shift}
+DDPM_ONLY: dict[str, IsSet] = {
+    "model.prediction_type": lambda c: c.model.prediction_type != PredictionType.AUTO,
+    "model.zero_terminal_snr": lambda c: c.model.zero_terminal_snr,
+    "training.min_snr_gamma": lambda c: bool(c.training.min_snr_gamma),
+    "loss.debiased_estimation": lambda c: c.loss.debiased_estimation}
+
+
+def _objective_rule(path: str, is_set: IsSet, flow: bool) -> FieldRule:
+    """A setting of one objective (flow matching's when `flow`), used by its families, and
+    left editable while set elsewhere so that validation's refusal can be undone."""
+    def why(c: Config) -> str:
+        label = MODEL_TYPES[c.model.type].label
+        return (f"{label} is trained with DDPM; this shapes flow matching's noise levels"
+                if flow else f"{label} is trained with flow matching, which has no DDPM "
+                             "schedule")
+    return FieldRule((path,), lambda c: _flow(c) == flow or is_set(c), why)
 
 
 def _objective_rules() -> tuple[FieldRule, ...]:
-    flow = tuple(FieldRule((path,), lambda c, is_set=is_set: _flow(c) or is_set(c),
-                           lambda c: f"{MODEL_TYPES[c.model.type].label} is trained with DDPM; "
-                                     "this shapes flow matching's noise levels")
-                 for path, is_set in FLOW_ONLY.items())
-    ddpm = tuple(FieldRule((path,), lambda c, is_set=is_set: not _flow(c) or is_set(c),
-                           lambda c: f"{MODEL_TYPES[c.model.type].label} is trained with flow "
-                                     "matching, which has no DDPM schedule")
-                 for path, is_set in DDPM_ONLY.items())
-    return flow + ddpm
+    return (*(_objective_rule(p, s, True) for p, s in FLOW_ONLY.items()),
+            *(_objective_rule(p, s, False) for p, s in DDPM_ONLY.items()))
 
 
 def _has_prompts(config: Config) -> bool:
