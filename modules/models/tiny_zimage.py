@@ -47,15 +47,24 @@ def _seeded(seed: int, build) -> torch.nn.Module:
         return build()
 
 
-def build_tiny_zimage(dest: Path, seed: int = 0, corpus_path: Path | None = None) -> Path:
-    """Build the tiny Z-Image and save it as a `ZImagePipeline` folder in `dest`."""
+def build_tiny_zimage(dest: Path, seed: int = 0, corpus_path: Path | None = None,
+                      spec: dict[str, Any] | None = None,
+                      dtype: torch.dtype | None = None) -> Path:
+    """Build the tiny Z-Image (or a random-weight one of another `spec`, laid out as
+    TINY_ZIMAGE: the GPU validation's real-size one) and save it as a `ZImagePipeline` folder
+    in `dest`; `dtype`: each component cast to it as soon as it is built (a real-size
+    transformer is 24 GB in float32)."""
     import diffusers
     from transformers import Qwen3Config, Qwen3Model
 
     from modules.models.tiny_text import CORPUS_PATH, build_qwen_tokenizer
 
     corpus_path = corpus_path or CORPUS_PATH
-    spec = TINY_ZIMAGE
+    spec = spec or TINY_ZIMAGE
+
+    def built(seed: int, build) -> torch.nn.Module:
+        module = _seeded(seed, build)
+        return module.to(dtype) if dtype is not None else module
     with tempfile.TemporaryDirectory(prefix="tempera-qwen-tokenizer-") as work:
         tokenizer = build_qwen_tokenizer(Path(work) / "tokenizer",
                                          spec["tokenizer_vocab_size"], corpus_path)
@@ -63,10 +72,10 @@ def build_tiny_zimage(dest: Path, seed: int = 0, corpus_path: Path | None = None
                                   pad_token_id=tokenizer.pad_token_id,
                                   eos_token_id=tokenizer.eos_token_id)
         pipeline = diffusers.ZImagePipeline(
-            transformer=_seeded(seed, lambda: diffusers.ZImageTransformer2DModel(
+            transformer=built(seed, lambda: diffusers.ZImageTransformer2DModel(
                 **spec["transformer"])),
-            vae=_seeded(seed + 1, lambda: diffusers.AutoencoderKL(**spec["vae"])),
-            text_encoder=_seeded(seed + 2, lambda: Qwen3Model(text_config)),
+            vae=built(seed + 1, lambda: diffusers.AutoencoderKL(**spec["vae"])),
+            text_encoder=built(seed + 2, lambda: Qwen3Model(text_config)),
             tokenizer=tokenizer,
             scheduler=diffusers.FlowMatchEulerDiscreteScheduler(**spec["scheduler"]))
         pipeline.save_pretrained(dest, safe_serialization=True)
