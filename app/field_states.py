@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from app.fields import container_labels
 from app.form import FieldRegistry
-from app.widgets import set_label_enabled
+from app.labels import enum_label
+from app.widgets import BoolView, EnumView, set_label_enabled
 from modules.config import Config
 from modules.frontend import (MODEL_TYPES, RULED_PATHS, cache_dir_for, compile_cache_folder,
                               unused_fields)
@@ -24,12 +25,24 @@ def update_cache_hints(registry: FieldRegistry, config: Config) -> None:
 
 def update_component_states(registry: FieldRegistry, config: Config) -> None:
     """Grey the settings of components the model type does not have, and say which types
-    have them (e.g. "Text encoder 2 (Stable Diffusion XL only)")."""
+    have them (e.g. "Text encoder 2 (Stable Diffusion XL only)"); the denoiser is named as the
+    family calls it ("UNet", "Transformer"), in its section and in the compile checkbox, and
+    the sampler menu offers the family's samplers."""
     model_type = MODEL_TYPES[config.model.type]
+    compile_toggle = registry.find("compile.denoiser")
+    if isinstance(compile_toggle, BoolView) and compile_toggle.style == "checkbox":
+        compile_toggle.toggle.configure(text=model_type.denoiser_label)
+    sampler = registry.find("sampling.sampler")
+    if isinstance(sampler, EnumView):  # a flow-matching family samples with its own only
+        sampler.menu.configure(values=[enum_label(m) for m in sampler.info.enum_type
+                                       if model_type.samplers is None
+                                       or m.value in model_type.samplers])
     for container, label in container_labels(Config).items():
         if not container.startswith("components."):
             continue
         component = container.split(".", 1)[1]
+        if component == "denoiser":
+            label = model_type.denoiser_label
         enabled = component in model_type.config_keys
         having = [spec.label for spec in MODEL_TYPES.values() if component in spec.config_keys]
         why = f"{model_type.label} models have no {label.lower()}"

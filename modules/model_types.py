@@ -19,6 +19,7 @@ class ModelType(str, Enum):
     SD15 = "SD15"
     SD2 = "SD2"
     SDXL = "SDXL"
+    ZIMAGE = "ZIMAGE"
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,11 @@ class ModelTypeSpec:
     builtin: str                  # the tiny locally built variant
     denoiser: str = "unet"        # the denoiser's component name (bundle and pipeline)
     denoiser_label: str = "UNet"  # what people call it
+    # trained with flow matching (the family's objective is families/flow.py's), not DDPM: the
+    # config layer reads it to offer and refuse the options of each (tests check it agrees)
+    flow_matching: bool = False
+    # the sampling.sampler values its pipeline can sample with (None: every one)
+    samplers: tuple[str, ...] | None = None
 
     @property
     def components(self) -> tuple[str, ...]:
@@ -56,4 +62,8 @@ MODEL_TYPES: dict[ModelType, ModelTypeSpec] = {
     ModelType.SDXL: ModelTypeSpec("Stable Diffusion XL", "StableDiffusionXLPipeline",
                                   ("text_encoder", "text_encoder_2"), ("tokenizer", "tokenizer_2"),
                                   1024, "builtin:tiny-sdxl"),
+    ModelType.ZIMAGE: ModelTypeSpec("Z-Image", "ZImagePipeline", ("text_encoder",),
+                                    ("tokenizer",), 1024, "builtin:tiny-zimage",
+                                    denoiser="transformer", denoiser_label="Transformer",
+                                    flow_matching=True, samplers=("EULER",)),
 }

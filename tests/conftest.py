@@ -53,6 +53,24 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group(group))
 
 
+def pytest_addoption(parser):
+    parser.addoption("--comfyui", default="", metavar="PATH",
+                     help="a ComfyUI checkout: the tests that run ComfyUI's own loading code "
+                          "(tests/models/comfyui_harness.py) are skipped without it")
+
+
+@pytest.fixture(scope="session")
+def comfyui(request):
+    """ComfyUI's loading modules from the checkout `--comfyui` names (skipped without it)."""
+    from pathlib import Path
+
+    from tests.models.comfyui_harness import import_comfyui
+    path = request.config.getoption("--comfyui")
+    if not path:
+        pytest.skip("no ComfyUI checkout given (pytest --comfyui=PATH)")
+    return import_comfyui(Path(path))
+
+
 def pytest_report_header(config):
     if GUI_TOOLKIT_MISSING:
         return "tests/app not collected: customtkinter is not installed (the GUI tests need it)"
@@ -63,6 +81,14 @@ def pytest_report_header(config):
 def tempera_cache(tmp_path_factory):
     """A cache folder shared by the whole session, so each built-in model is built once."""
     return tmp_path_factory.mktemp("tempera-cache")
+
+
+@pytest.fixture(scope="session")
+def zimage_folder(tempera_cache):
+    """The tiny Z-Image (builtin:tiny-zimage), built once per session into the cache."""
+    from modules.model_types import MODEL_TYPES, ModelType
+    from modules.models.tiny import ensure_builtin_model
+    return ensure_builtin_model(MODEL_TYPES[ModelType.ZIMAGE].builtin, tempera_cache)
 
 
 @pytest.fixture

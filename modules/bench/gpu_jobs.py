@@ -102,7 +102,8 @@ def run_config(job: Job, ctx: Context, folder: Path, compile_cache: Path):
         "output.overwrite=true", 'output.formats=["DIFFUSERS", "KOHYA"]',
         "logging.tensorboard=false",
     ]
-    return apply_overrides(Config(), overrides + list(job.spec.get("overrides", [])))
+    return apply_overrides(Config(), overrides + list(size.overrides)
+                           + list(job.spec.get("overrides", [])))
 
 
 def _fresh(folder: Path) -> Path:

@@ -34,17 +34,25 @@ class Size:
     save_every: int         # a checkpoint inside the run
     cell_steps: int         # clean steps a timed cell measures
     limit_scale: float = 1.0
+    overrides: tuple[str, ...] = ()   # what this model's runs set besides the shared config
 
 
+# Z-Image samples with the flow-matching Euler scheduler only, and its 4 B text encoder
+# leaves the GPU once the captions are cached (as its presets run it).
+ZIMAGE_RUNS = ("sampling.sampler=EULER", "data.cache_text_encoder_outputs=true")
 FULL_SIZES = {
     "sd15": Size("sd15", "SD15", 512, 2, 20, 10, 8, 10, cell_steps=15),
     "sdxl": Size("sdxl", "SDXL", 1024, 2, 12, 6, 6, 6, cell_steps=10),
+    "zimage": Size("zimage", "ZIMAGE", 1024, 1, 8, 4, 4, 8, cell_steps=6,
+                   overrides=ZIMAGE_RUNS),
 }
 # 192 px: the smallest resolution with a bucket besides the square one (sides are multiples
 # of 64), so the rehearsal goes through two buckets too.
 TINY_SIZES = {
     "sd15": Size("builtin:tiny-sd15", "SD15", 192, 2, 4, 2, 2, 2, cell_steps=3),
     "sdxl": Size("builtin:tiny-sdxl", "SDXL", 192, 2, 4, 2, 2, 2, cell_steps=3),
+    "zimage": Size("builtin:tiny-zimage", "ZIMAGE", 192, 2, 4, 2, 2, 4, cell_steps=3,
+                   overrides=ZIMAGE_RUNS),
 }
 
 # The breadth phase's runs: the backends as the presets run them (REGIONAL, gradient
@@ -221,6 +229,25 @@ def phase_sdxl(sizes: dict[str, Size]) -> list[Job]:
     return jobs
 
 
+def phase_zimage(sizes: dict[str, Size]) -> list[Job]:
+    """Z-Image at 1024 px, built on the GPU: eager and REGIONAL INDUCTOR through train.py side
+    by side (cold start, both memory peaks against the plan in their rows), then each alone
+    for the steady step: eager, and INDUCTOR warm on the cache its run just filled."""
+    size = sizes["zimage"]
+    runs = [("none", "NONE"), ("inductor", "INDUCTOR")]
+    jobs = [_env(), _build("zimage", size)]
+    jobs += [_train("zimage", size, name, backend, [], 420,
+                    answers=f"{backend} trains Z-Image at {size.resolution} px through "
+                            "train.py, cold: compile time, recompiles, peak memory vs the plan")
+             for name, backend in runs]
+    jobs.append(_cell("zimage", size, "none", "NONE", [], 150, None,
+                      "eager's steady Z-Image step and memory, alone: the baseline"))
+    jobs.append(_cell("zimage", size, "inductor", "INDUCTOR", [], REST,
+                      "train-zimage-inductor", "REGIONAL INDUCTOR alone, warm on its run's "
+                      "cache: warm start and steady step against eager"))
+    return jobs
+
+
 def phase_rest(sizes: dict[str, Size]) -> list[Job]:
     """Each run alone. FULL last: its cold start may outlast what is left, and then its row
     says how long it ran, which answers the question too."""
@@ -281,6 +308,13 @@ PHASES: list[Phase] = [
           "at size (31)", phase_rest),
     Phase("7-sd15-batch", 8, "SD 1.5 batch 1 vs 4, eager vs compiled", "at size (31)",
           phase_sd15_batch),
+    # Last: after every SD 1.5 phase, as issue 45 asks (the phase keys of results already
+    # merged into benchmarks.md stay as they are).
+    # Two runs of a 6 B transformer at 1024 px side by side (12 GB of bf16 weights each, the
+    # text encoder's 8 GB only while captions are cached) fit 80 GB.
+    Phase("8-zimage", 9, "Z-Image at 1024 px: eager vs REGIONAL INDUCTOR through train.py, "
+          "cold and warm, steady steps alone, memory peaks against the plan", "Z-Image (45)",
+          phase_zimage, max_parallel=2),
 ]
 
 

@@ -32,7 +32,7 @@ from modules.compile.plan import (COMPONENTS, CompileFacts, CompilePlan, Compone
 from modules.compile.regions import REPEATED_BLOCKS
 from modules.compile.reporting import CompiledComponent, CompileReporter
 from modules.compile.tracking import CompileTracker
-from modules.config.schema import CompileBackend, CompileConfig
+from modules.config.schema import CompileBackend, CompileConfig, DynamicShapes
 from modules.events import NullCallbacks, TrainerCallbacks
 
 T = TypeVar("T")
@@ -127,6 +127,17 @@ class CompileEngine:
         current plan allows (see dynamic_dims); returns the same tensor."""
         plan = self.components[component].plan
         return mark_input(tensor, *input_dims(plan, self.config.dynamic))
+
+    def mark_varying_length(self, component: str, tensor: torch.Tensor, dim: int = 0
+                            ) -> torch.Tensor:
+        """Mark a sequence length of ``component``'s input that varies from batch to batch
+        (a caption's tokens) dynamic up front, when ``component`` is compiled and
+        compile.dynamic is AUTO: a whole compiled model then compiles once for every length
+        instead of once, then again symbolic, at the second; returns the same tensor."""
+        plan = self.components[component].plan
+        if plan.compiled and self.config.dynamic == DynamicShapes.AUTO:
+            torch._dynamo.maybe_mark_dynamic(tensor, dim)
+        return tensor
 
     def close(self) -> None:
         """Undo every compilation and the engine's process-wide settings (cache folders,

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 
 from modules.config.adapters import ADAPTERS, OPTION_OFF
 from modules.config.optimizers import OPTIMIZERS
-from modules.config.schema import Config, LRScheduler, TrainingMethod
+from modules.config.schema import (Config, LRScheduler, PredictionType, TimestepSampling,
+                                   TrainingMethod)
+from modules.model_types import MODEL_TYPES
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,40 @@ def _optimizer(config: Config):
     return OPTIMIZERS[config.training.optimizer]
 
 
+def _flow(config: Config) -> bool:
+    return MODEL_TYPES[config.model.type].flow_matching
+
+
+# Each objective's own settings and their off value: greyed for a family trained with the
+# other objective only while off (validation refuses them when set, so they stay editable).
+IsSet = Callable[[Config], bool]
+FLOW_ONLY: dict[str, IsSet] = {
+    "loss.timestep_sampling": lambda c: c.loss.timestep_sampling != TimestepSampling.UNIFORM,
+    "loss.timestep_shift": lambda c: c.loss.timestep_shift is not None,
+    "loss.dynamic_shift": lambda c: c.loss.dynamic_shift}
+DDPM_ONLY: dict[str, IsSet] = {
+    "model.prediction_type": lambda c: c.model.prediction_type != PredictionType.AUTO,
+    "model.zero_terminal_snr": lambda c: c.model.zero_terminal_snr,
+    "training.min_snr_gamma": lambda c: bool(c.training.min_snr_gamma),
+    "loss.debiased_estimation": lambda c: c.loss.debiased_estimation}
+
+
+def _objective_rule(path: str, is_set: IsSet, flow: bool) -> FieldRule:
+    """A setting of one objective (flow matching's when `flow`), used by its families, and
+    left editable while set elsewhere so that validation's refusal can be undone."""
+    def why(c: Config) -> str:
+        label = MODEL_TYPES[c.model.type].label
+        return (f"{label} is trained with DDPM; this shapes flow matching's noise levels"
+                if flow else f"{label} is trained with flow matching, which has no DDPM "
+                             "schedule")
+    return FieldRule((path,), lambda c: _flow(c) == flow or is_set(c), why)
+
+
+def _objective_rules() -> tuple[FieldRule, ...]:
+    return (*(_objective_rule(p, s, True) for p, s in FLOW_ONLY.items()),
+            *(_objective_rule(p, s, False) for p, s in DDPM_ONLY.items()))
+
+
 def _has_prompts(config: Config) -> bool:
     return bool(config.sampling.prompts or config.sampling.prompts_file)
 
@@ -92,6 +128,11 @@ RULES: tuple[FieldRule, ...] = (
     FieldRule(("training.prior_loss_weight",),
               lambda c: any(d.regularization for d in c.data.datasets),
               lambda c: "no dataset is marked as regularisation images"),
+    *_objective_rules(),
+    FieldRule(("loss.logit_mean", "loss.logit_std"),
+              lambda c: c.loss.timestep_sampling == TimestepSampling.LOGIT_NORMAL,
+              lambda c: f"only LOGIT_NORMAL timestep sampling reads it "
+                        f"({c.loss.timestep_sampling.value} is chosen)"),
     FieldRule(("data.bucket_max_aspect",), lambda c: c.data.aspect_buckets,
               lambda c: "aspect-ratio buckets are off"),
     FieldRule(SAMPLING_FIELDS, _has_prompts,

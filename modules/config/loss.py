@@ -19,6 +19,11 @@ class LossType(str, Enum):
     SMOOTH_L1 = "SMOOTH_L1"
 
 
+class TimestepSampling(str, Enum):
+    UNIFORM = "UNIFORM"
+    LOGIT_NORMAL = "LOGIT_NORMAL"
+
+
 class HuberSchedule(str, Enum):
     CONSTANT = "CONSTANT"
     EXPONENTIAL = "EXPONENTIAL"
@@ -51,11 +56,39 @@ class LossConfig:
              "clean timesteps. Multiplies with min-SNR when both are on.")
     min_timestep: int = setting(
         0, label="Min timestep", group="Training", min=0, max=100_000, advanced=True,
-        help="Training timesteps are drawn uniformly from [min, max): the lowest one drawn.")
+        help="Training timesteps are drawn uniformly from [min, max): the lowest one drawn. "
+             "Flow-matching families (Z-Image) draw sigma from [min, max) / 1000 before the "
+             "shift.")
     max_timestep: int = setting(
         1000, label="Max timestep", group="Training", min=1, max=100_000, advanced=True,
         help="One past the highest training timestep drawn; at most the model's number of "
              "training timesteps (1000 for SD 1.x, 2.x and SDXL).")
+    timestep_sampling: TimestepSampling = setting(
+        TimestepSampling.UNIFORM, label="Timestep sampling", group="Training",
+        help="Flow-matching families (Z-Image): how each sample's noise level sigma is drawn "
+             "before the shift. UNIFORM: evenly over [0, 1). LOGIT_NORMAL: the sigmoid of a "
+             "normal draw (loss.logit_mean, loss.logit_std), more often mid-way than near "
+             "clean or pure noise (Esser et al. 2024, SD3). DDPM families (SD, SDXL) draw "
+             "integer timesteps uniformly and refuse LOGIT_NORMAL.")
+    logit_mean: float = setting(
+        0.0, label="Logit-normal mean", group="Training", min=-5.0, max=5.0, advanced=True,
+        help="LOGIT_NORMAL: the normal draw's mean (0 centres sigma on 0.5; above 0 noisier).")
+    logit_std: float = setting(
+        1.0, label="Logit-normal spread", group="Training", min=0.01, max=10.0, advanced=True,
+        help="LOGIT_NORMAL: the normal draw's standard deviation.")
+    timestep_shift: float | None = setting(
+        None, label="Timestep shift", group="Training", min=0.01, max=100.0,
+        help="Flow-matching families: shift the drawn sigma towards noise, sigma' = s·sigma / "
+             "(1 + (s - 1)·sigma), as the model's scheduler shifts its sampling steps. Empty: "
+             "the model's own shift (its scheduler's `shift`: Z-Image Base 6, Turbo 3); 1: no "
+             "shift. Not with loss.dynamic_shift.")
+    dynamic_shift: bool = setting(
+        False, label="Resolution-dependent shift", group="Training",
+        help="Flow-matching families: shift each batch's sigma by its resolution instead of "
+             "a fixed shift, as diffusers' pipelines compute it (ZImagePipeline's "
+             "calculate_shift: mu grows linearly with the image's token count between the "
+             "scheduler's base and max sequence lengths and shifts; sigma' = e^mu / (e^mu + "
+             "1/sigma - 1)): larger images get noisier timesteps.")
     adaptive_noise_scale: float = setting(
         0.0, label="Adaptive noise scale", group="Training", min=-1.0, max=1.0, advanced=True,
         help="With training.noise_offset: each sample's and channel's offset strength becomes "

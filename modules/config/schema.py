@@ -12,7 +12,12 @@ from enum import Enum
 
 from modules.config.fields import OnResume, setting
 from modules.config.data import DataConfig, DatasetConfig, ValidationConfig  # noqa: F401
-from modules.config.loss import HuberSchedule, LossConfig, LossType  # noqa: F401 - `loss` section
+from modules.config.loss import (  # noqa: F401 - `loss` section
+    HuberSchedule,
+    LossConfig,
+    LossType,
+    TimestepSampling,
+)
 from modules.config.outputs import (  # noqa: F401 - the sampling, output and logging sections
     LoggingConfig,
     OutputConfig,
@@ -149,6 +154,22 @@ class ModelConfig:
         "", label="Architecture config folder", group="Model", path=True, advanced=True,
         help="For a single-file checkpoint: a diffusers folder whose config.json files describe "
              "its architecture. Empty uses the SD 1.x / 2.x / XL configs shipped with Tempera.")
+    text_encoder_path: str = setting(
+        "", label="Text encoder file", group="Model", path=True, files=("*.safetensors",),
+        advanced=True,
+        help="Z-Image from ComfyUI's files: the Qwen3 text encoder's .safetensors "
+             "(models/text_encoders/qwen_3_4b.safetensors), with model.path the diffusion "
+             "model's and model.vae_path the VAE's. Empty for a diffusers folder.")
+    vae_path: str = setting(
+        "", label="VAE file", group="Model", path=True, files=("*.safetensors",),
+        advanced=True,
+        help="Z-Image from ComfyUI's files: the VAE's .safetensors (Flux.1's 16-channel "
+             "ae.safetensors, models/vae). Empty for a diffusers folder.")
+    train_distilled: bool = setting(
+        False, label="Train a distilled model", group="Model", advanced=True,
+        help="Z-Image-Turbo is step-distilled, and training it breaks its distillation: it is "
+             "refused unless this is on (with a de-distillation training adapter merged into "
+             "it, say). Train Z-Image Base or a de-distilled Turbo instead.")
     allow_pickle: bool = setting(
         False, label="Allow pickle checkpoints", group="Model", advanced=True,
         on_resume=OnResume.MAY_CHANGE,

@@ -29,6 +29,7 @@ from modules.config.schema import (
     ValidationConfig,
 )
 from modules.geometry import bucket_sizes, narrowest_non_square
+from modules.config.loss import TimestepSampling
 from modules.model_types import BUILTIN_DATASETS, MODEL_TYPES
 
 SUPPORTED_FORMATS = {
@@ -53,7 +54,45 @@ def validate(config: Config) -> list[Problem]:
     problems += _check_output_and_sampling(config)
     problems += _check_builtin_names(config)
     problems += _check_noise_and_loss(config)
+    problems += _check_objective_options(config)
     problems += _check_validation(config)
+    return problems
+
+
+def _check_objective_options(config: Config) -> list[Problem]:
+    """The options of one objective set for a family trained on the other: flow matching's
+    sigma draws for a DDPM family; DDPM's prediction type and the DDPM samplers for a
+    flow-matching family (its SNR and beta-schedule options: train/recipe/loss_checks.py)."""
+    spec, loss, problems = MODEL_TYPES[config.model.type], config.loss, []
+    if not spec.flow_matching:
+        why = (f"{spec.label} trains on DDPM's integer timesteps, drawn uniformly; this shapes "
+               "the noise level sigma of flow-matching families (Z-Image)")
+        if loss.timestep_sampling != TimestepSampling.UNIFORM:
+            problems.append(Problem("loss.timestep_sampling", "UNIFORM",
+                                    loss.timestep_sampling.value, why))
+        if loss.timestep_shift is not None:
+            problems.append(Problem("loss.timestep_shift", "empty",
+                                    f"{loss.timestep_shift:g}", why))
+        if loss.dynamic_shift:
+            problems.append(Problem("loss.dynamic_shift", "false", "true", why))
+        return problems
+    if loss.dynamic_shift and loss.timestep_shift is not None:
+        problems.append(Problem("loss.timestep_shift", "empty with loss.dynamic_shift",
+                                f"{loss.timestep_shift:g}", "the resolution-dependent shift "
+                                "replaces the fixed one: set one of the two"))
+    if config.model.prediction_type != PredictionType.AUTO:
+        problems.append(Problem("model.prediction_type", "AUTO",
+                                config.model.prediction_type.value,
+                                f"{spec.label} is trained with flow matching: it predicts the "
+                                "velocity from the image to the noise, and epsilon or v "
+                                "prediction are DDPM's"))
+    samples = bool(config.sampling.prompts or config.sampling.prompts_file)
+    if samples and spec.samplers is not None and config.sampling.sampler.value not in spec.samplers:
+        problems.append(Problem("sampling.sampler", " or ".join(spec.samplers),
+                                config.sampling.sampler.value,
+                                f"{spec.label} samples with the flow-matching Euler scheduler "
+                                "(FlowMatchEulerDiscreteScheduler); the others are DDPM "
+                                "samplers"))
     return problems
 
 

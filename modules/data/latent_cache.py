@@ -92,7 +92,9 @@ def vae_fingerprint(vae: Any, full_hash_limit_bytes: int = 64 * 2**20) -> str:
     folder after such surgery. A trainer whose `encode_fn` changes behaviour (e.g. latent mean
     vs sample) should append a tag to this string.
     """
-    config = {k: v for k, v in dict(getattr(vae, "config", {})).items() if not k.startswith("_")}
+    raw = getattr(vae, "config", {})  # diffusers' dict, or a transformers config object
+    raw = raw.to_dict() if hasattr(raw, "to_dict") else dict(raw)
+    config = {k: v for k, v in raw.items() if not k.startswith("_")}
     hasher = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode("utf-8"))
     state = vae.state_dict()
     total = sum(t.numel() * t.element_size() for t in state.values())

@@ -46,7 +46,9 @@ class ModelBundle:
 
     @property
     def prediction_type(self) -> str:
-        return self.noise_scheduler.config.prediction_type
+        """"epsilon" / "v_prediction" (DDPM), or "flow_matching" for a flow-matching scheduler,
+        which has no such setting."""
+        return self.noise_scheduler.config.get("prediction_type") or "flow_matching"
 
     @property
     def latent_downscale(self) -> int:
@@ -57,6 +59,14 @@ class ModelBundle:
 def vae_downscale(vae: nn.Module) -> int:
     """The VAE's spatial reduction: one halving per down block after the first."""
     return 2 ** (len(vae.config.block_out_channels) - 1)
+
+
+def vae_latents(vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
+    """The VAE's latents as a denoiser is trained on them: (z - shift_factor) * scaling_factor
+    (the Flux.1 VAE Z-Image uses has a shift; SD's VAEs have none)."""
+    shift = vae.config.get("shift_factor") or 0.0
+    return (latents - shift) * vae.config.scaling_factor if shift else (
+        latents * vae.config.scaling_factor)
 
 
 # One dtype for every component, or a dtype per component name ("unet", "vae", "text_encoder"...)

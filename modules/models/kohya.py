@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from modules.config.schema import ModelType
+from modules.model_types import MODEL_TYPES
 from modules.models.families import family_of
 from modules.models.metadata import MODEL_HASH_KEY, MODEL_HASH_PLACEHOLDER, stamp_model_hash
 from modules.models.precision import cast_for_saving
@@ -45,8 +46,8 @@ def kohya_module_name(component: str, module_path: str, model_type: ModelType,
     if component not in prefixes:
         raise KohyaError(f"{model_type.value} has no component {component!r} in the kohya layout "
                          f"(known: {', '.join(prefixes)})")
-    if component == "unet":
-        # "diffusers": module paths as in diffusers' UNet2DConditionModel; "ldm": SD's own
+    if component == MODEL_TYPES[model_type].denoiser:
+        # "diffusers": module paths as in diffusers' denoiser; "ldm": SD's own
         if files.kohya_denoiser_naming == "ldm":
             if unet_config is None:
                 raise KohyaError(f"{model_type.value} LoRAs use ldm UNet names, which need the "
@@ -54,7 +55,7 @@ def kohya_module_name(component: str, module_path: str, model_type: ModelType,
             module_path = unet_key_to_ldm(module_path, unet_config)
     else:
         module_path = clip_key_with_text_model(module_path)
-    return prefixes[component] + module_path.replace(".", "_")
+    return prefixes[component] + module_path.replace(".", files.kohya_separator)
 
 
 def to_kohya(layers: dict[str, dict[str, nn.Module]], model_type: ModelType,

@@ -26,13 +26,14 @@ import torch
 
 from modules.model_types import BUILTIN_PREFIX, ModelType
 from modules.models.single_file import clip_key_with_text_model, rename_weight_keys
+from modules.models.tiny_text import CORPUS_PATH, byte_symbols, train_bpe_merges
+from modules.models.tiny_zimage import TINY_ZIMAGE, build_tiny_zimage
 from modules.util.atomic import publish_dir_once
 
 # Bump when the builder changes in a way the spec table does not show (e.g. tokenizer layout):
 # it is part of the cache fingerprint, so old cached folders are not reused.
 BUILDER_VERSION = 2
 
-CORPUS_PATH = Path(__file__).parent / "assets" / "tiny_corpus.txt"
 BOS_TOKEN = "<|startoftext|>"
 EOS_TOKEN = "<|endoftext|>"
 END_OF_WORD = "</w>"
@@ -145,23 +146,11 @@ BUILTIN_MODELS: dict[str, ModelType] = {
     f"{BUILTIN_PREFIX}tiny-sd15": ModelType.SD15,
     f"{BUILTIN_PREFIX}tiny-sd2": ModelType.SD2,
     f"{BUILTIN_PREFIX}tiny-sdxl": ModelType.SDXL,
+    f"{BUILTIN_PREFIX}tiny-zimage": ModelType.ZIMAGE,
 }
 
 
 # --- tokenizer ----------------------------------------------------------------------------
-def _byte_symbols() -> list[str]:
-    """GPT-2/CLIP's printable stand-in for each of the 256 bytes, in CLIP's vocabulary order."""
-    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-                 + list(range(ord("®"), ord("ÿ") + 1)))
-    symbols = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in symbols:
-            symbols[b] = chr(256 + extra)
-            extra += 1
-    return [symbols[b] for b in printable] + [symbols[b] for b in range(256) if b not in printable]
-
-
 def clip_words(corpus: list[str]) -> Counter[str]:
     """How often each word occurs in `corpus`, split exactly as CLIP's tokenizer splits text.
 
@@ -187,46 +176,21 @@ def train_clip_merges(corpus: list[str], max_merges: int,
                       min_frequency: int = 2) -> list[tuple[str, str]]:
     """BPE merges learned from `corpus`, with CLIP's word splitting and ``</w>`` word ends.
 
-    A plain BPE loop rather than `tokenizers.trainers.BpeTrainer`: that trainer breaks ties
-    between equally frequent pairs differently from one process to the next (measured with
-    tokenizers 0.23), which would give a different vocabulary on every build. Here ties go to
-    the alphabetically first pair. The corpus is small, so this takes well under a second.
+    A plain BPE loop (`tiny_text.train_bpe_merges`) rather than `tokenizers.trainers.BpeTrainer`:
+    that trainer breaks ties between equally frequent pairs differently from one process to
+    the next (measured with tokenizers 0.23), which would give a different vocabulary on every
+    build. Here ties go to the alphabetically first pair. The corpus is small, so this takes
+    well under a second.
     """
     # Each word as a tuple of symbols; the last one carries the word-end marker.
-    words = {tuple(w[:-1]) + (w[-1] + END_OF_WORD,): n for w, n in clip_words(corpus).items()}
-    merges: list[tuple[str, str]] = []
-    while len(merges) < max_merges:
-        pairs: Counter[tuple[str, str]] = Counter()
-        for symbols, n in words.items():
-            for pair in zip(symbols, symbols[1:]):
-                pairs[pair] += n
-        if not pairs:
-            break
-        best = min(pairs, key=lambda pair: (-pairs[pair], pair))
-        if pairs[best] < min_frequency:
-            break
-        merges.append(best)
-        words = {_merge_pair(symbols, best): n for symbols, n in words.items()}
-    return merges
-
-
-def _merge_pair(symbols: tuple[str, ...], pair: tuple[str, str]) -> tuple[str, ...]:
-    """`symbols` with every adjacent occurrence of `pair`, left to right, joined into one."""
-    out: list[str] = []
-    i = 0
-    while i < len(symbols):
-        if i + 1 < len(symbols) and (symbols[i], symbols[i + 1]) == pair:
-            out.append(symbols[i] + symbols[i + 1])
-            i += 2
-        else:
-            out.append(symbols[i])
-            i += 1
-    return tuple(out)
+    words = Counter({tuple(w[:-1]) + (w[-1] + END_OF_WORD,): n
+                     for w, n in clip_words(corpus).items()})
+    return train_bpe_merges(words, max_merges, min_frequency)
 
 
 def clip_vocab(merges: list[tuple[str, str]]) -> dict[str, int]:
     """CLIP's vocabulary layout: bytes, bytes + ``</w>``, merge results, then the two specials."""
-    symbols = _byte_symbols()
+    symbols = byte_symbols()
     tokens = symbols + [s + END_OF_WORD for s in symbols] + [a + b for a, b in merges]
     tokens += [BOS_TOKEN, EOS_TOKEN]
     if len(set(tokens)) != len(tokens):
@@ -352,11 +316,11 @@ def save_tiny_pipeline(spec: TinySpec, components: dict[str, Any], work_dir: Pat
 
 
 # --- the cache ----------------------------------------------------------------------------
-def spec_fingerprint(spec: TinySpec) -> str:
+def spec_fingerprint(spec: TinySpec | dict) -> str:
     """A short hash of the spec, the builder version and the tokenizer corpus."""
     payload = json.dumps({
         "builder_version": BUILDER_VERSION,
-        "spec": asdict(spec),
+        "spec": asdict(spec) if isinstance(spec, TinySpec) else spec,
         "corpus_sha256": hashlib.sha256(CORPUS_PATH.read_bytes()).hexdigest(),
     }, sort_keys=True, default=str)
     return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:12]
@@ -364,9 +328,14 @@ def spec_fingerprint(spec: TinySpec) -> str:
 
 def builtin_model_dir(name: str, cache_dir: Path) -> Path:
     """Where the built-in model `name` lives (or will live) in `cache_dir`."""
-    model_type = _builtin_type(name)
     short_name = name.removeprefix(BUILTIN_PREFIX)
-    return Path(cache_dir) / "models" / f"{short_name}-{spec_fingerprint(TINY_SPECS[model_type])}"
+    return Path(cache_dir) / "models" / f"{short_name}-{spec_fingerprint(tiny_spec(name))}"
+
+
+def tiny_spec(name: str) -> TinySpec | dict:
+    """What decides the built-in model `name`'s weights and layout (its cache fingerprint)."""
+    model_type = _builtin_type(name)
+    return TINY_ZIMAGE if model_type == ModelType.ZIMAGE else TINY_SPECS[model_type]
 
 
 def builtin_identity(path: str) -> str | None:
@@ -393,6 +362,8 @@ def ensure_builtin_model(name: str, cache_dir: Path) -> Path:
     if target.is_dir():
         return target
     model_type = _builtin_type(name)
+    if model_type == ModelType.ZIMAGE:  # a transformer family: its own builder
+        return publish_dir_once(target, build_tiny_zimage)
     return publish_dir_once(target, lambda tmp: build_tiny_pipeline(model_type, tmp))
 
 

@@ -101,6 +101,15 @@ def test_components_the_model_type_lacks_are_greyed_with_the_reason(app):
     assert te2.toggle.cget("progress_color") == view(app, "components.denoiser.train").toggle.cget(
         "progress_color")
     assert te2.tooltips[0].text == te2.info.help
+    denoiser = app.registry.section_titles["components.denoiser"]
+    assert denoiser.cget("text") == "UNet"
+    view(app, "model.type").pick(ModelType.ZIMAGE)   # a transformer family: named as such
+    assert denoiser.cget("text") == "Transformer"
+    assert view(app, "compile.denoiser").toggle.cget("text") == "Transformer"
+    assert title.cget("text") == "Text encoder 2 (Stable Diffusion XL only)"
+    assert view(app, "training.min_snr_gamma").enabled is False   # no DDPM schedule
+    assert view(app, "loss.timestep_sampling").enabled is True
+    assert view(app, "sampling.sampler").menu.cget("values") == ["Euler"]
 
 
 def test_loading_a_preset_updates_the_widgets(app, tmp_path):

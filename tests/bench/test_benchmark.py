@@ -163,7 +163,26 @@ def test_the_scaled_timeout_says_where_it_came_from(tiny_config, tmp_path, monke
     assert "scaled for a 0.4 M-parameter UNet and NONE" in result.cells[0]["error"]
 
 
-@pytest.mark.parametrize("name,millions", [("sd15", 859.5), ("sdxl", 2567.5)])
+@pytest.mark.parametrize("name,millions", [("sd15", 859.5), ("sdxl", 2567.5),
+                                           ("zimage", 6154.9)])
 def test_real_size_shapes_have_the_real_parameter_counts(name, millions):
-    # The GPU benchmark's SD 1.5 / SDXL UNets, built on the meta device (no memory, no time).
+    # The GPU benchmark's SD 1.5 / SDXL UNets and Z-Image's transformer, built on the meta
+    # device (no memory, no time).
     assert unet_parameter_count(name) / 1e6 == pytest.approx(millions, abs=0.5)
+
+
+def test_the_real_size_zimage_builds_its_encoder_and_vae_from_the_shipped_configs():
+    """The GPU phase's Z-Image: Qwen3-4B (its 36 layers; a 600-token vocabulary) and Flux's
+    VAE, as the builder makes them, on the meta device."""
+    import diffusers
+    import torch
+    from transformers import Qwen3Config, Qwen3Model
+
+    from modules.bench.models import zimage_spec
+    spec = zimage_spec()
+    with torch.device("meta"):
+        encoder = Qwen3Model(Qwen3Config(**spec["text_encoder"], vocab_size=600))
+        vae = diffusers.AutoencoderKL(**spec["vae"])
+    layers = sum(p.numel() for n, p in encoder.named_parameters() if n.startswith("layers."))
+    assert encoder.config.num_hidden_layers == 36 and layers / 1e9 == pytest.approx(3.63, abs=0.01)
+    assert vae.config.latent_channels == 16 and vae.config.shift_factor == 0.1159

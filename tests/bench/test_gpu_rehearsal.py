@@ -42,6 +42,9 @@ REHEARSED: dict[str, str | None] = {
     "5-sdxl": "build-sdxl,train-sdxl-none,lora-sdxl-none",
     "6-rest": "build-sdxl,train-sdxl-finetune",
     "7-sd15-batch": "build-sd15",
+    # a flow-matching transformer through train.py, eager (its INDUCTOR run and cell: the
+    # GPU's; a compiled Z-Image run is tests/models/test_zimage_compile.py's)
+    "8-zimage": "build-zimage,train-zimage-none",
 }
 
 
@@ -145,6 +148,17 @@ def test_the_other_phases_run_the_full_fine_tunes(phases):
     assert more["cell-sd15-finetune-none"]["compare_with"] is None  # side by side: memory only
     rest = rows(phases["6-rest"][0])
     assert rest["train-sdxl-finetune"]["steps_done"] == 4
+
+
+def test_the_zimage_phase_trains_the_transformer_family_through_train_py(phases):
+    jobs = rows(phases["8-zimage"][0])
+    run = jobs["train-zimage-none"]
+    assert run["steps_done"] == 4 and run["effective"] == {}, run
+    assert run["memory_plan_bytes"] > 0 and run["peak_rss_bytes"] > 0
+    assert run["recompiles_after_first_pass"] == 0 and run["progress"]["step"] == 4
+    # INDUCTOR's run and warm cell: the GPU's (an inductor graph costs a minute here)
+    assert {jobs[name]["error"] for name in ("train-zimage-inductor", "cell-zimage-inductor",
+                                             "cell-zimage-none")} == {"not in --jobs"}
 
 
 def test_merge_folds_the_rehearsal_into_a_docs_copy(phases, tmp_path):

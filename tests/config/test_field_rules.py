@@ -2,11 +2,14 @@
 unused and the reason each gives, read from the adapters and optimizers tables."""
 from __future__ import annotations
 
+import dataclasses
+
 from modules.config import Config
 from modules.config.adapters import ADAPTERS
 from modules.config.field_rules import ADAPTER_FIELDS, RULED_PATHS, unused_fields
 from modules.config.introspect import iter_fields
 from modules.config.schema import (Adapter, DatasetConfig, LRScheduler, Optimizer,
+                                   TimestepSampling,
                                    TrainingMethod)
 
 
@@ -78,3 +81,21 @@ def test_data_sampling_and_ema_fields():
     assert unused["sampling.steps"] == "there are no prompts, so nothing is sampled"
     config.sampling.prompts_file = "prompts.txt"
     assert "sampling.steps" not in unused_fields(config)
+
+
+def test_each_objectives_settings_are_greyed_for_the_other_family_while_off():
+    from modules.config.field_rules import DDPM_ONLY, FLOW_ONLY
+    from modules.model_types import ModelType
+    sd, zimage = Config(), Config()
+    zimage.model.type = ModelType.ZIMAGE
+    assert set(FLOW_ONLY) <= set(unused_fields(sd))
+    assert not set(DDPM_ONLY) & set(unused_fields(sd))
+    unused = unused_fields(zimage)
+    assert set(DDPM_ONLY) <= set(unused) and not set(FLOW_ONLY) & set(unused)
+    assert unused["training.min_snr_gamma"] == ("Z-Image is trained with flow matching, which "
+                                                "has no DDPM schedule")
+    zimage.training.min_snr_gamma = 5.0   # refused by validation: left editable to undo
+    assert "training.min_snr_gamma" not in unused_fields(zimage)
+    logit = dataclasses.replace(zimage.loss, timestep_sampling=TimestepSampling.LOGIT_NORMAL)
+    assert "loss.logit_std" in unused
+    assert "loss.logit_std" not in unused_fields(Config(loss=logit))

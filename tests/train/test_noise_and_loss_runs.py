@@ -19,7 +19,6 @@ from modules.models.families import sd as sd_family
 from modules.train.outputs.sampling import sampling_scheduler
 from modules.train.trainer import train
 from modules.models.families import family_files
-from tests.models.test_dit_family import dit_config, dit_folder  # noqa: F401 - fixtures
 from tests.train.test_resume import final_tensors, run_json, stop_then_resume
 
 OPTIONS = ("loss.loss_type=HUBER", "loss.huber_schedule=SNR", "loss.debiased_estimation=true",
@@ -144,21 +143,32 @@ def test_max_timestep_beyond_the_models_schedule_is_refused(tiny_config):
     assert problems_of(error)["loss.max_timestep"].startswith("at most 1000")
 
 
-def test_flow_matching_family_refuses_the_snr_options_precisely(dit_config):  # noqa: F811
+@pytest.fixture
+def zimage_config(tiny_config):
+    """The tiny Z-Image, a flow-matching family, with its one sampler."""
+    def make(*overrides: str):
+        return tiny_config("model.type=ZIMAGE", "model.path=builtin:tiny-zimage",
+                           "sampling.sampler=EULER", *overrides)
+    return make
+
+
+def test_flow_matching_family_refuses_the_snr_options_precisely(zimage_config):
     with pytest.raises(ConfigError) as error:
-        train(dit_config("training.min_snr_gamma=5", "loss.debiased_estimation=true",
-                         "loss.loss_type=HUBER", "model.zero_terminal_snr=true",
-                         "model.prediction_type=V_PREDICTION"))
+        train(zimage_config("training.min_snr_gamma=5", "loss.debiased_estimation=true",
+                            "loss.loss_type=HUBER", "model.zero_terminal_snr=true",
+                            "model.prediction_type=V_PREDICTION"))
     found = problems_of(error)
     assert set(found) == {"training.min_snr_gamma", "loss.debiased_estimation",
-                          "loss.huber_schedule", "model.zero_terminal_snr"}
+                          "loss.huber_schedule", "model.zero_terminal_snr",
+                          "model.prediction_type"}
     assert found["loss.huber_schedule"].startswith("CONSTANT or EXPONENTIAL | SNR")
     assert "no DDPM signal-to-noise ratio" in found["training.min_snr_gamma"]
 
 
-def test_flow_matching_family_trains_with_the_options_it_can_use(dit_config, tmp_path):  # noqa: F811
-    base = losses(train(dit_config("training.max_steps=2", f"output.dir={tmp_path / 'base'}")))
-    got = losses(train(dit_config(
+def test_flow_matching_family_trains_with_the_options_it_can_use(zimage_config, tmp_path):
+    base = losses(train(zimage_config("training.max_steps=2",
+                                      f"output.dir={tmp_path / 'base'}")))
+    got = losses(train(zimage_config(
         "training.max_steps=2", f"output.dir={tmp_path / 'options'}", "loss.loss_type=HUBER",
         "loss.huber_schedule=EXPONENTIAL", "loss.min_timestep=200",
         "loss.multires_noise_iterations=3", "loss.input_perturbation=0.1",

@@ -6,14 +6,16 @@ family does differently (`base.ModelFamily`).
 from __future__ import annotations
 
 from modules.model_types import ModelType
-from modules.models.families.base import FileConventions, ModelFamily, Objective
+from modules.models.families.base import FileConventions, ModelFamily, Objective, TextEmbeddings
 from modules.models.families.sd import sd_family
 from modules.models.families.sdxl import SDXL
+from modules.models.families.zimage import ZIMAGE
 
 FAMILIES: dict[ModelType, ModelFamily] = {
     ModelType.SD15: sd_family(ModelType.SD15),
     ModelType.SD2: sd_family(ModelType.SD2),
     ModelType.SDXL: SDXL,
+    ModelType.ZIMAGE: ZIMAGE,
 }
 
 
@@ -30,5 +32,5 @@ def family_files(model_type: ModelType) -> FileConventions:
     return files
 
 
-__all__ = ["FAMILIES", "FileConventions", "ModelFamily", "Objective", "family_files",
-           "family_of"]
+__all__ = ["FAMILIES", "FileConventions", "ModelFamily", "Objective", "TextEmbeddings",
+           "family_files", "family_of"]

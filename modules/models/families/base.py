@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -19,8 +19,20 @@ from torch import nn
 from modules.model_types import MODEL_TYPES, ModelType, ModelTypeSpec
 from modules.models.bundle import ModelBundle
 
-# (hidden states, pooled embedding or None) for a list of captions
-TextEmbeddings = tuple[torch.Tensor, "torch.Tensor | None"]
+
+class TextEmbeddings(NamedTuple):
+    """A list of captions encoded: `hidden` (B, L, D), the pooled embedding (B, D) or None,
+    and for families whose captions keep their own length (Qwen3 chat encoders) `lengths`
+    (B,) of each caption's real tokens, `hidden` zero-padded past them; None where every
+    caption is padded to the encoder's full length and conditions the denoiser so (CLIP)."""
+    hidden: torch.Tensor
+    pooled: torch.Tensor | None = None
+    lengths: torch.Tensor | None = None
+
+
+def model_output_sample(output: Any) -> torch.Tensor:
+    """The prediction in a diffusers model's output (`.sample`)."""
+    return output.sample
 
 
 @dataclass(frozen=True)
@@ -36,13 +48,18 @@ class Objective:
       sample, with `bundle.prediction_type` ("epsilon" / "v_prediction") the loss weights
       (min-SNR, debiased estimation) and the SNR Huber schedule are computed from;
     - `zero_terminal_snr(scheduler)`: the noise scheduler rescaled so its last timestep is
-      pure noise (and stepping "trailing" when sampling).
+      pure noise (and stepping "trailing" when sampling);
+    - `continuous_timesteps(bundle, normal, loss, latent_size)`: for an objective whose
+      timesteps are continuous (flow matching's sigma * T), the step's timesteps from one
+      standard normal draw per sample, the loss options and the latent's (height, width);
+      None: the integer timesteps drawn uniformly are the step's (DDPM).
     """
     train_timesteps: Callable[[ModelBundle], int]
     noisy_and_target: Callable[[ModelBundle, torch.Tensor, torch.Tensor, torch.Tensor],
                                tuple[torch.Tensor, torch.Tensor]]
     snr: Callable[[ModelBundle, torch.Tensor], torch.Tensor] | None = None
     zero_terminal_snr: Callable[[Any], Any] | None = None
+    continuous_timesteps: Callable[..., torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -59,7 +76,10 @@ class FileConventions:
     - `predicts_v_by_default`: what prediction type AUTO means for the family's base models;
     - `single_file_configs`: the folder under models/configs/ with its architecture configs;
     - `single_file_text_encoders`: text encoder -> (key prefix in an ldm file, "hf" or
-      "open_clip" layout).
+      "open_clip" layout);
+    - `kohya_separator`: what joins a module path's parts in a LoRA name: "_" as kohya writes
+      SD's (`lora_unet_down_blocks_0_…`), "." where the readers expect the diffusers path as
+      it is (ComfyUI's and diffusers' Z-Image loaders: `diffusion_model.layers.0.attention.to_q`).
     """
     kohya_prefixes: Mapping[str, str]
     kohya_denoiser_naming: str
@@ -70,6 +90,7 @@ class FileConventions:
     kohya_v2: bool = False
     predicts_v_by_default: bool = False
     a1111_sd_version: str = "Unknown"
+    kohya_separator: str = "_"
 
 
 @dataclass(frozen=True)
@@ -81,11 +102,30 @@ class ModelFamily:
     - `repeated_blocks`: class names of the denoiser's blocks REGIONAL compile compiles;
     - `load_folder(path, prediction_type, dtypes)` / `load_single_file(path, config_model,
       dtypes)`: a `ModelBundle`, each component at its dtype;
-    - `encode_text(bundle, captions, device, encoders)`: per-caption (hidden, pooled);
-    - `conditioning(hidden, pooled, batch, height, width)`: the denoiser's conditioning inputs
+    - `encode_text(bundle, captions, device, encoders)`: the captions' `TextEmbeddings`;
+    - `conditioning(embeddings, batch, height, width)`: the denoiser's conditioning inputs
       (keyword arguments of `predict`);
     - `denoiser_arguments(noisy, timesteps, conditioning)`: the denoiser's call as (args,
       kwargs), for the training step (`predict`) and "Check compilation" alike;
+    - `read_prediction(output)`: the prediction, as the objective's target is defined, from
+      what the denoiser returned (diffusers' `.sample`; Z-Image's is a list, negated);
+    - `samplers`: sampler -> (diffusers scheduler class, settings) for a family whose
+      pipeline samples with schedulers of its own (flow matching's Euler), None: the DDPM
+      samplers (train/outputs/sampling.py);
+    - `pipeline_text_arguments(prompt, negative)`: the pipeline's keyword arguments that hand
+      it encoded prompts (`prompt_embeds`, ...), so samples need no text encoder on the GPU;
+      a family that has it lets its text encoder leave the GPU once every caption is cached
+      (None: the encoder stays);
+    - `varying_lengths(conditioning)`: the conditioning tensors whose first dimension is a
+      caption's own length (Z-Image's `cap_feats`), marked dynamic up front for a compiled
+      denoiser; none for a family that pads every caption to one length;
+    - `input_problems(model config, single_file)`: what is wrong with the model's files
+      beyond what the shared checks see (Z-Image: its three ComfyUI files, a Turbo model),
+      before anything is written; None: nothing more;
+    - `write_single_file(bundle, path, metadata, dtype)`: the fine-tuned model as one file
+      other tools load, when it is not the SD ldm layout (`files`); None: that layout;
+    - `lora_scope`: a regular expression the path of an adapted layer must start with (the
+      main blocks of a transformer whose refiner blocks keep their weights), None: anywhere;
     - `objective`: noise, target and loss weights (`Objective`);
     - `build_tiny(dest, seed)`: a tiny randomly initialised model folder, for tests and demos;
     - `enable_gradient_checkpointing(module)` on the denoiser;
@@ -100,7 +140,7 @@ class ModelFamily:
     load_single_file: Callable[..., ModelBundle] | None
     encode_text: Callable[[ModelBundle, list[str], torch.device, Mapping[str, nn.Module] | None],
                           TextEmbeddings]
-    conditioning: Callable[[torch.Tensor, torch.Tensor | None, dict, int, int], dict[str, Any]]
+    conditioning: Callable[[TextEmbeddings, dict, int, int], dict[str, Any]]
     denoiser_arguments: Callable[[torch.Tensor, torch.Tensor, dict[str, Any]],
                                  tuple[tuple, dict[str, Any]]]
     objective: Objective
@@ -110,6 +150,13 @@ class ModelFamily:
     fp16_vae_overflows: bool = False
     identify_folder: Callable[[Path], tuple[ModelType, str]] | None = None
     files: FileConventions | None = None
+    read_prediction: Callable[[Any], torch.Tensor] = model_output_sample
+    lora_scope: str | None = None
+    samplers: Mapping[Any, tuple[str, dict]] | None = None
+    pipeline_text_arguments: Callable[[TextEmbeddings, TextEmbeddings], dict[str, Any]] | None = None
+    varying_lengths: Callable[[dict[str, Any]], list[torch.Tensor]] = lambda conditioning: []
+    input_problems: Callable[[Any, bool], list[Any]] | None = None
+    write_single_file: Callable[..., Path] | None = None
 
     @property
     def spec(self) -> ModelTypeSpec:
@@ -122,6 +169,6 @@ class ModelFamily:
 
     def predict(self, denoiser: nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
                 conditioning: dict[str, Any]) -> torch.Tensor:
-        """The denoiser's prediction (diffusers models return it as `.sample`)."""
+        """The denoiser's prediction (`read_prediction` of what it returns)."""
         args, kwargs = self.denoiser_arguments(noisy, timesteps, conditioning)
-        return denoiser(*args, **kwargs).sample
+        return self.read_prediction(denoiser(*args, **kwargs))

@@ -42,13 +42,13 @@ def encode_text(bundle: ModelBundle, captions: list[str], device: torch.device,
     spec = MODEL_TYPES[bundle.model_type]
     (te_name,), (tok_name,) = spec.text_encoders, spec.tokenizers
     ids = tokenize(bundle.tokenizers[tok_name], captions).to(device)
-    return text_encoders(bundle, encoders)[te_name](ids)[0], None
+    return TextEmbeddings(text_encoders(bundle, encoders)[te_name](ids)[0])
 
 
-def text_conditioning(hidden: torch.Tensor, pooled: torch.Tensor | None, batch: dict,
-                      height: int, width: int) -> dict[str, Any]:
+def text_conditioning(embeddings: TextEmbeddings, batch: dict, height: int, width: int
+                      ) -> dict[str, Any]:
     """SD's UNet is conditioned on the hidden states alone."""
-    return {"encoder_hidden_states": hidden, "added_cond_kwargs": None}
+    return {"encoder_hidden_states": embeddings.hidden, "added_cond_kwargs": None}
 
 
 def unet_arguments(noisy: torch.Tensor, timesteps: torch.Tensor,

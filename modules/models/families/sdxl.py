@@ -28,7 +28,7 @@ def encode_text(bundle: ModelBundle, captions: list[str], device: torch.device,
         out = modules[te_name](ids, output_hidden_states=True)
         hidden.append(out.hidden_states[-2])  # SDXL conditions on the penultimate layer
         pooled = out[0]  # the last encoder's projected pooled output
-    return torch.cat(hidden, dim=-1), pooled
+    return TextEmbeddings(torch.cat(hidden, dim=-1), pooled)
 
 
 def size_conditioning(batch: dict, height: int, width: int) -> dict:
@@ -59,9 +59,10 @@ def added_conditioning(hidden: torch.Tensor, pooled: torch.Tensor, sizes: dict
             "added_cond_kwargs": {"text_embeds": pooled, "time_ids": time_ids}}
 
 
-def conditioning(hidden: torch.Tensor, pooled: torch.Tensor | None, batch: dict,
-                 height: int, width: int) -> dict[str, Any]:
-    return added_conditioning(hidden, pooled, size_conditioning(batch, height, width))
+def conditioning(embeddings: TextEmbeddings, batch: dict, height: int, width: int
+                 ) -> dict[str, Any]:
+    return added_conditioning(embeddings.hidden, embeddings.pooled,
+                              size_conditioning(batch, height, width))
 
 
 # sd-scripts trains SDXL on the sgm UNet, so its LoRAs carry the ldm names

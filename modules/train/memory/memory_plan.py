@@ -32,6 +32,7 @@ from modules.config.schema import Config, Optimizer, TrainingMethod
 from modules.model_types import MODEL_TYPES
 from modules.models.bundle import ModelBundle
 from modules.models.sd_folder import component_classes
+from modules.train.recipe.text_cache import text_encoder_leaves_device
 
 GIB = 2 ** 30
 WARN_FRACTION = 0.9  # above this share of the card, activations will likely not fit
@@ -174,9 +175,15 @@ def plan_from(config: Config, bundle: ModelBundle, params: dict[str, list[nn.Par
     what = ("trained weights" if config.training.method == TrainingMethod.FINE_TUNE
             else f"{ADAPTERS[config.training.adapter].label} adapters")
     lines: list[tuple[str, int]] = []
+    leaves = text_encoder_leaves_device(config)
     for name, module in bundle.components().items():
         frozen = [t for t in [*module.parameters(), *module.buffers()] if id(t) not in trained_ids]
-        if frozen:
+        if frozen and leaves and name in bundle.text_encoders:
+            # on the device only while the captions are cached, before the model moves there
+            lines.append((f"{name} weights ({describe_tensors(frozen)}; "
+                          f"{gib(tensor_bytes(frozen))} on the device only while its captions "
+                          "are cached, alone, before training)", 0))
+        elif frozen:
             lines.append((f"{name} weights ({describe_tensors(frozen)})", tensor_bytes(frozen)))
         if params.get(name):
             lines.append((f"{name} {what} ({describe_tensors(params[name])})",

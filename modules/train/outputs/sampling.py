@@ -10,6 +10,7 @@ from PIL import Image
 from modules.config.prompts import SamplePrompt
 from modules.config.schema import Config, Sampler
 from modules.models.bundle import ModelBundle
+from modules.models.families import family_of
 from modules.train.outputs.saving import build_pipeline
 from modules.util.atomic import atomic_file
 
@@ -27,10 +28,11 @@ SAMPLERS: dict[Sampler, tuple[str, dict]] = {
 }
 
 
-def sampling_scheduler(sampler: Sampler, model_scheduler_config):
-    """The diffusers scheduler that runs `sampler` on the model's noise schedule."""
+def sampling_scheduler(sampler: Sampler, model_scheduler_config, samplers=None):
+    """The diffusers scheduler that runs `sampler` on the model's noise schedule; `samplers`:
+    the family's own table (a flow-matching family's), else the DDPM samplers above."""
     import diffusers
-    name, settings = SAMPLERS[sampler]
+    name, settings = (samplers or SAMPLERS)[sampler]
     return getattr(diffusers, name).from_config(model_scheduler_config, **settings)
 
 
@@ -52,7 +54,7 @@ def _stop_between_steps(should_stop: Callable[[], bool]):
 @torch.no_grad()
 def sample_images(bundle: ModelBundle, config: Config, prompts: list[SamplePrompt],
                   device: torch.device, step: int, folder: Path,
-                  should_stop: Callable[[], bool] = lambda: False
+                  should_stop: Callable[[], bool] = lambda: False, text_cache=None
                   ) -> list[tuple[Path, str, Image.Image]]:
     """Render one image per sample prompt into `folder`; return (path, prompt, image) rows.
 
@@ -60,14 +62,19 @@ def sample_images(bundle: ModelBundle, config: Config, prompts: list[SamplePromp
     changes what training does next (each prompt has its own seeded generator). `should_stop`
     is asked between prompts and between denoising steps: when it says so, the rows written so
     far are returned (a sample cut short is not written), so a Stop waits for one denoising
-    step, not the whole pass.
+    step, not the whole pass. A `text_cache` whose text encoder has left the device
+    (train/recipe/text_cache.py) hands the pipeline the cached prompts instead
+    (`prompt_texts`).
     """
     modes = {name: m.training for name, m in bundle.components().items()}
     for module in bundle.components().values():
         module.eval()
     try:
-        scheduler = sampling_scheduler(config.sampling.sampler, bundle.noise_scheduler.config)
-        pipeline = build_pipeline(bundle, config, scheduler=scheduler)
+        scheduler = sampling_scheduler(config.sampling.sampler, bundle.noise_scheduler.config,
+                                       family_of(bundle.model_type).samplers)
+        offloaded = text_cache is not None and text_cache.encoder_device() != device
+        pipeline = build_pipeline(bundle, config, scheduler=scheduler,
+                                  without_text_encoders=offloaded)
         pipeline.set_progress_bar_config(disable=True)
         rows = []
         for i, prompt in enumerate(prompts):
@@ -75,7 +82,7 @@ def sample_images(bundle: ModelBundle, config: Config, prompts: list[SamplePromp
                 break
             generator = torch.Generator("cpu").manual_seed(prompt.seed)
             try:
-                image = pipeline(prompt.text, negative_prompt=prompt.negative or None,
+                image = pipeline(**prompt_texts(bundle, prompt, text_cache if offloaded else None),
                                  height=prompt.height, width=prompt.width,
                                  num_inference_steps=prompt.steps,
                                  guidance_scale=prompt.guidance_scale, generator=generator,
@@ -90,3 +97,17 @@ def sample_images(bundle: ModelBundle, config: Config, prompts: list[SamplePromp
     finally:
         for name, module in bundle.components().items():
             module.train(modes[name])
+
+
+def prompt_texts(bundle: ModelBundle, prompt: SamplePrompt, text_cache=None) -> dict:
+    """The pipeline's prompt arguments: the texts, or with a `text_cache` the cached prompt
+    and negative prompt as the family's pipeline takes them encoded."""
+    if text_cache is None:
+        return {"prompt": prompt.text, "negative_prompt": prompt.negative or None}
+    arguments = family_of(bundle.model_type).pipeline_text_arguments
+    dtype = bundle.denoiser.dtype  # the cached rows are at the text encoder's dtype
+
+    def encoded(text: str):
+        rows = text_cache.encode([text])
+        return rows._replace(hidden=rows.hidden.to(dtype))
+    return arguments(encoded(prompt.text), encoded(prompt.negative))

@@ -47,12 +47,11 @@ def write_lora_diffusers(bundle: ModelBundle, config: Config, folder: Path,
     from as `base_model_name_or_path`): its name, and beside the adapters' metadata
     `ss_sd_model_name` with a single-file base's hashes from `extra`, as the kohya file says.
     """
-    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+    import diffusers
     from peft.utils import get_peft_model_state_dict
 
-    pipeline_cls = {"StableDiffusionPipeline": StableDiffusionPipeline,
-                    "StableDiffusionXLPipeline": StableDiffusionXLPipeline}[
-        MODEL_TYPES[config.model.type].pipeline_class]
+    # each pipeline's LoRA loader mixin has the saver its own loader reads
+    pipeline_cls = getattr(diffusers, MODEL_TYPES[config.model.type].pipeline_class)
     model_name = shared_name(config.model.path)
     kwargs: dict[str, dict] = {}
     for name in trained_components(config):
@@ -183,8 +182,13 @@ def write_slow_tokenizer_files(tokenizer, folder: Path) -> None:
 def write_full_single_file(bundle: ModelBundle, config: Config, folder: Path, step: int,
                            extra: dict[str, str] | None = None) -> Path:
     """The whole model as one .safetensors in the original SD/SDXL layout."""
+    from modules.models.families import family_of
     from modules.models.single_file import save_single_file
     path = folder / SINGLE_FILE_NAME
+    own = family_of(config.model.type).write_single_file
+    if own is not None:  # a family whose single file is not the ldm layout
+        return own(bundle, path, {**_metadata(bundle, config, "checkpoint", "single_file", step),
+                                  **(extra or {})}, SAVE_DTYPES[config.output.save_dtype])
     components = {**bundle.components(), "scheduler": bundle.noise_scheduler}
     save_single_file(components, path, family_files(config.model.type),
                      {**_metadata(bundle, config, "checkpoint", "single_file", step),
@@ -237,14 +241,19 @@ def save_weights(bundle: ModelBundle, config: Config, folder: Path, step: int,
     return written
 
 
-def build_pipeline(bundle: ModelBundle, config: Config, scheduler=None):
-    """A diffusers pipeline over the bundle's (possibly LoRA-adapted) live components."""
+def build_pipeline(bundle: ModelBundle, config: Config, scheduler=None,
+                   without_text_encoders: bool = False):
+    """A diffusers pipeline over the bundle's (possibly LoRA-adapted) live components;
+    `without_text_encoders`: for prompts handed over encoded (the encoders are off the
+    device)."""
     import diffusers
 
     spec = MODEL_TYPES[config.model.type]
     cls = getattr(diffusers, spec.pipeline_class)
     parts = {**bundle.components(), "scheduler": scheduler or bundle.noise_scheduler,
              **bundle.tokenizers}
+    if without_text_encoders:
+        parts.update({name: None for name in spec.text_encoders})
     if spec.pipeline_class == "StableDiffusionPipeline":
         parts.update(safety_checker=None, feature_extractor=None, requires_safety_checker=False)
     else:

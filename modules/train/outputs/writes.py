@@ -95,7 +95,7 @@ def sample(run: Run, should_stop: Callable[[], bool] = lambda: False) -> None:
     # would otherwise recompile the training graphs for work that is not the hot path.
     with averaged_weights(run), run.guard.bypassed():
         rows = sample_images(run.bundle, run.config, run.prompts, run.device, run.step,
-                             run.output_dir / "samples", should_stop)
+                             run.output_dir / "samples", should_stop, run.text_cache)
     if len(rows) < len(run.prompts):
         run.callbacks.on_status(f"sampling at step {run.step} cut short by Stop "
                                 f"({len(rows)} of {len(run.prompts)} samples written)")

@@ -7,6 +7,8 @@ without graph breaks.
 """
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
@@ -38,8 +40,19 @@ def target_modules(config: Config, denoiser: bool) -> tuple[list[str], list[str]
     return linear, convs
 
 
-def peft_config(config: Config, denoiser: bool):
-    """The peft config of one component's adapters (the denoiser's or a text encoder's)."""
+def scoped_targets(targets: list[str], scope: str | None) -> list[str] | str:
+    """peft's `target_modules`: the suffixes as they are, or with a family's `lora_scope` one
+    regular expression that matches them only in module paths starting with the scope (peft
+    matches a string with `re.fullmatch`)."""
+    if scope is None:
+        return targets
+    suffixes = "|".join(re.escape(name) for name in targets)
+    return rf"(?:{scope})(?:.*\.)?(?:{suffixes})"
+
+
+def peft_config(config: Config, denoiser: bool, scope: str | None = None):
+    """The peft config of one component's adapters (the denoiser's or a text encoder's);
+    `scope`: the family's `lora_scope` for the denoiser (None: every matching layer)."""
     import peft
 
     t = config.training
@@ -49,8 +62,8 @@ def peft_config(config: Config, denoiser: bool):
     # Patterns are peft suffixes: "conv1" sets the rank of every "...resnets.N.conv1".
     ranks = {name: t.conv_rank for name in convs}
     alphas = {name: t.conv_alpha for name in convs}
-    common = dict(r=t.lora_rank, target_modules=linear + convs, rank_pattern=ranks,
-                  alpha_pattern=alphas)
+    common = dict(r=t.lora_rank, target_modules=scoped_targets(linear + convs, scope),
+                  rank_pattern=ranks, alpha_pattern=alphas)
     cls = getattr(peft, row.peft_config)
     if row.peft_config == "LoraConfig":
         return cls(lora_alpha=t.lora_alpha, init_lora_weights="gaussian",
@@ -62,9 +75,11 @@ def peft_config(config: Config, denoiser: bool):
                module_dropout=t.module_dropout, **extra, **common)
 
 
-def add_adapter(module: nn.Module, config: Config, denoiser: bool) -> None:
-    """Inject the configured adapter into `module` in place (its parameters trainable)."""
-    module.add_adapter(peft_config(config, denoiser))
+def add_adapter(module: nn.Module, config: Config, denoiser: bool,
+                scope: str | None = None) -> None:
+    """Inject the configured adapter into `module` in place (its parameters trainable);
+    `scope`: where in the denoiser adapters may go (the family's `lora_scope`)."""
+    module.add_adapter(peft_config(config, denoiser, scope))
     make_lycoris_layers_compilable(module)
     if config.training.adapter == Adapter.DORA:
         make_dora_traceable()

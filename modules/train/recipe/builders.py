@@ -132,15 +132,18 @@ class Draws:
     caption_dropout: torch.Tensor  # (B,) uniform, used when a sample's caption dropout > 0
     perturbation: torch.Tensor | None = None   # latent-shaped, when loss.input_perturbation > 0
     multires: tuple[torch.Tensor, ...] = ()    # pyramid levels, when multires noise is on
+    timestep_normal: torch.Tensor | None = None  # (B,) standard normal, continuous timesteps
 
 
 def draw_randomness(generator: torch.Generator, latent_shape: tuple[int, ...],
                     timestep_range: tuple[int, int], need_vae_eps: bool,
-                    loss: LossConfig | None = None) -> Draws:
+                    loss: LossConfig | None = None, continuous: bool = False) -> Draws:
     """Draw everything in a fixed order, whether or not an option uses it, so switching an
     option on does not shift the noise every other option sees. Timesteps come uniformly from
     [low, high) of `timestep_range`. The noise options' draws (`loss`) come after all of
-    these and only when their option is on, so a run without them draws what it always drew."""
+    these and only when their option is on, so a run without them draws what it always drew;
+    an objective with `continuous` timesteps (flow matching) draws one standard normal per
+    sample last, which its `continuous_timesteps` turns into the step's timesteps."""
     batch, channels = latent_shape[0], latent_shape[1]
     vae_eps = torch.randn(latent_shape, generator=generator) if need_vae_eps else None
     noise = torch.randn(latent_shape, generator=generator)
@@ -151,7 +154,8 @@ def draw_randomness(generator: torch.Generator, latent_shape: tuple[int, ...],
                     if loss is not None and loss.input_perturbation else None)
     multires = (draw_multires_levels(generator, latent_shape, loss.multires_noise_iterations)
                 if loss is not None else ())
-    return Draws(vae_eps, noise, timesteps, offset, dropout, perturbation, multires)
+    normal = torch.randn((batch,), generator=generator) if continuous else None
+    return Draws(vae_eps, noise, timesteps, offset, dropout, perturbation, multires, normal)
 
 
 def draw_multires_levels(generator: torch.Generator, latent_shape: tuple[int, ...],

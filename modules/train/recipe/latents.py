@@ -9,6 +9,7 @@ from modules.data.dataset import ImageCaptionDataset
 from modules.data.progress import RateMeter
 from modules.data.latent_cache import CachedLatentDataset, LatentCache, cache_latents, vae_fingerprint
 from modules.events import TrainerCallbacks
+from modules.models.bundle import vae_latents
 from modules.train.setup.prepare import PreparedRun
 
 
@@ -28,7 +29,7 @@ def cached_latent_dataset(dataset: ImageCaptionDataset, prepared: PreparedRun,
     @torch.no_grad()
     def encode(pixels: torch.Tensor) -> torch.Tensor:
         posterior = vae.encode(pixels.to(device, vae.dtype)).latent_dist
-        return (posterior.mean * vae.config.scaling_factor).float().cpu()
+        return vae_latents(vae, posterior.mean).float().cpu()
 
     stats = cache_latents(dataset.items, encode, cache, dataset.resolution,
                           center_crop=dataset.center_crop, random_flip=dataset.random_flip,

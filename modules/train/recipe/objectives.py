@@ -77,6 +77,18 @@ def perturbed_noise(noise: torch.Tensor, draw: torch.Tensor | None, gamma: float
     return noise + gamma * draw.to(noise.device, noise.dtype)
 
 
+def step_timesteps(objective: Objective, bundle: ModelBundle, draws, loss: LossConfig,
+                   latent_size) -> torch.Tensor:
+    """The step's timesteps: the uniformly drawn integers (DDPM), or the objective's continuous
+    ones from the step's normal draw (flow matching's shifted sigma * T). Draws without a
+    normal draw (validation's fixed, evenly spaced timesteps) are used as they are: for flow
+    matching, sigma = t / T unshifted."""
+    if objective.continuous_timesteps is None or draws.timestep_normal is None:
+        return draws.timesteps
+    return objective.continuous_timesteps(bundle, draws.timestep_normal, loss,
+                                          tuple(latent_size))
+
+
 def noisy_input_and_target(objective: Objective, bundle: ModelBundle, latents: torch.Tensor,
                            noise: torch.Tensor, timesteps: torch.Tensor,
                            perturbation: torch.Tensor | None, gamma: float

@@ -41,7 +41,8 @@ from modules.train.recipe.distributed import Distributed
 from modules.train.recipe.objectives import (caption_dropouts, diffusion_loss, drop_captions,
                                              elementwise_loss, multires_noise,
                                              noise_offset_strength, noisy_input_and_target,
-                                             offset_noise, sample_weights, timestep_terms)
+                                             offset_noise, sample_weights, step_timesteps,
+                                             timestep_terms)
 from modules.train.setup.output_lock import OutputLock
 from modules.train.outputs.writes import (backup_bytes, distributed_summary, log_scalars, sample,
                                           save_checkpoint, save_final)
@@ -116,8 +117,13 @@ class TrainingRecipe:
         params = prepare_trainable(bundle, config)
         if config.training.gradient_checkpointing:
             enable_gradient_checkpointing(bundle, trained)
-        for module in bundle.components().values():
-            module.to(device)
+        # before the model moves: a text encoder that can leave the device encodes every
+        # caption alone on it, then stays on the CPU
+        text_cache = text_encoder_cache(prepared, bundle, device, callbacks)
+        offloaded = text_cache is not None and text_cache.encoder_device() != device
+        for name, module in bundle.components().items():
+            if not (offloaded and name in bundle.text_encoders):
+                module.to(device)
         apply_denoiser_memory_format(bundle, config)
 
         # the data, and the step budget counted on the one batch sampler training uses
@@ -159,7 +165,7 @@ class TrainingRecipe:
                   TrainingState(generator=draws_generator(config.training.seed, dist.rank)),
                   scaler=scaler, writer=tensorboard_writer(config, dist.is_main),
                   trained=trained, ema=build_ema(config, params),
-                  text_cache=text_encoder_cache(config, bundle, device, callbacks),
+                  text_cache=text_cache,
                   forward=forward, restore_precision=restore_precision, lock=lock,
                   prompts=sample_prompts(config)[0],  # check_inputs read them already
                   validator=build_validator(config, prepared.validation))
@@ -191,7 +197,9 @@ class TrainingRecipe:
                 seed_adapter_dropout(config, state.step, run.dist.rank)
             draws = draw_randomness(state.generator, latent_shape(run.bundle.vae, *pixel_shape),
                                     (config.loss.min_timestep, config.loss.max_timestep),
-                                    need_vae_eps="latents" not in batch, loss=config.loss)
+                                    need_vae_eps="latents" not in batch, loss=config.loss,
+                                    continuous=run.family.objective.continuous_timesteps
+                                    is not None)
             if window is None:
                 window = run.guard.window()
             with run.dist.gradient_sync(run.forward, closes_window):
@@ -355,7 +363,8 @@ def forward_loss(run: Run, batch: dict, draws: Draws) -> torch.Tensor:
                              noise_offset_strength(latents, t.noise_offset,
                                                    options.adaptive_noise_scale))
         noise = multires_noise(noise, draws.multires, options.multires_noise_discount)
-        timesteps = draws.timesteps.to(device)
+        timesteps = step_timesteps(family.objective, run.bundle, draws, options,
+                                   latents.shape[-2:]).to(device)
         noisy, target = noisy_input_and_target(family.objective, run.bundle, latents, noise,
                                                timesteps, draws.perturbation,
                                                options.input_perturbation)

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import torch
 
+from modules.models.bundle import vae_latents
 from modules.train.recipe.compile_guard import COMPILE_DENOISER
 from modules.train.state.run import Run
 
 
 def encode_latents(run: Run, batch: dict, vae_eps: torch.Tensor | None) -> torch.Tensor:
-    """Latents × scaling factor: from the cache, or the VAE posterior with pre-drawn noise."""
+    """Latents as the denoiser sees them, (z - shift) × scale (`vae_latents`): from the cache,
+    or the VAE posterior with pre-drawn noise."""
     vae = run.bundle.vae
     if "latents" in batch:
         return batch["latents"].to(run.device, run.compute_dtype, non_blocking=True)
@@ -19,21 +21,26 @@ def encode_latents(run: Run, batch: dict, vae_eps: torch.Tensor | None) -> torch
                                                          non_blocking=True), "vae")
     posterior = vae.encode(pixels).latent_dist
     latents = posterior.mean + posterior.std * vae_eps.to(run.device, posterior.mean.dtype)
-    return (latents * vae.config.scaling_factor).to(run.compute_dtype)
+    return vae_latents(vae, latents).to(run.compute_dtype)
 
 
 def encode_captions(run: Run, batch: dict, captions: list[str]) -> dict:
     """The denoiser's conditioning for `captions` (the batch's, after caption dropout)."""
     if run.text_cache is not None:
-        hidden, pooled = run.text_cache.encode(captions, batch.get("caption_varies"))
+        embeddings = run.text_cache.encode(captions, batch.get("caption_varies"))
     else:
-        hidden, pooled = run.family.encode_text(run.bundle, captions, run.device, run.forward)
+        embeddings = run.family.encode_text(run.bundle, captions, run.device, run.forward)
     # Text encoders may be kept at another dtype than the denoiser (a fine-tuned denoiser
     # trains at model.train_dtype while frozen encoders stay at model.weight_dtype).
-    hidden = hidden.to(run.compute_dtype)
-    pooled = None if pooled is None else pooled.to(run.compute_dtype)
+    pooled = embeddings.pooled
+    embeddings = embeddings._replace(
+        hidden=embeddings.hidden.to(run.compute_dtype),
+        pooled=None if pooled is None else pooled.to(run.compute_dtype))
     _, height, width = run.pixel_shape(batch)
-    return run.family.conditioning(hidden, pooled, batch, height, width)
+    conditioning = run.family.conditioning(embeddings, batch, height, width)
+    for tensor in run.family.varying_lengths(conditioning):
+        run.guard.mark_varying_length(COMPILE_DENOISER, tensor)
+    return conditioning
 
 
 def varying_shape(run: Run, tensor: torch.Tensor, component: str) -> torch.Tensor:

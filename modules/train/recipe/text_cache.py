@@ -1,4 +1,6 @@
-"""In-memory cache of frozen text encoder outputs, one entry per distinct caption.
+"""Cache of frozen text encoder outputs, one entry per distinct caption: in memory, and with a
+`TextEmbeddingStore` on disk too (text_store.py), where a run can encode every caption before
+training and let the text encoder leave the GPU (`precache`).
 
 Entries are copies, never views of the encoder's output: a compiled encoder under CUDA graphs
 returns tensors in the graph's memory pool, which the next replay overwrites, so a cached view
@@ -9,36 +11,120 @@ from __future__ import annotations
 
 import torch
 
+from modules.config.schema import Config
+from modules.model_types import MODEL_TYPES
 from modules.models.bundle import ModelBundle
-from modules.models.families import family_of
+from modules.models.families import TextEmbeddings, family_of
+from modules.models.chat_text import pad_to_batch
+from modules.train.recipe.text_store import Row, TextEmbeddingStore
+from modules.train.recipe.trainable import trained_components
+
+
+def varying_datasets(config: Config) -> list[str]:
+    """The datasets whose captions change from epoch to epoch (shuffled or dropped tags), named
+    with what makes them change: their outputs cannot be cached."""
+    named = []
+    for i, ds in enumerate(config.data.datasets):
+        why = [w for w, on in (("shuffle_tags", ds.shuffle_tags),
+                               (f"tag_dropout {ds.tag_dropout:g}", ds.tag_dropout > 0)) if on]
+        if why:
+            named.append(f"data.datasets[{i}] ({ds.path}: {', '.join(why)})")
+    return named
+
+
+def text_encoder_leaves_device(config: Config) -> bool:
+    """Whether the run caches every caption before training and moves the text encoder off
+    the GPU: text encoder outputs cached (data.cache_text_encoder_outputs), no text encoder
+    trained, no caption that changes per step, and a family whose samples can be drawn from
+    cached prompts (`ModelFamily.pipeline_text_arguments`). The memory plan counts the encoder
+    only while it stays."""
+    spec = MODEL_TYPES[config.model.type]
+    return (config.data.cache_text_encoder_outputs
+            and family_of(config.model.type).pipeline_text_arguments is not None
+            and not any(n in spec.text_encoders for n in trained_components(config))
+            and not varying_datasets(config))
 
 
 class TextEncoderCache:
-    """Encodes each caption once; later batches reuse the stored hidden states (and pooled)."""
+    """Encodes each caption once; later batches reuse the stored hidden states (and pooled).
+    With a `store`, rows are read from and written to disk, and kept in memory on the CPU
+    (a 4 B encoder's rows are megabytes each; a batch's go to the device when read)."""
 
-    def __init__(self, bundle: ModelBundle, device: torch.device) -> None:
-        self.bundle, self.device = bundle, device
-        self.entries: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+    def __init__(self, bundle: ModelBundle, device: torch.device,
+                 store: TextEmbeddingStore | None = None) -> None:
+        self.bundle, self.device, self.store = bundle, device, store
+        # caption -> (hidden, pooled, length): a caption of its own length (chat encoders)
+        # keeps its real tokens only, padded again to each batch's length when read
+        self.entries: dict[str, Row] = {}
+        self.keep_on = torch.device("cpu") if store is not None else device
         self.encoded = 0  # captions actually run through the text encoder(s)
 
+    def encoder_device(self) -> torch.device:
+        """Where the text encoders are now: the run's device, or the CPU once `precache` has
+        moved them off it (a caption no one foresaw is then encoded there)."""
+        first = next(iter(self.bundle.text_encoders.values()))
+        return next(first.parameters()).device
+
+    def _encode_rows(self, captions: list[str]) -> dict[str, Row]:
+        """Run `captions` through the text encoder(s), wherever they are."""
+        encoded = family_of(self.bundle.model_type).encode_text(self.bundle, captions,
+                                                               self.encoder_device(), None)
+        rows: dict[str, Row] = {}
+        for i, caption in enumerate(captions):
+            length = None if encoded.lengths is None else int(encoded.lengths[i])
+            hidden = encoded.hidden[i] if length is None else encoded.hidden[i, :length]
+            pooled = None if encoded.pooled is None else encoded.pooled[i].to(self.keep_on,
+                                                                            copy=True)
+            rows[caption] = (hidden.to(self.keep_on, copy=True), pooled, length)
+        self.encoded += len(captions)
+        return rows
+
     @torch.no_grad()
-    def encode(self, captions: list[str], varies: list[bool] | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def precache(self, captions: list[str], batch_size: int = 8) -> int:
+        """Encode every caption of `captions` the store does not hold yet, in batches; returns
+        how many were encoded (the rest were read from disk)."""
+        wanted = [c for c in dict.fromkeys(captions) if c not in self.entries]
+        missing = []
+        for caption in wanted:
+            row = self.store.load(caption) if self.store is not None else None
+            if row is None:
+                missing.append(caption)
+            else:
+                self.entries[caption] = row
+        for start in range(0, len(missing), batch_size):
+            for caption, row in self._encode_rows(missing[start:start + batch_size]).items():
+                self.entries[caption] = row
+                if self.store is not None:
+                    self.store.save(caption, row)
+        return len(missing)
+
+    @torch.no_grad()
+    def encode(self, captions: list[str], varies: list[bool] | None = None) -> TextEmbeddings:
         """Hidden states (and pooled) for `captions`. A caption that `varies` (shuffled or
         dropped tags: another text next epoch) is encoded each time and not stored, so the
         cache holds only captions that come back, and never grows with every shuffle."""
         varies = varies or [False] * len(captions)
         missing = list(dict.fromkeys(c for c in captions if c not in self.entries))
-        fresh: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
-        if missing:
-            hidden, pooled = family_of(self.bundle.model_type).encode_text(self.bundle, missing, self.device, None)
-            for i, caption in enumerate(missing):
-                fresh[caption] = (hidden[i].clone(), None if pooled is None else pooled[i].clone())
-            self.encoded += len(missing)
+        fresh = self._encode_rows(missing) if missing else {}
         for caption, changes in zip(captions, varies):
             if caption in fresh and not changes:
                 self.entries[caption] = fresh[caption]
+                if self.store is not None:
+                    self.store.save(caption, fresh[caption])
         rows = [self.entries.get(c) or fresh[c] for c in captions]
-        hidden = torch.stack([h for h, _ in rows])
-        pooled = None if rows[0][1] is None else torch.stack([p for _, p in rows])
-        return hidden, pooled
+        embeddings = stack_rows(rows)
+        if self.keep_on == self.device:
+            return embeddings
+        pooled = embeddings.pooled
+        return embeddings._replace(
+            hidden=embeddings.hidden.to(self.device, non_blocking=True),
+            pooled=None if pooled is None else pooled.to(self.device, non_blocking=True),
+            lengths=embeddings.lengths)  # on the CPU: caption_list reads them there
+
+
+def stack_rows(rows: list[Row]) -> TextEmbeddings:
+    """One batch's `TextEmbeddings` from per-caption rows (hidden, pooled, length)."""
+    pooled = None if rows[0][1] is None else torch.stack([p for _, p, _ in rows])
+    if rows[0][2] is None:
+        return TextEmbeddings(torch.stack([h for h, _, _ in rows]), pooled)
+    return pad_to_batch([h for h, _, _ in rows], pooled)

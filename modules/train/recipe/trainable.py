@@ -59,7 +59,9 @@ def prepare_trainable(bundle: ModelBundle, config: Config) -> dict[str, list[nn.
         if name not in trained:
             continue
         if config.training.method == TrainingMethod.LORA:
-            add_adapter(module, config, denoiser=name == bundle.denoiser_name)
+            denoiser = name == bundle.denoiser_name
+            add_adapter(module, config, denoiser=denoiser,
+                        scope=family_of(bundle.model_type).lora_scope if denoiser else None)
         else:
             module.requires_grad_(True)
         trainable = [p for p in module.parameters() if p.requires_grad]

@@ -37,10 +37,10 @@ def _example_inputs(bundle, config: Config, device: torch.device) -> dict[str, t
         memory_format=denoiser_memory_format(config))  # as the training step hands it over
     family = family_of(bundle.model_type)
     with torch.no_grad():
-        hidden, pooled = family.encode_text(bundle, ["a photo"], device, None)
+        embeddings = family.encode_text(bundle, ["a photo"], device, None)
     batch = {"caption": ["a photo"], "original_size": torch.tensor([[res, res]]),
              "crop_top_left": torch.tensor([[0, 0]])}
-    conditioning = family.conditioning(hidden, pooled, batch, res, res)
+    conditioning = family.conditioning(embeddings, batch, res, res)
     timesteps = torch.tensor([500], device=device)
     first_encoder = next(iter(bundle.text_encoders.values()))
     ids = torch.zeros(1, 77, dtype=torch.long, device=device)

@@ -77,8 +77,11 @@ def _check_model_path(config: Config) -> list[Problem]:
                             "no such file")]
         return [Problem("model.path", "an existing diffusers model folder or .safetensors "
                         "checkpoint", repr(path), "no such file or folder")]
+    # imports torch: lazily, the front ends import this module before torch (test_layers)
+    from modules.models.families import family_of
+    own = family_of(config.model.type).input_problems
     if p.is_file():
-        return _check_single_file(config, p)
+        return own(config.model, True) if own else _check_single_file(config, p)
     index = p / "model_index.json"
     if not index.is_file():
         return [Problem("model.path", "a diffusers model folder (with model_index.json)",
@@ -96,7 +99,7 @@ def _check_model_path(config: Config) -> list[Problem]:
                 repr(path), f"its model_index.json names {cls}")]
         return [Problem("model.type", " or ".join(matching), config.model.type.value,
                         f"{path} holds a {cls}, not a {spec.pipeline_class}")]
-    return _check_folder(config, p)
+    return _check_folder(config, p) or (own(config.model, False) if own else [])
 
 
 def _check_folder(config: Config, folder: Path) -> list[Problem]:

@@ -31,7 +31,10 @@ from modules.train.setup.output_lock import OutputBusy, OutputLock, describe_own
 from modules.train.setup.prepare import PreparedRun
 from modules.train.outputs.record import RunRecord, device_description, library_versions
 from modules.train.state.run import Run
-from modules.train.recipe.text_cache import TextEncoderCache
+from modules.paths import cache_dir_for
+from modules.train.recipe.text_cache import (TextEncoderCache, text_encoder_leaves_device,
+                                             varying_datasets)
+from modules.train.recipe.text_store import TextEmbeddingStore, encoder_identity
 from modules.util.atomic import (atomic_write_text, remove_temporaries,
                                   restore_interrupted_swaps)
 
@@ -297,19 +300,63 @@ def build_ema(config, params: dict) -> EMAModel | None:
                     decay=config.training.ema_decay)
 
 
-def text_encoder_cache(config, bundle, device: torch.device,
+def text_encoder_cache(prepared: PreparedRun, bundle, device: torch.device,
                        callbacks: TrainerCallbacks) -> TextEncoderCache | None:
-    """The text encoder outputs' cache when data.cache_text_encoder_outputs is on; datasets
-    whose captions change every epoch are encoded at each step instead, and the run says so."""
+    """The text encoder outputs' cache when data.cache_text_encoder_outputs is on, on disk
+    under <cache folder>/text-embeddings (keyed by caption and encoder identity). Called before
+    the model moves to the device: when the encoder can leave it (`text_encoder_leaves_device`)
+    every caption the run will read is encoded first, with the encoder alone on the device,
+    and the encoder then stays on the CPU for the whole run. Datasets whose captions change
+    every epoch are named up front: their captions are encoded at each step and the encoder
+    stays on the device."""
+    config = prepared.config
     if not config.data.cache_text_encoder_outputs:
         return None
-    cache = TextEncoderCache(bundle, device)
-    varying = [i for i, rules in enumerate(caption_rules(config)) if rules.varies]
+    store = TextEmbeddingStore(cache_dir_for(config.general.cache_dir) / "text-embeddings",
+                               encoder_identity(bundle))
+    cache = TextEncoderCache(bundle, device, store)
+    varying = varying_datasets(config)
     if varying:
-        callbacks.on_status(f"data.datasets{varying} change their captions every epoch "
-                            "(shuffled or dropped tags): their text encoder outputs are "
-                            "encoded at each step, not cached")
+        callbacks.on_status(f"{'; '.join(varying)} change their captions every epoch: their "
+                            "text encoder outputs are encoded at each step, not cached, and "
+                            "the text encoder stays on the device")
+    if not text_encoder_leaves_device(config):
+        return cache
+    encoders = list(bundle.text_encoders.values())
+    for module in encoders:
+        module.to(device)
+    captions = known_captions(prepared)
+    encoded = cache.precache(captions)
+    for module in encoders:
+        module.to("cpu")
+    callbacks.on_status(f"text encoder outputs: {len(captions)} captions cached on disk "
+                        f"({encoded} encoded now, {len(captions) - encoded} read from "
+                        f"{store.folder}); the text encoder left the {device.type} device")
     return cache
+
+
+def known_captions(prepared: PreparedRun) -> list[str]:
+    """Every caption a run whose captions do not vary will read: each training image's (its
+    dataset's prefix and suffix applied), "" when captions may be dropped, the validation
+    images', and the sample prompts and negative prompts."""
+    from modules.config.prompts import sample_prompts
+    from modules.data.captions import item_caption
+    config = prepared.config
+    rules = caption_rules(config)
+    captions = [item_caption(item.caption, item.source_index, rules, config.training.seed, 0,
+                             index)[0] for index, item in enumerate(prepared.scan.items)]
+    dropouts = [config.data.caption_dropout, *(ds.caption_dropout or 0.0
+                                               for ds in config.data.datasets)]
+    if any(dropouts):
+        captions.append("")
+    if prepared.validation is not None:
+        held = prepared.validation
+        captions += [item_caption(item.caption, item.source_index, held.rules,
+                                  config.training.seed, 0, index)[0]
+                     for index, item in enumerate(held.items)]
+    for prompt in sample_prompts(config)[0]:
+        captions += [prompt.text, prompt.negative]
+    return list(dict.fromkeys(captions))
 
 
 def tensorboard_writer(config, is_main: bool) -> SummaryWriter | None:

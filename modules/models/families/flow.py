@@ -1,0 +1,84 @@
+"""Flow matching (rectified flow), the objective the transformer families train on: the
+noisy input is the straight line x_t = (1 - sigma) x0 + sigma noise, and the target is its
+velocity, noise - x0. Timesteps are sigma * T (T = the scheduler's num_train_timesteps), the
+convention of diffusers' FlowMatchEulerDiscreteScheduler, so the sampler and the step agree.
+
+There is no DDPM signal-to-noise ratio and no beta schedule here: the loss options that need
+them (min-SNR, debiased estimation, the SNR Huber schedule, zero terminal SNR, a prediction
+type) are refused for flow-matching families (train/recipe/loss_checks.py).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from modules.config.loss import LossConfig, TimestepSampling
+from modules.models.bundle import ModelBundle
+from modules.models.families.base import Objective
+
+
+def train_timesteps(bundle: ModelBundle) -> int:
+    return bundle.noise_scheduler.config.num_train_timesteps
+
+
+def flow_noisy_and_target(bundle: ModelBundle, latents: torch.Tensor, noise: torch.Tensor,
+                          timesteps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x_t = (1 - sigma) x0 + sigma noise with sigma = t / T, and the velocity noise - x0."""
+    sigma = (timesteps.to(torch.float32) / train_timesteps(bundle)).view(-1, 1, 1, 1)
+    sigma = sigma.to(latents.device, latents.dtype)
+    return (1 - sigma) * latents + sigma * noise, noise - latents
+
+
+def unit_draw(normal: torch.Tensor, loss: LossConfig) -> torch.Tensor:
+    """sigma before the shift, in [0, 1), from one standard normal draw per sample: its normal
+    CDF (UNIFORM: uniform on [0, 1)) or the sigmoid of mean + std * draw (LOGIT_NORMAL), then
+    mapped onto [min_timestep, max_timestep) / 1000 of the loss options."""
+    normal = normal.to(torch.float64)
+    if loss.timestep_sampling == TimestepSampling.LOGIT_NORMAL:
+        u = torch.sigmoid(loss.logit_mean + loss.logit_std * normal)
+    else:
+        u = 0.5 * (1 + torch.erf(normal / math.sqrt(2)))
+    low, high = loss.min_timestep / 1000, loss.max_timestep / 1000
+    return low + (high - low) * u
+
+
+def calculate_mu(image_tokens: int, scheduler_config) -> float:
+    """The resolution-dependent shift's exponent, as diffusers' Flux-style pipelines compute
+    it (ZImagePipeline's `calculate_shift`): linear in the image's token count between the
+    scheduler's base and max sequence lengths and shifts."""
+    get = scheduler_config.get
+    base_len, max_len = get("base_image_seq_len", 256), get("max_image_seq_len", 4096)
+    base_shift, max_shift = get("base_shift", 0.5), get("max_shift", 1.15)
+    slope = (max_shift - base_shift) / (max_len - base_len)
+    return image_tokens * slope + base_shift - slope * base_len
+
+
+def shifted(sigma: torch.Tensor, shift: float | None, mu: float | None) -> torch.Tensor:
+    """sigma shifted towards noise as FlowMatchEulerDiscreteScheduler shifts its steps: by the
+    exponential time shift e^mu / (e^mu + 1/sigma - 1) when `mu` is given, else by the fixed
+    s·sigma / (1 + (s - 1)·sigma)."""
+    if mu is not None:
+        return math.exp(mu) / (math.exp(mu) + (1 / sigma.clamp_min(1e-12) - 1)) * (sigma > 0)
+    return shift * sigma / (1 + (shift - 1) * sigma)
+
+
+def flow_timesteps(bundle: ModelBundle, normal: torch.Tensor, loss: LossConfig,
+                   latent_size: tuple[int, int], patch: int = 2) -> torch.Tensor:
+    """The step's timesteps, sigma * T, from one normal draw per sample: `unit_draw`, then the
+    shift: loss.dynamic_shift's resolution-dependent one (the latent's tokens of `patch` x
+    `patch`), loss.timestep_shift, or the model scheduler's own `shift`."""
+    config = bundle.noise_scheduler.config
+    sigma = unit_draw(normal, loss)
+    if loss.dynamic_shift:
+        tokens = (latent_size[0] // patch) * (latent_size[1] // patch)
+        sigma = shifted(sigma, None, calculate_mu(tokens, config))
+    else:
+        shift = loss.timestep_shift if loss.timestep_shift is not None else config.get("shift", 1.0)
+        sigma = shifted(sigma, shift, None)
+    return (sigma * train_timesteps(bundle)).to(torch.float32)
+
+
+FLOW_MATCHING = Objective(train_timesteps=train_timesteps,
+                          noisy_and_target=flow_noisy_and_target,
+                          continuous_timesteps=flow_timesteps)

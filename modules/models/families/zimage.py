@@ -1,0 +1,178 @@
+"""Z-Image (Tongyi-MAI, Apache-2.0): a single-stream DiT (diffusers' ZImageTransformer2DModel:
+two noise-refiner and two context-refiner blocks, then 30 main blocks over the image and caption
+tokens together), conditioned on Qwen3-4B's second-to-last hidden layer through its chat
+template, on the 16-channel Flux.1 VAE, trained with flow matching.
+
+The transformer is called as diffusers' ZImagePipeline calls it: a list of (C, 1, H, W)
+latents, the timestep as 1 - sigma, each caption's real tokens as its own tensor; it returns
+a list whose negation is the flow's velocity (noise - x0), the target of `flow.FLOW_MATCHING`.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from modules.config.outputs import Sampler
+from modules.model_types import ModelType
+from modules.models.bundle import Dtypes, ModelBundle, dtype_of
+from modules.models.chat_text import ChatEncoding, caption_list, encode_chat
+from modules.models.families.base import FileConventions, ModelFamily, TextEmbeddings
+from modules.models.families.flow import FLOW_MATCHING
+from modules.models.families.sd import text_encoders
+
+# The blocks REGIONAL compiles: the class diffusers declares repeated
+# (ZImageTransformer2DModel._repeated_blocks); the refiners are blocks of the same class.
+ZIMAGE_BLOCKS = ("ZImageTransformerBlock",)
+# How ZImagePipeline reads Qwen3: the second-to-last hidden layer, at most 512 tokens; lengths
+# padded to 32, the transformer's own caption padding (SEQ_MULTI_OF), so padding costs nothing
+# there.
+ZIMAGE_TEXT = ChatEncoding(hidden_layer=-2, max_length=512, pad_multiple=32)
+# LoRA goes on the main blocks only (`layers.N.`): the refiners stay as trained, as the
+# reference LoRA trainers leave them.
+MAIN_BLOCKS = r"layers\.\d+\."
+# ZImagePipeline samples with the flow-matching Euler scheduler, built from the model's own
+# scheduler config (its shift): the one sampler (model_types.py lists it for the config layer)
+SAMPLERS = {Sampler.EULER: ("FlowMatchEulerDiscreteScheduler", {})}
+
+
+# The LoRA file ComfyUI and diffusers both read for Z-Image: the diffusers module path under
+# `diffusion_model.`, LyCORIS's tensor names (`lora_down` / `lora_up` / `alpha`, `hada_*`,
+# `lokr_*`). ComfyUI maps it onto its fused attention (comfy/utils.py `z_image_to_diffusers`),
+# diffusers' ZImageLoraLoaderMixin folds the alpha in (`_convert_non_diffusers_z_image_lora_...`).
+ZIMAGE_FILES = FileConventions(
+    kohya_prefixes={"transformer": "diffusion_model."}, kohya_denoiser_naming="diffusers",
+    kohya_separator=".", base_model_version="z_image",
+    modelspec_architecture=lambda v_prediction: "z-image",
+    single_file_configs="zimage", single_file_text_encoders={})
+
+
+def warm_rope_tables(transformer: nn.Module) -> nn.Module:
+    """Fill the transformer's rotary-embedding tables now. diffusers' RopeEmbedder builds them
+    at its first call and keeps them in an attribute, so a FULL-compiled transformer would be
+    traced once with the attribute unset and recompiled at the next call; built here, every
+    call sees them set (they still move to the GPU at the first call there, within the first
+    step). The same tables the first call would build."""
+    rope = transformer.rope_embedder
+    if rope.freqs_cis is None:
+        rope.freqs_cis = rope.precompute_freqs_cis(rope.axes_dims, rope.axes_lens,
+                                                   theta=rope.theta)
+    return transformer
+
+
+def load_folder(path: Path, prediction_type, dtypes: Dtypes) -> ModelBundle:
+    """A `ZImagePipeline` diffusers folder, each component at its dtype; never the network."""
+    from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler,
+                           ZImageTransformer2DModel)
+    from transformers import AutoTokenizer, Qwen3Model
+
+    local = {"local_files_only": True}
+    transformer = ZImageTransformer2DModel.from_pretrained(
+        path, subfolder="transformer", torch_dtype=dtype_of(dtypes, "transformer"), **local)
+    vae = AutoencoderKL.from_pretrained(path, subfolder="vae",
+                                        torch_dtype=dtype_of(dtypes, "vae"), **local)
+    text_encoder = Qwen3Model.from_pretrained(path, subfolder="text_encoder",
+                                              dtype=dtype_of(dtypes, "text_encoder"), **local)
+    tokenizer = AutoTokenizer.from_pretrained(path, subfolder="tokenizer", **local)
+    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler",
+                                                                **local)
+    return ModelBundle(ModelType.ZIMAGE, Path(path), warm_rope_tables(transformer), vae,
+                       {"text_encoder": text_encoder}, {"tokenizer": tokenizer}, scheduler)
+
+
+def load_single_file(path: Path, model, dtypes: Dtypes) -> ModelBundle:
+    """ComfyUI's three files (model.path, model.text_encoder_path, model.vae_path), built
+    from the shipped Z-Image configs (or model.config_path), the tokenizer from
+    model.tokenizer_path."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from modules.models.single_file import config_folder_for
+    from modules.models.zimage_files import load_split_files
+    folder = Path(model.config_path) if model.config_path else config_folder_for(ZIMAGE_FILES)
+    parts = load_split_files(model, folder, dtypes)
+    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(folder, subfolder="scheduler",
+                                                                local_files_only=True)
+    return ModelBundle(ModelType.ZIMAGE, Path(path), warm_rope_tables(parts["transformer"]),
+                       parts["vae"],
+                       {"text_encoder": parts["text_encoder"]},
+                       {"tokenizer": parts["tokenizer"]}, scheduler)
+
+
+def input_problems(model, single_file: bool) -> list:
+    """ComfyUI's three files, each what its field says (single files); a Turbo model."""
+    from modules.models.zimage_files import distilled_problems, split_file_problems
+    return (split_file_problems(model) if single_file else []) + distilled_problems(model)
+
+
+def write_single_file(bundle: ModelBundle, path: Path, metadata: dict, dtype) -> Path:
+    """The fine-tuned transformer as ComfyUI's diffusion-model file (the text encoder and VAE
+    are not trained: the user's files of them still serve)."""
+    from modules.models.zimage_files import save_transformer_file
+    return save_transformer_file(bundle.denoiser, path, metadata, dtype)
+
+
+def encode_text(bundle: ModelBundle, captions: list[str], device: torch.device,
+                encoders: Mapping[str, nn.Module] | None = None) -> TextEmbeddings:
+    """Qwen3's second-to-last hidden states of each caption's chat prompt, as ZImagePipeline
+    computes them, with each caption's length."""
+    return encode_chat(bundle.tokenizers["tokenizer"],
+                       text_encoders(bundle, encoders)["text_encoder"], captions, device,
+                       ZIMAGE_TEXT)
+
+
+def conditioning(embeddings: TextEmbeddings, batch: dict, height: int, width: int
+                 ) -> dict[str, Any]:
+    """Each caption's real tokens, one tensor per sample (the transformer pads them itself)."""
+    return {"cap_feats": caption_list(embeddings)}
+
+
+def transformer_arguments(noisy: torch.Tensor, timesteps: torch.Tensor,
+                          conditioning: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    """ZImageTransformer2DModel(x, t, cap_feats): latents as a list of (C, 1, H, W), the
+    timestep as 1 - sigma (ZImagePipeline's `(1000 - t) / 1000`)."""
+    latents = list(noisy.unsqueeze(2).unbind(dim=0))
+    model_time = (1000 - timesteps.to(torch.float32)) / 1000
+    return (latents, model_time.to(noisy.dtype), conditioning["cap_feats"]), {}
+
+
+def read_prediction(output: Any) -> torch.Tensor:
+    """The velocity noise - x0: the transformer's per-sample outputs stacked and negated (it
+    predicts x0 - noise; ZImagePipeline negates it before the scheduler's step)."""
+    return -torch.stack(list(output.sample), dim=0).squeeze(2)
+
+
+def pipeline_text_arguments(prompt: TextEmbeddings, negative: TextEmbeddings
+                            ) -> dict[str, Any]:
+    """ZImagePipeline's encoded prompts: each caption's real tokens, as its encode_prompt
+    returns them."""
+    return {"prompt_embeds": caption_list(prompt),
+            "negative_prompt_embeds": caption_list(negative)}
+
+
+def build_tiny(dest: Path, seed: int = 0) -> Path:
+    from modules.models.tiny_zimage import build_tiny_zimage
+    return build_tiny_zimage(dest, seed)
+
+
+ZIMAGE = ModelFamily(
+    model_type=ModelType.ZIMAGE,
+    repeated_blocks=ZIMAGE_BLOCKS,
+    load_folder=load_folder,
+    load_single_file=load_single_file,
+    encode_text=encode_text,
+    conditioning=conditioning,
+    denoiser_arguments=transformer_arguments,
+    objective=FLOW_MATCHING,
+    build_tiny=build_tiny,
+    read_prediction=read_prediction,
+    lora_scope=MAIN_BLOCKS,
+    samplers=SAMPLERS,
+    files=ZIMAGE_FILES,
+    varying_lengths=lambda conditioning: list(conditioning["cap_feats"]),
+    input_problems=input_problems,
+    write_single_file=write_single_file,
+    pipeline_text_arguments=pipeline_text_arguments,
+)

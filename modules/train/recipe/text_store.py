@@ -1,0 +1,91 @@
+"""Caption embeddings on disk: one `.safetensors` per (caption, text encoder identity), so a
+large text encoder (Z-Image's Qwen3-4B) encodes each caption once across runs and can leave the
+GPU for the whole of training.
+
+The identity hashes what decides an embedding: the model type (which layer and template its
+family reads), every text encoder's config, tensor names, shapes, dtypes and weight bytes
+(sampled past 64 MiB, as the latent cache samples a VAE's), and every tokenizer's vocabulary,
+settings and chat template. Another encoder, dtype or template gives another folder; a file
+that cannot be read is a miss, encoded again and rewritten, never a crash.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from modules.models.bundle import ModelBundle
+from modules.util.atomic import atomic_file
+
+logger = logging.getLogger("tempera.train")
+STORE_FORMAT_VERSION = 1
+# caption -> (hidden (length, D), pooled (D,) or None, real length or None): a cache row
+Row = tuple[torch.Tensor, "torch.Tensor | None", "int | None"]
+
+
+def encoder_identity(bundle: ModelBundle) -> str:
+    """A short hash of everything that decides a caption's embedding (see the module's doc)."""
+    from modules.data.latent_cache import vae_fingerprint
+    parts: dict[str, object] = {"format": STORE_FORMAT_VERSION,
+                                "model_type": bundle.model_type.value}
+    for name, module in sorted(bundle.text_encoders.items()):
+        parts[name] = vae_fingerprint(module)  # config and weights: any module's, not a VAE's
+    for name, tokenizer in sorted(bundle.tokenizers.items()):
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            # without the padding and truncation the last call set: state, not identity
+            saved = {k: v for k, v in json.loads(backend.to_str()).items()
+                     if k not in ("padding", "truncation")}
+            vocab = json.dumps(saved, sort_keys=True)
+        else:
+            vocab = json.dumps(tokenizer.get_vocab(), sort_keys=True)
+        parts[name] = hashlib.sha256((vocab + str(getattr(tokenizer, "chat_template", ""))
+                                      + str(tokenizer.model_max_length)).encode()).hexdigest()
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class TextEmbeddingStore:
+    """The on-disk rows of one text encoder identity, under `<root>/<identity>/`."""
+
+    def __init__(self, root: Path, identity: str) -> None:
+        self.folder = Path(root) / identity
+        self.read = self.written = 0
+
+    def path(self, caption: str) -> Path:
+        return self.folder / f"{hashlib.sha256(caption.encode('utf-8')).hexdigest()}.safetensors"
+
+    def load(self, caption: str) -> Row | None:
+        """The stored row of `caption`, or None (absent, unreadable or another caption)."""
+        from safetensors import safe_open
+        path = self.path(caption)
+        if not path.is_file():
+            return None
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                if (f.metadata() or {}).get("caption") != caption:
+                    return None
+                hidden = f.get_tensor("hidden")
+                pooled = f.get_tensor("pooled") if "pooled" in f.keys() else None
+                length = f.get_tensor("length") if "length" in f.keys() else None
+        except Exception as exc:  # safetensors raises its own error type for a damaged file
+            logger.warning("text embedding cache file %s is unreadable (%s); encoding again",
+                           path, exc)
+            return None
+        self.read += 1
+        return hidden, pooled, None if length is None else int(length)
+
+    def save(self, caption: str, row: Row) -> None:
+        from safetensors.torch import save_file
+        hidden, pooled, length = row
+        tensors = {"hidden": hidden.detach().cpu().contiguous()}
+        if pooled is not None:
+            tensors["pooled"] = pooled.detach().cpu().contiguous()
+        if length is not None:
+            tensors["length"] = torch.tensor(length)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        with atomic_file(self.path(caption)) as tmp:
+            save_file(tensors, str(tmp), metadata={"caption": caption})
+        self.written += 1
