@@ -288,50 +288,61 @@ def test_merge_into_an_sdxl_single_file_streams_and_matches_peft(sdxl, tmp_path,
 
 
 # --- what is refused -------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def loha(trained, tmp_path_factory):
-    """A random LoHa on the tiny SD 1.5 UNet's attention, its file, and peft's merge of it."""
+def _adapter_config(kind: str):
+    from peft import LoHaConfig, LoKrConfig, LoraConfig
+    targets = ["to_q", "to_k"]
+    return {"loha": LoHaConfig(r=4, alpha=8, target_modules=targets),
+            "lokr": LoKrConfig(r=2, alpha=8, target_modules=targets, decompose_both=True),
+            "dora": LoraConfig(r=4, lora_alpha=8, target_modules=targets, use_dora=True)}[kind]
+
+
+@pytest.fixture(scope="module", params=["loha", "lokr", "dora"])
+def lycoris(request, trained, tmp_path_factory):
+    """A random LoHa / LoKr / DoRA on the tiny SD 1.5 UNet's attention, its kohya file, and
+    peft's own merge of each layer."""
     from diffusers import UNet2DConditionModel
-    from peft import LoHaConfig
-    from peft.tuners.loha.layer import LoHaLayer
+    from peft.tuners.tuners_utils import BaseTunerLayer
 
     from modules.models.kohya import save_kohya_lora
     unet = UNet2DConditionModel.from_pretrained(trained["base"] / "unet")
-    unet.add_adapter(LoHaConfig(r=4, alpha=8, target_modules=["to_q", "to_k"]))
+    unet.add_adapter(_adapter_config(request.param))
     generator = torch.Generator().manual_seed(2)
     for key, param in unet.named_parameters():
-        if "hada_" in key:
-            param.data = torch.randn(param.shape, generator=generator) * 0.3
-    path = save_kohya_lora({"unet": unet}, tmp_path_factory.mktemp("loha") / "loha.safetensors",
-                           8.0, ModelType.SD15)
+        if param.requires_grad:  # the adapter's tensors; DoRA's magnitudes kept positive
+            noise = torch.randn(param.shape, generator=generator)
+            param.data = param.data * (1 + 0.2 * noise) if "magnitude" in key else noise * 0.3
+    path = save_kohya_lora({"unet": unet}, tmp_path_factory.mktemp(request.param)
+                           / f"{request.param}.safetensors", None, ModelType.SD15)
     expected = {}
     for name, layer in unet.named_modules():
-        if isinstance(layer, LoHaLayer):
+        if isinstance(layer, BaseTunerLayer):
+            base = layer.get_base_layer().weight.detach().clone()
             layer.merge()
-            expected[name + ".weight"] = layer.get_base_layer().weight.detach().clone()
-    return path, expected
+            expected[name + ".weight"] = base + 0.6 * (layer.get_base_layer().weight - base)
+    return request.param, path, expected
 
 
-def test_loha_merges_into_the_base_as_peft_merges_it(trained, loha, tmp_path):
-    path, expected = loha
+def test_loha_lokr_and_dora_merge_into_the_base_as_peft_merges_them(trained, lycoris, tmp_path):
+    _, path, expected = lycoris
     out = tmp_path / "merged"
-    assert main(["merge", "--base", str(trained["base"]), "--lora", str(path), "-o",
+    assert main(["merge", "--base", str(trained["base"]), "--lora", f"{path}:0.6", "-o",
                  str(out)]) == 0
     result = load_file(str(out / UNET_FILE))
-    assert expected
+    assert len(expected) == 16  # attn1 / attn2 q and k of four transformer blocks
     for key, weight in expected.items():
         torch.testing.assert_close(result[key], weight, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("command", [["merge-loras"], ["resize", "--rank", "2"],
                                      ["convert", "--layout", "diffusers"]])
-def test_loha_is_refused_where_its_maths_is_not_defined(trained, loha, tmp_path, capsys,
-                                                        command):
+def test_loha_lokr_and_dora_are_refused_where_their_maths_is_not_defined(
+        trained, lycoris, tmp_path, capsys, command):
+    kind, path, _ = lycoris
     out = tmp_path / "out.safetensors"
-    assert main([command[0], "--base", str(trained["base"]), "--lora", str(loha[0]),
+    assert main([command[0], "--base", str(trained["base"]), "--lora", str(path),
                  *command[1:], "-o", str(out)]) == 2
     error = capsys.readouterr().err
-    assert str(loha[0]) in error and "LOHA" in error
+    assert str(path) in error and kind.upper() in error
     assert not out.exists()
 
 
