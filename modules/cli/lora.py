@@ -11,7 +11,6 @@ Exit codes: 0 done, 2 bad input (the message names the file or argument; nothing
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 
@@ -24,17 +23,12 @@ class _Parser(argparse.ArgumentParser):
 
 def lora_with_weight(text: str) -> tuple[Path, float]:
     """`file.safetensors[:weight]`; the weight must be a finite number."""
-    path, sep, weight = text.rpartition(":")
-    if not sep or "/" in weight or weight.endswith(".safetensors"):
-        return Path(text), 1.0
+    from modules.lora_tools.architecture import LoraToolError
+    from modules.lora_tools.operations import parse_lora_arg
     try:
-        value = float(weight)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text}: the weight after ':' ({weight!r}) is not a number") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"{text}: the weight {weight!r} is not finite")
-    return Path(path), value
+        return parse_lora_arg(text)
+    except LoraToolError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -95,24 +89,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def run(args: argparse.Namespace):
     """Do what the parsed command says; returns the tool's Report."""
-    from modules.config.schema import ModelType
-    from modules.lora_tools import operations as ops
-    from modules.lora_tools.architecture import model_layout
-
-    model_type = ModelType(args.model_type) if args.model_type else None
-    layout = model_layout(args.base, model_type, args.config_folder)
-    output = Path(args.output)
-    if args.command == "merge":
-        return ops.merge_into_base(layout, args.lora, output)
-    if args.command == "merge-loras":
-        return ops.merge_loras(layout, args.lora, output, args.layout)
-    if args.command == "extract":
-        tuned = model_layout(args.tuned, layout.model_type, args.config_folder)
-        return ops.extract(layout, tuned, output, args.rank, args.conv_rank, args.layout,
-                           args.threshold)
-    if args.command == "resize":
-        return ops.resize(layout, args.lora, output, args.rank, args.layout)
-    return ops.convert(layout, args.lora, output, args.layout)
+    from modules.lora_tools.operations import run_tool
+    lora = getattr(args, "lora", None)  # merge / merge-loras: [(file, weight)]; else one file
+    loras = lora if isinstance(lora, list) else [(lora, 1.0)] if lora else []
+    return run_tool(args.command, output=args.output, base=args.base,
+                    model_type=args.model_type, config_folder=args.config_folder, loras=loras,
+                    tuned=getattr(args, "tuned", None), rank=getattr(args, "rank", 0),
+                    conv_rank=getattr(args, "conv_rank", 0),
+                    threshold=getattr(args, "threshold", 0.0),
+                    layout=getattr(args, "layout", None))
 
 
 def main(argv: list[str] | None = None) -> int:

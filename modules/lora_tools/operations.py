@@ -10,6 +10,7 @@ depends on the base); resizing takes LoRA / LoCon (an SVD of their update).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -121,8 +122,10 @@ def _change(parts: list[tuple[Location, LayerKey]],
         for location, key in parts:
             rows = slice(*location.rows) if location.rows else slice(None)
             base = merged[rows]
-            update = sum(w * delta(layer, base) for layer, w in updates[key])
-            merged[rows] = base + update.reshape(base.shape)
+            update = torch.zeros_like(base)
+            for layer, w in updates[key]:
+                update += w * delta(layer, base).reshape(base.shape)
+            merged[rows] = base + update
         return merged
     return apply
 
@@ -280,3 +283,59 @@ def convert(layout: ModelLayout, source: Path, output: Path, file_layout: str) -
     _refuse_kinds(source, layers, "convert")
     write_lora(layers, output, file_layout, layout)
     return Report(output, [f"{source}: {kind} -> {file_layout}, {len(layers)} layers"])
+
+
+# --- one entry for every front end -------------------------------------------------------------
+TOOLS = ("merge", "merge-loras", "extract", "resize", "convert")
+
+
+def parse_lora_arg(text: str) -> tuple[Path, float]:
+    """`file.safetensors[:weight]` (weight 1 when none is given); the weight must be a finite
+    number."""
+    path, sep, weight = text.strip().rpartition(":")
+    if not sep or "/" in weight or weight.endswith(".safetensors"):
+        return Path(text.strip()), 1.0
+    try:
+        value = float(weight)
+    except ValueError:
+        raise LoraToolError(f"{text}: the weight after ':' ({weight!r}) is not a number") from None
+    if not math.isfinite(value):
+        raise LoraToolError(f"{text}: the weight {weight!r} is not finite")
+    return Path(path), value
+
+
+def run_tool(command: str, *, output: str | Path, base: str | Path | None = None,
+             model_type: str | None = None, config_folder: str | Path | None = None,
+             loras: Sequence[tuple[Path, float]] = (), tuned: str | Path | None = None,
+             rank: int = 0, conv_rank: int = 0, threshold: float = 0.0,
+             layout: str | None = None) -> Report:
+    """Run one tool by name, as `tempera-lora <command>` and the app's LoRA tools tab ask."""
+    from modules.config.schema import ModelType
+    from modules.lora_tools.architecture import model_layout
+
+    if command not in TOOLS:
+        raise LoraToolError(f"unknown tool {command!r}; expected one of {', '.join(TOOLS)}")
+    if not loras and command != "extract":
+        raise LoraToolError(f"{command}: at least one LoRA file is needed (--lora)")
+    if command in ("merge", "extract") and not base:
+        raise LoraToolError(f"{command}: the base model is needed (--base)")
+    kind = ModelType(model_type) if model_type else None
+    found = model_layout(base or None, kind, config_folder or None)
+    output = Path(output)
+    if command == "merge":
+        return merge_into_base(found, list(loras), output)
+    if command == "merge-loras":
+        return merge_loras(found, list(loras), output, layout or "kohya")
+    if command == "extract":
+        if not tuned:
+            raise LoraToolError("extract: the fine-tuned model is needed (--tuned)")
+        other = model_layout(tuned, found.model_type, config_folder or None)
+        return extract(found, other, output, rank, conv_rank, layout or "kohya", threshold)
+    (source, _), *more = loras
+    if more:
+        raise LoraToolError(f"{command}: takes one LoRA file, {len(loras)} were given")
+    if command == "resize":
+        return resize(found, source, output, rank, layout)
+    if layout is None:
+        raise LoraToolError("convert: the layout to write is needed (--layout)")
+    return convert(found, source, output, layout)
