@@ -156,7 +156,9 @@ def _tuned_copy(base: Path, folder: Path, generator) -> dict[tuple[str, str], to
     """The base with a random full-rank change to two layers; returns the changes."""
     shutil.copytree(base, folder)
     changes = {}
-    for file, key in ((TEXT_FILE, "text_model.encoder.layers.0.self_attn.q_proj.weight"),
+    # out_proj: diffusers 0.42 tells a kohya file's text-encoder keys apart by `to_out_lora`,
+    # and refuses one without it ("Could not automatically infer state dict type")
+    for file, key in ((TEXT_FILE, "text_model.encoder.layers.0.self_attn.out_proj.weight"),
                       (UNET_FILE, "down_blocks.0.resnets.0.conv1.weight")):
         tensors = load_file(str(folder / file))
         change = torch.randn(tensors[key].shape, generator=generator) * 0.1
@@ -181,6 +183,19 @@ def test_extract_reproduces_the_difference_at_full_rank_and_reports_the_share_ke
         name = _sd_kohya_name(file.split("/")[0], key)
         torch.testing.assert_close(updates[name].reshape(change.shape), change, atol=1e-5,
                                    rtol=1e-4)
+    # diffusers' own kohya loader, fused at 1, gives the tuned model's weights
+    from diffusers import StableDiffusionPipeline
+    pipe = StableDiffusionPipeline.from_pretrained(trained["base"], safety_checker=None,
+                                                   local_files_only=True)
+    pipe.load_lora_weights(str(tmp_path), weight_name="full.safetensors")
+    pipe.fuse_lora(components=["unet", "text_encoder"], lora_scale=1.0)
+    pipe.unload_lora_weights()
+    for (file, key), change in changes.items():
+        module = getattr(pipe, file.split("/")[0])
+        fused = module.state_dict()[key.removeprefix("text_model.")
+                                    if key not in module.state_dict() else key]
+        torch.testing.assert_close(fused, load_file(str(tuned / file))[key], atol=1e-5,
+                                   rtol=1e-4)
     low = run(parse_args([*args, "--rank", "4", "--conv-rank", "4", "-o",
                           str(tmp_path / "low.safetensors")]))
     kept = total = 0.0
@@ -191,7 +206,7 @@ def test_extract_reproduces_the_difference_at_full_rank_and_reports_the_share_ke
         kept, total = kept + float(s2[:4].sum()), total + float(s2.sum())
     assert low.overall == pytest.approx(kept / total, abs=1e-6) and low.overall < 0.9
     # a rank the changed 32 x 32 layer cannot have: refused, naming the argument, nothing written
-    with pytest.raises(ValueError, match=r"--rank 33.*q_proj"):
+    with pytest.raises(ValueError, match=r"--rank 33.*out_proj"):
         run(parse_args([*args, "--rank", "33", "-o", str(tmp_path / "x.safetensors")]))
     assert not (tmp_path / "x.safetensors").exists()
 
