@@ -104,6 +104,10 @@ def merge_into_base(layout: ModelLayout, loras: list[tuple[Path, float]], output
             rewrite(layout.path, tmp, changes.get(layout.path, {}),
                     {"tempera.merged_loras": ", ".join(p.name for p, _ in loras)})
     else:
+        if output.suffix.lower() in (".safetensors", ".ckpt"):
+            raise LoraToolError(f"--output {output}: a diffusers-folder base is merged into a "
+                                "folder (name it without .safetensors); a single file comes "
+                                "from a single-file base")
         base = layout.path
 
         def write(tmp: Path) -> None:

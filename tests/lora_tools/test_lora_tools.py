@@ -382,6 +382,9 @@ def test_bad_input_names_the_file_or_argument_and_writes_nothing(trained, temper
     error = refused("resize", "--base", base, "--lora", kohya, "--rank", "5", "-o",
                     str(tmp_path / "r.safetensors"))
     assert "--rank 5" in error and kohya in error
+    single = tmp_path / "merged.safetensors"
+    assert main(["merge", "--base", base, "--lora", kohya, "-o", str(single)]) == 2
+    assert "merged into a folder" in capsys.readouterr().err and not single.exists()
     with pytest.raises(SystemExit) as exit_:
         main(["merge", "--base", base, "--lora", f"{kohya}:abc", "-o", str(out)])
     assert exit_.value.code == 2 and "'abc'" in capsys.readouterr().err
