@@ -20,7 +20,7 @@ from modules.lora_tools.architecture import (
     LayerKey, Location, LoraToolError, ModelLayout, weight_locations)
 from modules.lora_tools.lora_files import (
     LAYOUTS, AdapterLayer, delta, lora, read_lora, write_lora)
-from modules.lora_tools.streaming import copy_tree_except, rewrite
+from modules.lora_tools.streaming import copy_tree_except, rewrite, write_streamed
 from modules.util.atomic import atomic_file, atomic_write_dir
 
 LINEAR_ONLY = ("lora",)
@@ -78,8 +78,9 @@ def _label(key: LayerKey) -> str:
 
 # --- merge into a base --------------------------------------------------------------------
 def merge_into_base(layout: ModelLayout, loras: list[tuple[Path, float]], output: Path) -> Report:
-    """Add each LoRA's update times its weight to the base's weights; write a diffusers folder
-    (from a folder base) or a single file (from a single-file base), one tensor at a time."""
+    """Add each LoRA's update times its weight to the base's weights, one tensor at a time;
+    write a diffusers folder (from a folder base, `output` without .safetensors) or an ldm
+    single file (`output` .safetensors, from either kind of base)."""
     output = check_new_output(output)
     updates: dict[LayerKey, list[tuple[AdapterLayer, float]]] = {}
     report = Report(output)
@@ -103,11 +104,13 @@ def merge_into_base(layout: ModelLayout, loras: list[tuple[Path, float]], output
         with atomic_file(output) as tmp:
             rewrite(layout.path, tmp, changes.get(layout.path, {}),
                     {"tempera.merged_loras": ", ".join(p.name for p, _ in loras)})
+    elif output.suffix.lower() == ".safetensors":  # a folder written as one ldm file
+        from modules.lora_tools.to_single_file import single_file_entries
+        entries = single_file_entries(layout, changes)
+        with atomic_file(output) as tmp:
+            write_streamed(tmp, entries, {"tempera.merged_loras":
+                                          ", ".join(p.name for p, _ in loras)})
     else:
-        if output.suffix.lower() in (".safetensors", ".ckpt"):
-            raise LoraToolError(f"--output {output}: a diffusers-folder base is merged into a "
-                                "folder (name it without .safetensors); a single file comes "
-                                "from a single-file base")
         base = layout.path
 
         def write(tmp: Path) -> None:

@@ -87,3 +87,48 @@ def copy_tree_except(source: Path, target: Path, skip: set[Path]) -> None:
             dest = target / path.relative_to(source)
             dest.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(path, dest)
+
+
+# A tensor written by `write_streamed`: its name, safetensors dtype, shape and the function that
+# makes it when its turn comes.
+Entry = tuple[str, str, list[int], Callable[[], torch.Tensor]]
+
+
+def write_streamed(target: Path, entries: list[Entry], metadata: dict[str, str]) -> None:
+    """Write a .safetensors file whose tensors are made one at a time by `entries`' functions
+    (each dropped once written), the header first from the declared dtypes and shapes."""
+    header: dict[str, object] = {"__metadata__": metadata}
+    offset = 0
+    sizes = []
+    for key, dtype, shape, _ in entries:
+        size = DTYPE_SIZES[dtype] * _count(shape)
+        header[key] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+        sizes.append(size)
+    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    with open(target, "wb") as out:
+        out.write(struct.pack("<Q", len(text)) + text)
+        for (key, _, shape, make), size in zip(entries, sizes):
+            tensor = make().contiguous()
+            if list(tensor.shape) != shape or tensor.numel() * tensor.element_size() != size:
+                raise ValueError(f"{key}: made {tuple(tensor.shape)} {tensor.dtype}, "
+                                 f"declared {shape}")
+            out.write(tensor.view(torch.uint8).numpy().tobytes() if size else b"")
+            del tensor
+
+
+def _count(shape: list[int]) -> int:
+    count = 1
+    for n in shape:
+        count *= n
+    return count
+
+
+DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+               "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+                "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
+                "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+                "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+SAFETENSORS_DTYPES = {v: k for k, v in TORCH_DTYPES.items()}

@@ -108,6 +108,26 @@ def test_diffusers_fuse_lora_of_the_converted_file_gives_the_merged_folder(train
             torch.testing.assert_close(fused[key], ours[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
+def test_a_folder_merged_into_a_single_file_loads_in_diffusers_as_the_merged_folder(
+        trained, merged, tmp_path):
+    """The folder base written as one ldm file on the way (streamed): diffusers' own
+    from_single_file reads it back as the merged folder, every component."""
+    from diffusers import StableDiffusionPipeline
+
+    from modules.models.single_file import load_single_file
+    out = tmp_path / "merged.safetensors"
+    assert main(["merge", "--base", str(trained["base"]), "--lora",
+                 f"{trained['kohya']}:0.7", "-o", str(out)]) == 0
+    loaded = load_single_file(out, ModelType.SD15, config_folder=trained["base"])
+    reference = StableDiffusionPipeline.from_pretrained(merged, safety_checker=None,
+                                                        local_files_only=True)
+    for name in ("unet", "text_encoder", "vae"):
+        ours, expected = loaded[name].state_dict(), getattr(reference, name).state_dict()
+        assert ours.keys() == expected.keys()
+        for key in expected:
+            torch.testing.assert_close(ours[key], expected[key], rtol=0, atol=0, msg=key)
+
+
 def test_convert_round_trip_keeps_every_update(trained, tmp_path):
     there, back = tmp_path / "peft.safetensors", tmp_path / "kohya.safetensors"
     base = ["--base", str(trained["base"])]
@@ -300,6 +320,14 @@ def test_merge_into_an_sdxl_single_file_streams_and_matches_peft(sdxl, tmp_path,
     for (name, path), weight in sdxl["expected"].items():
         got = loaded[name][path.removeprefix("text_model.") + ".weight"]
         torch.testing.assert_close(got, weight, rtol=1e-5, atol=1e-6, msg=f"{name} {path}")
+    # the SDXL folder merged into a single file (q/k/v fused on the way) is the same file
+    from_folder = tmp_path / "from-folder.safetensors"
+    assert main(["merge", "--base", str(sdxl["folder"]), "--lora", f"{sdxl['lora']}:0.6",
+                 "-o", str(from_folder)]) == 0
+    other = load_file(str(from_folder))
+    assert other.keys() == checkpoint.keys()
+    for key, value in checkpoint.items():
+        torch.testing.assert_close(other[key], value, rtol=1e-6, atol=1e-7, msg=key)
 
 
 # --- what is refused -------------------------------------------------------------------------
@@ -382,9 +410,6 @@ def test_bad_input_names_the_file_or_argument_and_writes_nothing(trained, temper
     error = refused("resize", "--base", base, "--lora", kohya, "--rank", "5", "-o",
                     str(tmp_path / "r.safetensors"))
     assert "--rank 5" in error and kohya in error
-    single = tmp_path / "merged.safetensors"
-    assert main(["merge", "--base", base, "--lora", kohya, "-o", str(single)]) == 2
-    assert "merged into a folder" in capsys.readouterr().err and not single.exists()
     with pytest.raises(SystemExit) as exit_:
         main(["merge", "--base", base, "--lora", f"{kohya}:abc", "-o", str(out)])
     assert exit_.value.code == 2 and "'abc'" in capsys.readouterr().err
