@@ -51,7 +51,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     merge.add_argument("--lora", action="append", required=True, type=lora_with_weight,
                        metavar="FILE[:WEIGHT]", help="a LoRA and its weight (default 1)")
     merge.add_argument("-o", "--output", required=True,
-                       help="a new folder (folder base) or .safetensors (single-file base)")
+                       help="a new folder (diffusers; from a folder base) or a new "
+                            ".safetensors (an ldm single file; from either base)")
 
     several = commands.add_parser("merge-loras", help="merge several LoRAs into one (exact)")
     base_args(several, False)
