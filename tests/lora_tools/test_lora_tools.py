@@ -330,6 +330,48 @@ def test_merge_into_an_sdxl_single_file_streams_and_matches_peft(sdxl, tmp_path,
         torch.testing.assert_close(other[key], value, rtol=1e-6, atol=1e-7, msg=key)
 
 
+def test_sd2_merges_into_a_folder_and_a_single_file_as_peft_merges(tempera_cache, tmp_path):
+    """SD 2: OpenCLIP text encoder (q/k/v fused in its single file) with the diffusers UNet
+    names; both outputs give what peft's own merge gives, the single file read back by
+    diffusers' from_single_file."""
+    from diffusers import StableDiffusionPipeline
+    from peft import LoraConfig
+    from peft.tuners.lora import LoraLayer
+
+    from modules.models.kohya import save_kohya_lora
+    from modules.models.single_file import load_single_file
+    folder = Path(ensure_builtin_model(MODEL_TYPES[ModelType.SD2].builtin, tempera_cache))
+    pipe = StableDiffusionPipeline.from_pretrained(folder, local_files_only=True)
+    modules = {"unet": pipe.unet, "text_encoder": pipe.text_encoder}
+    generator = torch.Generator().manual_seed(4)
+    for name, module in modules.items():
+        targets = ["to_k", "proj_in"] if name == "unet" else ["q_proj", "v_proj", "out_proj"]
+        module.add_adapter(LoraConfig(r=2, lora_alpha=3, target_modules=targets))
+        for key, param in module.named_parameters():
+            if "lora_" in key:
+                param.data = torch.randn(param.shape, generator=generator) * 0.1
+    lora = save_kohya_lora(modules, tmp_path / "sd2.safetensors", 3.0, ModelType.SD2)
+    expected = {}
+    for name, module in modules.items():
+        for path, layer in module.named_modules():
+            if isinstance(layer, LoraLayer):
+                layer.merge()
+                expected[(name, path.removeprefix("text_model."))] = \
+                    layer.get_base_layer().weight.detach().clone()
+    for out in (tmp_path / "merged", tmp_path / "merged.safetensors"):
+        assert main(["merge", "--base", str(folder), "--lora", str(lora), "-o", str(out)]) == 0
+    loaded = load_single_file(tmp_path / "merged.safetensors", ModelType.SD2,
+                              config_folder=folder)
+    files = {"unet": load_file(str(tmp_path / "merged" / UNET_FILE)),
+             "text_encoder": load_file(str(tmp_path / "merged" / TEXT_FILE))}
+    for (name, path), weight in expected.items():
+        stored = files[name].get(path + ".weight", files[name].get(f"text_model.{path}.weight"))
+        torch.testing.assert_close(stored, weight, rtol=1e-5, atol=1e-6, msg=path)
+        state = loaded[name].state_dict()
+        got = state.get(path + ".weight", state.get(f"text_model.{path}.weight"))
+        torch.testing.assert_close(got, weight, rtol=1e-5, atol=1e-6, msg=path)
+
+
 # --- what is refused -------------------------------------------------------------------------
 def _adapter_config(kind: str):
     from peft import LoHaConfig, LoKrConfig, LoraConfig
