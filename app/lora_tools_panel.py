@@ -19,11 +19,11 @@ from modules import frontend
 TAB = "LoRA tools"
 TOOLS = {  # label -> (tool, the fields it reads)
     "Merge LoRAs into a model": ("merge", ("base", "loras", "output")),
-    "Merge LoRAs into one": ("merge-loras", ("base", "loras", "layout", "output")),
+    "Merge LoRAs into one": ("merge-loras", ("base", "model_type", "loras", "layout", "output")),
     "Extract a LoRA (two models)": ("extract", ("base", "tuned", "rank", "conv_rank",
                                                 "layout", "output")),
-    "Resize a LoRA": ("resize", ("base", "loras", "rank", "layout", "output")),
-    "Convert a LoRA's layout": ("convert", ("base", "loras", "layout", "output")),
+    "Resize a LoRA": ("resize", ("base", "model_type", "loras", "rank", "layout", "output")),
+    "Convert a LoRA's layout": ("convert", ("base", "model_type", "loras", "layout", "output")),
 }
 FIELDS = {  # field -> (label, hint)
     "base": ("Base model", "a diffusers folder or an SD / SDXL .safetensors"),
@@ -33,6 +33,8 @@ FIELDS = {  # field -> (label, hint)
     "output": ("Output", "a new folder or .safetensors (never overwritten)"),
 }
 LAYOUTS = ("kohya", "diffusers")
+# without a base model, the family's shipped architecture names the layers
+MODEL_TYPES = {"from the base model": None, "SD 1.x": "sd15", "SD 2.x": "sd2", "SDXL": "sdxl"}
 POLL_MS = 100
 
 
@@ -72,6 +74,12 @@ class LoraToolsPanel:
         self.layout = ctk.CTkOptionMenu(self.frame, values=list(LAYOUTS))
         self.layout.grid(row=row + 1, column=1, sticky="w", padx=6, pady=3)
         self.rows["layout"] = [layout_label, self.layout]
+        type_label = ctk.CTkLabel(self.frame, text="Model type")
+        type_label.grid(row=row + 2, column=0, sticky="w", padx=6, pady=3)
+        self.model_type = ctk.CTkOptionMenu(self.frame, values=list(MODEL_TYPES))
+        self.model_type.grid(row=row + 2, column=1, sticky="w", padx=6, pady=3)
+        self.rows["model_type"] = [type_label, self.model_type]
+        row += 1
         self.run_button = ctk.CTkButton(self.frame, text="Run", command=self.run)
         self.run_button.grid(row=row + 2, column=1, sticky="w", padx=6, pady=6)
         self.report = ctk.CTkTextbox(self.frame, height=160)
@@ -108,6 +116,8 @@ class LoraToolsPanel:
                 options[name] = int(text)
         if "layout" in wanted:
             options["layout"] = self.layout.get()
+        if "model_type" in wanted:
+            options["model_type"] = MODEL_TYPES[self.model_type.get()]
         return options
 
     def run(self) -> None:

@@ -67,6 +67,14 @@ def test_the_tab_converts_a_lora_and_refuses_bad_input(app, kohya_lora, tmp_path
     report = _run(app, panel)
     assert not panel.ok and "already exists" in report and str(out) in report
     assert out.read_bytes() == written
+    # without a base or a model type the layers cannot be named: said, nothing written
+    panel.entries["base"].delete(0, "end")
+    other = tmp_path / "other.safetensors"
+    panel.entries["output"].delete(0, "end")
+    panel.entries["output"].insert(0, str(other))
+    assert panel.model_type.get() == "from the base model"
+    report = _run(app, panel)
+    assert not panel.ok and "--model-type" in report and not other.exists()
     # a rank that is not a number is named, and nothing runs
     panel.tool.set("Resize a LoRA")
     panel._show_fields()
