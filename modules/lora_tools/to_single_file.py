@@ -58,6 +58,8 @@ def single_file_entries(layout: ModelLayout,
             continue
         fused: dict[tuple[str, str], list[Source]] = {}
         for source in sources:
+            if source[1].endswith("embeddings.position_ids"):
+                continue  # a buffer older transformers saved; OpenCLIP's layout has none
             if m := QKV.fullmatch(source[1]):
                 fused.setdefault((m[1], m[2]), []).append(source)
             else:
