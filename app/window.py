@@ -19,6 +19,7 @@ import customtkinter as ctk
 from app.benchmark_panel import BenchFn, BenchmarkSection
 from app.binding import ConfigBinding
 from app.cloud_panel import TAB as CLOUD_TAB, CloudPanel
+from app.lora_tools_panel import TAB as LORA_TOOLS_TAB, LoraToolsPanel
 from app.compile_check import CompileCheck
 from app.compile_panel import PLACED, CompilePanel
 from app.engine_loader import EVENT as ENGINE_EVENT, LOADING, EngineLoader
@@ -200,6 +201,7 @@ class TemperaApp(ctk.CTk):
             lambda fn, kind: run_in_thread(fn, self.events, kind),
             lambda: self.presets_bar.current.stem if self.presets_bar.current else "run",
             self._save_settings)
+        self.lora_tools = LoraToolsPanel(self.tabview.add(LORA_TOOLS_TAB))
         self.tabview.set(tab_title(groups_in_order()[0]))
 
     def _on_config_change(self, path: str | None, _source: object | None) -> None:

@@ -51,6 +51,14 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def lora_tool(command: str, loras: list[str], **options: Any) -> str:
+    """Run one LoRA tool (merge, merge-loras, extract, resize, convert; docs/lora_tools.md)
+    and return its report: `modules.lora_tools.operations.run_tool`, the LoRA files given as
+    `file[:weight]` texts. Bad input raises ValueError naming the file or field."""
+    from modules.lora_tools.operations import parse_lora_arg, run_tool
+    return run_tool(command, loras=[parse_lora_arg(text) for text in loras], **options).text()
+
+
 def final_weights_step(output_dir: Path) -> int | None:
     """The step of the weights in `<output_dir>/final/` (None: nothing saved there, or saved
     without the step marker): `modules.train.state.resume_offer.saved_step`."""

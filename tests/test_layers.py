@@ -83,7 +83,7 @@ LAYERS = (
     {"cli"},
     {"cloud", "bench"},
     {"frontend"},
-    {"train"},
+    {"train", "lora_tools"},
     {"compile", "models", "data", "runtime"},
     {"config"},
     {"model_types", "util", "events", "paths", "geometry"},

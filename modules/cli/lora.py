@@ -1,0 +1,117 @@
+"""`tempera-lora` / `scripts/lora.py`: LoRA tools beside training (docs/lora_tools.md).
+
+    tempera-lora merge --base MODEL --lora a.safetensors:0.8 [--lora b.safetensors] -o OUT
+    tempera-lora merge-loras --lora a.safetensors:0.5 --lora b.safetensors:0.5 -o ab.safetensors
+    tempera-lora extract --base MODEL --tuned TUNED --rank 16 [--conv-rank 8] -o lora.safetensors
+    tempera-lora resize --lora big.safetensors --rank 8 -o small.safetensors
+    tempera-lora convert --lora lora.safetensors --layout diffusers -o peft.safetensors
+
+Exit codes: 0 done, 2 bad input (the message names the file or argument; nothing written).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse's own errors exit 2 too, with the usage
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def lora_with_weight(text: str) -> tuple[Path, float]:
+    """`file.safetensors[:weight]`; the weight must be a finite number."""
+    from modules.lora_tools.architecture import LoraToolError
+    from modules.lora_tools.operations import parse_lora_arg
+    try:
+        return parse_lora_arg(text)
+    except LoraToolError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = _Parser(prog="tempera-lora", description=__doc__.split("\n\n")[0],
+                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                     epilog=__doc__.split("\n\n", 1)[1])
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    def base_args(sub, required: bool) -> None:
+        sub.add_argument("--base", required=required,
+                         help="the base model: a diffusers folder or an ldm .safetensors file")
+        sub.add_argument("--model-type", choices=["sd15", "sd2", "sdxl"],
+                         help="the family, when there is no --base (its shipped architecture "
+                              "names the layers) or to check the base's")
+        sub.add_argument("--config-folder", help="a single-file base's architecture configs "
+                                                 "(default: the family's shipped ones)")
+
+    merge = commands.add_parser("merge", help="merge LoRAs into a base model at a weight")
+    base_args(merge, True)
+    merge.add_argument("--lora", action="append", required=True, type=lora_with_weight,
+                       metavar="FILE[:WEIGHT]", help="a LoRA and its weight (default 1)")
+    merge.add_argument("-o", "--output", required=True,
+                       help="a new folder (diffusers; from a folder base) or a new "
+                            ".safetensors (an ldm single file; from either base)")
+
+    several = commands.add_parser("merge-loras", help="merge several LoRAs into one (exact)")
+    base_args(several, False)
+    several.add_argument("--lora", action="append", required=True, type=lora_with_weight,
+                         metavar="FILE[:WEIGHT]")
+    several.add_argument("--layout", choices=["kohya", "diffusers"], default="kohya")
+    several.add_argument("-o", "--output", required=True)
+
+    ext = commands.add_parser("extract", help="a LoRA from the difference of two checkpoints")
+    base_args(ext, True)
+    ext.add_argument("--tuned", required=True, help="the fine-tuned model (same layout)")
+    ext.add_argument("--rank", type=int, required=True)
+    ext.add_argument("--conv-rank", type=int, default=0,
+                     help="rank of the convolutions' LoRA (LoCon); 0 leaves them out")
+    ext.add_argument("--threshold", type=float, default=0.0,
+                     help="layers whose largest change is at most this are left out")
+    ext.add_argument("--layout", choices=["kohya", "diffusers"], default="kohya")
+    ext.add_argument("-o", "--output", required=True)
+
+    res = commands.add_parser("resize", help="lower a LoRA's rank by SVD")
+    base_args(res, False)
+    res.add_argument("--lora", required=True, type=Path)
+    res.add_argument("--rank", type=int, required=True)
+    res.add_argument("--layout", choices=["kohya", "diffusers"],
+                     help="the output's layout (default: the input's)")
+    res.add_argument("-o", "--output", required=True)
+
+    conv = commands.add_parser("convert", help="between the kohya and diffusers/peft layouts")
+    base_args(conv, False)
+    conv.add_argument("--lora", required=True, type=Path)
+    conv.add_argument("--layout", choices=["kohya", "diffusers"], required=True)
+    conv.add_argument("-o", "--output", required=True)
+    return parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace):
+    """Do what the parsed command says; returns the tool's Report."""
+    from modules.lora_tools.operations import run_tool
+    lora = getattr(args, "lora", None)  # merge / merge-loras: [(file, weight)]; else one file
+    loras = lora if isinstance(lora, list) else [(lora, 1.0)] if lora else []
+    return run_tool(args.command, output=args.output, base=args.base,
+                    model_type=args.model_type, config_folder=args.config_folder, loras=loras,
+                    tuned=getattr(args, "tuned", None), rank=getattr(args, "rank", 0),
+                    conv_rank=getattr(args, "conv_rank", 0),
+                    threshold=getattr(args, "threshold", 0.0),
+                    layout=getattr(args, "layout", None))
+
+
+def main(argv: list[str] | None = None) -> int:
+    from modules.lora_tools.architecture import LoraToolError
+    args = parse_args(argv)
+    try:
+        report = run(args)
+    except LoraToolError as error:
+        print(f"tempera-lora {args.command}: {error}", file=sys.stderr)
+        return 2
+    print(report.text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""What a LoRA tool needs to know of a base model without loading its weights: its family, the
+Linear / Conv2d layers of the UNet and text encoders (built on the meta device from the configs)
+with their weight shapes, the kohya name of each, and where each layer's weight sits in the
+base's files (a diffusers folder's component files, or an ldm single file's keys).
+
+Layers are named canonically as (component, module path), the path as diffusers names a UNet
+module and as checkpoints name a CLIP module (`text_model.encoder.layers.0.self_attn.q_proj`).
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from modules.config.schema import ModelType
+from modules.model_types import MODEL_TYPES
+from modules.models.families import family_files
+from modules.models.folder import SAFETENSORS_SUFFIX
+from modules.models.kohya import KohyaError, kohya_module_name
+from modules.models.single_file import (
+    LDM_UNET_PREFIX, OPEN_CLIP_LAYER_PARTS, SingleFileError, _rename_head, clip_key_with_text_model,
+    config_folder_for, detect_model_type, unet_key_to_ldm)
+
+LayerKey = tuple[str, str]  # (component, module path)
+
+
+class LoraToolError(ValueError):
+    """Input a LoRA tool cannot use, with the file or argument named and what to do."""
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where one layer's weight is stored: a file, a tensor key and, for a q/k/v projection
+    fused into OpenCLIP's `in_proj_weight`, the rows that belong to it."""
+    file: Path
+    key: str
+    rows: tuple[int, int] | None = None
+
+
+@dataclass
+class ModelLayout:
+    """A base model's layers (by canonical key: weight shape) and its files."""
+    model_type: ModelType
+    source: str  # what it was read from, for messages
+    shapes: dict[LayerKey, tuple[int, ...]]
+    unet_config: Any
+    path: Path | None = None  # the base's folder or single file; None: the shipped configs
+    kohya_names: dict[str, LayerKey] = field(default_factory=dict)
+
+    def kohya_name(self, key: LayerKey) -> str:
+        return kohya_module_name(key[0], key[1], self.model_type, self.unet_config)
+
+    @property
+    def is_single_file(self) -> bool:
+        return self.path is not None and self.path.is_file()
+
+
+def _sd_type_of_folder(folder: Path) -> ModelType:
+    index = json.loads((folder / "model_index.json").read_text(encoding="utf-8"))
+    if index.get("_class_name") == "StableDiffusionXLPipeline":
+        return ModelType.SDXL
+    text = json.loads((folder / "text_encoder" / "config.json").read_text(encoding="utf-8"))
+    # SD 2's OpenCLIP encoder uses the exact GELU, SD 1.x's CLIP quick_gelu (the kohya and
+    # diffusers names of the two are the same; only metadata differs)
+    return ModelType.SD2 if text.get("hidden_act") == "gelu" else ModelType.SD15
+
+
+def model_layout(path: str | Path | None = None, model_type: ModelType | None = None,
+                 config_folder: str | Path | None = None) -> ModelLayout:
+    """The layout of a base: a diffusers folder, an ldm `.safetensors` single file (its configs
+    from `config_folder` or the family's shipped ones), or, with no path, the shipped
+    architecture of `model_type` (enough to name layers, e.g. to convert a kohya file)."""
+    if path is None:
+        if model_type is None:
+            raise LoraToolError("--base or --model-type is needed to know the layers' names")
+        configs = config_folder_for(family_files(model_type))
+        return _layout(model_type, Path(config_folder or configs), None, f"{model_type.value}")
+    path = Path(path)
+    if path.is_dir():
+        if not (path / "model_index.json").is_file():
+            raise LoraToolError(f"{path}: not a diffusers model folder (no model_index.json)")
+        found = _sd_type_of_folder(path)
+        if model_type is not None and model_type != found and ModelType.SDXL in (found, model_type):
+            raise LoraToolError(f"{path}: is {found.value}, not {model_type.value}")
+        return _layout(model_type or found, path, path, str(path))
+    if not path.is_file():
+        raise LoraToolError(f"{path}: no such model folder or file")
+    if path.suffix.lower() != SAFETENSORS_SUFFIX:
+        raise LoraToolError(f"{path}: only .safetensors checkpoints are read (a pickle can run "
+                            "code when loaded); convert it to .safetensors first")
+    try:
+        found = detect_model_type(path, expected=model_type)
+    except SingleFileError as error:
+        raise LoraToolError(str(error)) from None
+    configs = Path(config_folder) if config_folder else config_folder_for(family_files(found))
+    return _layout(found, configs, path, str(path))
+
+
+def _layout(model_type: ModelType, configs: Path, path: Path | None, source: str) -> ModelLayout:
+    import diffusers
+    import transformers
+    from accelerate import init_empty_weights
+    from torch import nn
+
+    unet_config = diffusers.UNet2DConditionModel.load_config(configs / "unet")
+    modules: dict[str, nn.Module] = {}
+    with init_empty_weights():  # the meta device: names and shapes, no memory
+        modules["unet"] = diffusers.UNet2DConditionModel.from_config(unet_config)
+        for name in MODEL_TYPES[model_type].text_encoders:
+            config = transformers.AutoConfig.from_pretrained(configs / name, local_files_only=True)
+            cls = getattr(transformers, (config.architectures or ["CLIPTextModel"])[0])
+            modules[name] = cls(config)
+    shapes: dict[LayerKey, tuple[int, ...]] = {}
+    for component, module in modules.items():
+        rename = str if component == "unet" else clip_key_with_text_model
+        for name, layer in module.named_modules():
+            if isinstance(layer, (nn.Linear, nn.Conv2d)):
+                shapes[(component, rename(name))] = tuple(layer.weight.shape)
+    layout = ModelLayout(model_type, source, shapes, unet_config, path)
+    for key in shapes:
+        try:
+            layout.kohya_names[layout.kohya_name(key)] = key
+        except (KohyaError, SingleFileError):
+            continue  # a layer with no ldm name (e.g. SDXL's add_embedding) has no kohya name
+    return layout
+
+
+# --- where a layer's weight is stored -----------------------------------------------------
+def weight_locations(layout: ModelLayout, keys: list[LayerKey]) -> dict[LayerKey, Location]:
+    """Where each layer's weight is in the base's files (LoraToolError for one that is not)."""
+    if layout.path is None:
+        raise LoraToolError("a base model's files are needed (--base)")
+    if layout.is_single_file:
+        return {key: _single_file_location(layout, key) for key in keys}
+    headers: dict[str, dict[str, Path]] = {}
+    out = {}
+    for component, module_path in keys:
+        if component not in headers:
+            headers[component] = _component_keys(layout.path / component)
+        names = headers[component]
+        for candidate in (module_path, module_path.removeprefix("text_model.")):
+            if candidate + ".weight" in names:
+                out[(component, module_path)] = Location(names[candidate + ".weight"],
+                                                         candidate + ".weight")
+                break
+        else:
+            raise LoraToolError(f"{layout.path / component}: has no weight for {module_path}")
+    return out
+
+
+def component_files(folder: Path) -> list[Path]:
+    """A component folder's weight files (one, or the shards of an index)."""
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        other = sorted(p.name for p in folder.glob("*.bin"))
+        hint = f" ({', '.join(other)} are pickles: convert them first)" if other else ""
+        raise LoraToolError(f"{folder}: no .safetensors weights{hint}")
+    return files
+
+
+def _component_keys(folder: Path) -> dict[str, Path]:
+    from modules.lora_tools.streaming import read_header
+    names: dict[str, Path] = {}
+    for file in component_files(folder):
+        names.update({key: file for key in read_header(file)[0] if key != "__metadata__"})
+    return names
+
+
+def _single_file_location(layout: ModelLayout, key: LayerKey) -> Location:
+    component, module_path = key
+    assert layout.path is not None
+    files = family_files(layout.model_type)
+    if component == "unet":
+        return Location(layout.path, LDM_UNET_PREFIX
+                        + unet_key_to_ldm(module_path, layout.unet_config) + ".weight")
+    prefix, kind = files.single_file_text_encoders[component]
+    if kind == "hf":
+        return Location(layout.path, prefix + module_path + ".weight")
+    inner = module_path.removeprefix("text_model.")
+    if m := re.fullmatch(r"encoder\.layers\.(\d+)\.self_attn\.([qkv])_proj", inner):
+        width = layout.shapes[key][0]
+        start = "qkv".index(m[2]) * width
+        return Location(layout.path, f"{prefix}transformer.resblocks.{m[1]}.attn.in_proj_weight",
+                        (start, start + width))
+    if m := re.fullmatch(r"encoder\.layers\.(\d+)\.(.*)", inner):
+        return Location(layout.path, f"{prefix}transformer.resblocks.{m[1]}."
+                        + _rename_head(m[2] + ".weight", OPEN_CLIP_LAYER_PARTS))
+    raise LoraToolError(f"{component}: {module_path} has no place in an OpenCLIP single file")

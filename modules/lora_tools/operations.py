@@ -1,0 +1,348 @@
+"""The five LoRA tools, each one function that checks its input, writes its output atomically
+(never over an existing path) and returns a report of what it did.
+
+Which adapter kinds each tool takes (docs/lora_tools.md): merging into a base computes each
+layer's full update, which is defined for LoRA, LoCon, LoHa, LoKr and DoRA; merging several
+LoRAs into one concatenates their ranks and converting renames their tensors, both defined
+for LoRA / LoCon only (a LoHa or LoKr is no product of two matrices, a DoRA's magnitude
+depends on the base); resizing takes LoRA / LoCon (an SVD of their update).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from modules.lora_tools.architecture import (
+    LayerKey, Location, LoraToolError, ModelLayout, weight_locations)
+from modules.lora_tools.lora_files import (
+    LAYOUTS, AdapterLayer, delta, lora, read_lora, write_lora)
+from modules.lora_tools.streaming import copy_tree_except, rewrite, write_streamed
+from modules.util.atomic import atomic_file, atomic_write_dir
+
+LINEAR_ONLY = ("lora",)
+REFUSED = {  # operation -> why LoHa / LoKr / DoRA are refused
+    "merge-loras": "their updates are not a product of two matrices (LoHa, LoKr) or depend on "
+                   "the base weight (DoRA), so ranks cannot be concatenated: merge each into "
+                   "the base model instead (merge), then extract a LoRA from it",
+    "resize": "resizing is an SVD of a LoRA's up @ down; LoHa / LoKr / DoRA have no rank to cut "
+              "that way",
+    "convert": "the diffusers/peft layout has no LoHa / LoKr, and a DoRA's text-encoder "
+               "magnitudes are not read back by diffusers (docs/adapters.md): keep the kohya file",
+}
+
+
+@dataclass
+class Report:
+    """What a tool did: the file or folder written and one line per layer and overall."""
+    output: Path
+    lines: list[str] = field(default_factory=list)
+    per_layer: dict[str, float] = field(default_factory=dict)
+    overall: float | None = None
+
+    def text(self) -> str:
+        return "\n".join([*self.lines, f"written: {self.output}"])
+
+
+def check_new_output(path: str | Path, what: str = "--output") -> Path:
+    """The output path, refused when something is already there (nothing is overwritten)."""
+    path = Path(path)
+    if path.exists():
+        raise LoraToolError(f"{what} {path}: already exists; choose a new path (nothing was "
+                            "overwritten)")
+    if not path.parent.is_dir():
+        raise LoraToolError(f"{what} {path}: the folder {path.parent} does not exist")
+    return path
+
+
+def check_weight(value: float, what: str) -> float:
+    if not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise LoraToolError(f"{what}: weight {value!r} is not a finite number")
+    return float(value)
+
+
+def _refuse_kinds(path: Path, layers: dict[LayerKey, AdapterLayer], operation: str,
+                  allowed: tuple[str, ...] = LINEAR_ONLY) -> None:
+    kinds = sorted({layer.kind for layer in layers.values()} - set(allowed))
+    if kinds:
+        raise LoraToolError(f"{path}: {', '.join(k.upper() for k in kinds)} layers cannot be "
+                            f"used by {operation}: {REFUSED[operation]}")
+
+
+def _label(key: LayerKey) -> str:
+    return f"{key[0]}.{key[1]}"
+
+
+# --- merge into a base --------------------------------------------------------------------
+def merge_into_base(layout: ModelLayout, loras: list[tuple[Path, float]], output: Path) -> Report:
+    """Add each LoRA's update times its weight to the base's weights, one tensor at a time;
+    write a diffusers folder (from a folder base, `output` without .safetensors) or an ldm
+    single file (`output` .safetensors, from either kind of base)."""
+    output = check_new_output(output)
+    updates: dict[LayerKey, list[tuple[AdapterLayer, float]]] = {}
+    report = Report(output)
+    for path, weight in loras:
+        kind, layers = read_lora(path, layout)
+        check_weight(weight, str(path))
+        report.lines.append(f"{path}: {kind} layout, {len(layers)} layers, weight {weight:g}")
+        for key, layer in layers.items():
+            updates.setdefault(key, []).append((layer, weight))
+    locations = weight_locations(layout, list(updates))
+    by_file: dict[Path, dict[str, list[tuple[Location, LayerKey]]]] = {}
+    for key, location in locations.items():
+        by_file.setdefault(location.file, {}).setdefault(location.key, []).append((location, key))
+    changes = {file: {name: _change(parts, updates) for name, parts in keys.items()}
+               for file, keys in by_file.items()}
+    assert layout.path is not None
+    if layout.is_single_file:
+        if output.suffix.lower() != ".safetensors":
+            raise LoraToolError(f"--output {output}: a single-file base is merged into a "
+                                ".safetensors file")
+        with atomic_file(output) as tmp:
+            rewrite(layout.path, tmp, changes.get(layout.path, {}),
+                    {"tempera.merged_loras": ", ".join(p.name for p, _ in loras)})
+    elif output.suffix.lower() == ".safetensors":  # a folder written as one ldm file
+        from modules.lora_tools.to_single_file import single_file_entries
+        entries = single_file_entries(layout, changes)
+        with atomic_file(output) as tmp:
+            write_streamed(tmp, entries, {"tempera.merged_loras":
+                                          ", ".join(p.name for p, _ in loras)})
+    else:
+        base = layout.path
+
+        def write(tmp: Path) -> None:
+            copy_tree_except(base, tmp, set(changes))
+            for file, file_changes in changes.items():
+                rewrite(file, tmp / file.relative_to(base), file_changes)
+        atomic_write_dir(output, write)
+    report.lines.append(f"merged {len(updates)} layers into {layout.source}")
+    return report
+
+
+def _change(parts: list[tuple[Location, LayerKey]],
+            updates: dict[LayerKey, list[tuple[AdapterLayer, float]]]):
+    def apply(weight: torch.Tensor) -> torch.Tensor:
+        merged = weight.float()
+        for location, key in parts:
+            rows = slice(*location.rows) if location.rows else slice(None)
+            base = merged[rows]
+            update = torch.zeros_like(base)
+            for layer, w in updates[key]:
+                update += w * delta(layer, base).reshape(base.shape)
+            merged[rows] = base + update
+        return merged
+    return apply
+
+
+# --- merge several LoRAs into one ----------------------------------------------------------
+def merge_loras(layout: ModelLayout, loras: list[tuple[Path, float]], output: Path,
+                file_layout: str) -> Report:
+    """One LoRA whose update is the weighted sum of the inputs' updates, exactly: each layer's
+    ranks are concatenated (down stacked, up side by side with its scale and weight folded in),
+    so the result's rank at a layer is the sum of the inputs' ranks there (`resize` cuts it)."""
+    output = _check_lora_output(output, file_layout)
+    collected: dict[LayerKey, list[tuple[AdapterLayer, float]]] = {}
+    report = Report(output)
+    for path, weight in loras:
+        check_weight(weight, str(path))
+        _, layers = read_lora(path, layout)
+        _refuse_kinds(path, layers, "merge-loras")
+        for key, layer in layers.items():
+            collected.setdefault(key, []).append((layer, weight))
+    merged = {}
+    for key, parts in collected.items():
+        down = torch.cat([layer.tensors["lora_down.weight"].float() for layer, _ in parts])
+        up = torch.cat([layer.tensors["lora_up.weight"].float() * layer.scale * weight
+                        for layer, weight in parts], dim=1)
+        merged[key] = lora(down, up, float(down.shape[0]))  # alpha = rank: scale 1
+    write_lora(merged, output, file_layout, layout)
+    ranks = sorted({layer.rank for layer in merged.values()})
+    report.lines.append(f"merged {len(loras)} LoRAs exactly (ranks concatenated): "
+                        f"{len(merged)} layers, rank {'/'.join(map(str, ranks))}")
+    return report
+
+
+def _check_lora_output(output: Path, file_layout: str) -> Path:
+    if file_layout not in LAYOUTS:
+        raise LoraToolError(f"--layout {file_layout!r}: expected one of {', '.join(LAYOUTS)}")
+    output = check_new_output(output)
+    if output.suffix.lower() != ".safetensors":
+        raise LoraToolError(f"--output {output}: a LoRA file is written as .safetensors")
+    return output
+
+
+# --- SVD: resize and extract ---------------------------------------------------------------
+def low_rank(matrix: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(up, down, share of the squared Frobenius norm kept) of the best rank-`rank`
+    approximation of a 2-D matrix (Eckart–Young: its top singular values)."""
+    u, s, vh = torch.linalg.svd(matrix.double(), full_matrices=False)
+    total = float((s * s).sum())
+    kept = float((s[:rank] * s[:rank]).sum())
+    root = s[:rank].sqrt()
+    up = (u[:, :rank] * root).float()
+    down = (root[:, None] * vh[:rank]).float()
+    return up, down, kept / total if total > 0 else 1.0
+
+
+def _as_lora(key: LayerKey, shape: tuple[int, ...], matrix: torch.Tensor, rank: int
+             ) -> tuple[AdapterLayer, float, float]:
+    up, down, share = low_rank(matrix, rank)
+    if len(shape) == 4:
+        down = down.reshape(rank, *shape[1:])
+        up = up.reshape(shape[0], rank, 1, 1)
+    energy = float(matrix.double().pow(2).sum())
+    return lora(down.contiguous(), up.contiguous(), float(rank)), share, energy
+
+
+def resize(layout: ModelLayout, source: Path, output: Path, rank: int,
+           file_layout: str | None = None) -> Report:
+    """The LoRA at a lower rank, each layer its update's best approximation at that rank (an
+    SVD); the report gives each layer's relative error ‖ΔW − ΔW_r‖ / ‖ΔW‖."""
+    if rank < 1:
+        raise LoraToolError(f"--rank {rank}: must be at least 1")
+    kind, layers = read_lora(source, layout)
+    output = _check_lora_output(output, file_layout or kind)
+    _refuse_kinds(source, layers, "resize")
+    too_big = [f"{_label(k)} (rank {layer.rank})" for k, layer in layers.items()
+               if rank > layer.rank]
+    if too_big:
+        raise LoraToolError(f"--rank {rank}: larger than the rank of {len(too_big)} layer(s) of "
+                            f"{source}, e.g. {too_big[0]}; resizing only lowers a rank")
+    report = Report(output)
+    out = {}
+    for key, layer in layers.items():
+        up = layer.tensors["lora_up.weight"].flatten(1).double() * layer.scale
+        down = layer.tensors["lora_down.weight"].flatten(1).double()
+        new, share, _ = _as_lora(key, layout.shapes[key], up @ down, rank)
+        out[key] = new
+        error = math.sqrt(max(0.0, 1.0 - share))
+        report.per_layer[_label(key)] = error
+        report.lines.append(f"{_label(key)}: rank {layer.rank} -> {rank}, error {error:.2%}")
+    write_lora(out, output, file_layout or kind, layout)
+    return report
+
+
+def extract(layout: ModelLayout, tuned: ModelLayout, output: Path, rank: int,
+            conv_rank: int = 0, file_layout: str = "kohya", threshold: float = 0.0) -> Report:
+    """A LoRA of the difference tuned − base, each changed layer at `rank` (convolutions at
+    `conv_rank`; 0 leaves them out), by SVD; the report gives the share of each layer's
+    difference kept (of its squared Frobenius norm) and overall."""
+    from safetensors import safe_open
+    output = _check_lora_output(output, file_layout)
+    if rank < 1 or conv_rank < 0:
+        raise LoraToolError(f"--rank {rank} / --conv-rank {conv_rank}: rank must be at least 1, "
+                            "conv rank at least 0")
+    if tuned.model_type != layout.model_type or tuned.shapes != layout.shapes:
+        raise LoraToolError(f"{tuned.source}: is not the same architecture as the base "
+                            f"{layout.source} ({tuned.model_type.value} vs "
+                            f"{layout.model_type.value})")
+    wanted = [k for k, s in layout.shapes.items()
+              if (conv_rank if len(s) == 4 else rank) > 0 and not k[1].endswith(".conv_in")]
+    base_at, tuned_at = weight_locations(layout, wanted), weight_locations(tuned, wanted)
+
+    def difference(key: LayerKey) -> torch.Tensor:
+        return _read(tuned_at[key], safe_open) - _read(base_at[key], safe_open)
+
+    # two passes, one layer at a time: which layers changed, then their SVDs (a full
+    # fine-tune's differences would not fit in memory all at once)
+    changed = [key for key in wanted if float(difference(key).abs().max()) > threshold]
+    too_big = [f"{_label(k)} {layout.shapes[k]}" for k in changed
+               if (conv_rank if len(layout.shapes[k]) == 4 else rank)
+               > min(layout.shapes[k][0], math.prod(layout.shapes[k][1:]))]
+    if too_big:
+        raise LoraToolError(f"--rank {rank} / --conv-rank {conv_rank}: larger than "
+                            f"{len(too_big)} changed layer(s) allow, e.g. {too_big[0]} (a "
+                            "layer's rank is at most min(out, in x kernel))")
+    report, out = Report(output), {}
+    kept_energy = total_energy = 0.0
+    for key in changed:
+        shape = layout.shapes[key]
+        layer_rank = conv_rank if len(shape) == 4 else rank
+        out[key], share, energy = _as_lora(key, shape, difference(key).flatten(1),
+                                          layer_rank)
+        kept_energy, total_energy = kept_energy + share * energy, total_energy + energy
+        report.per_layer[_label(key)] = share
+        report.lines.append(f"{_label(key)}: rank {layer_rank}, kept {share:.2%}")
+    if not out:
+        raise LoraToolError(f"{tuned.source}: no layer differs from {layout.source}")
+    report.overall = kept_energy / total_energy
+    report.lines.append(f"{len(out)} layers differ; the LoRA keeps {report.overall:.2%} of the "
+                        "difference (squared Frobenius norm)")
+    write_lora(out, output, file_layout, layout)
+    return report
+
+
+def _read(location: Location, safe_open) -> torch.Tensor:
+    with safe_open(str(location.file), "pt") as f:
+        weight = f.get_tensor(location.key)
+    rows = slice(*location.rows) if location.rows else slice(None)
+    return weight[rows].float()
+
+
+# --- convert -------------------------------------------------------------------------------
+def convert(layout: ModelLayout, source: Path, output: Path, file_layout: str) -> Report:
+    """The same LoRA / LoCon in the other layout (exact: the same tensors, renamed)."""
+    kind, layers = read_lora(source, layout)
+    output = _check_lora_output(output, file_layout)
+    _refuse_kinds(source, layers, "convert")
+    write_lora(layers, output, file_layout, layout)
+    return Report(output, [f"{source}: {kind} -> {file_layout}, {len(layers)} layers"])
+
+
+# --- one entry for every front end -------------------------------------------------------------
+TOOLS = ("merge", "merge-loras", "extract", "resize", "convert")
+
+
+def parse_lora_arg(text: str) -> tuple[Path, float]:
+    """`file.safetensors[:weight]` (weight 1 when none is given); the weight must be a finite
+    number."""
+    path, sep, weight = text.strip().rpartition(":")
+    if not sep or "/" in weight or weight.endswith(".safetensors"):
+        return Path(text.strip()), 1.0
+    try:
+        value = float(weight)
+    except ValueError:
+        raise LoraToolError(f"{text}: the weight after ':' ({weight!r}) is not a number") from None
+    if not math.isfinite(value):
+        raise LoraToolError(f"{text}: the weight {weight!r} is not finite")
+    return Path(path), value
+
+
+def run_tool(command: str, *, output: str | Path, base: str | Path | None = None,
+             model_type: str | None = None, config_folder: str | Path | None = None,
+             loras: Sequence[tuple[Path, float]] = (), tuned: str | Path | None = None,
+             rank: int = 0, conv_rank: int = 0, threshold: float = 0.0,
+             layout: str | None = None) -> Report:
+    """Run one tool by name, as `tempera-lora <command>` and the app's LoRA tools tab ask."""
+    from modules.config.schema import ModelType
+    from modules.lora_tools.architecture import model_layout
+
+    if command not in TOOLS:
+        raise LoraToolError(f"unknown tool {command!r}; expected one of {', '.join(TOOLS)}")
+    if not loras and command != "extract":
+        raise LoraToolError(f"{command}: at least one LoRA file is needed (--lora)")
+    if command in ("merge", "extract") and not base:
+        raise LoraToolError(f"{command}: the base model is needed (--base)")
+    kind = ModelType(model_type) if model_type else None
+    found = model_layout(base or None, kind, config_folder or None)
+    output = Path(output)
+    if command == "merge":
+        return merge_into_base(found, list(loras), output)
+    if command == "merge-loras":
+        return merge_loras(found, list(loras), output, layout or "kohya")
+    if command == "extract":
+        if not tuned:
+            raise LoraToolError("extract: the fine-tuned model is needed (--tuned)")
+        other = model_layout(tuned, found.model_type, config_folder or None)
+        return extract(found, other, output, rank, conv_rank, layout or "kohya", threshold)
+    (source, _), *more = loras
+    if more:
+        raise LoraToolError(f"{command}: takes one LoRA file, {len(loras)} were given")
+    if command == "resize":
+        return resize(found, source, output, rank, layout)
+    if layout is None:
+        raise LoraToolError("convert: the layout to write is needed (--layout)")
+    return convert(found, source, output, layout)
