@@ -32,6 +32,7 @@ from modules.config.schema import Config, Optimizer, TrainingMethod
 from modules.model_types import MODEL_TYPES
 from modules.models.bundle import ModelBundle
 from modules.models.sd_folder import component_classes
+from modules.models.weight_storage import is_float8, stored_bytes
 
 GIB = 2 ** 30
 WARN_FRACTION = 0.9  # above this share of the card, activations will likely not fit
@@ -101,7 +102,8 @@ def optimizer_state_bytes(optimizer: Optimizer, params: Iterable[torch.Tensor]) 
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+    """Bytes the tensors hold (a float8-stored weight: 1 byte a value plus its scales)."""
+    return sum(stored_bytes(t) for t in tensors)
 
 
 # -------------------------------------------------------------- the plan on weightless copies
@@ -176,8 +178,14 @@ def plan_from(config: Config, bundle: ModelBundle, params: dict[str, list[nn.Par
     lines: list[tuple[str, int]] = []
     for name, module in bundle.components().items():
         frozen = [t for t in [*module.parameters(), *module.buffers()] if id(t) not in trained_ids]
+        float8 = [t for t in frozen if is_float8(t)]
+        frozen = [t for t in frozen if not is_float8(t)]
         if frozen:
             lines.append((f"{name} weights ({describe_tensors(frozen)})", tensor_bytes(frozen)))
+        if float8:  # model.weight_storage=FLOAT8
+            lines.append((f"{name} linear weights stored as float8 (e4m3, "
+                          f"{sum(t.numel() for t in float8):,} values, one fp32 scale per "
+                          "row)", tensor_bytes(float8)))
         if params.get(name):
             lines.append((f"{name} {what} ({describe_tensors(params[name])})",
                           tensor_bytes(params[name])))
