@@ -46,7 +46,7 @@ def make_config(cache: Path, out: Path, *overrides: str) -> Config:
 def runs(tempera_cache, tmp_path_factory):
     """The shared runs (2 steps each on the tiny model): float32 base, float8 base, float8
     stopped at step 1 and resumed, float8 under REGIONAL AOT_EAGER (dynamo's counters cleared
-    before it). Over 10 s in all: four short trainings, one compiled."""
+    before it; it also samples). Over 10 s in all: four short trainings, one compiled."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -59,7 +59,8 @@ def runs(tempera_cache, tmp_path_factory):
     counters.clear()
     try:
         train(make_config(tempera_cache, out["fp8_compiled"], FLOAT8, "compile.backend=AOT_EAGER",
-                          "compile.scope=REGIONAL", "compile.denoiser=true"),
+                          "compile.scope=REGIONAL", "compile.denoiser=true",
+                          'sampling.prompts=["a red square"]', "sampling.steps=2"),
               RecordingCallbacks())
         breaks = dict(counters["graph_break"])
     finally:
@@ -107,6 +108,7 @@ def test_float8_compiles_regional_aot_eager_without_graph_breaks(runs):
     assert report["effective"] == "AOT_EAGER" and report["scope"] == "REGIONAL", report
     assert report["compiled_code_ran"] and not report["degraded"], report
     assert breaks == {}, breaks
+    assert list((out["fp8_compiled"] / "samples").rglob("*.png"))  # sampling on the float8 base
 
 
 def test_quality_cost_against_the_full_precision_base(runs, tempera_cache):
@@ -172,3 +174,17 @@ def test_float8_field_is_greyed_for_a_full_fine_tune_while_off():
     # when on, validation asks to turn it off, so it stays editable
     on = apply_overrides(Config(), ["training.method=FINE_TUNE", FLOAT8])
     assert "model.weight_storage" not in unused_fields(on)
+
+
+def test_check_compilation_traces_the_float8_layers_without_breaks(tempera_cache, tmp_path):
+    """*Check compilation* stores the weights as training does, and finds no graph break in
+    the denoiser's blocks or the text encoder with float8 layers."""
+    from modules.train.setup.explain_run import explain_config
+
+    config = make_config(tempera_cache, tmp_path / "out", FLOAT8, "compile.backend=AOT_EAGER",
+                         "compile.scope=REGIONAL", "compile.text_encoder=true")
+    result = explain_config(config)
+    assert set(result) == {"unet", "text_encoder"}
+    for name, report in result.items():
+        assert report["regions"], name
+        assert all(r["graph_breaks"] == 0 for r in report["regions"]), (name, report["regions"])

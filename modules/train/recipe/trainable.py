@@ -51,6 +51,14 @@ def float8_components(config: Config) -> list[str]:
     return [spec.denoiser, *spec.text_encoders]
 
 
+def apply_weight_storage(bundle: ModelBundle, config: Config) -> None:
+    """Store the frozen weights as `model.weight_storage` says, on a bundle that is not made
+    trainable (*Check compilation* traces the layers training compiles); `prepare_trainable`
+    does the same on its way."""
+    for name in float8_components(config):
+        store_float8(bundle.component(name).requires_grad_(False))
+
+
 def weight_storage_record(bundle: ModelBundle, config: Config) -> dict:
     """run.json's `weight_storage`: how the frozen weights were kept (FLOAT8: which layers of
     which components, their bytes, the library)."""
