@@ -143,6 +143,12 @@ def test_refusal_offers_float8_storage_with_what_it_saves(tempera_cache, tmp_pat
     folder = ensure_builtin_model(config.model.path, tempera_cache)
     saved = (plan_memory(config, folder).total
              - plan_memory(make_config(tempera_cache, tmp_path / "out", FLOAT8), folder).total)
+    assert "model.weight_storage=FLOAT8" in memory_check.fix_candidates(config)
+    assert "model.weight_storage=FLOAT8" not in memory_check.fix_candidates(
+        make_config(tempera_cache, tmp_path / "out", FLOAT8))
+    # the other candidates are tests/train/test_memory_plan.py's: only this one is planned here
+    monkeypatch.setattr(memory_check, "fix_candidates",
+                        lambda config: ["model.weight_storage=FLOAT8"])
     monkeypatch.setattr(memory_check, "card_memory",
                         lambda device: CardMemory("Test GPU 1", 2 ** 20, 2 ** 20))
     with pytest.raises(ConfigError) as caught:
@@ -188,3 +194,15 @@ def test_check_compilation_traces_the_float8_layers_without_breaks(tempera_cache
     for name, report in result.items():
         assert report["regions"], name
         assert all(r["graph_breaks"] == 0 for r in report["regions"]), (name, report["regions"])
+
+
+def test_float8_is_refused_when_several_processes_train(tempera_cache, tmp_path, monkeypatch):
+    import modules.train.setup.prepare as prepare
+    from modules.train.setup.prepare import check_run
+
+    monkeypatch.setattr(prepare, "launched_distributed", lambda: True)
+    with pytest.raises(ConfigError) as caught:
+        check_run(make_config(tempera_cache, tmp_path / "out", FLOAT8), RecordingCallbacks())
+    [problem] = caught.value.problems
+    assert problem.path == "model.weight_storage" and "DistributedDataParallel" in str(problem)
+    assert not (tmp_path / "out").exists()  # nothing written
