@@ -149,8 +149,8 @@ class ModelConfig:
         help="How the frozen weights of the denoiser and text encoders are kept on the device. "
              "WEIGHT_DTYPE: at model.weight_dtype. FLOAT8: their linear layers stored as float8 "
              "e4m3 with one scale per output row (torchao: pip install torchao) and turned "
-             "back into model.weight_dtype inside each layer's forward, which a compiled block "
-             "fuses: about half the bytes of bfloat16, at a small cost in quality. LoRA only "
+             "back into model.weight_dtype inside each layer's forward (inside a compiled "
+             "block's graph): about half the bytes of bfloat16, at a small cost in quality. LoRA only "
              "(trained weights are never float8); convolutions, norms, embeddings and the VAE "
              "stay at model.weight_dtype. docs/memory.md has what it saves and costs.")
     tokenizer_path: str = setting(
