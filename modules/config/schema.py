@@ -141,18 +141,19 @@ class ModelConfig:
                                    "they are conditioned.")
     weight_dtype: DType = setting(DType.FLOAT32, label="Frozen weights dtype", group="Model",
                                   help="Data type of the weights that are not trained.")
-    train_dtype: DType = setting(DType.FLOAT32, label="Trained weights dtype", group="Model",
-                                 help="Data type of the weights being trained (the optimizer "
-                                      "keeps its state in this type).")
     weight_storage: WeightStorage = setting(
         WeightStorage.WEIGHT_DTYPE, label="Frozen weights storage", group="Model",
         help="How the frozen weights of the denoiser and text encoders are kept on the device. "
              "WEIGHT_DTYPE: at model.weight_dtype. FLOAT8: their linear layers stored as float8 "
              "e4m3 with one scale per output row (torchao: pip install torchao) and turned "
              "back into model.weight_dtype inside each layer's forward (inside a compiled "
-             "block's graph): about half the bytes of bfloat16, at a small cost in quality. LoRA only "
-             "(trained weights are never float8); convolutions, norms, embeddings and the VAE "
-             "stay at model.weight_dtype. docs/memory.md has what it saves and costs.")
+             "block's graph): about half the bytes of bfloat16, at a small cost in quality. "
+             "LoRA only (trained weights are never float8); convolutions, norms, embeddings "
+             "and the VAE stay at model.weight_dtype. docs/memory.md has what it saves and "
+             "costs.")
+    train_dtype: DType = setting(DType.FLOAT32, label="Trained weights dtype", group="Model",
+                                 help="Data type of the weights being trained (the optimizer "
+                                      "keeps its state in this type).")
     tokenizer_path: str = setting(
         "", label="Tokenizer folder", group="Model", path=True, advanced=True,
         on_resume=OnResume.MAY_CHANGE,
