@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from modules.config.adapters import ADAPTERS, OPTION_OFF
 from modules.config.optimizers import OPTIMIZERS
 from modules.config.schema import (Config, LRScheduler, PredictionType, TimestepSampling,
-                                   TrainingMethod)
+                                   TrainingMethod, WeightStorage)
 from modules.model_types import MODEL_TYPES
 
 
@@ -138,6 +138,10 @@ RULES: tuple[FieldRule, ...] = (
     FieldRule(SAMPLING_FIELDS, _has_prompts,
               lambda c: "there are no prompts, so nothing is sampled"),
     # greyed only while off: when on, validation asks to turn it off, so it stays editable
+    FieldRule(("model.weight_storage",),
+              lambda c: (c.training.method == TrainingMethod.LORA
+                         or c.model.weight_storage == WeightStorage.FLOAT8),
+              lambda c: "FINE_TUNE trains the weights themselves: float8 storage is for LoRA"),
     FieldRule(("validation.save_best",),
               lambda c: bool(c.validation.every_steps) or c.validation.save_best,
               lambda c: "validation is off (validation.every_steps is 0)"),

@@ -42,6 +42,11 @@ class DType(str, Enum):
     BFLOAT16 = "BFLOAT16"
 
 
+class WeightStorage(str, Enum):
+    WEIGHT_DTYPE = "WEIGHT_DTYPE"
+    FLOAT8 = "FLOAT8"
+
+
 class PredictionType(str, Enum):
     AUTO = "AUTO"
     EPSILON = "EPSILON"
@@ -141,6 +146,16 @@ class ModelConfig:
                                    "they are conditioned.")
     weight_dtype: DType = setting(DType.FLOAT32, label="Frozen weights dtype", group="Model",
                                   help="Data type of the weights that are not trained.")
+    weight_storage: WeightStorage = setting(
+        WeightStorage.WEIGHT_DTYPE, label="Frozen weights storage", group="Model",
+        help="How the frozen weights of the denoiser and text encoders are kept on the device. "
+             "WEIGHT_DTYPE: at model.weight_dtype. FLOAT8: their linear layers stored as float8 "
+             "e4m3 with one scale per output row (torchao: pip install torchao) and turned "
+             "back into model.weight_dtype inside each layer's forward (inside a compiled "
+             "block's graph): about half the bytes of bfloat16, at a small cost in quality. "
+             "LoRA only (trained weights are never float8); convolutions, norms, embeddings "
+             "and the VAE stay at model.weight_dtype. docs/memory.md has what it saves and "
+             "costs.")
     train_dtype: DType = setting(DType.FLOAT32, label="Trained weights dtype", group="Model",
                                  help="Data type of the weights being trained (the optimizer "
                                       "keeps its state in this type).")

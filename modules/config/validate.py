@@ -27,6 +27,7 @@ from modules.config.schema import (
     SaveFormat,
     TrainingMethod,
     ValidationConfig,
+    WeightStorage,
 )
 from modules.geometry import bucket_sizes, narrowest_non_square
 from modules.config.loss import TimestepSampling
@@ -56,6 +57,7 @@ def validate(config: Config) -> list[Problem]:
     problems += _check_noise_and_loss(config)
     problems += _check_objective_options(config)
     problems += _check_validation(config)
+    problems += _check_weight_storage(config)
     return problems
 
 
@@ -94,6 +96,22 @@ def _check_objective_options(config: Config) -> list[Problem]:
                                 "(FlowMatchEulerDiscreteScheduler); the others are DDPM "
                                 "samplers"))
     return problems
+
+
+def _check_weight_storage(config: Config) -> list[Problem]:
+    """FLOAT8 storage holds frozen weights only, through torchao (docs/memory.md)."""
+    if config.model.weight_storage != WeightStorage.FLOAT8:
+        return []
+    if config.training.method == TrainingMethod.FINE_TUNE:
+        return [Problem("model.weight_storage", "WEIGHT_DTYPE with FINE_TUNE", "FLOAT8",
+                        "a full fine-tune trains the weights themselves, and trained weights "
+                        "are never stored as float8 (its 3-bit mantissa would swallow the "
+                        "updates); use training.method=LORA, or model.weight_dtype=BFLOAT16")]
+    if importlib.util.find_spec("torchao") is None:
+        return [Problem("model.weight_storage", "WEIGHT_DTYPE (torchao is not installed)",
+                        "FLOAT8", "pip install torchao (or tempera[memory]), or use "
+                        "WEIGHT_DTYPE")]
+    return []
 
 
 def _check_noise_and_loss(config: Config) -> list[Problem]:

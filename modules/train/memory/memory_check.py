@@ -19,7 +19,7 @@ import torch
 from modules.config.overrides import apply_overrides
 from modules.config.optimizers import OPTIMIZERS
 from modules.config.problems import ConfigError, Problem
-from modules.config.schema import Config, DType, TrainingMethod
+from modules.config.schema import Config, DType, TrainingMethod, WeightStorage
 from modules.model_types import MODEL_TYPES
 from modules.train.memory.memory_plan import (WARN_FRACTION, MemoryPlan, gib, plan_from,
                                               plan_memory, weightless_trainable)
@@ -140,7 +140,8 @@ def fixes_sentence(config: Config, model_path: Path, plan: MemoryPlan,
 
 def fix_candidates(config: Config) -> list[str]:
     """`--set` overrides that may lower this config's plan: LoRA instead of a full fine-tune,
-    a leaner optimizer, not training a text encoder, no EMA, 16-bit weights."""
+    a leaner optimizer, not training a text encoder, no EMA, 16-bit weights, frozen weights
+    stored as float8 (LoRA, with torchao installed: its plan is computed with torchao)."""
     t, spec = config.training, MODEL_TYPES[config.model.type]
     found = []
     if t.method == TrainingMethod.FINE_TUNE:
@@ -154,6 +155,9 @@ def fix_candidates(config: Config) -> list[str]:
         found.append("model.weight_dtype=BFLOAT16")
     if t.method == TrainingMethod.FINE_TUNE and config.model.train_dtype == DType.FLOAT32:
         found.append("model.train_dtype=BFLOAT16")
+    if (t.method == TrainingMethod.LORA and config.model.weight_storage != WeightStorage.FLOAT8
+            and importlib.util.find_spec("torchao") is not None):
+        found.append("model.weight_storage=FLOAT8")
     return found
 
 

@@ -32,6 +32,7 @@ from modules.config.schema import Config, Optimizer, TrainingMethod
 from modules.model_types import MODEL_TYPES
 from modules.models.bundle import ModelBundle
 from modules.models.sd_folder import component_classes
+from modules.models.weight_storage import is_float8, stored_bytes
 from modules.train.recipe.text_cache import text_encoder_leaves_device
 
 GIB = 2 ** 30
@@ -102,7 +103,8 @@ def optimizer_state_bytes(optimizer: Optimizer, params: Iterable[torch.Tensor]) 
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+    """Bytes the tensors hold (a float8-stored weight: 1 byte a value plus its scales)."""
+    return sum(stored_bytes(t) for t in tensors)
 
 
 # -------------------------------------------------------------- the plan on weightless copies
@@ -178,13 +180,21 @@ def plan_from(config: Config, bundle: ModelBundle, params: dict[str, list[nn.Par
     leaves = text_encoder_leaves_device(config)
     for name, module in bundle.components().items():
         frozen = [t for t in [*module.parameters(), *module.buffers()] if id(t) not in trained_ids]
-        if frozen and leaves and name in bundle.text_encoders:
+        float8 = [t for t in frozen if is_float8(t)]
+        frozen = [t for t in frozen if not is_float8(t)]
+        if (frozen or float8) and leaves and name in bundle.text_encoders:
             # on the device only while the captions are cached, before the model moves there
-            lines.append((f"{name} weights ({describe_tensors(frozen)}; "
-                          f"{gib(tensor_bytes(frozen))} on the device only while its captions "
+            alone = frozen + float8
+            lines.append((f"{name} weights ({describe_tensors(alone)}; "
+                          f"{gib(tensor_bytes(alone))} on the device only while its captions "
                           "are cached, alone, before training)", 0))
+            float8 = []
         elif frozen:
             lines.append((f"{name} weights ({describe_tensors(frozen)})", tensor_bytes(frozen)))
+        if float8:  # model.weight_storage=FLOAT8
+            lines.append((f"{name} linear weights stored as float8 (e4m3, "
+                          f"{sum(t.numel() for t in float8):,} values, one fp32 scale per "
+                          "row)", tensor_bytes(float8)))
         if params.get(name):
             lines.append((f"{name} {what} ({describe_tensors(params[name])})",
                           tensor_bytes(params[name])))

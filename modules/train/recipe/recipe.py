@@ -59,7 +59,7 @@ from modules.train.validation.validation import (last_validated_step, validation
 from modules.train.validation.validation_set import build_validator
 from modules.train.recipe.trainable import (apply_denoiser_memory_format,
                                             enable_gradient_checkpointing, prepare_trainable,
-                                            trained_components)
+                                            trained_components, weight_storage_record)
 from modules.train.outputs.saving import hashes_base_model
 from modules.train.recipe.step_inputs import denoiser_input, encode_captions, encode_latents
 from modules.util.disk import DiskFull, guarded_write
@@ -115,6 +115,7 @@ class TrainingRecipe:
         torch.manual_seed(config.training.seed)
         trained = trained_components(config)
         params = prepare_trainable(bundle, config)
+        record.write(weight_storage=weight_storage_record(bundle, config))
         if config.training.gradient_checkpointing:
             enable_gradient_checkpointing(bundle, trained)
         # before the model moves: a text encoder that can leave the device encodes every

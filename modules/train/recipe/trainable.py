@@ -6,10 +6,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from modules.config.schema import Config, DType, TrainingMethod
+from modules.config.schema import Config, DType, TrainingMethod, WeightStorage
 from modules.model_types import MODEL_TYPES
 from modules.models.bundle import TORCH_DTYPES, ModelBundle
 from modules.models.families import family_of
+from modules.models.weight_storage import quiet_torchao_lora, storage_record, store_float8
 from modules.train.recipe.adapters import add_adapter
 
 
@@ -39,16 +40,47 @@ def component_dtypes(config: Config) -> dict[str, torch.dtype]:
     return dtypes
 
 
+def float8_components(config: Config) -> list[str]:
+    """The components whose frozen linear weights `model.weight_storage=FLOAT8` stores as
+    float8: the denoiser and the text encoders (the VAE stays at `model.weight_dtype`: it is
+    small and mostly convolutions). None for a full fine-tune (validation refuses it)."""
+    if (config.model.weight_storage != WeightStorage.FLOAT8
+            or config.training.method != TrainingMethod.LORA):
+        return []
+    spec = MODEL_TYPES[config.model.type]
+    return [spec.denoiser, *spec.text_encoders]
+
+
+def apply_weight_storage(bundle: ModelBundle, config: Config) -> None:
+    """Store the frozen weights as `model.weight_storage` says, on a bundle that is not made
+    trainable (*Check compilation* traces the layers training compiles); `prepare_trainable`
+    does the same on its way."""
+    for name in float8_components(config):
+        store_float8(bundle.component(name).requires_grad_(False))
+
+
+def weight_storage_record(bundle: ModelBundle, config: Config) -> dict:
+    """run.json's `weight_storage`: how the frozen weights were kept (FLOAT8: which layers of
+    which components, their bytes, the library)."""
+    float8 = float8_components(config)
+    if not float8:
+        return {"storage": WeightStorage.WEIGHT_DTYPE.value,
+                "dtype": config.model.weight_dtype.value}
+    return storage_record({name: bundle.component(name) for name in float8})
+
+
 def prepare_trainable(bundle: ModelBundle, config: Config) -> dict[str, list[nn.Parameter]]:
     """Freeze everything, then make the trained parts trainable; return their parameters.
 
     LoRA adds the configured peft adapter in place (train/recipe/adapters.py: LoRA, LoCon, LoHa, LoKr
     or DoRA) so each component keeps its class and its state-dict keys, which the compile
     engine and the savers rely on. Trainable tensors (full weights or adapters) are kept at
-    `model.train_dtype`.
+    `model.train_dtype`. With `model.weight_storage=FLOAT8` the frozen linear layers are stored
+    as float8 first (models/weight_storage.py), so the adapters wrap the float8 layers.
     """
     trained = trained_components(config)
     dtypes = component_dtypes(config)
+    float8 = float8_components(config)
     train_dtype = TORCH_DTYPES[config.model.train_dtype]
     params: dict[str, list[nn.Parameter]] = {}
     for name, module in bundle.components().items():
@@ -56,12 +88,15 @@ def prepare_trainable(bundle: ModelBundle, config: Config) -> dict[str, list[nn.
         if module.dtype != dtypes[name]:
             module.to(dtype=dtypes[name])
         module.eval()
+        if name in float8:
+            store_float8(module)
         if name not in trained:
             continue
         if config.training.method == TrainingMethod.LORA:
             denoiser = name == bundle.denoiser_name
-            add_adapter(module, config, denoiser=denoiser,
-                        scope=family_of(bundle.model_type).lora_scope if denoiser else None)
+            with quiet_torchao_lora():
+                add_adapter(module, config, denoiser=denoiser,
+                            scope=family_of(bundle.model_type).lora_scope if denoiser else None)
         else:
             module.requires_grad_(True)
         trainable = [p for p in module.parameters() if p.requires_grad]

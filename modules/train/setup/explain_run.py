@@ -24,8 +24,8 @@ from modules.paths import cache_dir_for
 from modules.train.recipe.builders import pick_device
 from modules.train.setup.inputs import check_inputs
 from modules.train.recipe.compile_guard import COMPILE_DENOISER
-from modules.train.recipe.trainable import (apply_denoiser_memory_format, component_dtypes,
-                                            denoiser_memory_format)
+from modules.train.recipe.trainable import (apply_denoiser_memory_format, apply_weight_storage,
+                                            component_dtypes, denoiser_memory_format)
 
 
 def _example_inputs(bundle, config: Config, device: torch.device) -> dict[str, tuple]:
@@ -63,6 +63,7 @@ def explain_config(config: Config) -> dict[str, Any]:
     path = resolve_model_path(config.model.path, cache_dir_for(config.general.cache_dir))
     # the loading training does (a single file included)
     bundle = load_bundle(path, config.model, component_dtypes(config))
+    apply_weight_storage(bundle, config)  # float8 layers, as training stores them
     for module in bundle.components().values():
         module.to(device).eval()
     apply_denoiser_memory_format(bundle, config)  # the layout training compiles with

@@ -34,7 +34,7 @@ from modules.train.recipe.loss_checks import family_problems, model_problems
 from modules.train.setup.output_lock import busy_message
 from modules.train.validation.validation_set import ValidationImages, choose_validation
 from modules.util.errors import first_line
-from modules.train.recipe.trainable import component_dtypes
+from modules.train.recipe.trainable import component_dtypes, float8_components
 
 
 @dataclass
@@ -131,6 +131,12 @@ def check_run(config: Config, callbacks: TrainerCallbacks) -> CheckedRun:
     model_path = resolve_model_path(config.model.path, cache_dir)
     resolved.model.path = str(model_path)
     resume = check_resume(resolved, callbacks)
+    if float8_components(resolved) and launched_distributed():
+        raise ConfigError([Problem(
+            "model.weight_storage", "WEIGHT_DTYPE with several processes", "FLOAT8",
+            "float8 weight storage is not tested with DistributedDataParallel yet (its "
+            "broadcast of every weight at the start meets torchao's float8 tensors); train "
+            "in one process, or use WEIGHT_DTYPE")])
     # before the model is loaded or anything reaches the GPU: a run that cannot fit stops here
     memory = check_memory(resolved, model_path, pick_device(config.general.device),
                           distributed=launched_distributed())
