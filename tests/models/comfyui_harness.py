@@ -21,6 +21,12 @@ import pytest
 STAND_INS = ("torchvision",)
 
 
+def _empty_class(attr: str) -> type:
+    if attr.startswith("__"):  # what inspection asks a module (__file__, __spec__ ...)
+        raise AttributeError(attr)
+    return type(attr, (), {})
+
+
 class _StandIn(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Empty modules for `STAND_INS` (any attribute is an empty class)."""
 
@@ -32,7 +38,7 @@ class _StandIn(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def create_module(self, spec):
         module = types.ModuleType(spec.name)
         module.__path__ = []
-        module.__getattr__ = lambda attr: type(attr, (), {})
+        module.__getattr__ = _empty_class
         return module
 
     def exec_module(self, module):
@@ -47,17 +53,23 @@ def import_comfyui(checkout: Path) -> types.SimpleNamespace:
         pytest.importorskip(package, reason=f"ComfyUI needs {package} (pip install {package})")
     if str(checkout) not in sys.path:
         sys.path.insert(0, str(checkout))
-    if not any(isinstance(finder, _StandIn) for finder in sys.meta_path):
-        sys.meta_path.append(_StandIn())
-    import comfy.options
-    comfy.options.enable_args_parsing()
+    # transformers decides once, at its import, whether torchvision is installed: let it see
+    # the truth before the stand-in exists, and take the stand-in away once ComfyUI is in
+    import transformers.utils.import_utils  # noqa: F401
+    stand_in = _StandIn()
+    sys.meta_path.append(stand_in)
     argv, sys.argv = sys.argv, ["comfyui", "--cpu"]
     try:
+        import comfy.options
+        comfy.options.enable_args_parsing()
         import comfy.lora
         import comfy.model_base
         import comfy.model_detection
         import comfy.utils
     finally:
         sys.argv = argv
+        sys.meta_path.remove(stand_in)
+        for name in [n for n in sys.modules if n.split(".")[0] in STAND_INS]:
+            del sys.modules[name]  # ComfyUI's modules keep theirs; nothing else sees one
     return types.SimpleNamespace(lora=comfy.lora, utils=comfy.utils, model_base=comfy.model_base,
                                  model_detection=comfy.model_detection)
