@@ -15,8 +15,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="GUI settings file (default $XDG_CONFIG_HOME/tempera/ui.json, "
                              "else ~/.config/tempera/ui.json)")
     args = parser.parse_args(argv)
-    from modules.frontend import silence_torchvision_fallback_warnings
-    silence_torchvision_fallback_warnings()  # a warning about a package we never use
+    from modules.frontend import silence_library_noise
+    silence_library_noise()  # warnings about packages we never use (modules/util/library_noise.py)
     try:
         from app.window import TemperaApp
         app = TemperaApp(settings_path=args.settings, initial_preset=args.config)

@@ -37,7 +37,8 @@ from modules.train.state.resume_offer import ResumeOffer, finished_run_problem, 
 from modules.train.recipe.schedules import schedule_curve
 from modules.util.atomic import atomic_write_text
 from modules.util.duration import format_duration
-from modules.util.library_noise import silence_torchvision_fallback_warnings
+from modules.util.library_noise import (silence_library_noise,
+                                         silence_torchvision_fallback_warnings)
 
 # Names read on first use (`__getattr__`): importing them imports torch.
 _LAZY = {"TrainingError": "modules.train.trainer", "TrainingAborted": "modules.train.trainer",
@@ -151,5 +152,5 @@ __all__ = [  # noqa: F822
     "expected_compile", "explain", "final_weights_step",
     "finished_run_problem", "format_duration", "latest_samples", "list_backups", "load_engine",
     "machine_capabilities", "read_run_status", "resume_offer", "schedule_curve",
-    "silence_torchvision_fallback_warnings", "train", "unused_fields",
+    "silence_library_noise", "silence_torchvision_fallback_warnings", "train", "unused_fields",
 ]

@@ -166,7 +166,7 @@ def walk(screen: str, out: Path, journey: bool = False) -> list[str]:
         from app.window import TemperaApp
         from modules import frontend
         from tests.app import xdo
-        frontend.silence_torchvision_fallback_warnings()  # as tempera-ui does
+        frontend.silence_library_noise()  # as tempera-ui does
         check = Checks()
         work = Path(tempfile.mkdtemp(prefix="tempera-walk-"))
         gate = threading.Event()  # the engine loads once the start-up checks are done

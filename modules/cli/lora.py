@@ -103,7 +103,9 @@ def run(args: argparse.Namespace):
 
 def main(argv: list[str] | None = None) -> int:
     from modules.lora_tools.architecture import LoraToolError
+    from modules.util.library_noise import silence_library_noise
     args = parse_args(argv)
+    silence_library_noise()  # warnings about packages we never use (modules/util/library_noise.py)
     try:
         report = run(args)
     except LoraToolError as error:

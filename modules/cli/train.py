@@ -60,8 +60,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from modules.frontend import silence_torchvision_fallback_warnings
-    silence_torchvision_fallback_warnings()  # a warning about a package we never use
+    from modules.frontend import silence_library_noise
+    silence_library_noise()  # warnings about packages we never use (modules/util/library_noise.py)
     from modules.config import ConfigError, apply_overrides, load_config
     from modules.events import TrainerCommands
     from modules.frontend import TrainingAborted, TrainingError, train

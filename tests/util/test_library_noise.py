@@ -1,6 +1,7 @@
 """transformers' "requires torchvision" warnings are silenced, and only those (issue 33 item 8 i)."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import subprocess
@@ -48,3 +49,43 @@ def test_a_runs_output_no_longer_contains_them(tmp_path, tempera_cache):
     assert done.returncode == 0, output[-3000:]
     assert (tmp_path / "out" / "samples" / "step-000001-0.png").is_file()  # it did sample
     assert "requires torchvision" not in output, output[-3000:]
+    if importlib.util.find_spec("torchao") is not None:  # the `memory` extra: make test has it
+        for noise in ("torchao/_C", "is an Enum subclass", "Unable to import `torchao`"):
+            assert noise not in output, output[-3000:]
+
+
+def test_only_the_torchao_import_messages_are_dropped(monkeypatch):
+    """Importing diffusers with torchao installed prints these in every process (issue 46's
+    `memory` extra); a CUDA kernel library that fails to load on a CUDA build still shows."""
+    import torch
+
+    from modules.util.library_noise import silence_torchao_import_noise
+    silence_torchao_import_noise()
+    silence_torchao_import_noise()  # a second call adds no second filter
+    kernels = logging.getLogger("torchao")
+    pytree = logging.getLogger("torch.utils._pytree")  # torch's loggers do not propagate
+    quantizer = logging.getLogger("diffusers.quantizers.torchao.torchao_quantizer")
+    assert len(kernels.filters) == len(pytree.filters) == len(quantizer.filters) == 1
+    shown: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            shown.append(record.getMessage())
+
+    for logger in (kernels, pytree, quantizer):
+        monkeypatch.setattr(logger, "handlers", [Keep()])
+        monkeypatch.setattr(logger, "propagate", False)
+        monkeypatch.setattr(logger, "level", logging.WARNING)
+    failed = ("Failed to load /v/site-packages/torchao/_C_mxfp8.cpython-310-x86_64-linux-gnu.so: "
+              "Could not load this library: ...")
+    monkeypatch.setattr(torch.version, "cuda", None)
+    kernels.warning(failed)
+    pytree.warning("<enum 'KernelPreference'> is an Enum subclass and is now natively "
+                   "supported by torch.compile as an opaque value type. ...")
+    quantizer.warning("Unable to import `torchao` Tensor objects. This may affect ...")
+    kernels.warning("Skipping import of cpp extensions due to incompatible torch version.")
+    pytree.warning("something else in pytree")
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    kernels.warning(failed)  # with CUDA, a kernel that cannot load matters
+    assert shown == ["Skipping import of cpp extensions due to incompatible torch version.",
+                     "something else in pytree", failed]
