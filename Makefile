@@ -23,11 +23,11 @@ $(STAMP): pyproject.toml requirements/constraints.txt
 demo: $(STAMP)
 	$(PY) scripts/train.py --config training_presets/demo.json
 
-# On every core (pytest-xdist, at most 4 workers); the window tests and those marked `exclusive`
-# run in one group on one worker (tests/conftest.py). --durations shows the slowest tests.
+# On every core (pytest-xdist, at most 4 workers): a test file is one unit of work, and the
+# window tests are one unit (tests/conftest.py). --durations shows the slowest tests.
 test: $(STAMP) lint
 	bash scripts/ensure_xvfb.sh
-	$(PY) -m pytest -n auto --maxprocesses=4 --dist loadgroup
+	$(PY) -m pytest -n auto --maxprocesses=4
 
 # ruff's small bug-finding rule set (pyproject.toml), run first by `make test` and CI.
 lint: $(STAMP)

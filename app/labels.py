@@ -11,7 +11,8 @@ from enum import Enum
 from modules.config.schema import (Adapter, CompileBackend, CompileMode, CompileScope, Device,
                                    DType, DynamicShapes, HuberSchedule, LossType, LRScheduler,
                                    MixedPrecision, Optimizer, PredictionType, Sampler,
-                                   SaveDType, SaveFormat, TrainingMethod)
+                                   SaveDType, SaveFormat, TimestepSampling, TrainingMethod,
+                                   WeightStorage)
 from modules.config.optimizers import OPTIMIZERS
 from modules.frontend import BACKENDS, MODEL_TYPES, ModelType
 
@@ -50,6 +51,10 @@ ENUM_LABELS: dict[type[Enum], dict[Enum, str]] = {
                LossType.SMOOTH_L1: "Smooth L1"},
     HuberSchedule: {HuberSchedule.CONSTANT: "Constant", HuberSchedule.EXPONENTIAL: "Exponential",
                     HuberSchedule.SNR: "By SNR"},
+    TimestepSampling: {TimestepSampling.UNIFORM: "Uniform",
+                       TimestepSampling.LOGIT_NORMAL: "Logit-normal"},
+    WeightStorage: {WeightStorage.WEIGHT_DTYPE: "As the weight dtype",
+                    WeightStorage.FLOAT8: "float8 (linear layers)"},
 }
 
 

@@ -24,33 +24,28 @@ if _WORKERS > 1:
     for _name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TORCHINDUCTOR_COMPILE_THREADS"):
         os.environ.setdefault(_name, _SHARE)
 
-# How `--dist loadgroup` spreads the tests over the workers (tests/conftest.py is the only place):
-# - the window tests (one Xvfb, real pointer input, waits a busy core would stretch) and whatever
-#   a module marks `@pytest.mark.exclusive` run in one group, on one worker, one at a time;
-# - the tests of a file that share a module- or class-scoped fixture (one training run read by
-#   several tests) stay together, or each worker would build the fixture again;
-# - every other test goes wherever a worker is free.
-EXCLUSIVE_GROUP = "exclusive"
-SHARED_SCOPES = {"module", "class", "package"}
+# How `make test` spreads the tests over its xdist workers (this hook is the only place). A work
+# unit is a whole test file, so the tests of a file that share a module-scoped fixture (one
+# training run read by several tests) are not split and the fixture is built once; all the
+# window tests are one unit (one Xvfb, real pointer input, waits that a second window test on a
+# busy core would stretch), run one after another on one worker. xdist's own `loadgroup` cannot
+# do this with pytest 9.2 (it renames items through `_nodeid`, which pytest 9.2 no longer reads).
+WINDOW_TESTS = "tests/app/"
 
 
-def xdist_group_of(item, app_tests: str) -> str | None:
-    if str(item.fspath).startswith(app_tests) or item.get_closest_marker("exclusive"):
-        return EXCLUSIVE_GROUP
-    fixtures = getattr(item, "_fixtureinfo", None)
-    if fixtures is not None and any(d.scope in SHARED_SCOPES
-                                    for defs in fixtures.name2fixturedefs.values() for d in defs):
-        return item.nodeid.split("::")[0]
-    return None
+def work_unit(nodeid: str) -> str:
+    return WINDOW_TESTS if nodeid.startswith(WINDOW_TESTS) else nodeid.split("::")[0]
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config, items):
-    app_tests = os.path.join(os.path.dirname(__file__), "app") + os.sep
-    for item in items:
-        group = xdist_group_of(item, app_tests)
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFileWindowsTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return ByFileWindowsTogether(config, log)
 
 
 def pytest_addoption(parser):
