@@ -237,7 +237,7 @@ def test_every_job_of_every_phase_builds_its_command_at_full_size(tmp_path):
         ctx = Context(phase=phase.key, device="cuda", tiny=False, out=tmp_path / "out",
                       work=tmp_path / "work", budget_s=540, parallel=6,
                       rows=[{"job": f"build-{key}", "path": f"/models/{key}"}
-                            for key in ("sd15", "sdxl")])
+                            for key in ("sd15", "sdxl", "zimage")])
         for job in phase_jobs(phase, tiny=False):
             folder = ctx.job_dir(job.name)
             folder.mkdir(parents=True)

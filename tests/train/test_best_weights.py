@@ -32,7 +32,8 @@ SETTINGS = ("validation.every_steps=1", "validation.split_ratio=0.25", "validati
 def scripted_scores(monkeypatch):
     """Replace the validation score with `scores[step]` (the weights are still real)."""
     scores: dict[int, float | None] = {}
-    monkeypatch.setattr(validation, "score", lambda run, loss_fn: scores[run.step])
+    monkeypatch.setattr(validation, "score", lambda run, loss_fn, should_stop=None:
+                        (scores[run.step], validation.PassDone(scored=1, total=1)))
     return scores
 
 
@@ -121,11 +122,11 @@ def test_an_interrupted_save_leaves_the_previous_best(tiny_config, tmp_path, scr
     real = weights_module.write_lora_diffusers
     calls = []
 
-    def fails_the_second_time(bundle, config, folder):
+    def fails_the_second_time(bundle, config, folder, *rest):
         calls.append(folder)
         if len(calls) == 2:
             raise OSError("the machine went away")
-        return real(bundle, config, folder)
+        return real(bundle, config, folder, *rest)
 
     monkeypatch.setattr(weights_module, "write_lora_diffusers", fails_the_second_time)
     config = tiny_config(*SETTINGS, "output.save_every_steps=0",

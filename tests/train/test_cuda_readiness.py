@@ -90,7 +90,7 @@ def test_cached_text_encoder_outputs_are_copies_not_views(tiny_config):
     cache = TextEncoderCache(bundle, torch.device("cpu"))
     cache.encode(["a red circle", "a blue square"])
     storages = set()
-    for hidden, pooled in cache.entries.values():
+    for hidden, pooled, _length in cache.entries.values():  # (hidden, pooled, token length)
         assert not hidden._is_view() and pooled is None
         storages.add(hidden.untyped_storage().data_ptr())
     assert len(storages) == 2  # one storage per caption, not one batch shared by both

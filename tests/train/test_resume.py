@@ -302,7 +302,9 @@ def test_overwrite_starts_clean_and_leaves_the_users_own_files(tiny_config):
     train(second, callbacks)
     # only the new run's sample (its final one, at step 1): the old run's step 2 is gone
     assert [p.name for p in (output / "samples").iterdir()] == ["step-000001-0.png"]
-    assert not list_backups(output)  # no old backup for --resume latest to pick
+    # no old backup for --resume latest to pick: the one left is the new run's, at its end
+    # (a finished run keeps one there for Continue)
+    assert [step for step, _ in list_backups(output)] == [1]
     assert len(list((output / "tensorboard").iterdir())) == 1  # one run's event file
     assert (output / "notes.txt").read_text() == "mine"
     # the old run's checkpoints are gone too (they would sit beside the new run's, outside

@@ -65,7 +65,8 @@ def test_only_the_torchao_import_messages_are_dropped(monkeypatch):
     kernels = logging.getLogger("torchao")
     pytree = logging.getLogger("torch.utils._pytree")  # torch's loggers do not propagate
     quantizer = logging.getLogger("diffusers.quantizers.torchao.torchao_quantizer")
-    assert len(kernels.filters) == len(pytree.filters) == len(quantizer.filters) == 1
+    for logger in (kernels, pytree, quantizer):  # torch keeps filters of its own on its loggers
+        assert sum(type(f).__name__ == "_DropMatching" for f in logger.filters) == 1
     shown: list[str] = []
 
     class Keep(logging.Handler):
