@@ -24,6 +24,7 @@ from modules.config.schema import (
     MixedPrecision,
     PredictionType,
     SaveFormat,
+    TrainingConfig,
     TrainingMethod,
     ValidationConfig,
 )
@@ -222,7 +223,7 @@ def _check_optimizer(config: Config) -> list[Problem]:
     return []
 
 
-def _check_warmup(t) -> list[Problem]:
+def _check_warmup(t: TrainingConfig) -> list[Problem]:
     """The warm-up is set one way: as steps or as a ratio of the run."""
     if t.lr_warmup_ratio and t.lr_warmup_steps:
         return [Problem("training.lr_warmup_ratio", "0 while training.lr_warmup_steps is set",
