@@ -6,12 +6,19 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from modules.config.schema import DType, ModelType, PredictionType
 from modules.model_types import MODEL_TYPES
+
+if TYPE_CHECKING:
+    # What the components are. diffusers' classes are Any to mypy (pyproject.toml says why);
+    # transformers' are typed.
+    from diffusers import AutoencoderKL, ModelMixin, SchedulerMixin
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 TORCH_DTYPES = {DType.FLOAT32: torch.float32, DType.FLOAT16: torch.float16,
                 DType.BFLOAT16: torch.bfloat16}
@@ -24,11 +31,11 @@ class ModelBundle:
     denoiser (its name is the family's, e.g. "unet"), the VAE, the text encoder(s)."""
     model_type: ModelType
     path: Path
-    denoiser: nn.Module
-    vae: nn.Module
-    text_encoders: dict[str, nn.Module]
-    tokenizers: dict[str, object]
-    noise_scheduler: object
+    denoiser: ModelMixin
+    vae: AutoencoderKL
+    text_encoders: dict[str, PreTrainedModel]
+    tokenizers: dict[str, PreTrainedTokenizerBase]
+    noise_scheduler: SchedulerMixin
 
     @property
     def denoiser_name(self) -> str:
@@ -54,7 +61,7 @@ class ModelBundle:
         return vae_downscale(self.vae)
 
 
-def vae_downscale(vae: nn.Module) -> int:
+def vae_downscale(vae: AutoencoderKL) -> int:
     """The VAE's spatial reduction: one halving per down block after the first."""
     return 2 ** (len(vae.config.block_out_channels) - 1)
 

@@ -11,13 +11,16 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from modules.model_types import MODEL_TYPES, ModelType, ModelTypeSpec
 from modules.models.bundle import ModelBundle
+
+if TYPE_CHECKING:
+    from diffusers import ModelMixin, SchedulerMixin
 
 # (hidden states, pooled embedding or None) for a list of captions
 TextEmbeddings = tuple[torch.Tensor, "torch.Tensor | None"]
@@ -42,7 +45,7 @@ class Objective:
     noisy_and_target: Callable[[ModelBundle, torch.Tensor, torch.Tensor, torch.Tensor],
                                tuple[torch.Tensor, torch.Tensor]]
     snr: Callable[[ModelBundle, torch.Tensor], torch.Tensor] | None = None
-    zero_terminal_snr: Callable[[Any], Any] | None = None
+    zero_terminal_snr: Callable[[SchedulerMixin], SchedulerMixin] | None = None
 
 
 @dataclass(frozen=True)
@@ -105,7 +108,7 @@ class ModelFamily:
                                  tuple[tuple, dict[str, Any]]]
     objective: Objective
     build_tiny: Callable[[Path, int], Path]
-    enable_gradient_checkpointing: Callable[[nn.Module], None] = (
+    enable_gradient_checkpointing: Callable[[ModelMixin], None] = (
         lambda module: module.enable_gradient_checkpointing())
     fp16_vae_overflows: bool = False
     identify_folder: Callable[[Path], tuple[ModelType, str]] | None = None

@@ -61,6 +61,8 @@ def added_conditioning(hidden: torch.Tensor, pooled: torch.Tensor, sizes: dict
 
 def conditioning(hidden: torch.Tensor, pooled: torch.Tensor | None, batch: dict,
                  height: int, width: int) -> dict[str, Any]:
+    if pooled is None:  # encode_text always gives it; the UNet cannot run without it
+        raise ValueError("SDXL's UNet is conditioned on the pooled text embedding; none given")
     return added_conditioning(hidden, pooled, size_conditioning(batch, height, width))
 
 
