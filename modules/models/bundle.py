@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
 from modules.config.schema import DType, ModelType, PredictionType
 from modules.model_types import MODEL_TYPES
@@ -41,14 +40,14 @@ class ModelBundle:
     def denoiser_name(self) -> str:
         return MODEL_TYPES[self.model_type].denoiser
 
-    def component(self, name: str) -> nn.Module:
+    def component(self, name: str) -> ModelMixin | PreTrainedModel:
         if name == self.denoiser_name:
             return self.denoiser
         if name == "vae":
             return self.vae
         return self.text_encoders[name]
 
-    def components(self) -> dict[str, nn.Module]:
+    def components(self) -> dict[str, ModelMixin | PreTrainedModel]:
         return {self.denoiser_name: self.denoiser, **self.text_encoders, "vae": self.vae}
 
     @property
