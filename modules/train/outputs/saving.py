@@ -45,6 +45,8 @@ def write_lora_diffusers(bundle: ModelBundle, config: Config, folder: Path) -> P
     from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
     from peft.utils import get_peft_model_state_dict
 
+    from modules.models.kohya import adapter_config
+
     pipeline_cls = {"StableDiffusionPipeline": StableDiffusionPipeline,
                     "StableDiffusionXLPipeline": StableDiffusionXLPipeline}[
         MODEL_TYPES[config.model.type].pipeline_class]
@@ -56,7 +58,7 @@ def write_lora_diffusers(bundle: ModelBundle, config: Config, folder: Path) -> P
         rename = clip_key_with_text_model if name.startswith("text_encoder") else str
         layers = cast_for_saving(get_peft_model_state_dict(module), lora_save_dtype(config), name)
         kwargs[f"{name}_lora_layers"] = {rename(k): v for k, v in layers.items()}
-        kwargs[f"{name}_lora_adapter_metadata"] = module.peft_config["default"].to_dict()
+        kwargs[f"{name}_lora_adapter_metadata"] = adapter_config(module).to_dict()
     pipeline_cls.save_lora_weights(save_directory=folder, weight_name=LORA_WEIGHT_NAME,
                                    safe_serialization=True, **kwargs)
     return folder / LORA_WEIGHT_NAME
@@ -94,7 +96,8 @@ def write_card(card: dict, path: Path, replaces: Path | None,
     backup = path.with_name(path.name + ".bak")
     if update is not None and update.backup is not None:
         backup.write_text(update.backup, encoding="utf-8")
-        warn(update.warning)
+        if update.warning:  # merge_card sets it with the backup
+            warn(update.warning)
     elif replaces and (replaces / backup.name).is_file():
         shutil.copy2(replaces / backup.name, backup)
     path.write_text(json.dumps(card, indent=4, ensure_ascii=False) + "\n", encoding="utf-8")

@@ -40,5 +40,8 @@ class TextEncoderCache:
                 self.entries[caption] = fresh[caption]
         rows = [self.entries.get(c) or fresh[c] for c in captions]
         hidden = torch.stack([h for h, _ in rows])
-        pooled = None if rows[0][1] is None else torch.stack([p for _, p in rows])
+        pooled_rows = [p for _, p in rows if p is not None]
+        if pooled_rows and len(pooled_rows) != len(rows):  # a family pools every caption or none
+            raise ValueError("some captions have a pooled text embedding and some have none")
+        pooled = torch.stack(pooled_rows) if pooled_rows else None
         return hidden, pooled

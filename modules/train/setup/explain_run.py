@@ -64,7 +64,7 @@ def explain_config(config: Config) -> dict[str, Any]:
     # the loading training does (a single file included)
     bundle = load_bundle(path, config.model, component_dtypes(config))
     for module in bundle.components().values():
-        module.to(device).eval()
+        module.to(device).eval()  # type: ignore[arg-type]  # transformers' @wraps'd .to
     apply_denoiser_memory_format(bundle, config)  # the layout training compiles with
     examples = _example_inputs(bundle, config, device)
     wanted = {COMPILE_DENOISER: config.compile.denoiser,

@@ -43,6 +43,13 @@ COMPILE_NOTE = ("eager: compiled code is bypassed while validating, so the train
                 "are never recompiled (validation's forwards run uncompiled)")
 
 
+def validator_of(run: Run) -> Validator:
+    """The run's validation set; what follows runs only when validation is on."""
+    if run.validator is None:
+        raise RuntimeError("validation is off in this run (no validation images)")
+    return run.validator
+
+
 def fixed_timesteps(count: int, train_timesteps: int, low: int = 0,
                     high: int | None = None) -> list[int]:
     """`count` evenly spaced timesteps: the middles of `count` equal parts of the timesteps
@@ -54,7 +61,7 @@ def fixed_timesteps(count: int, train_timesteps: int, low: int = 0,
 def run_timesteps(run: Run) -> list[int]:
     """The run's fixed validation timesteps, inside its loss.min/max_timestep range."""
     loss = run.config.loss
-    return fixed_timesteps(run.validator.timestep_count,
+    return fixed_timesteps(validator_of(run).timestep_count,
                            run.family.objective.train_timesteps(run.bundle),
                            loss.min_timestep, loss.max_timestep)
 
@@ -81,7 +88,7 @@ def best_point(history: list[list]) -> tuple[int | None, float | None]:
 
 def validation_record(run: Run) -> dict:
     """run.json's `validation` section, from the training state's history."""
-    validator = run.validator
+    validator = validator_of(run)
     step, loss = best_point(run.state.validation)
     return {"every_steps": run.config.validation.every_steps, "images": validator.count,
             "origin": validator.images.origin,
@@ -97,7 +104,7 @@ def validation_pass(run: Run, loss_fn: LossFn) -> float | None:
     started = time.perf_counter()
     loss = score(run, loss_fn)
     seconds = time.perf_counter() - started  # the first pass also loads and encodes the images
-    run.validator.last_seconds = seconds
+    validator_of(run).last_seconds = seconds
     run.state.validation.append([run.step, loss])
     if not run.dist.is_main:
         return loss
@@ -107,7 +114,7 @@ def validation_pass(run: Run, loss_fn: LossFn) -> float | None:
     if run.writer and loss is not None:
         run.writer.add_scalar("validation/loss", loss, run.step)
     run.callbacks.on_validation(ValidationScore(run.step, loss, best_step, best_loss,
-                                                run.validator.count))
+                                                validator_of(run).count))
     shown = "not finite" if loss is None else f"{loss:.5f}"
     best = "none finite" if best_step is None else f"step {best_step}"
     run.callbacks.on_status(f"validation loss {shown} at step {run.step} (best: {best})")
@@ -118,7 +125,7 @@ def validation_pass(run: Run, loss_fn: LossFn) -> float | None:
 def score(run: Run, loss_fn: LossFn) -> float | None:
     """The mean loss over the validation images at the fixed timesteps (None if not finite);
     one host sync for the whole pass."""
-    validator = run.validator
+    validator = validator_of(run)
     timesteps = run_timesteps(run)
     total = torch.zeros((), dtype=torch.float64, device=run.device)
     count = 0
@@ -205,7 +212,10 @@ def latent_batch(run: Run, batch: dict, draws: Draws) -> dict:
     """`batch` with its pixels encoded into latents (on the CPU), as the training step would
     encode them with these draws: a posterior sample, or with `data.cache_latents` (training
     then reads cached posterior means) the mean."""
-    eps = torch.zeros_like(draws.vae_eps) if run.config.data.cache_latents else draws.vae_eps
+    eps = draws.vae_eps
+    assert eps is not None  # image_draws draws it for every image
+    if run.config.data.cache_latents:
+        eps = torch.zeros_like(eps)
     with autocast_context(run.config, run.device):
         latents = encode_latents(run, batch, eps)
     kept = {k: v for k, v in batch.items() if k != "pixel_values"}
