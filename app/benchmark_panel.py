@@ -15,9 +15,13 @@ from typing import Any
 import customtkinter as ctk
 
 from app.binding import ConfigBinding
+from app.labels import enum_label
+from app.readable import readable
 from app.text_boxes import pass_wheel_at_ends, set_readonly_text
+from app.tooltip import Tooltip
 from app.widgets import set_widget_enabled
 from modules.config import Config, ConfigError, Problem
+from modules.config.schema import CompileBackend
 
 SHORT_STEPS, SHORT_WARMUP = 4, 3
 POLL_MS = 100
@@ -35,10 +39,30 @@ def default_bench_fn() -> BenchFn:
     return run_benchmark
 
 
+def backend_names(values: list[str]) -> str:
+    """Backends as the window's menu names them: "None (eager), Triton + CUDA graphs"."""
+    return ", ".join(enum_label(CompileBackend(value)) for value in values)
+
+
 def result_table(result: Any) -> str:
-    """The result as an aligned plain-text table for the report box."""
+    """The result as an aligned plain-text table for the report box, and what the backend
+    column's names (scripts/benchmark_compile.py's, kept so the columns line up) are in the
+    window."""
     from modules.bench.report import plain_table
-    return plain_table(result)
+    shown = list(dict.fromkeys(cell["backend"] for cell in result.cells))
+    legend = " · ".join(f"{value} = {enum_label(CompileBackend(value))}" for value in shown)
+    return plain_table(result) + (f"\n{legend}\n" if legend else "")
+
+
+def apply_refusal(result: Any) -> str | None:
+    """Why "Use fastest" cannot apply `result` (a cell was stopped or timed out and may have
+    been the fastest; no eager baseline), else None: the same rule as --apply."""
+    from modules.bench.apply import ApplyError, recommended_settings
+    try:
+        recommended_settings(result)
+    except ApplyError as exc:
+        return str(exc)
+    return None
 
 
 class BenchmarkSection:
@@ -65,17 +89,33 @@ class BenchmarkSection:
         self.button.pack(side="left")
         self.apply_button = ctk.CTkButton(row, text="Use fastest", width=120,
                                           command=self.use_fastest)
-        set_widget_enabled(self.apply_button, False)
+        self.apply_tip = Tooltip(self.apply_button, "")
+        self._enable_apply(False, "no benchmark has run yet")
         self.apply_button.pack(side="left", padx=(8, 0))
-        self.status = ctk.CTkLabel(row, text="eager vs the chosen backend, a few steps each, on "
-                                             "the current settings", anchor="w",
-                                   text_color=("gray35", "gray65"))
-        self.status.pack(side="left", padx=10, fill="x", expand=True)
+        # Under the buttons, wrapped to the box's width: beside them a long refusal ran past
+        # the window's edge.
+        self.status = ctk.CTkLabel(parent, text="eager vs the chosen backend, a few steps "
+                                                "each, on the current settings", anchor="w",
+                                   justify="left", text_color=("gray35", "gray65"))
+        self.status.pack(fill="x", padx=10, pady=(0, 4))
+        self._wrap = 0
+        parent.bind("<Configure>", lambda _e: self._fit_wrap(parent), add="+")
         self.table = ctk.CTkTextbox(parent, height=120, wrap="none",
                                     font=ctk.CTkFont(family="Courier", size=12))
         self.table.pack(fill="x", padx=10, pady=(0, 10))
         pass_wheel_at_ends(self.table)
         self._show("")
+
+    def _fit_wrap(self, parent: Any) -> None:
+        scale = parent._get_widget_scaling()
+        wrap = max(200, int(parent.winfo_width() / scale) - 30)
+        if wrap != self._wrap:
+            self._wrap = wrap
+            self.status.configure(wraplength=wrap)
+
+    def _enable_apply(self, enabled: bool, why_not: str = "") -> None:
+        set_widget_enabled(self.apply_button, enabled)
+        self.apply_tip.text = "" if enabled else f"Not now: {why_not}"
 
     @property
     def running(self) -> bool:
@@ -100,10 +140,10 @@ class BenchmarkSection:
         bench = self.bench_fn or default_bench_fn()
         self.stop_requested.clear()
         self.result = None
-        set_widget_enabled(self.apply_button, False)
+        self._enable_apply(False, "the benchmark is running")
         self.button.configure(text="Stop benchmark")
-        self._show(f"Benchmarking {', '.join(backends)} on the current settings: each cell is "
-                   "a fresh process that compiles and trains a few steps.")
+        self._show(f"Benchmarking {backend_names(backends)} on the current settings: each cell "
+                   "is a fresh process that compiles and trains a few steps.")
 
         def work() -> None:
             try:
@@ -146,19 +186,22 @@ class BenchmarkSection:
 
     def _handle(self, kind: str, data: Any) -> None:
         if kind == "progress":
-            self.status.configure(text=f"[{data.index}/{data.total}] {data.cell}: {data.message}")
+            self.status.configure(text=readable(f"[{data.index}/{data.total}] {data.cell}: "
+                                                f"{data.message}"))
         elif kind == "done":
             self.result = data
             self._show(result_table(data))
-            if data.baseline() is not None and data.baseline()["status"] == "ok":
-                set_widget_enabled(self.apply_button, True)
-            self.status.configure(text=self.summary(data))
+            refusal = apply_refusal(data)
+            self._enable_apply(refusal is None, readable(refusal or ""))
+            self.status.configure(text=readable(self.summary(data)) if refusal is None else
+                                  f"Use fastest cannot apply this: {readable(refusal)}")
         elif kind == "problems":
             self.show_problems(data, "Fix these before benchmarking")
             self._show(f"Cannot benchmark: {len(data)} problem(s), listed below the tabs.")
         else:
             self._show(f"The benchmark failed: {data}")
             self.status.configure(text="benchmark failed")
+            self._enable_apply(False, "the benchmark failed")
 
     @staticmethod
     def summary(result: Any) -> str:
@@ -179,8 +222,8 @@ class BenchmarkSection:
             return
         for path, value in values.items():
             self.binding.set_value(path, value)
-        self.status.configure(text=f"set backend {values['compile.backend'].value} ({note}); "
-                                   "save the preset to keep it")
+        self.status.configure(text=f"Backend set to {enum_label(values['compile.backend'])} "
+                                   f"({readable(note)}); save the preset to keep it")
 
     def _show(self, text: str) -> None:
         set_readonly_text(self.table, text)

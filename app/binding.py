@@ -211,9 +211,16 @@ class ConfigBinding:
         self._notify(None, None)
 
     def add_list_item(self, path: str) -> int:
-        """Append a default item to a list-of-objects field; returns its index."""
+        """Append a default item to a list-of-objects field, its path fields empty (the user
+        names the folder: a dataset's default, the toy set builtin:shapes, cleared the "no
+        dataset" problem and trained SDXL on 64 px shapes); returns its index."""
+        item_type = self.info(path).item_type
+        item = item_type()
+        for sub in iter_fields(item_type):
+            if sub.kind == "path" and "." not in sub.dotted_path:
+                setattr(item, sub.dotted_path, "")
         items = self.get(path)
-        items.append(self.info(path).item_type())
+        items.append(item)
         self._notify(path, None)
         return len(items) - 1
 

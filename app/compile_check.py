@@ -8,6 +8,7 @@ from typing import Any
 
 from app.binding import ConfigBinding
 from app.compile_info import format_report
+from app.labels import enum_label
 from app.runner import run_in_thread
 from modules import frontend
 from modules.config import Config, ConfigError
@@ -35,7 +36,7 @@ class CompileCheck:
         # Both would share dynamo's process-wide state: the check resets it and compiles
         self.runs.block_start("check", "Check compilation is running (Advanced Options): "
                                        "wait for its report")
-        self.panel.show_report(f"Checking {config.compile.backend.value}… (this traces the "
+        self.panel.show_report(f"Checking {enum_label(config.compile.backend)}… (this traces the "
                                "model once; it can take a while)")
         run_in_thread(lambda: self.explain(config), self.events, "report")
 

@@ -120,8 +120,16 @@ class CompilePanel:
             self.box.after_cancel(self._pending)
             self._pending = None
 
-    def load_summaries(self) -> None:
-        """Show the plan's torch.compile(...) line and its reasons (imports torch)."""
+    def detect(self, config: Config) -> tuple[Device, Any]:
+        """What `config`'s device can compile with (imports torch and triton; touches no
+        widget, so the window's engine loader calls it in its thread)."""
+        return config.general.device, self._detect_machine(config)
+
+    def load_summaries(self, detected: tuple[Device, Any] | None = None) -> None:
+        """Show the plan's torch.compile(...) line and its reasons (imports torch);
+        `detected`: what `detect` found."""
+        if detected is not None:
+            self._machines[detected[0]] = detected[1]
         self._load_summaries()
 
     def _load_summaries(self) -> None:

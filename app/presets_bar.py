@@ -40,10 +40,11 @@ class PresetsBar:
         ctk.CTkLabel(bar, text="Preset").pack(side="left", padx=(10, 6), pady=6)
         self.menu = ctk.CTkOptionMenu(bar, values=[NO_PRESET], width=300, dynamic_resizing=False)
         self.menu.pack(side="left")
+        self.buttons: dict[str, Any] = {}
         for text, command in (("Load", self.load_selected), ("Save", self.save),
                               ("Save as…", self.save_as)):
-            ctk.CTkButton(bar, text=text, width=80, command=action(command)).pack(
-                side="left", padx=3)
+            self.buttons[text] = ctk.CTkButton(bar, text=text, width=80, command=action(command))
+            self.buttons[text].pack(side="left", padx=3)
         self.refresh()
 
     def refresh(self) -> None:
@@ -78,11 +79,19 @@ class PresetsBar:
             return False
         return self.load(entry.path)
 
+    def display_name(self) -> str:
+        """The loaded preset as the menu names it ("sdxl / lora": lora.json alone does not
+        say which family), or its file name when it is not listed (--config)."""
+        if self.current is None:
+            return "unsaved settings"
+        resolved = self.current.resolve()
+        listed = next((p.label for p in self.presets if p.path.resolve() == resolved), None)
+        return listed or self.current.name
+
     def set_dirty(self, dirty: bool) -> None:
         """Mark unsaved edits in the title ("*"), as editors do."""
         self.dirty = dirty
-        name = self.current.name if self.current else "unsaved settings"
-        self.set_title(f"Tempera — {name}{' *' if dirty else ''}")
+        self.set_title(f"Tempera — {self.display_name()}{' *' if dirty else ''}")
 
     def load(self, path: Path) -> bool:
         """Load a preset file into the window; its problems are listed, nothing crashes."""
@@ -96,9 +105,9 @@ class PresetsBar:
         self.binding.replace(config)
         self.current = Path(path)
         self.settings.last_preset = str(Path(path).resolve())
+        self.refresh()
         self.set_dirty(False)
         self.loaded()
-        self.refresh()
         self.hide_problems()
         self.set_status(f"Loaded {path}.")
         return True
@@ -137,8 +146,8 @@ class PresetsBar:
             return None
         self.current = written
         self.settings.last_preset = str(written.resolve())
-        self.set_dirty(False)
         self.refresh()
+        self.set_dirty(False)
         self.set_status(f"Saved {written}.")
         self.log(f"saved preset {written}")
         return written

@@ -13,6 +13,7 @@ from typing import Any
 import customtkinter as ctk
 
 from app.form import FieldRegistry
+from app.readable import readable
 from app.widgets import grid_hide
 from modules.config import Problem
 
@@ -83,7 +84,7 @@ class ProblemsPanel:
         where = self.registry.where(problem.path)
         if keys and where != problem.path:
             where = f"{problem.path} ({where})"
-        return f"{where}: {problem.detail()}"
+        return f"{where}: {problem.detail() if keys else readable(problem.detail())}"
 
     def schedule_recheck(self) -> None:
         """After an edit: check the listed problems again once the typing pauses."""

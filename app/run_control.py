@@ -17,6 +17,7 @@ from typing import Any
 from app import external
 from app.binding import ConfigBinding
 from app.problems_panel import ProblemsPanel
+from app.readable import readable
 from app.run_panel import RunPanel
 from app.runner import Event, TrainFn, TrainingWorker
 from modules import frontend
@@ -66,6 +67,9 @@ class RunControl:
                                       "for its report: it resets torch's compiler state, which "
                                       "the training's compiled code lives in.", error=True)
             return False
+        if "engine" in self._blockers:  # the button is greyed; a click that got through
+            self.run_panel.set_status(f"Not yet: {self._blockers['engine']}.", error=True)
+            return False
         problems = self.start_problems(resume)
         if problems:
             self.problems.show(problems, source=lambda: self.start_problems(resume))
@@ -96,10 +100,10 @@ class RunControl:
         """A resumed run continues a curve and samples: show the earlier losses (run.json) up
         to the backup it resumes from, and the newest samples, before its first step."""
         output = Path(config.output.dir).expanduser()
-        backups = frontend.list_backups(output)
-        if not backups:
+        # where the engine resumes: the step the run so far is shown up to (one decision)
+        step = frontend.resume_offer(output, config.training.max_steps).backup_step
+        if step is None:
             return
-        step = backups[-1][0]
         points = frontend.earlier_losses(output, step)
         self.run_panel.show_earlier_losses(points)
         for score in frontend.earlier_validation(output, step):
@@ -114,42 +118,49 @@ class RunControl:
     def show_event(self, kind: str, data: Any) -> None:
         """Show one of the training's events (`TRAINING_EVENTS`) on the Run tab and bar."""
         panel = self.run_panel
-        if kind == "status":
-            panel.set_status(data)
-            panel.log(data)
+        if kind == "status":  # what the run does now: stale once a later step is shown
+            text = readable(data)
+            panel.set_status(text, of_run=True)
+            panel.log(text)
         elif kind == "progress":
             panel.show_progress(data)
         elif kind == "sample":
             self.show_sample(*data)
         elif kind == "compile":
-            seconds = f" ({data.seconds:.1f} s)" if data.seconds else ""
-            text = f"compile {data.component}: {data.message}{seconds}"
-            warn = data.kind in ("fallback", "degraded", "warning", "recompile")
-            panel.set_status(text, error=warn)  # one short sentence
-            panel.log(("WARNING " if warn else "") + text
-                      + (f"\n{data.detail}" if data.detail else ""))  # the full text
-            if data.kind == "progress":
-                panel.show_compiling(data.message, self.expected_compile, data.graph,
-                                     data.component)
+            self.show_compile(data)
         elif kind == "saved":
             panel.log(f"saved {data[0]} at step {data[1]}")
         elif kind == "validation":  # the status line about it came as a status event
             panel.show_validation(data)
         elif kind == "error":
-            panel.set_status(data, error=True)
-            panel.log("ERROR " + data)
+            panel.set_status(readable(data), error=True)
+            panel.log("ERROR " + readable(data))
         elif kind == "done":
             self.last_result = data
             panel.set_status(f"{data.status}: {data.steps} steps; outputs in {data.output_dir}")
+            panel.show_ended(data.status)
         elif kind == "config_error":
             self.problems.show(data)
             panel.set_status(f"Cannot start: {len(data)} problem(s).", error=True)
         elif kind in ("failed", "crashed"):
             last = data.strip().splitlines()[-1] if data.strip() else kind
-            panel.set_status(f"Training {kind}: {last}", error=True)
-            panel.log(f"ERROR training {kind}: {data}")
+            panel.set_status(f"Training {kind}: {readable(last)}", error=True)
+            panel.log(f"ERROR training {kind}: {readable(data) if kind == 'failed' else data}")
+            panel.show_ended(kind)
         elif kind == "exit":
             self.exited()
+
+    def show_compile(self, event: Any) -> None:
+        """A compile event (`CompileEvent`): one short sentence in the status line, the full
+        text in the log. Its message names the component and says its seconds already."""
+        panel = self.run_panel
+        text = readable(event.message)
+        warn = event.kind in ("fallback", "degraded", "warning", "recompile")
+        panel.set_status(text, error=warn, of_run=not warn)
+        panel.log(("WARNING " if warn else "") + "compile: " + text
+                  + (f"\n{event.detail}" if event.detail else ""))
+        if event.kind == "progress":
+            panel.show_compiling(text, self.expected_compile, event.graph, event.component)
 
     def show_sample(self, path: Path, prompt: str, step: int) -> None:
         try:
@@ -206,6 +217,7 @@ class RunControl:
     def exited(self) -> None:
         """The worker's thread ended (its last event)."""
         self.worker = None
+        self.run_panel.show_ended(None)  # no ETA, no busy bar: nothing runs any more
         self.set_running(False)
 
     def refresh_resume(self) -> None:
@@ -215,9 +227,14 @@ class RunControl:
         output = self.output_dir()
         found = frontend.list_backups(output)
         offer = frontend.resume_offer(output, self.binding.config.training.max_steps)
+        try:
+            final = frontend.final_weights_step(output)
+        except ValueError as exc:  # an unreadable marker: the run would refuse to replace it
+            final = None
+            self.run_panel.log(f"final/: {exc}")
         self.run_panel.show_backups(output, [step for step, _ in found], offer,
                                     can_resume=offer.can_resume and not self.training,
-                                    ended=frontend.read_run_status(output))
+                                    ended=frontend.read_run_status(output), final_step=final)
 
     def stop(self) -> None:
         if self.worker is not None:

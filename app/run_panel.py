@@ -57,9 +57,9 @@ class RunPanel:
 
     def _build_bar(self, parent: Any, actions: dict[str, Callable[[], None]]) -> None:
         self.bar = ctk.CTkFrame(parent)
-        self.bar.grid_columnconfigure(1, weight=1)
-        buttons = ctk.CTkFrame(self.bar, fg_color="transparent")
-        buttons.grid(row=0, column=0, sticky="w", padx=8, pady=6)
+        self.bar.grid_columnconfigure(0, weight=1)
+        self.button_row = ctk.CTkFrame(self.bar, fg_color="transparent")
+        self.button_row.grid(row=0, column=0, sticky="w", padx=8, pady=6)
         self.buttons: dict[str, Any] = {}
         # narrow enough to stay on a 1280 px window at 150% (a button grows with its text)
         for key, text, width in (("start", "Start training", 120), ("resume", "Resume", 80),
@@ -67,7 +67,8 @@ class RunPanel:
                                  ("sample", "Sample now", 96), ("save", "Save now", 86),
                                  ("open_output", "Output folder", 110),
                                  ("tensorboard", "TensorBoard", 100)):
-            button = ctk.CTkButton(buttons, text=text, width=width, command=actions[key])
+            button = ctk.CTkButton(self.button_row, text=text, width=width,
+                                   command=actions[key])
             button.pack(side="left", padx=3)
             self.buttons[key] = button
         self.buttons["start"].configure(fg_color=("#2e7d32", "#2e7d32"),
@@ -77,50 +78,88 @@ class RunPanel:
         # One line across the window, cut to fit; the whole text on hover and in the log.
         self.status_font = ctk.CTkFont()
         self.status = ctk.CTkLabel(self.bar, text="Ready.", anchor="w", font=self.status_font)
-        self.status.grid(row=1, column=0, columnspan=2, sticky="ew", padx=12)
+        self.status.grid(row=1, column=0, sticky="ew", padx=12)
         self.status_tip = Tooltip(self.status, "", wraplength=720)
         self.status_text, self.status_error = "Ready.", False
+        self.idle_text: Callable[[], str] = lambda: "Ready."  # the window says what is true
+        self._shown_step = 0  # the newest step on the step bar
+        self._status_step, self._status_of_run = 0, False  # the step bar when the status came
+        self._last_progress: Progress | None = None
+        self._ended = False
         self.tensorboard_url: str | None = None
-        progress = ctk.CTkFrame(self.bar, fg_color="transparent")
-        progress.grid(row=2, column=0, columnspan=2, sticky="ew", padx=8, pady=(0, 6))
-        progress.grid_columnconfigure(1, weight=1)
-        ctk.CTkLabel(progress, text="Step", width=48, anchor="w").grid(row=0, column=0)
-        self.step_bar = ctk.CTkProgressBar(progress)
-        self.step_bar.grid(row=0, column=1, sticky="ew")
-        self.step_label = ctk.CTkLabel(progress, text="", width=380, anchor="w")
-        self.step_label.grid(row=0, column=2, padx=8)
-        ctk.CTkLabel(progress, text="Epoch", width=48, anchor="w").grid(row=1, column=0)
-        self.epoch_bar = ctk.CTkProgressBar(progress)
-        self.epoch_bar.grid(row=1, column=1, sticky="ew")
-        self.epoch_label = ctk.CTkLabel(progress, text="", width=380, anchor="w")
-        self.epoch_label.grid(row=1, column=2, padx=8)
+        self.progress = ctk.CTkFrame(self.bar, fg_color="transparent")
+        self.progress.grid(row=2, column=0, sticky="ew", padx=8, pady=(0, 6))
+        self.step_caption = ctk.CTkLabel(self.progress, text="Step", width=48, anchor="w")
+        self.step_bar = ctk.CTkProgressBar(self.progress)
+        self.step_label = ctk.CTkLabel(self.progress, text="", width=380, anchor="w")
+        self.epoch_caption = ctk.CTkLabel(self.progress, text="Epoch", width=48, anchor="w")
+        self.epoch_bar = ctk.CTkProgressBar(self.progress)
+        self.epoch_label = ctk.CTkLabel(self.progress, text="", width=380, anchor="w")
+        self.compact: bool | None = None
+        self.set_compact(False)
         self._status_color = self.status.cget("text_color")
         self.step_bar.set(0)
         self.epoch_bar.set(0)
 
+    def set_compact(self, compact: bool) -> None:
+        """A short window (a 768 px screen at 150 %) keeps its height for the form: the step
+        and epoch bars share one line and the bar's paddings shrink (200 px of bar left three
+        fields above it). Otherwise each bar has its own line."""
+        if compact == self.compact:
+            return
+        self.compact = compact
+        lines = ((self.step_caption, self.step_bar, self.step_label),
+                 (self.epoch_caption, self.epoch_bar, self.epoch_label))
+        for line, widgets in enumerate(lines):
+            for column, widget in enumerate(widgets):
+                widget.grid(row=0 if compact else line,
+                            column=column + 3 * line if compact else column,
+                            sticky="ew" if column == 1 else "w", padx=(0, 8) if column else 0)
+        bars = (1, 4) if compact else (1,)
+        for column in range(6):
+            self.progress.grid_columnconfigure(column, weight=1 if column in bars else 0)
+        self.step_label.configure(width=300 if compact else 380)
+        self.epoch_label.configure(width=170 if compact else 380)
+        self.button_row.grid_configure(pady=2 if compact else 6)
+        self.progress.grid_configure(pady=(0, 2 if compact else 6))
+        self.status.configure(height=22 if compact else 28)
+
     def _build_tab(self, parent: Any) -> None:
         parent.grid_columnconfigure(0, weight=3)
         parent.grid_columnconfigure(1, weight=2)
-        parent.grid_rowconfigure(0, weight=3)  # the loss curve and samples, then the log
-        parent.grid_rowconfigure(1, weight=2)
+        parent.grid_rowconfigure(1, weight=3)  # the loss curve and samples, then the log
+        parent.grid_rowconfigure(2, weight=2)
+        # What the output folder holds to resume, across the top: in the samples' column it
+        # was squeezed on a short window until only its middle line showed.
+        self.backups_label = ctk.CTkLabel(parent, text="", justify="left", anchor="w",
+                                          text_color=("gray30", "gray70"))
+        self.backups_label.grid(row=0, column=0, columnspan=2, sticky="ew", padx=4, pady=(0, 6))
+        self._note_wrap = 0
+        parent.bind("<Configure>", lambda _e: self._fit_note(parent), add="+")
         self.plot = LossPlot(parent)
-        self.plot.canvas.grid(row=0, column=0, sticky="nsew", padx=(0, 8), pady=(0, 8))
+        self.plot.canvas.grid(row=1, column=0, sticky="nsew", padx=(0, 8), pady=(0, 8))
         sample_box = ctk.CTkFrame(parent)
-        sample_box.grid(row=0, column=1, sticky="nsew", pady=(0, 8))
-        self.samples_row = ctk.CTkFrame(sample_box, fg_color="transparent")
+        sample_box.grid(row=1, column=1, sticky="nsew", pady=(0, 8))
+        # width/height 1: an empty frame would ask for 200x200 and push the caption out
+        self.samples_row = ctk.CTkFrame(sample_box, fg_color="transparent", width=1, height=1)
         self.samples_row.pack(padx=8, pady=(8, 2))
         self.sample_caption = ctk.CTkLabel(sample_box, text="the latest samples appear here",
                                            wraplength=SAMPLE_SIZE + 40, justify="left")
         self.sample_caption.pack(padx=8, pady=(0, 4))
-        self.backups_label = ctk.CTkLabel(sample_box, text="", wraplength=SAMPLE_SIZE + 40,
-                                          justify="left", text_color=("gray30", "gray70"))
-        self.backups_label.pack(padx=8, pady=(0, 8))
         self.sample_widgets: list[Any] = []
         self.sample_step: int | None = None
         self.sample_paths: list[Path] = []
         self.log_box = ctk.CTkTextbox(parent, height=160, wrap="word")
-        self.log_box.grid(row=1, column=0, columnspan=2, sticky="nsew")
+        self.log_box.grid(row=2, column=0, columnspan=2, sticky="nsew")
         self.log_box.configure(state="disabled")
+
+    def _fit_note(self, parent: Any) -> None:
+        """Wrap the resume note to the tab's width (customtkinter scales `wraplength`)."""
+        scale = self.bar._get_widget_scaling()
+        wrap = max(200, int(parent.winfo_width() / scale) - 24)
+        if wrap != self._note_wrap:
+            self._note_wrap = wrap
+            self.backups_label.configure(wraplength=wrap)
 
     # --- updates (Tk thread only) ----------------------------------------------------------
     @tk_thread_only
@@ -155,9 +194,12 @@ class RunPanel:
 
     @tk_thread_only
     def show_backups(self, output: Path, steps: list[int], offer: ResumeOffer,
-                     can_resume: bool, ended: str) -> None:
+                     can_resume: bool, ended: str, final_step: int | None = None) -> None:
         """The output folder's backups, and Resume from the newest when the run ended early.
-        A finished run shows no Resume: only Continue, when Max steps was raised past its end."""
+        A finished run shows no Resume: only Continue, when Max steps was raised past its end.
+        `final_step`: the step of the weights in final/; later than the newest backup, they
+        are a run's that got further (a finished run continued from an older backup, then
+        stopped), and the note says so."""
         why_not = "training is running" if self.running else self.start_why_not
         listed = (f"Backups in {output / 'backups'}: step " + ", ".join(str(s) for s in steps)
                   + ". ") if steps else ""
@@ -183,7 +225,11 @@ class RunPanel:
             how = {"failed": "failed", "running": "was killed or crashed",
                    "interrupted": "was interrupted", "stopped": "was stopped"}.get(ended)
             lead = f"The last run here {how}. " if how else ""
-            self.backups_label.configure(text=f"{lead}{listed}Resume continues the newest.")
+            kept = (f" final/ still holds the weights of step {final_step}, where a run here "
+                    f"had got to: Resume replaces them only with a later step's."
+                    if final_step is not None and final_step > steps[-1] else "")
+            self.backups_label.configure(text=f"{lead}{listed}Resume continues the newest."
+                                              f"{kept}")
         else:
             self.buttons["resume"].configure(text="Resume")
             self._enable("resume", False, "the output folder holds no backup")
@@ -209,9 +255,30 @@ class RunPanel:
             self.step_bar.configure(mode="determinate")
 
     @tk_thread_only
-    def reset(self) -> None:
+    def show_ended(self, outcome: str | None) -> None:
+        """The run ended (`outcome`: finished, stopped, failed, crashed; None: its thread
+        ended, the outcome said or not): the step line keeps where it got to, without the rate
+        and ETA of a run that no longer runs, and a busy bar stops."""
+        if outcome is None and self._ended:
+            return
+        self._ended = True
         self._stop_busy()
-        self._clear_samples("the samples of this run appear here")
+        p, said = self._last_progress, outcome or "ended"
+        if p is not None:
+            self.step_label.configure(text=f"{p.step}/{p.max_steps} · {said} · loss "
+                                           f"{p.smoothed_loss:.4f}")
+        elif self.step_label.cget("text"):  # "compiling UNet…" when it failed
+            self.step_label.configure(text=said)
+        if self._status_of_run:
+            self._status_of_run = False
+            if self.status_text == "Training…":
+                self.set_status(self.idle_text())
+
+    @tk_thread_only
+    def reset(self, caption: str = "the samples of this run appear here") -> None:
+        self._stop_busy()
+        self._last_progress, self._shown_step, self._ended = None, 0, False
+        self._clear_samples(caption)
         self.step_bar.set(0)
         self.epoch_bar.set(0)
         self.step_label.configure(text="")
@@ -219,10 +286,13 @@ class RunPanel:
         self.plot.clear()
 
     @tk_thread_only
-    def set_status(self, text: str, error: bool = False) -> None:
+    def set_status(self, text: str, error: bool = False, of_run: bool = False) -> None:
         """One line, cut to the window's width (the whole text on hover). An error stays
-        until the next action or edit (`clear_notice`)."""
+        until the next action or edit (`clear_notice`). `of_run`: what the running training
+        does now ("sampling at step 20"), which goes once a later step is shown."""
         self.status_text, self.status_error = text, error
+        self._status_of_run = of_run
+        self._status_step = self._shown_step
         line = " ".join(text.split())
         scale = self.bar._get_widget_scaling()
         width = self.bar.winfo_width() / scale - 40 if self.bar.winfo_width() > 1 else 900
@@ -234,7 +304,7 @@ class RunPanel:
     def clear_notice(self) -> None:
         """The user acted: an error about an earlier action no longer applies."""
         if self.status_error:
-            self.set_status("Training is running." if self.running else "Ready.")
+            self.set_status(self.idle_text())
 
     @tk_thread_only
     def log(self, line: str) -> None:
@@ -249,6 +319,9 @@ class RunPanel:
     @tk_thread_only
     def show_progress(self, p: Progress) -> None:
         self._stop_busy()
+        self._last_progress, self._shown_step = p, p.step
+        if self._status_of_run and p.step > self._status_step and not self.status_error:
+            self.set_status("Training…", of_run=True)  # "sampling at step 20" is over
         self.step_bar.set(p.step / max(p.max_steps, 1))
         rate = f"{1 / p.seconds_per_step:.2f} it/s" if p.seconds_per_step > 0 else "– it/s"
         self.step_label.configure(text=f"{p.step}/{p.max_steps} · {rate} · ETA "

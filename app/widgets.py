@@ -19,6 +19,7 @@ import customtkinter as ctk
 from app.binding import ConfigBinding, enum_class, format_value
 from app.dialogs import ask_directory, ask_open_file
 from app.labels import enum_label, enum_member
+from app.readable import readable
 from app.text_boxes import pass_wheel_at_ends
 from app.tooltip import Tooltip
 
@@ -162,11 +163,14 @@ class FieldView:
         self.show_error(self.error)
 
     def _update_tooltips(self) -> None:
-        text = self.info.help
+        """The help text, after the error and why the field is greyed, as the window names
+        things (`app.readable`: *LoHa*, not LOHA; a field's label, not its config path)."""
+        own = self.info.enum_type if self.info.kind in ("enum", "list_enum") else None
+        text = readable(self.info.help, own)
         if self.error:
             text = f"{self.error}\n\n{text}"
         if not self.enabled and self.disabled_why:
-            text = f"Not used now: {self.disabled_why}\n\n{text}"
+            text = f"Not used now: {readable(self.disabled_why, own)}\n\n{text}"
         for tip in self.tooltips:
             tip.text = text
 

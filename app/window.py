@@ -22,6 +22,7 @@ from app.binding import ConfigBinding
 from app.cloud_panel import TAB as CLOUD_TAB, CloudPanel
 from app.compile_check import CompileCheck
 from app.compile_panel import PLACED, CompilePanel
+from app.engine_loader import EVENT as ENGINE_EVENT, LOADING, EngineLoader
 from app.field_states import update_cache_hints, update_component_states, update_unused_fields
 from app.form import (FieldRegistry, build_fields, fields_of_group, groups_in_order, reveal,
                       scroll_to, tab_title)
@@ -32,7 +33,7 @@ from app.run_panel import RunPanel
 from app.run_control import TRAINING_EVENTS, RunControl
 from app.schedule_preview import SchedulePreview
 from app.runner import Event, TrainFn, run_in_thread
-from app.settings import DEFAULT_SETTINGS_PATH, load_settings, save_settings
+from app.settings import default_settings_path, load_settings, save_settings
 from app.thread_guard import ThreadGuard, tk_thread_only
 from app.text_boxes import bind_select_all
 from app.window_size import WindowSizing, apply_scaling, place_window
@@ -40,7 +41,8 @@ from modules import frontend
 from modules.config import Config
 
 RUN_TAB = "Run"
-ENGINE_AFTER_MS = 100  # torch is imported this long after the window is shown (its first paint)
+ENGINE_AFTER_MS = 1500  # the engine starts loading this long after the map at the latest
+LOADING_STATUS = "Loading the training engine (torch)…"
 
 
 def ask_yes_no(title: str, message: str) -> bool:
@@ -63,15 +65,17 @@ class TemperaApp(ctk.CTk):
                  explain_fn: Callable[[Config], Any] | None = None, poll_ms: int = 50,
                  bench_fn: BenchFn | None = None,
                  initial_preset: Path | None = None,
-                 ask_unsaved: Callable[[str, str], bool | None] | None = None) -> None:
-        self.settings_path = Path(settings_path or DEFAULT_SETTINGS_PATH).expanduser()
+                 ask_unsaved: Callable[[str, str], bool | None] | None = None,
+                 load_engine: Callable[[], None] | None = None) -> None:
+        """`load_engine` imports the training engine (default `frontend.load_engine`, which
+        imports torch); the window calls it once, in a thread, after it is shown."""
+        self.settings_path = Path(settings_path or default_settings_path()).expanduser()
         self.settings, settings_warning = load_settings(self.settings_path)
         apply_scaling(self.settings.scaling)
         super().__init__()
         self.withdraw()  # shown once every tab is built: no half-drawn first paint
         self.title("Tempera")
         place_window(self, self.settings)
-        self.engine_ready = False  # the engine's heavy imports are done (`_import_engine`)
         self.poll_ms = poll_ms
         self.bench_fn = bench_fn
         self.confirm = confirm or ask_yes_no
@@ -81,6 +85,8 @@ class TemperaApp(ctk.CTk):
         self.registry = FieldRegistry()
         self.binding.subscribe(self.registry.on_change)
         self.events: "queue.Queue[Event]" = queue.Queue()
+        self.engine = EngineLoader(load_engine or frontend.load_engine, self.events)
+        self._engine_id: str | None = None
         self.closing = False
 
         self.grid_columnconfigure(0, weight=1)
@@ -99,7 +105,7 @@ class TemperaApp(ctk.CTk):
             hide_problems=lambda: self.problems_panel.hide(),
             set_status=lambda text, error=False: self.run_panel.set_status(text, error),
             log=lambda line: self.run_panel.log(line), set_title=self.title,
-            loaded=lambda: self.runs.refresh_resume(), action=self._action)
+            loaded=lambda: self._preset_loaded(), action=self._action)
         self.problems_panel = ProblemsPanel(
             self, self.registry, self.jump_to,
             lambda: self.run_panel.set_status("Every listed problem is fixed."))
@@ -109,6 +115,9 @@ class TemperaApp(ctk.CTk):
                 ("sample", "sample_now"), ("save", "save_now"),
                 ("open_output", "open_output_folder"), ("tensorboard", "start_tensorboard"))})
         self.run_panel.bar.grid(row=3, column=0, sticky="ew", padx=8, pady=(4, 8))
+        self.run_panel.idle_text = self._idle_status
+        self.sizing.set_compact = self.run_panel.set_compact
+        self.sizing.pages = list(self.scroll_frames.values())
         self.runs = RunControl(
             self.binding, self.events, train_fn, self.run_panel, self.problems_panel,
             benchmark_running=lambda: self.benchmark.running,
@@ -126,22 +135,40 @@ class TemperaApp(ctk.CTk):
         update_unused_fields(self.registry, self.binding.config)
         update_cache_hints(self.registry, self.binding.config)
         self.runs.refresh_resume()
-        # Importing torch took seconds with nothing on screen: the window is built without it,
-        # shown, and then imports it, saying so. On the Tk thread, not in a thread: a worker's
-        # garbage collection can delete a Tk font, which waits for the Tk thread, while the Tk
-        # thread waits for the worker's import lock (seen as a hang).
+        # Importing torch took seconds with nothing on screen, then seconds of a frozen grey
+        # window: the window is built without it, shown, and imports it in a thread
+        # (`app.engine_loader`) while it stays drawn and editable. What needs the engine
+        # waits for it, saying why: Start, Resume, Check compilation, the plan's line.
         self.compile_panel.cancel_pending()
+        self.runs.block_start("engine", LOADING)
+        self.compile_panel.set_check_enabled(False, LOADING)
         self._status_before_engine = self.run_panel.status_text
-        self.run_panel.set_status(f"{self._status_before_engine} Loading the training engine "
-                                  "(torch)…")
+        self.run_panel.set_status(f"{self._status_before_engine} {LOADING_STATUS}")
         self.update_idletasks()
+        self._map_id = self.bind("<Map>", self._mapped, add="+")
         self.deiconify()
-        self._engine_id = self.after(ENGINE_AFTER_MS, self._import_engine)
         self._poll_id = self.after(self.poll_ms, self._poll)
 
     def _run_control(self, name: str) -> Any:
         """Call the run control's `name` (a Run tab button; `runs` is made after the buttons)."""
         return getattr(self.runs, name)()
+
+    def _idle_status(self) -> str:
+        """The status line when nothing newer is to be said: what is true now."""
+        if self.runs.training:
+            return "Training is running."
+        if self.problems_panel.is_open and self.problems_panel.problems:
+            return (f"{len(self.problems_panel.problems)} problem(s) listed below the tabs: "
+                    "click one to go to its field.")
+        if self.engine.loading:
+            return LOADING_STATUS
+        return "Ready."
+
+    def _preset_loaded(self) -> None:
+        """Another preset: the Run tab's steps, ETA, curve and samples were another run's."""
+        if not self.runs.training:
+            self.run_panel.reset("the latest samples appear here")
+        self.runs.refresh_resume()
 
     def _action(self, fn: Callable[[], Any]) -> Callable[[], Any]:
         """A button's command: the status line's old error goes before the action runs."""
@@ -257,6 +284,8 @@ class TemperaApp(ctk.CTk):
             self.runs.show_event(kind, data)
             if kind == "exit" and self.closing:
                 self._finish_close()
+        elif kind == ENGINE_EVENT:
+            self._engine_loaded(*data)
         elif kind == "report":
             self.compile_check.show_report(*data)
         elif kind == "cloud_push":
@@ -265,22 +294,50 @@ class TemperaApp(ctk.CTk):
         elif kind == "cloud_status":
             self.cloud_panel.on_status(*data)
 
-    def _import_engine(self) -> None:
-        """torch and the compile engine, imported once the window is on screen."""
-        self._engine_id = None
-        try:
-            frontend.load_engine()  # imports torch
-        except Exception as exc:  # training would fail the same way: say so now
-            import traceback
-            self.run_panel.set_status(f"The training engine could not be loaded: {exc}",
-                                      error=True)
-            self.run_panel.log("ERROR the training engine could not be loaded:\n"
-                               + traceback.format_exc())
+    def _mapped(self, event: Any) -> None:
+        """The window is on screen: its first layout (the columns fitted to its width) and
+        paint come first, then the engine loads (the two share the interpreter, so the paint
+        would otherwise come in pieces)."""
+        if event.widget is self and self.engine.thread is None and not self.closed:
+            self.unbind("<Map>", self._map_id)
+            self.sizing.fitted.append(lambda: self.after_idle(self._load_engine))
+            self._engine_id = self.after(ENGINE_AFTER_MS, self._load_engine)  # at the latest
+
+    def _load_engine(self) -> None:
+        if self.engine.thread is not None or self.closed:
             return
-        self.engine_ready = True
-        self.compile_panel.load_summaries()
-        if self.run_panel.status_text.endswith("Loading the training engine (torch)…"):
-            self.run_panel.set_status(self._status_before_engine)  # nothing newer was said
+        if self._engine_id is not None:
+            self.after_cancel(self._engine_id)
+        self._engine_id = None
+        config = self.binding.snapshot()
+        # what the configured device can compile with: triton and the trainer's modules load too
+        self.engine.start(lambda: self.compile_panel.detect(config))
+
+    @property
+    def engine_ready(self) -> bool:
+        """The training engine (torch) is imported: what needs it can run."""
+        return self.engine.ready
+
+    def _engine_loaded(self, ok: bool, value: Any) -> None:
+        """The engine's import ended (`app.engine_loader`): on success Start and Check
+        compilation are free and the plan's torch.compile(...) line is shown."""
+        self.engine.finished(ok)
+        loading = self.run_panel.status_text.endswith(LOADING_STATUS)
+        if not ok:  # training would fail the same way: say so now, and keep Start refused
+            why = f"the training engine could not be loaded: {value}"
+            self.runs.block_start("engine", why)
+            self.compile_panel.set_check_enabled(False, why)
+            self.run_panel.set_status(why[0].upper() + why[1:], error=True)
+            self.run_panel.log("ERROR the training engine could not be loaded:\n"
+                               + getattr(value, "formatted_traceback", str(value)))
+            return
+        self.runs.block_start("engine", None)
+        self.compile_panel.set_check_enabled(not self.runs.training)
+        self.compile_panel.load_summaries(value)
+        if loading:  # nothing newer was said than what the load was added to
+            status = self.run_panel.status_text
+            self.run_panel.set_status(self._idle_status() if status == LOADING_STATUS
+                                      else self._status_before_engine)
 
     # --- closing -----------------------------------------------------------------------------
     def _save_settings(self) -> None:
@@ -296,7 +353,7 @@ class TemperaApp(ctk.CTk):
             return
         presets = self.presets_bar
         if presets.dirty:
-            name = presets.current.name if presets.current else "the settings"
+            name = presets.display_name() if presets.current else "the settings"
             answer = self.ask_unsaved(
                 "Save your changes?", f"The settings were changed since {name} was loaded or "
                 "saved. Save them before closing? (No closes without saving.)")
@@ -324,9 +381,12 @@ class TemperaApp(ctk.CTk):
         self.compile_panel.cancel_pending()
         if self._engine_id is not None:
             self.after_cancel(self._engine_id)
+        self.engine.close()
         self.benchmark.stop()
         self._tempera_closed = True
         self.sizing.close()
+        self.withdraw()  # off the screen now: destroying its widgets takes a second
+        self.update_idletasks()
         self.destroy()
 
 

@@ -16,6 +16,8 @@ from app.form import FieldRegistry
 from app.settings import SCALES, UISettings
 
 FIT_MS = 120  # the columns are fitted this long after the window's size settles
+COMPACT_BELOW = 700  # a window shorter than this (unscaled) gets the compact run bar
+SCROLL_STEP = 60  # one notch of the mouse wheel moves a page this far (unscaled: 3 lines)
 
 
 class WindowSizing:
@@ -26,6 +28,9 @@ class WindowSizing:
         self.window, self.tabview, self.registry = window, tabview, registry
         self.settings, self.save_settings = settings, save_settings
         self._fit_id: str | None = None
+        self.fitted: list[Callable[[], None]] = []  # called once after the next column fit
+        self.set_compact: Callable[[bool], None] = lambda compact: None  # the run bar's
+        self.pages: list[Any] = []  # the tabs' scrollable pages (their wheel step)
         # Packed first, so a narrow window clips the preset controls, never the way back
         # from a too-large scale.
         self.scale_menu = ctk.CTkOptionMenu(bar, values=[f"{int(s * 100)}%" for s in SCALES],
@@ -60,10 +65,17 @@ class WindowSizing:
         the window's own size, which the layout does not change, so it cannot loop."""
         self._fit_id = None
         self.window.update_idletasks()
-        width = self.tabview.winfo_width() - 40 * self.tabview._get_widget_scaling()
+        scale = self.tabview._get_widget_scaling()
+        self.set_compact(self.window.winfo_height() / scale < COMPACT_BELOW)
+        for page in self.pages:  # customtkinter scrolls 30 px a notch at any scale
+            page._parent_canvas.configure(yscrollincrement=round(SCROLL_STEP * scale))
+        width = self.tabview.winfo_width() - 40 * scale
         if width > 1:
             for layout in self.registry.layouts:
                 layout.arrange(stacked=layout.needed_width() > width)
+        waiting, self.fitted = self.fitted, []
+        for fn in waiting:
+            fn()
 
     def close(self) -> None:
         """Cancel the pending column fit and leave customtkinter's scaling registry."""

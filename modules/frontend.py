@@ -15,6 +15,7 @@ protocol); the Benchmark section and the Cloud tab also import the front ends th
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 # Resume points (`list_backups`, `resume_offer`, `finished_run_problem`), how a run ended
@@ -39,7 +40,8 @@ from modules.util.duration import format_duration
 from modules.util.library_noise import silence_torchvision_fallback_warnings
 
 # Names read on first use (`__getattr__`): importing them imports torch.
-_LAZY = {"TrainingError": "modules.train.trainer", "COMPONENT_LABELS": "modules.compile.plan"}
+_LAZY = {"TrainingError": "modules.train.trainer", "TrainingAborted": "modules.train.trainer",
+         "COMPONENT_LABELS": "modules.compile.plan"}
 
 
 def __getattr__(name: str) -> Any:
@@ -47,6 +49,13 @@ def __getattr__(name: str) -> Any:
         import importlib
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def final_weights_step(output_dir: Path) -> int | None:
+    """The step of the weights in `<output_dir>/final/` (None: nothing saved there, or saved
+    without the step marker): `modules.train.state.resume_offer.saved_step`."""
+    from modules.train.state.resume_offer import saved_step
+    return saved_step(Path(output_dir) / "final")
 
 
 # --- data ---------------------------------------------------------------------------------
@@ -124,13 +133,14 @@ def expected_compile(config: Config) -> Any:
     return compile_expectation(config, pick_device(config.general.device).type)
 
 
-# COMPONENT_LABELS and TrainingError are loaded on first use by __getattr__ (they import torch).
+# COMPONENT_LABELS, TrainingError and TrainingAborted are loaded on first use by __getattr__
+# (they import torch).
 __all__ = [  # noqa: F822
     "BACKENDS", "COMPONENT_LABELS", "LossPoint", "MODEL_TYPES", "ModelType", "RULED_PATHS",
-    "ResumeOffer", "TrainingError", "atomic_write_text", "cache_dir_for", "check",
-    "check_inputs", "check_run", "compile_cache_folder", "compile_plans", "earlier_losses",
+    "ResumeOffer", "TrainingAborted", "TrainingError", "atomic_write_text", "cache_dir_for",
+    "check", "check_inputs", "check_run", "compile_cache_folder", "compile_plans", "earlier_losses",
     "earlier_validation",
-    "expected_compile", "explain",
+    "expected_compile", "explain", "final_weights_step",
     "finished_run_problem", "format_duration", "latest_samples", "list_backups", "load_engine",
     "machine_capabilities", "read_run_status", "resume_offer", "schedule_curve",
     "silence_torchvision_fallback_warnings", "train", "unused_fields",

@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """Screenshots of every tab for docs/gui.md: `python scripts/screenshot_ui.py [--out docs/images]`.
 
-Uses $DISPLAY, or starts its own Xvfb when there is none. With --train-steps N (default 6) it
-also trains the demo preset for N steps so the Run tab shows a loss curve and a sample.
+Uses $DISPLAY, or starts its own Xvfb when there is none, with the window at 1280x860. With
+--train-steps N (default 6) it also trains the demo preset for N steps so the Run tab shows a
+loss curve and a sample. `--screen 1366x768@150` photographs the window as it opens on a screen
+of that size at that UI scale instead (its own Xvfb of that size; the whole screen is taken).
 """
 from __future__ import annotations
 
@@ -23,13 +25,14 @@ TABS = {"General": "gui-general.png", "Model": "gui-model.png", "Data": "gui-dat
         "Advanced Options": "gui-advanced.png", "Cloud": "gui-cloud.png"}
 
 
-def ensure_display() -> subprocess.Popen | None:
-    if os.environ.get("DISPLAY"):
+def ensure_display(screen: str | None = None) -> subprocess.Popen | None:
+    """$DISPLAY, or an Xvfb of its own (always one of `screen`'s size: "WxH")."""
+    if os.environ.get("DISPLAY") and screen is None:
         return None
     if not shutil.which("Xvfb"):
         sys.exit("no DISPLAY and no Xvfb (apt-get install xvfb)")
     from app.display import start_xvfb
-    proc, os.environ["DISPLAY"] = start_xvfb()
+    proc, os.environ["DISPLAY"] = start_xvfb(f"{screen}x24" if screen else "1400x950x24")
     return proc
 
 
@@ -40,11 +43,13 @@ def settle(app, seconds: float = 0.4) -> None:
         time.sleep(0.02)
 
 
-def grab(app, path: Path) -> None:
+def grab(app, path: Path, whole_screen: bool = False) -> None:
     from PIL import ImageGrab
     settle(app)
     x, y = app.winfo_rootx(), app.winfo_rooty()
     box = (x, y, x + app.winfo_width(), y + app.winfo_height())
+    if whole_screen:
+        box = (0, 0, app.winfo_screenwidth(), app.winfo_screenheight())
     ImageGrab.grab(bbox=box, xdisplay=os.environ["DISPLAY"]).save(path)
     print(f"wrote {path}")
 
@@ -54,16 +59,22 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "images")
     parser.add_argument("--train-steps", type=int, default=6,
                         help="train the demo this many steps for the Run tab (0: skip)")
+    parser.add_argument("--screen", help="WxH@percent: the window as it opens on such a screen")
     args = parser.parse_args()
-    xvfb = ensure_display()
+    screen, percent = args.screen.split("@") if args.screen else (None, "100")
+    xvfb = ensure_display(screen)
     args.out.mkdir(parents=True, exist_ok=True)
     from app.window import TemperaApp
     work = Path(tempfile.mkdtemp(prefix="tempera-shots-"))
     app = TemperaApp(settings_path=work / "ui.json", confirm=lambda title, message: True,
                      initial_preset=ROOT / "training_presets" / "demo.json")
-    app.geometry("1280x860+0+0")
+    if screen is None:
+        app.geometry("1280x860+0+0")
+    elif percent != "100":
+        app.sizing.scale_menu._dropdown_callback(f"{percent}%")  # the menu's own command
     try:
-        app.compile_panel._load_summaries()
+        while not app.engine.done:  # torch loads in a thread; the plan's line needs it
+            settle(app, 0.2)
         app.compile_panel.backend.menu._dropdown_callback("INDUCTOR")
         cloud = app.cloud_panel  # example locations, so the Cloud tab shows what goes where
         for entry, text in ((cloud.entries["cloud_repo"], "~/cats-training"),
@@ -72,12 +83,12 @@ def main() -> int:
             cloud.set_entry(entry, text)
         for tab, name in TABS.items():
             app.tabview.set(tab)
-            grab(app, args.out / name)
+            grab(app, args.out / name, whole_screen=screen is not None)
         app.registry.find("training.batch_size").var.set("four")
         app.registry.find("data.resolution").var.set("100")
         app.runs.start()
         app.tabview.set("Training")
-        grab(app, args.out / "gui-problems.png")
+        grab(app, args.out / "gui-problems.png", whole_screen=screen is not None)
         app.registry.find("training.batch_size").var.set("1")
         app.registry.find("data.resolution").var.set("64")
         app.problems_panel.hide()
@@ -92,7 +103,7 @@ def main() -> int:
             while app.runs.worker is not None:
                 settle(app, 0.2)
         app.tabview.set("Run")
-        grab(app, args.out / "gui-run.png")
+        grab(app, args.out / "gui-run.png", whole_screen=screen is not None)
     finally:
         app._finish_close()
         if xvfb is not None:

@@ -2,24 +2,36 @@
 """A first-time user's walkthrough of the window, with real pointer and keyboard input.
 
     python scripts/walkthrough_ui.py [--out DIR] [--screens 1600x1000@100,1600x1000@150,1024x700@100]
+                                     [--journey first|all|none]
 
 Each screen is a fresh virtual display (Xvfb) and fresh GUI settings with the demo preset; xdotool
-drives the window. On each: the window and its Start / UI-scale controls must be on screen; every
+drives the window. On each, first the start-up: while the training engine (torch) loads (held
+back by the walkthrough until these checks are done) the window must be drawn, say that it loads,
+keep Start greyed with the reason, and take a click on a tab and a typed value; once loaded,
+Start must be free. Then the window and its Start / UI-scale controls must be on screen; every
 tab is clicked and photographed, and its More options is reached with the wheel and opened by a
 click (its fields must come into view) and photographed; a wrong value is typed into Batch size and the field below is clicked (the click
 must land there); Start is clicked (the problem list must name the field by its
 label); the problem is clicked (the field must be focused and in view); the value is fixed by
-typing (the list must close). Every check prints ok or FAIL; the exit status is 1 when one
-failed. Pictures: DIR/<screen>/<step>.png (look at them). Needs Xvfb and xdotool
+typing (the list must close). Then, on the first screen (--journey), the Continue journey with
+the tiny built-in model: Start trains 2 steps to the end (the Run tab must say it finished and
+offer no Resume), Max steps is typed up to 6 (the button must read Continue for 4 more steps),
+Continue is clicked, Stop is clicked a step in (the Run tab must offer Resume from where it
+stopped, and the curve must hold each step once), Resume is clicked and the run finishes at 6
+(the curve must hold steps 1-6, each once, as run.json records them; no ETA left). Every check
+prints ok or FAIL; the exit status is 1 when one failed. Pictures: DIR/<screen>/<step>.png (look at them). Needs Xvfb and xdotool
 (scripts/ensure_xvfb.sh installs both).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,7 +58,105 @@ def inside(widget, width: int, height: int) -> bool:
             and x + widget.winfo_width() <= width and y + widget.winfo_height() <= height)
 
 
-def walk(screen: str, out: Path) -> list[str]:
+def drawn(widget) -> bool:
+    """The widget's text is painted on the screen (dark pixels on a light page), not an empty
+    grey box."""
+    from PIL import ImageGrab
+    x, y = widget.winfo_rootx(), widget.winfo_rooty()
+    box = (x, y, x + widget.winfo_width(), y + widget.winfo_height())
+    darkest, lightest = ImageGrab.grab(bbox=box, xdisplay=os.environ["DISPLAY"]).convert(
+        "L").getextrema()
+    return darkest < 100 < lightest
+
+
+def wait_for(app, until, timeout: float) -> bool:
+    """Let the window run until `until()` holds (True) or `timeout` seconds pass (False)."""
+    deadline = time.monotonic() + timeout
+    while not until():
+        if time.monotonic() > deadline:
+            return False
+        app.update()
+        time.sleep(0.05)
+    return True
+
+
+def start_up(app, check: Checks, gate: threading.Event, out: Path) -> None:
+    """While the engine loads (held at `gate`): drawn, says so, Start waits, edits work."""
+    from tests.app import xdo
+    xdo.settle(app, 0.5)
+    check(not app.engine_ready and app.run_panel.status_text.endswith(
+        "Loading the training engine (torch)…"), "while torch loads, the status line says so")
+    check(app.run_panel.buttons["start"].cget("state") == "disabled"
+          and "still loading" in app.run_panel.button_tips["start"].text,
+          "while torch loads, Start is greyed with the reason on hover")
+    xdo.click(app, app.tabview._segmented_button._buttons_dict["Training"])
+    steps = app.registry.find("training.max_steps")
+    xdo.scroll_into_view(app, app.scroll_frames["Training"], steps.entry)
+    check(app.tabview.get() == "Training" and drawn(steps.label),
+          "while torch loads, a tab click shows the tab, its labels drawn")
+    before = app.binding.config.training.max_steps
+    xdo.click(app, steps.entry)
+    xdo.clear_and_type(app, "123")
+    check(app.binding.config.training.max_steps == 123 and not app.engine_ready,
+          "while torch loads, a typed value reaches the settings")
+    xdo.screenshot(app, out / "startup-loading.png")
+    steps.var.set(str(before))
+    gate.set()
+    check(wait_for(app, lambda: app.engine.done, 180) and app.engine_ready
+          and app.run_panel.buttons["start"].cget("state") == "normal",
+          "once torch has loaded, Start is free")
+
+
+def continue_journey(app, check: Checks, work: Path, out: Path) -> None:
+    """Finish, raise Max steps, Continue, Stop, Resume, finish: the tiny model, real clicks."""
+    from tests.app import xdo
+    panel, resume, output = app.run_panel, app.run_panel.buttons["resume"], work / "run"
+    for path, text in (("training.max_steps", "2"), ("training.batch_size", "1"),
+                       ("sampling.every_steps", "0"), ("output.save_every_steps", "0"),
+                       ("output.backup_every_steps", "1"), ("output.dir", str(output))):
+        app.registry.find(path).var.set(text)
+    xdo.click(app, panel.buttons["start"])
+    finished = wait_for(app, lambda: app.runs.worker is None and app.runs.last_result, 600)
+    if not check(finished and app.runs.last_result.status == "finished",
+                 "Start trains the tiny model to its end (2 steps)"):
+        print(panel.log_text()[-2000:])
+        return
+    check(resume.cget("state") == "disabled"
+          and "finished at step 2" in panel.backups_label.cget("text"),
+          "the Run tab says the run finished and offers no Resume")
+    xdo.click(app, app.tabview._segmented_button._buttons_dict["Training"])
+    steps = app.registry.find("training.max_steps")
+    xdo.scroll_into_view(app, app.scroll_frames["Training"], steps.entry)
+    xdo.click(app, steps.entry)
+    xdo.clear_and_type(app, "6")
+    check(resume.cget("text") == "Continue for 4 more steps" and resume.cget("state") == "normal",
+          "typing Max steps 6 turns Resume into Continue for 4 more steps")
+    xdo.click(app, resume)
+    check(wait_for(app, lambda: len(panel.plot.steps) > 2 or app.runs.worker is None, 600),
+          "Continue trains on")
+    xdo.click(app, panel.buttons["stop"])
+    wait_for(app, lambda: app.runs.worker is None, 600)
+    record = json.loads((output / "run.json").read_text())
+    stopped = record.get("step")
+    check(record.get("status") == "stopped"
+          and resume.cget("text") == f"Resume from step {stopped}",
+          f"Stop a step in: the Run tab offers Resume from step {stopped}")
+    check(panel.plot.steps == list(range(1, (stopped or 0) + 1)),
+          f"after Stop the loss curve holds each step once: {panel.plot.steps}")
+    xdo.screenshot(app, out / "journey-stopped.png")
+    xdo.click(app, resume)
+    wait_for(app, lambda: app.runs.worker is None, 600)
+    record = json.loads((output / "run.json").read_text())
+    check(app.runs.last_result is not None and app.runs.last_result.status == "finished"
+          and record.get("step") == 6, "Resume finishes the run at step 6")
+    check(panel.plot.steps == list(range(1, 7)) and panel.plot.losses == record.get("losses"),
+          "the loss curve is run.json's, steps 1-6 each once")
+    check("ETA" not in panel.step_label.cget("text"),
+          f"no ETA once it finished: {panel.step_label.cget('text')!r}")
+    xdo.screenshot(app, out / "journey-finished.png")
+
+
+def walk(screen: str, out: Path, journey: bool = False) -> list[str]:
     """The walkthrough on one screen ("WxH@percent"), in this process; the failed checks."""
     from app.display import start_xvfb
     size, percent = screen.split("@")
@@ -54,16 +164,27 @@ def walk(screen: str, out: Path) -> list[str]:
     xvfb, os.environ["DISPLAY"] = start_xvfb(f"{size}x24")
     try:
         from app.window import TemperaApp
+        from modules import frontend
         from tests.app import xdo
+        frontend.silence_torchvision_fallback_warnings()  # as tempera-ui does
         check = Checks()
         work = Path(tempfile.mkdtemp(prefix="tempera-walk-"))
+        gate = threading.Event()  # the engine loads once the start-up checks are done
+
+        def load_engine() -> None:
+            gate.wait(120)
+            frontend.load_engine()
+
         app = TemperaApp(settings_path=work / "ui.json", confirm=lambda title, message: True,
-                         initial_preset=ROOT / "training_presets" / "demo.json")
+                         initial_preset=ROOT / "training_presets" / "demo.json",
+                         load_engine=load_engine)
         try:
             if percent != "100":
                 app.sizing.scale_menu._dropdown_callback(f"{percent}%")  # the menu's own command
-            xdo.settle(app, 1.0)
             out.mkdir(parents=True, exist_ok=True)
+            start_up(app, check, gate, out)
+            app.tabview.set("General")
+            xdo.settle(app, 1.0)
             check(inside(app, width, height), f"the window fits the {size} screen")
             for name, widget in (("Start training", app.run_panel.buttons["start"]),
                                  ("UI scale", app.sizing.scale_menu), ("Stop", app.run_panel.buttons["stop"])):
@@ -130,7 +251,10 @@ def walk(screen: str, out: Path) -> list[str]:
                   and "\n" not in app.run_panel.status.cget("text"),
                   f"the status line is one line on screen: {app.run_panel.status.cget('text')!r}")
             xdo.screenshot(app, out / "fixed.png")
+            if journey:
+                continue_journey(app, check, work, out)
         finally:
+            gate.set()
             app._finish_close()
         return check.failed
     finally:
@@ -143,18 +267,25 @@ def main() -> int:
                         "tempera-walkthrough")
     parser.add_argument("--screens", default=SCREENS,
                         help=f"comma-separated WxH@percent (default {SCREENS})")
+    parser.add_argument("--journey", choices=("first", "all", "none"), default="first",
+                        help="on which screens to train the Continue journey (default: the "
+                             "first; it trains the tiny model, about a minute)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a single screen, in this process
+    parser.add_argument("--with-journey", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     from tests.app import xdo
     if not xdo.available():
         sys.exit("the walkthrough needs xdotool and Xvfb (bash scripts/ensure_xvfb.sh)")
     if args.one:
-        return 1 if walk(args.one, args.out / args.one.replace("@", "-")) else 0
+        return 1 if walk(args.one, args.out / args.one.replace("@", "-"),
+                         args.with_journey) else 0
     failed = []
-    for screen in args.screens.split(","):
+    for index, screen in enumerate(args.screens.split(",")):
         print(f"{screen}:", flush=True)
+        journey = args.journey == "all" or (args.journey == "first" and index == 0)
         # one process per screen: Tk and customtkinter's scaling are per process
-        code = subprocess.call([sys.executable, __file__, "--out", str(args.out), "--one", screen])
+        code = subprocess.call([sys.executable, __file__, "--out", str(args.out), "--one", screen]
+                               + (["--with-journey"] if journey else []))
         if code:
             failed.append(screen)
     print(f"pictures in {args.out}")

@@ -2,7 +2,8 @@
 
 Exit codes: 0 the run finished, 2 the config or its inputs are invalid (every problem is printed
 and nothing is written to the output folder), 1 training failed after it started (files saved
-before the failure stay intact), 130 / 143 stopped by SIGINT / SIGTERM after a backup.
+before the failure stay intact), 130 / 143 stopped by SIGINT / SIGTERM after a backup, or
+aborted at once by a second one (run.json says `aborted`, with the steps done).
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ relative to the current folder. docs/config.md lists every field.
 
 Exit codes: 0 finished (or stopped from a front end), 1 training failed, 2 invalid config or
 input (nothing written), 130 / 143 stopped cleanly by Ctrl+C (SIGINT) / SIGTERM: the step was
-finished, a backup and the final weights were written; --resume continues it (docs/resume.md)."""
+finished, a backup and the final weights were written; --resume continues it (docs/resume.md).
+A second signal aborts at once (130 / 143 too; run.json says aborted, with the steps done)."""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -66,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     silence_torchvision_fallback_warnings()  # a warning about a package we never use
     from modules.config import ConfigError, apply_overrides, load_config
     from modules.events import TrainerCommands
-    from modules.frontend import TrainingError, train
+    from modules.frontend import TrainingAborted, TrainingError, train
 
     from modules.cloud.local_overrides import apply_local_overrides  # --local
     from modules.cloud.run_meta import add_run_meta, parse_run_meta  # --run-meta
@@ -118,10 +120,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         print(resume_advice(args, config, argv is None), file=sys.stderr)
         return 1
-    except (Exception, KeyboardInterrupt) as exc:  # before the loop (e.g. the output folder)
+    except TrainingAborted as exc:  # a second signal after the output folder was written
+        print(f"error: {exc}", file=sys.stderr)
+        print(resume_advice(args, config, argv is None), file=sys.stderr)
+        return stop_signal.exit_code()
+    except KeyboardInterrupt:  # a second signal before anything was written
+        print("error: aborted before training began (a second stop signal); nothing was "
+              "written", file=sys.stderr)
+        return stop_signal.exit_code()
+    except Exception as exc:  # before the loop (e.g. the output folder)
         from modules.util.errors import describe
         print(f"error: the run could not start: {describe(exc)}", file=sys.stderr)
-        return 130 if isinstance(exc, KeyboardInterrupt) else 1
+        return 1
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -183,14 +193,21 @@ def resume_value(given: str) -> str:
 
 class StopSignal:
     """SIGINT (Ctrl+C) or SIGTERM: finish the step, write a backup and the final save, exit
-    130 / 143. A second signal interrupts at once."""
+    130 / 143. A second signal interrupts at once (KeyboardInterrupt), exiting by its own
+    number the same way."""
 
     def __init__(self, commands, callbacks) -> None:
         self.commands, self.callbacks = commands, callbacks
         self.received = 0
 
+    def exit_code(self) -> int:
+        """The shell's convention, 128 + the signal's number (130 for a KeyboardInterrupt
+        that came from no signal of ours)."""
+        return 128 + (self.received or signal.SIGINT)
+
     def __call__(self, signum, frame) -> None:
         if self.commands.stop_requested:
+            self.received = signum
             raise KeyboardInterrupt
         self.received = signum
         self.callbacks.on_status(f"{signal.Signals(signum).name}: finishing the step, writing a "

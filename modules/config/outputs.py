@@ -87,8 +87,9 @@ class OutputConfig:
              "and A1111. SINGLE_FILE (fine-tune): model.safetensors in the original SD layout.")
     overwrite: bool = setting(False, label="Overwrite previous run", group="General",
                               help="Start a new run in an output folder that holds an earlier "
-                                   "one: its samples, TensorBoard logs and backups are removed "
-                                   "first; its weights are replaced as the new run saves. Off "
+                                   "one: its samples, TensorBoard logs, backups, checkpoints "
+                                   "and best/ are removed first (the log and run.json list "
+                                   "them); its final/ is replaced when the new run saves. Off "
                                    "refuses to start so nothing is lost. Not applied when "
                                    "resuming: a resume continues the run in the folder.")
     save_dtype: SaveDType = setting(

@@ -167,6 +167,14 @@ class ModelConfig:
              "Turn on for models trained this way (NoobAI-XL v-pred).")
 
 
+# training.lokr_factor besides -1 (the balanced split): peft uses the factor where it divides
+# a layer's dimension, else the largest divisor below both it and the dimension's square root,
+# so a factor above every dimension's root silently acts as -1 (1024 did). Every layer
+# dimension of SD 1.x / 2.x and SDXL is a multiple of 64, so the range ends there; 0 and 1
+# leave the small factor 1 x 1 (validation refuses them, with the range).
+LOKR_FACTORS = (2, 64)
+
+
 @dataclass
 class TrainingConfig:
     method: TrainingMethod = setting(TrainingMethod.LORA, label="Method", group="Training",
@@ -224,10 +232,13 @@ class TrainingConfig:
         help="LOHA, LOKR: zero each output row of the adapter's update with this probability "
              "while training (LyCORIS's rank_dropout); 0 is off.")
     lokr_factor: int = setting(
-        -1, label="LoKr factor", group="Training", min=-1, max=1024, advanced=True,
+        -1, label="LoKr factor", group="Training", min=-1, max=LOKR_FACTORS[1], advanced=True,
         on_resume=OnResume.MUST_MATCH,
-        help="LOKR: the size of the Kronecker product's small factor (the layer's dimensions "
-             "are split as factor x rest); -1 splits them as evenly as possible.")
+        help="LOKR: the size of the Kronecker product's small factor: each layer dimension is "
+             "split as factor x rest where the factor divides it (else its largest divisor "
+             "below both the factor and its square root). -1 splits every dimension as evenly "
+             "as possible; otherwise 2 to 64 (SD and SDXL layer dimensions are multiples of "
+             "64, so a power of two up to 64 applies as given everywhere; 4 to 16 is usual).")
     optimizer: Optimizer = setting(Optimizer.ADAMW, label="Optimizer", group="Training",
                                    on_resume=OnResume.MUST_MATCH,
                                    help="ADAMW; ADAMW_8BIT (bitsandbytes, CUDA only); PRODIGY "

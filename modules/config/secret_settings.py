@@ -8,7 +8,9 @@ backups mask the same way). The run itself uses the value as given.
 """
 from __future__ import annotations
 
-from modules.config.loader import to_dict
+import re
+
+from modules.config.loader import from_dict, path_fields, to_dict
 from modules.config.schema import Config
 from modules.util.secrets import mask_tree, tree_secrets
 
@@ -26,3 +28,21 @@ def masked_config(config: Config) -> dict:
     """The config as a dict (`to_dict`) with every secret-looking value masked: what records
     hold."""
     return mask_tree(to_dict(config))
+
+
+def shared_name(value: str) -> str:
+    """A path reduced to its last part (a folder's or a file's name; `builtin:` names and
+    empty values as they are): what a shared file may say of a local path."""
+    if not value or value.startswith("builtin:"):
+        return value
+    return re.split(r"[\\/]", value.rstrip("\\/"))[-1] or value
+
+
+def shared_config(config: Config) -> dict:
+    """The config as saved weights carry it (`tempera.config`): masked as every record is,
+    and every path reduced to its name, since a shared file must not tell others the
+    trainer's folders (or user name). run.json and config.json, local records, keep paths."""
+    copy = from_dict(to_dict(config))
+    for owner, name, _ in path_fields(copy):
+        setattr(owner, name, shared_name(getattr(owner, name)))
+    return mask_tree(to_dict(copy))

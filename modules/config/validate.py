@@ -20,6 +20,7 @@ from modules.config.schema import (
     Config,
     DataConfig,
     Device,
+    LOKR_FACTORS,
     LRScheduler,
     MixedPrecision,
     PredictionType,
@@ -159,7 +160,7 @@ def _check_training(config: Config) -> list[Problem]:
     if config.general.device == Device.CUDA and not _cuda_available():
         problems.append(Problem("general.device", "AUTO or CPU (no CUDA GPU is visible)",
                                 "CUDA"))
-    return problems + _check_warmup(t)
+    return problems + _check_warmup(t) + _check_learning_rates(config)
 
 
 def _check_adapter(config: Config) -> list[Problem]:
@@ -181,6 +182,11 @@ def _check_adapter(config: Config) -> list[Problem]:
         problems.append(Problem("training.conv_rank", f"0 with {name}", str(t.conv_rank),
                                 "LoRA adapts the attention layers only; use LOCON to adapt "
                                 "the convolutions too"))
+    if "lokr_factor" in row.options and t.lokr_factor in (0, 1):
+        problems.append(Problem("training.lokr_factor", f"-1 (the balanced split) or "
+                                f"{LOKR_FACTORS[0]} to {LOKR_FACTORS[1]}", str(t.lokr_factor),
+                                "a factor of 0 or 1 leaves the Kronecker product's small "
+                                "factor 1 x 1; docs/adapters.md says what the factor does"))
     if row.needs_convolutions and not t.conv_rank:
         problems.append(Problem("training.conv_rank", f"at least 1 with {name} (4 to 16 is "
                                 "usual)", "0", f"{row.label} without convolutions is LORA "
@@ -199,13 +205,17 @@ def _check_optimizer(config: Config) -> list[Problem]:
     for one that ignores it (modules/config/optimizers.py says which)."""
     t = config.training
     row, name = OPTIMIZERS[t.optimizer], t.optimizer.value
-    missing = row.package and importlib.util.find_spec(row.module.split(".")[0]) is None
-    if missing:
-        return [Problem("training.optimizer", f"ADAMW ({row.package} is not installed)", name,
-                        f"pip install {row.package}, or use ADAMW")]
+    # The device first: installing the package would only lead to this refusal.
     if row.needs_cuda and config.general.device == Device.CPU:
         return [Problem("training.optimizer", "an optimizer that runs on the CPU", name,
                         f"{row.label} needs a CUDA GPU; use ADAMW")]
+    missing = row.package and importlib.util.find_spec(row.module.split(".")[0]) is None
+    if missing:
+        fix = (f"{row.label} runs on a CUDA GPU only: on a machine with one, pip install "
+               f"{row.package}; otherwise use ADAMW" if row.needs_cuda
+               else f"pip install {row.package}, or use ADAMW")
+        return [Problem("training.optimizer", f"ADAMW ({row.package} is not installed)", name,
+                        fix)]
     if row.schedule_free and t.ema:
         return [Problem("training.ema", f"false with {name}", "true",
                         "schedule-free AdamW averages the weights itself")]
@@ -224,12 +234,48 @@ def _check_optimizer(config: Config) -> list[Problem]:
 
 
 def _check_warmup(t: TrainingConfig) -> list[Problem]:
-    """The warm-up is set one way: as steps or as a ratio of the run."""
+    """The warm-up is set one way (as steps or as a ratio of the run) and ends within the run
+    (a run counted in epochs is checked once its length is known: recipe.setup warns)."""
     if t.lr_warmup_ratio and t.lr_warmup_steps:
         return [Problem("training.lr_warmup_ratio", "0 while training.lr_warmup_steps is set",
                         f"{t.lr_warmup_ratio:g}", "set the warm-up as steps or as a ratio, "
                         "not both")]
+    if OPTIMIZERS[t.optimizer].own_step_size:
+        return []  # no learning rate is used, so no warm-up either
+    if t.max_steps and t.lr_warmup_steps > t.max_steps:
+        return [Problem("training.lr_warmup_steps", f"at most training.max_steps "
+                        f"({t.max_steps})", str(t.lr_warmup_steps),
+                        f"the rate would still be rising when the run ends, at "
+                        f"{t.max_steps / t.lr_warmup_steps:.0%} of training.learning_rate: "
+                        "lower the warm-up (a few percent of the run is usual) or set it as "
+                        "training.lr_warmup_ratio")]
     return []
+
+
+def _check_learning_rates(config: Config) -> list[Problem]:
+    """A learning rate of 0 changes no weight: the run would "finish" with untrained weights
+    (an optimizer that sets its own step size ignores the rate; one with a range of its own
+    says so in `_check_optimizer`)."""
+    t = config.training
+    row = OPTIMIZERS[t.optimizer]
+    if row.own_step_size:
+        return []
+    spec = MODEL_TYPES[config.model.type]
+    trained = [name for name in spec.config_keys
+               if name != "vae" and getattr(config.components, name).train]
+    problems = []
+    if (t.learning_rate == 0 and not row.lr_range
+            and any(getattr(config.components, n).learning_rate is None for n in trained)):
+        problems.append(Problem("training.learning_rate", "above 0 (1e-4 is usual for a LoRA, "
+                                "1e-5 for a fine-tune)", "0", "a rate of 0 changes no weight: "
+                                "the run would end with its weights as they started"))
+    for name in trained:
+        if getattr(config.components, name).learning_rate == 0:
+            problems.append(Problem(f"components.{name}.learning_rate", "above 0, or empty "
+                                    "(the training learning rate)", "0",
+                                    f"a rate of 0 trains nothing; to leave the {name} as it "
+                                    f"is, set components.{name}.train = false"))
+    return problems
 
 
 def _check_data(config: Config) -> list[Problem]:

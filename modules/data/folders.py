@@ -20,7 +20,7 @@ from typing import Any
 from modules.data.errors import DatasetError
 from modules.data.images import IMAGE_EXTENSIONS, inspect_image, is_image_file, oriented_size
 from modules.data.file_kinds import split_masks
-from modules.data.masks import check_mask
+from modules.data.masks import check_mask, mask_is_blank
 from modules.data.progress import ProgressCallback
 
 logger = logging.getLogger("tempera.data")
@@ -84,6 +84,9 @@ class ScanResult:
     images_per_source: list[int] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)  # quiet oddities, each one line
     folder_repeats: dict[str, tuple[int, int]] = field(default_factory=dict)  # name: (N, images)
+    # a source's captions file: the names in it that name no image of its folder, by source
+    unmatched_captions: dict[int, list[str]] = field(default_factory=dict)
+    blank_masks: list[Path] = field(default_factory=list)  # images whose mask keeps no pixel
 
     @property
     def num_images(self) -> int:
@@ -161,9 +164,17 @@ def scan_datasets(sources: Sequence[DatasetSource], caption_extension: str = ".t
 
 def _check_masks(result: ScanResult) -> None:
     """Every mask file decodes and has its image's size (data.masked_loss): one DatasetError
-    naming each bad file."""
-    problems = [why for item in result.items if item.mask is not None
-                for why in [check_mask(item.mask, item.size)] if why]
+    naming each bad file. Images whose mask (file or alpha channel) keeps no pixel at all
+    are listed in `blank_masks`: their loss is exactly 0 (an inverted mask does this)."""
+    problems = []
+    for item in result.items:
+        if item.mask is None and not item.alpha:
+            continue
+        why = check_mask(item.mask, item.size) if item.mask is not None else None
+        if why:
+            problems.append(why)
+        elif mask_is_blank(item.mask, item.path, item.alpha):
+            result.blank_masks.append(item.path)
     if problems:
         raise DatasetError("bad mask file(s): " + "; ".join(problems))
 
@@ -225,6 +236,7 @@ def _scan_folder(folder: Path, source_index: int, caption_extension: str, recurs
                                 f"{'/'.join(sorted(IMAGE_EXTENSIONS))})")
     images, masks = split_masks(files, [path for path in files if is_image_file(path)])
     empty: list[Path] = []
+    matched: set[str] = set()  # the captions file's names that named an image
     checks = []
     with ThreadPoolExecutor(max_workers=threads) as pool:
         for check in pool.map(inspect_image, images):  # map keeps the sorted order
@@ -240,6 +252,7 @@ def _scan_folder(folder: Path, source_index: int, caption_extension: str, recurs
                  "alpha": check.alpha, "mask": masks.get((path.parent, path.stem.lower()))}
         relative = path.relative_to(folder).as_posix()
         if relative in listed or path.name in listed:
+            matched.add(relative if relative in listed else path.name)
             caption = listed.get(relative, listed.get(path.name, ""))
             if not caption:
                 empty.append(path)
@@ -264,6 +277,8 @@ def _scan_folder(folder: Path, source_index: int, caption_extension: str, recurs
     if empty:
         result.warnings.append(f"{len(empty)} caption file(s) are empty (those images train "
                                f"unconditioned): {_list_names(empty)}")
+    if len(matched) < len(listed):
+        result.unmatched_captions[source_index] = sorted(set(listed) - matched)
 
 
 def _list_files(folder: Path, recursive: bool) -> tuple[list[Path], int, list[Path]]:

@@ -56,6 +56,13 @@ def open_mask(mask: Path | None, image_path: Path, alpha: bool) -> Image.Image |
             from exc
 
 
+def mask_is_blank(mask: Path | None, image_path: Path, alpha: bool) -> bool:
+    """Whether an image's mask (its file, else its alpha channel) keeps no pixel at all: all
+    black, or fully transparent. Such an image's loss is exactly 0 and it trains nothing."""
+    opened = open_mask(mask, image_path, alpha)
+    return opened is not None and opened.getextrema()[1] == 0
+
+
 def prepare_mask(mask: Image.Image | None, target: TargetSize, crop_top_left: tuple[int, int],
                  flip: bool) -> torch.Tensor:
     """A mask as float (1, H, W) in [0, 1], resized, cropped and flipped exactly as its image

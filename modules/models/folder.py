@@ -7,6 +7,12 @@ import json
 from pathlib import Path
 
 
+# What a single checkpoint file is named (modules/models/single_file.py reads them; kept here,
+# torch-free, so the input checks can tell a missing file from a missing folder).
+PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin")
+SAFETENSORS_SUFFIX = ".safetensors"
+
+
 class FolderError(Exception):
     """A diffusers folder that is incomplete, unreadable or of another family."""
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import math
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -111,10 +112,12 @@ def network_metadata(training: dict) -> dict[str, str]:
     from modules.config.schema import Adapter
 
     row = ADAPTERS[Adapter(_plain(training.get("adapter", Adapter.LORA)))]
+    rslora = bool(training.get("use_rslora")) and "use_rslora" in row.options
     args: dict[str, Any] = {"target_modules": training.get("lora_target_modules", [])}
     if row.convolutions and training.get("conv_rank", 0):
         args.update(conv_dim=str(training["conv_rank"]),
-                    conv_alpha=_number(training.get("conv_alpha", "")))
+                    conv_alpha=_number(kohya_alpha(training.get("conv_alpha", ""),
+                                                   training["conv_rank"], rslora)))
     if row.lycoris_algo:
         args["algo"] = row.lycoris_algo
     if _plain(training.get("adapter")) == Adapter.DORA.value:
@@ -124,8 +127,18 @@ def network_metadata(training: dict) -> dict[str, str]:
             args[option] = str(training[option])
     return {"ss_network_module": row.kohya_network_module,
             "ss_network_dim": str(training.get("lora_rank", "")),
-            "ss_network_alpha": _number(training.get("lora_alpha", "")),
+            "ss_network_alpha": _number(kohya_alpha(training.get("lora_alpha", ""),
+                                                    training.get("lora_rank", 1), rslora)),
             "ss_network_args": json.dumps(args)}
+
+
+def kohya_alpha(alpha: Any, rank: Any, rslora: bool) -> Any:
+    """The alpha a kohya file states for a layer of `rank`: the one its `alpha` tensors hold
+    (modules/models/kohya.py). Readers scale by alpha / rank, so rsLoRA's alpha / sqrt(rank)
+    is written as peft's scaling times the rank, alpha * sqrt(rank)."""
+    if not rslora or not isinstance(alpha, (int, float)) or not isinstance(rank, int):
+        return alpha
+    return alpha / math.sqrt(rank) * rank  # as peft computes the scaling, times the rank
 
 
 def a1111_card(model_type: ModelType, description: str, trigger_phrase: str,

@@ -19,13 +19,12 @@ from modules.config.schema import ModelType
 from modules.model_types import MODEL_TYPES
 from modules.models.bundle import PREDICTION_TYPES, Dtypes, ModelBundle, dtype_of, widest_dtype
 from modules.models.families.base import FileConventions
+from modules.models.folder import PICKLE_SUFFIXES, SAFETENSORS_SUFFIX
 from modules.models.precision import cast_for_saving
 from modules.util.atomic import atomic_file
 from modules.util.errors import first_line
 
 CONFIGS_DIR = Path(__file__).parent / "configs"
-PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin")
-SAFETENSORS_SUFFIX = ".safetensors"
 LDM_UNET_PREFIX = "model.diffusion_model."
 LDM_VAE_PREFIX = "first_stage_model."
 

@@ -17,7 +17,7 @@ from modules.train.setup.start import resume_hint
 from modules.util.disk import DiskFull
 from modules.util.errors import describe, is_out_of_memory
 
-__all__ = ["NonFiniteTraining", "RunResult", "TrainingError", "train"]
+__all__ = ["NonFiniteTraining", "RunResult", "TrainingAborted", "TrainingError", "train"]
 
 OUT_OF_MEMORY_ADVICE = ("lower training.batch_size or data.resolution, turn on "
                         "training.gradient_checkpointing, train LORA instead of FINE_TUNE, or "
@@ -26,6 +26,11 @@ OUT_OF_MEMORY_ADVICE = ("lower training.batch_size or data.resolution, turn on "
 
 class TrainingError(Exception):
     """Training failed after it started; files saved before the failure are intact."""
+
+
+class TrainingAborted(Exception):
+    """The run was interrupted at once (KeyboardInterrupt: the CLI's second stop signal)
+    after its output folder was written; run.json says `aborted` with the steps done."""
 
 
 def train(config: Config, callbacks: TrainerCallbacks | None = None,
@@ -47,11 +52,15 @@ def train(config: Config, callbacks: TrainerCallbacks | None = None,
         callbacks.on_status(f"stopped before training began ({stop}); nothing was trained, "
                             "so no backup or weights were written")
         return RunResult("stopped", steps, Path(config.output.dir), {"status": "stopped"})
+    except KeyboardInterrupt as exc:
+        raise aborted(recipe, "while the run was being set up") from exc
     try:
         result = recipe.train()
         if dist.is_main:  # what a front end shows as the expected compile time next time
             record_compile_time(config, run.device.type, result.record.get("compile", {}))
         return result
+    except KeyboardInterrupt as exc:
+        raise aborted(recipe, "while training") from exc
     except ConfigError:
         raise
     except Exception as exc:
@@ -65,6 +74,24 @@ def train(config: Config, callbacks: TrainerCallbacks | None = None,
         raise TrainingError(message) from exc
     finally:
         recipe.close()
+
+
+def aborted(recipe: TrainingRecipe, when: str) -> TrainingAborted:
+    """An abort (a second stop signal: no backup, no save) after the output folder was
+    written: run.json says `aborted` with the steps done, where the record was started, and
+    the message says what can be resumed."""
+    record = recipe.record
+    step = recipe.run.step if recipe.run is not None else record.steps_before if record else 0
+    message = (f"aborted at step {step} {when}, at once (a second stop signal): no backup or "
+               f"weights were written by the abort"
+               + (resume_hint(Path(recipe.prepared.config.output.dir)) if record else ""))
+    if record is not None and recipe.dist.is_main:
+        try:
+            record.write(status="aborted", step=step, aborted=message)
+        except OSError as exc:  # a full disk: the message still reaches the user
+            message += f"; run.json could not be updated ({describe(exc)})"
+    recipe.callbacks.on_error(message)
+    return TrainingAborted(message)
 
 
 def failure_message(exc: Exception, step: int) -> str:

@@ -80,14 +80,16 @@ def make_app(display, tmp_path):
     from app.window import TemperaApp
     apps = []
 
-    def make(**kwargs):
+    def make(wait_for_engine: bool = True, **kwargs):
         kwargs.setdefault("settings_path", tmp_path / "ui.json")
         kwargs.setdefault("confirm", lambda title, message: True)
         kwargs.setdefault("ask_unsaved", lambda title, message: False)  # discard on close
         kwargs.setdefault("builtin_presets_dir", REPO / "training_presets")
         app = TemperaApp(**kwargs)
-        app.update()
         apps.append(app)
+        app.update()
+        if wait_for_engine:  # Start waits for it (the first window of a session imports torch)
+            pump(app, lambda: app.engine.done, timeout=180)
         return app
 
     yield make

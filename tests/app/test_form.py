@@ -157,3 +157,26 @@ def test_base_model_can_be_chosen_as_a_folder_or_a_single_checkpoint(app, monkey
     assert "*.safetensors" in asked["filetypes"][0][1]
     model.browse.invoke()
     assert app.binding.config.model.path == str(tmp_path)
+
+
+def test_add_dataset_on_the_sdxl_preset_starts_with_an_empty_folder(make_app, display):
+    """Issue 44 item 7: the new row held the toy set builtin:shapes, which cleared the "no
+    dataset" problem and trained SDXL on 64 px shapes. Clicked with the pointer."""
+    from tests.app import xdo
+    from tests.app.conftest import REPO
+    if not xdo.available():
+        import pytest
+        pytest.skip("real input needs xdotool (bash scripts/ensure_xvfb.sh)")
+    app = make_app(initial_preset=REPO / "training_presets" / "sdxl" / "lora.json")
+    assert app.binding.config.data.datasets == []
+    app.geometry("1200x800+0+0")
+    xdo.click(app, app.tabview._segmented_button._buttons_dict["Data"])
+    datasets = view(app, "data.datasets")
+    assert xdo.scroll_into_view(app, app.scroll_frames["Data"], datasets.add_button)
+    xdo.click(app, datasets.add_button)
+    assert [d.path for d in app.binding.config.data.datasets] == [""]
+    assert datasets.item_views[0].path == "data.datasets[0].path"
+    assert datasets.item_views[0].var.get() == ""
+    assert app.runs.start() is False                  # Start names the empty folder
+    assert any("Data › Datasets › row 1 › Folder" in b.cget("text")
+               for b in app.problems_panel.buttons)

@@ -97,3 +97,29 @@ def test_unreadable_settings_are_reported_not_fatal(make_app, tmp_path):
     app = make_app(settings_path=settings)
     assert "ignored unreadable GUI settings" in app.run_panel.log_text()
     assert app.settings == UISettings(last_preset=app.settings.last_preset)
+
+
+def test_the_settings_and_presets_live_in_xdg_config_home(make_app, tmp_path, monkeypatch):
+    """Issue 44 item 7: $XDG_CONFIG_HOME names the config folder (ui.json, the user's
+    presets); the window kept them in ~/.config regardless. Save is clicked with the pointer."""
+    from tests.app import xdo
+    if not xdo.available():
+        import pytest
+        pytest.skip("real input needs xdotool (bash scripts/ensure_xvfb.sh)")
+    home, config = tmp_path / "home", tmp_path / "xdg-config"
+    monkeypatch.setenv("HOME", str(home))             # nothing may land in the real ~/.config
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(config))
+    offered = []
+    app = make_app(settings_path=None, builtin_presets_dir=tmp_path / "none",
+                   ask_save_path=lambda folder: offered.append(folder) or str(folder / "a.json"))
+    assert app.settings_path == config / "tempera" / "ui.json"
+    app.geometry("1200x800+0+0")
+    xdo.settle(app, 0.5)
+    xdo.click(app, app.presets_bar.buttons["Save"])
+    assert offered == [config / "tempera" / "presets"]
+    assert (config / "tempera" / "presets" / "a.json").is_file()
+    assert app.presets_bar.menu.get() == "mine / a"
+    app.on_close()
+    assert json.loads((config / "tempera" / "ui.json").read_text())["last_preset"].endswith(
+        "a.json")
+    assert not (home / ".config").exists()

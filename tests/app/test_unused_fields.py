@@ -2,6 +2,7 @@
 app/field_states.py), and come back when a change through the form makes them count."""
 from __future__ import annotations
 
+from app.readable import readable
 from modules.config.schema import Adapter, LRScheduler, Optimizer, TrainingMethod
 from tests.app.conftest import pump
 
@@ -16,8 +17,9 @@ def greyed(app, path):
     """(enabled?, the reason), the reason checked against what the tooltip shows."""
     found = view(app, path)
     reason = found.disabled_why
-    if reason:
-        assert found.tooltips[0].text.startswith(f"Not used now: {reason}")
+    if reason:  # the tooltip names values and fields as the window does
+        own = found.info.enum_type if found.info.kind in ("enum", "list_enum") else None
+        assert found.tooltips[0].text.startswith(f"Not used now: {readable(reason, own)}")
     return found.enabled, reason
 
 

@@ -85,10 +85,11 @@ def test_the_printed_resume_command_resumes_and_a_finished_run_is_refused(tmp_pa
     assert {p: p.read_bytes() for p in (output / "final").iterdir()} == final_files
     assert record(output)["steps_done"] == STEPS
 
-    # a raised step budget continues it from the newest backup to the new maximum
+    # a raised step budget continues it from its end (its backup at STEPS) to the new maximum
     longer = in_shell(command + f" --set training.max_steps={STEPS + 2}", tmp_path)
     assert longer.returncode == 0, longer.stderr
     assert record(output)["steps_done"] == STEPS + 2
+    assert record(output)["resumed_at_step"] == STEPS
     assert saved_step(output / "final") == STEPS + 2
 
 

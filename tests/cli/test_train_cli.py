@@ -165,3 +165,36 @@ def test_stop_file_stops_the_run_with_a_save(small_config, tmp_path, capsys):
     assert record["status"] == "stopped" and record["steps_done"] < 100_000
     assert (out / "final").is_dir()  # stopped with a save
     assert "stop file" in capsys.readouterr().err
+
+
+def test_a_second_sigterm_aborts_says_so_exits_143_and_records_what_was_done(
+        tmp_path, tempera_cache, capsys, monkeypatch):
+    """Real signals, to this process, sent by the trainer's own progress event at step 2 (so
+    nothing depends on timing): the first asks for the stop, the second aborts at once."""
+    import os
+    import signal
+
+    from modules.cli import headless
+    from modules.frontend import resume_offer
+    from tests.cli.run_settings import backed_up_run
+    config = _write(tmp_path / "c.json", backed_up_run(tempera_cache, "out", 40))
+    shown = headless.TerminalCallbacks.on_progress
+
+    def on_progress(self, progress):
+        shown(self, progress)
+        if progress.step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)  # stop: finish the step, back up, save
+            os.kill(os.getpid(), signal.SIGTERM)  # again: abort at once
+
+    monkeypatch.setattr(headless.TerminalCallbacks, "on_progress", on_progress)
+    assert main(["--config", str(config), "--quiet"]) == 143  # 128 + SIGTERM, as documented
+    err = capsys.readouterr().err
+    assert "aborted at step 2 while training" in err and "could not start" not in err
+    assert "resume with:" in err
+    output = tmp_path / "out"
+    record = json.loads((output / "run.json").read_text())
+    assert record["status"] == "aborted" and record["step"] == 2
+    assert record["steps_done"] == 2 and len(record["losses"]) == 2
+    assert record["aborted"].startswith("aborted at step 2")
+    assert resume_offer(output, 40).backup_step == 1  # the abort wrote none of its own
+    assert resume_offer(output, 40).can_resume

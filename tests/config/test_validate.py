@@ -175,9 +175,17 @@ def test_a_valid_model_folder(tmp_path, tempera_cache):
 
 def test_missing_model_folder(tmp_path):
     problem = _files_ok(tmp_path, "model.path=missing")["model.path"]
-    assert problem.expected == "an existing diffusers model folder"
+    assert problem.expected == "an existing diffusers model folder or .safetensors checkpoint"
     assert str(tmp_path / "missing") in problem.given
     assert problem.message == "no such file or folder"
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "model.ckpt"])
+def test_a_missing_checkpoint_file_is_not_called_a_folder(tmp_path, name):
+    """Single files are supported: a missing one is a missing file, not a missing folder."""
+    problem = _files_ok(tmp_path, f"model.path={name}")["model.path"]
+    assert problem.expected == "an existing checkpoint file"
+    assert problem.message == "no such file" and "folder" not in str(problem)
 
 
 def test_damaged_checkpoint_file(tmp_path):
@@ -333,3 +341,44 @@ def test_bucket_max_aspect_out_of_range_is_a_load_error():
     from modules.config import ConfigError
     with pytest.raises(ConfigError, match="data.bucket_max_aspect"):
         config_with("data.bucket_max_aspect=5")
+
+
+# --- settings that would do nothing (issue 44): refused before training, with the fix -------
+def test_a_learning_rate_of_zero_is_refused_unless_the_optimizer_ignores_it():
+    problem = problems_of(config_with("training.learning_rate=0"))["training.learning_rate"]
+    assert problem.given == "0" and "changes no weight" in problem.message
+    own = problems_of(config_with("training.learning_rate=0", "components.denoiser."
+                                  "learning_rate=1e-4"))
+    assert "training.learning_rate" not in own  # every trained component has its own rate
+    zero = problems_of(config_with("components.denoiser.learning_rate=0"))
+    assert "components.denoiser.train = false" in zero["components.denoiser.learning_rate"].message
+    assert "training.learning_rate" not in problems_of(
+        config_with("training.learning_rate=0", "training.optimizer=ADAFACTOR_RELATIVE"))
+
+
+def test_a_warmup_longer_than_the_run_is_refused_with_the_rate_it_would_end_at():
+    problem = problems_of(config_with("training.max_steps=25", "training.lr_warmup_steps=600")
+                          )["training.lr_warmup_steps"]
+    assert problem.expected == "at most training.max_steps (25)"
+    assert "at 4% of training.learning_rate" in problem.message
+    assert "training.lr_warmup_steps" not in problems_of(
+        config_with("training.max_steps=25", "training.lr_warmup_steps=25"))
+    # a run counted in epochs is warned once its length is known (recipe setup)
+    epochs = config_with("training.lr_warmup_steps=600")
+    assert "training.lr_warmup_steps" not in problems_of(epochs)
+
+
+@pytest.mark.parametrize("factor", [0, 1])
+def test_a_lokr_factor_without_meaning_is_refused_with_the_range(factor):
+    problem = problems_of(config_with("training.adapter=LOKR", f"training.lokr_factor={factor}",
+                                      "output.formats=kohya"))["training.lokr_factor"]
+    assert problem.expected == "-1 (the balanced split) or 2 to 64"
+    assert not problems_of(config_with("training.adapter=LOKR", "training.lokr_factor=64",
+                                       "output.formats=kohya"))
+
+
+def test_a_lokr_factor_above_64_no_longer_means_minus_one_silently():
+    from modules.config.problems import ConfigError
+    with pytest.raises(ConfigError, match="training.lokr_factor: expected a value between -1 "
+                                          "and 64, got 1024"):
+        config_with("training.adapter=LOKR", "training.lokr_factor=1024")

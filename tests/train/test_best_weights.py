@@ -116,7 +116,7 @@ def test_a_resumed_run_knows_the_best_so_far(tiny_config, tmp_path, scripted_sco
 
 def test_an_interrupted_save_leaves_the_previous_best(tiny_config, tmp_path, scripted_scores,
                                                       monkeypatch):
-    from modules.train.outputs.writes import saving as weights_module
+    from modules.train.outputs import saving as weights_module
     scripted_scores.update({1: 1.0, 2: 0.5})
     real = weights_module.write_lora_diffusers
     calls = []

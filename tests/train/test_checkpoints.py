@@ -103,7 +103,7 @@ def test_keep_checkpoints_removes_exactly_the_oldest_and_nothing_else(tiny_confi
     assert (own / "weights.bin").read_bytes() == b"mine"
     assert (unmarked / "weights.bin").read_bytes() == b"mine"
     assert (out / "final" / SAVED_STEP_FILE).is_file()
-    assert [step for step, _ in list_backups(out)] == [2, 4, 6, 8]
+    assert [step for step, _ in list_backups(out)] == [2, 4, 6, 8, 9]  # 9: the run's end
     record = run_json(out)
     assert list(record["checkpoints"]) == ["step-000007", "step-000008"]
     assert record["checkpoints_removed"] == [f"step-{n:06d}" for n in range(1, 7)]

@@ -14,6 +14,7 @@ from modules.config.problems import ConfigError
 from modules.events import RecordingCallbacks, TrainerCommands
 from modules.train.state.backup import flatten, unflatten
 from modules.train.state.backup_files import list_backups
+from modules.train.state.resume_offer import saved_step
 from modules.train.trainer import TrainingError, train
 from tests.train.test_bucketed_training import RESOLUTION, SQUARE, TALL, WIDE, make_images
 
@@ -98,12 +99,13 @@ def test_backups_rotate_and_hold_no_pickle(tiny_config):
                          "output.keep_backups=2", "training.ema=true")
     result = train(config)
     found = list_backups(result.output_dir)
-    # steps 1-4 by schedule (none at the last step: the final save covers it), two kept
-    assert [step for step, _ in found] == [3, 4]
+    # steps 1-4 by schedule and 5 at the run's end (a continue starts there), two kept
+    assert [step for step, _ in found] == [4, 5]
     folder = found[-1][1]
     assert sorted(p.name for p in folder.iterdir()) == ["backup.json", "tensors.safetensors"]
     info = json.loads((folder / "backup.json").read_text())
-    assert info["step"] == 4 and info["config"]["training"]["max_steps"] == 5
+    assert info["step"] == 5 and info["config"]["training"]["max_steps"] == 5
+    assert info["reason"] == "finished"
     assert {"parameters", "optimizer", "lr_scheduler", "ema", "training", "random"} <= set(
         info["states"])
     with safe_open(str(folder / "tensors.safetensors"), framework="pt") as f:
@@ -291,6 +293,7 @@ def test_overwrite_starts_clean_and_leaves_the_users_own_files(tiny_config):
     train(first)
     output = Path(first.output.dir)
     (output / "notes.txt").write_text("mine")
+    (output / "checkpoints" / "mine.txt").write_text("mine")
     assert len(list((output / "samples").iterdir())) == 2 and list_backups(output)
     second = tiny_config("training.max_steps=1", "output.overwrite=true",
                          "sampling.prompts=[\"a blue square\"]", "sampling.every_steps=0",
@@ -302,5 +305,11 @@ def test_overwrite_starts_clean_and_leaves_the_users_own_files(tiny_config):
     assert not list_backups(output)  # no old backup for --resume latest to pick
     assert len(list((output / "tensorboard").iterdir())) == 1  # one run's event file
     assert (output / "notes.txt").read_text() == "mine"
-    assert (output / "checkpoints" / "step-000001").is_dir()  # weights are never cleared
-    assert any("removed the previous run's samples/" in s for s in callbacks.statuses)
+    # the old run's checkpoints are gone too (they would sit beside the new run's, outside
+    # keep_checkpoints); the user's own file in checkpoints/ stays; final/ is the new run's
+    assert sorted(p.name for p in (output / "checkpoints").iterdir()) == ["mine.txt"]
+    assert saved_step(output / "final") == 1
+    removed = "1 checkpoint(s) (step-000001)"  # the last step's weights are final/'s
+    assert any("removed the previous run's samples/" in s and removed in s
+               for s in callbacks.statuses)
+    assert removed in run_json(output)["overwrite"]["removed"]

@@ -37,6 +37,7 @@ def test_resuming_a_finished_run_is_refused_and_writes_nothing(tiny_config):
     assert "finished at step 4" in message and "raise training.max_steps above 4" in message
     assert snapshot(output) == before
     assert not resume_offer(output, 4).can_resume and resume_offer(output, 5).can_resume
+    assert "continues from its end (its backup at step 4)" in message
 
 
 def test_a_raised_max_steps_continues_a_finished_run_to_the_new_maximum(tiny_config):
@@ -53,12 +54,17 @@ def test_a_raised_max_steps_continues_a_finished_run_to_the_new_maximum(tiny_con
 
 
 def test_a_resumed_segment_that_stops_early_keeps_the_later_final_weights(tiny_config):
-    """The incident of the issue: a finished run (final/ at step 6) continued from its backup
-    at step 4 and stopped at step 5 must not save step-5 weights over the step-6 final/."""
+    """A run finished by a Tempera that wrote no backup at the end (final/ at step 6, newest
+    backup step 4): its continue goes back to step 4, says so, and stopped at step 5 must not
+    save step-5 weights over the step-6 final/."""
+    import shutil
     config = tiny_config("training.max_steps=6", "output.backup_every_steps=2")
     train(config)
     output = Path(config.output.dir)
-    assert list_backups(output)[-1][0] == 4  # no backup at the end of a finished run
+    assert list_backups(output)[-1][0] == 6  # the backup at the run's end...
+    shutil.rmtree(list_backups(output)[-1][1])  # ...which an older Tempera did not write
+    offer = resume_offer(output, 10)
+    assert offer.rewinds and offer.more_steps == 4 and offer.steps_to_train == 6
     final_before = snapshot(output / "final")
     commands = TrainerCommands()
     callbacks = StopAt(commands, 5)
@@ -66,6 +72,7 @@ def test_a_resumed_segment_that_stops_early_keeps_the_later_final_weights(tiny_c
                             "training.resume_from=latest")
     result = train(continued, callbacks, commands)
     assert result.status == "stopped" and result.steps == 5
+    assert any("steps 5 to 6 are trained again" in s for s in callbacks.statuses)
     assert snapshot(output / "final") == final_before
     record = run_json(output)
     assert record["final_kept"]["final_step"] == 6 and record["final_kept"]["segment_step"] == 5

@@ -96,6 +96,13 @@ def test_training_starts_from_a_single_file_checkpoint(tiny_config, tempera_cach
         meta = f.metadata()
     assert meta["ss_new_sd_model_hash"] == hashlib.sha256(before).hexdigest()
     assert meta["ss_sd_model_hash"] == hashlib.sha256(before[0x100000:0x110000]).hexdigest()[:8]
+    # so does the diffusers file, by name and hash, never by its local path (issue 44)
+    with safe_open(str(result.output_dir / "final" / "pytorch_lora_weights.safetensors"),
+                   "pt") as f:
+        peft_meta = f.metadata()
+    assert peft_meta["ss_sd_model_name"] == "my-model.safetensors"
+    assert peft_meta["ss_new_sd_model_hash"] == meta["ss_new_sd_model_hash"]
+    assert str(tmp_path) not in json.dumps(peft_meta)
     resolved = json.loads((result.output_dir / "config.json").read_text())["model"]
     assert resolved["path"] == str(checkpoint)
 

@@ -102,3 +102,13 @@ def test_training_follows_the_schedule_and_a_resume_continues_it(tiny_config, tm
     parts = tiny_config(*settings, f"output.dir={tmp_path / 'parts'}")
     stop_then_resume(parts, at=3)
     assert run_json(tmp_path / "parts")["losses"] == run_json(tmp_path / "whole")["losses"]
+
+
+def test_no_curve_is_drawn_for_a_rate_that_will_not_be_used():
+    """The curve a front end draws shows only what training uses: none under Adafactor's
+    relative step (it ignores the rate), none for a warm-up longer than the run."""
+    relative = apply_overrides(Config(), ["training.optimizer=ADAFACTOR_RELATIVE"])
+    assert schedule_curve(relative, 100) == []
+    too_long = apply_overrides(Config(), ["training.lr_warmup_steps=600"])
+    assert schedule_curve(too_long, 25) == [] and schedule_curve(too_long, 600)
+    assert schedule_curve(Config(), 0) == []

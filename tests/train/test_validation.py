@@ -19,7 +19,8 @@ from modules.train.setup.prepare import check_run, prepare_run
 from modules.train.recipe.recipe import TrainingRecipe, forward_loss
 from modules.train.state.training_state import TrainingState
 from modules.train.trainer import train
-from modules.train.validation.validation import best_point, fixed_timesteps, score
+from modules.train.validation.validation import (best_point, fixed_timesteps, score,
+                                                 validation_pass)
 from modules.train.validation.validation_set import Validator, build_validator
 from tests.train.test_bucketed_training import RESOLUTION, SQUARE, TALL, WIDE, make_images
 from tests.train.test_resume import StopAt, run_json
@@ -80,15 +81,27 @@ def test_held_out_images_are_not_trained_and_the_score_is_fixed_until_training_m
         assert seen == trained  # what the loader hands the training step
 
         live = [p.detach().clone() for p in run.all_params()]
-        first = score(run, forward_loss)
-        assert score(run, forward_loss) == first  # fixed noise and timesteps: exactly
+        first = score(run, forward_loss)[0]
+        assert score(run, forward_loss)[0] == first  # fixed noise and timesteps: exactly
         fresh = build_validator(run.config, run.validator.images)  # batches built anew
         run.validator, kept = fresh, run.validator
-        assert score(run, forward_loss) == first
+        assert score(run, forward_loss)[0] == first
         run.validator = Validator(kept.images, 1, kept.timestep_count, kept.seed)
-        assert score(run, forward_loss) == pytest.approx(first, rel=1e-5)  # noise per image
+        assert score(run, forward_loss)[0] == pytest.approx(first, rel=1e-5)  # noise per image
         run.validator = kept
         assert all(torch.equal(a, b) for a, b in zip(live, run.all_params()))
+
+        # Stop is asked before every forward (a batch at one timestep), as sampling asks
+        # between denoising steps: a pass cut short scores what it did and records no score
+        asked = iter(range(1_000))
+        loss, done = score(run, forward_loss, lambda: next(asked) >= 3)
+        forwards = len(run.validator.batches) * run.validator.timestep_count
+        assert loss is None and (done.scored, done.total) == (3, forwards) and forwards > 3
+        assert validation_pass(run, forward_loss, lambda: True) is None
+        assert run.state.validation == []  # not a score
+        assert run.record.data["validation"]["cut_short"] == {
+            "step": 0, "forwards_scored": 0, "forwards": forwards}
+        assert any("cut short by Stop (0 of" in s for s in callbacks.statuses)
 
         result = recipe.train()
     finally:
@@ -196,7 +209,7 @@ def test_aspect_bucketed_validation_images_are_batched_by_size(tiny_config, tmp_
                             TrainerCommands())
     run = recipe.setup()
     try:
-        loss = score(run, forward_loss)
+        loss = score(run, forward_loss)[0]
         shapes = sorted(tuple(batch["latents"].shape) for batch, _ in run.validator.batches)
     finally:
         recipe.close()

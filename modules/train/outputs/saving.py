@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from modules.config.schema import Config, SaveFormat, TrainingMethod
+from modules.config.secret_settings import shared_config, shared_name
 from modules.model_types import MODEL_TYPES
 from modules.models.bundle import ModelBundle
 from modules.models.families import family_files
@@ -25,8 +26,8 @@ from modules.util.atomic import atomic_write_dir
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 logger = logging.getLogger("tempera.train")
 KOHYA_WEIGHT_NAME = "lora_kohya.safetensors"
-# The formats whose files carry the run's kohya-style metadata (`save_weights`' extra_metadata)
-METADATA_FORMATS = {SaveFormat.KOHYA, SaveFormat.SINGLE_FILE}
+# The base model's hash keys (modules/models/model_hash.py), in every LoRA file and single file
+MODEL_HASH_KEYS = ("ss_sd_model_hash", "ss_new_sd_model_hash")
 SINGLE_FILE_NAME = "model.safetensors"
 
 
@@ -36,11 +37,15 @@ def lora_save_dtype(config: Config) -> torch.dtype:
     return SAVE_DTYPES[config.output.save_dtype] or torch.float32
 
 
-def write_lora_diffusers(bundle: ModelBundle, config: Config, folder: Path) -> Path:
+def write_lora_diffusers(bundle: ModelBundle, config: Config, folder: Path,
+                         extra: dict[str, str] | None = None) -> Path:
     """LoRA adapters in the diffusers/peft layout (`load_lora_weights` reads it).
 
     The peft state dict is saved as it is: diffusers' conversion to its older key names only
     covers attention layers, and a file mixing both namings loses the other layers on load.
+    The base model is named, never by its local path (peft records the folder it was loaded
+    from as `base_model_name_or_path`): its name, and beside the adapters' metadata
+    `ss_sd_model_name` with a single-file base's hashes from `extra`, as the kohya file says.
     """
     from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
     from peft.utils import get_peft_model_state_dict
@@ -50,7 +55,8 @@ def write_lora_diffusers(bundle: ModelBundle, config: Config, folder: Path) -> P
     pipeline_cls = {"StableDiffusionPipeline": StableDiffusionPipeline,
                     "StableDiffusionXLPipeline": StableDiffusionXLPipeline}[
         MODEL_TYPES[config.model.type].pipeline_class]
-    kwargs = {}
+    model_name = shared_name(config.model.path)
+    kwargs: dict[str, dict] = {}
     for name in trained_components(config):
         module = bundle.component(name)
         # Text encoder keys in the `text_model.` form every stack reads (transformers 5.6+
@@ -58,10 +64,34 @@ def write_lora_diffusers(bundle: ModelBundle, config: Config, folder: Path) -> P
         rename = clip_key_with_text_model if name.startswith("text_encoder") else str
         layers = cast_for_saving(get_peft_model_state_dict(module), lora_save_dtype(config), name)
         kwargs[f"{name}_lora_layers"] = {rename(k): v for k, v in layers.items()}
-        kwargs[f"{name}_lora_adapter_metadata"] = adapter_config(module).to_dict()
+        kwargs[f"{name}_lora_adapter_metadata"] = {
+            **adapter_config(module).to_dict(), "base_model_name_or_path": model_name}
     pipeline_cls.save_lora_weights(save_directory=folder, weight_name=LORA_WEIGHT_NAME,
                                    safe_serialization=True, **kwargs)
-    return folder / LORA_WEIGHT_NAME
+    path = folder / LORA_WEIGHT_NAME
+    add_file_metadata(path, {"ss_sd_model_name": model_name,
+                             **{k: v for k, v in (extra or {}).items() if k in MODEL_HASH_KEYS}})
+    return path
+
+
+def add_file_metadata(path: Path, entries: dict[str, str]) -> None:
+    """Add `entries` to a .safetensors file's metadata (rewritten in place: the file is in
+    the save's temporary folder, and a LoRA is small)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+    with safe_open(str(path), "pt") as f:
+        metadata = f.metadata() or {}
+    tensors = load_file(str(path))
+    save_file(tensors, str(path), metadata={**metadata, **entries})
+
+
+def hashes_base_model(config: Config) -> bool:
+    """Whether a save of this run names the base model's hashes (hashing reads the whole
+    base checkpoint, so a run does it only then): every LoRA file, and a single-file
+    fine-tune."""
+    if config.training.method == TrainingMethod.LORA:
+        return True
+    return SaveFormat.SINGLE_FILE in config.output.formats
 
 
 def write_lora_kohya(bundle: ModelBundle, config: Config, folder: Path, step: int,
@@ -80,7 +110,7 @@ def write_lora_kohya(bundle: ModelBundle, config: Config, folder: Path, step: in
                     dtype=lora_save_dtype(config))
     card = a1111_card(config.model.type, _card_description(config, step),
                       meta.get("modelspec.trigger_phrase", ""),
-                      f"Base model: {Path(config.model.path).name}")
+                      f"Base model: {shared_name(config.model.path)}")
     write_card(card, path.with_suffix(".json"), replaces, warn)
     return path
 
@@ -123,7 +153,23 @@ def write_full_diffusers(bundle: ModelBundle, config: Config, folder: Path) -> P
         rename_weight_keys(folder / name, clip_key_with_text_model)
     for name in spec.tokenizers:
         write_slow_tokenizer_files(bundle.tokenizers[name], folder / name)
+    name_base_model(folder, shared_name(config.model.path))
     return folder
+
+
+# Where diffusers' and transformers' saved configs record the folder a model was loaded from.
+NAME_OR_PATH_KEYS = ("_name_or_path", "name_or_path")
+
+
+def name_base_model(folder: Path, model_name: str) -> None:
+    """Replace the local folder diffusers and transformers write into each component's
+    config (`_name_or_path`: where the component was loaded from) by the model's name."""
+    for path in sorted(folder.rglob("*.json")):
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if isinstance(data, dict) and any(data.get(key) for key in NAME_OR_PATH_KEYS):
+            data.update({key: model_name for key in NAME_OR_PATH_KEYS if data.get(key)})
+            path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n",
+                            encoding="utf-8")
 
 
 def write_slow_tokenizer_files(tokenizer, folder: Path) -> None:
@@ -151,10 +197,9 @@ def write_full_single_file(bundle: ModelBundle, config: Config, folder: Path, st
 
 
 def _metadata(bundle: ModelBundle, config: Config, kind: str, layout: str, step: int) -> dict:
-    from modules.config.secret_settings import masked_config
     from modules.models.metadata import training_metadata
-    # secret-looking values masked: a weights file is a record too (and is shared)
-    return training_metadata(masked_config(config), config.model.type, config.training.method,
+    # secret-looking values masked and paths reduced to names: a weights file is shared
+    return training_metadata(shared_config(config), config.model.type, config.training.method,
                              kind, layout=layout, prediction_type=bundle.prediction_type,
                              steps=step)
 
@@ -172,7 +217,8 @@ def save_weights(bundle: ModelBundle, config: Config, folder: Path, step: int,
     formats = set(config.output.formats)
     lora = config.training.method == TrainingMethod.LORA
     writers = [
-        (lora and SaveFormat.DIFFUSERS in formats, lambda t: write_lora_diffusers(bundle, config, t)),
+        (lora and SaveFormat.DIFFUSERS in formats,
+         lambda t: write_lora_diffusers(bundle, config, t, extra_metadata)),
         (lora and SaveFormat.KOHYA in formats, lambda t: write_lora_kohya(bundle, config, t, step, extra_metadata,
                                    replaces=folder, warn=warn)),
         (not lora and SaveFormat.DIFFUSERS in formats,

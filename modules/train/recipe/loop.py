@@ -116,6 +116,14 @@ def mark_boundary(run: Run) -> None:
     run.boundary = BoundaryState.capture(run.state.state_dict())
 
 
+def mark_end(run: Run) -> None:
+    """The boundary of a finished run's last step, with what the end-of-run sample and
+    validation added to the training state (the history, the last sample's step); the random
+    states stay the step's, as the loop marked them."""
+    marked = run.boundary if run.boundary is not None else BoundaryState.capture({})
+    run.boundary = BoundaryState(run.state.state_dict(), marked.random)
+
+
 def backup_due(run: Run) -> bool:
     """A scheduled backup is due (by steps or minutes), not at the last step and not while
     steps are being skipped as non-finite (the backups from before that are the ones to keep)."""

@@ -46,11 +46,12 @@ from modules.train.setup.output_lock import OutputLock
 from modules.train.outputs.writes import (backup_bytes, distributed_summary, log_scalars, sample,
                                           save_checkpoint, save_final)
 from modules.train.setup.prepare import PreparedRun
-from modules.train.outputs.record import peak_memory
+from modules.train.outputs.record import RunRecord, peak_memory
 from modules.train.state.run import Run, item_buckets
 from modules.train.setup.start import (apply_changed_learning_rates, bucket_record, build_dataset,
-                                       build_ema, prepare_output_folder, resume_hint, start_record,
-                                       take_output_lock, tensorboard_writer, text_encoder_cache)
+                                       build_ema, prepare_output_folder, record_warnings,
+                                       resume_hint, start_record, take_output_lock,
+                                       tensorboard_writer, text_encoder_cache)
 from modules.train.state.training_state import TrainingState, draws_generator
 from modules.train.validation.validation import (last_validated_step, validation_due,
                                                  validation_pass, validation_record)
@@ -58,11 +59,12 @@ from modules.train.validation.validation_set import build_validator
 from modules.train.recipe.trainable import (apply_denoiser_memory_format,
                                             enable_gradient_checkpointing, prepare_trainable,
                                             trained_components)
-from modules.train.outputs.saving import METADATA_FORMATS
+from modules.train.outputs.saving import hashes_base_model
 from modules.train.recipe.step_inputs import denoiser_input, encode_captions, encode_latents
-from modules.util.disk import guarded_write
+from modules.util.disk import DiskFull, guarded_write
 from modules.train.recipe.loop import (MicroBatch, backup_due, batches, feeding, mark_boundary,
-                                       progress_event, refuse_backup, skip_non_finite_step)
+                                       mark_end, progress_event, refuse_backup,
+                                       skip_non_finite_step)
 
 
 @dataclass
@@ -81,6 +83,7 @@ class TrainingRecipe:
         self.prepared, self.callbacks, self.dist, self.commands = (prepared, callbacks, dist,
                                                                    commands)
         self.run: Run | None = None  # the run's objects and state, once `setup` built them
+        self.record: RunRecord | None = None  # run.json, once `setup` started it
 
     # ------------------------------------------------------------------------------ setup
     def setup(self) -> Run:
@@ -111,7 +114,7 @@ class TrainingRecipe:
                                                self.commands)
         config, bundle = prepared.config, prepared.bundle
         device = dist.device or prepared.device
-        record = prepare_output_folder(prepared, callbacks, dist.is_main)
+        record = self.record = prepare_output_folder(prepared, callbacks, dist.is_main)
         start_record(record, prepared, device)
 
         # the trained weights (LoRA init draws from the global generator)
@@ -136,6 +139,7 @@ class TrainingRecipe:
                                       config.training.seed, rank=dist.rank,
                                       world_size=dist.world_size, buckets=buckets)
         budget = step_budget(config, len(batches))
+        record_warnings(record, config, budget.total_steps, callbacks)
         if buckets is not None and isinstance(batches, BucketBatchSampler):
             record.write(buckets=bucket_record(buckets, batches))
             callbacks.on_status(f"aspect buckets: {describe_buckets(buckets)}; "
@@ -167,7 +171,7 @@ class TrainingRecipe:
                   prompts=sample_prompts(config)[0],  # check_inputs read them already
                   validator=build_validator(config, prepared.validation))
         run.file_metadata = training_data_metadata(prepared.scan, config)
-        if dist.is_main and METADATA_FORMATS & set(config.output.formats):
+        if dist.is_main and hashes_base_model(config):
             # hashing a base checkpoint reads all of it: only where a saved file carries it
             run.file_metadata.update(base_model_hashes(config.model.path,
                                                        cache_dir_for(config.general.cache_dir)))
@@ -239,7 +243,7 @@ class TrainingRecipe:
                 sample(run, lambda: commands.stop_requested)
                 sample_seconds = time.perf_counter() - sample_started
             if validation_due(run):
-                validation_pass(run, forward_loss)
+                validation_pass(run, forward_loss, lambda: commands.stop_requested)
             if name := due_checkpoint(run.step, run.budget.total_steps, state.epoch,
                                       state.batches_done, run.budget.batches_per_epoch,
                                       config.output.save_every_steps,
@@ -263,7 +267,9 @@ class TrainingRecipe:
             sample(run, lambda: commands.stop_requested)
         if (run.validator is not None and status == "finished" and run.step > 0
                 and last_validated_step(run) != run.step):
-            validation_pass(run, forward_loss)
+            validation_pass(run, forward_loss, lambda: commands.stop_requested)
+        if status == "finished":
+            self.save_final_backup()
         feeding(run)
         run.record.write(status=status, compile=run.guard.report(),
                          skipped_steps=state.skipped_steps,
@@ -295,6 +301,22 @@ class TrainingRecipe:
         run.last_backup_time = time.monotonic()
         run.record.write(last_backup=str(folder), last_backup_step=run.last_backup_step)
         return folder
+
+    def save_final_backup(self) -> None:
+        """A finished run's backup at its last step, so raising training.max_steps continues
+        it from its end (docs/resume.md). Written after final/ and the end-of-run sample and
+        validation, whose marks it holds (the step's random states stay the boundary's). A
+        disk too full for it leaves the run finished, said and recorded: a continue would
+        then start from the newest scheduled backup."""
+        run = self.run
+        if run is None or run.step == 0 or run.boundary is None:
+            return
+        mark_end(run)
+        try:
+            self.save_backup("finished")
+        except DiskFull as exc:
+            run.callbacks.on_status(f"no backup at the final step: {exc}")
+            run.record.write(final_backup=f"not written: {exc}")
 
     def load_backup(self, run: Run, resume: ResumePoint) -> None:
         """Load the backup into the freshly built run (weights, optimizer, schedule, states)."""

@@ -96,8 +96,16 @@ def schedule_shape(config: Config, total_steps: int) -> ScheduleShape:
 
 
 def schedule_curve(config: Config, total_steps: int, points: int = 200) -> list[tuple[int, float]]:
-    """(step, learning rate) at up to `points` evenly spaced steps of the run, for a plot."""
+    """(step, learning rate) at up to `points` evenly spaced steps of the run, for a plot.
+
+    Empty when no curve will be used: the optimizer sets its own step size (Adafactor's
+    relative step ignores the rate and the schedule), the run has no step, or its warm-up is
+    longer than the run (validation refuses that)."""
+    from modules.config.optimizers import OPTIMIZERS
     shape = schedule_shape(config, total_steps)
+    if (OPTIMIZERS[config.training.optimizer].own_step_size or total_steps < 1
+            or shape.warmup_steps > total_steps):
+        return []
     stride = max(1, total_steps // points)
     steps = sorted({*range(0, total_steps + 1, stride), shape.warmup_steps, total_steps})
     return [(s, config.training.learning_rate

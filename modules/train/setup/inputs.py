@@ -15,7 +15,8 @@ from modules.config.schema import Config, SaveFormat, TrainingMethod
 from modules.data.captions import CaptionsFileError, load_captions_file
 from modules.model_types import BUILTIN_PREFIX, MODEL_TYPES
 from modules.models.family import check_folder
-from modules.models.folder import FolderError, check_weight_headers, weight_files
+from modules.models.folder import (PICKLE_SUFFIXES, SAFETENSORS_SUFFIX, FolderError,
+                                   check_weight_headers, weight_files)
 from modules.util.disk import free_bytes, megabytes, nearest_existing
 
 # A LoRA save is a small fraction of the model (rank 16-128 adapters on attention layers);
@@ -71,8 +72,11 @@ def _check_model_path(config: Config) -> list[Problem]:
         return []  # empty and builtin names are validate()'s (no disk needed)
     p = Path(path)
     if not p.exists():
-        return [Problem("model.path", "an existing diffusers model folder", repr(path),
-                        "no such file or folder")]
+        if p.suffix.lower() in (SAFETENSORS_SUFFIX, *PICKLE_SUFFIXES):  # a file was meant
+            return [Problem("model.path", "an existing checkpoint file", repr(path),
+                            "no such file")]
+        return [Problem("model.path", "an existing diffusers model folder or .safetensors "
+                        "checkpoint", repr(path), "no such file or folder")]
     if p.is_file():
         return _check_single_file(config, p)
     index = p / "model_index.json"

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from modules.config.caveats import config_warnings
 from modules.config.loader import from_dict, to_dict
 from modules.config.problems import ConfigError, Problem
 from modules.config.schema import BUILTIN_PREFIX, Config
@@ -27,7 +28,7 @@ from modules.train.state.backup import BackupError, ResumePoint, resume_point
 from modules.train.recipe.builders import pick_device
 from modules.train.recipe.distributed import launched_distributed
 from modules.train.memory.memory_check import MemoryCheck, check_memory
-from modules.train.state.resume_offer import finished_run_problem
+from modules.train.state.resume_offer import finished_run_problem, resume_offer
 from modules.train.setup.inputs import check_inputs
 from modules.train.recipe.loss_checks import family_problems, model_problems
 from modules.train.setup.output_lock import busy_message
@@ -84,6 +85,8 @@ def check_run(config: Config, callbacks: TrainerCallbacks) -> CheckedRun:
         raise ConfigError(problems)
     for warning in secret_warnings(config):
         callbacks.on_status(warning)
+    for warning in config_warnings(config):  # run.json records them too (start_record)
+        callbacks.on_status(f"warning: {warning}")
     cache_dir = cache_dir_for(config.general.cache_dir)
     resolved = from_dict(to_dict(config))
     resolved.general.cache_dir = str(cache_dir)
@@ -112,6 +115,9 @@ def check_run(config: Config, callbacks: TrainerCallbacks) -> CheckedRun:
         raise ConfigError([Problem("data.datasets", "folders with at least one readable image",
                                    str(exc))]) from exc
     callbacks.on_status(f"dataset: {scan.summary()}")
+    problems = scan_problems(resolved, scan, callbacks)
+    if problems:
+        raise ConfigError(problems)
     if scan.skipped:
         reasons = sorted({"unsupported format" if r.startswith("unsupported") else "unreadable"
                           for _, r in scan.skipped})
@@ -133,6 +139,48 @@ def check_run(config: Config, callbacks: TrainerCallbacks) -> CheckedRun:
     for warning in memory.warnings:
         callbacks.on_status(f"memory: {warning}")
     return CheckedRun(resolved, cache_dir, scan, model_path, resume, validation, memory)
+
+
+def scan_problems(config: Config, scan: ScanResult, callbacks: TrainerCallbacks
+                  ) -> list[Problem]:
+    """What the scan found that would train nothing, as problems: a captions file none of
+    whose names is an image of its folder (the folder would train unconditioned), every
+    image's loss mask keeping no pixel (the loss is exactly 0). Less than all of either is
+    a warning naming the files."""
+    problems = []
+    for index, names in sorted(scan.unmatched_captions.items()):
+        ds = config.data.datasets[index]
+        listed = len(scan.sources[index].captions or {})
+        images = [item.path.relative_to(ds.path).as_posix() for item in scan.items
+                  if item.source_index == index][:3]
+        if len(names) == listed:
+            problems.append(Problem(
+                f"data.datasets[{index}].captions_file", "a file naming the images of "
+                f"data.datasets[{index}].path (by file name or by path inside the folder)",
+                repr(ds.captions_file), f"none of its {listed} names is an image there (it "
+                f"names {_few(names)}; the folder holds {_few(images)}), so every image would "
+                "train without its caption: use the captions file of this folder, or fix the "
+                "names"))
+        else:
+            callbacks.on_status(f"dataset warning: {len(names)} of the {listed} names in "
+                                f"{ds.captions_file} are no image of {ds.path}: {_few(names)}")
+    if scan.blank_masks and len(scan.blank_masks) == len(scan.items):
+        problems.append(Problem(
+            "data.masked_loss", "loss masks that keep some pixels (white counts, black is "
+            "left out)", "true", f"every image's mask is all black or fully transparent "
+            f"({_few([p.name for p in scan.blank_masks])}), so the loss would be exactly 0 and "
+            "nothing would train: are the masks inverted? Turn data.masked_loss off to train "
+            "on whole images"))
+    elif scan.blank_masks:
+        callbacks.on_status(f"dataset warning: {len(scan.blank_masks)} image(s) have a mask "
+                            "that keeps no pixel (all black or fully transparent: inverted?); "
+                            f"they train nothing: {_few([p.name for p in scan.blank_masks])}")
+    return problems
+
+
+def _few(names: list[str], limit: int = 3) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 def prepare_run(config: Config, callbacks: TrainerCallbacks) -> PreparedRun:
@@ -158,8 +206,13 @@ def check_resume(resolved: Config, callbacks: TrainerCallbacks) -> ResumePoint |
         return None
     finished = finished_run_problem(Path(resolved.output.dir), resolved.training.resume_from,
                                     resolved.training.max_steps)
-    if finished:  # a resume would re-train the run's last steps over its final weights
+    if finished:  # a finished run continues only past its end
         raise ConfigError([finished])
+    if resolved.training.resume_from == "latest":  # the offer's own backup: say what it does
+        note = resume_offer(Path(resolved.output.dir),
+                            resolved.training.max_steps).continue_note()
+        if note:
+            callbacks.on_status(note)
     callbacks.on_status("checking the backup to resume")
     try:
         # backup.json holds the config masked (modules/config/secret_settings.py): compare alike

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from modules.config.caveats import config_warnings
+from modules.config.optimizers import OPTIMIZERS
 from modules.config.secret_settings import masked_config
 from modules.config.problems import ConfigError, Problem
 from modules.data.captions import CaptionRules
@@ -21,6 +23,8 @@ from modules.data.masks import mask_source
 from modules.data.regularization import balanced_repeats
 from modules.events import TrainerCallbacks
 from modules.model_types import MODEL_TYPES
+from modules.train.outputs.best_weights import BEST
+from modules.train.outputs.checkpoints import checkpoints_folder, list_checkpoints
 from modules.train.state.backup import ResumePoint, backups_folder
 from modules.train.state.backup_files import list_backups
 from modules.train.recipe.objectives import noise_schedule_record
@@ -36,22 +40,33 @@ if TYPE_CHECKING:  # imported where a run builds them, only when the option is o
     from diffusers.training_utils import EMAModel
     from torch.utils.tensorboard import SummaryWriter
 
-# An earlier run's outputs that would mix with a new run's. Weights (final/, checkpoints/) are
-# not among them: they are replaced atomically as the new run saves, so a new run that fails
-# early never costs the user the previous run's weights.
-RUN_OUTPUTS = ("samples", "tensorboard", "backups")
+# An earlier run's outputs that would mix with a new run's. final/ is not among them: the new
+# run replaces it atomically with its own, so a new run that fails early does not cost the
+# user the previous run's result. Its checkpoints and best/ the new run would not replace
+# (other steps, or no validation): they would sit beside the new run's, counted by
+# output.keep_checkpoints, the newest-numbered being the old run's.
+RUN_OUTPUTS = ("samples", "tensorboard", "backups", BEST)
 
 
 def clear_previous_run(output_dir: Path) -> list[str]:
-    """Remove an earlier run's samples, TensorBoard logs and backups so they do not mix with
-    the new run's (old samples in the Run tab, two runs' curves in one TensorBoard, an old
-    backup `--resume latest` would pick). Everything else stays."""
+    """Remove an earlier run's samples, TensorBoard logs, backups, best/ and checkpoints so
+    they do not mix with the new run's (old samples in the Run tab, two runs' curves in one
+    TensorBoard, an old backup `--resume latest` would pick, old checkpoints kept by the
+    rotation). Only Tempera's own checkpoint folders go; everything else stays."""
     import shutil
     cleared = []
     for name in RUN_OUTPUTS:
         if (output_dir / name).is_dir():
             shutil.rmtree(output_dir / name)
             cleared.append(f"{name}/")
+    checkpoints = list_checkpoints(output_dir)
+    for _, _, folder in checkpoints:
+        shutil.rmtree(folder)
+    if checkpoints:
+        cleared.append(f"{len(checkpoints)} checkpoint(s) (" + ", ".join(
+            name for _, name, _ in checkpoints) + ")")
+        if not any(checkpoints_folder(output_dir).iterdir()):  # else the user's files stay
+            checkpoints_folder(output_dir).rmdir()
     return cleared
 
 
@@ -68,23 +83,24 @@ def take_output_lock(output_dir: Path, callbacks: TrainerCallbacks) -> OutputLoc
     return lock
 
 
-def clean_output_folder(output_dir: Path, callbacks: TrainerCallbacks, overwrite: bool) -> None:
+def clean_output_folder(output_dir: Path, callbacks: TrainerCallbacks,
+                        overwrite: bool) -> list[str]:
     """Under the lock (no save is under way): remove leftovers of interrupted saves, and with
-    `overwrite` the previous run's outputs that would mix with this one's."""
+    `overwrite` the previous run's outputs that would mix with this one's (returned, for
+    run.json)."""
     folders = [output_dir, output_dir / "checkpoints", output_dir / "samples",
                backups_folder(output_dir)]
     for restored in restore_interrupted_swaps(folders):
         callbacks.on_status(f"restored {restored.name}/: a save that was replacing it was "
                             "interrupted before the new one was in place")
     freed = remove_temporaries(folders)
-    if overwrite:
-        cleared = clear_previous_run(output_dir)
-        if cleared:
-            callbacks.on_status("output.overwrite: removed the previous run's "
-                                + ", ".join(cleared))
+    cleared = clear_previous_run(output_dir) if overwrite else []
+    if cleared:
+        callbacks.on_status("output.overwrite: removed the previous run's " + ", ".join(cleared))
     if freed:
         callbacks.on_status(f"removed partly written saves of an interrupted run "
                             f"({freed / 2**20:,.1f} MB freed)")
+    return cleared
 
 
 def model_identity(path: str) -> str:
@@ -211,9 +227,10 @@ def prepare_output_folder(prepared: PreparedRun, callbacks: TrainerCallbacks,
     if overwrite_ignored:
         callbacks.on_status(f"output.overwrite is not applied: resuming continues the run in "
                             f"{output_dir} (nothing of it is removed)")
+    cleared: list[str] = []
     if is_main:
-        clean_output_folder(output_dir, callbacks,
-                            overwrite=config.output.overwrite and prepared.resume is None)
+        cleared = clean_output_folder(output_dir, callbacks,
+                                      overwrite=config.output.overwrite and prepared.resume is None)
         (output_dir / "samples").mkdir(parents=True, exist_ok=True)
         # secret-looking values masked (modules/config/secret_settings.py)
         atomic_write_text(output_dir / "config.json",
@@ -225,6 +242,8 @@ def prepare_output_folder(prepared: PreparedRun, callbacks: TrainerCallbacks,
             record.data.pop(note, None)
     if overwrite_ignored:
         record.data["overwrite"] = "not applied: a resume continues the run in this folder"
+    elif cleared:
+        record.data["overwrite"] = {"removed": cleared}
     return record
 
 
@@ -245,6 +264,30 @@ def start_record(record: RunRecord, prepared: PreparedRun, device: torch.device)
                  masked_loss=(mask_counts(prepared.scan) if config.data.masked_loss else None),
                  # the plan's lower bound, to set beside memory.peak_allocated_bytes
                  memory_plan=prepared.memory.record() if prepared.memory else None)
+
+
+def warmup_warning(config, total_steps: int) -> str | None:
+    """A warm-up longer than a run counted in epochs (validation refuses it when
+    training.max_steps says the length): the rate would still be rising at the end."""
+    t = config.training
+    if OPTIMIZERS[t.optimizer].own_step_size or t.lr_warmup_ratio:
+        return None
+    if t.lr_warmup_steps <= total_steps:
+        return None
+    return (f"training.lr_warmup_steps is {t.lr_warmup_steps}, longer than the run's "
+            f"{total_steps} steps: the rate is still rising when the run ends, at "
+            f"{total_steps / t.lr_warmup_steps:.0%} of training.learning_rate (lower the "
+            "warm-up, or set it as training.lr_warmup_ratio)")
+
+
+def record_warnings(record: RunRecord, config, total_steps: int,
+                    callbacks: TrainerCallbacks) -> None:
+    """run.json's `warnings`: the config's caveats (said by check_run already) and what the
+    run's length adds, which is said now."""
+    late = [w for w in (warmup_warning(config, total_steps),) if w]
+    for warning in late:
+        callbacks.on_status(f"warning: {warning}")
+    record.write(warnings=config_warnings(config) + late)
 
 
 def build_ema(config, params: dict) -> EMAModel | None:

@@ -98,13 +98,27 @@ def validation_record(run: Run) -> dict:
             "best": None if step is None else {"step": step, "loss": loss}}
 
 
-def validation_pass(run: Run, loss_fn: LossFn) -> float | None:
+def validation_pass(run: Run, loss_fn: LossFn,
+                    should_stop: Callable[[], bool] = lambda: False) -> float | None:
     """Score the validation images now; record it in the history, run.json, TensorBoard and
-    the front end (the main process), and say it in the status line. Returns the loss."""
+    the front end (the main process), and say it in the status line. Returns the loss.
+
+    `should_stop` (Stop) is asked before each forward (a batch at one timestep), as sampling
+    asks between denoising steps: a pass cut short is not a score, so it is left out of the
+    history and run.json says how much of it was done (`validation.cut_short`)."""
+    validator = validator_of(run)  # validation_due / the end of a finished run ask first
+    if run.dist.is_main:
+        run.callbacks.on_status(f"validating at step {run.step} ({validator.count} images "
+                                f"at {validator.timestep_count} timesteps)")
     started = time.perf_counter()
-    loss = score(run, loss_fn)
+    # Several processes finish the pass: a forward one of them skipped could leave the
+    # others waiting in a collective.
+    loss, done = score(run, loss_fn, should_stop if not run.dist.enabled else lambda: False)
+    if done.scored < done.total:
+        cut_short(run, done)
+        return None
     seconds = time.perf_counter() - started  # the first pass also loads and encodes the images
-    validator_of(run).last_seconds = seconds
+    validator.last_seconds = seconds
     run.state.validation.append([run.step, loss])
     if not run.dist.is_main:
         return loss
@@ -114,7 +128,7 @@ def validation_pass(run: Run, loss_fn: LossFn) -> float | None:
     if run.writer and loss is not None:
         run.writer.add_scalar("validation/loss", loss, run.step)
     run.callbacks.on_validation(ValidationScore(run.step, loss, best_step, best_loss,
-                                                validator_of(run).count))
+                                                validator.count))
     shown = "not finite" if loss is None else f"{loss:.5f}"
     best = "none finite" if best_step is None else f"step {best_step}"
     run.callbacks.on_status(f"validation loss {shown} at step {run.step} (best: {best})")
@@ -122,25 +136,50 @@ def validation_pass(run: Run, loss_fn: LossFn) -> float | None:
     return loss
 
 
-def score(run: Run, loss_fn: LossFn) -> float | None:
-    """The mean loss over the validation images at the fixed timesteps (None if not finite);
-    one host sync for the whole pass."""
+@dataclasses.dataclass(frozen=True)
+class PassDone:
+    """How much of a validation pass was scored: forwards (a batch at one timestep)."""
+    scored: int
+    total: int
+
+
+def score(run: Run, loss_fn: LossFn, should_stop: Callable[[], bool] = lambda: False
+          ) -> tuple[float | None, PassDone]:
+    """The mean loss over the validation images at the fixed timesteps (None if not finite),
+    and how many of the pass's forwards were scored (all, unless `should_stop` said stop
+    before one); one host sync for the whole pass."""
     validator = validator_of(run)
     timesteps = run_timesteps(run)
     total = torch.zeros((), dtype=torch.float64, device=run.device)
-    count = 0
+    count = scored = 0
     with torch.no_grad(), run.guard.bypassed(), eval_mode(run), averaged_weights(run):
         if validator.batches is None:
             validator.batches = fixed_batches(run, validator)
+        forwards = len(validator.batches) * len(timesteps)
         for batch, draws in validator.batches:
             size = len(batch["caption"])
             for t in timesteps:
+                if should_stop():
+                    return None, PassDone(scored, forwards)
                 at_t = dataclasses.replace(draws, timesteps=torch.full((size,), t,
                                                                         dtype=torch.long))
                 total += loss_fn(run, batch, at_t).double() * size
                 count += size
+                scored += 1
     value = float(total / count)  # the pass's one host sync
-    return value if math.isfinite(value) else None
+    return (value if math.isfinite(value) else None), PassDone(scored, forwards)
+
+
+def cut_short(run: Run, done: PassDone) -> None:
+    """A pass Stop cut short: said, and recorded in run.json (not in the history: a part of
+    the images is not a score comparable with the others)."""
+    if not run.dist.is_main:
+        return
+    run.record.write(validation={**validation_record(run), "cut_short": {
+        "step": run.step, "forwards_scored": done.scored, "forwards": done.total}})
+    run.callbacks.on_status(f"validation at step {run.step} cut short by Stop ({done.scored} "
+                            f"of {done.total} batches scored, each a batch of images at one "
+                            "timestep); not recorded as a score")
 
 
 @contextlib.contextmanager
