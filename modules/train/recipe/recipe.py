@@ -124,7 +124,9 @@ class TrainingRecipe:
         if config.training.gradient_checkpointing:
             enable_gradient_checkpointing(bundle, trained)
         for module in bundle.components().values():
-            module.to(device)  # type: ignore[arg-type]  # transformers' @wraps'd .to
+            # transformers' PreTrainedModel.to is @wraps(nn.Module.to): typeshed's _Wrapped
+            # keeps the unbound signature, so mypy reads `device` as `self`
+            module.to(device)  # type: ignore[arg-type]  # see above
         apply_denoiser_memory_format(bundle, config)
 
         # the data, and the step budget counted on the one batch sampler training uses

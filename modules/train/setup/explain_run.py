@@ -64,7 +64,9 @@ def explain_config(config: Config) -> dict[str, Any]:
     # the loading training does (a single file included)
     bundle = load_bundle(path, config.model, component_dtypes(config))
     for module in bundle.components().values():
-        module.to(device).eval()  # type: ignore[arg-type]  # transformers' @wraps'd .to
+        # transformers' PreTrainedModel.to is @wraps(nn.Module.to): typeshed's _Wrapped keeps
+        # the unbound signature, so mypy reads `device` as `self`
+        module.to(device).eval()  # type: ignore[arg-type]  # see above
     apply_denoiser_memory_format(bundle, config)  # the layout training compiles with
     examples = _example_inputs(bundle, config, device)
     wanted = {COMPILE_DENOISER: config.compile.denoiser,
