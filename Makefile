@@ -29,9 +29,11 @@ test: $(STAMP) lint
 	bash scripts/ensure_xvfb.sh
 	$(PY) -m pytest -n auto --maxprocesses=4
 
-# ruff's small bug-finding rule set (pyproject.toml), run first by `make test` and CI.
+# ruff's small bug-finding rule set, then mypy over modules/ and app/ (both configured in
+# pyproject.toml; docs/contributing.md), run first by `make test` and CI.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not inductor and not gui"

@@ -19,6 +19,13 @@ from app.fields import FieldInfo, field_map, iter_fields
 _INDEX = re.compile(r"\[(\d+)\]")
 
 
+def enum_class(info: FieldInfo) -> type[Enum]:
+    """The Enum of an enum or list-of-enum field."""
+    if info.enum_type is None:
+        raise TypeError(f"{info.dotted_path} is a {info.kind} field, not an enum")
+    return info.enum_type
+
+
 class FieldError(ValueError):
     """Text that does not fit a field: what was expected and what was given."""
 
@@ -79,20 +86,20 @@ def parse_text(info: FieldInfo, text: str) -> Any:
             return None
         what = "a number" + (" (or empty)" if info.kind == "optional_float" else "")
         try:
-            value = float(stripped)
+            number = float(stripped)
         except ValueError:
             raise FieldError(what + _bounds_text(meta), repr(text)) from None
-        if not math.isfinite(value):
+        if not math.isfinite(number):
             raise FieldError(what + _bounds_text(meta), repr(text))
-        _check_bounds(value, meta, what, text)
-        return value
+        _check_bounds(number, meta, what, text)
+        return number
     if info.kind in ("str", "path"):
         return text
     if info.kind == "list_str":
         separator = "\n" if meta.get("multiline") else ","
         return [item.strip() for item in text.split(separator) if item.strip()]
     if info.kind in ("enum", "list_enum"):
-        enum_type = info.enum_type
+        enum_type = enum_class(info)
         names = [t.strip() for t in (text.split(",") if info.kind == "list_enum" else [text])]
         members = []
         for name in filter(None, names):
@@ -246,8 +253,8 @@ def leaf_paths(config: Config) -> list[str]:
     for info in iter_fields(Config):
         paths.append(info.dotted_path)
         if info.kind == "list_dataclass":
-            items = config
-            for part in split_path(info.dotted_path):
+            items: Any = config
+            for part in info.dotted_path.split("."):  # a schema path: no list indices
                 items = getattr(items, part)
             for i in range(len(items)):
                 for sub in iter_fields(info.item_type):

@@ -62,7 +62,7 @@ def status_task(location: str) -> Callable[[], str]:
 
 class CloudPanel:
     def __init__(self, parent: Any, binding: ConfigBinding, settings: UISettings,
-                 run_task: Callable[[Callable[[], Any], str], None],
+                 run_task: Callable[[Callable[[], Any], str], object],
                  default_name: Callable[[], str], save_settings: Callable[[], None]) -> None:
         self.binding, self.settings = binding, settings
         self.run_task, self.default_name, self.save_settings = run_task, default_name, save_settings

@@ -77,10 +77,10 @@ class CompilePanel:
 
         self.details: list[FieldView] = []
         for path in DETAILS:
-            view = make_view(self.box, binding, path)
-            view.frame.pack(fill="x", padx=10, pady=1)
-            registry.add(view, TAB)
-            self.details.append(view)
+            detail = make_view(self.box, binding, path)
+            detail.frame.pack(fill="x", padx=10, pady=1)
+            registry.add(detail, TAB)
+            self.details.append(detail)
 
         check_row = ctk.CTkFrame(self.box, fg_color="transparent")
         check_row.pack(fill="x", padx=10, pady=(8, 4))

@@ -22,8 +22,9 @@ def open_folder(path: Path) -> None:
     if not path.is_dir():
         raise FileNotFoundError(f"the folder {path} does not exist yet")
     opener = folder_opener()
-    if opener is None:
-        os.startfile(str(path))  # type: ignore[attr-defined]  # Windows only
+    if opener is None:  # Windows (folder_opener), the one platform with os.startfile
+        if sys.platform.startswith("win"):
+            os.startfile(str(path))
         return
     if shutil.which(opener[0]) is None:
         raise FileNotFoundError(f"'{opener[0]}' is not installed; open {path} yourself")

@@ -14,8 +14,8 @@ from modules.frontend import (MODEL_TYPES, RULED_PATHS, cache_dir_for, compile_c
 
 def update_cache_hints(registry: FieldRegistry, config: Config) -> None:
     """Where the two cache folders are when left empty (one lies inside the other)."""
-    general = registry.find("general.cache_dir")
-    compile_view = registry.find("compile.cache_dir")
+    general = registry.view("general.cache_dir")
+    compile_view = registry.view("compile.cache_dir")
     general.set_hint("" if config.general.cache_dir else
                      f"empty: {cache_dir_for('')}")
     compile_view.set_hint("" if config.compile.cache_dir else

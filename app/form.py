@@ -7,7 +7,7 @@ without new GUI code. `FieldRegistry` maps dotted paths to views (problems jump 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from typing import Any
 
 import customtkinter as ctk
@@ -142,6 +142,13 @@ class FieldRegistry:
                 if isinstance(view, ListView):
                     yield from view.item_views
 
+    def view(self, path: str) -> FieldView:
+        """The view of a field the form always shows (a KeyError naming it otherwise)."""
+        found = self.find(path)
+        if found is None:
+            raise KeyError(f"no field view shows {path}")
+        return found
+
     def find(self, path: str) -> FieldView | None:
         """The view for a problem's path: exact, else the list it indexes, else the first under it."""
         by_path: dict[str, FieldView] = {}
@@ -217,6 +224,7 @@ def _place_sections(grid: Any, sections: dict[str, list[FieldInfo]],
         title.pack(anchor="w", padx=10, pady=(6, 2))
         registry.section_titles.setdefault(parent_path, title)
         for info in infos:
+            view: FieldView
             if info.dotted_path in READ_ONLY:
                 view = ReadOnlyView(box, binding, info.dotted_path)
             else:
@@ -254,7 +262,7 @@ def build_fields(parent: Any, infos: Iterable[FieldInfo], binding: ConfigBinding
     return more
 
 
-def fields_of_group(group: str, skip: set[str] = frozenset()) -> list[FieldInfo]:
+def fields_of_group(group: str, skip: Collection[str] = frozenset()) -> list[FieldInfo]:
     return [i for i in iter_fields(Config) if i.group == group and i.dotted_path not in skip]
 
 

@@ -378,4 +378,3 @@ class RunPanel:
         self.sample_paths.append(Path(path))
         self._prompts.append(prompt)
         self.sample_caption.configure(text=f"step {step}: " + " | ".join(self._prompts))
-        return True

@@ -105,7 +105,8 @@ def run_in_thread(fn: Callable[[], Any], events: "queue.Queue[Event]", kind: str
         try:
             events.put(Event(kind, (True, fn())))
         except Exception as exc:  # shown to the user by the window
-            exc.formatted_traceback = "".join(traceback.format_exception(exc))  # type: ignore
+            # read back with getattr (compile_check.py): not an attribute Exception declares
+            setattr(exc, "formatted_traceback", "".join(traceback.format_exception(exc)))
             events.put(Event(kind, (False, exc)))
     thread = threading.Thread(target=target, name=f"tempera-{kind}", daemon=True)
     thread.start()

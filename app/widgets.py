@@ -16,7 +16,7 @@ from typing import Any
 
 import customtkinter as ctk
 
-from app.binding import ConfigBinding, format_value
+from app.binding import ConfigBinding, enum_class, format_value
 from app.dialogs import ask_directory, ask_open_file
 from app.labels import enum_label, enum_member
 from app.readable import readable
@@ -302,7 +302,7 @@ class EnumView(FieldView):
 
     def _build_input(self, parent: Any) -> Any:
         self.var = tkinter.StringVar(parent)
-        labels = [enum_label(m) for m in self.info.enum_type]
+        labels = [enum_label(m) for m in enum_class(self.info)]
         self.menu = ctk.CTkOptionMenu(parent, values=labels, variable=self.var, width=260,
                                       dynamic_resizing=False)
         self.var.trace_add("write", lambda *_: self._picked(self.var.get()))
@@ -311,7 +311,7 @@ class EnumView(FieldView):
     def _picked(self, text: str) -> None:
         if self._updating:
             return
-        member = enum_member(self.info.enum_type, text)
+        member = enum_member(enum_class(self.info), text)
         self._value_changed(member)
         if text != enum_label(member):  # a value's name (a script, a test): show its label
             self._updating = True
@@ -323,7 +323,7 @@ class EnumView(FieldView):
     def pick(self, member: Any) -> None:
         """Choose `member` (or its value's name) as a user picking it from the menu would."""
         text = member if isinstance(member, str) else enum_label(member)
-        self.menu._dropdown_callback(enum_label(enum_member(self.info.enum_type, text)))
+        self.menu._dropdown_callback(enum_label(enum_member(enum_class(self.info), text)))
 
     def _show(self, value: Any) -> None:
         self.menu.set(enum_label(value))
@@ -374,7 +374,7 @@ class MultiEnumView(FieldView):
         box = ctk.CTkFrame(parent, fg_color="transparent")
         self.vars: dict[Any, tkinter.BooleanVar] = {}
         self.boxes: dict[Any, Any] = {}
-        for member in self.info.enum_type:
+        for member in enum_class(self.info):
             var = tkinter.BooleanVar(box)
             cb = ctk.CTkCheckBox(box, text=enum_label(member), variable=var, onvalue=True,
                                  offvalue=False)
@@ -409,7 +409,8 @@ def item_grid(item_type: type, several: bool) -> list[tuple[int, int, int]]:
     small item; else a line per text or path field and two numbers or switches a line, so
     the item fits a 1000-pixel window."""
     from app.fields import iter_fields
-    places, line, column = [], 0, 0
+    places: list[tuple[int, int, int]] = []
+    line, column = 0, 0
     for sub in iter_fields(item_type):
         if not several:
             places.append((0, len(places), 1))
@@ -507,6 +508,7 @@ VIEW_CLASSES = {
 def make_view(parent: Any, binding: ConfigBinding, path: str, **kwargs: Any) -> FieldView:
     """The view for the field at `path`, chosen by its kind (and `multiline` for string lists)."""
     info = binding.info(path)
+    cls: type[FieldView]
     if info.kind == "list_str":
         cls = TextBoxView if info.metadata.get("multiline") else EntryView
     else:

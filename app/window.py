@@ -8,6 +8,7 @@ with callbacks. It holds one Config (in `ConfigBinding`). Training runs in a wor
 """
 from __future__ import annotations
 
+import functools
 import queue
 from collections.abc import Callable
 from pathlib import Path
@@ -55,6 +56,10 @@ def ask_yes_no_cancel(title: str, message: str) -> bool | None:
 
 
 class TemperaApp(ctk.CTk):
+    # made in __init__ after the callbacks that use them (which run later)
+    run_panel: RunPanel
+    runs: RunControl
+
     def __init__(self, settings_path: Path | None = None, builtin_presets_dir: Path | None = None,
                  train_fn: TrainFn | None = None, confirm: Callable[[str, str], bool] | None = None,
                  ask_save_path: Callable[[Path], str | None] | None = None,
@@ -106,7 +111,7 @@ class TemperaApp(ctk.CTk):
             self, self.registry, self.jump_to,
             lambda: self.run_panel.set_status("Every listed problem is fixed."))
         self.run_panel = RunPanel(self, self.tabview.tab(RUN_TAB), self.guard, {
-            key: self._action(lambda name=name: getattr(self.runs, name)()) for key, name in (
+            key: self._action(functools.partial(self._run_control, name)) for key, name in (
                 ("start", "start"), ("resume", "resume"), ("stop", "stop"),
                 ("sample", "sample_now"), ("save", "save_now"),
                 ("open_output", "open_output_folder"), ("tensorboard", "start_tensorboard"))})
@@ -144,6 +149,10 @@ class TemperaApp(ctk.CTk):
         self._map_id = self.bind("<Map>", self._mapped, add="+")
         self.deiconify()
         self._poll_id = self.after(self.poll_ms, self._poll)
+
+    def _run_control(self, name: str) -> Any:
+        """Call the run control's `name` (a Run tab button; `runs` is made after the buttons)."""
+        return getattr(self.runs, name)()
 
     def _idle_status(self) -> str:
         """The status line when nothing newer is to be said: what is true now."""
@@ -225,7 +234,7 @@ class TemperaApp(ctk.CTk):
             self.run_panel.set_status(f"{path}: no field in this window shows it", error=True)
             return False
         top = self.registry.top_path(view.path)
-        tab = self.registry.tab_of.get(top) or self.registry.tab_of.get(view.path)
+        tab = self.registry.tab_of.get(top) or self.registry.tab_of[view.path]
         self.tabview.set(tab)
         more = self.registry.more_of.get(top)
         if more is not None:

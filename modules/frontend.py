@@ -100,7 +100,7 @@ def check_run(config: Config, callbacks: TrainerCallbacks) -> Any:
 # --- start ----------------------------------------------------------------------------------
 def load_engine() -> None:
     """Import torch and the compile engine now (the GUI does it once its window is shown)."""
-    import modules.compile.engine  # noqa: F401
+    import modules.compile.engine  # noqa: F401 - imported now so torch is loaded before use
 
 
 def train(config: Config, callbacks: TrainerCallbacks | None = None,
@@ -144,7 +144,7 @@ def expected_compile(config: Config) -> Any:
 
 # COMPONENT_LABELS, TrainingError and TrainingAborted are loaded on first use by __getattr__
 # (they import torch).
-__all__ = [  # noqa: F822
+__all__ = [  # noqa: F822 - the lazy names come from __getattr__ below
     "BACKENDS", "COMPONENT_LABELS", "LossPoint", "MODEL_TYPES", "ModelType", "RULED_PATHS",
     "ResumeOffer", "TrainingAborted", "TrainingError", "atomic_write_text", "cache_dir_for",
     "check", "check_inputs", "check_run", "compile_cache_folder", "compile_plans", "earlier_losses",

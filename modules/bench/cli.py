@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from modules.bench.apply import ApplyError, apply_fastest, is_builtin_preset
 from modules.bench.matrix import COMPONENT_SETS, default_precision, model_config, set_precision
@@ -74,7 +75,7 @@ def benchmark_config(args: argparse.Namespace) -> tuple[Config, dict]:
     """The base config the matrix runs on, and the settings that describe where it came from."""
     if args.config:
         config = load_config(args.config)
-        extra = {"config": str(args.config)}
+        extra: dict[str, Any] = {"config": str(args.config)}
     else:
         config = Config()
         extra = {}

@@ -130,12 +130,14 @@ def run(sizes: list[int], work: Path, kill_after: float, cache_up_to: int) -> di
             make_images(folder, count)
         generated = time.perf_counter() - started
         row = _child(folder, work / f"cache-{count}", with_cache=count <= cache_up_to)
+        assert row is not None  # None only when killed at a timeout, and there is none
         rows.append({**row, "generate_seconds": round(generated, 1)})
     cached = [count for count in sizes if count <= cache_up_to]
     largest = work / f"images-{max(cached)}"
     resume_cache = work / "cache-resume"
     killed = _child(largest, resume_cache, timeout=kill_after)
     resumed = _child(largest, resume_cache)
+    assert resumed is not None  # as above: no timeout
     return {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU "
                        f"cores, Python {platform.python_version()}, load average "
                        f"{load_before:.1f} before and {os.getloadavg()[0]:.1f} after",

@@ -51,6 +51,14 @@ def _body_command(kind: str, folder: Path, spec: dict[str, Any], result: str) ->
             str(_write_spec(folder, spec)), "--result", str(folder / result)]
 
 
+def built_model_path(ctx: Context, key: str) -> str:
+    """The model folder the `build-<key>` job made (a ValueError when it made none)."""
+    built = ctx.row(f"build-{key}")
+    if built is None or "path" not in built:
+        raise ValueError(f"build-{key} has no model path")
+    return built["path"]
+
+
 def _read(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text(encoding="utf-8"))
 
@@ -77,14 +85,12 @@ def run_config(job: Job, ctx: Context, folder: Path, compile_cache: Path):
 
     key = job.spec["size"]
     size = sizes(ctx)[key]
-    built = ctx.row(f"build-{key}")
-    if built is None or "path" not in built:
-        raise ValueError(f"build-{key} has no model path")
+    model_path = built_model_path(ctx, key)
     data = buckets_dataset(ctx.work / "data" / f"{key}-{size.resolution}", size.resolution)
     cuda = ctx.device == "cuda"
     overrides = [
         f"general.device={ctx.device.upper()}", f"general.cache_dir={ctx.work / 'cache'}",
-        f"model.path={built['path']}", f"model.type={size.model_type}",
+        f"model.path={model_path}", f"model.type={size.model_type}",
         f"model.weight_dtype={'BFLOAT16' if cuda else 'FLOAT32'}",
         "data.datasets=" + json.dumps([{"path": str(data)}]),
         f"data.resolution={size.resolution}", "data.aspect_buckets=true",
@@ -243,7 +249,8 @@ def pytest_collect(job: Job, ctx: Context, folder: Path) -> dict[str, Any]:
     """Counts and each failure's first line, from the junit XML; written as tests.json."""
     root = ElementTree.parse(folder / "junit.xml").getroot()
     counts = {"passed": 0, "failed": 0, "skipped": 0}
-    failures, skips = [], set()
+    failures: list[dict[str, str]] = []
+    skips: set[str] = set()
     for case in root.iter("testcase"):
         name = f"{case.get('classname')}::{case.get('name')}"
         problem = case.find("failure")
@@ -253,14 +260,14 @@ def pytest_collect(job: Job, ctx: Context, folder: Path) -> dict[str, Any]:
         if problem is not None:
             counts["failed"] += 1
             failures.append({"test": name,
-                             "message": (problem.get("message") or "").splitlines()[:1]})
+                             "message": "".join((problem.get("message") or "").splitlines()[:1])})
         elif skipped is not None:
             counts["skipped"] += 1
             skips.add((skipped.get("message") or "").splitlines()[0][:200]
                       if skipped.get("message") else "skipped")
         else:
             counts["passed"] += 1
-    row = {**counts, "failures": failures, "skip_reasons": sorted(skips)}
+    row: dict[str, Any] = {**counts, "failures": failures, "skip_reasons": sorted(skips)}
     (folder / "tests.json").write_text(json.dumps(row, indent=2) + "\n", encoding="utf-8")
     if counts["failed"]:
         row.update(status="failed", error=f"{counts['failed']} failed: "
@@ -287,7 +294,7 @@ def lora_command(job: Job, ctx: Context, folder: Path) -> list[str]:
     size = sizes(ctx)[key]
     trained = ctx.job_dir(job.spec["train_job"]) / "out"
     return _body_command("lora", folder, {
-        "device": ctx.device, "model_path": ctx.row(f"build-{key}")["path"],
+        "device": ctx.device, "model_path": built_model_path(ctx, key),
         "final": str(trained / "final"), "resolution": size.resolution,
         "steps": 4 if not ctx.tiny else 2}, "lora.json")
 

@@ -365,13 +365,14 @@ def regional_against_full(jobs: dict[tuple[str, str], dict[str, Any]]) -> str:
     if full["status"] == "timeout":
         return (f"REGIONAL {cold:.0f} s cold; FULL did not finish within {full['seconds']:.0f} s"
                 if cold is not None else "")
-    full_cold, steps = full.get("compile_seconds"), (regional.get("median_step_seconds"),
-                                                     full.get("median_step_seconds"))
+    full_cold = full.get("compile_seconds")
+    regional_step, full_step = (regional.get("median_step_seconds"),
+                                full.get("median_step_seconds"))
     if full["status"] != "ok" or not full_cold or cold is None:
         return ""
     text = f"{cold:.0f} s vs {full_cold:.0f} s cold ({cold / full_cold:.2f})"
-    if all(steps):
-        text += f"; REGIONAL runs at {steps[1] / steps[0]:.0%} of FULL's speed (median step)"
+    if regional_step and full_step:
+        text += f"; REGIONAL runs at {full_step / regional_step:.0%} of FULL's speed (median step)"
     return text + "; each alone"
 
 

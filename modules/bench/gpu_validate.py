@@ -346,6 +346,7 @@ def _finish(item: _Running, ctx: Context, kind: Kind, timed_out: bool,
         extra.update(kind.collect(item.job, ctx, item.folder))
     except (OSError, ValueError, KeyError) as err:  # no result file: the log tail says why
         extra.setdefault("collect_error", f"{type(err).__name__}: {err}")
+    error: str | None
     if timed_out or stopped:
         status = "stopped" if stopped else "timeout"
         error = (f"{stopped}: killed after {seconds:.0f} s" if stopped else

@@ -131,8 +131,9 @@ def run_benchmark(config: Config, *, backends: Sequence[str] = ("NONE", "AOT_EAG
             else:
                 row.update(_run_cell(config, cell, work / "cells" / cell.cell_id, steps=steps,
                                      warmup=warmup, warm_start=warm_start, timeout=(timeout, why),
-                                     notify=lambda phase, msg, i=index, cl=cell: notify(
-                                         BenchProgress(i, len(cells), cl.label, phase, msg)),
+                                     notify=lambda phase, msg: notify(  # called while it runs
+                                         BenchProgress(index, len(cells), cell.label, phase,
+                                                       msg)),
                                      stop=stop))
             result.cells.append(row)
             notify(BenchProgress(index, len(cells), cell.label,
@@ -168,10 +169,11 @@ def add_speedups(result: BenchmarkResult) -> None:
     base_median = base.get("median_step_seconds") if base and base["status"] == "ok" else None
     for row in result.cells:
         median = row.get("median_step_seconds")
-        ok = base_median and median and row["status"] == "ok"
-        row["speedup"] = round(base_median / median, 3) if ok else None
-        row["cold_start_seconds"] = (round(row["first_step_seconds"] - base_median, 3)
-                                     if ok and row is not base else None)
+        row["speedup"] = row["cold_start_seconds"] = None
+        if base_median and median and row["status"] == "ok":
+            row["speedup"] = round(base_median / median, 3)
+            if row is not base:
+                row["cold_start_seconds"] = round(row["first_step_seconds"] - base_median, 3)
         warm = row.get("warm")
         if warm and warm.get("status") == "ok" and base_median:
             warm["cold_start_seconds"] = round(warm["first_step_seconds"] - base_median, 3)

@@ -13,6 +13,10 @@ import shutil
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from modules.cli.progress import ProgressReporter
 
 EPILOG = """\
 --set takes dotted keys and parses the value by the field's type, e.g.
@@ -91,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     from modules.cli.headless import TerminalCallbacks
-    callbacks = TerminalCallbacks(quiet=args.quiet, bar=args.progress_file is None)
+    callbacks: TerminalCallbacks | ProgressReporter = TerminalCallbacks(
+        quiet=args.quiet, bar=args.progress_file is None)
     if args.progress_file:
         from modules.cli.progress import ProgressReporter
         callbacks = ProgressReporter(callbacks, args.progress_file, args.progress_every)

@@ -85,7 +85,9 @@ def local_is_alive(pid: int | None, recorded_boot: str, recorded_start: str) -> 
     return True
 
 
-def describe_exit(returncode: int) -> str:
+def describe_exit(returncode: int | None) -> str:
+    if returncode is None:  # the process was not reaped (finish_run allows it)
+        return "tempera-train's exit status is unknown"
     if returncode < 0:
         try:
             name = signal.Signals(-returncode).name

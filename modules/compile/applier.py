@@ -91,8 +91,9 @@ class PlanApplier:
             # nn.Module.compile sets module._compiled_call_impl = torch.compile(module._call_impl,
             # ...): the module object, its parameters and state-dict keys stay as they are.
             module.compile(**comp.plan.torch_compile_kwargs)
-            module._compiled_call_impl = TrackedCall(module._compiled_call_impl, self.tracker,
-                                                     comp.name)
+            compiled = module._compiled_call_impl
+            assert compiled is not None  # module.compile just set it
+            module._compiled_call_impl = TrackedCall(compiled, self.tracker, comp.name)
         comp.targets = targets
         comp.quiet_calls = 0
         comp.announced = False

@@ -262,7 +262,7 @@ def _num(x: float) -> str:
 
 def _gui(info: FieldInfo, labels: dict[str, str]) -> str:
     """Where the field sits in the GUI: tab, then the labels of its nested containers."""
-    parts = []
+    parts: list[str] = []
     parent = info.parent
     while parent:
         if "." in parent and parent in labels:  # top-level containers are the section titles

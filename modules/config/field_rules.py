@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from modules.config.adapters import ADAPTERS, OPTION_OFF
-from modules.config.optimizers import OPTIMIZERS
+from modules.config.adapters import ADAPTERS, OPTION_OFF, AdapterRow
+from modules.config.optimizers import OPTIMIZERS, OptimizerRow
 from modules.config.schema import (Config, LRScheduler, PredictionType, TimestepSampling,
                                    TrainingMethod, WeightStorage)
 from modules.model_types import MODEL_TYPES
@@ -43,7 +43,7 @@ SAMPLING_FIELDS = tuple(f"sampling.{name}" for name in (
     "sampler", "negative_prompt", "every_steps", "seed", "steps", "guidance_scale"))
 
 
-def _adapter_row(config: Config):
+def _adapter_row(config: Config) -> AdapterRow:
     return ADAPTERS[config.training.adapter]
 
 
@@ -65,7 +65,7 @@ def _schedule_rule(path: str, schedule: LRScheduler) -> FieldRule:
                                f"({c.training.lr_scheduler.value} is chosen)")
 
 
-def _optimizer(config: Config):
+def _optimizer(config: Config) -> OptimizerRow:
     return OPTIMIZERS[config.training.optimizer]
 
 

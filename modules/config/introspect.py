@@ -133,7 +133,7 @@ def container_labels(cls: type, prefix: str = "") -> dict[str, str]:
     labels: dict[str, str] = {}
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
-        if dataclasses.is_dataclass(tp):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             path = f"{prefix}.{f.name}" if prefix else f.name
             labels[path] = f.metadata.get("label", f.name)
             labels.update(container_labels(tp, path))

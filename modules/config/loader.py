@@ -64,6 +64,7 @@ def _check_range(value: float, meta: dict, path: str, problems: list[Problem]) -
         elif lo is not None:
             expected = f"a value of at least {_num(lo)}"
         else:
+            assert hi is not None  # no minimum, so the value broke the maximum
             expected = f"a value of at most {_num(hi)}"
         problems.append(Problem(path, expected, _describe(value)))
 
@@ -87,7 +88,7 @@ def _parse(tp: Any, value: Any, path: str, meta: dict, problems: list[Problem]) 
                      if p.path == path and p.expected == _type_name(inner) else p
                      for p in inner_problems]
         return parsed
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             problems.append(Problem(path, "an object", _describe(value)))
             return None

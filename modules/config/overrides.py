@@ -164,7 +164,7 @@ def apply_overrides(config: Config, assignments: list[str], cwd: Path | None = N
         key = renamed_key(key.strip())
         parts = _split_path(key) if sep else None
         found = _field_at(parts) if parts else None
-        if not sep or found is None:
+        if parts is None or found is None:  # parts is None when there is no `=`
             problems.append(_unknown_key_problem(key, assignment))
             continue
         tp, _ = found

@@ -14,8 +14,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from modules.config.problems import Problem
+
+if TYPE_CHECKING:
+    from modules.config.schema import Config
 
 # flag -> (SamplePrompt field, what the value must be, parser, lowest, highest)
 FLAGS: dict[str, tuple[str, str, type, float, float]] = {
@@ -59,7 +63,8 @@ def parse_prompt(line: str, defaults: SamplePrompt, where: str,
             continue
         name, expected, kind, low, high = FLAGS[flag]
         if kind is str:
-            prompt = replace(prompt, **{name: value})
+            text_field: dict[str, Any] = {name: value}  # the FLAGS row names the field
+            prompt = replace(prompt, **text_field)
             continue
         try:
             number = kind(value)
@@ -73,7 +78,7 @@ def parse_prompt(line: str, defaults: SamplePrompt, where: str,
     return prompt, problems
 
 
-def prompt_defaults(config, index: int) -> SamplePrompt:
+def prompt_defaults(config: Config, index: int) -> SamplePrompt:
     s = config.sampling
     return SamplePrompt("", s.negative_prompt, config.data.resolution, config.data.resolution,
                         s.seed + index, s.steps, s.guidance_scale)
@@ -87,7 +92,7 @@ def prompt_file_lines(path: str) -> list[tuple[int, str]]:
             if line.strip() and not line.strip().startswith("#")]
 
 
-def sample_prompts(config, read_file: bool = True) -> tuple[list[SamplePrompt], list[Problem]]:
+def sample_prompts(config: Config, read_file: bool = True) -> tuple[list[SamplePrompt], list[Problem]]:
     """Every sample prompt of the config, with the problems of its lines. `read_file=False`
     parses only `sampling.prompts` (validation without opening files)."""
     lines = [(f"sampling.prompts[{i}]", "", line)

@@ -25,6 +25,7 @@ from modules.config.schema import (
     MixedPrecision,
     PredictionType,
     SaveFormat,
+    TrainingConfig,
     TrainingMethod,
     ValidationConfig,
     WeightStorage,
@@ -289,7 +290,7 @@ def _check_optimizer(config: Config) -> list[Problem]:
     return []
 
 
-def _check_warmup(t) -> list[Problem]:
+def _check_warmup(t: TrainingConfig) -> list[Problem]:
     """The warm-up is set one way (as steps or as a ratio of the run) and ends within the run
     (a run counted in epochs is checked once its length is known: recipe.setup warns)."""
     if t.lr_warmup_ratio and t.lr_warmup_steps:

@@ -43,7 +43,7 @@ def assign_buckets(items: Sequence[ScanItem], resolution: int, max_aspect: float
 
 def bucket_counts(target_sizes: Sequence[Size]) -> list[dict[str, int]]:
     """How many items train at each size, widest first: the record's and the log's summary."""
-    counts = Counter(tuple(size) for size in target_sizes)
+    counts = Counter((h, w) for h, w in target_sizes)
     return [{"height": h, "width": w, "items": counts[(h, w)]}
             for h, w in sorted(counts, key=aspect_of)]
 

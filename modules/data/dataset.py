@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import random
 from collections.abc import Hashable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
@@ -26,6 +26,15 @@ from modules.data.seeds import derive_seed
 # The sampler yields (epoch, index) pairs: the dataset reads the epoch from the key itself,
 # so workers (even persistent ones) never need to be told that a new epoch started.
 ItemKey = tuple[int, int]
+
+
+class EpochBatches(Protocol):
+    """What `epoch_batch_sampler` gives: batches of (epoch, index) keys, `len()` of them per
+    epoch (torch's Sampler declares no `__len__`; every batch sampler here has one)."""
+
+    def __len__(self) -> int: ...
+
+    def __iter__(self) -> Iterator[list[ItemKey]]: ...
 
 
 def item_rng(seed: int, epoch: int, index: int) -> random.Random:
@@ -80,7 +89,7 @@ class ImageCaptionDataset(Dataset):
         self.random_flip = random_flip
         self.seed = seed
         self.target_sizes = (square_sizes(len(self.items), resolution) if target_sizes is None
-                             else [tuple(size) for size in target_sizes])
+                             else [(h, w) for h, w in target_sizes])
         if len(self.target_sizes) != len(self.items):
             raise ValueError(f"{len(self.target_sizes)} target sizes for {len(self.items)} items")
 
@@ -264,7 +273,7 @@ def collate_examples(examples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 def epoch_batch_sampler(length: int, batch_size: int, seed: int, shuffle: bool = True,
                         start_epoch: int = 0, rank: int = 0, world_size: int = 1,
-                        buckets: Sequence[Hashable] | None = None) -> Sampler[list[ItemKey]]:
+                        buckets: Sequence[Hashable] | None = None) -> EpochBatches:
     """The batches of (epoch, index) keys a run trains on; `len()` is batches per epoch.
 
     Without `buckets`: `EpochShuffleSampler` cut into batches (the last one may be short).
@@ -273,7 +282,9 @@ def epoch_batch_sampler(length: int, batch_size: int, seed: int, shuffle: bool =
     if buckets is None:
         sampler = EpochShuffleSampler(length, seed, shuffle=shuffle, start_epoch=start_epoch,
                                       rank=rank, world_size=world_size)
-        return BatchSampler(sampler, batch_size, drop_last=False)
+        # torch's stubs type BatchSampler for int indices only; it batches any sampler's items
+        return BatchSampler(sampler,  # type: ignore[arg-type, return-value]  # int-only stubs
+                            batch_size, drop_last=False)
     if len(buckets) != length:
         raise ValueError(f"{len(buckets)} bucket keys for {length} items")
     return BucketBatchSampler(buckets, batch_size, seed, shuffle=shuffle,
@@ -284,11 +295,11 @@ class SkipFirstBatches(Sampler[list[ItemKey]]):
     """A batch sampler without its first `count` batches: a resumed run continues mid-epoch
     with exactly the batches it had not trained yet, without loading the ones before."""
 
-    def __init__(self, inner: Sampler[list[ItemKey]], count: int) -> None:
+    def __init__(self, inner: EpochBatches, count: int) -> None:
         self.inner, self.count = inner, count
 
     def __len__(self) -> int:
-        return max(0, len(self.inner) - self.count)  # type: ignore[arg-type]
+        return max(0, len(self.inner) - self.count)
 
     def __iter__(self) -> Iterator[list[ItemKey]]:
         return itertools.islice(iter(self.inner), self.count, None)
@@ -307,20 +318,23 @@ def build_dataloader(dataset: Dataset, batch_size: int, seed: int, num_workers: 
     from `seed`, which fixes the workers' base seed for any library code that draws from
     torch's RNG inside a worker. `skip_batches` leaves out the epoch's first batches (resume).
     """
-    batches = epoch_batch_sampler(len(dataset), batch_size, seed,  # type: ignore[arg-type]
+    length = len(dataset)  # type: ignore[arg-type]  # torch's Dataset declares no __len__
+    batches = epoch_batch_sampler(length, batch_size, seed,
                                   shuffle=shuffle, start_epoch=start_epoch, rank=rank,
                                   world_size=world_size, buckets=buckets)
     return epoch_dataloader(dataset, batches, seed, num_workers=num_workers,
                             pin_memory=pin_memory, skip_batches=skip_batches)
 
 
-def set_sampler_epoch(batches: Sampler[list[ItemKey]], epoch: int) -> None:
+def set_sampler_epoch(batches: EpochBatches, epoch: int) -> None:
     """Make the next pass of an `epoch_batch_sampler` run `epoch`."""
     counter = batches.sampler if isinstance(batches, BatchSampler) else batches
-    counter.set_epoch(epoch)  # type: ignore[union-attr]
+    if not isinstance(counter, EpochCounter):
+        raise TypeError(f"{type(counter).__name__} is not one of epoch_batch_sampler's samplers")
+    counter.set_epoch(epoch)
 
 
-def epoch_dataloader(dataset: Dataset, batches: Sampler[list[ItemKey]], seed: int,
+def epoch_dataloader(dataset: Dataset, batches: EpochBatches, seed: int,
                      num_workers: int = 0, pin_memory: bool = False,
                      skip_batches: int = 0, persistent: bool = False) -> DataLoader:
     """A DataLoader over the next pass of `batches` (an `epoch_batch_sampler`, built once per

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from modules.data.errors import DatasetError
 from modules.data.images import IMAGE_EXTENSIONS, inspect_image, is_image_file, oriented_size
@@ -247,7 +248,7 @@ def _scan_folder(folder: Path, source_index: int, caption_extension: str, recurs
             _skip(result, path, check.reason)
             continue
         repeats, repeat_folder = _folder_repeats(folder, path, result)
-        found = {"size": check.size, "repeats": repeats, "repeat_folder": repeat_folder,
+        found: dict[str, Any] = {"size": check.size, "repeats": repeats, "repeat_folder": repeat_folder,
                  "alpha": check.alpha, "mask": masks.get((path.parent, path.stem.lower()))}
         relative = path.relative_to(folder).as_posix()
         if relative in listed or path.name in listed:

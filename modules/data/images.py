@@ -245,7 +245,7 @@ def load_training_image(path: Path, target: TargetSize, center_crop: bool, rando
         raise ValueError("a random crop or flip needs an rng (random.Random or torch.Generator)")
     image = open_rgb(path)
     crop = plan_crop((image.height, image.width), target, center_crop, rng)
-    flip = random_flip and coin_flip(rng)  # type: ignore[arg-type]  # rng checked above
+    flip = random_flip and rng is not None and coin_flip(rng)  # flipping has an rng (above)
     return prepare_image(image, target, crop, flip)
 
 

@@ -394,7 +394,7 @@ class CachedLatentDataset(Dataset):
             raise ValueError(f"{len(missing)} item(s) were not cached, e.g. {missing[0]}; "
                              "run cache_latents over the same items first")
         self.items = list(items)
-        self.target_sizes = None if target_sizes is None else [tuple(t) for t in target_sizes]
+        self.target_sizes = None if target_sizes is None else [(h, w) for h, w in target_sizes]
         self.entries = entries
         self.cache = cache
         self.random_flip = random_flip

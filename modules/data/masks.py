@@ -91,7 +91,7 @@ def load_masked_sample(path: Path, mask: Path | None, alpha: bool, target: Targe
         raise ValueError("a random crop or flip needs an rng (random.Random or torch.Generator)")
     image = open_rgb(path)
     crop = plan_crop((image.height, image.width), target, center_crop, rng)
-    flip = random_flip and coin_flip(rng)  # type: ignore[arg-type]  # rng checked above
+    flip = random_flip and rng is not None and coin_flip(rng)  # flipping has an rng (above)
     mask_image = open_mask(mask, path, alpha)
     return (prepare_image(image, target, crop, flip),
             prepare_mask(mask_image, target, crop, flip))

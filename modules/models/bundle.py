@@ -6,12 +6,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
 from modules.config.schema import DType, ModelType, PredictionType
 from modules.model_types import MODEL_TYPES
+
+if TYPE_CHECKING:
+    # What the components are. diffusers' classes are Any to mypy (pyproject.toml says why);
+    # transformers' are typed.
+    from diffusers import AutoencoderKL, ModelMixin, SchedulerMixin
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 TORCH_DTYPES = {DType.FLOAT32: torch.float32, DType.FLOAT16: torch.float16,
                 DType.BFLOAT16: torch.bfloat16}
@@ -24,24 +30,24 @@ class ModelBundle:
     denoiser (its name is the family's, e.g. "unet"), the VAE, the text encoder(s)."""
     model_type: ModelType
     path: Path
-    denoiser: nn.Module
-    vae: nn.Module
-    text_encoders: dict[str, nn.Module]
-    tokenizers: dict[str, object]
-    noise_scheduler: object
+    denoiser: ModelMixin
+    vae: AutoencoderKL
+    text_encoders: dict[str, PreTrainedModel]
+    tokenizers: dict[str, PreTrainedTokenizerBase]
+    noise_scheduler: SchedulerMixin
 
     @property
     def denoiser_name(self) -> str:
         return MODEL_TYPES[self.model_type].denoiser
 
-    def component(self, name: str) -> nn.Module:
+    def component(self, name: str) -> ModelMixin | PreTrainedModel:
         if name == self.denoiser_name:
             return self.denoiser
         if name == "vae":
             return self.vae
         return self.text_encoders[name]
 
-    def components(self) -> dict[str, nn.Module]:
+    def components(self) -> dict[str, ModelMixin | PreTrainedModel]:
         return {self.denoiser_name: self.denoiser, **self.text_encoders, "vae": self.vae}
 
     @property
@@ -56,12 +62,12 @@ class ModelBundle:
         return vae_downscale(self.vae)
 
 
-def vae_downscale(vae: nn.Module) -> int:
+def vae_downscale(vae: AutoencoderKL) -> int:
     """The VAE's spatial reduction: one halving per down block after the first."""
     return 2 ** (len(vae.config.block_out_channels) - 1)
 
 
-def vae_latents(vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
+def vae_latents(vae: AutoencoderKL, latents: torch.Tensor) -> torch.Tensor:
     """The VAE's latents as a denoiser is trained on them: (z - shift_factor) * scaling_factor
     (the Flux.1 VAE Z-Image uses has a shift; SD's VAEs have none)."""
     shift = vae.config.get("shift_factor") or 0.0

@@ -20,7 +20,7 @@ for every encoder, as sd-scripts writes them.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -33,6 +33,12 @@ from modules.models.precision import cast_for_saving
 from modules.models.single_file import clip_key_with_text_model, unet_key_to_ldm
 from modules.util.atomic import atomic_file
 
+if TYPE_CHECKING:
+    from peft import PeftConfig
+    from peft.tuners.lokr.layer import LoKrLayer
+    from peft.tuners.lora.layer import LoraLayer
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
 
 class KohyaError(ValueError):
     """LoRA weights that the kohya layout cannot express."""
@@ -43,7 +49,7 @@ def kohya_module_name(component: str, module_path: str, model_type: ModelType,
     """The kohya name of one adapted layer, e.g. ``lora_te_text_model_encoder_layers_0_mlp_fc1``."""
     files = family_of(model_type).files
     prefixes = files.kohya_prefixes if files else {}
-    if component not in prefixes:
+    if files is None or component not in prefixes:
         raise KohyaError(f"{model_type.value} has no component {component!r} in the kohya layout "
                          f"(known: {', '.join(prefixes)})")
     if component == MODEL_TYPES[model_type].denoiser:
@@ -58,7 +64,7 @@ def kohya_module_name(component: str, module_path: str, model_type: ModelType,
     return prefixes[component] + module_path.replace(".", files.kohya_separator)
 
 
-def to_kohya(layers: dict[str, dict[str, nn.Module]], model_type: ModelType,
+def to_kohya(layers: dict[str, dict[str, BaseTunerLayer]], model_type: ModelType,
              unet_config: Any = None, dtype: torch.dtype | None = torch.float32
              ) -> dict[str, torch.Tensor]:
     """peft adapter layers ({component: {module path: layer}}) as kohya / LyCORIS tensors,
@@ -82,14 +88,14 @@ def to_kohya(layers: dict[str, dict[str, nn.Module]], model_type: ModelType,
     return out
 
 
-def adapter_layers(module: nn.Module) -> dict[str, nn.Module]:
+def adapter_layers(module: nn.Module) -> dict[str, BaseTunerLayer]:
     """{module path: peft adapter layer} of a component, in module order."""
     from peft.tuners.tuners_utils import BaseTunerLayer
     return {path: layer for path, layer in module.named_modules()
             if isinstance(layer, BaseTunerLayer)}
 
 
-def layer_tensors(layer: nn.Module, adapter: str = "default") -> dict[str, torch.Tensor]:
+def layer_tensors(layer: BaseTunerLayer, adapter: str = "default") -> dict[str, torch.Tensor]:
     """One peft layer's tensors under LyCORIS's suffixes, with an alpha that makes every reader
     apply the update the layer applies.
 
@@ -114,24 +120,24 @@ def layer_tensors(layer: nn.Module, adapter: str = "default") -> dict[str, torch
     raise KohyaError(f"{type(layer).__name__} adapters have no kohya / LyCORIS layout here")
 
 
-def _lora_tensors(layer: nn.Module, adapter: str) -> dict[str, torch.Tensor]:
+def _lora_tensors(layer: LoraLayer, adapter: str) -> dict[str, torch.Tensor]:
     """LoRA / LoCon: down (r, in[, kh, kw]), up (out, r[, 1, 1]); DoRA adds LyCORIS's
     output-axis `dora_scale` (out, 1[, 1, 1]): peft's magnitude, one per output channel."""
     if adapter not in layer.lora_A:
         raise KohyaError("not a LoRA layer with weights (embedding LoRAs are not written)")
     if getattr(layer, "lora_bias", {}).get(adapter):
         raise KohyaError("LoRA biases have no kohya equivalent")
-    down, up = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
+    down, up = _weight(layer.lora_A[adapter]), _weight(layer.lora_B[adapter])
     out = {"lora_down.weight": down, "lora_up.weight": up,
            "alpha": _alpha(layer.scaling[adapter] * layer.r[adapter])}
     if layer.use_dora.get(adapter):
-        magnitude = layer.lora_magnitude_vector[adapter].weight
-        base = layer.get_base_layer().weight
+        magnitude = _weight(layer.lora_magnitude_vector[adapter])
+        base = _weight(layer.get_base_layer())
         out["dora_scale"] = magnitude.reshape(base.shape[0], *[1] * (base.dim() - 1))
     return out
 
 
-def _lokr_tensors(layer: nn.Module, adapter: str) -> dict[str, torch.Tensor]:
+def _lokr_tensors(layer: LoKrLayer, adapter: str) -> dict[str, torch.Tensor]:
     """LoKr: w1 (or w1_a @ w1_b) kron w2 (or w2_a @ w2_b).
 
     Readers take the rank from w2_b (else w1_b) and scale by alpha / rank; with both factors
@@ -154,13 +160,28 @@ def _lokr_tensors(layer: nn.Module, adapter: str) -> dict[str, torch.Tensor]:
     return out
 
 
+def _weight(layer: nn.Module) -> torch.Tensor:
+    """`layer.weight`, checked to be a tensor (nn.Module's attributes are Tensor | Module)."""
+    weight = layer.weight
+    if not isinstance(weight, torch.Tensor):
+        raise KohyaError(f"{type(layer).__name__}.weight is not a tensor")
+    return weight
+
+
 def _alpha(value: float) -> torch.Tensor:
     return torch.tensor(float(value), dtype=torch.float32)
 
 
+def adapter_config(module: nn.Module, adapter: str = "default") -> PeftConfig:
+    """The peft config of the adapter that diffusers' or transformers' `add_adapter` injected
+    into `module` (they keep one per adapter name in `module.peft_config`)."""
+    configs: dict[str, PeftConfig] = getattr(module, "peft_config")  # not an nn.Module attribute
+    return configs[adapter]
+
+
 def lora_alpha(module: nn.Module, component: str) -> float:
     """The alpha of the module's adapters (peft's lora_alpha, or alpha for LoHa / LoKr)."""
-    config = module.peft_config["default"]
+    config = adapter_config(module)
     return float(getattr(config, "lora_alpha", getattr(config, "alpha", 0.0)))
 
 

@@ -3,13 +3,17 @@ families' `load_folder` calls, and the component classes the memory plan builds 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
 from modules.config.schema import ModelType, PredictionType
 from modules.model_types import MODEL_TYPES
 from modules.models.bundle import PREDICTION_TYPES, Dtypes, ModelBundle, dtype_of
+
+if TYPE_CHECKING:
+    from diffusers import ModelMixin
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
 def load_model(path: Path, model_type: ModelType, prediction_type: PredictionType,
@@ -20,13 +24,13 @@ def load_model(path: Path, model_type: ModelType, prediction_type: PredictionTyp
     from transformers import AutoTokenizer
 
     spec = MODEL_TYPES[model_type]
-    common = {"local_files_only": True}
+    common: dict[str, Any] = {"local_files_only": True}
     unet = UNet2DConditionModel.from_pretrained(path, subfolder="unet",
                                                 torch_dtype=dtype_of(dtype, "unet"), **common)
     vae = AutoencoderKL.from_pretrained(path, subfolder="vae", torch_dtype=dtype_of(dtype, "vae"),
                                         **common)
-    text_encoders: dict[str, nn.Module] = {}
-    tokenizers: dict[str, object] = {}
+    text_encoders: dict[str, PreTrainedModel] = {}
+    tokenizers: dict[str, PreTrainedTokenizerBase] = {}
     for te_name, tok_name in zip(spec.text_encoders, spec.tokenizers):
         cls = component_classes(model_type)[te_name]
         text_encoders[te_name] = cls.from_pretrained(path, subfolder=te_name,
@@ -38,7 +42,8 @@ def load_model(path: Path, model_type: ModelType, prediction_type: PredictionTyp
     return ModelBundle(model_type, Path(path), unet, vae, text_encoders, tokenizers, scheduler)
 
 
-def component_classes(model_type: ModelType) -> dict[str, type[nn.Module]]:
+def component_classes(model_type: ModelType
+                      ) -> dict[str, type[ModelMixin] | type[PreTrainedModel]]:
     """The class each component of a `model_type` folder is built as, by component name (the
     loader and the memory plan's weightless copies, train/memory/memory_plan.py, agree on it)."""
     from diffusers import AutoencoderKL, UNet2DConditionModel

@@ -72,11 +72,11 @@ class TinySpec:
 
 
 # --- the spec table -----------------------------------------------------------------------
-_CLIP_TEXT = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
-              "num_hidden_layers": 2, "max_position_embeddings": MAX_TEXT_LENGTH,
-              "projection_dim": 32, "hidden_act": "quick_gelu"}
+_CLIP_TEXT: dict[str, Any] = {
+    "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
+    "max_position_embeddings": MAX_TEXT_LENGTH, "projection_dim": 32, "hidden_act": "quick_gelu"}
 # SD 2 and SDXL's second encoder are OpenCLIP models, which use the exact GELU.
-_OPEN_CLIP_TEXT = {**_CLIP_TEXT, "hidden_act": "gelu"}
+_OPEN_CLIP_TEXT: dict[str, Any] = {**_CLIP_TEXT, "hidden_act": "gelu"}
 
 # 4 blocks -> 3 downsamplings -> 8x, like the real SD VAE (64 px images give 8x8 latents).
 TINY_VAE = {"in_channels": 3, "out_channels": 3, "latent_channels": 4, "sample_size": 64,

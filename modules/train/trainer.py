@@ -107,7 +107,7 @@ def backup_after_failure(recipe: TrainingRecipe, exc: Exception) -> str:
     """Write a backup of the last good step after a failure, when one can help: not after
     non-finite steps (the last backup from before them is the one to go back to) nor when
     the disk is full. Returns what to add to the failure message."""
-    run = recipe.run
+    run = recipe.built_run
     if isinstance(exc, (NonFiniteTraining, DiskFull)) or run.step == 0:
         return resume_hint(run.output_dir)
     try:

@@ -102,7 +102,7 @@ def mask_secrets(text: str) -> str:
     `[masked <kind>]`; everything else is kept as it was."""
     for row in SECRET_PATTERNS:
         if row.files is None:
-            text = row.regex.sub(lambda m, kind=row.kind: _masked(m, kind), text)
+            text = row.regex.sub(lambda m: _masked(m, row.kind), text)  # called right here
 
     def key_value(match: re.Match) -> str:
         value = match.group("value").strip("\"'").strip()

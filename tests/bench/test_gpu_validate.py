@@ -592,3 +592,20 @@ def test_the_summary_names_the_gpu_from_the_env_job_and_records_the_commit(tmp_p
     assert summary["machine"]["cuda_device"] == "NVIDIA H200" and summary["commit"] == "abc123"
     assert summary_markdown(summary).splitlines()[2].startswith("NVIDIA H200; torch ")
     assert "; commit abc123." in summary_markdown(summary)
+
+
+def test_pytest_results_give_each_failure_its_first_line_as_text(tmp_path):
+    """tests.json's failures carry their message's first line as a string (it was a one-item
+    list), and the job row names the failed test."""
+    (tmp_path / "junit.xml").write_text(
+        '<testsuite><testcase classname="tests.t" name="test_a">'
+        '<failure message="assert 1 == 2&#10;where 1 = f()"/></testcase>'
+        '<testcase classname="tests.t" name="test_b"><error/></testcase>'
+        '<testcase classname="tests.t" name="test_c"/></testsuite>', encoding="utf-8")
+    job = Job("pytest-cpu", "pytest", 60.0, {"paths": ["tests/t.py"]})
+    row = KINDS["pytest"].collect(job, context(tmp_path), tmp_path)
+    written = json.loads((tmp_path / "tests.json").read_text(encoding="utf-8"))
+    assert written["failures"] == [{"test": "tests.t::test_a", "message": "assert 1 == 2"},
+                                   {"test": "tests.t::test_b", "message": ""}]
+    assert (row["status"], row["passed"], row["failed"]) == ("failed", 1, 2)
+    assert row["error"] == "2 failed: tests.t::test_a, tests.t::test_b"

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import nn
@@ -19,6 +19,9 @@ from torch import nn
 from modules.model_types import MODEL_TYPES, ModelType, ModelTypeSpec
 from modules.models.bundle import ModelBundle
 
+
+if TYPE_CHECKING:
+    from diffusers import ModelMixin, SchedulerMixin
 
 class TextEmbeddings(NamedTuple):
     """A list of captions encoded: `hidden` (B, L, D), the pooled embedding (B, D) or None,
@@ -58,7 +61,7 @@ class Objective:
     noisy_and_target: Callable[[ModelBundle, torch.Tensor, torch.Tensor, torch.Tensor],
                                tuple[torch.Tensor, torch.Tensor]]
     snr: Callable[[ModelBundle, torch.Tensor], torch.Tensor] | None = None
-    zero_terminal_snr: Callable[[Any], Any] | None = None
+    zero_terminal_snr: Callable[[SchedulerMixin], SchedulerMixin] | None = None
     continuous_timesteps: Callable[..., torch.Tensor] | None = None
 
 
@@ -145,7 +148,7 @@ class ModelFamily:
                                  tuple[tuple, dict[str, Any]]]
     objective: Objective
     build_tiny: Callable[[Path, int], Path]
-    enable_gradient_checkpointing: Callable[[nn.Module], None] = (
+    enable_gradient_checkpointing: Callable[[ModelMixin], None] = (
         lambda module: module.enable_gradient_checkpointing())
     fp16_vae_overflows: bool = False
     identify_folder: Callable[[Path], tuple[ModelType, str]] | None = None

@@ -6,12 +6,12 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from modules.config.schema import ModelConfig
+from modules.config.schema import ModelConfig, PredictionType
 from modules.model_types import MODEL_TYPES, ModelType
 from modules.models.families.base import (FileConventions, ModelFamily, Objective,
                                           TextEmbeddings)
@@ -19,11 +19,15 @@ from modules.models.bundle import Dtypes, ModelBundle
 from modules.models.folder import read_config
 from modules.models.sd_folder import load_model
 
+if TYPE_CHECKING:
+    from diffusers import SchedulerMixin
+    from transformers import PreTrainedTokenizerBase
+
 # REGIONAL compile's blocks of a diffusers UNet2DConditionModel (matched by class name)
 UNET_BLOCKS = ("BasicTransformerBlock", "ResnetBlock2D")
 
 
-def tokenize(tokenizer, captions: list[str]) -> torch.Tensor:
+def tokenize(tokenizer: PreTrainedTokenizerBase, captions: list[str]) -> torch.Tensor:
     return tokenizer(captions, padding="max_length", max_length=tokenizer.model_max_length,
                      truncation=True, return_tensors="pt").input_ids
 
@@ -79,7 +83,7 @@ def ddpm_snr(bundle: ModelBundle, timesteps: torch.Tensor) -> torch.Tensor:
     return snr(bundle.noise_scheduler.alphas_cumprod, timesteps)
 
 
-def ddpm_zero_terminal_snr(scheduler):
+def ddpm_zero_terminal_snr(scheduler: SchedulerMixin) -> SchedulerMixin:
     """The same DDPM scheduler with its betas rescaled so that alpha_bar at the last timestep
     is 0 (Lin et al. 2023, diffusers' `rescale_betas_zero_snr`), and "trailing" timestep
     spacing, which the samplers built from its config then use: with leading spacing a
@@ -98,8 +102,8 @@ DDPM = Objective(
 
 
 # --- loading ----------------------------------------------------------------------------
-def load_folder(model_type: ModelType, path: Path, prediction_type, dtypes: Dtypes
-                ) -> ModelBundle:
+def load_folder(model_type: ModelType, path: Path, prediction_type: PredictionType,
+                dtypes: Dtypes) -> ModelBundle:
     return load_model(path, model_type, prediction_type, dtypes)
 
 

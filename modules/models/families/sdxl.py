@@ -61,6 +61,8 @@ def added_conditioning(hidden: torch.Tensor, pooled: torch.Tensor, sizes: dict
 
 def conditioning(embeddings: TextEmbeddings, batch: dict, height: int, width: int
                  ) -> dict[str, Any]:
+    if embeddings.pooled is None:  # encode_text always gives it; the UNet cannot run without it
+        raise ValueError("SDXL's UNet is conditioned on the pooled text embedding; none given")
     return added_conditioning(embeddings.hidden, embeddings.pooled,
                               size_conditioning(batch, height, width))
 

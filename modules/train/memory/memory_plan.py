@@ -22,13 +22,14 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from modules.config.adapters import ADAPTERS
 from modules.config.optimizers import OPTIMIZERS
-from modules.config.schema import Config, Optimizer, TrainingMethod
+from modules.config.schema import Config, ModelType, Optimizer, TrainingMethod
 from modules.model_types import MODEL_TYPES
 from modules.models.bundle import ModelBundle
 from modules.models.sd_folder import component_classes
@@ -120,7 +121,7 @@ def config_folders(config: Config, model_path: Path) -> Path:
         else config_folder_for(family_files(config.model.type))
 
 
-def component_class(folder: Path, name: str, model_type) -> type[nn.Module]:
+def component_class(folder: Path, name: str, model_type: ModelType) -> Any:
     """The class a component's config.json names (diffusers' `_class_name`, transformers'
     `architectures`), so any family's components are built as their files say; else the one
     the SD loader builds it as."""
@@ -139,7 +140,7 @@ def weightless_bundle(config: Config, model_path: Path) -> ModelBundle:
     from modules.train.recipe.trainable import component_dtypes
     folder = config_folders(config, model_path)
     dtypes = component_dtypes(config)
-    modules: dict[str, nn.Module] = {}
+    modules: dict[str, Any] = {}  # diffusers and transformers models, as their files name them
     with torch.device("meta"):
         for name in MODEL_TYPES[config.model.type].components:
             cls = component_class(folder / name, name, config.model.type)
@@ -209,7 +210,7 @@ def plan_from(config: Config, bundle: ModelBundle, params: dict[str, list[nn.Par
     return MemoryPlan(tuple(lines))
 
 
-def describe_tensors(tensors: list[torch.Tensor]) -> str:
+def describe_tensors(tensors: Sequence[torch.Tensor]) -> str:
     """"bf16, 2,567,463,684 values" (several dtypes: each one's count)."""
     counts: dict[torch.dtype, int] = {}
     for t in tensors:

@@ -3,6 +3,7 @@ words), computed once when a run starts from the scan it trains on (models/metad
 the keys and why tools read them)."""
 from __future__ import annotations
 
+import random
 from dataclasses import replace
 
 from modules.config.schema import Config
@@ -20,12 +21,14 @@ def training_data_metadata(scan: ScanResult, config: Config) -> dict[str, str]:
     dataset's folder name. Two folders with the same name count together (the first one's
     repeats)."""
     rules = caption_rules(config)
-    captions, folders = [], {}
+    captions: list[tuple[str, str]] = []
+    folders: dict[str, tuple[int, int]] = {}
+    no_draws = random.Random(0)  # the rules below neither shuffle nor drop: nothing is drawn
     for item in scan.items:
         source = scan.sources[item.source_index]
         name = item.repeat_folder or source.path.name
         fixed = replace(rules[item.source_index], shuffle_tags=False, tag_dropout=0.0)
-        captions.append((name, transform_caption(item.caption, fixed, None)))
+        captions.append((name, transform_caption(item.caption, fixed, no_draws)))
         repeats, images = folders.get(name, (source.repeats * item.repeats, 0))
         folders[name] = (repeats, images + 1)
     # a regularisation folder's prefix names the class, not what the LoRA adds

@@ -66,7 +66,7 @@ class RunRecord:
     enabled: bool = True  # only one process of a multi-process run writes the record
     started: float = field(default_factory=time.time)
     data: dict = field(default_factory=dict)
-    losses: list[float] = field(default_factory=list)
+    losses: list[float | None] = field(default_factory=list)  # None: a skipped step
     step_seconds: list[float] = field(default_factory=list)
     files: list[str] = field(default_factory=list)
     steps_before: int = 0  # steps of earlier segments (a resumed run)

@@ -50,6 +50,8 @@ def write_lora_diffusers(bundle: ModelBundle, config: Config, folder: Path,
     import diffusers
     from peft.utils import get_peft_model_state_dict
 
+    from modules.models.kohya import adapter_config
+
     # each pipeline's LoRA loader mixin has the saver its own loader reads
     pipeline_cls = getattr(diffusers, MODEL_TYPES[config.model.type].pipeline_class)
     model_name = shared_name(config.model.path)
@@ -62,7 +64,7 @@ def write_lora_diffusers(bundle: ModelBundle, config: Config, folder: Path,
         layers = cast_for_saving(get_peft_model_state_dict(module), lora_save_dtype(config), name)
         kwargs[f"{name}_lora_layers"] = {rename(k): v for k, v in layers.items()}
         kwargs[f"{name}_lora_adapter_metadata"] = {
-            **module.peft_config["default"].to_dict(), "base_model_name_or_path": model_name}
+            **adapter_config(module).to_dict(), "base_model_name_or_path": model_name}
     pipeline_cls.save_lora_weights(save_directory=folder, weight_name=LORA_WEIGHT_NAME,
                                    safe_serialization=True, **kwargs)
     path = folder / LORA_WEIGHT_NAME
@@ -123,7 +125,8 @@ def write_card(card: dict, path: Path, replaces: Path | None,
     backup = path.with_name(path.name + ".bak")
     if update is not None and update.backup is not None:
         backup.write_text(update.backup, encoding="utf-8")
-        warn(update.warning)
+        if update.warning:  # merge_card sets it with the backup
+            warn(update.warning)
     elif replaces and (replaces / backup.name).is_file():
         shutil.copy2(replaces / backup.name, backup)
     path.write_text(json.dumps(card, indent=4, ensure_ascii=False) + "\n", encoding="utf-8")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -22,6 +23,16 @@ from modules.train.outputs.saving import save_weights
 from modules.util.disk import guarded_write
 
 
+@runtime_checkable
+class ScheduleFree(Protocol):
+    """A schedule-free optimizer (OptimizerRow.schedule_free): `eval()` swaps its averaged
+    weights in, `train()` its training ones."""
+
+    def eval(self) -> object: ...
+
+    def train(self) -> object: ...
+
+
 def backup_bytes(run: Run) -> int:
     """About what one backup takes: trained weights, optimizer state and EMA copies."""
     weights = tensor_bytes(run.all_params())
@@ -35,13 +46,17 @@ def averaged_weights(run: Run):
     the EMA's, or schedule-free AdamW's (its `eval()` weights). The live weights come back
     bit for bit (a copy, not `train()`'s inverse interpolation), so sampling and saving
     never change what training does next and a resumed run stays exact."""
+    optimizer = run.optimizer
     if OPTIMIZERS[run.config.training.optimizer].schedule_free:
+        if not isinstance(optimizer, ScheduleFree):
+            raise TypeError(f"{type(optimizer).__name__} is listed as schedule-free but has no "
+                            "eval() / train()")
         live = [p.detach().clone() for p in run.all_params()]
-        run.optimizer.eval()
+        optimizer.eval()
         try:
             yield
         finally:
-            run.optimizer.train()
+            optimizer.train()
             with torch.no_grad():
                 for param, saved in zip(run.all_params(), live):
                     param.copy_(saved)

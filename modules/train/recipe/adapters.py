@@ -8,6 +8,7 @@ without graph breaks.
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -21,6 +22,10 @@ from modules.config.adapters import (
 )
 from modules.config.schema import Adapter, Config, TrainingMethod
 from modules.data.seeds import derive_seed
+
+if TYPE_CHECKING:
+    from diffusers import ModelMixin
+    from transformers import PreTrainedModel
 
 
 def adapter_of(config: Config) -> Adapter:
@@ -75,7 +80,7 @@ def peft_config(config: Config, denoiser: bool, scope: str | None = None):
                module_dropout=t.module_dropout, **extra, **common)
 
 
-def add_adapter(module: nn.Module, config: Config, denoiser: bool,
+def add_adapter(module: ModelMixin | PreTrainedModel, config: Config, denoiser: bool,
                 scope: str | None = None) -> None:
     """Inject the configured adapter into `module` in place (its parameters trainable);
     `scope`: where in the denoiser adapters may go (the family's `lora_scope`)."""
@@ -101,13 +106,13 @@ def make_dora_traceable() -> None:
     if getattr(original, "tempera_plain_weights", False):
         return
 
-    def base_weight(module: nn.Module) -> torch.Tensor:
+    def base_weight(module: nn.Module) -> nn.Parameter:
         weight = module.weight
         if type(weight) is nn.Parameter and not hasattr(module, "W_q"):
             return weight
         return original(module)
 
-    base_weight.tempera_plain_weights = True
+    setattr(base_weight, "tempera_plain_weights", True)  # the mark read with getattr above
     dora.dequantize_module_weight = base_weight
 
 

@@ -6,6 +6,7 @@ import importlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -20,6 +21,9 @@ from modules.config.schema import (
     Device,
     MixedPrecision,
 )
+
+if TYPE_CHECKING:
+    from diffusers import AutoencoderKL
 
 AUTOCAST_DTYPES = {MixedPrecision.FP16: torch.float16, MixedPrecision.BF16: torch.bfloat16}
 
@@ -174,6 +178,6 @@ def draw_multires_levels(generator: torch.Generator, latent_shape: tuple[int, ..
     return tuple(levels)
 
 
-def latent_shape(vae: nn.Module, batch_size: int, height: int, width: int) -> tuple[int, ...]:
+def latent_shape(vae: AutoencoderKL, batch_size: int, height: int, width: int) -> tuple[int, ...]:
     factor = vae_downscale(vae)
     return (batch_size, vae.config.latent_channels, height // factor, width // factor)

@@ -62,8 +62,8 @@ class Distributed:
         if not self.enabled:
             return dict(modules)
         from torch.nn.parallel import DistributedDataParallel
-        on_gpu = self.device is not None and self.device.type == "cuda"
-        device_ids = [self.device.index] if on_gpu else None
+        device = self.device
+        device_ids = [device.index] if device is not None and device.type == "cuda" else None
         wrapped: dict[str, nn.Module] = {}
         for name, module in modules.items():
             if not any(p.requires_grad for p in module.parameters()):
@@ -80,8 +80,9 @@ class Distributed:
         window (the gradients accumulate locally and are averaged once, on the closing one)."""
         with contextlib.ExitStack() as stack:
             if not sync:
+                from torch.nn.parallel import DistributedDataParallel
                 for module in modules.values():
-                    if hasattr(module, "no_sync"):
+                    if isinstance(module, DistributedDataParallel):  # wrap_trained's wrappers
                         stack.enter_context(module.no_sync())
             yield
 

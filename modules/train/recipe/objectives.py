@@ -146,6 +146,8 @@ def huber_threshold(loss: LossConfig, timesteps: torch.Tensor, num_train_timeste
         return c
     if loss.huber_schedule == HuberSchedule.EXPONENTIAL:
         return torch.exp(math.log(c) * timesteps.float() / num_train_timesteps)
+    if snr is None:
+        raise ValueError("the SNR Huber schedule needs the SNR (timestep_terms computes it)")
     sigma = torch.rsqrt(snr)
     return (1.0 - c) / (1.0 + sigma) ** 2 + c
 
@@ -177,11 +179,15 @@ def timestep_terms(objective: Objective, bundle: ModelBundle, timesteps: torch.T
                    config: Config) -> tuple[torch.Tensor | None, float | torch.Tensor]:
     """(per-sample weights or None, the Huber c) for the drawn timesteps, on their device."""
     loss, gamma = config.loss, config.training.min_snr_gamma
-    snr = objective.snr(bundle, timesteps) if needs_snr(config) else None
+    snr = None
+    if needs_snr(config):
+        if objective.snr is None:  # loss_checks refuses these options for such a family
+            raise ValueError("these loss options need an SNR, which this family has not")
+        snr = objective.snr(bundle, timesteps)
     weights = None
-    if gamma:
+    if gamma and snr is not None:
         weights = min_snr_weights(snr, gamma, bundle.prediction_type)
-    if loss.debiased_estimation:
+    if loss.debiased_estimation and snr is not None:
         debiased = debiased_weights(snr, bundle.prediction_type)
         weights = debiased if weights is None else weights * debiased
     if loss.loss_type == LossType.MSE:

@@ -24,7 +24,7 @@ import torch
 from modules.config.prompts import sample_prompts
 from modules.config.schema import MixedPrecision
 from modules.data.buckets import describe_buckets
-from modules.data.dataset import epoch_batch_sampler
+from modules.data.dataset import BucketBatchSampler, epoch_batch_sampler
 from modules.events import StopRequested, TrainerCallbacks, TrainerCommands
 from modules.train.recipe.adapters import seed_adapter_dropout
 from modules.train.state.backup import (NonFiniteBackup, ResumePoint, backups_folder, load_states,
@@ -101,6 +101,13 @@ class TrainingRecipe:
             raise
         return self.run
 
+    @property
+    def built_run(self) -> Run:
+        """The run `setup` built: what train, train_step and save_backup work on."""
+        if self.run is None:
+            raise RuntimeError("the training recipe has no run before setup()")
+        return self.run
+
     def _build(self, lock: OutputLock | None) -> Run:
         """`setup`'s body, in the order the run depends on: the record first, the weights on
         the device before the latent cache, compile before the DDP wrap, the state last."""
@@ -124,7 +131,9 @@ class TrainingRecipe:
         offloaded = text_cache is not None and text_cache.encoder_device() != device
         for name, module in bundle.components().items():
             if not (offloaded and name in bundle.text_encoders):
-                module.to(device)
+                # transformers' PreTrainedModel.to is @wraps(nn.Module.to): typeshed's _Wrapped
+                # keeps the unbound signature, so mypy reads `device` as `self`
+                module.to(device)  # type: ignore[arg-type]  # see above
         apply_denoiser_memory_format(bundle, config)
 
         # the data, and the step budget counted on the one batch sampler training uses
@@ -134,15 +143,15 @@ class TrainingRecipe:
             # no step was trained: nothing to back up; a resumed run's backups stay as they were
             record.write(status="stopped", stopped_during="latent caching")
             raise
+        buckets = item_buckets(config, dataset)  # None when data.aspect_buckets is off
         batches = epoch_batch_sampler(len(dataset), config.training.batch_size,
                                       config.training.seed, rank=dist.rank,
-                                      world_size=dist.world_size,
-                                      buckets=item_buckets(config, dataset))
+                                      world_size=dist.world_size, buckets=buckets)
         budget = step_budget(config, len(batches))
         record_warnings(record, config, budget.total_steps, callbacks)
-        if config.data.aspect_buckets:
-            record.write(buckets=bucket_record(dataset.target_sizes, batches))
-            callbacks.on_status(f"aspect buckets: {describe_buckets(dataset.target_sizes)}; "
+        if buckets is not None and isinstance(batches, BucketBatchSampler):
+            record.write(buckets=bucket_record(buckets, batches))
+            callbacks.on_status(f"aspect buckets: {describe_buckets(buckets)}; "
                                 f"{len(batches)} batches per epoch, "
                                 f"{batches.short_batches()} short")
 
@@ -188,7 +197,7 @@ class TrainingRecipe:
         compile window (a compile failure replays the whole window with the next backend),
         then the step's one host sync and the optimizer step. Returns (loss, finite), or None
         when no micro-batch is left."""
-        run = self.run
+        run = self.built_run
         config, state = run.config, run.state
         window = None
         for index, batch, closes_window in micro_batches:
@@ -219,7 +228,7 @@ class TrainingRecipe:
     # -------------------------------------------------------------------------- the loop
     def train(self) -> RunResult:
         """The loop: step, log, sample, save, back up, until the budget is used or Stop."""
-        run, callbacks, commands = self.run, self.callbacks, self.commands
+        run, callbacks, commands = self.built_run, self.callbacks, self.commands
         config, state = run.config, run.state
         step_started = time.perf_counter()
         sample_seconds: float | None = None  # the last sampling pass, for the ETA
@@ -285,15 +294,15 @@ class TrainingRecipe:
     # --------------------------------------------------------------------------- backups
     def save_backup(self, reason: str) -> Path | None:
         """Write a backup at the last step boundary (once per step; the main process only)."""
-        run = self.run
-        if (not run.dist.is_main or run.boundary is None
-                or run.boundary.training["step"] in (0, run.last_backup_step,
-                                                     run.refused_backup_step)):
+        run, boundary = self.built_run, self.built_run.boundary
+        if (not run.dist.is_main or boundary is None
+                or boundary.training["step"] in (0, run.last_backup_step,
+                                                 run.refused_backup_step)):
             return None
-        step = run.boundary.training["step"]
+        step = boundary.training["step"]
         run.callbacks.on_status(f"writing a backup at step {step} ({reason})")
         try:
-            folder = guarded_write(lambda: save_backup(run.state_dict(run.boundary), run.config,
+            folder = guarded_write(lambda: save_backup(run.state_dict(boundary), run.config,
                                                        run.output_dir, reason),
                                    backups_folder(run.output_dir), backup_bytes(run))
         except NonFiniteBackup as exc:

@@ -20,6 +20,7 @@ def encode_latents(run: Run, batch: dict, vae_eps: torch.Tensor | None) -> torch
     pixels = varying_shape(run, batch["pixel_values"].to(run.device, vae.dtype,
                                                          non_blocking=True), "vae")
     posterior = vae.encode(pixels).latent_dist
+    assert vae_eps is not None  # drawn for every batch without latents (draw_randomness)
     latents = posterior.mean + posterior.std * vae_eps.to(run.device, posterior.mean.dtype)
     return vae_latents(vae, latents).to(run.compute_dtype)
 

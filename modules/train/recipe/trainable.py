@@ -86,7 +86,9 @@ def prepare_trainable(bundle: ModelBundle, config: Config) -> dict[str, list[nn.
     for name, module in bundle.components().items():
         module.requires_grad_(False)
         if module.dtype != dtypes[name]:
-            module.to(dtype=dtypes[name])
+            # transformers' PreTrainedModel.to is @wraps(nn.Module.to): typeshed's _Wrapped
+            # keeps the unbound signature, so mypy misses `self`
+            module.to(dtype=dtypes[name])  # type: ignore[call-arg]  # see above
         module.eval()
         if name in float8:
             store_float8(module)

@@ -65,7 +65,9 @@ def explain_config(config: Config) -> dict[str, Any]:
     bundle = load_bundle(path, config.model, component_dtypes(config))
     apply_weight_storage(bundle, config)  # float8 layers, as training stores them
     for module in bundle.components().values():
-        module.to(device).eval()
+        # transformers' PreTrainedModel.to is @wraps(nn.Module.to): typeshed's _Wrapped keeps
+        # the unbound signature, so mypy reads `device` as `self`
+        module.to(device).eval()  # type: ignore[arg-type]  # see above
     apply_denoiser_memory_format(bundle, config)  # the layout training compiles with
     examples = _example_inputs(bundle, config, device)
     wanted = {COMPILE_DENOISER: config.compile.denoiser,

@@ -17,7 +17,8 @@ from modules.config.secret_settings import masked_config
 from modules.config.problems import ConfigError, Problem
 from modules.data.captions import CaptionRules
 from modules.data.buckets import assign_buckets, bucket_counts
-from modules.data.dataset import ImageCaptionDataset, expand_repeats
+from modules.data.dataset import BucketBatchSampler, ImageCaptionDataset, expand_repeats
+from modules.data.latent_cache import CachedLatentDataset
 from modules.data.masks import mask_source
 from modules.data.regularization import balanced_repeats
 from modules.events import TrainerCallbacks
@@ -126,7 +127,7 @@ def continue_record(record: RunRecord, resume: ResumePoint) -> None:
                                        "the resumed run's compile warm")
 
 
-def bucket_record(target_sizes: list[tuple[int, int]], batches) -> dict:
+def bucket_record(target_sizes: list[tuple[int, int]], batches: BucketBatchSampler) -> dict:
     """run.json's `buckets` section: items per bucket and this rank's batches per epoch."""
     return {"sizes": bucket_counts(target_sizes), "batches_per_epoch": len(batches),
             "short_batches_per_epoch": batches.short_batches()}
@@ -172,7 +173,8 @@ def describe_masks(counts: dict[str, int]) -> str:
 
 
 def build_dataset(prepared: PreparedRun, callbacks: TrainerCallbacks,
-                  should_stop: Callable[[], bool] = lambda: False) -> ImageCaptionDataset:
+                  should_stop: Callable[[], bool] = lambda: False
+                  ) -> ImageCaptionDataset | CachedLatentDataset:
     """The training dataset, with latents encoded into the on-disk cache first when enabled.
 
     With `data.aspect_buckets` each item gets the bucket nearest its aspect ratio, from the

@@ -252,7 +252,8 @@ def config_differences(saved: dict, current: dict) -> tuple[list[str], list[str]
 
 def leaf_differences(saved: dict, current: dict) -> tuple[list[str], list[str]]:
     """`config_differences` of a saved config already at the current schema version."""
-    blocking, allowed = [], []
+    blocking: list[str] = []
+    allowed: list[str] = []
     before, after = _leaves(saved), _leaves(current)
     for key in sorted(set(before) | set(after)):
         old, new = before.get(key), after.get(key)

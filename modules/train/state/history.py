@@ -106,7 +106,9 @@ def compile_expectation(config: Config, device_type: str) -> CompileExpectation 
     folder = compile_cache_folder(config.compile.cache_dir, cache_dir_for(config.general.cache_dir))
     warm = cache_used and folder.is_dir() and any(
         p.name != HISTORY_FILE for p in folder.iterdir())
-    graphs = entry.get("graphs") if isinstance(entry.get("graphs"), dict) else {}
+    graphs = entry.get("graphs")
+    if not isinstance(graphs, dict):
+        graphs = {}
     return CompileExpectation(seconds=warm_seconds if warm else cold, warm=warm,
                               cold_seconds=cold, graphs=graphs)
 

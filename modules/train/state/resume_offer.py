@@ -90,7 +90,9 @@ class ResumeOffer:
     @property
     def more_steps(self) -> int:
         """Steps a continued finished run adds beyond where it finished."""
-        return self.max_steps - self.finished_step if self.continues_finished else 0
+        if self.finished_step is None or not self.continues_finished:
+            return 0
+        return self.max_steps - self.finished_step
 
     @property
     def rewinds(self) -> bool:

@@ -7,16 +7,18 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader
 
 from modules.compile import CompileEngine
 from modules.config.prompts import SamplePrompt
 from modules.config.schema import Config
-from modules.data.dataset import ImageCaptionDataset, epoch_dataloader, set_sampler_epoch
+from modules.data.dataset import (EpochBatches, ImageCaptionDataset, epoch_dataloader,
+                                  set_sampler_epoch)
 from modules.data.feed import FeedMeter
+from modules.data.latent_cache import CachedLatentDataset
 from modules.events import TrainerCallbacks, TrainerCommands
 from modules.models.families import ModelFamily
 from modules.models.bundle import ModelBundle
@@ -51,8 +53,8 @@ class Run:
     output_dir: Path
     record: RunRecord
     callbacks: TrainerCallbacks
-    dataset: ImageCaptionDataset
-    batches: Sampler[list]  # the epoch batch sampler, built once (recipe.setup); budget counts it
+    dataset: ImageCaptionDataset | CachedLatentDataset
+    batches: EpochBatches  # the epoch batch sampler, built once (recipe.setup); budget counts it
     params: dict[str, list[torch.nn.Parameter]]  # trained parameters, per component
     optimizer: torch.optim.Optimizer
     lr_scheduler: torch.optim.lr_scheduler.LRScheduler
@@ -102,8 +104,9 @@ class Run:
     def loader_for_epoch(self, epoch: int, skip_batches: int = 0):
         """The DataLoader of `epoch`, over the batch sampler the step budget was counted on."""
         set_sampler_epoch(self.batches, epoch)
-        options = dict(seed=self.config.training.seed, num_workers=self.config.data.workers,
-                       pin_memory=self.device.type == "cuda")
+        options: dict[str, Any] = dict(seed=self.config.training.seed,
+                                       num_workers=self.config.data.workers,
+                                       pin_memory=self.device.type == "cuda")
         if skip_batches or not self.config.data.workers:  # a resumed epoch's rest: its own
             return epoch_dataloader(self.dataset, self.batches, skip_batches=skip_batches,
                                     **options)
@@ -201,6 +204,7 @@ class Run:
             self.lock.release()
 
 
-def item_buckets(config: Config, dataset) -> list[tuple[int, int]] | None:
+def item_buckets(config: Config, dataset: ImageCaptionDataset | CachedLatentDataset
+                 ) -> list[tuple[int, int]] | None:
     """Each item's bucket for the batch sampler, or None when buckets are off."""
     return dataset.target_sizes if config.data.aspect_buckets else None

@@ -43,6 +43,13 @@ COMPILE_NOTE = ("eager: compiled code is bypassed while validating, so the train
                 "are never recompiled (validation's forwards run uncompiled)")
 
 
+def validator_of(run: Run) -> Validator:
+    """The run's validation set; what follows runs only when validation is on."""
+    if run.validator is None:
+        raise RuntimeError("validation is off in this run (no validation images)")
+    return run.validator
+
+
 def fixed_timesteps(count: int, train_timesteps: int, low: int = 0,
                     high: int | None = None) -> list[int]:
     """`count` evenly spaced timesteps: the middles of `count` equal parts of the timesteps
@@ -54,7 +61,7 @@ def fixed_timesteps(count: int, train_timesteps: int, low: int = 0,
 def run_timesteps(run: Run) -> list[int]:
     """The run's fixed validation timesteps, inside its loss.min/max_timestep range."""
     loss = run.config.loss
-    return fixed_timesteps(run.validator.timestep_count,
+    return fixed_timesteps(validator_of(run).timestep_count,
                            run.family.objective.train_timesteps(run.bundle),
                            loss.min_timestep, loss.max_timestep)
 
@@ -81,7 +88,7 @@ def best_point(history: list[list]) -> tuple[int | None, float | None]:
 
 def validation_record(run: Run) -> dict:
     """run.json's `validation` section, from the training state's history."""
-    validator = run.validator
+    validator = validator_of(run)
     step, loss = best_point(run.state.validation)
     return {"every_steps": run.config.validation.every_steps, "images": validator.count,
             "origin": validator.images.origin,
@@ -99,8 +106,7 @@ def validation_pass(run: Run, loss_fn: LossFn,
     `should_stop` (Stop) is asked before each forward (a batch at one timestep), as sampling
     asks between denoising steps: a pass cut short is not a score, so it is left out of the
     history and run.json says how much of it was done (`validation.cut_short`)."""
-    validator = run.validator
-    assert validator is not None  # validation_due / the end of a finished run ask first
+    validator = validator_of(run)  # validation_due / the end of a finished run ask first
     if run.dist.is_main:
         run.callbacks.on_status(f"validating at step {run.step} ({validator.count} images "
                                 f"at {validator.timestep_count} timesteps)")
@@ -112,7 +118,7 @@ def validation_pass(run: Run, loss_fn: LossFn,
         cut_short(run, done)
         return None
     seconds = time.perf_counter() - started  # the first pass also loads and encodes the images
-    run.validator.last_seconds = seconds
+    validator.last_seconds = seconds
     run.state.validation.append([run.step, loss])
     if not run.dist.is_main:
         return loss
@@ -122,7 +128,7 @@ def validation_pass(run: Run, loss_fn: LossFn,
     if run.writer and loss is not None:
         run.writer.add_scalar("validation/loss", loss, run.step)
     run.callbacks.on_validation(ValidationScore(run.step, loss, best_step, best_loss,
-                                                run.validator.count))
+                                                validator.count))
     shown = "not finite" if loss is None else f"{loss:.5f}"
     best = "none finite" if best_step is None else f"step {best_step}"
     run.callbacks.on_status(f"validation loss {shown} at step {run.step} (best: {best})")
@@ -142,8 +148,7 @@ def score(run: Run, loss_fn: LossFn, should_stop: Callable[[], bool] = lambda: F
     """The mean loss over the validation images at the fixed timesteps (None if not finite),
     and how many of the pass's forwards were scored (all, unless `should_stop` said stop
     before one); one host sync for the whole pass."""
-    validator = run.validator
-    assert validator is not None
+    validator = validator_of(run)
     timesteps = run_timesteps(run)
     total = torch.zeros((), dtype=torch.float64, device=run.device)
     count = scored = 0
@@ -246,7 +251,10 @@ def latent_batch(run: Run, batch: dict, draws: Draws) -> dict:
     """`batch` with its pixels encoded into latents (on the CPU), as the training step would
     encode them with these draws: a posterior sample, or with `data.cache_latents` (training
     then reads cached posterior means) the mean."""
-    eps = torch.zeros_like(draws.vae_eps) if run.config.data.cache_latents else draws.vae_eps
+    eps = draws.vae_eps
+    assert eps is not None  # image_draws draws it for every image
+    if run.config.data.cache_latents:
+        eps = torch.zeros_like(eps)
     with autocast_context(run.config, run.device):
         latents = encode_latents(run, batch, eps)
     kept = {k: v for k, v in batch.items() if k != "pixel_values"}
