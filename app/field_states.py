@@ -3,6 +3,7 @@ the settings the config leaves unused (modules/config/field_rules.py), each with
 and the two cache folders say where they are when left empty."""
 from __future__ import annotations
 
+from app.binding import enum_class
 from app.fields import container_labels
 from app.form import FieldRegistry
 from app.labels import enum_label
@@ -34,7 +35,7 @@ def update_component_states(registry: FieldRegistry, config: Config) -> None:
         compile_toggle.toggle.configure(text=model_type.denoiser_label)
     sampler = registry.find("sampling.sampler")
     if isinstance(sampler, EnumView):  # a flow-matching family samples with its own only
-        sampler.menu.configure(values=[enum_label(m) for m in sampler.info.enum_type
+        sampler.menu.configure(values=[enum_label(m) for m in enum_class(sampler.info)
                                        if model_type.samplers is None
                                        or m.value in model_type.samplers])
     for container, label in container_labels(Config).items():

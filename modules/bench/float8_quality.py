@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from modules.config.overrides import apply_overrides
-from modules.config.schema import Config
+from modules.config.schema import Config, DType
 from modules.events import RecordingCallbacks
 from modules.models.bundle import TORCH_DTYPES
 from modules.models.tiny import ensure_builtin_model
@@ -78,5 +78,5 @@ def measure(cache: Path, work: Path, steps: int, weight_dtype: str = "BFLOAT16")
             "last_10_loss": {name: statistics.fmean(values[-10:])
                              for name, values in losses.items()},
             "loss_gap_mean": statistics.fmean(gaps), "loss_gap_max": max(gaps),
-            **lora_effect_gap(cache, TORCH_DTYPES[weight_dtype], work / "base",
+            **lora_effect_gap(cache, TORCH_DTYPES[DType(weight_dtype)], work / "base",
                               work / "float8")}

@@ -89,9 +89,14 @@ def qwen_words(corpus: list[str]) -> Counter[tuple[str, ...]]:
 
     backend = Qwen2Tokenizer()._tokenizer
     words: Counter[tuple[str, ...]] = Counter()
+    normalizer = backend.normalizer if backend is not None else None
+    pre_tokenizer = backend.pre_tokenizer if backend is not None else None
+    if normalizer is None or pre_tokenizer is None:
+        raise RuntimeError("transformers' Qwen2Tokenizer has no normalizer or pre-tokenizer: "
+                           "the tiny Qwen tokenizer cannot be trained like it")
     for line in corpus:
-        text = backend.normalizer.normalize_str(line)
-        words.update(tuple(piece) for piece, _ in backend.pre_tokenizer.pre_tokenize_str(text))
+        text = normalizer.normalize_str(line)
+        words.update(tuple(piece) for piece, _ in pre_tokenizer.pre_tokenize_str(text))
     return words
 
 
@@ -113,7 +118,8 @@ def build_qwen_tokenizer(dest: Path, vocab_size: int, corpus_path: Path = CORPUS
     vocab = {token: i for i, token in enumerate(dict.fromkeys(tokens))}
     for special in QWEN_SPECIAL_TOKENS:
         vocab[special] = len(vocab)
-    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=list(merges),
+    # transformers annotates merges as strings; the tokenizers backend takes pairs too
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=list(merges),  # type: ignore[arg-type]
                                eos_token="<|im_end|>", pad_token=QWEN_END_OF_TEXT,
                                additional_special_tokens=list(QWEN_SPECIAL_TOKENS[1:]),
                                model_max_length=32768, padding_side="right")

@@ -63,8 +63,9 @@ def quiet_torchao_lora():
 def stored_bytes(tensor: torch.Tensor) -> int:
     """Bytes a tensor holds: a float8 weight is its e4m3 values plus its scales."""
     if is_float8(tensor):
-        return sum(stored_bytes(getattr(tensor, name))
-                   for name in tensor.__tensor_flatten__()[0])
+        # torchao's Float8Tensor is a tensor subclass: it flattens to its inner tensors' names
+        inner: list[str] = tensor.__tensor_flatten__()[0]  # type: ignore[attr-defined]
+        return sum(stored_bytes(getattr(tensor, name)) for name in inner)
     return tensor.numel() * tensor.element_size()
 
 

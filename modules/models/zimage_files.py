@@ -168,7 +168,8 @@ def load_split_files(model: ModelConfig, config_folder: Path, dtypes) -> dict:
     vae = AutoencoderKL.from_single_file(model.vae_path, config=str(config_folder),
                                          subfolder="vae", torch_dtype=dtype_of(dtypes, "vae"),
                                          **local)
-    encoder = Qwen3Model(Qwen3Config.from_pretrained(config_folder / "text_encoder", **local))
+    encoder = Qwen3Model(Qwen3Config.from_pretrained(config_folder / "text_encoder",
+                                                     local_files_only=True))
     weights = {k.removeprefix("model."): v for k, v in load_file(model.text_encoder_path).items()
                if k != "lm_head.weight"}  # tied to the embeddings in Qwen3-4B
     missing, unexpected = encoder.load_state_dict(weights, strict=False)
@@ -177,7 +178,8 @@ def load_split_files(model: ModelConfig, config_folder: Path, dtypes) -> dict:
                               f"{config_folder / 'text_encoder'} ({len(missing)} weights "
                               f"missing, e.g. {missing[:1]}; {len(unexpected)} unexpected, e.g. "
                               f"{unexpected[:1]})")
-    encoder.to(dtype_of(dtypes, "text_encoder"))
+    # transformers' PreTrainedModel.to is @wraps(nn.Module.to): mypy reads the dtype as `self`
+    encoder.to(dtype_of(dtypes, "text_encoder"))  # type: ignore[arg-type]  # see above
     folder = Path(model.tokenizer_path or config_folder)
     tokenizer_folder = folder / "tokenizer" if (folder / "tokenizer").is_dir() else folder
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder, **local)

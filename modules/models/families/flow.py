@@ -10,6 +10,8 @@ type) are refused for flow-matching families (train/recipe/loss_checks.py).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -43,7 +45,7 @@ def unit_draw(normal: torch.Tensor, loss: LossConfig) -> torch.Tensor:
     return low + (high - low) * u
 
 
-def calculate_mu(image_tokens: int, scheduler_config) -> float:
+def calculate_mu(image_tokens: int, scheduler_config: Mapping[str, Any]) -> float:
     """The resolution-dependent shift's exponent, as diffusers' Flux-style pipelines compute
     it (ZImagePipeline's `calculate_shift`): linear in the image's token count between the
     scheduler's base and max sequence lengths and shifts."""
@@ -60,6 +62,8 @@ def shifted(sigma: torch.Tensor, shift: float | None, mu: float | None) -> torch
     s·sigma / (1 + (s - 1)·sigma)."""
     if mu is not None:
         return math.exp(mu) / (math.exp(mu) + (1 / sigma.clamp_min(1e-12) - 1)) * (sigma > 0)
+    if shift is None:
+        raise ValueError("a flow-matching shift needs a fixed shift or mu; neither was given")
     return shift * sigma / (1 + (shift - 1) * sigma)
 
 

@@ -36,7 +36,8 @@ ZIMAGE_TEXT = ChatEncoding(hidden_layer=-2, max_length=512, pad_multiple=32)
 MAIN_BLOCKS = r"layers\.\d+\."
 # ZImagePipeline samples with the flow-matching Euler scheduler, built from the model's own
 # scheduler config (its shift): the one sampler (model_types.py lists it for the config layer)
-SAMPLERS = {Sampler.EULER: ("FlowMatchEulerDiscreteScheduler", {})}
+SAMPLERS: dict[Sampler, tuple[str, dict[str, Any]]] = {
+    Sampler.EULER: ("FlowMatchEulerDiscreteScheduler", {})}
 
 
 # The LoRA file ComfyUI and diffusers both read for Z-Image: the diffusers module path under
@@ -56,14 +57,14 @@ def warm_rope_tables(transformer: nn.Module) -> nn.Module:
     traced once with the attribute unset and recompiled at the next call; built here, every
     call sees them set (they still move to the GPU at the first call there, within the first
     step). The same tables the first call would build."""
-    rope = transformer.rope_embedder
+    rope: Any = transformer.rope_embedder  # diffusers' RopeEmbedder (nn.Module attributes)
     if rope.freqs_cis is None:
         rope.freqs_cis = rope.precompute_freqs_cis(rope.axes_dims, rope.axes_lens,
                                                    theta=rope.theta)
     return transformer
 
 
-def load_folder(path: Path, prediction_type, dtypes: Dtypes) -> ModelBundle:
+def load_folder(path: Path, prediction_type: Any, dtypes: Dtypes) -> ModelBundle:
     """A `ZImagePipeline` diffusers folder, each component at its dtype; never the network."""
     from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler,
                            ZImageTransformer2DModel)
@@ -75,7 +76,8 @@ def load_folder(path: Path, prediction_type, dtypes: Dtypes) -> ModelBundle:
     vae = AutoencoderKL.from_pretrained(path, subfolder="vae",
                                         torch_dtype=dtype_of(dtypes, "vae"), **local)
     text_encoder = Qwen3Model.from_pretrained(path, subfolder="text_encoder",
-                                              dtype=dtype_of(dtypes, "text_encoder"), **local)
+                                              dtype=dtype_of(dtypes, "text_encoder"),
+                                              local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(path, subfolder="tokenizer", **local)
     scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler",
                                                                 **local)
@@ -83,7 +85,7 @@ def load_folder(path: Path, prediction_type, dtypes: Dtypes) -> ModelBundle:
                        {"text_encoder": text_encoder}, {"tokenizer": tokenizer}, scheduler)
 
 
-def load_single_file(path: Path, model, dtypes: Dtypes) -> ModelBundle:
+def load_single_file(path: Path, model: Any, dtypes: Dtypes) -> ModelBundle:
     """ComfyUI's three files (model.path, model.text_encoder_path, model.vae_path), built
     from the shipped Z-Image configs (or model.config_path), the tokenizer from
     model.tokenizer_path."""
@@ -101,13 +103,13 @@ def load_single_file(path: Path, model, dtypes: Dtypes) -> ModelBundle:
                        {"tokenizer": parts["tokenizer"]}, scheduler)
 
 
-def input_problems(model, single_file: bool) -> list:
+def input_problems(model: Any, single_file: bool) -> list:
     """ComfyUI's three files, each what its field says (single files); a Turbo model."""
     from modules.models.zimage_files import distilled_problems, split_file_problems
     return (split_file_problems(model) if single_file else []) + distilled_problems(model)
 
 
-def write_single_file(bundle: ModelBundle, path: Path, metadata: dict, dtype) -> Path:
+def write_single_file(bundle: ModelBundle, path: Path, metadata: dict, dtype: Any) -> Path:
     """The fine-tuned transformer as ComfyUI's diffusion-model file (the text encoder and VAE
     are not trained: the user's files of them still serve)."""
     from modules.models.zimage_files import save_transformer_file

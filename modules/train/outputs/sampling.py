@@ -105,6 +105,9 @@ def prompt_texts(bundle: ModelBundle, prompt: SamplePrompt, text_cache=None) -> 
     if text_cache is None:
         return {"prompt": prompt.text, "negative_prompt": prompt.negative or None}
     arguments = family_of(bundle.model_type).pipeline_text_arguments
+    if arguments is None:
+        raise ValueError(f"{bundle.model_type.value}: its pipeline takes no encoded prompts, "
+                         "so its samples cannot use cached text embeddings")
     dtype = bundle.denoiser.dtype  # the cached rows are at the text encoder's dtype
 
     def encoded(text: str):

@@ -124,7 +124,10 @@ class TextEncoderCache:
 
 def stack_rows(rows: list[Row]) -> TextEmbeddings:
     """One batch's `TextEmbeddings` from per-caption rows (hidden, pooled, length)."""
-    pooled = None if rows[0][1] is None else torch.stack([p for _, p, _ in rows])
+    pooled_rows = [p for _, p, _ in rows if p is not None]
+    if pooled_rows and len(pooled_rows) != len(rows):  # a family pools every caption or none
+        raise ValueError("some captions have a pooled text embedding and some have none")
+    pooled = torch.stack(pooled_rows) if pooled_rows else None
     if rows[0][2] is None:
         return TextEmbeddings(torch.stack([h for h, _, _ in rows]), pooled)
     return pad_to_batch([h for h, _, _ in rows], pooled)
