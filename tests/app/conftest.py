@@ -109,3 +109,18 @@ def app(make_app):
     window = make_app(builtin_presets_dir=Path("/nonexistent-presets"))
     assert window.binding.config == Config()
     return window
+
+
+@pytest.fixture
+def real_input(display):
+    """Real pointer and keyboard input (xdotool) into the session's Xvfb display."""
+    from tests.app import xdo
+    if not xdo.available():
+        pytest.skip("real input needs xdotool (bash scripts/ensure_xvfb.sh)")
+
+
+def shown(app) -> None:
+    """The window on screen at a known size, with its layout settled."""
+    from tests.app import xdo
+    app.geometry("1200x800+0+0")
+    xdo.settle(app, 0.5)

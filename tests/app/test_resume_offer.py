@@ -16,12 +16,6 @@ from tests.app.test_run_state import fake_backup
 from tests.app.test_training import RUN_TIMEOUT, gui_demo_settings
 
 
-@pytest.fixture
-def real_input(display):
-    if not xdo.available():
-        pytest.skip("real input needs xdotool (bash scripts/ensure_xvfb.sh)")
-
-
 def run_json(output: Path) -> dict:
     return json.loads((output / "run.json").read_text())
 

@@ -4,16 +4,9 @@ from __future__ import annotations
 
 import json
 
-import pytest
 
 from tests.app import xdo
 from tests.app.test_run_state import fake_backup
-
-
-@pytest.fixture
-def real_input(display):
-    if not xdo.available():
-        pytest.skip("real input needs xdotool (bash scripts/ensure_xvfb.sh)")
 
 
 def visible_fields(app, tab: str) -> int:

@@ -7,22 +7,10 @@ import threading
 import time
 from types import SimpleNamespace
 
-import pytest
 
 from modules.events import CompileEvent, Progress
 from tests.app import xdo
-from tests.app.conftest import REPO, pump
-
-
-@pytest.fixture
-def real_input(display):
-    if not xdo.available():
-        pytest.skip("real input needs xdotool (bash scripts/ensure_xvfb.sh)")
-
-
-def shown(app) -> None:
-    app.geometry("1200x800+0+0")
-    xdo.settle(app, 0.5)
+from tests.app.conftest import REPO, pump, shown
 
 
 def progress(step: int, total: int = 4) -> Progress:

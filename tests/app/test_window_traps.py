@@ -9,19 +9,7 @@ import pytest
 from app.form import scroll_to
 from tests.child_env import with_repo_on_pythonpath
 from tests.app import xdo
-from tests.app.conftest import pump
-
-
-@pytest.fixture
-def real_input(display):
-    if not xdo.available():
-        pytest.skip("real input needs xdotool (bash scripts/ensure_xvfb.sh)")
-
-
-def shown(app) -> None:
-    """The window on screen at a known size, with its layout settled."""
-    app.geometry("1200x800+0+0")
-    xdo.settle(app, 0.5)
+from tests.app.conftest import pump, shown
 
 
 def write_preset(path, max_steps: int):

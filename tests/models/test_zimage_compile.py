@@ -13,7 +13,7 @@ from PIL import Image
 
 from modules.events import RecordingCallbacks
 from modules.train.trainer import train
-from tests.train.test_resume import final_tensors, run_json, stop_then_resume
+from tests.train.test_resume import assert_resumes_bit_for_bit, run_json
 
 # three buckets at resolution 192 (128x256, 192x192, 256x128), two images each; captions from
 # one word to past 64 tokens, so the batches' caption lengths differ step to step
@@ -90,14 +90,7 @@ def test_a_stopped_and_resumed_run_is_the_unbroken_one(tiny_config, tmp_path):
     settings = ("model.type=ZIMAGE", "model.path=builtin:tiny-zimage", "sampling.prompts=[]",
                 "training.max_steps=4", "training.lr_scheduler=COSINE",
                 "loss.timestep_sampling=LOGIT_NORMAL")
-    train(tiny_config(*settings, f"output.dir={tmp_path / 'whole'}"), RecordingCallbacks())
-    stop_then_resume(tiny_config(*settings, f"output.dir={tmp_path / 'parts'}"), at=2)
-
-    expected, got = run_json(tmp_path / "whole"), run_json(tmp_path / "parts")
-    assert got["losses"] == expected["losses"] and got["resume_count"] == 1
-    want, have = final_tensors(tmp_path / "whole"), final_tensors(tmp_path / "parts")
-    assert want.keys() == have.keys() and want
-    assert all(torch.equal(want[key], have[key]) for key in want)
+    assert_resumes_bit_for_bit(tiny_config, tmp_path, settings)
 
 
 @pytest.mark.inductor

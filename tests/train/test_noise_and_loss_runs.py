@@ -19,7 +19,7 @@ from modules.models.families import sd as sd_family
 from modules.train.outputs.sampling import sampling_scheduler
 from modules.train.trainer import train
 from modules.models.families import family_files
-from tests.train.test_resume import final_tensors, run_json, stop_then_resume
+from tests.train.test_resume import assert_resumes_bit_for_bit, run_json
 
 OPTIONS = ("loss.loss_type=HUBER", "loss.huber_schedule=SNR", "loss.debiased_estimation=true",
            "training.min_snr_gamma=5", "loss.min_timestep=100", "loss.max_timestep=900",
@@ -54,13 +54,7 @@ def test_each_option_changes_training_and_the_defaults_change_nothing(tiny_confi
 
 def test_a_run_with_the_options_resumes_bit_for_bit(tiny_config, tmp_path):
     settings = ("training.max_steps=4", "training.gradient_accumulation=2", *OPTIONS)
-    train(tiny_config(*settings, f"output.dir={tmp_path / 'whole'}"), RecordingCallbacks())
-    stop_then_resume(tiny_config(*settings, f"output.dir={tmp_path / 'parts'}"), at=2)
-    expected, got = run_json(tmp_path / "whole"), run_json(tmp_path / "parts")
-    assert got["losses"] == expected["losses"] and got["resume_count"] == 1
-    want, have = final_tensors(tmp_path / "whole"), final_tensors(tmp_path / "parts")
-    assert want.keys() == have.keys() and want
-    assert all(torch.equal(want[key], have[key]) for key in want)
+    assert_resumes_bit_for_bit(tiny_config, tmp_path, settings)
 
 
 def test_compiled_run_with_the_options_does_not_recompile_after_warm_up(tiny_config):

@@ -54,6 +54,19 @@ def stop_then_resume(config, at: int):
     return first, train(config, RecordingCallbacks())
 
 
+def assert_resumes_bit_for_bit(tiny_config, tmp_path: Path, settings: tuple[str, ...],
+                               at: int = 2) -> None:
+    """A run stopped at step `at` and resumed equals the unbroken run of `settings`: the same
+    losses, step by step, and the same final weights, bit for bit."""
+    train(tiny_config(*settings, f"output.dir={tmp_path / 'whole'}"), RecordingCallbacks())
+    stop_then_resume(tiny_config(*settings, f"output.dir={tmp_path / 'parts'}"), at=at)
+    expected, got = run_json(tmp_path / "whole"), run_json(tmp_path / "parts")
+    assert got["losses"] == expected["losses"] and got["resume_count"] == 1
+    want, have = final_tensors(tmp_path / "whole"), final_tensors(tmp_path / "parts")
+    assert want.keys() == have.keys() and want
+    assert all(torch.equal(want[key], have[key]) for key in want)
+
+
 CASES = {
     "lora-accumulation-ema": ("training.gradient_accumulation=2", "training.ema=true",
                               "components.text_encoder.train=true"),
