@@ -41,6 +41,14 @@ def trained(tempera_cache, tmp_path_factory):
             "diffusers": out / "final" / "pytorch_lora_weights.safetensors"}
 
 
+def add_random_lora(module, config, generator: torch.Generator) -> None:
+    """`config`'s LoRA added to `module` with random factors (both non-zero: a real update)."""
+    module.add_adapter(config)
+    for key, param in module.named_parameters():
+        if "lora_" in key:
+            param.data = torch.randn(param.shape, generator=generator) * 0.1
+
+
 def _kohya_updates(path: Path) -> dict[str, torch.Tensor]:
     """{kohya name: alpha / rank · up @ down (flattened)} read straight from the file."""
     tensors = load_file(str(path))
@@ -254,10 +262,8 @@ def sdxl(tempera_cache, tmp_path_factory):
     targets = {"unet": ["to_q", "to_v", "proj_in", "conv1"],
                "text_encoder_2": ["q_proj", "k_proj", "v_proj", "fc1"]}
     for name, module in modules.items():
-        module.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=targets[name]))
-        for key, param in module.named_parameters():
-            if "lora_" in key:
-                param.data = torch.randn(param.shape, generator=generator) * 0.1
+        add_random_lora(module, LoraConfig(r=4, lora_alpha=8, target_modules=targets[name]),
+                        generator)
     lora = save_kohya_lora(modules, work / "xl.safetensors", 8.0, ModelType.SDXL)
     expected = {}
     for name, module in modules.items():
@@ -346,10 +352,7 @@ def test_sd2_merges_into_a_folder_and_a_single_file_as_peft_merges(tempera_cache
     generator = torch.Generator().manual_seed(4)
     for name, module in modules.items():
         targets = ["to_k", "proj_in"] if name == "unet" else ["q_proj", "v_proj", "out_proj"]
-        module.add_adapter(LoraConfig(r=2, lora_alpha=3, target_modules=targets))
-        for key, param in module.named_parameters():
-            if "lora_" in key:
-                param.data = torch.randn(param.shape, generator=generator) * 0.1
+        add_random_lora(module, LoraConfig(r=2, lora_alpha=3, target_modules=targets), generator)
     lora = save_kohya_lora(modules, tmp_path / "sd2.safetensors", 3.0, ModelType.SD2)
     expected = {}
     for name, module in modules.items():
