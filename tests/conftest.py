@@ -2,10 +2,27 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 
-from modules.config import Config, apply_overrides
+# `make test` runs the suite on every core with pytest-xdist (one worker per core). Each worker
+# would otherwise start as many torch threads as there are cores, so two workers on CI's two
+# cores would fight over them: each worker gets its share, set in the environment before torch
+# is imported (the training subprocesses the tests start inherit it) and in torch itself, so the
+# test process and its children compute alike. Bit-for-bit comparisons between a run in the
+# test process and one in a subprocess (tests/cli/test_resume_cli.py) depend on that: a sum
+# over another number of threads differs in the last bit. `same_torch_threads` below fails the
+# test that changes the count (a benchmark helper once set it to every core in-process).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+TORCH_THREADS: int | None = None
+if _WORKERS > 1:
+    TORCH_THREADS = max(1, (os.cpu_count() or 1) // _WORKERS)
+    for _name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[_name] = str(TORCH_THREADS)
+
+
+from modules.config import Config, apply_overrides  # noqa: E402  (after the thread share)
 
 # The GPU machine's image has no customtkinter (../shared/gpu/README.md): the window tests are
 # then not collected at all (their modules import it), and the header says so.
@@ -13,10 +30,19 @@ GUI_TOOLKIT_MISSING = importlib.util.find_spec("customtkinter") is None
 collect_ignore = ["app"] if GUI_TOOLKIT_MISSING else []
 
 
-# The xdist workers keep torch's default thread count. Limiting a worker's torch to its share of
-# the cores made the CLI's bit-for-bit resume tests fail (the run the test process prepares and
-# the training subprocesses then differed in the last bit): the numbers a test compares must
-# come from processes that run alike.
+@pytest.fixture(autouse=True)
+def same_torch_threads():
+    """A test leaves torch's thread count as it found it (see TORCH_THREADS above): under
+    xdist each test starts at the worker's share and fails if it leaves another count."""
+    if TORCH_THREADS is None:
+        yield
+        return
+    import torch
+    torch.set_num_threads(TORCH_THREADS)
+    yield
+    assert torch.get_num_threads() == TORCH_THREADS, (
+        f"this test changed torch's thread count from {TORCH_THREADS} to "
+        f"{torch.get_num_threads()}; set it in a subprocess, never in the test process")
 
 
 # How `make test` spreads the tests over its xdist workers (this hook is the only place). A work

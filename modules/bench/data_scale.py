@@ -57,7 +57,6 @@ def measure(folder: Path, cache: Path, with_cache: bool = True) -> dict[str, Any
     from modules.data.latent_cache import LatentCache, cache_latents, vae_fingerprint
     from modules.models.tiny import ensure_builtin_model
 
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
     started = time.perf_counter()
     scan = scan_datasets([DatasetSource(folder)], resolution=RESOLUTION)
     scan_s = time.perf_counter() - started
@@ -95,7 +94,8 @@ def _child(folder: Path, cache: Path, timeout: float | None = None,
     code = ("import json, sys; from pathlib import Path; from modules.bench.data_scale import "
             "measure; print(json.dumps(measure(Path(sys.argv[1]), Path(sys.argv[2]), "
             "sys.argv[3] == '1')))")
-    env = with_repo_on_pythonpath()
+    # every core, whatever share of them the parent runs with (a test worker's, say)
+    env = {**with_repo_on_pythonpath(), "OMP_NUM_THREADS": str(os.cpu_count() or 1)}
     proc = subprocess.Popen([sys.executable, "-c", code, str(folder), str(cache),
                              "1" if with_cache else "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
