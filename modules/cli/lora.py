@@ -40,7 +40,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     def base_args(sub, required: bool) -> None:
         sub.add_argument("--base", required=required,
                          help="the base model: a diffusers folder or an ldm .safetensors file")
-        sub.add_argument("--model-type", choices=["sd15", "sd2", "sdxl"],
+        sub.add_argument("--model-type", choices=["sd15", "sd2", "sdxl", "zimage"],
                          help="the family, when there is no --base (its shipped architecture "
                               "names the layers) or to check the base's")
         sub.add_argument("--config-folder", help="a single-file base's architecture configs "

@@ -55,6 +55,25 @@ def to_original_names(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Te
     return out
 
 
+def original_weight_key(module_path: str, width: int) -> tuple[str, tuple[int, int] | None]:
+    """Where a diffusers transformer layer's weight is in the original layout
+    (`to_original_names`' naming): its key and, for q / k / v (fused into `attention.qkv`,
+    in that order), the rows of the fused weight that are its own (`width`: its out features)."""
+    head, _, part = module_path.rpartition(".attention.to_")
+    if head and part in ("q", "k", "v"):
+        start = "qkv".index(part) * width
+        return f"{head}.attention.qkv.weight", (start, start + width)
+    key = module_path + ".weight"
+    for old, new in RENAMES:
+        key = key.replace(old, new)
+    return key, None
+
+
+def is_transformer_file(path: Path) -> bool:
+    """Whether a .safetensors file is a lone Z-Image diffusion model (ComfyUI's kind)."""
+    return part_of(keys_of(path))[0] == "transformer"
+
+
 def keys_of(path: Path) -> dict[str, tuple[int, ...]]:
     """A .safetensors file's tensor names and shapes, read from its header only."""
     from safetensors import safe_open
