@@ -233,7 +233,7 @@ def _single_file_location(layout: ModelLayout, key: LayerKey) -> Location:
     assert layout.path is not None
     files = family_files(layout.model_type)
     if component == layout.denoiser and files.denoiser_file_key is not None:
-        key_name, rows = files.denoiser_file_key(module_path, layout.shapes[key][0])
+        key_name, rows = files.denoiser_file_key(module_path + ".weight", layout.shapes[key][0])
         names = layout.file_keys()
         # ComfyUI's split files have no prefix; some carry the checkpoints' one
         for candidate in (key_name, LDM_UNET_PREFIX + key_name):

@@ -55,15 +55,14 @@ def to_original_names(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Te
     return out
 
 
-def original_weight_key(module_path: str, width: int) -> tuple[str, tuple[int, int] | None]:
-    """Where a diffusers transformer layer's weight is in the original layout
+def original_key(key: str, rows: int) -> tuple[str, tuple[int, int] | None]:
+    """Where a diffusers ZImageTransformer2DModel tensor is in the original layout
     (`to_original_names`' naming): its key and, for q / k / v (fused into `attention.qkv`,
-    in that order), the rows of the fused weight that are its own (`width`: its out features)."""
-    head, _, part = module_path.rpartition(".attention.to_")
-    if head and part in ("q", "k", "v"):
-        start = "qkv".index(part) * width
-        return f"{head}.attention.qkv.weight", (start, start + width)
-    key = module_path + ".weight"
+    in that order), the rows of the fused tensor that are its own (`rows`: its own count)."""
+    for part in "qkv":
+        if f".attention.to_{part}." in key:
+            start = "qkv".index(part) * rows
+            return key.replace(f".attention.to_{part}.", ".attention.qkv."), (start, start + rows)
     for old, new in RENAMES:
         key = key.replace(old, new)
     return key, None

@@ -164,6 +164,14 @@ def test_merge_into_comfyui_diffusion_model_file(files, merged, tmp_path):
                                                          local_files_only=True).state_dict()
     for key, value in loaded.state_dict().items():
         torch.testing.assert_close(value, reference[key], rtol=0, atol=0, msg=key)
+    # the folder base merged into a .safetensors: the same file, streamed (q/k/v fused)
+    from_folder = tmp_path / "from_folder.safetensors"
+    assert main(["merge", "--base", str(files["base"]), "--lora", f"{files['a']}:0.7",
+                 "-o", str(from_folder)]) == 0
+    written = load_file(str(from_folder))
+    assert written.keys() == after.keys()
+    for key, value in after.items():
+        assert torch.equal(written[key], value), key
 
 
 def test_merge_several_zimage_loras_is_the_weighted_sum(files, tmp_path):
@@ -259,7 +267,8 @@ def test_mixing_families_is_refused_naming_both(files, tempera_cache, tmp_path, 
                  "--layout", "diffusers", "-o", str(out)]) == 2
     error = capsys.readouterr().err
     assert "Stable Diffusion" in error and "Z-Image (ZIMAGE)" in error
-    assert main(["merge", "--base", str(files["base"]), "--lora", str(files["a"]),
-                 "-o", str(tmp_path / "one.safetensors")]) == 2
-    assert "merge into that file" in capsys.readouterr().err
-    assert not out.exists() and not (tmp_path / "one.safetensors").exists()
+    assert main(["resize", "--base", str(files["base"]), "--model-type", "sdxl",
+                 "--lora", str(files["a"]), "--rank", "1", "-o", str(out)]) == 2
+    error = capsys.readouterr().err
+    assert "is Z-Image (ZIMAGE), not Stable Diffusion XL (SDXL)" in error
+    assert not out.exists()

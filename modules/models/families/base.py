@@ -87,8 +87,9 @@ class FileConventions:
       meta device from a base's config to learn its layers' names and shapes;
     - `denoiser_file(path)`: whether a `.safetensors` file is this family's lone denoiser file
       (ComfyUI's `diffusion_models/` kind), None where the family has no such file;
-    - `denoiser_file_key(module path, out features)`: where a denoiser layer's weight sits in
-      that file: its key and, for a projection fused with others, its rows (None: all).
+    - `denoiser_file_key(tensor key, rows)`: where a diffusers denoiser tensor (of `rows`
+      rows) sits in that file: its key and, for a projection fused with others there, its
+      rows of the fused tensor (None: all of it).
     """
     kohya_prefixes: Mapping[str, str]
     kohya_denoiser_naming: str

@@ -49,9 +49,9 @@ def _denoiser_file(path: Path) -> bool:
     return is_transformer_file(path)
 
 
-def _denoiser_file_key(module_path: str, width: int) -> tuple[str, tuple[int, int] | None]:
-    from modules.models.zimage_files import original_weight_key
-    return original_weight_key(module_path, width)
+def _denoiser_file_key(key: str, rows: int) -> tuple[str, tuple[int, int] | None]:
+    from modules.models.zimage_files import original_key
+    return original_key(key, rows)
 
 
 # The LoRA tools (modules/lora_tools) read the same record: the transformer's layers are the
