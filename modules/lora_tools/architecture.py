@@ -48,8 +48,9 @@ class ModelLayout:
     shapes: dict[LayerKey, tuple[int, ...]]
     unet_config: Any
     path: Path | None = None  # the base's folder or single file; None: the shipped configs
+    configs: Path | None = None  # the folder its architecture was read from
     kohya_names: dict[str, LayerKey] = field(default_factory=dict)
-    _file_keys: set[str] | None = field(default=None, repr=False)
+    _file_shapes: dict[str, tuple[int, ...]] | None = field(default=None, repr=False)
 
     def kohya_name(self, key: LayerKey) -> str:
         return kohya_module_name(key[0], key[1], self.model_type, self.unet_config)
@@ -63,13 +64,14 @@ class ModelLayout:
         """The denoiser's component name ("unet", "transformer")."""
         return MODEL_TYPES[self.model_type].denoiser
 
-    def file_keys(self) -> set[str]:
-        """A single-file base's tensor names (its header, read once)."""
-        if self._file_keys is None:
+    def file_shapes(self) -> dict[str, tuple[int, ...]]:
+        """A single-file base's tensor names and shapes (its header, read once)."""
+        if self._file_shapes is None:
             from modules.lora_tools.streaming import read_header
             assert self.path is not None
-            self._file_keys = set(read_header(self.path)[0]) - {"__metadata__"}
-        return self._file_keys
+            self._file_shapes = {k: tuple(v["shape"]) for k, v in read_header(self.path)[0].items()
+                                 if k != "__metadata__"}
+        return self._file_shapes
 
 
 def _type_of_folder(folder: Path) -> ModelType:
@@ -178,7 +180,7 @@ def _layout(model_type: ModelType, configs: Path, path: Path | None, source: str
         for name, layer in module.named_modules():
             if isinstance(layer, (nn.Linear, nn.Conv2d)):
                 shapes[(component, rename(name))] = tuple(layer.weight.shape)
-    layout = ModelLayout(model_type, source, shapes, unet_config, path)
+    layout = ModelLayout(model_type, source, shapes, unet_config, path, configs)
     for key in shapes:
         try:
             layout.kohya_names[layout.kohya_name(key)] = key
@@ -234,10 +236,17 @@ def _single_file_location(layout: ModelLayout, key: LayerKey) -> Location:
     files = family_files(layout.model_type)
     if component == layout.denoiser and files.denoiser_file_key is not None:
         key_name, rows = files.denoiser_file_key(module_path + ".weight", layout.shapes[key][0])
-        names = layout.file_keys()
+        stored = layout.file_shapes()
         # ComfyUI's split files have no prefix; some carry the checkpoints' one
         for candidate in (key_name, LDM_UNET_PREFIX + key_name):
-            if candidate in names:
+            if candidate in stored:
+                shape, expected = stored[candidate], layout.shapes[key]
+                if (shape[1:] != expected[1:] or (rows is None and shape[0] != expected[0])
+                        or (rows is not None and shape[0] < rows[1])):
+                    raise LoraToolError(
+                        f"{layout.path}: {candidate} is {shape}, but the architecture configs "
+                        f"({layout.configs}) make {module_path} {expected}: name this model's "
+                        "configs with --config-folder (a diffusers folder of it)")
                 return Location(layout.path, candidate, rows)
         raise LoraToolError(f"{layout.path}: has no weight {key_name} (for {module_path})")
     if component == "unet":

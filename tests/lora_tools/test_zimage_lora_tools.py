@@ -164,6 +164,15 @@ def test_merge_into_comfyui_diffusion_model_file(files, merged, tmp_path):
                                                          local_files_only=True).state_dict()
     for key, value in loaded.state_dict().items():
         torch.testing.assert_close(value, reference[key], rtol=0, atol=0, msg=key)
+    # extract from two such files (q/k/v read from their rows): at the LoRA's rank 4 the
+    # difference is reproduced, 0.7 x each update
+    extracted = tmp_path / "from_files.safetensors"
+    assert main(["extract", "--base", str(comfy), "--tuned", str(out), "--config-folder",
+                 str(files["base"]), "--rank", "4", "-o", str(extracted)]) == 0
+    got = _updates(extracted)
+    assert got.keys() == updates.keys()
+    for name, update in got.items():
+        torch.testing.assert_close(update, 0.7 * updates[name], rtol=1e-4, atol=1e-6)
     # the folder base merged into a .safetensors: the same file, streamed (q/k/v fused)
     from_folder = tmp_path / "from_folder.safetensors"
     assert main(["merge", "--base", str(files["base"]), "--lora", f"{files['a']}:0.7",
@@ -271,4 +280,39 @@ def test_mixing_families_is_refused_naming_both(files, tempera_cache, tmp_path, 
                  "--lora", str(files["a"]), "--rank", "1", "-o", str(out)]) == 2
     error = capsys.readouterr().err
     assert "is Z-Image (ZIMAGE), not Stable Diffusion XL (SDXL)" in error
+    assert not out.exists()
+
+
+def test_full_size_names_without_a_base_and_a_file_that_does_not_fit_the_configs(
+        files, tmp_path, capsys):
+    """`--model-type zimage` names layers from the shipped full-size configs (a rank-1 LoRA
+    of the real 3840-wide to_q is converted; its update checked by hand); the same LoRA fits
+    those configs but not the tiny ComfyUI file merged without --config-folder: refused,
+    naming the tensor and --config-folder, nothing written."""
+    from diffusers import ZImageTransformer2DModel
+
+    from modules.models.zimage_files import save_transformer_file
+    name = "diffusion_model.layers.29.attention.to_q"
+    generator = torch.Generator().manual_seed(3)
+    down, up = torch.randn(1, 3840, generator=generator), torch.randn(3840, 1, generator=generator)
+    big = tmp_path / "big.safetensors"
+    save_file({f"{name}.lora_down.weight": down, f"{name}.lora_up.weight": up,
+               f"{name}.alpha": torch.tensor(0.5)}, str(big))
+    peft = tmp_path / "big_peft.safetensors"
+    assert main(["convert", "--model-type", "zimage", "--lora", str(big), "--layout",
+                 "diffusers", "-o", str(peft)]) == 0
+    converted = _peft_updates(peft)
+    assert list(converted) == ["layers.29.attention.to_q"]
+    torch.testing.assert_close(converted["layers.29.attention.to_q"], 0.5 * up @ down)
+    plain = ZImageTransformer2DModel.from_pretrained(files["base"], subfolder="transformer",
+                                                     local_files_only=True)
+    comfy = save_transformer_file(plain, tmp_path / "tiny.safetensors")
+    small = tmp_path / "small.safetensors"
+    name = "diffusion_model.layers.0.attention.to_q"
+    save_file({f"{name}.lora_down.weight": torch.zeros(1, 3840),
+               f"{name}.lora_up.weight": torch.zeros(3840, 1)}, str(small))
+    out = tmp_path / "merged.safetensors"
+    assert main(["merge", "--base", str(comfy), "--lora", str(small), "-o", str(out)]) == 2
+    error = capsys.readouterr().err
+    assert "layers.0.attention.qkv.weight is (96, 32)" in error and "--config-folder" in error
     assert not out.exists()
