@@ -239,6 +239,15 @@ def test_convert_between_comfyui_and_peft_namings_keeps_every_update(files, tmp_
     for name in original:
         torch.testing.assert_close(kohya[name], original[name], rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(peft[name], original[name], rtol=1e-6, atol=1e-7)
+    # diffusers' own Z-Image loader reads the ComfyUI-layout file the tool wrote as it reads
+    # the trainer's peft file: the same transformer output
+    from diffusers import ZImagePipeline
+    outputs = []
+    for file in (files["b"], there):
+        pipe = ZImagePipeline.from_pretrained(files["base"], local_files_only=True)
+        pipe.load_lora_weights(str(file.parent), weight_name=file.name)
+        outputs.append(_forward(pipe.transformer))
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-5, atol=1e-6)
 
 
 def test_lokr_is_refused_where_undefined_and_merged_where_it_is(files, tmp_path):
@@ -316,3 +325,22 @@ def test_full_size_names_without_a_base_and_a_file_that_does_not_fit_the_configs
     error = capsys.readouterr().err
     assert "layers.0.attention.qkv.weight is (96, 32)" in error and "--config-folder" in error
     assert not out.exists()
+
+
+def test_comfyui_applies_the_merged_lora_the_tools_write(files, tmp_path, comfyui, caplog):
+    """ComfyUI's own LoRA loading (comfy.lora, on its fused-attention Z-Image model; skipped
+    without `pytest --comfyui=PATH`) maps every tensor of a merge-loras output in the ComfyUI
+    layout and applies 0.5 ΔA - 0.3 ΔB, computed here from the inputs."""
+    from diffusers import ZImageTransformer2DModel
+
+    from tests.models.test_zimage import _comfyui_applied
+    out = tmp_path / "ab_comfy.safetensors"
+    assert main(["merge-loras", "--base", str(files["base"]), "--lora", f"{files['a']}:0.5",
+                 "--lora", f"{files['b']}:-0.3", "--layout", "kohya", "-o", str(out)]) == 0
+    transformer = ZImageTransformer2DModel.from_pretrained(files["base"], subfolder="transformer",
+                                                           local_files_only=True)
+    applied = _comfyui_applied(comfyui, transformer, load_file(str(out)), caplog)
+    a, b = _updates(files["a"]), _peft_updates(files["b"])
+    assert applied.keys() == a.keys()
+    for name, update in applied.items():
+        torch.testing.assert_close(update, 0.5 * a[name] - 0.3 * b[name], rtol=1e-5, atol=1e-6)
