@@ -79,7 +79,7 @@ def _ask(widget: Any, kind: str, title: str, start: str, file_filter: Filter | N
         _open = False
 
 
-def _start_folder(current: str) -> str:
+def start_folder(current: str) -> str:
     """Where a chooser opens: the current value's folder when it exists, else home."""
     path = Path(current).expanduser() if current.strip() else Path.home()
     while not path.is_dir() and path != path.parent:
@@ -88,13 +88,13 @@ def _start_folder(current: str) -> str:
 
 
 def ask_directory(widget: Any, title: str, current: str = "") -> str | None:
-    start = _start_folder(current)
+    start = start_folder(current)
     return _ask(widget, "folder", title, start, None, lambda: filedialog.askdirectory(
         parent=widget, title=title, initialdir=start))
 
 
 def ask_open_file(widget: Any, title: str, current: str, file_filter: Filter) -> str | None:
-    start = _start_folder(current)
+    start = start_folder(current)
     return _ask(widget, "open", title, start, file_filter, lambda: filedialog.askopenfilename(
         parent=widget, title=title, initialdir=start,
         filetypes=[(file_filter[0], " ".join(file_filter[1])), ("All files", "*")]))

@@ -6,6 +6,13 @@
     tempera-lora resize --lora big.safetensors --rank 8 -o small.safetensors
     tempera-lora convert --lora lora.safetensors --layout diffusers -o peft.safetensors
 
+MODEL: a diffusers folder (SD 1.x, 2.x, SDXL or Z-Image's ZImagePipeline), an SD / SDXL
+.safetensors checkpoint or Z-Image's ComfyUI diffusion-model .safetensors (its configs from
+--config-folder, else the shipped ones). Z-Image: every tool, on the transformer's layers; a
+merge's .safetensors output is ComfyUI's diffusion-model file; --layout kohya is the ComfyUI
+layout (diffusion_model.<path>), diffusers the peft one ZImagePipeline.load_lora_weights reads.
+A LoRA of another family than the base's is refused (docs/lora_tools.md).
+
 Exit codes: 0 done, 2 bad input (the message names the file or argument; nothing written).
 """
 from __future__ import annotations
@@ -39,8 +46,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
     def base_args(sub, required: bool) -> None:
         sub.add_argument("--base", required=required,
-                         help="the base model: a diffusers folder or an ldm .safetensors file")
-        sub.add_argument("--model-type", choices=["sd15", "sd2", "sdxl"],
+                         help="the base model: a diffusers folder, an ldm .safetensors file or "
+                              "Z-Image's ComfyUI diffusion-model file")
+        sub.add_argument("--model-type", choices=["sd15", "sd2", "sdxl", "zimage"],
                          help="the family, when there is no --base (its shipped architecture "
                               "names the layers) or to check the base's")
         sub.add_argument("--config-folder", help="a single-file base's architecture configs "
@@ -52,7 +60,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                        metavar="FILE[:WEIGHT]", help="a LoRA and its weight (default 1)")
     merge.add_argument("-o", "--output", required=True,
                        help="a new folder (diffusers; from a folder base) or a new "
-                            ".safetensors (an ldm single file; from either base)")
+                            ".safetensors (an ldm single file; Z-Image: ComfyUI's diffusion-"
+                            "model file; from either base)")
 
     several = commands.add_parser("merge-loras", help="merge several LoRAs into one (exact)")
     base_args(several, False)

@@ -1,5 +1,6 @@
 """What a LoRA tool needs to know of a base model without loading its weights: its family, the
-Linear / Conv2d layers of the UNet and text encoders (built on the meta device from the configs)
+Linear / Conv2d layers of the denoiser (a UNet, Z-Image's transformer: the class its family
+record names) and text encoders (built on the meta device from the configs)
 with their weight shapes, the kohya name of each, and where each layer's weight sits in the
 base's files (a diffusers folder's component files, or an ldm single file's keys).
 
@@ -16,7 +17,7 @@ from typing import Any
 
 from modules.config.schema import ModelType
 from modules.model_types import MODEL_TYPES
-from modules.models.families import family_files
+from modules.models.families import family_files, family_of
 from modules.models.folder import SAFETENSORS_SUFFIX
 from modules.models.kohya import KohyaError, kohya_module_name
 from modules.models.single_file import (
@@ -47,7 +48,9 @@ class ModelLayout:
     shapes: dict[LayerKey, tuple[int, ...]]
     unet_config: Any
     path: Path | None = None  # the base's folder or single file; None: the shipped configs
+    configs: Path | None = None  # the folder its architecture was read from
     kohya_names: dict[str, LayerKey] = field(default_factory=dict)
+    _file_shapes: dict[str, tuple[int, ...]] | None = field(default=None, repr=False)
 
     def kohya_name(self, key: LayerKey) -> str:
         return kohya_module_name(key[0], key[1], self.model_type, self.unet_config)
@@ -56,22 +59,63 @@ class ModelLayout:
     def is_single_file(self) -> bool:
         return self.path is not None and self.path.is_file()
 
+    @property
+    def denoiser(self) -> str:
+        """The denoiser's component name ("unet", "transformer")."""
+        return MODEL_TYPES[self.model_type].denoiser
 
-def _sd_type_of_folder(folder: Path) -> ModelType:
+    def file_shapes(self) -> dict[str, tuple[int, ...]]:
+        """A single-file base's tensor names and shapes (its header, read once)."""
+        if self._file_shapes is None:
+            from modules.lora_tools.streaming import read_header
+            assert self.path is not None
+            self._file_shapes = {k: tuple(v["shape"]) for k, v in read_header(self.path)[0].items()
+                                 if k != "__metadata__"}
+        return self._file_shapes
+
+
+def _type_of_folder(folder: Path) -> ModelType:
+    """The family of a diffusers folder: its pipeline class (each family's in MODEL_TYPES);
+    SD 1.x and 2.x share theirs and differ in the text encoder."""
     index = json.loads((folder / "model_index.json").read_text(encoding="utf-8"))
-    if index.get("_class_name") == "StableDiffusionXLPipeline":
-        return ModelType.SDXL
+    found = [t for t, spec in MODEL_TYPES.items() if spec.pipeline_class == index.get("_class_name")]
+    if not found:
+        raise LoraToolError(f"{folder}: a {index.get('_class_name')} folder, which no family "
+                            f"these tools know uses ({', '.join(t.value for t in MODEL_TYPES)})")
+    if len(found) == 1:
+        return found[0]
     text = json.loads((folder / "text_encoder" / "config.json").read_text(encoding="utf-8"))
     # SD 2's OpenCLIP encoder uses the exact GELU, SD 1.x's CLIP quick_gelu (the kohya and
     # diffusers names of the two are the same; only metadata differs)
     return ModelType.SD2 if text.get("hidden_act") == "gelu" else ModelType.SD15
 
 
+def _same_names(a: ModelType, b: ModelType) -> bool:
+    """Whether two families name the same layers (SD 1.x and 2.x do: one LoRA layout)."""
+    return a == b or {a, b} <= {ModelType.SD15, ModelType.SD2}
+
+
+def check_family(source: str, found: ModelType, wanted: ModelType | None) -> None:
+    if wanted is not None and not _same_names(found, wanted):
+        raise LoraToolError(f"{source}: is {MODEL_TYPES[found].label} ({found.value}), not "
+                            f"{MODEL_TYPES[wanted].label} ({wanted.value})")
+
+
+def _denoiser_file_family(path: Path) -> ModelType | None:
+    """The family whose lone denoiser file `path` is (ComfyUI's diffusion-model file), if any."""
+    for model_type in MODEL_TYPES:
+        files = family_of(model_type).files
+        if files is not None and files.denoiser_file is not None and files.denoiser_file(path):
+            return model_type
+    return None
+
+
 def model_layout(path: str | Path | None = None, model_type: ModelType | None = None,
                  config_folder: str | Path | None = None) -> ModelLayout:
-    """The layout of a base: a diffusers folder, an ldm `.safetensors` single file (its configs
-    from `config_folder` or the family's shipped ones), or, with no path, the shipped
-    architecture of `model_type` (enough to name layers, e.g. to convert a kohya file)."""
+    """The layout of a base: a diffusers folder, a `.safetensors` single file (an ldm
+    checkpoint, or a family's lone denoiser file such as Z-Image's ComfyUI diffusion model;
+    its configs from `config_folder` or the family's shipped ones), or, with no path, the
+    shipped architecture of `model_type` (enough to name layers, e.g. to convert a kohya file)."""
     if path is None:
         if model_type is None:
             raise LoraToolError("--base or --model-type is needed to know the layers' names")
@@ -81,9 +125,8 @@ def model_layout(path: str | Path | None = None, model_type: ModelType | None = 
     if path.is_dir():
         if not (path / "model_index.json").is_file():
             raise LoraToolError(f"{path}: not a diffusers model folder (no model_index.json)")
-        found = _sd_type_of_folder(path)
-        if model_type is not None and model_type != found and ModelType.SDXL in (found, model_type):
-            raise LoraToolError(f"{path}: is {found.value}, not {model_type.value}")
+        found = _type_of_folder(path)
+        check_family(str(path), found, model_type)
         return _layout(model_type or found, path, path, str(path))
     if not path.is_file():
         raise LoraToolError(f"{path}: no such model folder or file")
@@ -91,34 +134,53 @@ def model_layout(path: str | Path | None = None, model_type: ModelType | None = 
         raise LoraToolError(f"{path}: only .safetensors checkpoints are read (a pickle can run "
                             "code when loaded); convert it to .safetensors first")
     try:
-        found = detect_model_type(path, expected=model_type)
-    except SingleFileError as error:
-        raise LoraToolError(str(error)) from None
+        lone = _denoiser_file_family(path)
+    except Exception as error:  # safetensors has its own error types for a damaged file
+        raise LoraToolError(f"{path}: not a readable .safetensors file ({error})") from None
+    if lone is not None:
+        check_family(str(path), lone, model_type)
+        found = lone
+    else:
+        try:
+            found = detect_model_type(path, expected=model_type)
+        except SingleFileError as error:
+            raise LoraToolError(str(error)) from None
     configs = Path(config_folder) if config_folder else config_folder_for(family_files(found))
     return _layout(found, configs, path, str(path))
 
 
 def _layout(model_type: ModelType, configs: Path, path: Path | None, source: str) -> ModelLayout:
+    """Built on the meta device from the configs: the denoiser's class and the components the
+    family's LoRA files name (`FileConventions.kohya_prefixes`) come from its family record."""
     import diffusers
     import transformers
     from accelerate import init_empty_weights
     from torch import nn
 
-    unet_config = diffusers.UNet2DConditionModel.load_config(configs / "unet")
+    files = family_files(model_type)
+    denoiser = MODEL_TYPES[model_type].denoiser
+    denoiser_cls = getattr(diffusers, files.denoiser_class)
+    if not (configs / denoiser / "config.json").is_file():
+        raise LoraToolError(f"{configs}: has no {denoiser}/config.json ({files.denoiser_class}); "
+                            f"name a {MODEL_TYPES[model_type].label} diffusers folder as "
+                            "--config-folder")
+    unet_config = denoiser_cls.load_config(configs / denoiser)
     modules: dict[str, nn.Module] = {}
     with init_empty_weights():  # the meta device: names and shapes, no memory
-        modules["unet"] = diffusers.UNet2DConditionModel.from_config(unet_config)
+        modules[denoiser] = denoiser_cls.from_config(unet_config)
         for name in MODEL_TYPES[model_type].text_encoders:
+            if name not in files.kohya_prefixes:
+                continue  # an encoder no LoRA file of the family names (Z-Image's Qwen3)
             config = transformers.AutoConfig.from_pretrained(configs / name, local_files_only=True)
             cls = getattr(transformers, (config.architectures or ["CLIPTextModel"])[0])
             modules[name] = cls(config)
     shapes: dict[LayerKey, tuple[int, ...]] = {}
     for component, module in modules.items():
-        rename = str if component == "unet" else clip_key_with_text_model
+        rename = str if component == denoiser else clip_key_with_text_model
         for name, layer in module.named_modules():
             if isinstance(layer, (nn.Linear, nn.Conv2d)):
                 shapes[(component, rename(name))] = tuple(layer.weight.shape)
-    layout = ModelLayout(model_type, source, shapes, unet_config, path)
+    layout = ModelLayout(model_type, source, shapes, unet_config, path, configs)
     for key in shapes:
         try:
             layout.kohya_names[layout.kohya_name(key)] = key
@@ -172,6 +234,21 @@ def _single_file_location(layout: ModelLayout, key: LayerKey) -> Location:
     component, module_path = key
     assert layout.path is not None
     files = family_files(layout.model_type)
+    if component == layout.denoiser and files.denoiser_file_key is not None:
+        key_name, rows = files.denoiser_file_key(module_path + ".weight", layout.shapes[key][0])
+        stored = layout.file_shapes()
+        # ComfyUI's split files have no prefix; some carry the checkpoints' one
+        for candidate in (key_name, LDM_UNET_PREFIX + key_name):
+            if candidate in stored:
+                shape, expected = stored[candidate], layout.shapes[key]
+                if (shape[1:] != expected[1:] or (rows is None and shape[0] != expected[0])
+                        or (rows is not None and shape[0] < rows[1])):
+                    raise LoraToolError(
+                        f"{layout.path}: {candidate} is {shape}, but the architecture configs "
+                        f"({layout.configs}) make {module_path} {expected}: name this model's "
+                        "configs with --config-folder (a diffusers folder of it)")
+                return Location(layout.path, candidate, rows)
+        raise LoraToolError(f"{layout.path}: has no weight {key_name} (for {module_path})")
     if component == "unet":
         return Location(layout.path, LDM_UNET_PREFIX
                         + unet_key_to_ldm(module_path, layout.unet_config) + ".weight")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,8 @@ from pathlib import Path
 import torch
 
 from modules.lora_tools.architecture import LayerKey, LoraToolError, ModelLayout
+from modules.model_types import MODEL_TYPES, ModelType
+from modules.models.families import FAMILIES, family_files
 from modules.models.single_file import clip_key_with_text_model
 from modules.util.atomic import atomic_file
 
@@ -88,7 +91,8 @@ def read_lora(path: str | Path, layout: ModelLayout) -> tuple[str, dict[LayerKey
             metadata = f.metadata() or {}
     except Exception as error:  # safetensors has its own error types for a damaged file
         raise LoraToolError(f"{path}: not a readable .safetensors file ({error})") from None
-    if any(k.startswith(("lora_unet_", "lora_te")) for k in tensors):
+    _check_family(path, tensors, layout)
+    if any(k.startswith(_kohya_prefixes(layout)) for k in tensors):
         kind, layers = KOHYA, _read_kohya(path, tensors, layout)
     elif any(".lora_A." in k for k in tensors):
         kind, layers = DIFFUSERS, _read_diffusers(path, tensors, metadata, layout)
@@ -101,11 +105,65 @@ def read_lora(path: str | Path, layout: ModelLayout) -> tuple[str, dict[LayerKey
     return kind, layers
 
 
+def _kohya_prefixes(layout: ModelLayout) -> tuple[str, ...]:
+    return tuple(family_files(layout.model_type).kohya_prefixes.values())
+
+
+def _families_of(tensors: dict[str, torch.Tensor]) -> list[ModelType]:
+    """The families whose LoRA files name layers as these tensors do: by the kohya prefixes
+    of each family's record, or the diffusers layout's component names (its denoiser's and
+    text encoders')."""
+    found = []
+    for model_type, family in FAMILIES.items():
+        if family.files is None:
+            continue
+        prefixes = tuple(family.files.kohya_prefixes.values())
+        components = tuple(f"{c}." for c in family.files.kohya_prefixes)
+        if any(k.startswith(prefixes) or (".lora_A." in k and k.startswith(components))
+               for k in tensors):
+            found.append(model_type)
+    return found
+
+
+def _check_family(path: Path, tensors: dict[str, torch.Tensor], layout: ModelLayout) -> None:
+    """Refuse a LoRA of another family than the base's, naming both."""
+    families = _families_of(tensors)
+    if families and not any(_same_family(t, layout.model_type) for t in families):
+        labels = " / ".join(dict.fromkeys(
+            "Stable Diffusion (1.x, 2.x or XL)" if t != ModelType.ZIMAGE
+            else MODEL_TYPES[t].label for t in families))
+        raise LoraToolError(
+            f"{path}: is a {labels} LoRA (its layer names), but the base {layout.source} is "
+            f"{MODEL_TYPES[layout.model_type].label} ({layout.model_type.value}): a LoRA only "
+            "applies to the family it was trained on")
+
+
+def _same_family(a: ModelType, b: ModelType) -> bool:
+    # SD 1.x, 2.x and XL share the kohya prefixes; which of them the layers fit is checked
+    # layer by layer (names and shapes) below
+    sd = {ModelType.SD15, ModelType.SD2, ModelType.SDXL}
+    return a == b or {a, b} <= sd
+
+
+_KOHYA_SUFFIX = re.compile(r"\.(lora_down\.weight|lora_up\.weight|alpha|dora_scale|hada_\w+|"
+                           r"lokr_\w+|lora_mid\.weight)$")
+
+
+def _split_kohya(key: str) -> tuple[str, str]:
+    """A kohya tensor's (layer name, suffix); the name may hold dots (Z-Image's files name a
+    layer by its module path, `diffusion_model.layers.0.attention.to_q`)."""
+    m = _KOHYA_SUFFIX.search(key)
+    if m is None:
+        name, _, suffix = key.partition(".")
+        return name, suffix
+    return key[:m.start()], m[1]
+
+
 def _read_kohya(path: Path, tensors: dict[str, torch.Tensor],
                 layout: ModelLayout) -> dict[LayerKey, AdapterLayer]:
     groups: dict[str, dict[str, torch.Tensor]] = {}
     for key, value in tensors.items():
-        name, _, suffix = key.partition(".")
+        name, suffix = _split_kohya(key)
         groups.setdefault(name, {})[suffix] = value
     layers = {}
     unknown = sorted(name for name in groups if name not in layout.kohya_names)
@@ -141,7 +199,7 @@ def _read_diffusers(path: Path, tensors: dict[str, torch.Tensor], metadata: dict
         else:
             raise LoraToolError(f"{path}: tensor {key} is not a LoRA tensor")
         component, _, module_path = head.partition(".")
-        if component != "unet":
+        if component != layout.denoiser:
             module_path = clip_key_with_text_model(module_path)
         if (component, module_path) not in layout.shapes:
             raise LoraToolError(f"{path}: layer {head} is not in the base ({layout.source}, "

@@ -21,6 +21,7 @@ from modules.lora_tools.architecture import (
 from modules.lora_tools.lora_files import (
     LAYOUTS, AdapterLayer, delta, lora, read_lora, write_lora)
 from modules.lora_tools.streaming import copy_tree_except, rewrite, write_streamed
+from modules.models.families import family_files
 from modules.util.atomic import atomic_file, atomic_write_dir
 
 LINEAR_ONLY = ("lora",)
@@ -104,9 +105,13 @@ def merge_into_base(layout: ModelLayout, loras: list[tuple[Path, float]], output
         with atomic_file(output) as tmp:
             rewrite(layout.path, tmp, changes.get(layout.path, {}),
                     {"tempera.merged_loras": ", ".join(p.name for p, _ in loras)})
-    elif output.suffix.lower() == ".safetensors":  # a folder written as one ldm file
-        from modules.lora_tools.to_single_file import single_file_entries
-        entries = single_file_entries(layout, changes)
+    elif output.suffix.lower() == ".safetensors":  # a folder written as one file
+        from modules.lora_tools.to_single_file import denoiser_file_entries, single_file_entries
+        # the family's lone denoiser file where it has one (Z-Image's ComfyUI diffusion
+        # model: the text encoder and VAE are not changed, their own files still serve), else
+        # the whole model as one ldm checkpoint
+        lone = family_files(layout.model_type).denoiser_file_key is not None
+        entries = (denoiser_file_entries if lone else single_file_entries)(layout, changes)
         with atomic_file(output) as tmp:
             write_streamed(tmp, entries, {"tempera.merged_loras":
                                           ", ".join(p.name for p, _ in loras)})
@@ -326,7 +331,7 @@ def run_tool(command: str, *, output: str | Path, base: str | Path | None = None
         raise LoraToolError(f"{command}: at least one LoRA file is needed (--lora)")
     if command in ("merge", "extract") and not base:
         raise LoraToolError(f"{command}: the base model is needed (--base)")
-    kind = ModelType(model_type) if model_type else None
+    kind = ModelType(model_type.upper()) if model_type else None
     found = model_layout(base or None, kind, config_folder or None)
     output = Path(output)
     if command == "merge":

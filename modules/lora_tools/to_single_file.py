@@ -1,4 +1,5 @@
-"""A diffusers folder written as one original-layout (ldm) .safetensors, tensor by tensor, with
+"""A diffusers folder written as one original-layout (ldm) .safetensors (or, for a family whose
+single file is its denoiser alone, Z-Image's, that file), tensor by tensor, with
 a merge's changes applied on the way: the key names come from the single-file saver's own
 tables (`modules/models/single_file.py`: `unet_key_to_ldm`, `vae_key_to_ldm`,
 `open_clip_to_ldm`), run first on meta tensors to learn every output's name and shape, then
@@ -67,6 +68,31 @@ def single_file_entries(layout: ModelLayout,
         groups += [(parts, _open_clip(prefix)) for parts in fused.values()]
     entries = [_entry(parts, convert, changes) for parts, convert in groups]
     return entries + _schedule_markers(folder)
+
+
+def denoiser_file_entries(layout: ModelLayout,
+                          changes: dict[Path, dict[str, Change]]) -> list[Entry]:
+    """The entries of a family's lone denoiser file (Z-Image's ComfyUI diffusion model): each
+    denoiser tensor of the folder under the name the family's `denoiser_file_key` gives,
+    those it fuses (q, k, v) read together and stacked in their rows' order."""
+    assert layout.path is not None
+    key_of = family_files(layout.model_type).denoiser_file_key
+    assert key_of is not None
+    groups: dict[str, list[tuple[int, Source]]] = {}
+    for file in component_files(layout.path / layout.denoiser):
+        header = read_header(file)[0]
+        for key, info in header.items():
+            if key != "__metadata__":
+                name, rows = key_of(key, info["shape"][0])
+                groups.setdefault(name, []).append(((rows or (0, 0))[0], (file, key)))
+
+    def fused(name: str, keys: list[str]) -> Convert:
+        return lambda d: {name: torch.cat([d[k] for k in keys]) if len(keys) > 1 else d[keys[0]]}
+    entries = []
+    for name, parts in groups.items():
+        ordered = [source for _, source in sorted(parts)]
+        entries.append(_entry(ordered, fused(name, [k for _, k in ordered]), changes))
+    return entries
 
 
 def _sources(folder: Path) -> list[Source]:

@@ -55,6 +55,24 @@ def to_original_names(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Te
     return out
 
 
+def original_key(key: str, rows: int) -> tuple[str, tuple[int, int] | None]:
+    """Where a diffusers ZImageTransformer2DModel tensor is in the original layout
+    (`to_original_names`' naming): its key and, for q / k / v (fused into `attention.qkv`,
+    in that order), the rows of the fused tensor that are its own (`rows`: its own count)."""
+    for part in "qkv":
+        if f".attention.to_{part}." in key:
+            start = "qkv".index(part) * rows
+            return key.replace(f".attention.to_{part}.", ".attention.qkv."), (start, start + rows)
+    for old, new in RENAMES:
+        key = key.replace(old, new)
+    return key, None
+
+
+def is_transformer_file(path: Path) -> bool:
+    """Whether a .safetensors file is a lone Z-Image diffusion model (ComfyUI's kind)."""
+    return part_of(keys_of(path))[0] == "transformer"
+
+
 def keys_of(path: Path) -> dict[str, tuple[int, ...]]:
     """A .safetensors file's tensor names and shapes, read from its header only."""
     from safetensors import safe_open

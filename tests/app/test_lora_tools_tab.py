@@ -87,3 +87,50 @@ def test_the_tab_converts_a_lora_and_refuses_bad_input(app, kohya_lora, tmp_path
     assert not (tmp_path / "small.safetensors").exists()
     # the tab bar still fits the window's minimum width with the new tab
     assert app.tabview._segmented_button.winfo_reqwidth() <= 960
+
+
+def test_browse_buttons_fill_the_fields_and_the_tab_runs_with_them(app, kohya_lora, tmp_path,
+                                                                   monkeypatch):
+    """Each path field's Browse buttons open the app's chooser (app/dialogs.py; Tk's, its
+    functions patched here: a real one cannot be driven headless) at the field's folder,
+    filtered to .safetensors; the chosen paths fill the form and the merge then runs on them."""
+    from app import dialogs
+    base, lora = kohya_lora
+    monkeypatch.setenv("TEMPERA_FILE_DIALOG", "tk")
+    asked: list[tuple[str, dict]] = []
+    answers = {"askdirectory": str(base), "askopenfilename": str(lora),
+               "asksaveasfilename": str(tmp_path / "merged")}
+    for name, answer in answers.items():
+        monkeypatch.setattr(dialogs.filedialog, name,
+                            lambda n=name, a=answer, **kw: asked.append((n, kw)) or a)
+    panel = app.lora_tools
+    app.tabview.set("LoRA tools")
+    panel.tool.set("Merge LoRAs into a model")
+    panel._show_fields()
+    app.update()
+    assert panel.browse[("base", "folder")].winfo_ismapped()
+    assert not panel.browse[("tuned", "file")].winfo_ismapped()  # extract's field is hidden
+    panel.entries["base"].insert(0, str(tmp_path / "nowhere" / "model.safetensors"))
+    panel.browse[("base", "folder")].invoke()
+    assert panel.entries["base"].get() == str(base)
+    assert asked[-1][1]["initialdir"] == str(tmp_path) + "/"  # the field's nearest folder
+    panel.browse[("base", "file")].invoke()
+    assert panel.entries["base"].get() == str(lora)  # a base may be a single file too
+    assert asked[-1][0] == "askopenfilename"
+    assert "*.safetensors" in asked[-1][1]["filetypes"][0][1]
+    panel.browse[("base", "folder")].invoke()
+    panel.browse[("loras", "file")].invoke()
+    assert panel.loras.get("1.0", "end").strip() == str(lora)
+    panel.browse[("output", "save")].invoke()
+    assert asked[-1][0] == "asksaveasfilename" and asked[-1][1]["defaultextension"] == ""
+    assert panel.entries["output"].get() == str(tmp_path / "merged")  # a merge: a folder
+    assert panel.options() == {"command": "merge", "output": str(tmp_path / "merged"),
+                               "base": str(base), "loras": [str(lora)]}
+    report = _run(app, panel)
+    assert panel.ok and f"written: {tmp_path / 'merged'}" in report
+    assert (tmp_path / "merged" / "unet" / "diffusion_pytorch_model.safetensors").is_file()
+    panel.tool.set("Resize a LoRA")
+    panel._show_fields()
+    panel.browse[("output", "save")].invoke()
+    assert asked[-1][1]["defaultextension"] == ".safetensors"  # a LoRA tool writes a file
+    assert panel.entries["output"].get() == str(tmp_path / "merged.safetensors")

@@ -83,6 +83,13 @@ class FileConventions:
     - `kohya_separator`: what joins a module path's parts in a LoRA name: "_" as kohya writes
       SD's (`lora_unet_down_blocks_0_…`), "." where the readers expect the diffusers path as
       it is (ComfyUI's and diffusers' Z-Image loaders: `diffusion_model.layers.0.attention.to_q`).
+    - `denoiser_class`: the diffusers class of the denoiser, which the LoRA tools build on the
+      meta device from a base's config to learn its layers' names and shapes;
+    - `denoiser_file(path)`: whether a `.safetensors` file is this family's lone denoiser file
+      (ComfyUI's `diffusion_models/` kind), None where the family has no such file;
+    - `denoiser_file_key(tensor key, rows)`: where a diffusers denoiser tensor (of `rows`
+      rows) sits in that file: its key and, for a projection fused with others there, its
+      rows of the fused tensor (None: all of it).
     """
     kohya_prefixes: Mapping[str, str]
     kohya_denoiser_naming: str
@@ -94,6 +101,9 @@ class FileConventions:
     predicts_v_by_default: bool = False
     a1111_sd_version: str = "Unknown"
     kohya_separator: str = "_"
+    denoiser_class: str = "UNet2DConditionModel"
+    denoiser_file: Callable[[Path], bool] | None = None
+    denoiser_file_key: Callable[[str, int], tuple[str, tuple[int, int] | None]] | None = None
 
 
 @dataclass(frozen=True)

@@ -44,11 +44,26 @@ SAMPLERS: dict[Sampler, tuple[str, dict[str, Any]]] = {
 # `diffusion_model.`, LyCORIS's tensor names (`lora_down` / `lora_up` / `alpha`, `hada_*`,
 # `lokr_*`). ComfyUI maps it onto its fused attention (comfy/utils.py `z_image_to_diffusers`),
 # diffusers' ZImageLoraLoaderMixin folds the alpha in (`_convert_non_diffusers_z_image_lora_...`).
+def _denoiser_file(path: Path) -> bool:
+    from modules.models.zimage_files import is_transformer_file
+    return is_transformer_file(path)
+
+
+def _denoiser_file_key(key: str, rows: int) -> tuple[str, tuple[int, int] | None]:
+    from modules.models.zimage_files import original_key
+    return original_key(key, rows)
+
+
+# The LoRA tools (modules/lora_tools) read the same record: the transformer's layers are the
+# ones named (the Qwen3 text encoder is not trained with a LoRA here, so no file names it),
+# its single file is ComfyUI's diffusion-model file in the original layout.
 ZIMAGE_FILES = FileConventions(
     kohya_prefixes={"transformer": "diffusion_model."}, kohya_denoiser_naming="diffusers",
     kohya_separator=".", base_model_version="z_image",
     modelspec_architecture=lambda v_prediction: "z-image",
-    single_file_configs="zimage", single_file_text_encoders={})
+    single_file_configs="zimage", single_file_text_encoders={},
+    denoiser_class="ZImageTransformer2DModel", denoiser_file=_denoiser_file,
+    denoiser_file_key=_denoiser_file_key)
 
 
 def warm_rope_tables(transformer: nn.Module) -> nn.Module:
