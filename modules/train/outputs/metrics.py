@@ -17,7 +17,7 @@ from modules.config.outputs import WandbMode
 from modules.config.schema import Config
 from modules.config.secret_settings import masked_config
 from modules.config.wandb_settings import OFFER_OFFLINE
-from modules.util.secrets import mask_tree
+from modules.util.secrets import mask_secrets, mask_tree
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
@@ -49,15 +49,15 @@ class RunMetrics:
             self.wandb_run.log({tag: value}, step=step)
 
     def add_image(self, tag: str, image: np.ndarray, step: int, caption: str = "") -> None:
-        """An RGB image (height, width, 3, uint8) with its prompt: TensorBoard's image and text
-        (the prompt under `<tag>/prompt`), W&B's image with the prompt as its caption."""
+        """An RGB image (height, width, 3, uint8) with its prompt: TensorBoard's image (images
+        and scalars only, as before), W&B's image with the prompt as its caption, masked as
+        every record is (a prompt may hold a secret-looking value, docs/cloud.md)."""
         if self.tensorboard is not None:
             self.tensorboard.add_image(tag, image, step, dataformats="HWC")
-            if caption:
-                self.tensorboard.add_text(f"{tag}/prompt", caption, step)
         if self.wandb_run is not None:
             import wandb
-            self.wandb_run.log({tag: wandb.Image(image, caption=caption)}, step=step)
+            self.wandb_run.log({tag: wandb.Image(image, caption=mask_secrets(caption))},
+                               step=step)
 
     def close(self) -> None:
         if self.tensorboard is not None:
