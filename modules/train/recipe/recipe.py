@@ -188,7 +188,11 @@ class TrainingRecipe:
         if prepared.resume is not None:
             self.load_backup(run, prepared.resume)
         if config.logging.wandb and dist.is_main:  # after the backup: it holds the W&B run id
-            start_wandb_logging(run)
+            try:
+                start_wandb_logging(run)
+            except BaseException:  # W&B refused (WandbStartError): close TensorBoard's file
+                run.writer.close()
+                raise
         if run.validator is not None:  # a resumed run's history is the backup's
             record.write(validation=validation_record(run))
         mark_boundary(run)
