@@ -21,8 +21,7 @@ from modules.config.problems import ConfigError
 from modules.config.schema import Config
 from modules.config.wandb_settings import check_wandb
 from modules.events import RecordingCallbacks, TrainerCommands
-from modules.train.outputs.metrics import WandbStartError, start_wandb
-from modules.train.trainer import train
+from modules.train.trainer import TrainingError, train
 from tests.train.test_resume import StopAt
 
 # A made-up key of the real shape (40 hex digits): set in the environment of the shared run.
@@ -220,16 +219,25 @@ def test_wandb_not_installed_is_reported(monkeypatch):
     assert "pip install tempera[wandb]" in problems["logging.wandb"]
 
 
-def test_online_start_without_a_server_raises_offering_offline(tmp_path, monkeypatch):
-    """W&B's server unreachable (a closed local port): a clear error before any step."""
+def test_online_without_a_server_stops_before_the_first_step_offering_offline(
+        tempera_cache, tmp_path, monkeypatch):
+    """W&B's server unreachable (a closed local port): train() ends with a clear error after
+    the model loads and before any step (~10-15 s: the tiny model, and W&B's 5 s wait)."""
     monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")
     monkeypatch.setenv("WANDB_API_KEY", FAKE_KEY)
     monkeypatch.setattr("modules.train.outputs.metrics.WANDB_INIT_TIMEOUT_S", 5.0)
-    config = apply_overrides(Config(), [f"output.dir={tmp_path / 'out'}", "logging.wandb=true"])
-    with pytest.raises(WandbStartError) as err:
-        start_wandb(config, {}, "")
-    assert "logging.wandb_mode = OFFLINE" in str(err.value)
-    assert FAKE_KEY not in str(err.value)
+    config = apply_overrides(Config(), [
+        f"general.cache_dir={tempera_cache}", f"output.dir={tmp_path / 'out'}",
+        "data.resolution=64", "training.max_steps=2", "training.batch_size=2",
+        "sampling.prompts=[]", "logging.tensorboard=false", "logging.wandb=true",
+        "logging.wandb_project=tempera-tests"])
+    callbacks = RecordingCallbacks()
+    with pytest.raises(TrainingError) as err:
+        train(config, callbacks)
+    message = str(err.value)
+    assert "Weights & Biases could not start the run in project 'tempera-tests' (ONLINE)" in message
+    assert "logging.wandb_mode = OFFLINE" in message and FAKE_KEY not in message
+    assert callbacks.progress == [] and not (tmp_path / "out" / "backups").exists()
 
 
 # ------------------------------------------------------------------ the key is never a setting
