@@ -89,7 +89,8 @@ def tensorboard_series(folder: Path, kind: str = "scalars") -> dict[str, dict[in
 @pytest.fixture(scope="module")
 def wandb_run(tempera_cache, tmp_path_factory):
     """One run logged to TensorBoard and W&B (OFFLINE), stopped at step 2 and resumed to 3, with
-    a W&B key in the environment: samples and validation every step."""
+    a W&B key in the environment: samples and validation every step. ~15-20 s (two train()
+    calls on the tiny model, a sample and a validation pass per step), shared by five tests."""
     out = tmp_path_factory.mktemp("wandb") / "out"
     config = apply_overrides(Config(), [
         f"general.cache_dir={tempera_cache}", f"output.dir={out}", "data.resolution=64",
@@ -171,7 +172,8 @@ def test_the_api_key_is_in_no_file_the_run_wrote(wandb_run):
 
 
 def test_a_run_without_wandb_does_not_import_it(tempera_cache, tmp_path):
-    """A subprocess (this one has imported wandb): one step on the tiny model, ~10 s."""
+    """A subprocess, since this one has imported wandb: one step on the tiny model, ~7-12 s
+    (the interpreter imports torch and diffusers again)."""
     code = (
         "import sys\n"
         "from modules.config.overrides import apply_overrides\n"
