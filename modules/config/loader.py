@@ -19,6 +19,7 @@ from typing import Any
 from modules.config.migrations import migrate
 from modules.config.problems import ConfigError, Problem
 from modules.config.schema import BUILTIN_PREFIX, Config
+from modules.config.wandb_settings import wandb_key_problems
 from modules.util.atomic import atomic_write_text
 
 
@@ -152,7 +153,7 @@ def from_dict(data: dict, source: str = "config") -> Config:
     """Build a Config from (possibly sparse) JSON data; raise ConfigError with every problem."""
     if not isinstance(data, dict):
         raise ConfigError([Problem("(top level)", "a JSON object", _describe(data))], source)
-    problems: list[Problem] = []
+    problems: list[Problem] = wandb_key_problems(data)
     data = migrate(data, problems)
     config = _build(Config, data, "", problems)
     if problems:

@@ -27,6 +27,11 @@ class SaveFormat(str, Enum):
     SINGLE_FILE = "SINGLE_FILE"
 
 
+class WandbMode(str, Enum):
+    ONLINE = "ONLINE"
+    OFFLINE = "OFFLINE"
+
+
 class SaveDType(str, Enum):
     AS_TRAINED = "AS_TRAINED"
     FLOAT32 = "FLOAT32"
@@ -116,3 +121,23 @@ class OutputConfig:
 class LoggingConfig:
     tensorboard: bool = setting(True, label="TensorBoard", group="General",
                                 help="Write loss, learning rate and samples for TensorBoard.")
+    # Weights & Biases (docs/logging.md). The API key is never a setting: wandb reads it from
+    # WANDB_API_KEY or its own login (~/.netrc), and a key in a config is refused.
+    wandb: bool = setting(False, label="Weights & Biases", group="General",
+                          help="Also log the same curves, samples and validation series to "
+                               "Weights & Biases (pip install tempera[wandb]); the config and "
+                               "run.json are the W&B run's config, and a resumed run continues "
+                               "the same W&B run. The API key comes from WANDB_API_KEY or "
+                               "`wandb login`, never from the config (docs/logging.md).")
+    wandb_project: str = setting("tempera", label="W&B project", group="General", advanced=True,
+                                 help="The W&B project the run is logged to (up to 128 "
+                                      "characters, none of / \\ # ? % :).")
+    wandb_entity: str = setting("", label="W&B entity", group="General", advanced=True,
+                                help="The W&B user or team; empty: your default entity.")
+    wandb_run_name: str = setting("", label="W&B run name", group="General", advanced=True,
+                                  help="The run's display name in W&B; empty: the output "
+                                       "folder's name.")
+    wandb_mode: WandbMode = setting(
+        WandbMode.ONLINE, label="W&B mode", group="General", advanced=True,
+        help="ONLINE sends as the run trains (needs an API key and the network). OFFLINE "
+             "writes the run under <output>/wandb/ only; upload it later with `wandb sync`.")

@@ -14,6 +14,7 @@ from modules.config.adapters import ADAPTERS, OPTION_OFF
 from modules.config.optimizers import OPTIMIZERS
 from modules.config.problems import Problem
 from modules.config.prompts import sample_prompts
+from modules.config.wandb_settings import check_wandb
 from modules.config.schema import (
     BUILTIN_PREFIX,
     BUILTIN_SHAPES,
@@ -59,6 +60,7 @@ def validate(config: Config) -> list[Problem]:
     problems += _check_objective_options(config)
     problems += _check_validation(config)
     problems += _check_weight_storage(config)
+    problems += check_wandb(config.logging)
     return problems
 
 

@@ -12,6 +12,7 @@ from modules.train.state.history import record_compile_time
 from modules.train.setup.prepare import PreparedRun, prepare_run
 from modules.train.recipe.loop import NonFiniteTraining
 from modules.train.recipe.recipe import RunResult, TrainingRecipe
+from modules.train.outputs.metrics import WandbStartError
 from modules.train.outputs.record import peak_memory
 from modules.train.setup.start import resume_hint
 from modules.util.disk import DiskFull
@@ -54,6 +55,9 @@ def train(config: Config, callbacks: TrainerCallbacks | None = None,
         return RunResult("stopped", steps, Path(config.output.dir), {"status": "stopped"})
     except KeyboardInterrupt as exc:
         raise aborted(recipe, "while the run was being set up") from exc
+    except WandbStartError as exc:  # before the first step: the message says what to change
+        callbacks.on_error(str(exc))
+        raise TrainingError(str(exc)) from exc
     try:
         result = recipe.train()
         if dist.is_main:  # what a front end shows as the expected compile time next time

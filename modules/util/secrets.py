@@ -50,6 +50,11 @@ SECRET_PATTERNS: list[SecretPattern] = [
     SecretPattern("40-hex API key (WandB style)",
                   re.compile(r"(?<![0-9a-fA-F])(?P<value>[0-9a-f]{40})(?![0-9a-fA-F])"),
                   CREDENTIAL_FILES),
+    # In any file (a config, a preset, a commit): 40 hex digits as the value of a key that names
+    # W&B (`WANDB_API_KEY=…`, `"wandb_project": "…"`); a bare commit sha elsewhere is not one.
+    SecretPattern("WandB API key",
+                  re.compile(r"wandb[A-Za-z0-9_.-]*[\"']?\s*[:=]\s*[\"']?"
+                             r"(?P<value>[0-9a-f]{40})(?![0-9a-fA-F])", re.IGNORECASE)),
 ]
 
 # A key whose name ends in one of these words, followed by `:` or `=` and a value:

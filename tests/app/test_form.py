@@ -189,3 +189,17 @@ def test_add_dataset_on_the_sdxl_preset_starts_with_an_empty_folder(make_app, di
     assert app.runs.start() is False                  # Start names the empty folder
     assert any("Data › Datasets › row 1 › Folder" in b.cget("text")
                for b in app.problems_panel.buttons)
+
+
+def test_weights_and_biases_fields_write_the_config_and_say_where_the_key_comes_from(app):
+    from modules.config.outputs import WandbMode
+    cfg = app.binding.config
+    toggle = view(app, "logging.wandb")
+    assert app.registry.tab_of["logging.wandb"] == "General"
+    assert toggle.tooltips[0].text == toggle.info.help and "WANDB_API_KEY" in toggle.info.help
+    toggle.toggle.toggle()
+    view(app, "logging.wandb_mode").menu._dropdown_callback("OFFLINE")
+    view(app, "logging.wandb_project").var.set("my-loras")
+    assert (cfg.logging.wandb, cfg.logging.wandb_mode, cfg.logging.wandb_project) == (
+        True, WandbMode.OFFLINE, "my-loras")
+    assert app.registry.more_of.get("logging.wandb_project") is not None  # under More

@@ -22,6 +22,7 @@ KINDS = {  # (file name, text) -> the kind reported
     "OpenAI-style API key": ("c.json", "sk-" + "a1" * 20),
     "Slack token": ("c.json", "xoxb-" + "1234567890-abc"),
     "GitLab token": ("c.json", "glpat-" + "x" * 20),
+    "WandB API key": ("preset.json", '"wandb_project":"' + WANDB + '"'),
 }
 
 

@@ -19,6 +19,7 @@ from modules.train.memory.memory_plan import optimizer_state_bytes, tensor_bytes
 from modules.train.state.resume_offer import saved_step
 from modules.train.state.run import Run
 from modules.train.outputs.sampling import sample_images
+from modules.train.outputs.metrics import start_wandb
 from modules.train.outputs.saving import save_weights
 from modules.util.disk import guarded_write
 
@@ -86,6 +87,21 @@ def log_scalars(run: Run, loss: float, smoothed: float) -> None:
             run.writer.add_scalar(f"optimizer/{name}", value, run.step)
 
 
+def start_wandb_logging(run: Run) -> None:
+    """Add the W&B run to the run's logging (continuing the one a resumed backup names), keep
+    its id in the state a backup saves, and say where it is in run.json and the log."""
+    wandb_run = start_wandb(run.config, run.record.data, run.state.wandb_run_id)
+    continued = run.state.wandb_run_id == wandb_run.id
+    run.writer.wandb_run = wandb_run
+    run.state.wandb_run_id = wandb_run.id
+    logging = run.config.logging
+    run.record.write(wandb={"run_id": wandb_run.id, "project": logging.wandb_project,
+                            "entity": logging.wandb_entity, "mode": logging.wandb_mode.value,
+                            "dir": str(run.output_dir / "wandb"), "continued": continued})
+    run.callbacks.on_status(f"W&B run {wandb_run.id} ({logging.wandb_mode.value}, project "
+                            f"{logging.wandb_project}){' continued' if continued else ''}")
+
+
 def distributed_summary(run: Run) -> dict:
     """World size, and whether every rank ended with the same weights and ran compiled code."""
     checksums = run.dist.gather(parameter_checksum(run.all_params()))
@@ -119,8 +135,8 @@ def sample(run: Run, should_stop: Callable[[], bool] = lambda: False) -> None:
         run.callbacks.on_sample(path, prompt, run.step)
         if run.writer:
             import numpy as np
-            run.writer.add_image(f"sample/{i}", np.asarray(image), run.step,
-                                 dataformats="HWC")
+            run.writer.add_image(f"sample/{i}", np.asarray(image.convert("RGB")), run.step,
+                                 caption=prompt)
 
 
 def save_checkpoint(run: Run, name: str) -> None:

@@ -44,8 +44,9 @@ from modules.train.recipe.objectives import (caption_dropouts, diffusion_loss, d
                                              offset_noise, sample_weights, step_timesteps,
                                              timestep_terms)
 from modules.train.setup.output_lock import OutputLock
+from modules.train.outputs.metrics import RunMetrics
 from modules.train.outputs.writes import (backup_bytes, distributed_summary, log_scalars, sample,
-                                          save_checkpoint, save_final)
+                                          save_checkpoint, save_final, start_wandb_logging)
 from modules.train.setup.prepare import PreparedRun
 from modules.train.outputs.record import RunRecord, peak_memory
 from modules.train.state.run import Run, item_buckets
@@ -173,7 +174,7 @@ class TrainingRecipe:
                   batches, params, optimizer,
                   build_lr_scheduler(config, optimizer, budget.total_steps), budget, guard, dist,
                   TrainingState(generator=draws_generator(config.training.seed, dist.rank)),
-                  scaler=scaler, writer=tensorboard_writer(config, dist.is_main),
+                  scaler=scaler, writer=RunMetrics(tensorboard_writer(config, dist.is_main)),
                   trained=trained, ema=build_ema(config, params),
                   text_cache=text_cache,
                   forward=forward, restore_precision=restore_precision, lock=lock,
@@ -186,6 +187,12 @@ class TrainingRecipe:
                                                        cache_dir_for(config.general.cache_dir)))
         if prepared.resume is not None:
             self.load_backup(run, prepared.resume)
+        if config.logging.wandb and dist.is_main:  # after the backup: it holds the W&B run id
+            try:
+                start_wandb_logging(run)
+            except BaseException:  # W&B refused (WandbStartError): close TensorBoard's file
+                run.writer.close()
+                raise
         if run.validator is not None:  # a resumed run's history is the backup's
             record.write(validation=validation_record(run))
         mark_boundary(run)

@@ -48,7 +48,7 @@ if TYPE_CHECKING:  # imported where a run builds them, only when the option is o
 # user the previous run's result. Its checkpoints and best/ the new run would not replace
 # (other steps, or no validation): they would sit beside the new run's, counted by
 # output.keep_checkpoints, the newest-numbered being the old run's.
-RUN_OUTPUTS = ("samples", "tensorboard", "backups", BEST)
+RUN_OUTPUTS = ("samples", "tensorboard", "wandb", "backups", BEST)
 
 
 def clear_previous_run(output_dir: Path) -> list[str]:

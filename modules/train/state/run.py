@@ -27,6 +27,7 @@ from modules.train.recipe.batch_shapes import BatchShapeLog
 from modules.train.recipe.builders import StepBudget
 from modules.train.recipe.distributed import Distributed
 from modules.train.setup.output_lock import OutputLock
+from modules.train.outputs.metrics import RunMetrics
 from modules.train.outputs.record import RunRecord
 from modules.train.state.training_state import TrainingState
 from modules.train.recipe.text_cache import TextEncoderCache
@@ -34,7 +35,6 @@ from modules.models.families import family_of
 
 if TYPE_CHECKING:  # imported where a run builds them, only when the option is on
     from diffusers.training_utils import EMAModel
-    from torch.utils.tensorboard import SummaryWriter
 
     from modules.train.validation.validation_set import Validator
 
@@ -63,7 +63,7 @@ class Run:
     dist: Distributed
     state: TrainingState
     scaler: torch.amp.GradScaler | None = None
-    writer: SummaryWriter | None = None
+    writer: RunMetrics = field(default_factory=RunMetrics)  # TensorBoard and W&B, when on
     ema: EMAModel | None = None
     text_cache: TextEncoderCache | None = None
     prompts: list[SamplePrompt] = field(default_factory=list)  # sample prompts, read at the start
@@ -198,8 +198,7 @@ class Run:
         self.loader = None  # its persistent workers shut down with it (refcount)
         self.guard.close()
         self.restore_precision()
-        if self.writer:
-            self.writer.close()
+        self.writer.close()
         if self.lock is not None:
             self.lock.release()
 

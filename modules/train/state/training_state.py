@@ -59,6 +59,8 @@ class TrainingState:
     smoothed: SmoothedValue = field(default_factory=SmoothedValue)
     # [step, validation loss (None: not finite)] per validation pass (train/validation/validation.py)
     validation: list[list] = field(default_factory=list)
+    # The W&B run this run logs to (train/outputs/metrics.py): a resumed run continues it.
+    wandb_run_id: str = ""
 
     def reseed_draws(self, seed: int, rank: int) -> None:
         """Seed the draws of the step about to run from (seed, rank, step): every process of a
@@ -72,7 +74,8 @@ class TrainingState:
         return {"step": self.step, "epoch": self.epoch, "batches_done": self.batches_done,
                 "last_sample_step": self.last_sample_step, "bad_steps": self.bad_steps,
                 "skipped_steps": self.skipped_steps, "smoothed": self.smoothed.state_dict(),
-                "validation": [list(point) for point in self.validation]}
+                "validation": [list(point) for point in self.validation],
+                "wandb_run_id": self.wandb_run_id}
 
     def load_state_dict(self, state: dict) -> None:
         for name in ("step", "epoch", "batches_done", "last_sample_step", "bad_steps",
@@ -81,3 +84,4 @@ class TrainingState:
         self.smoothed.load_state_dict(state["smoothed"])
         # backups written before validation existed hold no history
         self.validation = [[int(step), loss] for step, loss in state.get("validation", [])]
+        self.wandb_run_id = str(state.get("wandb_run_id", ""))  # none before W&B existed

@@ -1,0 +1,262 @@
+"""Weights & Biases beside TensorBoard (docs/logging.md): the same series reach both, the config
+and run.json are the W&B run's config, a resumed run continues the same W&B run, and the API
+key never lands in a file Tempera writes. W&B runs OFFLINE here (no network): what it logged is
+read back from its `.wandb` run files with wandb's own protobuf records (`read_wandb_records`;
+wandb 0.31 no longer ships a Python reader of the file), not from a mock."""
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from modules.config import validate
+from modules.config.loader import from_dict, load_config
+from modules.config.overrides import apply_overrides
+from modules.config.problems import ConfigError
+from modules.config.schema import Config
+from modules.config.wandb_settings import check_wandb
+from modules.events import RecordingCallbacks, TrainerCommands
+from modules.train.trainer import TrainingError, train
+from tests.train.test_resume import StopAt
+
+# A made-up key of the real shape (40 hex digits): set in the environment of the shared run.
+FAKE_KEY = "0123456789abcdef" * 2 + "01234567"
+STEPS, STOP_AT = 3, 2
+BLOCK = 32768  # the .wandb file is a LevelDB-style log of 32 KiB blocks
+
+
+def read_wandb_records(path: Path) -> list:
+    """Every record of a W&B run file (`run-<id>.wandb`), as wandb's own protobuf messages."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    ident, _magic, _version = struct.unpack("<4sHB", data[:7])
+    assert ident == b":W&B", f"{path} is not a W&B run file"
+    payloads, partial, pos = [], b"", 7
+    while pos + 7 <= len(data):
+        left = BLOCK - pos % BLOCK
+        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if left < 7 or (length == 0 and kind == 0):  # the block's zero-filled tail
+            pos += left
+            continue
+        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        partial = chunk if kind in (1, 2) else partial + chunk  # FULL/FIRST, MIDDLE/LAST
+        if kind in (1, 4):
+            payloads.append(partial)
+    records = []
+    for payload in payloads:
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(payload)
+        records.append(record)
+    return records
+
+
+def history(records) -> dict[int, dict[str, object]]:
+    """step -> {key: value} of the run's logged rows (image keys as nested dicts)."""
+    rows: dict[int, dict[str, object]] = {}
+    for record in records:
+        if record.WhichOneof("record_type") != "history":
+            continue
+        row: dict = {}
+        for item in record.history.item:
+            keys = list(item.nested_key) or [item.key]
+            target = row
+            for key in keys[:-1]:
+                target = target.setdefault(key, {})
+            target[keys[-1]] = json.loads(item.value_json)
+        rows[int(row["_step"])] = row
+    return rows
+
+
+def tensorboard_series(folder: Path, kind: str = "scalars") -> dict[str, dict[int, object]]:
+    """tag -> step -> value (scalars) or event (images), over every events file (both halves)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    series: dict[str, dict[int, object]] = defaultdict(dict)
+    for events in sorted(folder.rglob("events.out.tfevents.*")):
+        accumulator = EventAccumulator(str(events), size_guidance={kind: 0})
+        accumulator.Reload()
+        for tag in accumulator.Tags()[kind]:
+            for event in getattr(accumulator, kind.capitalize())(tag):
+                series[tag][event.step] = event.value if kind == "scalars" else event
+    return series
+
+
+@pytest.fixture(scope="module")
+def wandb_run(tempera_cache, tmp_path_factory):
+    """One run logged to TensorBoard and W&B (OFFLINE), stopped at step 2 and resumed to 3, with
+    a W&B key in the environment: samples and validation every step. ~15-20 s (two train()
+    calls on the tiny model, a sample and a validation pass per step), shared by five tests."""
+    out = tmp_path_factory.mktemp("wandb") / "out"
+    config = apply_overrides(Config(), [
+        f"general.cache_dir={tempera_cache}", f"output.dir={out}", "data.resolution=64",
+        f"training.max_steps={STEPS}", "training.batch_size=2", "training.learning_rate=1e-3",
+        'sampling.prompts=["a red circle"]', "sampling.every_steps=1", "sampling.steps=2",
+        "validation.every_steps=1", "validation.split_ratio=0.25",
+        "logging.tensorboard=true", "logging.wandb=true", "logging.wandb_mode=OFFLINE",
+        "logging.wandb_project=tempera-tests", "output.backup_every_steps=1"])
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("WANDB_API_KEY", FAKE_KEY)
+        env.setenv("WANDB_SILENT", "true")
+        commands = TrainerCommands()
+        callbacks = StopAt(commands, STOP_AT)
+        first = train(config, callbacks, commands)
+        config.training.resume_from = "latest"
+        second = train(config, RecordingCallbacks())
+    assert (first.status, first.steps, second.steps) == ("stopped", STOP_AT, STEPS)
+    files = sorted(out.glob("wandb/offline-run-*/run-*.wandb"))
+    return out, files, [read_wandb_records(f) for f in files]
+
+
+def test_the_resumed_run_continues_the_same_wandb_run(wandb_run):
+    out, files, records = wandb_run
+    record = json.loads((out / "run.json").read_text())
+    run_id = record["wandb"]["run_id"]
+    assert len(files) == 2 and all(f.name == f"run-{run_id}.wandb" for f in files)
+    assert record["wandb"]["continued"] is True and record["resume_count"] == 1
+    runs = [r.run for part in records for r in part if r.WhichOneof("record_type") == "run"]
+    assert {r.run_id for r in runs} == {run_id} and {r.project for r in runs} == {"tempera-tests"}
+    # the first half logged steps 1-2, the resumed half step 3: one series over both
+    assert sorted(history(records[0])) == [1, 2] and sorted(history(records[1])) == [3]
+
+
+def test_wandb_gets_the_scalars_tensorboard_gets(wandb_run):
+    out, _, records = wandb_run
+    board = tensorboard_series(out / "tensorboard")
+    logged = {step: row for part in records for step, row in history(part).items()}
+    assert {"loss/step", "loss/smoothed", "lr", "validation/loss"} <= set(board)
+    assert sorted(board["loss/step"]) == [1, 2, 3]
+    assert min(board["validation/loss"]) <= STOP_AT < max(board["validation/loss"])
+    for tag, points in board.items():
+        wandb_steps = sorted(step for step, row in logged.items() if tag in row)
+        assert wandb_steps == sorted(points), tag
+        for step, value in points.items():  # TensorBoard stores float32
+            assert logged[step][tag] == pytest.approx(value, rel=1e-6), (tag, step)
+
+
+def test_samples_reach_wandb_as_images_with_their_prompts(wandb_run):
+    out, files, records = wandb_run
+    rows = {step: row for part in records for step, row in history(part).items()}
+    samples = {step: row["sample/0"] for step, row in rows.items() if "sample/0" in row}
+    board = tensorboard_series(out / "tensorboard", "images")["sample/0"]
+    assert sorted(samples) == sorted(board) and 1 in samples and STEPS in samples
+    for step, image in samples.items():
+        assert image["_type"] == "image-file" and image["caption"] == "a red circle"
+        assert (image["width"], image["height"]) == (64, 64)
+        assert list(files[0].parent.parent.glob(f"*/files/{image['path']}")), image["path"]
+
+
+def test_wandb_config_holds_the_config_and_the_run_record(wandb_run):
+    _, _, records = wandb_run
+    run = next(r.run for r in records[0] if r.WhichOneof("record_type") == "run")
+    config = {u.key: json.loads(u.value_json) for u in run.config.update}
+    assert config["tempera"]["training"]["max_steps"] == STEPS
+    assert config["tempera"]["logging"]["wandb_mode"] == "OFFLINE"
+    run_json = json.loads((wandb_run[0] / "run.json").read_text())
+    # what run.json said when the run started (its status and summary come later)
+    for key in ("model_type", "model_identity", "method", "device", "weight_dtype"):
+        assert config["run"][key] == run_json[key], key
+
+
+def test_the_api_key_is_in_no_file_the_run_wrote(wandb_run):
+    out, _, _ = wandb_run
+    written = [p for p in out.rglob("*") if p.is_file()]
+    assert any(p.name == "run.json" for p in written) and any("backups" in p.parts
+                                                                for p in written)
+    holding = [p for p in written if FAKE_KEY.encode() in p.read_bytes()]
+    assert holding == []
+
+
+def test_a_run_without_wandb_does_not_import_it(tempera_cache, tmp_path):
+    """A subprocess, since this one has imported wandb: one step on the tiny model, ~7-12 s
+    (the interpreter imports torch and diffusers again)."""
+    code = (
+        "import sys\n"
+        "from modules.config.overrides import apply_overrides\n"
+        "from modules.config.schema import Config\n"
+        "from modules.train.trainer import train\n"
+        f"config = apply_overrides(Config(), ['general.cache_dir={tempera_cache}', "
+        f"'output.dir={tmp_path / 'out'}', 'data.resolution=64', 'training.max_steps=1', "
+        "'training.batch_size=2', 'sampling.prompts=[]', 'logging.tensorboard=true'])\n"
+        "assert train(config).steps == 1\n"
+        "print('wandb' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=Path(__file__).parents[2], timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "False"
+
+
+# ------------------------------------------------------------------ refused before training
+def test_online_without_an_api_key_is_refused_naming_offline(tmp_path):
+    config = apply_overrides(Config(), ["logging.wandb=true", "logging.wandb_mode=ONLINE"])
+    problems = {p.path: str(p) for p in check_wandb(config.logging,
+                                                     {"NETRC": str(tmp_path / "none")})}
+    assert "WANDB_API_KEY" in problems["logging.wandb_mode"]
+    assert "OFFLINE" in problems["logging.wandb_mode"]
+    assert check_wandb(config.logging, {"WANDB_API_KEY": FAKE_KEY}) == []
+    netrc = tmp_path / "netrc"
+    netrc.write_text(f"machine api.wandb.ai\n  login user\n  password {FAKE_KEY}\n")
+    assert check_wandb(config.logging, {"NETRC": str(netrc)}) == []
+
+
+@pytest.mark.parametrize("name", ["team/project", "a:b", "", "x" * 129])
+def test_a_project_name_wandb_refuses_is_reported(name):
+    config = apply_overrides(Config(), ["logging.wandb=true", "logging.wandb_mode=OFFLINE"])
+    config.logging.wandb_project = name
+    problems = [p for p in validate(config) if p.path == "logging.wandb_project"]
+    assert len(problems) == 1 and "W&B refuses it" in str(problems[0])
+
+
+def test_wandb_not_installed_is_reported(monkeypatch):
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "wandb" else real(name, *a))
+    config = apply_overrides(Config(), ["logging.wandb=true", "logging.wandb_mode=OFFLINE"])
+    problems = {p.path: str(p) for p in validate(config)}
+    assert "pip install tempera[wandb]" in problems["logging.wandb"]
+
+
+def test_online_without_a_server_stops_before_the_first_step_offering_offline(
+        tempera_cache, tmp_path, monkeypatch):
+    """W&B's server unreachable (a closed local port): train() ends with a clear error after
+    the model loads and before any step (~10-15 s: the tiny model, and W&B's 5 s wait)."""
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("WANDB_API_KEY", FAKE_KEY)
+    monkeypatch.setattr("modules.train.outputs.metrics.WANDB_INIT_TIMEOUT_S", 5.0)
+    config = apply_overrides(Config(), [
+        f"general.cache_dir={tempera_cache}", f"output.dir={tmp_path / 'out'}",
+        "data.resolution=64", "training.max_steps=2", "training.batch_size=2",
+        "sampling.prompts=[]", "logging.tensorboard=false", "logging.wandb=true",
+        "logging.wandb_project=tempera-tests"])
+    callbacks = RecordingCallbacks()
+    with pytest.raises(TrainingError) as err:
+        train(config, callbacks)
+    message = str(err.value)
+    assert "Weights & Biases could not start the run in project 'tempera-tests' (ONLINE)" in message
+    assert "logging.wandb_mode = OFFLINE" in message and FAKE_KEY not in message
+    assert callbacks.progress == [] and not (tmp_path / "out" / "backups").exists()
+
+
+# ------------------------------------------------------------------ the key is never a setting
+def test_a_wandb_key_in_a_config_or_preset_is_refused(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    with pytest.raises(ConfigError) as err:
+        from_dict({"logging": {"wandb": True, "wandb_api_key": FAKE_KEY}})
+    assert "logging.wandb_api_key" in str(err.value) and "WANDB_API_KEY" in str(err.value)
+    assert FAKE_KEY not in str(err.value)
+    preset = tmp_path / "preset.json"
+    preset.write_text(json.dumps({"logging": {"wandb_project": FAKE_KEY}}))
+    with pytest.raises(ConfigError) as err:
+        load_config(preset)
+    assert "logging.wandb_project" in str(err.value) and FAKE_KEY not in str(err.value)
+    # the environment's key anywhere in a value, even inside longer text
+    monkeypatch.setenv("WANDB_API_KEY", "my-own-key-format-" + "z" * 24)
+    with pytest.raises(ConfigError):
+        from_dict({"sampling": {"prompts": ["a cat my-own-key-format-" + "z" * 24]}})
+    # a Hugging Face cache path holds a 40-hex commit hash and is no key
+    from_dict({"model": {"path": f"/hf/snapshots/{FAKE_KEY}"}})
