@@ -74,9 +74,10 @@ def sd15(tempera_cache, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def sdxl(tempera_cache, tmp_path_factory):
+    """bfloat16 frozen weights: the float32 embedding feeds bfloat16 layers."""
     out = tmp_path_factory.mktemp("ti-sdxl")
     config = ti_config(tempera_cache, out / "out", ModelType.SDXL, "training.max_steps=2",
-                       "textual_inversion.vectors=3")
+                       "textual_inversion.vectors=3", "model.weight_dtype=BFLOAT16")
     return {**_run_recipe(config), "base": _base(ModelType.SDXL, tempera_cache),
             "config": config}
 
@@ -102,7 +103,9 @@ def test_only_the_new_rows_train_and_every_other_weight_stays_bit_for_bit(which,
     base = _base_modules(bundle.model_type, run["base"])
     for name, module in bundle.components().items():
         trained = dict(module.named_parameters())
+        frozen_dtype = next(p.dtype for k, p in trained.items() if "token_embedding" not in k)
         for key, value in base[name].named_parameters():
+            value = value.to(frozen_dtype).to(trained[key].dtype)  # as the run loaded it
             if key.endswith("token_embedding.weight"):
                 new = _new_ids(bundle, name, config)
                 old = trained[key][: value.shape[0]]
@@ -238,12 +241,12 @@ def test_the_text_encoder_compiles_with_aot_eager_and_never_recompiles(
     result = train(ti_config(tempera_cache, tmp_path / "out", ModelType.SD15,
                              "training.max_steps=3", "textual_inversion.vectors=2",
                              "compile.backend=AOT_EAGER", f"compile.scope={scope}",
-                             "compile.text_encoder=true", "compile.denoiser=true"))
+                             "compile.text_encoder=true", "compile.denoiser=false"))
     report = json.loads((result.output_dir / "run.json").read_text())["compile"]
     encoder = report["text_encoder"]
     assert encoder["effective"] == "AOT_EAGER" and encoder["compiled_code_ran"]
-    # the CLIP layers all have one shape: not even the first pass recompiles them (REGIONAL's
-    # UNet blocks of other channel counts do, in the first step only)
-    assert encoder["recompiles"] == 0
-    for component in ("text_encoder", "unet"):
-        assert report[component]["late_recompiles"] == 0, component
+    # REGIONAL: the CLIP layers (one shape: one graph, never recompiled), the embedding
+    # lookup eager before them; FULL: the whole encoder, the trained lookup and its cast in
+    # the graph. The denoiser's compile is tested elsewhere; here it runs eager.
+    assert encoder["recompiles"] == 0 and encoder["late_recompiles"] == 0
+    assert report["unet"]["effective"] == "NONE"

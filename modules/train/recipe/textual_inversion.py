@@ -146,12 +146,16 @@ def old_rows_mask(weight: torch.Tensor, new_ids: list[int]) -> torch.Tensor:
     return keep
 
 
-def train_new_rows_only(encoder: nn.Module, new_ids: list[int]) -> nn.Parameter:
+def train_new_rows_only(encoder: nn.Module, new_ids: list[int],
+                        frozen_dtype: torch.dtype) -> nn.Parameter:
     """Make the encoder's token embedding the one trained parameter, with the gradient of the
     rows other than `new_ids` zeroed each time a backward accumulates it (a named hook,
-    registered here once per run)."""
+    registered here once per run). The embedding is trained at `model.train_dtype` while the
+    rest of the encoder stays at `frozen_dtype`: its output is cast to that dtype
+    (`cast_embedding_output`)."""
     weight = embedding_parameter(encoder)
     weight.requires_grad_(True)
+    cast_embedding_output(encoder, frozen_dtype)
     new = torch.tensor(new_ids, dtype=torch.long)
 
     def zero_old_rows(param: torch.Tensor) -> None:
@@ -162,6 +166,18 @@ def train_new_rows_only(encoder: nn.Module, new_ids: list[int]) -> nn.Parameter:
 
     weight.register_post_accumulate_grad_hook(zero_old_rows)
     return weight
+
+
+def cast_embedding_output(encoder: nn.Module, dtype: torch.dtype) -> None:
+    """Hand the frozen layers the token embedding's output in their own dtype: a float32
+    embedding trained under bfloat16 frozen weights would otherwise feed float32 into a
+    bfloat16 layer norm (an error on the CPU, silent upcasts on CUDA). A forward hook on the
+    embedding module (traced into a FULL-compiled encoder's graph); the cast is the identity
+    in backward, so the float32 rows get the gradient."""
+    def cast(_module: nn.Module, _inputs: tuple, output: torch.Tensor) -> torch.Tensor:
+        return output.to(dtype)
+
+    encoder.get_input_embeddings().register_forward_hook(cast)  # type: ignore[operator]
 
 
 @dataclass

@@ -111,7 +111,7 @@ def prepare_trainable(bundle: ModelBundle, config: Config) -> dict[str, list[nn.
                             scope=family_of(bundle.model_type).lora_scope if denoiser else None)
         elif is_textual_inversion(config):
             if bundle.tokenizers:  # the memory plan's weightless bundle has none
-                train_new_rows_only(module, new_row_ids(bundle, config, name))
+                train_new_rows_only(module, new_row_ids(bundle, config, name), dtypes[name])
             else:
                 embedding_parameter(module).requires_grad_(True)
         else:
