@@ -250,3 +250,18 @@ def test_the_text_encoder_compiles_with_aot_eager_and_never_recompiles(
     # the graph. The denoiser's compile is tested elsewhere; here it runs eager.
     assert encoder["recompiles"] == 0 and encoder["late_recompiles"] == 0
     assert report["unet"]["effective"] == "NONE"
+
+
+def test_an_initializer_the_tokenizer_reads_no_token_in_is_refused_naming_the_field(
+        tempera_cache, tmp_path):
+    """Reached only past validate (which refuses a blank initializer first): the tokenizer's
+    own check, on the real tiny tokenizer."""
+    from transformers import CLIPTokenizer
+
+    from modules.train.recipe.textual_inversion import token_problems
+    tokenizer = CLIPTokenizer.from_pretrained(_base(ModelType.SD15, tempera_cache) / "tokenizer")
+    config = ti_config(tempera_cache, tmp_path, ModelType.SD15)
+    assert token_problems(config, {"text_encoder": tokenizer}) == []
+    config.textual_inversion.initializer = "  "
+    [problem] = token_problems(config, {"text_encoder": tokenizer})
+    assert problem.path == "textual_inversion.initializer" and "reads no token" in str(problem)
