@@ -265,3 +265,17 @@ def test_an_initializer_the_tokenizer_reads_no_token_in_is_refused_naming_the_fi
     config.textual_inversion.initializer = "  "
     [problem] = token_problems(config, {"text_encoder": tokenizer})
     assert problem.path == "textual_inversion.initializer" and "reads no token" in str(problem)
+
+
+def test_the_memory_plan_counts_the_embedding_its_optimizer_state_and_the_kept_rows(
+        tempera_cache, tmp_path):
+    from transformers import CLIPTextConfig
+
+    from modules.train.memory.memory_plan import plan_memory
+    folder = _base(ModelType.SD15, tempera_cache)
+    text = CLIPTextConfig.from_pretrained(folder / "text_encoder")
+    embedding = text.vocab_size * text.hidden_size * 4  # float32; the weightless plan adds no rows
+    lines = dict(plan_memory(ti_config(tempera_cache, tmp_path, ModelType.SD15), folder).lines)
+    assert lines["copy of the token embeddings' old rows"] == embedding
+    assert lines["gradients of the trained weights"] == embedding
+    assert lines["optimizer state (AdamW: copy, copy per weight)"] == 2 * embedding
