@@ -59,10 +59,15 @@ def update_component_states(registry: FieldRegistry, config: Config) -> None:
 def update_unused_fields(registry: FieldRegistry, config: Config) -> None:
     """Grey the settings the config leaves unused (an adapter's options while fine-tuning,
     lr_power without the POLYNOMIAL schedule, ...), the reason in the tooltip; the rest of the
-    ruled settings are enabled. A view already in the right state is left alone."""
+    ruled settings are enabled. A view already in the right state is left alone, and so is a
+    setting of a component the model type lacks (`update_component_states` greyed it)."""
     unused = unused_fields(config)
+    have = MODEL_TYPES[config.model.type].config_keys
+    lacking = tuple(f"{container}." for container in container_labels(Config)
+                    if container.startswith("components.")
+                    and container.split(".", 1)[1] not in have)
     for view in registry.all_views():
-        if view.path not in RULED_PATHS:
+        if view.path not in RULED_PATHS or view.path.startswith(lacking):
             continue
         why = unused.get(view.path, "")
         if view.enabled != (not why) or view.disabled_why != why:

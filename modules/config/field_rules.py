@@ -39,6 +39,10 @@ ADAPTER_FIELDS = tuple(_training(name) for name in (
 SCHEDULE_OPTIONS = {"training.lr_cycles": LRScheduler.COSINE_WITH_RESTARTS,
                     "training.lr_power": LRScheduler.POLYNOMIAL}
 WARMUP_FIELDS = ("training.lr_warmup_steps", "training.lr_warmup_ratio")
+TEXTUAL_INVERSION_FIELDS = tuple(f"textual_inversion.{name}" for name in (
+    "placeholder", "vectors", "initializer"))
+COMPONENT_TRAIN_FIELDS = tuple(f"components.{name}.train" for name in (
+    "denoiser", "text_encoder", "text_encoder_2"))
 SAMPLING_FIELDS = tuple(f"sampling.{name}" for name in (
     "sampler", "negative_prompt", "every_steps", "seed", "steps", "guidance_scale"))
 
@@ -110,7 +114,16 @@ def _has_prompts(config: Config) -> bool:
 # The first rule that does not hold gives a field's reason, so the broad ones come first.
 RULES: tuple[FieldRule, ...] = (
     FieldRule(ADAPTER_FIELDS, lambda c: c.training.method == TrainingMethod.LORA,
-              lambda c: "FINE_TUNE trains the full weights, with no adapter"),
+              lambda c: (f"{c.training.method.value} trains new token embeddings, with no "
+                         "adapter" if c.training.method == TrainingMethod.TEXTUAL_INVERSION
+                         else "FINE_TUNE trains the full weights, with no adapter")),
+    FieldRule(TEXTUAL_INVERSION_FIELDS,
+              lambda c: c.training.method == TrainingMethod.TEXTUAL_INVERSION,
+              lambda c: f"only TEXTUAL_INVERSION reads it ({c.training.method.value} is chosen)"),
+    FieldRule(COMPONENT_TRAIN_FIELDS,
+              lambda c: c.training.method != TrainingMethod.TEXTUAL_INVERSION,
+              lambda c: "TEXTUAL_INVERSION trains the new token's embeddings in every text "
+                        "encoder, and nothing else"),
     *(_option_rule(option) for option in OPTION_OFF),
     FieldRule(("training.conv_rank", "training.conv_alpha"),
               lambda c: _adapter_row(c).convolutions,

@@ -26,6 +26,7 @@ from modules.config.outputs import (  # noqa: F401 - the sampling, output and lo
     SaveDType,
     SaveFormat,
 )
+from modules.config.textual_inversion import TextualInversionConfig  # noqa: F401
 from modules.model_types import (  # noqa: F401 - the config's own names for them
     BUILTIN_PREFIX,
     BUILTIN_SHAPES,
@@ -56,6 +57,7 @@ class PredictionType(str, Enum):
 class TrainingMethod(str, Enum):
     LORA = "LORA"
     FINE_TUNE = "FINE_TUNE"
+    TEXTUAL_INVERSION = "TEXTUAL_INVERSION"
 
 
 class Adapter(str, Enum):
@@ -216,7 +218,10 @@ class TrainingConfig:
     method: TrainingMethod = setting(TrainingMethod.LORA, label="Method", group="Training",
                                      compile_check=True, on_resume=OnResume.MUST_MATCH,
                                      help="LORA trains small adapter matrices; FINE_TUNE trains the "
-                                          "full weights of the selected components.")
+                                          "full weights of the selected components; "
+                                          "TEXTUAL_INVERSION trains only new token embeddings "
+                                          "in the text encoder(s) (the textual_inversion "
+                                          "section; docs/textual_inversion.md).")
     lora_rank: int = setting(16, label="LoRA rank", group="Training", min=1, max=1024,
                              on_resume=OnResume.MUST_MATCH,
                              help="Rank of the LoRA matrices.")
@@ -483,3 +488,8 @@ class Config:
     logging: LoggingConfig = setting(default_factory=LoggingConfig, label="Logging",
                                      on_resume=OnResume.IGNORED,
                                      group="General", help="Logging.")
+    # --- textual inversion (issue 47) ---
+    textual_inversion: TextualInversionConfig = setting(
+        default_factory=TextualInversionConfig, label="Textual inversion", group="Training",
+        compile_check=True, on_resume=OnResume.MUST_MATCH,
+        help="The new token training.method=TEXTUAL_INVERSION trains.")

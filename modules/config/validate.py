@@ -38,6 +38,9 @@ from modules.model_types import BUILTIN_DATASETS, MODEL_TYPES
 SUPPORTED_FORMATS = {
     TrainingMethod.LORA: {SaveFormat.DIFFUSERS, SaveFormat.KOHYA},
     TrainingMethod.FINE_TUNE: {SaveFormat.DIFFUSERS, SaveFormat.SINGLE_FILE},
+    # DIFFUSERS: learned_embeds.safetensors (load_textual_inversion); KOHYA: the A1111 /
+    # ComfyUI embedding file kohya's sd-scripts write (emb_params, or clip_l / clip_g)
+    TrainingMethod.TEXTUAL_INVERSION: {SaveFormat.DIFFUSERS, SaveFormat.KOHYA},
 }
 COMPONENT_NAMES = ("denoiser", "text_encoder", "text_encoder_2", "vae")
 BUCKET_MAX_ASPECT_LIMIT = next(f.metadata["max"] for f in dataclasses.fields(DataConfig)
@@ -61,6 +64,43 @@ def validate(config: Config) -> list[Problem]:
     problems += _check_validation(config)
     problems += _check_weight_storage(config)
     problems += check_wandb(config.logging)
+    problems += _check_textual_inversion(config)
+    return problems
+
+
+def _check_textual_inversion(config: Config) -> list[Problem]:
+    """TEXTUAL_INVERSION's token and the options it cannot run with (what needs the tokenizer,
+    a placeholder it already knows or an initializer outside its vocabulary, is checked when
+    the tokens are added: train/recipe/textual_inversion.py)."""
+    if config.training.method != TrainingMethod.TEXTUAL_INVERSION:
+        return []
+    ti, spec, problems = config.textual_inversion, MODEL_TYPES[config.model.type], []
+    if spec.flow_matching or not all(n.startswith("text_encoder") for n in spec.text_encoders):
+        problems.append(Problem("training.method", "LORA or FINE_TUNE for " + spec.label,
+                                "TEXTUAL_INVERSION",
+                                f"textual inversion trains new rows of CLIP's token "
+                                f"embedding (SD 1.x / 2.x, SDXL); {spec.label}'s text encoder "
+                                "is a chat language model whose prompts A1111 / ComfyUI "
+                                "embeddings do not address"))
+    placeholder = ti.placeholder
+    if not placeholder.strip():
+        problems.append(Problem("textual_inversion.placeholder", "a trigger word such as "
+                                "<mychar>", repr(placeholder),
+                                "the new token is written in captions and prompts"))
+    elif placeholder != placeholder.strip() or any(ch.isspace() for ch in placeholder):
+        problems.append(Problem("textual_inversion.placeholder", "one word without spaces, "
+                                "e.g. <mychar>", repr(placeholder),
+                                "the tokenizer splits text at spaces, so a trigger word "
+                                "with a space could never be read as one token"))
+    if not ti.initializer.strip():
+        problems.append(Problem("textual_inversion.initializer", "a word such as 'person' or "
+                                "'style'", repr(ti.initializer),
+                                "the new vectors start from its embedding"))
+    if config.data.cache_text_encoder_outputs:
+        problems.append(Problem("data.cache_text_encoder_outputs",
+                                "false with TEXTUAL_INVERSION", "true",
+                                "the trained token embedding changes the text encoder's "
+                                "outputs every step"))
     return problems
 
 
@@ -200,7 +240,8 @@ def _check_components(config: Config) -> list[Problem]:
         problems.append(Problem("components.vae.train", "false", "true",
                                 "Tempera trains the denoiser and text encoders, not the VAE"))
     # The VAE is never trained, so training only the VAE also means nothing would be trained.
-    if not any(getattr(config.components, n).train for n in spec.config_keys if n != "vae"):
+    # (TEXTUAL_INVERSION trains the token embeddings whatever the components say.)
+    if config.training.method != TrainingMethod.TEXTUAL_INVERSION and not any(getattr(config.components, n).train for n in spec.config_keys if n != "vae"):
         problems.append(Problem("components", "at least one component with train = true",
                                 "none", "nothing would be trained"))
     return problems

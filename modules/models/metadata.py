@@ -25,7 +25,7 @@ SAI_MODEL_SPEC_VERSION = "1.0.0"
 # diffusers folders and peft-layout LoRAs follow diffusers'.
 IMPL_STABILITY = "https://github.com/Stability-AI/generative-models"
 IMPL_DIFFUSERS = "diffusers"
-KINDS = ("lora", "checkpoint")
+KINDS = ("lora", "checkpoint", "embedding")
 LAYOUTS = ("kohya", "single_file", "diffusers")
 
 def conventions(model_type: ModelType) -> FileConventions:
@@ -36,9 +36,11 @@ def conventions(model_type: ModelType) -> FileConventions:
 
 
 def modelspec_architecture(model_type: ModelType, v_prediction: bool, kind: str) -> str:
-    """The modelspec architecture id, e.g. ``stable-diffusion-v1/lora``."""
+    """The modelspec architecture id, e.g. ``stable-diffusion-v1/lora`` (a textual inversion
+    embedding: ``.../textual-inversion``, modelspec's name)."""
     arch = conventions(model_type).modelspec_architecture(v_prediction)
-    return f"{arch}/lora" if kind == "lora" else arch
+    suffix = {"lora": "/lora", "embedding": "/textual-inversion"}.get(kind, "")
+    return arch + suffix
 
 
 def training_metadata(config_dict: dict, model_type: ModelType, method: Any, kind: str,

@@ -72,6 +72,10 @@ CASES = {
                               "components.text_encoder.train=true"),
     "fine-tune": ("training.method=FINE_TUNE", "training.learning_rate=1e-4"),
     "dataset-caption-dropout": ("data.caption_dropout=0.9", "data.datasets[0].caption_dropout=0.5"),
+    # the embedding rows and their AdamW state; the old rows restored after every step
+    "textual-inversion": ("training.method=TEXTUAL_INVERSION", "textual_inversion.vectors=2",
+                          "textual_inversion.placeholder=<mychar>",
+                          "textual_inversion.initializer=person", "output.formats=diffusers,kohya"),
 }
 
 

@@ -17,7 +17,8 @@ from modules.train.trainer import train
 PRESETS_DIR = Path(__file__).resolve().parents[2] / "training_presets"
 TYPED = sorted(p for p in PRESETS_DIR.glob("*/*.json"))
 EXPECTED_FILES = {"LORA": {"pytorch_lora_weights.safetensors", "lora_kohya.safetensors"},
-                  "FINE_TUNE": {"model.safetensors", "model_index.json"}}
+                  "FINE_TUNE": {"model.safetensors", "model_index.json"},
+                  "TEXTUAL_INVERSION": {"learned_embeds.safetensors", "my-concept.safetensors"}}
 
 
 @pytest.mark.parametrize("preset", TYPED, ids=[f"{p.parent.name}/{p.stem}" for p in TYPED])

@@ -147,8 +147,9 @@ def fix_candidates(config: Config) -> list[str]:
     if t.method == TrainingMethod.FINE_TUNE:
         found.append("training.method=LORA")
     found += [f"training.optimizer={o.value}" for o in OPTIMIZERS if o != t.optimizer]
-    found += [f"components.{name}.train=false" for name in trained_components(config)
-              if name in spec.text_encoders]
+    if t.method != TrainingMethod.TEXTUAL_INVERSION:  # it trains the text encoders' rows
+        found += [f"components.{name}.train=false" for name in trained_components(config)
+                  if name in spec.text_encoders]
     if t.ema:
         found.append("training.ema=false")
     if config.model.weight_dtype == DType.FLOAT32:

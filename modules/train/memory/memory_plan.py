@@ -175,8 +175,9 @@ def plan_from(config: Config, bundle: ModelBundle, params: dict[str, list[nn.Par
     """The plan's lines for a bundle whose trained parameters are `params` (meta or real)."""
     trained_ids = {id(p) for plist in params.values() for p in plist}
     trained = [p for plist in params.values() for p in plist]
-    what = ("trained weights" if config.training.method == TrainingMethod.FINE_TUNE
-            else f"{ADAPTERS[config.training.adapter].label} adapters")
+    what = {TrainingMethod.FINE_TUNE: "trained weights",
+            TrainingMethod.TEXTUAL_INVERSION: "token embeddings (trained whole, new rows kept)",
+            }.get(config.training.method, f"{ADAPTERS[config.training.adapter].label} adapters")
     lines: list[tuple[str, int]] = []
     leaves = text_encoder_leaves_device(config)
     for name, module in bundle.components().items():
@@ -205,6 +206,9 @@ def plan_from(config: Config, bundle: ModelBundle, params: dict[str, list[nn.Par
                   optimizer_state_bytes(config.training.optimizer, trained)))
     if config.training.ema:
         lines.append(("EMA copy of the trained weights", tensor_bytes(trained)))
+    if config.training.method == TrainingMethod.TEXTUAL_INVERSION:
+        # train/recipe/textual_inversion.py: keep_old_rows copies the rows back after each step
+        lines.append(("copy of the token embeddings' old rows", tensor_bytes(trained)))
     if distributed:  # DDP's buckets are a flat copy of the gradients it all-reduces
         lines.append(("DistributedDataParallel gradient buckets", tensor_bytes(trained)))
     return MemoryPlan(tuple(lines))

@@ -218,17 +218,25 @@ def save_weights(bundle: ModelBundle, config: Config, folder: Path, step: int,
     (what the run knows about its data, train/outputs/data_metadata.py) goes into the files that
     carry training metadata.
     """
+    from modules.train.outputs.embedding_files import (write_embedding_a1111,
+                                                       write_embedding_diffusers)
     formats = set(config.output.formats)
     lora = config.training.method == TrainingMethod.LORA
+    embedding = config.training.method == TrainingMethod.TEXTUAL_INVERSION
+    full = not lora and not embedding
     writers = [
         (lora and SaveFormat.DIFFUSERS in formats,
          lambda t: write_lora_diffusers(bundle, config, t, extra_metadata)),
         (lora and SaveFormat.KOHYA in formats, lambda t: write_lora_kohya(bundle, config, t, step, extra_metadata,
                                    replaces=folder, warn=warn)),
-        (not lora and SaveFormat.DIFFUSERS in formats,
+        (full and SaveFormat.DIFFUSERS in formats,
          lambda t: write_full_diffusers(bundle, config, t)),
-        (not lora and SaveFormat.SINGLE_FILE in formats,
+        (full and SaveFormat.SINGLE_FILE in formats,
          lambda t: write_full_single_file(bundle, config, t, step, extra_metadata)),
+        (embedding and SaveFormat.DIFFUSERS in formats,
+         lambda t: write_embedding_diffusers(bundle, config, t, step, extra_metadata)),
+        (embedding and SaveFormat.KOHYA in formats,
+         lambda t: write_embedding_a1111(bundle, config, t, step, extra_metadata)),
     ]
     written: list[Path] = []
 

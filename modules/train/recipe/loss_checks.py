@@ -15,6 +15,8 @@ from modules.model_types import MODEL_TYPES
 from modules.models.families import family_of
 from modules.models.bundle import ModelBundle
 from modules.models.single_file import schedule_markers
+from modules.train.recipe.textual_inversion import (is_textual_inversion, token_problems,
+                                                    tokenizers_by_encoder)
 
 
 def snr_options(config: Config) -> list[tuple[str, str, str]]:
@@ -48,7 +50,8 @@ def family_problems(config: Config) -> list[Problem]:
 def model_problems(config: Config, bundle: ModelBundle) -> list[Problem]:
     """Options the loaded model cannot serve: a timestep range beyond its schedule, zero
     terminal SNR on a model that (with prediction type AUTO) turned out to predict epsilon,
-    or left off for a checkpoint marked as trained with it."""
+    or left off for a checkpoint marked as trained with it; a TEXTUAL_INVERSION token its
+    tokenizers refuse."""
     problems = []
     steps = family_of(bundle.model_type).objective.train_timesteps(bundle)
     if config.loss.max_timestep > steps:
@@ -65,4 +68,6 @@ def model_problems(config: Config, bundle: ModelBundle) -> list[Problem]:
                                 "it carries the ztsnr marker: it was trained on a "
                                 "zero-terminal-SNR schedule, and training it on the plain one "
                                 "would work against that"))
+    if is_textual_inversion(config):  # before anything is written (prepare_run)
+        problems += token_problems(config, tokenizers_by_encoder(bundle))
     return problems

@@ -12,6 +12,7 @@ train/recipe/builders.py) and the guarded compile window (compile/guarded.py).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import time
@@ -63,6 +64,9 @@ from modules.train.recipe.trainable import (apply_denoiser_memory_format,
                                             trained_components, weight_storage_record)
 from modules.train.outputs.saving import hashes_base_model
 from modules.train.recipe.step_inputs import denoiser_input, encode_captions, encode_latents
+from modules.train.recipe.textual_inversion import (is_textual_inversion, keep_old_rows,
+                                                    prompt_with_trigger,
+                                                    textual_inversion_record, with_trigger)
 from modules.util.disk import DiskFull, guarded_write
 from modules.train.recipe.loop import (MicroBatch, backup_due, batches, feeding, mark_boundary,
                                        mark_end, progress_event, refuse_backup,
@@ -124,6 +128,8 @@ class TrainingRecipe:
         trained = trained_components(config)
         params = prepare_trainable(bundle, config)
         record.write(weight_storage=weight_storage_record(bundle, config))
+        if is_textual_inversion(config):
+            record.write(textual_inversion=textual_inversion_record(bundle, config))
         if config.training.gradient_checkpointing:
             enable_gradient_checkpointing(bundle, trained)
         # before the model moves: a text encoder that can leave the device encodes every
@@ -158,6 +164,7 @@ class TrainingRecipe:
 
         # optimizer, precision, compile (then the DDP wrap), EMA, text cache, TensorBoard
         optimizer = build_optimizer(config, params)
+        keep_old_rows(optimizer, bundle, config)  # TEXTUAL_INVERSION: only new rows change
         scaler = (torch.amp.GradScaler(device.type)
                   if config.training.mixed_precision == MixedPrecision.FP16 else None)
         restore_precision, precision = float32_precision(config, device)
@@ -178,7 +185,9 @@ class TrainingRecipe:
                   trained=trained, ema=build_ema(config, params),
                   text_cache=text_cache,
                   forward=forward, restore_precision=restore_precision, lock=lock,
-                  prompts=sample_prompts(config)[0],  # check_inputs read them already
+                  # check_inputs read them already; TEXTUAL_INVERSION's show the trigger word
+                  prompts=[dataclasses.replace(p, text=prompt_with_trigger(config, p.text))
+                           for p in sample_prompts(config)[0]],
                   validator=build_validator(config, prepared.validation))
         run.file_metadata = training_data_metadata(prepared.scan, config)
         if dist.is_main and hashes_base_model(config):
@@ -385,7 +394,8 @@ def forward_loss(run: Run, batch: dict, draws: Draws) -> torch.Tensor:
         noisy, target = noisy_input_and_target(family.objective, run.bundle, latents, noise,
                                                timesteps, draws.perturbation,
                                                options.input_perturbation)
-        captions = drop_captions(batch["caption"], draws.caption_dropout,
+        captions = drop_captions([with_trigger(run.config, c) for c in batch["caption"]],
+                                 draws.caption_dropout,
                                  caption_dropouts(run.config, batch["source"]))
         # under validation's no_grad a trained text encoder builds no graph either
         with torch.set_grad_enabled(run.trains_text_encoder and torch.is_grad_enabled()):

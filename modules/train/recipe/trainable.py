@@ -12,11 +12,17 @@ from modules.models.bundle import TORCH_DTYPES, ModelBundle
 from modules.models.families import family_of
 from modules.models.weight_storage import quiet_torchao_lora, storage_record, store_float8
 from modules.train.recipe.adapters import add_adapter
+from modules.train.recipe.textual_inversion import (add_placeholder_tokens, embedding_parameter,
+                                                    is_textual_inversion, new_row_ids,
+                                                    train_new_rows_only)
 
 
 def trained_components(config: Config) -> list[str]:
-    """Names of the components this run trains, in the model type's order."""
+    """Names of the components this run trains, in the model type's order (TEXTUAL_INVERSION:
+    every text encoder, whose new token rows train, whatever `components` says)."""
     spec = MODEL_TYPES[config.model.type]
+    if is_textual_inversion(config):
+        return list(spec.text_encoders)
     return [n for n in spec.components if getattr(config.components, spec.config_key(n)).train]
 
 
@@ -72,6 +78,8 @@ def weight_storage_record(bundle: ModelBundle, config: Config) -> dict:
 def prepare_trainable(bundle: ModelBundle, config: Config) -> dict[str, list[nn.Parameter]]:
     """Freeze everything, then make the trained parts trainable; return their parameters.
 
+    TEXTUAL_INVERSION adds the trigger word's tokens and trains each text encoder's token
+    embedding, its old rows kept (train/recipe/textual_inversion.py).
     LoRA adds the configured peft adapter in place (train/recipe/adapters.py: LoRA, LoCon, LoHa, LoKr
     or DoRA) so each component keeps its class and its state-dict keys, which the compile
     engine and the savers rely on. Trainable tensors (full weights or adapters) are kept at
@@ -83,6 +91,8 @@ def prepare_trainable(bundle: ModelBundle, config: Config) -> dict[str, list[nn.
     float8 = float8_components(config)
     train_dtype = TORCH_DTYPES[config.model.train_dtype]
     params: dict[str, list[nn.Parameter]] = {}
+    if is_textual_inversion(config):
+        add_placeholder_tokens(bundle, config)
     for name, module in bundle.components().items():
         module.requires_grad_(False)
         if module.dtype != dtypes[name]:
@@ -99,6 +109,11 @@ def prepare_trainable(bundle: ModelBundle, config: Config) -> dict[str, list[nn.
             with quiet_torchao_lora():
                 add_adapter(module, config, denoiser=denoiser,
                             scope=family_of(bundle.model_type).lora_scope if denoiser else None)
+        elif is_textual_inversion(config):
+            if bundle.tokenizers:  # the memory plan's weightless bundle has none
+                train_new_rows_only(module, new_row_ids(bundle, config, name), dtypes[name])
+            else:
+                embedding_parameter(module).requires_grad_(True)
         else:
             module.requires_grad_(True)
         trainable = [p for p in module.parameters() if p.requires_grad]

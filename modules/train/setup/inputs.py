@@ -60,6 +60,8 @@ def estimated_save_bytes(config: Config) -> int:
         spec = MODEL_TYPES[config.model.type]
         model = sum(f.stat().st_size for f in weight_files(path, spec.components))
     formats = max(1, len(config.output.formats))
+    if config.training.method == TrainingMethod.TEXTUAL_INVERSION:  # kilobytes of vectors
+        return MIN_FREE_BYTES
     if config.training.method == TrainingMethod.LORA:
         return max(MIN_FREE_BYTES, int(model * LORA_FRACTION) * formats)
     single = SaveFormat.SINGLE_FILE in config.output.formats
