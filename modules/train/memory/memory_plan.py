@@ -218,7 +218,8 @@ def plan_from(config: Config, bundle: ModelBundle, params: dict[str, list[nn.Par
 def fsdp_shards(config: Config, distributed: bool) -> int:
     """How many processes FSDP shards the trained weights over (1: not sharded). WORLD_SIZE is
     the launchers' contract with the processes they start (train/recipe/distributed.py)."""
-    if not distributed or config.training.distributed_strategy != DistributedStrategy.FSDP:
+    if (not distributed or config.training.distributed_strategy != DistributedStrategy.FSDP
+            or config.training.method != TrainingMethod.FINE_TUNE):  # FSDP refuses adapters
         return 1
     return max(1, int(os.environ.get("WORLD_SIZE", "1")))
 
