@@ -39,6 +39,15 @@ def full_targets(component: str, modules: Sequence[nn.Module]) -> list[nn.Module
     return targets
 
 
+def block_class_name(module: nn.Module) -> str:
+    """The class name a block is matched by: its own, or under FSDP2 (whose `fully_shard`
+    swaps a module's class for a subclass named FSDP<class>) the class it had before."""
+    from torch.distributed.fsdp import FSDPModule
+    if isinstance(module, FSDPModule):
+        return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule)).__name__
+    return type(module).__name__
+
+
 def regional_targets(component: str, modules: Sequence[nn.Module],
                      blocks: Mapping[str, tuple[str, ...]] = REPEATED_BLOCKS) -> list[nn.Module]:
     """Every repeated block of ``component`` (outermost only, in module order)."""
@@ -47,7 +56,7 @@ def regional_targets(component: str, modules: Sequence[nn.Module],
     inside: set[int] = set()  # ids of modules within an already chosen block
     for root in modules:
         for module in root.modules():
-            if type(module).__name__ in names and id(module) not in inside:
+            if block_class_name(module) in names and id(module) not in inside:
                 targets.append(module)
                 inside.update(id(sub) for sub in module.modules())
     return targets

@@ -8,11 +8,13 @@ and `tempera-train --check`) and recorded in run.json (`warnings`).
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from modules.config.field_rules import unused_fields
 from modules.config.introspect import iter_fields
-from modules.config.schema import Adapter, Config, SaveFormat, TrainingMethod
+from modules.config.schema import (Adapter, Config, DistributedStrategy, SaveFormat,
+                                   TrainingMethod)
 
 
 def value_at(config: Any, dotted_path: str) -> Any:
@@ -59,4 +61,15 @@ def config_warnings(config: Config) -> list[str]:
     if (t.method == TrainingMethod.LORA and t.adapter == Adapter.DORA and trains_text
             and SaveFormat.DIFFUSERS in config.output.formats):
         warnings.append(DORA_TEXT_ENCODER)
+    if t.distributed_strategy != DistributedStrategy.DDP and not several_processes():
+        warnings.append(f"training.distributed_strategy is {t.distributed_strategy.value}, "
+                        "but it is not used: this is one process, so nothing is sharded (launch "
+                        "with accelerate launch or torchrun --nproc_per_node N to shard, or set "
+                        "it back to DDP)")
     return warnings
+
+
+def several_processes() -> bool:
+    """Whether a launcher started several processes (WORLD_SIZE is the launchers' documented
+    contract with the processes they start; train/recipe/distributed.py reads it the same)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1

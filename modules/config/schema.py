@@ -48,6 +48,11 @@ class WeightStorage(str, Enum):
     FLOAT8 = "FLOAT8"
 
 
+class DistributedStrategy(str, Enum):
+    DDP = "DDP"
+    FSDP = "FSDP"
+
+
 class PredictionType(str, Enum):
     AUTO = "AUTO"
     EPSILON = "EPSILON"
@@ -385,6 +390,17 @@ class TrainingConfig:
     seed: int = setting(42, label="Seed", group="General", min=0, max=2**32 - 1,
                         on_resume=OnResume.MUST_MATCH,
                         help="Seed for noise, timesteps, shuffling and weight init.")
+    # -- issue 46 item 6: sharding over several processes (docs/cloud.md, "Multi-GPU") --
+    distributed_strategy: DistributedStrategy = setting(
+        DistributedStrategy.DDP, label="Multi-process strategy", group="Training",
+        advanced=True, on_resume=OnResume.MUST_MATCH,
+        help="Only when launched as several processes (accelerate launch / torchrun). DDP: "
+             "every process holds the whole model and the gradients are averaged. FSDP: a "
+             "full fine-tune's trained weights, gradients and optimizer state are split over "
+             "the processes (FSDP2), each repeated block gathered just for its own forward "
+             "and backward, so a model that does not fit one card trains on several. FSDP is "
+             "for training.method FINE_TUNE only; it cannot be combined with EMA, FLOAT16 "
+             "mixed precision, sampling prompts or resume (docs/cloud.md, Multi-GPU).")
 
 
 @dataclass

@@ -21,6 +21,7 @@ from modules.config.schema import (
     Config,
     DataConfig,
     Device,
+    DistributedStrategy,
     LOKR_FACTORS,
     LRScheduler,
     MixedPrecision,
@@ -65,6 +66,7 @@ def validate(config: Config) -> list[Problem]:
     problems += _check_weight_storage(config)
     problems += check_wandb(config.logging)
     problems += _check_textual_inversion(config)
+    problems += _check_distributed_strategy(config)
     return problems
 
 
@@ -155,6 +157,47 @@ def _check_weight_storage(config: Config) -> list[Problem]:
                         "FLOAT8", "pip install torchao (or tempera[memory]), or use "
                         "WEIGHT_DTYPE")]
     return []
+
+
+def _check_distributed_strategy(config: Config) -> list[Problem]:
+    """FSDP shards a full fine-tune; what it cannot be combined with yet, each with why
+    (docs/cloud.md, "Multi-GPU")."""
+    t = config.training
+    if t.distributed_strategy != DistributedStrategy.FSDP:
+        return []
+    path, given = "training.distributed_strategy", "FSDP"
+    if t.method != TrainingMethod.FINE_TUNE:
+        return [Problem(path, "DDP with training.method LORA", given,
+                        f"{t.adapter.value} adapters are small: every process holds them whole "
+                        "and DDP averages their gradients, which is the right tool; FSDP "
+                        "shards a full fine-tune (set training.distributed_strategy=DDP, or "
+                        "training.method=FINE_TUNE)")]
+    problems = []
+    if t.ema:
+        problems.append(Problem(path, "DDP with training.ema", given,
+                                "the EMA keeps a whole copy of every trained weight and reads "
+                                "them unsharded, which FSDP's sharded weights are not; turn "
+                                "training.ema off, or use DDP"))
+    if t.mixed_precision == MixedPrecision.FP16:
+        problems.append(Problem(path, "DDP with training.mixed_precision FP16", given,
+                                "FLOAT16's GradScaler unscales each process's gradient shard "
+                                "alone, so the processes would disagree on skipping a step; "
+                                "use BF16 or NO mixed precision, or DDP"))
+    if config.sampling.prompts or config.sampling.prompts_file:
+        problems.append(Problem(path, "DDP with sampling prompts", given,
+                                "samples are drawn by the main process alone, and sharded "
+                                "weights need every process for each forward; empty "
+                                "sampling.prompts and sampling.prompts_file, or use DDP"))
+    if config.validation.every_steps:
+        problems.append(Problem(path, "DDP with validation", given,
+                                "validation under FSDP is not tested yet; set "
+                                "validation.every_steps to 0, or use DDP"))
+    if t.resume_from:
+        problems.append(Problem(path, "DDP with training.resume_from", given,
+                                "FSDP runs write no backups yet (their state is sharded over "
+                                "the processes), so there is nothing exact to resume from; "
+                                "start anew, or use DDP"))
+    return problems
 
 
 def _check_noise_and_loss(config: Config) -> list[Problem]:

@@ -38,7 +38,7 @@ def train(config: Config, callbacks: TrainerCallbacks | None = None,
           commands: TrainerCommands | None = None) -> RunResult:
     """Validate, prepare and run one training; raise ConfigError before anything is written."""
     commands = commands or TrainerCommands()
-    dist = init_distributed(config.general.device)
+    dist = init_distributed(config.general.device, config.training.distributed_strategy)
     if not dist.is_main:  # one rank reports; the others train quietly
         callbacks = None
     callbacks = callbacks or NullCallbacks()

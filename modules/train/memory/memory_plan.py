@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,8 @@ from torch import nn
 
 from modules.config.adapters import ADAPTERS
 from modules.config.optimizers import OPTIMIZERS
-from modules.config.schema import Config, ModelType, Optimizer, TrainingMethod
+from modules.config.schema import (Config, DistributedStrategy, ModelType, Optimizer,
+                                   TrainingMethod)
 from modules.model_types import MODEL_TYPES
 from modules.models.bundle import ModelBundle
 from modules.models.sd_folder import component_classes
@@ -200,6 +202,9 @@ def plan_from(config: Config, bundle: ModelBundle, params: dict[str, list[nn.Par
         if params.get(name):
             lines.append((f"{name} {what} ({describe_tensors(params[name])})",
                           tensor_bytes(params[name])))
+    shards = fsdp_shards(config, distributed)
+    if shards > 1:  # FSDP: each process holds its shard of what is trained
+        return MemoryPlan(tuple(sharded_lines(config, bundle, params, lines, shards)))
     lines.append(("gradients of the trained weights", tensor_bytes(trained)))
     row = OPTIMIZERS[config.training.optimizer]
     lines.append((f"optimizer state ({row.label}: {', '.join(row.state)} per weight)",
@@ -212,6 +217,64 @@ def plan_from(config: Config, bundle: ModelBundle, params: dict[str, list[nn.Par
     if distributed:  # DDP's buckets are a flat copy of the gradients it all-reduces
         lines.append(("DistributedDataParallel gradient buckets", tensor_bytes(trained)))
     return MemoryPlan(tuple(lines))
+
+
+def fsdp_shards(config: Config, distributed: bool) -> int:
+    """How many processes FSDP shards the trained weights over (1: not sharded). WORLD_SIZE is
+    the launchers' contract with the processes they start (train/recipe/distributed.py)."""
+    if (not distributed or config.training.distributed_strategy != DistributedStrategy.FSDP
+            or config.training.method != TrainingMethod.FINE_TUNE):  # FSDP refuses adapters
+        return 1
+    return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+
+
+def shard_of(tensor: torch.Tensor, shards: int) -> torch.Tensor:
+    """A meta tensor of the shape FSDP2 gives rank 0's shard of `tensor` (dim 0 split in
+    `shards` chunks, the first ones the largest): the most any rank holds."""
+    if tensor.dim() == 0:
+        return torch.empty((), dtype=tensor.dtype, device="meta")
+    rows = -(-tensor.shape[0] // shards)
+    return torch.empty((rows, *tensor.shape[1:]), dtype=tensor.dtype, device="meta")
+
+
+def sharded_lines(config: Config, bundle: ModelBundle, params: dict[str, list[nn.Parameter]],
+                  lines: list[tuple[str, int]], shards: int) -> list[tuple[str, int]]:
+    """`lines` with the trained weights, their gradients and the optimizer state divided over
+    `shards` processes (FSDP), plus what is gathered whole while it runs: the trained
+    component's own weights outside its repeated blocks (the root stays gathered through
+    the forward) and the largest block twice (the one running and the next, prefetched)."""
+    from modules.compile.regions import regional_targets
+    from modules.train.recipe.compile_guard import component_blocks
+    trained = [p for plist in params.values() for p in plist]
+    local = [shard_of(p, shards) for p in trained]
+    out = []
+    for label, size in lines:
+        name = next((n for n in params if label.startswith(f"{n} ") and params[n]), None)
+        if name is not None and size == tensor_bytes(params[name]):
+            own = [shard_of(p, shards) for p in params[name]]
+            label = f"{label}, sharded over {shards} processes (FSDP)"
+            size = tensor_bytes(own)
+        out.append((label, size))
+    out.append((f"gradients of the trained weights, sharded over {shards} processes",
+                tensor_bytes(local)))
+    row = OPTIMIZERS[config.training.optimizer]
+    out.append((f"optimizer state ({row.label}: {', '.join(row.state)} per weight), sharded "
+                f"over {shards} processes", optimizer_state_bytes(config.training.optimizer,
+                                                                   local)))
+    blocks = component_blocks(bundle)
+    in_flight = 0
+    for name, plist in params.items():
+        if not plist:
+            continue
+        module = bundle.component(name)
+        found = regional_targets(name, [module], blocks) if name in blocks else []
+        sizes = [tensor_bytes([p for p in b.parameters() if p.requires_grad]) for b in found]
+        in_block = {id(p) for b in found for p in b.parameters()}
+        root = tensor_bytes([p for p in plist if id(p) not in in_block])
+        in_flight = max(in_flight, root + 2 * max(sizes, default=0))
+    out.append(("gathered whole while they run (FSDP): the component's weights outside its "
+                "blocks and its largest block twice (running and prefetched)", in_flight))
+    return out
 
 
 def describe_tensors(tensors: Sequence[torch.Tensor]) -> str:

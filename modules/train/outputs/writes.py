@@ -4,9 +4,10 @@ several processes. The recipe (train/recipe/recipe.py) calls them when they are 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
 
@@ -14,13 +15,14 @@ from modules.compile import COMPONENTS as COMPILE_COMPONENTS
 from modules.config.optimizers import OPTIMIZERS
 from modules.train.recipe.builders import optimizer_scalars
 from modules.train.outputs.checkpoints import checkpoints_folder, rotate_checkpoints
-from modules.train.recipe.distributed import parameter_checksum
+from modules.train.recipe.distributed import local_tensor, parameter_checksum
 from modules.train.memory.memory_plan import optimizer_state_bytes, tensor_bytes
 from modules.train.state.resume_offer import saved_step
 from modules.train.state.run import Run
 from modules.train.outputs.sampling import sample_images
 from modules.train.outputs.metrics import start_wandb
 from modules.train.outputs.saving import save_weights
+from modules.models.bundle import ModelBundle
 from modules.util.disk import guarded_write
 
 
@@ -108,7 +110,12 @@ def distributed_summary(run: Run) -> dict:
     ran = [name for name, r in run.guard.report().items() if r.get("compiled_code_ran")]
     ran_everywhere = {name: all(run.dist.gather(1.0 if name in ran else 0.0))
                       for name in COMPILE_COMPONENTS}
-    return {"world_size": run.dist.world_size, "backend": run.dist.backend,
+    summary: dict[str, object] = {"strategy": run.dist.strategy.value}
+    if run.dist.sharded:  # what each rank holds of the trained weights
+        summary["shards"] = run.dist.world_size
+        summary["shard_bytes"] = run.dist.gather(float(sum(
+            local_tensor(p).numel() * p.element_size() for p in run.all_params())))
+    return {**summary, "world_size": run.dist.world_size, "backend": run.dist.backend,
             "data_parallel": {name: type(module).__name__
                               for name, module in run.forward.items()},
             "ranks_in_sync": max(checksums) - min(checksums) <= 1e-6 * max(1.0, abs(checksums[0])),
@@ -143,6 +150,8 @@ def save_checkpoint(run: Run, name: str) -> None:
     """Save checkpoints/<name>/ (the weights at this step), then remove the oldest ones beyond
     `output.keep_checkpoints`; run.json lists each kept checkpoint with its step and epoch."""
     if not run.dist.is_main:
+        if run.dist.sharded:  # every rank gathers the sharded weights; rank 0 writes them
+            save_weights_into(run, checkpoints_folder(run.output_dir) / name)
         return
     save_weights_into(run, checkpoints_folder(run.output_dir) / name)
     listed = dict(run.record.data.get("checkpoints", {}))
@@ -181,12 +190,16 @@ def save_final(run: Run) -> bool:
 
 
 def save_weights_into(run: Run, folder: Path) -> None:
-    """Save the (averaged) weights into `folder` (the main process only), listed in run.json."""
-    if not run.dist.is_main:
+    """Save the (averaged) weights into `folder` (the main process only), listed in run.json.
+    Sharded (FSDP) weights are gathered whole first, which every process takes part in."""
+    if not run.dist.is_main and not run.dist.sharded:
         return
     run.callbacks.on_status(f"saving {folder.name} at step {run.step}")
     with averaged_weights(run):
-        written = guarded_write(lambda: save_weights(run.bundle, run.config, folder,
+        bundle = gathered_bundle(run)
+        if not run.dist.is_main:
+            return
+        written = guarded_write(lambda: save_weights(bundle, run.config, folder,
                                                      run.step, run.file_metadata,
                                                      warn=run.callbacks.on_status),
                                 folder, backup_bytes(run))
@@ -194,3 +207,40 @@ def save_weights_into(run: Run, folder: Path) -> None:
         run.record.add_file(path)
     run.record.write(step=run.step)
     run.callbacks.on_saved(folder, run.step)
+
+
+def gathered_bundle(run: Run) -> ModelBundle:
+    """The bundle with whole weights: itself, or under FSDP (on rank 0) a copy whose sharded
+    components are rebuilt on the CPU from their gathered full state dict (every rank takes
+    part in the gathering; the other ranks get the bundle back as it is). The copy costs one
+    whole component in CPU memory while it is saved."""
+    if not run.dist.sharded:
+        return run.bundle
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.fsdp import FSDPModule
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    whole: dict[str, Any] = {}  # diffusers' ModelMixin or transformers' PreTrainedModel
+    for name, module in run.bundle.components().items():
+        if not isinstance(module, FSDPModule):
+            continue
+        state = get_model_state_dict(cast(torch.nn.Module, module), options=options)  # collective
+        if run.dist.is_main:
+            whole[name] = unsharded_copy(cast(torch.nn.Module, module), state)
+    if not run.dist.is_main:
+        return run.bundle
+    denoiser = whole.pop(run.bundle.denoiser_name, run.bundle.denoiser)
+    encoders = {name: whole.get(name, encoder)
+                for name, encoder in run.bundle.text_encoders.items()}
+    return dataclasses.replace(run.bundle, denoiser=denoiser, text_encoders=encoders)
+
+
+def unsharded_copy(module: torch.nn.Module, state: dict[str, Any]) -> torch.nn.Module:
+    """A plain (unsharded) module of `module`'s own class, built from its config on the CPU,
+    holding `state` (its tensors assigned, so each keeps the dtype it was trained at)."""
+    from torch.distributed.fsdp import FSDPModule
+    cls: Any = next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
+    config = getattr(module, "config")
+    copy = cls.from_config(config) if hasattr(cls, "from_config") else cls(config)
+    copy.load_state_dict(state, assign=True)
+    return copy.eval()

@@ -65,6 +65,15 @@ def compile_plans(config: Config,
     return build_plan(config.compile, compile_facts(config, caps))
 
 
+def component_blocks(bundle: ModelBundle) -> dict[str, tuple[str, ...]]:
+    """Per bundle component (its own name: "unet", "text_encoder_2"), the class names of the
+    repeated blocks REGIONAL compiles: what FSDP shards one by one (train/recipe/distributed.py)."""
+    blocks = {bundle.denoiser_name: family_of(bundle.model_type).repeated_blocks}
+    for name in bundle.text_encoders:
+        blocks[name] = REPEATED_BLOCKS["text_encoder"]
+    return blocks
+
+
 def build_compile_guard(config: Config, bundle: ModelBundle, device: torch.device,
                         params: dict, trained: list[str],
                         callbacks: TrainerCallbacks) -> CompileEngine:

@@ -8,17 +8,27 @@ alone writes files (config, run record, samples, checkpoints, TensorBoard).
 
 The wrappers only route the training forward: the model bundle keeps the unwrapped modules, so
 saving, sampling and state-dict keys are the same as in a single process.
+
+With `training.distributed_strategy=FSDP` (a full fine-tune that does not fit one card) each
+trained component is sharded instead, with FSDP2's `fully_shard` in the order torch documents:
+every repeated block (the REGIONAL compile targets) first, then the component itself, and only
+then compiled (`shard_trained` runs before the compile engine) and handed to the optimizer
+(sharding replaces the parameters with DTensors). Each process keeps 1/world_size of the trained
+weights, their gradients and the optimizer state; a block's weights are gathered for its
+forward and backward and freed after. Full weights exist only when saving (`full_state_dict`,
+gathered by every process, written by rank 0).
 """
 from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from modules.config.schema import Device
+from modules.config.schema import Device, DistributedStrategy
 
 
 @dataclass
@@ -27,6 +37,12 @@ class Distributed:
     world_size: int = 1
     backend: str | None = None
     device: torch.device | None = None
+    strategy: DistributedStrategy = DistributedStrategy.DDP
+
+    @property
+    def sharded(self) -> bool:
+        """FSDP with several processes: the trained weights are split over the ranks."""
+        return self.enabled and self.strategy == DistributedStrategy.FSDP
 
     @property
     def is_main(self) -> bool:
@@ -51,6 +67,29 @@ class Distributed:
             if self.is_main:
                 self.barrier()
 
+    def shard_trained(self, modules: dict[str, nn.Module],
+                      blocks: Mapping[str, tuple[str, ...]]) -> list[str]:
+        """FSDP: `fully_shard` each trained component's repeated blocks, then the component
+        (frozen components stay whole on every rank). Call before compiling and before the
+        optimizer is built: the parameters become DTensors. Returns the sharded components."""
+        if not self.sharded:
+            return []
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        from modules.compile.regions import regional_targets
+        device_type = self.device.type if self.device is not None else "cpu"
+        mesh = init_device_mesh(device_type, (self.world_size,))
+        sharded = []
+        for name, module in modules.items():
+            if not any(p.requires_grad for p in module.parameters()):
+                continue
+            for block in regional_targets(name, [module], blocks) if name in blocks else []:
+                fully_shard(block, mesh=mesh)
+            fully_shard(module, mesh=mesh)
+            sharded.append(name)
+        return sharded
+
     def wrap_trained(self, modules: dict[str, nn.Module]) -> dict[str, nn.Module]:
         """The modules the training step calls: each trained one in DistributedDataParallel.
 
@@ -59,7 +98,7 @@ class Distributed:
         told about; the UNet uses every trained weight, and skipping the search saves a graph
         walk per step. Buffers (position ids) never change, so they are not re-broadcast.
         """
-        if not self.enabled:
+        if not self.enabled or self.sharded:  # FSDP modules are their own wrappers
             return dict(modules)
         from torch.nn.parallel import DistributedDataParallel
         device = self.device
@@ -77,7 +116,13 @@ class Distributed:
     @contextlib.contextmanager
     def gradient_sync(self, modules: dict[str, nn.Module], sync: bool):
         """Skip DDP's gradient exchange on micro-batches that do not close an accumulation
-        window (the gradients accumulate locally and are averaged once, on the closing one)."""
+        window (the gradients accumulate locally and are averaged once, on the closing one).
+
+        FSDP components sync on every micro-batch, on purpose: its counterpart of no_sync,
+        `set_requires_gradient_sync(False)`, keeps every block's gradients unsharded on every
+        rank until the window closes, a whole model's gradients per process, which is what
+        sharding is there to avoid. Reduce-scattering each micro-batch keeps only the shard
+        (the sum over the window is the same up to the order of the float additions)."""
         with contextlib.ExitStack() as stack:
             if not sync:
                 from torch.nn.parallel import DistributedDataParallel
@@ -119,20 +164,46 @@ def launched_distributed() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
-def init_distributed(device_setting: Device) -> Distributed:
+def init_distributed(device_setting: Device,
+                     strategy: DistributedStrategy = DistributedStrategy.DDP) -> Distributed:
     """Join the launcher's process group through Accelerate, or run as a single process."""
     if not launched_distributed():
-        return Distributed()
+        return Distributed(strategy=strategy)
     from accelerate import PartialState
     cpu = device_setting == Device.CPU or not torch.cuda.is_available()
     state = PartialState(cpu=cpu)
     return Distributed(state.process_index, state.num_processes, str(state.backend),
-                       state.device)
+                       state.device, strategy)
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's whole value (a collective: every rank calls it); a plain tensor as it is."""
+    from torch.distributed.tensor import DTensor
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor; a plain tensor as it is."""
+    from torch.distributed.tensor import DTensor
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def clip_sharded_gradients(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """FSDP's gradient clipping: the total norm over every rank's gradient shards (the norm
+    one process holding the whole gradients gets; a collective), and each shard scaled by the
+    same factor when `max_norm` is set. Returns the norm as a plain tensor."""
+    norm = full_tensor(torch.nn.utils.get_total_norm(
+        [p.grad for p in params if p.grad is not None]))
+    if max_norm:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm
 
 
 def parameter_checksum(params: list[torch.nn.Parameter]) -> float:
-    """A float64 sum over every trained weight: equal on every rank when they are in sync."""
+    """A float64 sum over every trained weight: equal on every rank when they are in sync.
+    Sharded (FSDP) weights are summed whole, so every rank must call it."""
     if not params:
         return 0.0
     with torch.no_grad():  # summed on the device, read once
-        return float(torch.stack([p.detach().double().sum() for p in params]).sum().item())
+        return float(torch.stack([full_tensor(p.detach()).double().sum()
+                                  for p in params]).sum().item())

@@ -37,8 +37,8 @@ from modules.train.outputs.checkpoints import due_checkpoint
 from modules.models.model_hash import base_model_hashes
 from modules.paths import cache_dir_for
 from modules.train.outputs.data_metadata import training_data_metadata
-from modules.train.recipe.compile_guard import build_compile_guard
-from modules.train.recipe.distributed import Distributed
+from modules.train.recipe.compile_guard import build_compile_guard, component_blocks
+from modules.train.recipe.distributed import Distributed, clip_sharded_gradients
 from modules.train.recipe.objectives import (caption_dropouts, diffusion_loss, drop_captions,
                                              elementwise_loss, multires_noise,
                                              noise_offset_strength, noisy_input_and_target,
@@ -142,6 +142,13 @@ class TrainingRecipe:
                 # keeps the unbound signature, so mypy reads `device` as `self`
                 module.to(device)  # type: ignore[arg-type]  # see above
         apply_denoiser_memory_format(bundle, config)
+        # FSDP: shard each trained component block by block, then compile (below) and build
+        # the optimizer over the sharded parameters (DTensors replace the originals)
+        sharded = dist.shard_trained({name: bundle.component(name) for name in trained},
+                                     component_blocks(bundle))
+        if sharded:
+            params = {name: [p for p in bundle.component(name).parameters() if p.requires_grad]
+                      for name in params}
 
         # the data, and the step budget counted on the one batch sampler training uses
         try:
@@ -311,6 +318,12 @@ class TrainingRecipe:
     def save_backup(self, reason: str) -> Path | None:
         """Write a backup at the last step boundary (once per step; the main process only)."""
         run, boundary = self.built_run, self.built_run.boundary
+        if run.dist.sharded:  # the state is sharded over the ranks: not written yet
+            if run.dist.is_main and "backups" not in run.record.data:
+                run.callbacks.on_status(f"no backup ({reason}): FSDP runs write no backups yet")
+                run.record.write(backups="not written: FSDP runs write no backups yet "
+                                         "(docs/cloud.md, Multi-GPU)")
+            return None
         if (not run.dist.is_main or boundary is None
                 or boundary.training["step"] in (0, run.last_backup_step,
                                                  run.refused_backup_step)):
@@ -416,6 +429,8 @@ def gradient_norm(run: Run) -> torch.Tensor:
         run.scaler.unscale_(run.optimizer)
     params = run.all_params()
     max_norm = run.config.training.max_grad_norm
+    if run.dist.sharded:
+        return clip_sharded_gradients(params, max_norm)
     if max_norm:
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
     return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])

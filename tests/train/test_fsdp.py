@@ -1,0 +1,175 @@
+"""FSDP (training.distributed_strategy=FSDP): a full fine-tune sharded over 2 gloo processes on
+the CPU, launched by torchrun as `accelerate launch` would; what it refuses and why."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from modules.config import Config, apply_overrides
+from modules.config.caveats import config_warnings
+from modules.config.loader import from_dict
+from modules.config.validate import validate
+from tests.child_env import with_repo_on_pythonpath
+from tests.train.test_distributed import REPO, run_torchrun
+
+FSDP_RUN = {
+    "data": {"resolution": 64},
+    "training": {"method": "FINE_TUNE", "distributed_strategy": "FSDP", "max_steps": 2,
+                 "batch_size": 2, "gradient_accumulation": 2, "learning_rate": 1e-4,
+                 "max_grad_norm": 1.0},
+    "compile": {"backend": "AOT_EAGER", "scope": "REGIONAL", "unet": True},
+    "sampling": {"prompts": []},
+    "logging": {"tensorboard": False},
+    "output": {"dir": "out", "save_every_steps": 1},
+}
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory, tempera_cache) -> Path:
+    """One 2-process FSDP run (2 steps of 2 micro-batches, AOT_EAGER REGIONAL) read by the
+    tests below; about 55 s on 2 idle cores, the cost of two processes loading and compiling
+    the tiny UNet (the 2-process DDP tests cost the same)."""
+    folder = tmp_path_factory.mktemp("fsdp")
+    settings = {**FSDP_RUN, "general": {"cache_dir": str(tempera_cache), "device": "CPU"}}
+    result = run_torchrun(folder, settings, port=29541)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("finished: 2 steps") == 2  # each rank reports its exit
+    return folder / "out"
+
+
+def record_of(out: Path) -> dict:
+    return json.loads((out / "run.json").read_text())
+
+
+@pytest.mark.timeout(600)
+def test_fsdp_trains_in_sync_and_saves_whole_weights(fsdp_run):
+    record = record_of(fsdp_run)
+    dist = record["distributed"]
+    assert dist["strategy"] == "FSDP" and dist["shards"] == 2 and dist["world_size"] == 2
+    assert dist["data_parallel"] == {"unet": "FSDPUNet2DConditionModel"}
+    assert dist["ranks_in_sync"], dist["weight_checksums"]
+    assert dist["compiled_code_ran_on_all_ranks"]["unet"]
+    assert record["steps_done"] == 2 and len(record["losses"]) == 2
+    assert record["backups"].startswith("not written: FSDP")
+    assert not (fsdp_run / "backups").exists()
+    # final/ holds the gathered (whole) UNet: it loads with diffusers and its weights are the
+    # ones both ranks summed (the checksum gathers every shard)
+    from diffusers import UNet2DConditionModel
+    unet = UNet2DConditionModel.from_pretrained(fsdp_run / "final" / "unet")
+    total = sum(float(p.detach().double().sum()) for p in unet.parameters())
+    assert total == pytest.approx(dist["weight_checksums"][0], rel=1e-9)
+    # a checkpoint during training is gathered the same way (both ranks take part)
+    assert sorted(record["checkpoints"]) == ["step-000001"]  # step 2 is final/
+    first = UNet2DConditionModel.from_pretrained(fsdp_run / "checkpoints" / "step-000001" / "unet")
+    assert sum(float(p.detach().double().sum()) for p in first.parameters()) != total
+
+
+def test_sharded_blocks_stay_regionally_compiled(fsdp_run):
+    """REGIONAL still finds each block after FSDP renamed its class (FSDP<class>), and nothing
+    recompiles after the first step (tests/train/fsdp_worker.py compares graphs and breaks
+    with an unsharded compile)."""
+    sharded = record_of(fsdp_run)["compile"]["unet"]
+    assert sharded["scope"] == "REGIONAL" and sharded["degraded"] is None
+    assert sharded["late_recompiles"] == 0 and sharded["fallbacks"] == []
+
+
+def test_memory_plan_divides_what_fsdp_shards(fsdp_run, monkeypatch):
+    """The plan's per-process figures for the sharded weights and gradients are the bytes of
+    the largest local shard the ranks held (DTensor.to_local())."""
+    from modules.train.memory.memory_plan import plan_memory
+    from modules.paths import cache_dir_for
+    from modules.train.setup.prepare import resolve_model_path
+    config = from_dict(json.loads((fsdp_run / "config.json").read_text()))
+    model = resolve_model_path(config.model.path, cache_dir_for(config.general.cache_dir))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    lines = dict(plan_memory(config, model, distributed=True).lines)
+    shard = max(record_of(fsdp_run)["distributed"]["shard_bytes"])
+    weights = next(size for label, size in lines.items()
+                   if label.startswith("unet trained weights") and "sharded over 2" in label)
+    assert weights == shard
+    assert lines["gradients of the trained weights, sharded over 2 processes"] == shard
+    assert not any("DistributedDataParallel" in label for label in lines)
+    monkeypatch.setenv("WORLD_SIZE", "1")  # one process: nothing divided
+    whole = dict(plan_memory(config, model, distributed=False).lines)
+    assert whole["gradients of the trained weights"] > 1.9 * shard
+
+
+@pytest.mark.timeout(300)
+def test_sharded_gradients_and_compile_equal_one_process(tmp_path):
+    """tests/train/fsdp_worker.py on 2 ranks: clip_sharded_gradients over DTensor shards gives
+    the norm and the clipped gradients of the unsharded module, and the tiny UNet's two REGIONAL
+    block classes compiled after sharding make the same graphs as unsharded, with no graph
+    break and nothing new on the second pass. About 20 s: 2 processes importing torch and
+    diffusers and compiling two blocks twice."""
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    assert torchrun
+    result = subprocess.run(
+        [torchrun, "--nproc_per_node", "2", "--master_port", "29542",
+         str(REPO / "tests" / "train" / "fsdp_worker.py")],
+        cwd=tmp_path, env={**with_repo_on_pythonpath(), "OMP_NUM_THREADS": "1"},
+        capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = json.loads(result.stdout.strip().splitlines()[-1])
+    assert found["norm"] == pytest.approx(found["reference"], rel=1e-6)
+    assert found["norm"] > 0.01  # so the clipping scaled every gradient
+    assert found["max_clipped_difference"] <= 1e-7
+    assert found["sharded_blocks"] == 2
+    assert found["local_bytes"] < found["whole_bytes"]
+    sharded, unsharded = found["compile_sharded"], found["compile_unsharded"]
+    assert sharded == unsharded
+    assert sharded["graphs"] == 2  # one per block class: no break splits a block
+    assert sharded["graph_breaks"] == 0 and sharded["graphs_after_first_pass"] == 0
+
+
+def fsdp(*overrides: str) -> Config:
+    return apply_overrides(Config(), ["training.distributed_strategy=FSDP",
+                                      "sampling.prompts=[]", *overrides])
+
+
+@pytest.mark.parametrize("overrides, expected, fix", [
+    ((), "DDP with training.method LORA", "training.method=FINE_TUNE"),
+    (("training.method=FINE_TUNE", "training.ema=true"), "DDP with training.ema",
+     "turn training.ema off"),
+    (("training.method=FINE_TUNE", "training.mixed_precision=FP16"),
+     "DDP with training.mixed_precision FP16", "use BF16"),
+    (("training.method=FINE_TUNE", "sampling.prompts=[\"a red circle\"]"),
+     "DDP with sampling prompts", "empty sampling.prompts"),
+    (("training.method=FINE_TUNE", "validation.every_steps=5"), "DDP with validation",
+     "validation.every_steps to 0"),
+    (("training.method=FINE_TUNE", "training.resume_from=latest"),
+     "DDP with training.resume_from", "start anew"),
+])
+def test_fsdp_refuses_what_it_cannot_combine_with(overrides, expected, fix):
+    problems = [p for p in validate(fsdp(*overrides))
+                if p.path == "training.distributed_strategy"]
+    assert [p.expected for p in problems] == [expected]
+    assert fix in problems[0].message
+
+
+def test_lora_adapters_are_refused_with_why_ddp_fits_them():
+    for adapter in ("LOKR", "LOHA"):
+        [problem] = [p for p in validate(fsdp(f"training.adapter={adapter}"))
+                     if p.path == "training.distributed_strategy"]
+        assert f"{adapter} adapters are small" in problem.message
+        assert "DDP" in problem.message
+
+
+def test_a_fine_tune_under_fsdp_validates():
+    assert not [p for p in validate(fsdp("training.method=FINE_TUNE"))
+                if p.path == "training.distributed_strategy"]
+
+
+def test_fsdp_in_one_process_warns_that_it_does_nothing(monkeypatch):
+    config = fsdp("training.method=FINE_TUNE")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    [warning] = [w for w in config_warnings(config) if "distributed_strategy" in w]
+    assert "not used: this is one process" in warning and "torchrun" in warning
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert not [w for w in config_warnings(config) if "distributed_strategy" in w]
+    assert not [w for w in config_warnings(fsdp("training.distributed_strategy=DDP"))
+                if "distributed_strategy" in w]
