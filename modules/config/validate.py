@@ -166,6 +166,11 @@ def _check_distributed_strategy(config: Config) -> list[Problem]:
     if t.distributed_strategy != DistributedStrategy.FSDP:
         return []
     path, given = "training.distributed_strategy", "FSDP"
+    if t.method == TrainingMethod.TEXTUAL_INVERSION:
+        return [Problem(path, "DDP with training.method TEXTUAL_INVERSION", given,
+                        "textual inversion trains a few rows of the token embedding: every "
+                        "process holds them whole and DDP averages their gradients; FSDP "
+                        "shards a full fine-tune (set training.distributed_strategy=DDP)")]
     if t.method != TrainingMethod.FINE_TUNE:
         return [Problem(path, "DDP with training.method LORA", given,
                         f"{t.adapter.value} adapters are small: every process holds them whole "

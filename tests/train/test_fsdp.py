@@ -159,6 +159,12 @@ def test_lora_adapters_are_refused_with_why_ddp_fits_them():
         assert "DDP" in problem.message
 
 
+def test_textual_inversion_is_refused_with_why_ddp_fits_it():
+    [problem] = [p for p in validate(fsdp("training.method=TEXTUAL_INVERSION"))
+                 if p.path == "training.distributed_strategy"]
+    assert "rows of the token embedding" in problem.message and "DDP" in problem.message
+
+
 def test_a_fine_tune_under_fsdp_validates():
     assert not [p for p in validate(fsdp("training.method=FINE_TUNE"))
                 if p.path == "training.distributed_strategy"]
