@@ -38,6 +38,7 @@ from modules.paths import cache_dir_for
 from modules.train.outputs.data_metadata import training_data_metadata
 from modules.train.recipe.compile_guard import build_compile_guard
 from modules.train.recipe.distributed import Distributed
+from modules.train.recipe.placement import borrowed, components_off_device, placement_record
 from modules.train.recipe.objectives import (caption_dropouts, diffusion_loss, drop_captions,
                                              elementwise_loss, multires_noise,
                                              noise_offset_strength, noisy_input_and_target,
@@ -128,21 +129,25 @@ class TrainingRecipe:
         # before the model moves: a text encoder that can leave the device encodes every
         # caption alone on it, then stays on the CPU
         text_cache = text_encoder_cache(prepared, bundle, device, callbacks)
-        offloaded = text_cache is not None and text_cache.encoder_device() != device
-        for name, module in bundle.components().items():
-            if not (offloaded and name in bundle.text_encoders):
-                # transformers' PreTrainedModel.to is @wraps(nn.Module.to): typeshed's _Wrapped
-                # keeps the unbound signature, so mypy reads `device` as `self`
-                module.to(device)  # type: ignore[arg-type]  # see above
-        apply_denoiser_memory_format(bundle, config)
+        off = components_off_device(config)  # the text encoders have left already
+        record.write(placement=placement_record(config, device))
 
-        # the data, and the step budget counted on the one batch sampler training uses
+        # the data, and the step budget counted on the one batch sampler training uses; the
+        # latents are cached with the VAE alone on the device (the denoiser comes after), and
+        # a VAE that leaves the device (placement.py) goes back to the CPU when they are
         try:
-            dataset = build_dataset(prepared, callbacks, lambda: commands.stop_requested)
+            with borrowed({"vae": bundle.vae} if config.data.cache_latents else {}, device):
+                dataset = build_dataset(prepared, callbacks, lambda: commands.stop_requested)
         except StopRequested:
             # no step was trained: nothing to back up; a resumed run's backups stay as they were
             record.write(status="stopped", stopped_during="latent caching")
             raise
+        for name, module in bundle.components().items():
+            if name not in off:
+                # transformers' PreTrainedModel.to is @wraps(nn.Module.to): typeshed's _Wrapped
+                # keeps the unbound signature, so mypy reads `device` as `self`
+                module.to(device)  # type: ignore[arg-type]  # see above
+        apply_denoiser_memory_format(bundle, config)
         buckets = item_buckets(config, dataset)  # None when data.aspect_buckets is off
         batches = epoch_batch_sampler(len(dataset), config.training.batch_size,
                                       config.training.seed, rank=dist.rank,
