@@ -81,9 +81,9 @@ def borrowed(modules: dict[str, nn.Module], device: torch.device) -> Iterator[No
     homes = {name: text_cache.module_device(m) for name, m in modules.items()}
     moved = {name: m for name, m in modules.items() if not text_cache.is_on(m, device)}
     for module in moved.values():
-        module.to(device)  # type: ignore[arg-type]  # transformers' @wraps'd `to` (recipe.py)
+        module.to(device)
     try:
         yield
     finally:
         for name, module in moved.items():
-            module.to(homes[name])  # type: ignore[arg-type]  # as above
+            module.to(homes[name])

@@ -110,8 +110,9 @@ class TrainingRecipe:
         return self.run
 
     def _build(self, lock: OutputLock | None) -> Run:
-        """`setup`'s body, in the order the run depends on: the record first, the weights on
-        the device before the latent cache, compile before the DDP wrap, the state last."""
+        """`setup`'s body, in the order the run depends on: the record first, the captions
+        and latents cached (each encoder alone on the device) before the rest of the weights
+        move there, compile before the DDP wrap, the state last."""
         prepared, callbacks, dist, commands = (self.prepared, self.callbacks, self.dist,
                                                self.commands)
         config, bundle = prepared.config, prepared.bundle
