@@ -235,3 +235,20 @@ def test_the_refusal_and_check_offer_the_caching_lever(tiny_config, monkeypatch)
     with pytest.raises(ConfigError) as caught:
         memory_check.check_memory(config, path, torch.device("cpu"))
     assert f"--set {lever} saves {gib(saved)}" in str(caught.value)
+
+
+def test_a_float8_stored_text_encoder_has_an_identity(tempera_cache):
+    """The 8 GB and 16 GB presets cache captions of float8-stored encoders: the text store's
+    key reads a float8 weight's values and scales (it cannot be flattened), and differs from
+    the bf16 encoder's (its embeddings differ)."""
+    pytest.importorskip("torchao")
+    from modules.models.tiny import ensure_builtin_model
+    from modules.models.weight_storage import store_float8
+    folder = ensure_builtin_model("builtin:tiny-sd15", tempera_cache)
+    bundle = family_of(ModelType.SD15).load_folder(folder, PredictionType.AUTO, torch.bfloat16)
+    encoder = bundle.text_encoders["text_encoder"]
+    encoder.requires_grad_(False)
+    plain = encoder_identity(bundle)
+    assert store_float8(encoder) > 0
+    assert encoder_identity(bundle) != plain
+    assert encoder_identity(bundle) == encoder_identity(bundle)
