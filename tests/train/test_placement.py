@@ -115,7 +115,10 @@ class Recorder:
 @pytest.fixture(scope="module")
 def cached_run(tmp_path_factory, tempera_cache):
     """One real run on the tiny SD 1.5 with latents and captions cached: 2 steps, validation
-    after step 2, one sample at the end (about 10 s: setup, caching and the sampling pass)."""
+    after step 2, one sample at the end. Over 10 s (76 s measured on the shared 2-core machine
+    under load, building the tiny model into a fresh session cache included): the only way to
+    see each component's device at every point of a real run is one real run, shared by the
+    two tests that read it."""
     from modules.train.recipe import recipe
     from modules.train.setup import prepare
     from modules.train.trainer import train
@@ -191,7 +194,8 @@ def test_the_memory_plan_drops_what_is_off(tiny_config):
 def test_samples_from_cached_prompts_are_the_pipelines_own(model, negative, tempera_cache,
                                                            tmp_path):
     """SD's and SDXL's pipelines handed the cached prompts draw the image they draw from the
-    texts (SDXL's empty negative prompt: zeros, as its force_zeros_for_empty_prompt)."""
+    texts (SDXL's empty negative prompt: zeros, as its force_zeros_for_empty_prompt). The
+    first case of each model is over 10 s where it builds that tiny model for the session."""
     from modules.models.tiny import ensure_builtin_model
     from modules.train.outputs.saving import build_pipeline
     model_type = ModelType.SDXL if "sdxl" in model else ModelType.SD15
