@@ -115,7 +115,7 @@ class Recorder:
 @pytest.fixture(scope="module")
 def cached_run(tmp_path_factory, tempera_cache):
     """One real run on the tiny SD 1.5 with latents and captions cached: 2 steps, validation
-    after step 2, one sample at the end. Over 10 s (76 s measured on the shared 2-core machine
+    after step 2, one sample at the end. About 6 s on an idle machine, over 10 s (76 s measured on the shared 2-core machine
     under load, building the tiny model into a fresh session cache included): the only way to
     see each component's device at every point of a real run is one real run, shared by the
     two tests that read it."""
