@@ -115,10 +115,10 @@ class Recorder:
 @pytest.fixture(scope="module")
 def cached_run(tmp_path_factory, tempera_cache):
     """One real run on the tiny SD 1.5 with latents and captions cached: 2 steps, validation
-    after step 2, one sample at the end. About 6 s on an idle machine, over 10 s (76 s measured on the shared 2-core machine
-    under load, building the tiny model into a fresh session cache included): the only way to
-    see each component's device at every point of a real run is one real run, shared by the
-    two tests that read it."""
+    after step 2, one sample at the end. About 6 s on an idle machine, over 10 s under load
+    (76 s measured on the shared 2-core machine, building the tiny model into a fresh session
+    cache included): the only way to see each component's device at every point of a real run
+    is one real run, shared by the two tests that read it."""
     from modules.train.recipe import recipe
     from modules.train.setup import prepare
     from modules.train.trainer import train
