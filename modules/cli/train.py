@@ -89,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"{checked.model_path})")
             if checked.memory is not None:
                 print("\n".join(checked.memory.describe()))
+            if checked.memory is not None and checked.memory.plan is not None:
+                from modules.train.memory.memory_check import levers_report
+                print("\n".join(levers_report(checked.config, checked.model_path,
+                                               checked.memory.plan)))
             return 0
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)

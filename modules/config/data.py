@@ -85,7 +85,8 @@ class DataConfig:
              "that bucket and lose more to the crop. Only used with aspect-ratio buckets.")
     cache_latents: bool = setting(False, label="Cache latents", group="Data",
                                   help="Encode every image with the VAE once and keep the latents "
-                                       "on disk; the VAE is then not needed during training.")
+                                       "on disk; the VAE then stays on the CPU, on the GPU "
+                                       "only for sampling (docs/memory.md).")
     caption_extension: str = setting(".txt", label="Caption extension", group="Data", advanced=True,
                                      help="File extension of the caption next to each image.")
     masked_loss: bool = setting(
@@ -101,7 +102,9 @@ class DataConfig:
     cache_text_encoder_outputs: bool = setting(
         False, label="Cache text encoder outputs", group="Data",
         help="Encode each distinct caption once and reuse it (only when no text encoder is "
-             "trained).")
+             "trained). When every caption is known up front (no shuffled or dropped tags), "
+             "they are all encoded first and the text encoder(s) then stay on the CPU "
+             "(docs/memory.md).")
     workers: int = setting(0, label="Dataloader workers", group="Data", min=0, max=64, advanced=True,
                            on_resume=OnResume.MAY_CHANGE,
                            help="Background processes that load images; 0 loads in the trainer.")

@@ -139,6 +139,12 @@ class GeneralConfig:
                              help="Where built-in models, datasets, latent caches and (unless "
                                   "Compile cache folder is set) the compile cache are kept. "
                                   "Empty means ~/.cache/tempera.")
+    # issue 46 item 5: a preset says which card it is for and why each setting was chosen
+    description: str = setting("", label="Description", group="General", multiline=True,
+                               advanced=True, on_resume=OnResume.IGNORED, compile_check=False,
+                               help="What this config is for and why its settings were "
+                                    "chosen (a preset names the card it fits). Training does "
+                                    "not read it.")
 
 
 @dataclass

@@ -108,7 +108,12 @@ def vae_fingerprint(vae: Any, full_hash_limit_bytes: int = 64 * 2**20) -> str:
 
 
 def _tensor_bytes(tensor: torch.Tensor, limit: int | None) -> bytes:
-    """Raw bytes of `tensor` (the first `limit` of them when given), copied to the CPU."""
+    """Raw bytes of `tensor` (the first `limit` of them when given), copied to the CPU. A
+    tensor subclass (a float8-stored text encoder weight: torchao's Float8Tensor, which cannot
+    be flattened) is read as the plain tensors it is made of (its values and scales)."""
+    flatten = getattr(tensor, "__tensor_flatten__", None)
+    if flatten is not None and type(tensor) is not torch.nn.Parameter:
+        return b"".join(_tensor_bytes(getattr(tensor, name), limit) for name in flatten()[0])
     flat = tensor.detach().reshape(-1)
     if limit is not None:
         flat = flat[: max(1, limit // max(1, tensor.element_size()))]

@@ -119,7 +119,9 @@ def test_earlier_run_is_protected(small_config, capsys):
 
 def test_check_validates_without_training(small_config, capsys):
     assert main(["--config", str(small_config), "--check"]) == 0
-    assert "valid" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "valid" in out
+    assert "memory levers:" in out and "text encoders and VAE off the GPU" in out
     assert not (small_config.parent / "out").exists()
 
 

@@ -72,9 +72,8 @@ def test_the_encoder_leaves_the_device_only_when_every_caption_is_known():
     assert not text_encoder_leaves_device(shuffled)
     assert varying_datasets(shuffled) == ["data.datasets[0] (builtin:shapes: shuffle_tags)"]
     assert not text_encoder_leaves_device(_config("data.cache_text_encoder_outputs=false"))
-    # SD's pipelines are handed prompts as text: its (small) encoder stays
-    assert not text_encoder_leaves_device(_config("model.type=SD15",
-                                                  "model.path=builtin:tiny-sd15"))
+    # SD's pipelines take encoded prompts too: its encoder leaves as well (test_placement.py)
+    assert text_encoder_leaves_device(_config("model.type=SD15", "model.path=builtin:tiny-sd15"))
 
 
 def test_the_memory_plan_counts_the_encoder_only_while_it_stays(zimage_folder):
@@ -85,7 +84,7 @@ def test_the_memory_plan_counts_the_encoder_only_while_it_stays(zimage_folder):
     encoder_bytes = staying.total - leaving.total
     line = next(size for what, size in staying.lines if what.startswith("text_encoder"))
     assert encoder_bytes == line > 0
-    assert any("only while its captions are cached" in what for what, _ in leaving.lines)
+    assert any("only while its outputs are cached" in what for what, _ in leaving.lines)
 
 
 def test_samples_from_cached_prompts_are_the_pipelines_own(bundle, tmp_path, zimage_folder):

@@ -162,6 +162,12 @@ SD_FILES = {
 }
 
 
+def pipeline_text_arguments(prompt: TextEmbeddings, negative: TextEmbeddings
+                            ) -> dict[str, Any]:
+    """StableDiffusionPipeline's encoded prompts (it then runs no text encoder)."""
+    return {"prompt_embeds": prompt.hidden, "negative_prompt_embeds": negative.hidden}
+
+
 def sd_family(model_type: ModelType) -> ModelFamily:
     """SD 1.x or 2.x (they differ in data: text encoder and scheduler configs, not code)."""
     return ModelFamily(
@@ -176,4 +182,5 @@ def sd_family(model_type: ModelType) -> ModelFamily:
         build_tiny=functools.partial(build_tiny, model_type),
         identify_folder=detect_folder_type,
         files=SD_FILES[model_type],
+        pipeline_text_arguments=pipeline_text_arguments,
     )

@@ -80,6 +80,15 @@ SDXL_FILES = FileConventions(
     a1111_sd_version="SDXL")
 
 
+def pipeline_text_arguments(prompt: TextEmbeddings, negative: TextEmbeddings
+                            ) -> dict[str, Any]:
+    """StableDiffusionXLPipeline's encoded prompts, pooled ones included (it then runs
+    neither text encoder)."""
+    return {"prompt_embeds": prompt.hidden, "negative_prompt_embeds": negative.hidden,
+            "pooled_prompt_embeds": prompt.pooled,
+            "negative_pooled_prompt_embeds": negative.pooled}
+
+
 SDXL = ModelFamily(
     model_type=ModelType.SDXL,
     repeated_blocks=sd.UNET_BLOCKS,
@@ -93,4 +102,5 @@ SDXL = ModelFamily(
     objective=sd.DDPM,
     build_tiny=functools.partial(sd.build_tiny, ModelType.SDXL),
     files=SDXL_FILES,
+    pipeline_text_arguments=pipeline_text_arguments,
 )

@@ -11,6 +11,7 @@ makes a warning.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -138,10 +139,53 @@ def fixes_sentence(config: Config, model_path: Path, plan: MemoryPlan,
         for o, saved in found) + "."
 
 
+@dataclass(frozen=True)
+class Lever:
+    """A memory lever (issue 46): a way to make the same training fit a smaller card, at a
+    cost. `overrides(config)`: the `--set` overrides that turn it on for this config, None
+    where it does not apply (already on, or not for this run); what it saves is not written
+    here: the plan of the config with the overrides says it."""
+    name: str
+    overrides: Callable[[Config], list[str] | None]
+    costs: str
+
+
+def _float8_storage(config: Config) -> list[str] | None:
+    if (config.training.method == TrainingMethod.LORA
+            and config.model.weight_storage != WeightStorage.FLOAT8
+            and importlib.util.find_spec("torchao") is not None):  # its plan needs torchao
+        return ["model.weight_storage=FLOAT8"]
+    return None
+
+
+def _cached_outputs(config: Config) -> list[str] | None:
+    """Cache latents and captions, so the VAE and text encoders stay on the CPU
+    (train/recipe/placement.py): offered when either cache is off."""
+    d = config.data
+    wanted = ([] if d.cache_latents else ["data.cache_latents=true", "data.center_crop=true"]) \
+        + ([] if d.cache_text_encoder_outputs else ["data.cache_text_encoder_outputs=true"])
+    return wanted or None
+
+
+# The levers, one row each; the refusal and `--check` offer each that lowers the plan. Block
+# offload and the fused backward pass join as one row each.
+LEVERS: tuple[Lever, ...] = (
+    Lever("frozen linear weights stored as float8", _float8_storage,
+          "a small quality cost, measured in docs/memory.md"),
+    Lever("text encoders and VAE off the GPU (their outputs cached)", _cached_outputs,
+          "no random crop; the VAE comes back to the GPU for each sampling pass"),
+)
+
+
+def lever_override(lever_overrides: list[str]) -> str:
+    """A lever's overrides as one `--set` argument list ("a=1 --set b=2")."""
+    return " --set ".join(lever_overrides)
+
+
 def fix_candidates(config: Config) -> list[str]:
     """`--set` overrides that may lower this config's plan: LoRA instead of a full fine-tune,
-    a leaner optimizer, not training a text encoder, no EMA, 16-bit weights, frozen weights
-    stored as float8 (LoRA, with torchao installed: its plan is computed with torchao)."""
+    a leaner optimizer, not training a text encoder, no EMA, 16-bit weights, and each lever of
+    `LEVERS` that applies (several overrides of one lever joined by " --set ")."""
     t, spec = config.training, MODEL_TYPES[config.model.type]
     found = []
     if t.method == TrainingMethod.FINE_TUNE:
@@ -156,9 +200,10 @@ def fix_candidates(config: Config) -> list[str]:
         found.append("model.weight_dtype=BFLOAT16")
     if t.method == TrainingMethod.FINE_TUNE and config.model.train_dtype == DType.FLOAT32:
         found.append("model.train_dtype=BFLOAT16")
-    if (t.method == TrainingMethod.LORA and config.model.weight_storage != WeightStorage.FLOAT8
-            and importlib.util.find_spec("torchao") is not None):
-        found.append("model.weight_storage=FLOAT8")
+    for lever in LEVERS:
+        overrides = lever.overrides(config)
+        if overrides:
+            found.append(lever_override(overrides))
     return found
 
 
@@ -171,7 +216,7 @@ def memory_fixes(config: Config, model_path: Path, plan: MemoryPlan,
     seen_states = {OPTIMIZERS[config.training.optimizer].state}
     trainable = None  # the weightless model, reused where only the optimizer or EMA changes
     for override in fix_candidates(config):
-        changed = apply_overrides(config, [override])
+        changed = apply_overrides(config, override.split(" --set "))
         state = OPTIMIZERS[changed.training.optimizer].state
         if override.startswith("training.optimizer="):
             if state in seen_states:  # the same state as one named already (Adafactor's two)
@@ -188,6 +233,26 @@ def memory_fixes(config: Config, model_path: Path, plan: MemoryPlan,
     optimizers = [f for f in found if f[0].startswith("training.optimizer=")]
     dropped = {f[0] for f in optimizers[MAX_OPTIMIZER_FIXES:]}
     return [f for f in found if f[0] not in dropped]
+
+
+def levers_report(config: Config, model_path: Path, plan: MemoryPlan,
+                  distributed: bool = False) -> list[str]:
+    """What `--check` prints after the plan: each lever of `LEVERS`, on already, not for this
+    run, or with what it saves and what it costs."""
+    saved = dict(memory_fixes(config, model_path, plan, distributed))
+    lines = ["memory levers:"]
+    for lever in LEVERS:
+        overrides = lever.overrides(config)
+        key = lever_override(overrides) if overrides else ""
+        if not overrides:
+            state = "on, or not for this run"
+        elif key in saved:
+            state = (f"--set {key} saves {gib(saved[key])} (then "
+                     f"{gib(plan.total - saved[key])}); costs: {lever.costs}")
+        else:
+            state = "saves nothing for this run"
+        lines.append(f"  {lever.name}: {state}")
+    return lines
 
 
 def describe_override(override: str) -> str:

@@ -3,8 +3,8 @@ activation, itemised, so that a run that cannot fit is refused before anything i
 the GPU (issue 31), and run.json can set the plan beside the measured peak.
 
 What it counts is what the trainer keeps on the device for the whole run: every component's
-weights (recipe.setup moves the denoiser, the text encoder(s) and the VAE to the device, with
-or without the latent and text encoder caches: sampling and the uncached paths need them),
+weights, except those that stay on the CPU because their outputs are cached (the text
+encoders with cached captions, the VAE with cached latents: train/recipe/placement.py),
 the trained weights' gradients, the optimizer's state (modules/config/optimizers.py `state`),
 the EMA copy, and DistributedDataParallel's gradient buckets when several processes train.
 What it does not count: activations (they depend on resolution, batch size, gradient
@@ -36,7 +36,7 @@ from modules.model_types import MODEL_TYPES
 from modules.models.bundle import ModelBundle
 from modules.models.sd_folder import component_classes
 from modules.models.weight_storage import is_float8, stored_bytes
-from modules.train.recipe.text_cache import text_encoder_leaves_device
+from modules.train.recipe.placement import components_off_device
 
 GIB = 2 ** 30
 WARN_FRACTION = 0.9  # above this share of the card, activations will likely not fit
@@ -181,17 +181,18 @@ def plan_from(config: Config, bundle: ModelBundle, params: dict[str, list[nn.Par
             TrainingMethod.TEXTUAL_INVERSION: "token embeddings (trained whole, new rows kept)",
             }.get(config.training.method, f"{ADAPTERS[config.training.adapter].label} adapters")
     lines: list[tuple[str, int]] = []
-    leaves = text_encoder_leaves_device(config)
+    off = components_off_device(config)
     for name, module in bundle.components().items():
         frozen = [t for t in [*module.parameters(), *module.buffers()] if id(t) not in trained_ids]
         float8 = [t for t in frozen if is_float8(t)]
         frozen = [t for t in frozen if not is_float8(t)]
-        if (frozen or float8) and leaves and name in bundle.text_encoders:
-            # on the device only while the captions are cached, before the model moves there
+        if (frozen or float8) and name in off:
+            # kept on the CPU (train/recipe/placement.py): on the device only while its
+            # outputs are cached, before training, and for the passes that borrow it
             alone = frozen + float8
-            lines.append((f"{name} weights ({describe_tensors(alone)}; "
-                          f"{gib(tensor_bytes(alone))} on the device only while its captions "
-                          "are cached, alone, before training)", 0))
+            lines.append((f"{name} weights ({describe_tensors(alone)}; on the CPU: "
+                          f"{gib(tensor_bytes(alone))} on the device only while its outputs "
+                          f"are cached, before training; back on it: {off[name][1]})", 0))
             float8 = []
         elif frozen:
             lines.append((f"{name} weights ({describe_tensors(frozen)})", tensor_bytes(frozen)))

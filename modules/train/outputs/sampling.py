@@ -12,6 +12,7 @@ from modules.config.schema import Config, Sampler
 from modules.models.bundle import ModelBundle
 from modules.models.families import family_of
 from modules.train.outputs.saving import build_pipeline
+from modules.train.recipe.placement import borrowed
 from modules.util.atomic import atomic_file
 
 
@@ -72,36 +73,50 @@ def sample_images(bundle: ModelBundle, config: Config, prompts: list[SamplePromp
     try:
         scheduler = sampling_scheduler(config.sampling.sampler, bundle.noise_scheduler.config,
                                        family_of(bundle.model_type).samplers)
-        offloaded = text_cache is not None and text_cache.encoder_device() != device
+        offloaded = text_cache is not None and text_cache.encoders_left()
         pipeline = build_pipeline(bundle, config, scheduler=scheduler,
                                   without_text_encoders=offloaded)
         pipeline.set_progress_bar_config(disable=True)
-        rows = []
-        for i, prompt in enumerate(prompts):
-            if should_stop():
-                break
-            generator = torch.Generator("cpu").manual_seed(prompt.seed)
-            try:
-                image = pipeline(**prompt_texts(bundle, prompt, text_cache if offloaded else None),
-                                 height=prompt.height, width=prompt.width,
-                                 num_inference_steps=prompt.steps,
-                                 guidance_scale=prompt.guidance_scale, generator=generator,
-                                 callback_on_step_end=_stop_between_steps(should_stop)).images[0]
-            except _SamplingStopped:
-                break
-            path = folder / f"step-{step:06d}-{i}.png"
-            with atomic_file(path) as tmp:
-                image.save(tmp, format="PNG")
-            rows.append((path, prompt.text, image))
-        return rows
+        # a VAE kept on the CPU (train/recipe/placement.py) decodes on the device for this
+        # pass, then leaves again
+        with borrowed({"vae": bundle.vae}, device):
+            return _draw(pipeline, bundle, prompts, folder, step, should_stop,
+                         text_cache if offloaded else None)
     finally:
         for name, module in bundle.components().items():
             module.train(modes[name])
 
 
-def prompt_texts(bundle: ModelBundle, prompt: SamplePrompt, text_cache=None) -> dict:
+def _draw(pipeline, bundle: ModelBundle, prompts: list[SamplePrompt], folder: Path, step: int,
+          should_stop: Callable[[], bool], text_cache) -> list[tuple[Path, str, Image.Image]]:
+    """Each prompt's image, written into `folder`, until `should_stop`."""
+    zeros = bool(pipeline.config.get("force_zeros_for_empty_prompt", False))
+    rows = []
+    for i, prompt in enumerate(prompts):
+        if should_stop():
+            break
+        generator = torch.Generator("cpu").manual_seed(prompt.seed)
+        try:
+            image = pipeline(**prompt_texts(bundle, prompt, text_cache, zeros),
+                             height=prompt.height, width=prompt.width,
+                             num_inference_steps=prompt.steps,
+                             guidance_scale=prompt.guidance_scale, generator=generator,
+                             callback_on_step_end=_stop_between_steps(should_stop)).images[0]
+        except _SamplingStopped:
+            break
+        path = folder / f"step-{step:06d}-{i}.png"
+        with atomic_file(path) as tmp:
+            image.save(tmp, format="PNG")
+        rows.append((path, prompt.text, image))
+    return rows
+
+
+def prompt_texts(bundle: ModelBundle, prompt: SamplePrompt, text_cache=None,
+                 zeros_for_empty: bool = False) -> dict:
     """The pipeline's prompt arguments: the texts, or with a `text_cache` the cached prompt
-    and negative prompt as the family's pipeline takes them encoded."""
+    and negative prompt as the family's pipeline takes them encoded. `zeros_for_empty`: the
+    pipeline's `force_zeros_for_empty_prompt` (SDXL's), which conditions an empty negative
+    prompt on zeros rather than its encoding; the cached one follows it."""
     if text_cache is None:
         return {"prompt": prompt.text, "negative_prompt": prompt.negative or None}
     arguments = family_of(bundle.model_type).pipeline_text_arguments
@@ -112,5 +127,14 @@ def prompt_texts(bundle: ModelBundle, prompt: SamplePrompt, text_cache=None) -> 
 
     def encoded(text: str):
         rows = text_cache.encode([text])
-        return rows._replace(hidden=rows.hidden.to(dtype))
-    return arguments(encoded(prompt.text), encoded(prompt.negative))
+        pooled = rows.pooled
+        return rows._replace(hidden=rows.hidden.to(dtype),
+                             pooled=None if pooled is None else pooled.to(dtype))
+    positive = encoded(prompt.text)
+    if zeros_for_empty and not prompt.negative:
+        pooled = positive.pooled
+        negative = positive._replace(hidden=torch.zeros_like(positive.hidden),
+                                     pooled=None if pooled is None else torch.zeros_like(pooled))
+    else:
+        negative = encoded(prompt.negative)
+    return arguments(positive, negative)

@@ -39,6 +39,7 @@ from modules.paths import cache_dir_for
 from modules.train.outputs.data_metadata import training_data_metadata
 from modules.train.recipe.compile_guard import build_compile_guard, component_blocks
 from modules.train.recipe.distributed import Distributed, clip_sharded_gradients
+from modules.train.recipe.placement import borrowed, components_off_device, placement_record
 from modules.train.recipe.objectives import (caption_dropouts, diffusion_loss, drop_captions,
                                              elementwise_loss, multires_noise,
                                              noise_offset_strength, noisy_input_and_target,
@@ -114,8 +115,9 @@ class TrainingRecipe:
         return self.run
 
     def _build(self, lock: OutputLock | None) -> Run:
-        """`setup`'s body, in the order the run depends on: the record first, the weights on
-        the device before the latent cache, compile before the DDP wrap, the state last."""
+        """`setup`'s body, in the order the run depends on: the record first, the captions
+        and latents cached (each encoder alone on the device) before the rest of the weights
+        move there, compile before the DDP wrap, the state last."""
         prepared, callbacks, dist, commands = (self.prepared, self.callbacks, self.dist,
                                                self.commands)
         config, bundle = prepared.config, prepared.bundle
@@ -135,9 +137,21 @@ class TrainingRecipe:
         # before the model moves: a text encoder that can leave the device encodes every
         # caption alone on it, then stays on the CPU
         text_cache = text_encoder_cache(prepared, bundle, device, callbacks)
-        offloaded = text_cache is not None and text_cache.encoder_device() != device
+        off = components_off_device(config)  # the text encoders have left already
+        record.write(placement=placement_record(config, device))
+
+        # the data, and the step budget counted on the one batch sampler training uses; the
+        # latents are cached with the VAE alone on the device (the denoiser comes after), and
+        # a VAE that leaves the device (placement.py) goes back to the CPU when they are
+        try:
+            with borrowed({"vae": bundle.vae} if config.data.cache_latents else {}, device):
+                dataset = build_dataset(prepared, callbacks, lambda: commands.stop_requested)
+        except StopRequested:
+            # no step was trained: nothing to back up; a resumed run's backups stay as they were
+            record.write(status="stopped", stopped_during="latent caching")
+            raise
         for name, module in bundle.components().items():
-            if not (offloaded and name in bundle.text_encoders):
+            if name not in off:
                 # transformers' PreTrainedModel.to is @wraps(nn.Module.to): typeshed's _Wrapped
                 # keeps the unbound signature, so mypy reads `device` as `self`
                 module.to(device)  # type: ignore[arg-type]  # see above
@@ -149,14 +163,6 @@ class TrainingRecipe:
         if sharded:
             params = {name: [p for p in bundle.component(name).parameters() if p.requires_grad]
                       for name in params}
-
-        # the data, and the step budget counted on the one batch sampler training uses
-        try:
-            dataset = build_dataset(prepared, callbacks, lambda: commands.stop_requested)
-        except StopRequested:
-            # no step was trained: nothing to back up; a resumed run's backups stay as they were
-            record.write(status="stopped", stopped_during="latent caching")
-            raise
         buckets = item_buckets(config, dataset)  # None when data.aspect_buckets is off
         batches = epoch_batch_sampler(len(dataset), config.training.batch_size,
                                       config.training.seed, rank=dist.rank,

@@ -10,6 +10,7 @@ batch's output alive for one caption.
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from modules.config.schema import Config
 from modules.model_types import MODEL_TYPES
@@ -45,6 +46,19 @@ def text_encoder_leaves_device(config: Config) -> bool:
             and not varying_datasets(config))
 
 
+def module_device(module: nn.Module) -> torch.device:
+    """Where a module's weights are (its first parameter's device)."""
+    return next(module.parameters()).device
+
+
+def is_on(module: nn.Module, device: torch.device) -> bool:
+    """Whether the module's weights are on `device` ("cuda" is the current CUDA device, as
+    torch reads it)."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return module_device(module) == device
+
+
 class TextEncoderCache:
     """Encodes each caption once; later batches reuse the stored hidden states (and pooled).
     With a `store`, rows are read from and written to disk, and kept in memory on the CPU
@@ -62,8 +76,12 @@ class TextEncoderCache:
     def encoder_device(self) -> torch.device:
         """Where the text encoders are now: the run's device, or the CPU once `precache` has
         moved them off it (a caption no one foresaw is then encoded there)."""
-        first = next(iter(self.bundle.text_encoders.values()))
-        return next(first.parameters()).device
+        return module_device(next(iter(self.bundle.text_encoders.values())))
+
+    def encoders_left(self) -> bool:
+        """Whether the text encoders are off the run's device (samples then take the cached
+        prompts)."""
+        return not is_on(next(iter(self.bundle.text_encoders.values())), self.device)
 
     def _encode_rows(self, captions: list[str]) -> dict[str, Row]:
         """Run `captions` through the text encoder(s), wherever they are."""

@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 import torch
 
+from modules.train.recipe.placement import borrowed
 from modules.data.buckets import assign_buckets
 from modules.data.dataset import ImageCaptionDataset, collate_examples
 from modules.data.seeds import derive_seed
@@ -153,8 +154,9 @@ def score(run: Run, loss_fn: LossFn, should_stop: Callable[[], bool] = lambda: F
     total = torch.zeros((), dtype=torch.float64, device=run.device)
     count = scored = 0
     with torch.no_grad(), run.guard.bypassed(), eval_mode(run), averaged_weights(run):
-        if validator.batches is None:
-            validator.batches = fixed_batches(run, validator)
+        if validator.batches is None:  # a VAE kept on the CPU (placement.py) encodes them
+            with borrowed({"vae": run.bundle.vae}, run.device):
+                validator.batches = fixed_batches(run, validator)
         forwards = len(validator.batches) * len(timesteps)
         for batch, draws in validator.batches:
             size = len(batch["caption"])

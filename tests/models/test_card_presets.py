@@ -1,0 +1,66 @@
+"""The presets for small cards (issue 46 item 5) against the memory plan at the real models'
+sizes: each plan is built on the meta device from the shipped configs
+(modules/models/configs/), so nothing is loaded and no weights are needed. A preset for an
+N GB card keeps its plan within half of N GiB (docs/memory.md, "Presets for small cards"): the
+other half is for activations, the CUDA context and the compiler's workspaces. Each preset's
+float8 choice is checked too: on where the card needs it, off where the plan fits without it.
+(Over 10 s: four real-size plans, the first paying for importing the model classes.)"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from modules.config.loader import load_config
+from modules.config.overrides import apply_overrides
+from modules.config.schema import WeightStorage
+from modules.train.memory.memory_plan import GIB, plan_memory
+from modules.train.recipe.placement import components_off_device
+
+REPO = Path(__file__).resolve().parents[2]
+PRESETS = REPO / "training_presets"
+DATA = 'data.datasets=[{"path": "builtin:shapes"}]'
+HEADROOM = 0.5  # the share of the card a preset's plan may take (docs/memory.md)
+
+# preset -> (the card it is for, in GiB; whether its frozen weights need float8 to fit)
+CARDS = {"sd15/lora_6gb.json": (6, False), "sdxl/lora_12gb.json": (12, False),
+         "sdxl/lora_8gb.json": (8, True), "zimage/lora_16gb.json": (16, True)}
+
+
+def _float8_as_bf16(plan) -> int:
+    """What the plan's float8-stored weights would take in bf16 (2 bytes a value) more than
+    they take now."""
+    extra = 0
+    for what, size in plan.lines:
+        found = re.search(r"stored as float8 \(e4m3, ([\d,]+) values", what)
+        if found:
+            extra += int(found.group(1).replace(",", "")) * 2 - size
+    return extra
+
+
+@pytest.mark.parametrize("preset", sorted(CARDS))
+def test_the_preset_fits_its_card_with_the_headroom(preset):
+    card, needs_float8 = CARDS[preset]
+    config = apply_overrides(load_config(PRESETS / preset), [DATA])
+    folder = REPO / "modules" / "models" / "configs" / preset.split("/")[0]
+    plan = plan_memory(config, folder)
+    assert plan.total <= HEADROOM * card * GIB, plan.describe()
+    # the text encoders and the VAE are off the card (their outputs cached)
+    assert set(components_off_device(config)) >= {"vae", "text_encoder"}
+    assert config.training.gradient_checkpointing
+    float8 = config.model.weight_storage == WeightStorage.FLOAT8
+    assert float8 == needs_float8
+    if float8:  # without it the plan would not fit: the quality cost is paid for a reason
+        assert plan.total + _float8_as_bf16(plan) > HEADROOM * card * GIB
+    # the description names the card and the plan's total, as the plan computes it
+    description = config.general.description
+    assert f"{card} GB card" in description
+    assert f"{plan.total / GIB:.2f} GiB" in description, (description, plan.total / GIB)
+
+
+def test_the_gui_lists_the_card_presets(tmp_path):
+    from app.presets import BUILTIN_PRESETS_DIR, list_presets
+    labels = {entry.label for entry in list_presets(BUILTIN_PRESETS_DIR, tmp_path)}
+    assert {"sd15 / lora_6gb", "sdxl / lora_12gb", "sdxl / lora_8gb",
+            "zimage / lora_16gb"} <= labels
