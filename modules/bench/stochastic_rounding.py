@@ -1,0 +1,67 @@
+"""What stochastic rounding buys for bfloat16 weights (docs/memory.md, "Fused backward"),
+measured on the tiny model: the same full fine-tune three times, same seed and data, at a
+learning rate small enough that many AdamW updates are below bfloat16's spacing:
+
+- `float32`: float32 trained weights, the plain optimizer step (the reference);
+- `bf16_nearest`: bfloat16 trained weights, torch's AdamW (each update rounded to nearest);
+- `bf16_stochastic`: bfloat16 trained weights, `training.fused_backward` (torchao's AdamW with
+  `bf16_stochastic_round=True`, stepped in backward).
+
+For each run: the mean loss, and how much of the reference's change to the denoiser's weights
+it reproduced (`update_kept`: the norm of its change over the reference's; `update_error`:
+the distance to the reference's weights over the reference's change).
+
+`scripts/measure_stochastic_rounding.py` is the command line.
+"""
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from modules.config.overrides import apply_overrides
+from modules.config.schema import Config
+from modules.events import RecordingCallbacks
+from modules.models.tiny import ensure_builtin_model
+
+TINY = "builtin:tiny-sd15"
+UNET_FILE = Path("unet") / "diffusion_pytorch_model.safetensors"
+RUNS = {
+    "float32": ("model.train_dtype=FLOAT32",),
+    "bf16_nearest": ("model.train_dtype=BFLOAT16",),
+    "bf16_stochastic": ("model.train_dtype=BFLOAT16", "training.fused_backward=true"),
+}
+
+
+def run_config(cache: Path, out: Path, steps: int, lr: float, *overrides: str) -> Config:
+    """The tiny model's full fine-tune the comparison trains (64 px, batch 2, no samples)."""
+    return apply_overrides(Config(), [
+        f"general.cache_dir={cache}", f"output.dir={out}", f"model.path={TINY}",
+        "training.method=FINE_TUNE", "data.resolution=64", f"training.max_steps={steps}",
+        "training.batch_size=2", f"training.learning_rate={lr}", "training.max_grad_norm=0",
+        "sampling.prompts=[]", "logging.tensorboard=false", *overrides])
+
+
+def measure(cache: Path, work: Path, steps: int, lr: float) -> dict:
+    from modules.train.trainer import train
+
+    base = load_file(str(ensure_builtin_model(TINY, cache) / UNET_FILE))
+    finals, losses = {}, {}
+    for name, overrides in RUNS.items():
+        out = work / name
+        result = train(run_config(cache, out, steps, lr, *overrides), RecordingCallbacks())
+        losses[name] = statistics.fmean(x for x in result.record["losses"] if x is not None)
+        finals[name] = load_file(str(out / "final" / UNET_FILE))
+    reference = {k: finals["float32"][k].float() - base[k].float() for k in base}
+    ref_norm = torch.sqrt(sum((d ** 2).sum() for d in reference.values()))
+    report: dict = {"steps": steps, "learning_rate": lr, "runs": {}}
+    for name, weights in finals.items():
+        change = {k: weights[k].float() - base[k].float() for k in base}
+        norm = torch.sqrt(sum((d ** 2).sum() for d in change.values()))
+        error = torch.sqrt(sum(((change[k] - reference[k]) ** 2).sum() for k in base))
+        report["runs"][name] = {"mean_loss": round(losses[name], 5),
+                                "update_kept": round(float(norm / ref_norm), 4),
+                                "update_error": round(float(error / ref_norm), 4)}
+    return report

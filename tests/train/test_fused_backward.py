@@ -1,0 +1,184 @@
+"""The fused backward pass (training.fused_backward, issue 46 item 4): each weight's optimizer
+steps inside backward and its gradient is freed; what it refuses, what it decides (per-weight
+clipping, per-weight NaN guard, the run's LR schedule), exact resume and compile."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from modules.config import Config, apply_overrides
+from modules.config.problems import ConfigError
+from modules.config.validate import validate
+from modules.events import RecordingCallbacks
+from modules.train.recipe import fused
+from modules.train.recipe.fused import FusedBackward, fused_record
+from modules.train.trainer import train
+from tests.train.test_resume import final_tensors, run_json, stop_then_resume
+
+FUSED = ("training.method=FINE_TUNE", "training.fused_backward=true")
+# a schedule whose rate changes every step, no clipping: the fused run must equal the plain one
+SCHEDULE = ("training.lr_scheduler=LINEAR", "training.lr_warmup_steps=1",
+            "training.max_grad_norm=0", "training.learning_rate=1e-4")
+
+
+@pytest.fixture(scope="module")
+def runs(tempera_cache, tmp_path_factory):
+    """The shared 3-step runs on the tiny model: fused, the same without the lever, fused
+    stopped at step 2 and resumed, fused under REGIONAL AOT_EAGER (dynamo's counters cleared
+    before it). Over 10 s in all: five short trainings, one compiled."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    root = tmp_path_factory.mktemp("fused")
+
+    def config(name: str, *settings: str):
+        return apply_overrides(Config(), [
+            f"general.cache_dir={tempera_cache}", f"output.dir={root / name}",
+            "data.resolution=64", "training.max_steps=3", "training.batch_size=2",
+            "sampling.prompts=[]", "logging.tensorboard=false", *SCHEDULE, *settings])
+
+    applied: list[float] = []  # the rate each per-weight optimizer took, in order
+    real_set_lr = fused.set_lr
+
+    def recording_set_lr(optimizer, lr):
+        applied.append(lr)
+        real_set_lr(optimizer, lr)
+
+    fused.set_lr = recording_set_lr
+    try:
+        progress = RecordingCallbacks()
+        train(config("fused", *FUSED), progress)
+    finally:
+        fused.set_lr = real_set_lr
+    train(config("plain", "training.method=FINE_TUNE"), RecordingCallbacks())
+    stop_then_resume(config("resumed", *FUSED), at=2)
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        train(config("compiled", *FUSED, "compile.backend=AOT_EAGER", "compile.scope=REGIONAL",
+                     "compile.denoiser=true"), RecordingCallbacks())
+        breaks, recompiles = dict(counters["graph_break"]), dict(counters["recompiles"])
+    finally:
+        torch._dynamo.reset()
+    return root, applied, progress.progress, breaks, recompiles
+
+
+def test_fused_run_equals_the_plain_optimizer_step(runs):
+    """Per-weight AdamW inside backward is the same maths as one AdamW after it: same losses,
+    same final weights (to float32 rounding of the fused kernels)."""
+    root, *_ = runs
+    fused_run, plain = run_json(root / "fused"), run_json(root / "plain")
+    assert fused_run["fused_backward"]["on"] and "fused_backward" not in plain
+    assert fused_run["fused_backward"]["stochastic_rounding"] is False
+    assert fused_run["losses"] == pytest.approx(plain["losses"], rel=1e-4)
+    want, have = final_tensors(root / "plain"), final_tensors(root / "fused")
+    assert want.keys() == have.keys() and want
+    for key in want:
+        assert torch.allclose(want[key], have[key], rtol=1e-4, atol=1e-6), key
+
+
+def test_each_weight_follows_the_runs_learning_rate(runs):
+    """The rate each per-weight optimizer applied at steps 2 and 3 is the schedule's (the
+    rate progress reported after steps 1 and 2), and it changed between them."""
+    _, applied, progress, _, _ = runs
+    weights = len(applied) // 3
+    assert weights and len(applied) == 3 * weights
+    per_step = [set(applied[i * weights:(i + 1) * weights]) for i in range(3)]
+    assert all(len(rates) == 1 for rates in per_step), per_step
+    step2, step3 = per_step[1].pop(), per_step[2].pop()
+    assert step2 == pytest.approx(progress[0].lr) and step3 == pytest.approx(progress[1].lr)
+    assert step2 != step3
+
+
+def test_fused_run_resumes_bit_for_bit(runs):
+    root, *_ = runs
+    whole, parts = run_json(root / "fused"), run_json(root / "resumed")
+    assert parts["losses"] == whole["losses"] and parts["resume_count"] == 1
+    want, have = final_tensors(root / "fused"), final_tensors(root / "resumed")
+    assert want.keys() == have.keys() and want
+    assert all(torch.equal(want[key], have[key]) for key in want)
+
+
+def test_hooks_add_no_graph_break_or_recompile_under_regional_aot_eager(runs):
+    root, _, _, breaks, recompiles = runs
+    report = run_json(root / "compiled")["compile"]["unet"]
+    assert report["effective"] == "AOT_EAGER" and report["scope"] == "REGIONAL", report
+    assert report["compiled_code_ran"] and not report["degraded"], report
+    assert breaks == {} and recompiles == {}, (breaks, recompiles)
+    assert len(run_json(root / "compiled")["losses"]) == 3
+
+
+# ------------------------------------------------------------------ the decisions, on one layer
+def two_weights():
+    first, second = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(3))
+    return first, second
+
+
+def test_a_non_finite_gradient_holds_back_only_its_weight():
+    """A weight whose gradient is NaN keeps its value and optimizer state; the other steps;
+    the step's norm is not finite, so the loop counts it as a non-finite step."""
+    first, second = two_weights()
+    opt = FusedBackward([{"params": [first, second], "lr": 0.1}],
+                        lambda group: torch.optim.AdamW([group]), max_grad_norm=0)
+    (first * 2.0).sum().add((second * float("nan")).sum()).backward()
+    assert opt.held_back == 1 and not torch.isfinite(opt.gradient_norm())
+    assert not torch.equal(first, torch.ones(4)) and torch.equal(second, torch.ones(3))
+    assert opt.weights[1][0].state == {} and first.grad is None and second.grad is None
+    opt.step()
+    assert opt.held_back == 0 and opt.norms == []
+    opt.close()
+
+
+def test_max_grad_norm_clips_each_weight_on_its_own():
+    """Each gradient is clipped to max_grad_norm by its own norm; the recorded norm is the
+    global one before clipping."""
+    first, second = two_weights()
+    opt = FusedBackward([{"params": [first, second], "lr": 1.0}],
+                        lambda group: torch.optim.SGD([group]), max_grad_norm=1.0)
+    (first * 3.0).sum().add((second * 0.1).sum()).backward()
+    # first's gradient (3, 3, 3, 3) has norm 6, clipped to 1; second's (norm 0.17) is kept
+    assert torch.allclose(first, torch.full((4,), 1 - 0.5), atol=1e-5)
+    assert torch.allclose(second, torch.full((3,), 1 - 0.1))
+    assert opt.gradient_norm().item() == pytest.approx((36 + 0.03) ** 0.5, rel=1e-5)
+    opt.close()
+
+
+# ------------------------------------------------------------------ refusals
+REFUSALS = {
+    "lora": (("training.fused_backward=true",), "training.method=FINE_TUNE"),
+    "accumulation": ((*FUSED, "training.gradient_accumulation=2"),
+                     "training.gradient_accumulation=1"),
+    "fp16": ((*FUSED, "training.mixed_precision=FP16"), "training.mixed_precision=BF16"),
+    "prodigy": ((*FUSED, "training.optimizer=PRODIGY", "training.learning_rate=1.0"),
+                "training.optimizer=ADAMW"),
+    "schedule-free": ((*FUSED, "training.optimizer=SCHEDULE_FREE_ADAMW"),
+                      "training.optimizer=ADAMW"),
+    "bf16-lion": ((*FUSED, "model.train_dtype=BFLOAT16", "training.optimizer=LION"),
+                  "model.train_dtype=FLOAT32"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_refusals_name_the_field_and_the_fix(tiny_config, case):
+    settings, fix = REFUSALS[case]
+    problems = [p for p in validate(tiny_config(*settings))
+                if p.path == "training.fused_backward"]
+    assert len(problems) == 1, problems
+    assert fix in problems[0].message and "training.fused_backward=false" in problems[0].message
+
+
+def test_accepted_combinations_validate(tiny_config):
+    for settings in (FUSED, (*FUSED, "model.train_dtype=BFLOAT16"),
+                     (*FUSED, "training.optimizer=LION", "training.ema=true")):
+        assert not [p for p in validate(tiny_config(*settings))
+                    if p.path == "training.fused_backward"], settings
+
+
+def test_several_processes_and_cuda_graphs_are_refused_at_start(tiny_config):
+    config = tiny_config(*FUSED)
+    for world, graphs, fix in ((2, False, "train on one process"),
+                               (1, True, "compile.mode DEFAULT")):
+        with pytest.raises(ConfigError) as refused:
+            fused_record(config, world, graphs)
+        assert "training.fused_backward" in str(refused.value) and fix in str(refused.value)
+    assert fused_record(config, 1, False)["on"]
