@@ -61,7 +61,7 @@ def validate(config: Config) -> list[Problem]:
     problems += _check_objective_options(config)
     problems += _check_validation(config)
     problems += _check_weight_storage(config)
-    problems += _check_fused_backward(config)
+    problems += fused_backward_problems(config)
     return problems
 
 
@@ -129,7 +129,7 @@ FUSED_REFUSED = {
 FUSED_OFF = "or set training.fused_backward=false"
 
 
-def _check_fused_backward(config: Config) -> list[Problem]:
+def fused_backward_problems(config: Config) -> list[Problem]:
     """What the fused backward pass cannot combine with (train/recipe/fused.py, docs/memory.md);
     several processes and CUDA graphs are refused when the run starts."""
     t = config.training

@@ -12,6 +12,7 @@ from modules.config.validate import validate
 from modules.events import RecordingCallbacks
 from modules.train.recipe import fused
 from modules.train.recipe.fused import FusedBackward, fused_record
+from modules.train.setup.prepare import check_run
 from modules.train.trainer import train
 from tests.train.test_resume import final_tensors, run_json, stop_then_resume
 
@@ -182,3 +183,34 @@ def test_several_processes_and_cuda_graphs_are_refused_at_start(tiny_config):
             fused_record(config, world, graphs)
         assert "training.fused_backward" in str(refused.value) and fix in str(refused.value)
     assert fused_record(config, 1, False)["on"]
+
+
+# ------------------------------------------------------------------ the memory plan
+def test_plan_counts_the_largest_single_gradient_of_the_real_model(tiny_config):
+    """Fused, the gradients line is the largest trained weight's gradient (the real tiny
+    model's, loaded), and the rest of the plan is unchanged."""
+    from tests.train.test_memory_plan import lines, tiny_model
+
+    checked, bundle = tiny_model(tiny_config(*FUSED))
+    plain = check_run(tiny_config("training.method=FINE_TUNE"), RecordingCallbacks())
+    largest = max(p.numel() * p.element_size() for p in bundle.denoiser.parameters())
+    got = lines(checked.memory.plan)
+    assert got["gradients, one weight's at a time"] == largest
+    assert "gradients of the trained weights" not in got
+    unet = lines(plain.memory.plan)["gradients of the trained weights"]
+    assert checked.memory.plan.total == plain.memory.plan.total - unet + largest
+
+
+def test_a_fine_tune_too_big_is_offered_the_fused_pass(tiny_config, monkeypatch):
+    from tests.train.test_memory_plan import MIB, fake_card
+
+    config = tiny_config("training.method=FINE_TUNE")
+    fake_card(monkeypatch, 1 * MIB)
+    with pytest.raises(ConfigError) as caught:
+        train(config, RecordingCallbacks())
+    assert "--set training.fused_backward=true saves" in str(caught.value)
+    # not offered where it cannot combine (gradient accumulation)
+    with pytest.raises(ConfigError) as caught:
+        train(tiny_config("training.method=FINE_TUNE", "training.gradient_accumulation=2"),
+              RecordingCallbacks())
+    assert "training.fused_backward" not in str(caught.value)

@@ -20,6 +20,7 @@ from modules.config.overrides import apply_overrides
 from modules.config.optimizers import OPTIMIZERS
 from modules.config.problems import ConfigError, Problem
 from modules.config.schema import Config, DType, TrainingMethod, WeightStorage
+from modules.config.validate import fused_backward_problems
 from modules.model_types import MODEL_TYPES
 from modules.train.memory.memory_plan import (WARN_FRACTION, MemoryPlan, gib, plan_from,
                                               plan_memory, weightless_trainable)
@@ -27,7 +28,7 @@ from modules.train.recipe.trainable import trained_components
 from modules.util.errors import describe
 
 MAX_OPTIMIZER_FIXES = 3
-SAME_WEIGHTS = {"training.optimizer", "training.ema"}  # fixes that leave the weights as they are
+SAME_WEIGHTS = {"training.optimizer", "training.ema", "training.fused_backward"}  # fixes that leave the weights as they are
 
 
 @dataclass(frozen=True)
@@ -141,7 +142,8 @@ def fixes_sentence(config: Config, model_path: Path, plan: MemoryPlan,
 def fix_candidates(config: Config) -> list[str]:
     """`--set` overrides that may lower this config's plan: LoRA instead of a full fine-tune,
     a leaner optimizer, not training a text encoder, no EMA, 16-bit weights, frozen weights
-    stored as float8 (LoRA, with torchao installed: its plan is computed with torchao)."""
+    stored as float8 (LoRA, with torchao installed: its plan is computed with torchao), the
+    fused backward pass (a full fine-tune whose other settings it combines with)."""
     t, spec = config.training, MODEL_TYPES[config.model.type]
     found = []
     if t.method == TrainingMethod.FINE_TUNE:
@@ -158,6 +160,10 @@ def fix_candidates(config: Config) -> list[str]:
     if (t.method == TrainingMethod.LORA and config.model.weight_storage != WeightStorage.FLOAT8
             and importlib.util.find_spec("torchao") is not None):
         found.append("model.weight_storage=FLOAT8")
+    if (t.method == TrainingMethod.FINE_TUNE and not t.fused_backward
+            and not fused_backward_problems(apply_overrides(config,
+                                                            ["training.fused_backward=true"]))):
+        found.append("training.fused_backward=true")
     return found
 
 
