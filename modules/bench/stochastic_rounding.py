@@ -15,6 +15,7 @@ the distance to the reference's weights over the reference's change).
 """
 from __future__ import annotations
 
+import json
 import statistics
 from pathlib import Path
 
@@ -51,8 +52,9 @@ def measure(cache: Path, work: Path, steps: int, lr: float) -> dict:
     finals, losses = {}, {}
     for name, overrides in RUNS.items():
         out = work / name
-        result = train(run_config(cache, out, steps, lr, *overrides), RecordingCallbacks())
-        losses[name] = statistics.fmean(x for x in result.record["losses"] if x is not None)
+        train(run_config(cache, out, steps, lr, *overrides), RecordingCallbacks())
+        record = json.loads((out / "run.json").read_text())
+        losses[name] = statistics.fmean(x for x in record["losses"] if x is not None)
         finals[name] = load_file(str(out / "final" / UNET_FILE))
     reference = {k: finals["float32"][k].float() - base[k].float() for k in base}
     ref_norm = torch.sqrt(sum((d ** 2).sum() for d in reference.values()))
