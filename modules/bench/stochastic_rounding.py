@@ -16,7 +16,9 @@ the distance to the reference's weights over the reference's change).
 from __future__ import annotations
 
 import json
+import math
 import statistics
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -45,6 +47,11 @@ def run_config(cache: Path, out: Path, steps: int, lr: float, *overrides: str) -
         "sampling.prompts=[]", "logging.tensorboard=false", *overrides])
 
 
+def l2(tensors: Iterable[torch.Tensor]) -> float:
+    """The L2 norm of several tensors taken together."""
+    return math.sqrt(sum(float((t.double() ** 2).sum()) for t in tensors))
+
+
 def measure(cache: Path, work: Path, steps: int, lr: float) -> dict:
     from modules.train.trainer import train
 
@@ -57,13 +64,13 @@ def measure(cache: Path, work: Path, steps: int, lr: float) -> dict:
         losses[name] = statistics.fmean(x for x in record["losses"] if x is not None)
         finals[name] = load_file(str(out / "final" / UNET_FILE))
     reference = {k: finals["float32"][k].float() - base[k].float() for k in base}
-    ref_norm = torch.sqrt(sum((d ** 2).sum() for d in reference.values()))
+    ref_norm = l2(reference.values())
     report: dict = {"steps": steps, "learning_rate": lr, "runs": {}}
     for name, weights in finals.items():
         change = {k: weights[k].float() - base[k].float() for k in base}
-        norm = torch.sqrt(sum((d ** 2).sum() for d in change.values()))
-        error = torch.sqrt(sum(((change[k] - reference[k]) ** 2).sum() for k in base))
+        norm = l2(change.values())
+        error = l2(change[k] - reference[k] for k in base)
         report["runs"][name] = {"mean_loss": round(losses[name], 5),
-                                "update_kept": round(float(norm / ref_norm), 4),
-                                "update_error": round(float(error / ref_norm), 4)}
+                                "update_kept": round(norm / ref_norm, 4),
+                                "update_error": round(error / ref_norm, 4)}
     return report

@@ -214,3 +214,28 @@ def test_a_fine_tune_too_big_is_offered_the_fused_pass(tiny_config, monkeypatch)
         train(tiny_config("training.method=FINE_TUNE", "training.gradient_accumulation=2"),
               RecordingCallbacks())
     assert "training.fused_backward" not in str(caught.value)
+
+
+def test_a_non_finite_loss_skips_backward(monkeypatch):
+    """micro_step reads the loss before backward under the fused pass: a NaN loss runs no
+    backward, so no weight steps and no gradient is made; a finite one steps them."""
+    from types import SimpleNamespace
+
+    from modules.train.recipe import recipe
+
+    first, second = two_weights()
+    opt = FusedBackward([{"params": [first, second], "lr": 0.1}],
+                        lambda group: torch.optim.AdamW([group]), max_grad_norm=0)
+    run = SimpleNamespace(optimizer=opt, scaler=None,
+                          config=SimpleNamespace(training=SimpleNamespace(
+                              gradient_accumulation=1)))
+    scale = {"value": float("nan")}
+    monkeypatch.setattr(recipe, "forward_loss",
+                        lambda run, batch, draws: (first.sum() + second.sum()) * scale["value"])
+    loss = recipe.micro_step(run, {}, None)
+    assert not torch.isfinite(loss) and opt.norms == [] and opt.held_back == 0
+    assert torch.equal(first, torch.ones(4)) and first.grad is None
+    scale["value"] = 1.0
+    recipe.micro_step(run, {}, None)
+    assert len(opt.norms) == 2 and not torch.equal(first, torch.ones(4))
+    opt.close()
