@@ -239,3 +239,28 @@ def test_a_non_finite_loss_skips_backward(monkeypatch):
     recipe.micro_step(run, {}, None)
     assert len(opt.norms) == 2 and not torch.equal(first, torch.ones(4))
     opt.close()
+
+
+def test_the_step_after_a_non_finite_one_is_clean():
+    """optimizer_step closes a fused step even when it was not finite: the next step's norm
+    and held-back count start afresh (a stale NaN norm would skip every later step)."""
+    from types import SimpleNamespace
+
+    from modules.train.recipe.recipe import optimizer_step
+
+    first, second = two_weights()
+    opt = FusedBackward([{"params": [first, second], "lr": 0.1}],
+                        lambda group: torch.optim.AdamW([group]), max_grad_norm=0)
+    statuses: list[str] = []
+    record = SimpleNamespace(data={}, write=lambda **kw: record.data.update(kw))
+    run = SimpleNamespace(optimizer=opt, scaler=None, ema=None, step=0, record=record,
+                          lr_scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+                          guard=SimpleNamespace(persistent_grads=False),
+                          callbacks=SimpleNamespace(on_status=statuses.append))
+    (first.sum() + (second * float("nan")).sum()).backward()
+    optimizer_step(run, finite=False)
+    assert record.data["fused_backward"]["weights_held_back"] == 1
+    assert "1 of 2 weights had non-finite gradients" in statuses[0]
+    (first.sum() + second.sum()).backward()
+    assert torch.isfinite(opt.gradient_norm()) and opt.held_back == 0
+    opt.close()

@@ -439,11 +439,11 @@ def optimizer_step(run: Run, finite: bool) -> None:
     """Step the optimizer and the LR schedule and clear the gradients. A step whose loss or
     gradients are not finite leaves the weights (and the EMA) as they were; under the fused
     backward pass only the weights whose own gradients were not finite kept theirs."""
-    if isinstance(run.optimizer, FusedBackward):
-        held_back = run.optimizer.held_back
-        if held_back:
-            note_held_back(run, held_back)
-    if run.scaler:
+    if isinstance(run.optimizer, FusedBackward):  # the hooks stepped the weights in backward
+        if run.optimizer.held_back:
+            note_held_back(run, run.optimizer.held_back)
+        run.optimizer.step()  # closes the step, finite or not (no scaler: refused)
+    elif run.scaler:
         run.scaler.step(run.optimizer)  # skips by itself when the gradients hold inf/NaN
         run.scaler.update()
     elif finite:
