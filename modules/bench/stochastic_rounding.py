@@ -7,9 +7,10 @@ learning rate small enough that many AdamW updates are below bfloat16's spacing:
 - `bf16_stochastic`: bfloat16 trained weights, `training.fused_backward` (torchao's AdamW with
   `bf16_stochastic_round=True`, stepped in backward).
 
-For each run: the mean loss, and how much of the reference's change to the denoiser's weights
-it reproduced (`update_kept`: the norm of its change over the reference's; `update_error`:
-the distance to the reference's weights over the reference's change).
+For each run: the mean loss, and its change to the denoiser's weights (from the base at the
+run's trained dtype) against the reference's change: `update_kept` (the norm of its change
+over the reference's), `update_error` (the distance between the two changes over the
+reference's) and `update_cosine` (their cosine).
 
 `scripts/measure_stochastic_rounding.py` is the command line.
 """
@@ -67,10 +68,13 @@ def measure(cache: Path, work: Path, steps: int, lr: float) -> dict:
     ref_norm = l2(reference.values())
     report: dict = {"steps": steps, "learning_rate": lr, "runs": {}}
     for name, weights in finals.items():
-        change = {k: weights[k].float() - base[k].float() for k in base}
+        # each run's change from where it started: the base at its trained dtype
+        change = {k: weights[k].float() - base[k].to(weights[k].dtype).float() for k in base}
+        dot = sum(float((change[k].double() * reference[k].double()).sum()) for k in base)
         norm = l2(change.values())
-        error = l2(change[k] - reference[k] for k in base)
-        report["runs"][name] = {"mean_loss": round(losses[name], 5),
-                                "update_kept": round(norm / ref_norm, 4),
-                                "update_error": round(error / ref_norm, 4)}
+        report["runs"][name] = {
+            "mean_loss": round(losses[name], 5),
+            "update_kept": round(norm / ref_norm, 4),
+            "update_error": round(l2(change[k] - reference[k] for k in base) / ref_norm, 4),
+            "update_cosine": round(dot / (norm * ref_norm), 4) if norm else 0.0}
     return report
