@@ -27,7 +27,8 @@ def runs(tempera_cache, tmp_path_factory):
     """The shared 3-step runs on the tiny model: fused under REGIONAL AOT_EAGER (dynamo's
     counters cleared before it, the rates each weight's optimizer took recorded), the same
     stopped at step 2 and resumed, and the plain optimizer step eager. Over 10 s in all: four
-    short trainings, three compiled (about 60 s on 2 idle cores)."""
+    short trainings, three compiled (about 20 s on 2 quiet cores, the tiny model build
+    included)."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
