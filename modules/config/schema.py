@@ -387,6 +387,19 @@ class TrainingConfig:
         5, label="Max non-finite steps", group="Training", min=1, max=1000, advanced=True,
         help="A step whose loss or gradients are NaN/inf is skipped (the weights stay good); "
              "this many in a row stop the run with an error.")
+    # --- fused backward (issue 46 item 4; docs/memory.md "Fused backward") ---
+    fused_backward: bool = setting(
+        False, label="Fused backward", group="Training", advanced=True,
+        on_resume=OnResume.MUST_MATCH,
+        help="FINE_TUNE only: step each weight's optimizer as soon as its gradient is "
+             "ready and free that gradient, so the full set of gradients never exists at "
+             "once (saves about one copy of the trained weights: 2 bytes per bfloat16 "
+             "weight). With model.train_dtype BFLOAT16 the weights are updated with "
+             "stochastic rounding (torchao's AdamW; optimizer ADAMW only). Costs: "
+             "max_grad_norm clips each weight's gradient on its own (no global norm), one "
+             "host sync per weight for the NaN check. Cannot combine with gradient "
+             "accumulation above 1, FP16 mixed precision, several processes, PRODIGY or "
+             "SCHEDULE_FREE_ADAMW. docs/memory.md has the details.")
     resume_from: str = setting(
         "", label="Resume from", on_resume=OnResume.IGNORED, group="Training", advanced=True,
         help='Continue an interrupted run: "latest" (the newest backup in the output folder) or '

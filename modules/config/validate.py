@@ -22,9 +22,11 @@ from modules.config.schema import (
     DataConfig,
     Device,
     DistributedStrategy,
+    DType,
     LOKR_FACTORS,
     LRScheduler,
     MixedPrecision,
+    Optimizer,
     PredictionType,
     SaveFormat,
     TrainingConfig,
@@ -67,6 +69,7 @@ def validate(config: Config) -> list[Problem]:
     problems += check_wandb(config.logging)
     problems += _check_textual_inversion(config)
     problems += _check_distributed_strategy(config)
+    problems += fused_backward_problems(config)
     return problems
 
 
@@ -202,6 +205,60 @@ def _check_distributed_strategy(config: Config) -> list[Problem]:
                                 "FSDP runs write no backups yet (their state is sharded over "
                                 "the processes), so there is nothing exact to resume from; "
                                 "start anew, or use DDP"))
+    return problems
+
+
+# optimizers the fused backward pass refuses, and why (per-weight optimizers would change them)
+FUSED_REFUSED = {
+    Optimizer.PRODIGY: "Prodigy estimates one step size from all the weights together; one "
+                       "optimizer per weight would give each its own",
+    Optimizer.SCHEDULE_FREE_ADAMW: "schedule-free AdamW switches its weights between the "
+                                   "averaged and the trained ones around sampling, for the "
+                                   "whole optimizer at once",
+}
+FUSED_OFF = "or set training.fused_backward=false"
+
+
+def fused_backward_problems(config: Config) -> list[Problem]:
+    """What the fused backward pass cannot combine with (train/recipe/fused.py, docs/memory.md);
+    several processes and CUDA graphs are refused when the run starts."""
+    t = config.training
+    if not t.fused_backward:
+        return []
+    field = "training.fused_backward"
+    problems = []
+    if t.method != TrainingMethod.FINE_TUNE:
+        problems.append(Problem(field, "false with LORA", "true",
+                                "the fused pass is for full fine-tunes, whose gradients are as "
+                                "large as the model; a LoRA's are small: use "
+                                f"training.method=FINE_TUNE, {FUSED_OFF}"))
+    if t.gradient_accumulation > 1:
+        problems.append(Problem(field, "training.gradient_accumulation=1", "true",
+                                f"gradient_accumulation is {t.gradient_accumulation}: the fused "
+                                "pass steps each weight as its gradient is ready and frees it, "
+                                "so there is no gradient to accumulate into; set "
+                                "training.gradient_accumulation=1 (a larger "
+                                f"training.batch_size instead), {FUSED_OFF}"))
+    if t.mixed_precision == MixedPrecision.FP16:
+        problems.append(Problem(field, "BF16 or NO mixed precision", "true with FP16",
+                                "FP16's gradient scaler unscales and checks all gradients "
+                                "before any weight steps; set training.mixed_precision=BF16, "
+                                f"{FUSED_OFF}"))
+    if t.optimizer in FUSED_REFUSED:
+        problems.append(Problem(field, f"another optimizer than {t.optimizer.value}", "true",
+                                f"{FUSED_REFUSED[t.optimizer]}; set training.optimizer=ADAMW, "
+                                f"{FUSED_OFF}"))
+    elif config.model.train_dtype == DType.BFLOAT16 and t.optimizer != Optimizer.ADAMW:
+        problems.append(Problem(field, "optimizer ADAMW with bfloat16 trained weights", "true",
+                                f"bfloat16 weights step with stochastic rounding, which only "
+                                f"torchao's AdamW offers, not {t.optimizer.value}; set "
+                                "training.optimizer=ADAMW, model.train_dtype=FLOAT32, "
+                                f"{FUSED_OFF}"))
+    elif (config.model.train_dtype == DType.BFLOAT16
+          and importlib.util.find_spec("torchao") is None):
+        problems.append(Problem(field, "torchao installed (bfloat16 stochastic rounding)",
+                                "true", "pip install torchao (or tempera[memory]), or set "
+                                f"model.train_dtype=FLOAT32, {FUSED_OFF}"))
     return problems
 
 

@@ -21,6 +21,7 @@ from modules.config.overrides import apply_overrides
 from modules.config.optimizers import OPTIMIZERS
 from modules.config.problems import ConfigError, Problem
 from modules.config.schema import Config, DType, TrainingMethod, WeightStorage
+from modules.config.validate import fused_backward_problems
 from modules.model_types import MODEL_TYPES
 from modules.train.memory.memory_plan import (WARN_FRACTION, MemoryPlan, gib, plan_from,
                                               plan_memory, weightless_trainable)
@@ -28,7 +29,7 @@ from modules.train.recipe.trainable import trained_components
 from modules.util.errors import describe
 
 MAX_OPTIMIZER_FIXES = 3
-SAME_WEIGHTS = {"training.optimizer", "training.ema"}  # fixes that leave the weights as they are
+SAME_WEIGHTS = {"training.optimizer", "training.ema", "training.fused_backward"}  # fixes that leave the weights as they are
 
 
 @dataclass(frozen=True)
@@ -167,13 +168,26 @@ def _cached_outputs(config: Config) -> list[str] | None:
     return wanted or None
 
 
+def _fused_backward(config: Config) -> list[str] | None:
+    """Step each weight in backward (train/recipe/fused.py): offered to a full fine-tune whose
+    other settings it combines with."""
+    t = config.training
+    if t.method != TrainingMethod.FINE_TUNE or t.fused_backward:
+        return None
+    if fused_backward_problems(apply_overrides(config, ["training.fused_backward=true"])):
+        return None
+    return ["training.fused_backward=true"]
+
+
 # The levers, one row each; the refusal and `--check` offer each that lowers the plan. Block
-# offload and the fused backward pass join as one row each.
+# offload joins as one row.
 LEVERS: tuple[Lever, ...] = (
     Lever("frozen linear weights stored as float8", _float8_storage,
           "a small quality cost, measured in docs/memory.md"),
     Lever("text encoders and VAE off the GPU (their outputs cached)", _cached_outputs,
           "no random crop; the VAE comes back to the GPU for each sampling pass"),
+    Lever("the fused backward pass (full fine-tunes)", _fused_backward,
+          "no gradient accumulation; gradients clipped per weight; one optimizer per weight"),
 )
 
 

@@ -206,7 +206,7 @@ def plan_from(config: Config, bundle: ModelBundle, params: dict[str, list[nn.Par
     shards = fsdp_shards(config, distributed)
     if shards > 1:  # FSDP: each process holds its shard of what is trained
         return MemoryPlan(tuple(sharded_lines(config, bundle, params, lines, shards)))
-    lines.append(("gradients of the trained weights", tensor_bytes(trained)))
+    lines.append(gradients_line(config, trained))
     row = OPTIMIZERS[config.training.optimizer]
     lines.append((f"optimizer state ({row.label}: {', '.join(row.state)} per weight)",
                   optimizer_state_bytes(config.training.optimizer, trained)))
@@ -276,6 +276,18 @@ def sharded_lines(config: Config, bundle: ModelBundle, params: dict[str, list[nn
     out.append(("gathered whole while they run (FSDP): the component's weights outside its "
                 "blocks and its largest block twice (running and prefetched)", in_flight))
     return out
+
+
+def gradients_line(config: Config, trained: Sequence[torch.Tensor]) -> tuple[str, int]:
+    """The gradients' line. Under `training.fused_backward` each weight's gradient is freed as
+    soon as its optimizer has stepped (train/recipe/fused.py), so the plan counts the largest
+    single gradient: a lower bound, since the autograd engine may hold the gradients of one
+    layer's few weights (a weight and its bias) at once while their hooks run."""
+    if not config.training.fused_backward or not trained:
+        return "gradients of the trained weights", tensor_bytes(trained)
+    largest = max(trained, key=lambda t: tensor_bytes([t]))
+    return (f"gradients, one weight's at a time (fused backward: the largest, "
+            f"{tuple(largest.shape)})", tensor_bytes([largest]))
 
 
 def describe_tensors(tensors: Sequence[torch.Tensor]) -> str:

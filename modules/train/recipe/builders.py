@@ -15,6 +15,7 @@ from modules.config.loss import LossConfig
 from modules.config.optimizers import OPTIMIZERS
 from modules.model_types import MODEL_TYPES
 from modules.models.bundle import vae_downscale
+from modules.train.recipe.fused import FusedBackward, per_weight_optimizer
 from modules.train.recipe.schedules import lr_multiplier, schedule_shape
 from modules.config.schema import (
     Config,
@@ -79,6 +80,8 @@ def build_optimizer(config: Config, params: dict[str, list[nn.Parameter]]) -> to
                      ).learning_rate
         groups.append({"params": plist, "lr": t.learning_rate if lr is None else lr,
                        "name": name})
+    if t.fused_backward:  # one optimizer per weight, stepped in backward (train/recipe/fused.py)
+        return FusedBackward(groups, per_weight_optimizer(config), t.max_grad_norm)
     row = OPTIMIZERS[t.optimizer]
     cls = getattr(importlib.import_module(row.module), row.cls)
     return cls(groups, weight_decay=t.weight_decay, **row.options)

@@ -40,6 +40,7 @@ from modules.train.outputs.data_metadata import training_data_metadata
 from modules.train.recipe.compile_guard import build_compile_guard, component_blocks
 from modules.train.recipe.distributed import Distributed, clip_sharded_gradients
 from modules.train.recipe.placement import borrowed, components_off_device, placement_record
+from modules.train.recipe.fused import FusedBackward, fused_record
 from modules.train.recipe.objectives import (caption_dropouts, diffusion_loss, drop_captions,
                                              elementwise_loss, multires_noise,
                                              noise_offset_strength, noisy_input_and_target,
@@ -186,6 +187,9 @@ class TrainingRecipe:
             for plist in params.values():
                 for p in plist:
                     p.grad = torch.zeros_like(p)
+        fused = fused_record(config, dist.world_size, guard.persistent_grads)
+        if fused is not None:
+            record.write(fused_backward=fused)
         record.write(precision=precision,
                      sampling="eager: compiled code is bypassed while sampling")
         components = bundle.components()
@@ -380,6 +384,18 @@ class TrainingRecipe:
 
 
 # ------------------------------------------------------------------ the step, beside the recipe
+def note_held_back(run: Run, held_back: int) -> None:
+    """Under the fused backward pass, say (and count in run.json) the weights whose gradients
+    were not finite: they kept their values and optimizer state, the others stepped."""
+    total = len(run.optimizer.weights)  # type: ignore[attr-defined]
+    run.callbacks.on_status(f"step {run.step}: {held_back} of {total} weights had non-finite "
+                            "gradients and kept their values (fused backward: the other "
+                            "weights were updated)")
+    fused = dict(run.record.data.get("fused_backward", {}))
+    fused["weights_held_back"] = fused.get("weights_held_back", 0) + held_back
+    run.record.write(fused_backward=fused)
+
+
 def micro_step(run: Run, batch: dict, draws: Draws) -> torch.Tensor:
     """One forward + backward on a batch: `forward_loss`, then backward.
 
@@ -387,6 +403,8 @@ def micro_step(run: Run, batch: dict, draws: Draws) -> torch.Tensor:
     optimizer step, so CUDA graphs and asynchronous kernels are not stalled every micro-step.
     """
     loss = forward_loss(run, batch, draws)
+    if isinstance(run.optimizer, FusedBackward) and not torch.isfinite(loss):
+        return loss.detach()  # backward would step the weights with non-finite gradients
     scaled = loss / run.config.training.gradient_accumulation
     (run.scaler.scale(scaled) if run.scaler else scaled).backward()
     return loss.detach()
@@ -430,7 +448,10 @@ def forward_loss(run: Run, batch: dict, draws: Draws) -> torch.Tensor:
 
 def gradient_norm(run: Run) -> torch.Tensor:
     """Unscale (fp16) and clip the gradients; return their total norm, still on the device
-    (it is read with the loss, in the step's one host sync)."""
+    (it is read with the loss, in the step's one host sync). The fused backward pass stepped
+    and clipped each weight already: its norm is the one it measured on the way."""
+    if isinstance(run.optimizer, FusedBackward):
+        return run.optimizer.gradient_norm()
     if run.scaler:
         run.scaler.unscale_(run.optimizer)
     params = run.all_params()
@@ -454,8 +475,13 @@ def read_step(run: Run, losses: list[torch.Tensor], grad_norm: torch.Tensor) -> 
 
 def optimizer_step(run: Run, finite: bool) -> None:
     """Step the optimizer and the LR schedule and clear the gradients. A step whose loss or
-    gradients are not finite leaves the weights (and the EMA) as they were."""
-    if run.scaler:
+    gradients are not finite leaves the weights (and the EMA) as they were; under the fused
+    backward pass only the weights whose own gradients were not finite kept theirs."""
+    if isinstance(run.optimizer, FusedBackward):  # the hooks stepped the weights in backward
+        if run.optimizer.held_back:
+            note_held_back(run, run.optimizer.held_back)
+        run.optimizer.step()  # closes the step, finite or not (no scaler: refused)
+    elif run.scaler:
         run.scaler.step(run.optimizer)  # skips by itself when the gradients hold inf/NaN
         run.scaler.update()
     elif finite:

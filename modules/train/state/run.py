@@ -25,6 +25,7 @@ from modules.models.bundle import ModelBundle
 from modules.train.state.backup import BackupError, BoundaryState, set_random_states
 from modules.train.recipe.batch_shapes import BatchShapeLog
 from modules.train.recipe.builders import StepBudget
+from modules.train.recipe.fused import FusedBackward
 from modules.train.recipe.distributed import Distributed
 from modules.train.setup.output_lock import OutputLock
 from modules.train.outputs.metrics import RunMetrics
@@ -197,6 +198,8 @@ class Run:
     def close(self) -> None:
         self.loader = None  # its persistent workers shut down with it (refcount)
         self.guard.close()
+        if isinstance(self.optimizer, FusedBackward):
+            self.optimizer.close()  # its hooks off the weights
         self.restore_precision()
         self.writer.close()
         if self.lock is not None:
