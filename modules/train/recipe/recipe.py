@@ -24,7 +24,7 @@ import torch
 from modules.config.prompts import sample_prompts
 from modules.config.schema import MixedPrecision
 from modules.data.buckets import describe_buckets
-from modules.data.dataset import BucketBatchSampler, epoch_batch_sampler
+from modules.data.dataset import BucketBatchSampler, epoch_batch_sampler, expand_repeats
 from modules.events import StopRequested, TrainerCallbacks, TrainerCommands
 from modules.train.recipe.adapters import seed_adapter_dropout
 from modules.train.state.backup import (NonFiniteBackup, ResumePoint, backups_folder, load_states,
@@ -51,7 +51,7 @@ from modules.train.outputs.record import RunRecord, peak_memory
 from modules.train.state.run import Run, item_buckets
 from modules.train.setup.start import (apply_changed_learning_rates, bucket_record, build_dataset,
                                        build_ema, prepare_output_folder, record_warnings,
-                                       resume_hint, start_record, take_output_lock,
+                                       resolution_plan, resume_hint, start_record, take_output_lock,
                                        tensorboard_writer, text_encoder_cache)
 from modules.train.state.training_state import TrainingState, draws_generator
 from modules.train.validation.validation import (last_validated_step, validation_due,
@@ -143,15 +143,18 @@ class TrainingRecipe:
             # no step was trained: nothing to back up; a resumed run's backups stay as they were
             record.write(status="stopped", stopped_during="latent caching")
             raise
-        buckets = item_buckets(config, dataset)  # None when data.aspect_buckets is off
+        buckets = item_buckets(config, dataset)  # None: one resolution, no aspect buckets
         batches = epoch_batch_sampler(len(dataset), config.training.batch_size,
                                       config.training.seed, rank=dist.rank,
                                       world_size=dist.world_size, buckets=buckets)
         budget = step_budget(config, len(batches))
         record_warnings(record, config, budget.total_steps, callbacks)
         if buckets is not None and isinstance(batches, BucketBatchSampler):
-            record.write(buckets=bucket_record(buckets, batches))
-            callbacks.on_status(f"aspect buckets: {describe_buckets(buckets)}; "
+            plan = resolution_plan(config, expand_repeats(prepared.scan))
+            several = len(plan.distinct) > 1
+            record.write(buckets=bucket_record(buckets, batches, plan if several else None))
+            callbacks.on_status(f"{'buckets' if several else 'aspect buckets'}: "
+                                f"{plan.describe() if several else describe_buckets(buckets)}; "
                                 f"{len(batches)} batches per epoch, "
                                 f"{batches.short_batches()} short")
 
