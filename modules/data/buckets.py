@@ -17,6 +17,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from modules.config.data import DataConfig, source_resolutions
 from modules.data.folders import ScanItem
 from modules.geometry import Size, aspect_of, bucket_sizes
 
@@ -83,6 +84,13 @@ class ResolutionPlan:
                          "sizes": bucket_counts(sizes)})
         return rows
 
+    def shape_sets(self, batch_size: int, world_size: int = 1) -> dict[int, list[tuple[int, int, int]]]:
+        """Per resolution, the (batch, height, width) shapes its batches have
+        (`batch_shapes`): what the compiled denoiser meets."""
+        return {r: batch_shapes([s for s, res in zip(self.target_sizes, self.resolutions)
+                                 if res == r], batch_size, world_size)
+                for r in self.distinct}
+
     def describe(self) -> str:
         """One status line per resolution: its buckets and their item counts."""
         return "; ".join(f"{row['resolution']} px: "
@@ -107,6 +115,12 @@ def plan_resolutions(items: Sequence[ScanItem], source_resolutions: Sequence[Seq
         plan.target_sizes.extend(sizes)
         plan.resolutions.extend([resolution] * len(chosen))
     return plan
+
+
+def resolution_plan(data: DataConfig, items: Sequence[ScanItem]) -> ResolutionPlan:
+    """`plan_resolutions` with the data section's resolutions (its datasets' own lists)."""
+    return plan_resolutions(items, source_resolutions(data), data.aspect_buckets,
+                            data.bucket_max_aspect)
 
 
 def batch_shapes(target_sizes: Sequence[Size], batch_size: int,

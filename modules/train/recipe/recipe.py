@@ -23,7 +23,7 @@ import torch
 
 from modules.config.prompts import sample_prompts
 from modules.config.schema import MixedPrecision
-from modules.data.buckets import describe_buckets
+from modules.data.buckets import describe_buckets, resolution_plan
 from modules.data.dataset import BucketBatchSampler, epoch_batch_sampler, expand_repeats
 from modules.events import StopRequested, TrainerCallbacks, TrainerCommands
 from modules.train.recipe.adapters import seed_adapter_dropout
@@ -36,7 +36,7 @@ from modules.train.outputs.checkpoints import due_checkpoint
 from modules.models.model_hash import base_model_hashes
 from modules.paths import cache_dir_for
 from modules.train.outputs.data_metadata import training_data_metadata
-from modules.train.recipe.compile_guard import build_compile_guard
+from modules.train.recipe.compile_guard import build_compile_guard, denoiser_compile_cost
 from modules.train.recipe.distributed import Distributed
 from modules.train.recipe.objectives import (caption_dropouts, diffusion_loss, drop_captions,
                                              elementwise_loss, multires_noise,
@@ -51,7 +51,7 @@ from modules.train.outputs.record import RunRecord, peak_memory
 from modules.train.state.run import Run, item_buckets
 from modules.train.setup.start import (apply_changed_learning_rates, bucket_record, build_dataset,
                                        build_ema, prepare_output_folder, record_warnings,
-                                       resolution_plan, resume_hint, start_record, take_output_lock,
+                                       resume_hint, start_record, take_output_lock,
                                        tensorboard_writer, text_encoder_cache)
 from modules.train.state.training_state import TrainingState, draws_generator
 from modules.train.validation.validation import (last_validated_step, validation_due,
@@ -150,9 +150,12 @@ class TrainingRecipe:
         budget = step_budget(config, len(batches))
         record_warnings(record, config, budget.total_steps, callbacks)
         if buckets is not None and isinstance(batches, BucketBatchSampler):
-            plan = resolution_plan(config, expand_repeats(prepared.scan))
+            plan = resolution_plan(config.data, expand_repeats(prepared.scan))
             several = len(plan.distinct) > 1
             record.write(buckets=bucket_record(buckets, batches, plan if several else None))
+            cost = denoiser_compile_cost(config, plan.shape_sets(config.training.batch_size,
+                                                                 dist.world_size))
+            record.write(compile_estimate=cost.record() if cost is not None else None)
             callbacks.on_status(f"{'buckets' if several else 'aspect buckets'}: "
                                 f"{plan.describe() if several else describe_buckets(buckets)}; "
                                 f"{len(batches)} batches per epoch, "

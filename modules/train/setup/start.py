@@ -16,8 +16,8 @@ from modules.config.optimizers import OPTIMIZERS
 from modules.config.secret_settings import masked_config
 from modules.config.problems import ConfigError, Problem
 from modules.data.captions import CaptionRules
-from modules.config.data import shapes_vary, source_resolutions
-from modules.data.buckets import ResolutionPlan, bucket_counts, plan_resolutions
+from modules.config.data import shapes_vary
+from modules.data.buckets import ResolutionPlan, bucket_counts, resolution_plan
 from modules.data.dataset import BucketBatchSampler, ImageCaptionDataset, expand_repeats
 from modules.data.latent_cache import CachedLatentDataset
 from modules.data.masks import mask_source
@@ -139,17 +139,6 @@ def bucket_record(target_sizes: list[tuple[int, int]], batches: BucketBatchSampl
     return record
 
 
-def resolution_plan(config, items: list) -> ResolutionPlan:
-    """Every (item, resolution) sample of an epoch, from the data section's resolutions."""
-    return plan_resolutions(items, source_resolutions(config.data), config.data.aspect_buckets,
-                            config.data.bucket_max_aspect)
-
-
-def describe_resolutions(plan: ResolutionPlan) -> str:
-    """e.g. "64 px: 12, 128 px: 12": samples per resolution."""
-    return ", ".join(f"{row['resolution']} px: {row['items']}" for row in plan.table())
-
-
 def caption_rules(config) -> list[CaptionRules]:
     """Each dataset's caption rules (modules/data/captions.py), by its place in the list."""
     return [CaptionRules(ds.caption_prefix, ds.caption_suffix, ds.shuffle_tags, ds.keep_tags,
@@ -203,12 +192,8 @@ def build_dataset(prepared: PreparedRun, callbacks: TrainerCallbacks,
     balance = balanced_repeats(prepared.scan)[1]
     if balance is not None:
         callbacks.on_status(balance.describe())
-    plan = resolution_plan(config, items)
+    plan = resolution_plan(config.data, items)  # check_run said what it makes of them
     target_sizes = plan.target_sizes if shapes_vary(config.data) else None
-    if len(plan.distinct) > 1:
-        callbacks.on_status(f"several resolutions: {len(items)} images x "
-                            f"{len(plan.distinct)} resolutions ({describe_resolutions(plan)}) "
-                            f"= {len(plan.items)} samples per epoch")
     dataset = ImageCaptionDataset(plan.items, resolution=config.data.resolution,
                                   center_crop=config.data.center_crop,
                                   random_flip=config.data.random_flip, seed=config.training.seed,

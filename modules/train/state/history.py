@@ -42,6 +42,8 @@ def compile_key(config: Config, device_type: str) -> str:
              data["training"]["gradient_checkpointing"],
              "channels_last": data["training"]["channels_last"], "device": device_type,
              "torch": torch.__version__}
+    if data["data"]["resolutions"]:  # only then: a single-resolution run keeps its old key
+        parts["resolutions"] = sorted(data["data"]["resolutions"])
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 

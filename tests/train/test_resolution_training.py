@@ -1,0 +1,89 @@
+"""Several resolutions through the real trainer (tiny SD 1.5, 64 and 128 px, AOT_EAGER
+REGIONAL): one shared run, read by every assertion below."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+from safetensors import safe_open
+
+from modules.config import Config, apply_overrides
+from modules.events import RecordingCallbacks
+from modules.train.trainer import train
+
+IMAGES = 4
+
+
+@pytest.fixture(scope="module")
+def run(tempera_cache, tmp_path_factory):
+    """Two epochs of 4 images at 64 and 128 px, batch 2, latents cached, compiled with
+    AOT_EAGER in REGIONAL scope (compile.dynamic AUTO). About 10 s warm (the tiny model is
+    the session's): the one training run of this file, shared by its tests."""
+    import torch._dynamo
+    torch._dynamo.reset()  # this run counts recompiles: no frames from earlier tests
+    root = tmp_path_factory.mktemp("resolutions")
+    folder = root / "data"
+    folder.mkdir()
+    for i in range(IMAGES):
+        Image.effect_noise((80, 72), 40 + i).convert("RGB").save(folder / f"img{i}.png")
+        (folder / f"img{i}.txt").write_text(f"a noisy picture number {i}", encoding="utf-8")
+    cache = root / "cache"
+    config = apply_overrides(Config(), [
+        f"general.cache_dir={tempera_cache}", f"output.dir={root / 'out'}",
+        f"data.datasets[0].path={folder}", "data.resolution=64", "data.resolutions=64,128",
+        "data.cache_latents=true", f"compile.cache_dir={cache / 'compile'}",
+        "training.max_steps=0", "training.epochs=2", "training.batch_size=2",
+        "training.learning_rate=1e-3", "sampling.prompts=[]", "logging.tensorboard=false",
+        "compile.backend=AOT_EAGER"])
+    callbacks = RecordingCallbacks()
+    result = train(config, callbacks)
+    record = json.loads((result.output_dir / "run.json").read_text())
+    yield result, callbacks, record
+    torch._dynamo.reset()
+
+
+def test_every_image_trains_at_each_resolution_and_the_budget_counts_them(run):
+    result, callbacks, record = run
+    assert result.steps == IMAGES * 2 * 2 // 2  # images x resolutions x epochs / batch
+    assert record["buckets"]["batches_per_epoch"] == 4
+    assert record["buckets"]["resolutions"] == [
+        {"resolution": 64, "items": 4, "sizes": [{"height": 64, "width": 64, "items": 4}]},
+        {"resolution": 128, "items": 4, "sizes": [{"height": 128, "width": 128, "items": 4}]}]
+    assert any("4 samples x 2 resolutions (64 px: 4, 128 px: 4) = 8 samples per epoch" in s
+               for s in callbacks.statuses)
+    assert all(torch.isfinite(torch.tensor(record["losses"])))
+
+
+def test_batches_keep_one_shape_and_the_compile_cost_was_said_up_front(run):
+    _, callbacks, record = run
+    shapes = record["batch_shapes"]
+    assert sorted((s["batch"], s["height"], s["width"]) for s in shapes["shapes"]) == [
+        (2, 64, 64), (2, 128, 128)]
+    estimate = record["compile_estimate"]
+    assert estimate["shape_sets"] == {"64": [[2, 64, 64]], "128": [[2, 128, 128]]}
+    assert estimate["distinct_shape_sets"] == shapes["distinct"] == 2
+    assert estimate["full_graphs"] == 1  # the latents are marked dynamic up front
+    said = [s for s in callbacks.statuses if s.startswith("compile: 2 shape set(s)")]
+    assert said and "FULL builds 1 denoiser graph(s), REGIONAL 2 set(s)" in said[0]
+    # REGIONAL, as estimated: the static block graphs of the first shape, one dynamic
+    # recompile when the resolution first changes, and none after the first pass
+    assert record["compile"]["unet"]["compiled_code_ran"]
+    assert shapes["recompiles_after_first_pass"] == \
+        estimate["regional_recompiles_after_first_pass"] == 0
+    assert 1 + shapes["new_shapes_that_recompiled"] == estimate["regional_block_graph_sets"] == 2
+
+
+def test_latents_are_cached_once_per_image_and_resolution(run):
+    result, callbacks, _ = run
+    config = json.loads((result.output_dir / "config.json").read_text())
+    files = list((Path(config["general"]["cache_dir"]) / "latents").glob("*.safetensors"))
+    sizes = []
+    for path in files:
+        with safe_open(str(path), framework="pt") as file:
+            sizes.append(tuple(file.get_tensor("latent").shape[1:]))
+    # the session's cache may hold other tests' latents; these are this run's
+    assert sizes.count((8, 8)) >= IMAGES and sizes.count((16, 16)) >= IMAGES
+    assert f"latent cache: 0 reused, {IMAGES * 2} encoded" in callbacks.statuses
