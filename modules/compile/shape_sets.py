@@ -11,6 +11,8 @@ measured in tests/train/test_bucketed_training.py and test_resolution_training.p
 - FULL with AUTO or DYNAMIC: the latents are marked dynamic up front: one graph for every shape
   set, unless the backend cannot take symbolic height and width
   (plan.SPATIAL_DYNAMIC_LIMITS: inductor's whole UNet), then one graph per (height, width).
+  A batch of 1 (a bucket's short last batch) is a size torch always specialises: the shape
+  sets of batch 1 get graphs of their own, counted the same way.
 - REGIONAL with AUTO: the blocks see unmarked intermediate tensors, so the first shape set
   compiles static block graphs, and the first shape that changes height and width recompiles
   each block class once with them dynamic; the first that changes the batch (a bucket's short
@@ -59,11 +61,18 @@ class CompileCost:
     def spatial(self) -> list[Size]:
         return sorted({(h, w) for _, h, w in self.shapes})
 
+    def _by_batch_of_one(self) -> list[list[Shape]]:
+        """The shape sets of batches above 1 and those of batch 1, each group non-empty."""
+        groups = [[s for s in self.shapes if s[0] > 1], [s for s in self.shapes if s[0] == 1]]
+        return [group for group in groups if group]
+
     def full_graphs(self) -> int:
         """Graphs a FULL-scope denoiser compiles over the whole run."""
         if self.dynamic == DynamicShapes.STATIC:
             return len(self.shapes)
-        return len(self.spatial) if self.static_spatial else 1
+        if self.static_spatial:
+            return sum(len({(h, w) for _, h, w in g}) for g in self._by_batch_of_one())
+        return len(self._by_batch_of_one())
 
     def regional_sets(self) -> int:
         """Sets of block graphs a REGIONAL denoiser compiles over the whole run (one set: a
@@ -71,7 +80,7 @@ class CompileCost:
         if self.dynamic == DynamicShapes.STATIC:
             return len(self.shapes)
         if self.dynamic == DynamicShapes.DYNAMIC:
-            return 1
+            return len(self._by_batch_of_one())
         # AUTO: static first, then dynamic in what changed (spatial, batch) when it first does
         return 1 + (len(self.spatial) > 1) + (len({b for b, _, _ in self.shapes}) > 1)
 

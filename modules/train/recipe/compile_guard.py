@@ -10,13 +10,14 @@ checkpointing decides whether CUDA graphs can stay on) is derived from the confi
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping, Sequence
 
 import torch
 
 from modules.compile import (Capabilities, CompileEngine, CompileFacts, CompilePlan,
                              ComponentTraining, build_plan, compile_cache_folder,
                              detect_capabilities)
-from modules.compile.shape_sets import CompileCost, compile_cost, possible_shapes
+from modules.compile.shape_sets import CompileCost, Shape, compile_cost, possible_shapes
 from modules.config.schema import CompileScope, Config
 from modules.model_types import MODEL_TYPES
 from modules.events import TrainerCallbacks
@@ -87,7 +88,8 @@ def build_compile_guard(config: Config, bundle: ModelBundle, device: torch.devic
     return engine
 
 
-def denoiser_compile_cost(config: Config, shapes_per_resolution: dict | None = None,
+def denoiser_compile_cost(config: Config,
+                          shapes_per_resolution: Mapping[int, Sequence[Shape]] | None = None,
                           capabilities: Capabilities | None = None) -> CompileCost | None:
     """What the run's batch shapes cost the compiled denoiser, in both scopes
     (modules/compile/shape_sets.py); None when the denoiser is not compiled.
@@ -99,7 +101,7 @@ def denoiser_compile_cost(config: Config, shapes_per_resolution: dict | None = N
     plan = compile_plans(full, caps)[COMPILE_DENOISER]
     if not plan.compiled:
         return None
-    upper = shapes_per_resolution is None
-    shapes = (possible_shapes(config.data, config.training.batch_size) if upper
-              else shapes_per_resolution)
-    return compile_cost(shapes, config.compile.dynamic, plan, upper_bound=upper)
+    if shapes_per_resolution is None:  # the most the config allows
+        return compile_cost(possible_shapes(config.data, config.training.batch_size),
+                            config.compile.dynamic, plan, upper_bound=True)
+    return compile_cost(shapes_per_resolution, config.compile.dynamic, plan)
