@@ -5,7 +5,7 @@ after the output folder has been touched.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -68,6 +68,8 @@ class CheckedRun:
     resume: ResumePoint | None
     validation: ValidationImages | None = None
     memory: MemoryCheck | None = None  # the device memory plan (refused if over the card)
+    # samples per epoch over several resolutions, and their shape sets' compile cost
+    shape_plan: list[str] = field(default_factory=list)
 
 
 def check_run(config: Config, callbacks: TrainerCallbacks) -> CheckedRun:
@@ -130,7 +132,8 @@ def check_run(config: Config, callbacks: TrainerCallbacks) -> CheckedRun:
     scan, validation = choose_validation(resolved, scan)  # held-out images leave the scan
     if validation is not None:
         callbacks.on_status(f"validation: {validation.origin}")
-    for line in shape_plan_lines(resolved, scan):
+    shape_plan = shape_plan_lines(resolved, scan)
+    for line in shape_plan:
         callbacks.on_status(line)
     model_path = resolve_model_path(config.model.path, cache_dir)
     resolved.model.path = str(model_path)
@@ -148,7 +151,8 @@ def check_run(config: Config, callbacks: TrainerCallbacks) -> CheckedRun:
         callbacks.on_status(memory.summary())
     for warning in memory.warnings:
         callbacks.on_status(f"memory: {warning}")
-    return CheckedRun(resolved, cache_dir, scan, model_path, resume, validation, memory)
+    return CheckedRun(resolved, cache_dir, scan, model_path, resume, validation, memory,
+                      shape_plan)
 
 
 def shape_plan_lines(config: Config, scan: ScanResult) -> list[str]:
