@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from modules.config import Config, apply_overrides, from_dict, to_dict, validate
 from modules.config.data import shapes_vary, source_resolutions, trained_resolutions
 from modules.config.introspect import field_map
@@ -35,15 +37,24 @@ def test_a_value_that_is_not_a_number_names_its_item():
         raise AssertionError("a non-number resolution was accepted")
 
 
-def test_each_bad_value_is_its_own_problem_with_the_fix():
+@pytest.mark.parametrize("values, index, expected, fix", [
+    ("512,500", 1, "a multiple of 64", "try 512"),
+    ("512,8192", 1, "a side length between 64 and 4096", "try 4096"),
+    ("32,512", 0, "a side length between 64 and 4096", "try 64"),
+    ("512,768,512", 2, "a resolution not listed before", "already data.resolutions[0]"),
+], ids=["not-a-multiple-of-64", "too-large", "too-small", "listed-twice"])
+def test_each_bad_value_is_its_own_problem_with_the_fix(values, index, expected, fix):
+    problems = problems_of(config_with(f"data.resolutions={values}"))
+    detail = problems[f"data.resolutions[{index}]"]
+    assert f"expected {expected}" in detail and fix in detail
+    assert [p for p in problems if p.startswith("data.resolutions")] == [
+        f"data.resolutions[{index}]"]  # the good values are not reported
+
+
+def test_every_bad_value_is_reported_at_once():
     problems = problems_of(config_with("data.resolutions=512,500,8192,512,32"))
-    assert "a multiple of 64" in problems["data.resolutions[1]"]
-    assert "try 512" in problems["data.resolutions[1]"]
-    assert "between 64 and 4096" in problems["data.resolutions[2]"]
-    assert "try 4096" in problems["data.resolutions[2]"]
-    assert "already data.resolutions[0]" in problems["data.resolutions[3]"]
-    assert "between 64 and 4096" in problems["data.resolutions[4]"]
-    assert "data.resolutions[0]" not in problems
+    assert sorted(p for p in problems if p.startswith("data.resolutions")) == [
+        f"data.resolutions[{i}]" for i in (1, 2, 3, 4)]
 
 
 def test_the_resolution_samples_use_must_be_listed():

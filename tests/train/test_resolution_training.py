@@ -87,3 +87,11 @@ def test_latents_are_cached_once_per_image_and_resolution(run):
     # the session's cache may hold other tests' latents; these are this run's
     assert sizes.count((8, 8)) >= IMAGES and sizes.count((16, 16)) >= IMAGES
     assert f"latent cache: 0 reused, {IMAGES * 2} encoded" in callbacks.statuses
+
+
+def test_a_run_over_two_resolutions_resumes_bit_for_bit(tiny_config, tmp_path):
+    """Stopped at step 2 of 4 and resumed: the sampler's batches (each of one resolution)
+    continue exactly. About 10 s: two short runs at 64 and 128 px, eager."""
+    from tests.train.test_resume import assert_resumes_bit_for_bit
+    assert_resumes_bit_for_bit(tiny_config, tmp_path, (
+        "data.resolutions=64,128", "training.max_steps=4", "compile.backend=NONE"), at=2)
