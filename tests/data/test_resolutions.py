@@ -163,3 +163,4 @@ def test_latents_cached_per_resolution_leave_a_single_resolution_cache_valid(tmp
         assert "cached at 2 sizes" in str(exc)
     else:
         raise AssertionError("an ambiguous entry was served")
+

@@ -95,3 +95,28 @@ def test_a_run_over_two_resolutions_resumes_bit_for_bit(tiny_config, tmp_path):
     from tests.train.test_resume import assert_resumes_bit_for_bit
     assert_resumes_bit_for_bit(tiny_config, tmp_path, (
         "data.resolutions=64,128", "training.max_steps=4", "compile.backend=NONE"), at=2)
+
+
+def test_the_trainers_dataset_takes_each_samples_size(tmp_path: Path):
+    """build_dataset (train/setup/start.py) over a scan: a dataset's own single resolution
+    is its size even where data.resolution differs, and two resolutions give both."""
+    from modules.data.folders import DatasetSource, scan_datasets
+    from modules.train.setup.prepare import PreparedRun
+    from modules.train.setup.start import build_dataset
+
+    folder = tmp_path / "a"
+    folder.mkdir()
+    for i, size in enumerate([(90, 70), (70, 90)]):
+        Image.effect_noise(size, 70 + i).convert("RGB").save(folder / f"img{i}.png")
+    scan = scan_datasets([DatasetSource(folder)])
+
+    def sizes(*overrides: str) -> list[tuple[int, ...]]:
+        config = apply_overrides(Config(), [f"data.datasets[0].path={folder}",
+                                            "data.resolution=64", *overrides])
+        prepared = PreparedRun(config, torch.device("cpu"), tmp_path, None, scan)  # type: ignore[arg-type]
+        dataset = build_dataset(prepared, RecordingCallbacks())
+        return [tuple(dataset[i]["pixel_values"].shape[1:]) for i in range(len(dataset))]
+
+    assert sizes() == [(64, 64)] * 2
+    assert sizes("data.datasets[0].resolutions=[128]") == [(128, 128)] * 2
+    assert sizes("data.resolutions=64,128") == [(64, 64)] * 2 + [(128, 128)] * 2

@@ -193,7 +193,11 @@ def build_dataset(prepared: PreparedRun, callbacks: TrainerCallbacks,
     if balance is not None:
         callbacks.on_status(balance.describe())
     plan = resolution_plan(config.data, items)  # check_run said what it makes of them
-    target_sizes = plan.target_sizes if shapes_vary(config.data) else None
+    # None: every item a data.resolution square, the path runs took before resolution lists
+    # (a dataset's own single resolution is another square, so it needs the sizes too)
+    same_as_before = (not shapes_vary(config.data)
+                      and plan.distinct == [config.data.resolution])
+    target_sizes = None if same_as_before else plan.target_sizes
     dataset = ImageCaptionDataset(plan.items, resolution=config.data.resolution,
                                   center_crop=config.data.center_crop,
                                   random_flip=config.data.random_flip, seed=config.training.seed,
