@@ -98,6 +98,15 @@ def parse_text(info: FieldInfo, text: str) -> Any:
     if info.kind == "list_str":
         separator = "\n" if meta.get("multiline") else ","
         return [item.strip() for item in text.split(separator) if item.strip()]
+    if info.kind == "list_int":
+        numbers = []
+        for item in filter(None, (t.strip() for t in text.split(","))):
+            try:
+                numbers.append(int(item))
+            except ValueError:
+                raise FieldError("whole numbers separated by commas, e.g. 512, 768",
+                                 repr(item)) from None
+        return numbers
     if info.kind in ("enum", "list_enum"):
         enum_type = enum_class(info)
         names = [t.strip() for t in (text.split(",") if info.kind == "list_enum" else [text])]
@@ -128,6 +137,8 @@ def format_value(info: FieldInfo, value: Any) -> str:
         return ("\n" if info.metadata.get("multiline") else ", ").join(value)
     if info.kind == "list_enum":
         return ", ".join(v.value for v in value)
+    if info.kind == "list_int":
+        return ", ".join(str(v) for v in value)
     if isinstance(value, float):
         return repr(value) if abs(value) >= 1e-4 or value == 0 else f"{value:g}"
     return str(value)

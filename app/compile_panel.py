@@ -37,8 +37,11 @@ def detect_machine(config: Config) -> Any:
 
 
 def plan_text(config: Config, machine: Any) -> str:
-    """The description line for ``config`` on ``machine``: the plan training applies."""
-    return describe_plan(config.compile.backend, frontend.compile_plans(config, machine))
+    """The description line for ``config`` on ``machine``: the plan training applies, and
+    with several resolutions or aspect buckets what their shape sets cost it at most."""
+    text = describe_plan(config.compile.backend, frontend.compile_plans(config, machine))
+    cost = frontend.compile_cost(config, machine)
+    return text if cost is None else f"{text}\n{cost.describe()}"
 
 
 class CompilePanel:

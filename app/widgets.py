@@ -215,6 +215,7 @@ class ReadOnlyView(FieldView):
 class EntryView(FieldView):
     """int, float, optional float, str and comma-separated lists: a validated text entry."""
     WIDTHS = {"int": 140, "float": 140, "optional_float": 140, "str": 260, "list_str": 420,
+              "list_int": 260,
               "path": 320}
 
     def _build_input(self, parent: Any) -> Any:
@@ -501,6 +502,7 @@ class ListView(FieldView):
 VIEW_CLASSES = {
     "bool": BoolView, "enum": EnumView, "int": EntryView, "float": EntryView,
     "optional_float": EntryView, "str": EntryView, "path": PathView, "list_enum": MultiEnumView,
+    "list_int": EntryView,
     "list_dataclass": ListView,
 }
 

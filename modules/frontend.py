@@ -125,6 +125,18 @@ def compile_plans(config: Config, machine: Any = None) -> Any:
     return engine_plans(config, machine)
 
 
+def compile_cost(config: Config, machine: Any = None) -> Any:
+    """What the batch shapes of several resolutions or aspect buckets cost the compiled
+    denoiser, before any image is read: a `CompileCost` counting every bucket each resolution
+    allows (an upper bound; `--check` counts what the scan found), or None when batches keep
+    one shape or the denoiser is not compiled."""
+    from modules.config.data import shapes_vary
+    if not shapes_vary(config.data):
+        return None
+    from modules.train.recipe.compile_guard import denoiser_compile_cost
+    return denoiser_compile_cost(config, capabilities=machine)
+
+
 def explain(config: Config) -> str:
     """What compiling with this config does here, as text (*Check compilation*,
     scripts/explain_compile.py): traces the model once."""
@@ -147,7 +159,7 @@ def expected_compile(config: Config) -> Any:
 __all__ = [  # noqa: F822 - the lazy names come from __getattr__ below
     "BACKENDS", "COMPONENT_LABELS", "LossPoint", "MODEL_TYPES", "ModelType", "RULED_PATHS",
     "ResumeOffer", "TrainingAborted", "TrainingError", "atomic_write_text", "cache_dir_for",
-    "check", "check_inputs", "check_run", "compile_cache_folder", "compile_plans", "earlier_losses",
+    "check", "check_inputs", "check_run", "compile_cache_folder", "compile_cost", "compile_plans", "earlier_losses",
     "earlier_validation",
     "expected_compile", "explain", "final_weights_step",
     "finished_run_problem", "format_duration", "latest_samples", "list_backups", "load_engine",

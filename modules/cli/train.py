@@ -87,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
             checked = check_run(config, NullCallbacks())
             print(f"{args.config}: valid ({len(checked.scan.items)} images; model "
                   f"{checked.model_path})")
+            for line in checked.shape_plan:  # several resolutions, buckets: the compile cost
+                print(line)
             if checked.memory is not None:
                 print("\n".join(checked.memory.describe()))
             if checked.memory is not None and checked.memory.plan is not None:

@@ -55,6 +55,10 @@ class DatasetConfig:
         help="This folder holds class images for prior preservation (DreamBooth): each epoch "
              "mixes in as many of their samples as there are training samples, and their loss "
              "counts training.prior_loss_weight times. docs/datasets.md gives the rule.")
+    resolutions: list[int] = setting(
+        default_factory=list, label="Resolutions", group="Data",
+        help="This folder's own training side lengths (e.g. 1024 only for a folder of large "
+             "images); empty uses data.resolutions (or data.resolution).")
 
 
 @dataclass
@@ -70,6 +74,11 @@ class DataConfig:
     resolution: int = setting(512, label="Resolution", group="Data", min=64, max=4096,
                               compile_check=True,
                               help="Training side length in pixels; must be a multiple of 64.")
+    resolutions: list[int] = setting(
+        default_factory=list, label="Resolutions", group="Data", compile_check=True,
+        help="Train every image at each of these side lengths (e.g. 512, 768, 1024), each with "
+             "its own square or aspect buckets; an epoch is images x resolutions. Must hold "
+             "data.resolution (samples and validation use it). Empty: data.resolution only.")
     center_crop: bool = setting(True, label="Center crop", group="Data",
                                 help="Crop the center after resizing; off means a random crop.")
     random_flip: bool = setting(False, label="Random flip", group="Data",
@@ -140,3 +149,20 @@ class ValidationConfig:
              "weights (in output.formats) into best/ in the output folder, replacing the "
              "previous best only once the new one is complete. Needs validation "
              "(validation.every_steps). docs/validation.md.")
+
+
+def source_resolutions(data: DataConfig) -> list[list[int]]:
+    """The resolutions each dataset trains at, by its place in data.datasets: its own list,
+    else data.resolutions, else [data.resolution]."""
+    run = data.resolutions or [data.resolution]
+    return [list(ds.resolutions or run) for ds in data.datasets]
+
+
+def trained_resolutions(data: DataConfig) -> list[int]:
+    """Every resolution some dataset trains at, smallest first."""
+    return sorted({r for listed in source_resolutions(data) for r in listed})
+
+
+def shapes_vary(data: DataConfig) -> bool:
+    """Batches come in more than one shape: aspect buckets, or several resolutions."""
+    return data.aspect_buckets or len(trained_resolutions(data)) > 1

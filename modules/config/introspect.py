@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-KINDS = ("bool", "int", "float", "str", "enum", "path", "list_str", "list_enum",
+KINDS = ("bool", "int", "float", "str", "enum", "path", "list_str", "list_int", "list_enum",
          "optional_float", "list_dataclass")
 
 
@@ -93,6 +93,8 @@ def kind_of(tp: Any, metadata: dict) -> str | None:
             return "list_enum"
         if item is str:
             return "list_str"
+        if item is int:
+            return "list_int"
         raise TypeError(f"unsupported list type {tp!r}")
     if dataclasses.is_dataclass(tp):
         return None

@@ -76,7 +76,11 @@ def _text_to_json(tp: Any, text: str) -> Any:
         if text.lstrip().startswith(("[", "{")):
             return json.loads(text)
         if origin is list:
-            return [s.strip() for s in text.split(",") if s.strip()]
+            items = [s.strip() for s in text.split(",") if s.strip()]
+            # whole numbers as numbers (data.resolutions=512,768); other text stays for the
+            # loader to report against the field
+            return ([int(s) if s.lstrip("-").isdigit() else s for s in items]
+                    if typing.get_args(tp)[0] is int else items)
         return text
     if tp is bool:
         low = text.strip().lower()

@@ -46,6 +46,8 @@ SUPPORTED_FORMATS = {
     TrainingMethod.TEXTUAL_INVERSION: {SaveFormat.DIFFUSERS, SaveFormat.KOHYA},
 }
 COMPONENT_NAMES = ("denoiser", "text_encoder", "text_encoder_2", "vae")
+RESOLUTION_RANGE = next((int(f.metadata["min"]), int(f.metadata["max"]))
+                        for f in dataclasses.fields(DataConfig) if f.name == "resolution")
 BUCKET_MAX_ASPECT_LIMIT = next(f.metadata["max"] for f in dataclasses.fields(DataConfig)
                                if f.name == "bucket_max_aspect")
 
@@ -495,9 +497,18 @@ def _check_data(config: Config) -> list[Problem]:
         if not ds.path.strip():
             problems.append(Problem(f"data.datasets[{i}].path",
                                     f"a folder of images or {BUILTIN_SHAPES}", repr(ds.path)))
-    if d.aspect_buckets and d.resolution >= 64 and d.resolution % 64 == 0 \
+    problems += _check_resolution_list("data.resolutions", d.resolutions)
+    if d.resolutions and d.resolution not in d.resolutions:
+        problems.append(Problem("data.resolution", "one of data.resolutions "
+                                f"({', '.join(map(str, d.resolutions))})", str(d.resolution),
+                                "samples and validation use data.resolution: set it to one of "
+                                "the listed resolutions, or add it to data.resolutions"))
+    for i, ds in enumerate(d.datasets):
+        problems += _check_resolution_list(f"data.datasets[{i}].resolutions", ds.resolutions)
+    largest = max([d.resolution, *d.resolutions])  # buckets must be possible somewhere
+    if d.aspect_buckets and largest >= 64 and largest % 64 == 0 \
             and d.bucket_max_aspect >= 1.0:  # out-of-range values are the loader's to report
-        problems += _check_buckets(d.resolution, d.bucket_max_aspect)
+        problems += _check_buckets(largest, d.bucket_max_aspect)
     if d.cache_latents and not d.center_crop:
         problems.append(Problem("data.center_crop", "true when data.cache_latents is on", "false",
                                 "a random crop would be frozen into the cached latents"))
@@ -527,6 +538,26 @@ def _check_regularization(config: Config) -> list[Problem]:
                         "mark the class-images folder as regularisation images, or leave the "
                         "weight at 1.0")]
     return []
+
+
+def _check_resolution_list(path: str, values: list[int]) -> list[Problem]:
+    """Each listed resolution a multiple of 64 within data.resolution's range, none twice;
+    every bad value is its own problem, named by its index."""
+    problems = []
+    lo, hi = RESOLUTION_RANGE
+    for i, value in enumerate(values):
+        where = f"{path}[{i}]"
+        if not lo <= value <= hi:
+            problems.append(Problem(where, f"a side length between {lo} and {hi} pixels",
+                                    str(value), f"try {min(max(lo, value), hi) // 64 * 64}"))
+        elif value % 64:
+            problems.append(Problem(where, "a multiple of 64", str(value),
+                                    f"try {max(64, round(value / 64) * 64)}"))
+        if value in values[:i]:
+            problems.append(Problem(where, "a resolution not listed before", str(value),
+                                    f"remove it: {value} is already {path}"
+                                    f"[{values.index(value)}]"))
+    return problems
 
 
 def _check_buckets(resolution: int, max_aspect: float) -> list[Problem]:

@@ -15,7 +15,9 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+from modules.config.data import DataConfig, source_resolutions
 from modules.data.folders import ScanItem
 from modules.geometry import Size, aspect_of, bucket_sizes
 
@@ -53,3 +55,83 @@ def describe_buckets(target_sizes: Sequence[Size]) -> str:
     rows = bucket_counts(target_sizes)
     listed = ", ".join(f"{r['height']}x{r['width']}: {r['items']}" for r in rows)
     return f"{len(rows)} bucket(s) in use (height x width: items): {listed}"
+
+
+@dataclass(frozen=True)
+class ResolutionPlan:
+    """Every (image, resolution) sample of an epoch: `items[i]` trains at `target_sizes[i]`,
+    its bucket (or square) within `resolutions[i]`'s pixel budget.
+
+    Samples are ordered by resolution, then by item, so a run with one resolution has exactly
+    the items, order and sizes it had before several resolutions existed (its sampler order,
+    resume and cache keys unchanged).
+    """
+    items: list[ScanItem]
+    target_sizes: list[Size]
+    resolutions: list[int]
+
+    @property
+    def distinct(self) -> list[int]:
+        """The resolutions trained, smallest first."""
+        return sorted(set(self.resolutions))
+
+    def table(self) -> list[dict]:
+        """run.json's bucket table: per resolution its samples and items per bucket."""
+        rows = []
+        for resolution in self.distinct:
+            sizes = [s for s, r in zip(self.target_sizes, self.resolutions) if r == resolution]
+            rows.append({"resolution": resolution, "items": len(sizes),
+                         "sizes": bucket_counts(sizes)})
+        return rows
+
+    def shape_sets(self, batch_size: int, world_size: int = 1) -> dict[int, list[tuple[int, int, int]]]:
+        """Per resolution, the (batch, height, width) shapes its batches have
+        (`batch_shapes`): what the compiled denoiser meets."""
+        return {r: batch_shapes([s for s, res in zip(self.target_sizes, self.resolutions)
+                                 if res == r], batch_size, world_size)
+                for r in self.distinct}
+
+    def describe(self) -> str:
+        """One status line per resolution: its buckets and their item counts."""
+        return "; ".join(f"{row['resolution']} px: "
+                         + describe_buckets([s for s, r in zip(self.target_sizes,
+                                                                self.resolutions)
+                                             if r == row["resolution"]])
+                         for row in self.table())
+
+
+def plan_resolutions(items: Sequence[ScanItem], source_resolutions: Sequence[Sequence[int]],
+                     aspect_buckets: bool, max_aspect: float) -> ResolutionPlan:
+    """Each item at each resolution its source (dataset) lists (`source_resolutions[i]` for
+    dataset i): its aspect bucket within that resolution with `aspect_buckets`, else that
+    resolution's square."""
+    every = sorted({r for listed in source_resolutions for r in listed})
+    plan = ResolutionPlan([], [], [])
+    for resolution in every:
+        chosen = [item for item in items if resolution in source_resolutions[item.source_index]]
+        sizes = (assign_buckets(chosen, resolution, max_aspect) if aspect_buckets
+                 else [(resolution, resolution)] * len(chosen))
+        plan.items.extend(chosen)
+        plan.target_sizes.extend(sizes)
+        plan.resolutions.extend([resolution] * len(chosen))
+    return plan
+
+
+def resolution_plan(data: DataConfig, items: Sequence[ScanItem]) -> ResolutionPlan:
+    """`plan_resolutions` with the data section's resolutions (its datasets' own lists)."""
+    return plan_resolutions(items, source_resolutions(data), data.aspect_buckets,
+                            data.bucket_max_aspect)
+
+
+def batch_shapes(target_sizes: Sequence[Size], batch_size: int,
+                 world_size: int = 1) -> list[tuple[int, int, int]]:
+    """Every (batch, height, width) a bucket batch sampler over these sizes yields, sorted:
+    each bucket's full batches and its short last one (`BucketBatchSampler`'s arithmetic).
+    The shape sets a compiled denoiser meets; one per bucket and batch length."""
+    shapes = set()
+    for (height, width), count in Counter((h, w) for h, w in target_sizes).items():
+        share = -(-count // world_size)
+        shapes.add((min(batch_size, share), height, width))
+        if share % batch_size and share > batch_size:
+            shapes.add((share % batch_size, height, width))
+    return sorted(shapes)

@@ -2,7 +2,10 @@
 
 One `.safetensors` file per (image content, target size, crop, flip, VAE). The key hashes the
 image *bytes*, not its path or mtime, so editing an image, changing the resolution, its
-aspect-ratio bucket or the crop mode, or swapping the VAE never serves a stale latent. A file
+aspect-ratio bucket or the crop mode, or swapping the VAE never serves a stale latent. An image
+trained at several resolutions (data.resolutions) has one entry per target size, each under
+its own key; the key format is the one single-resolution runs wrote, so their entries stay
+valid. A file
 that cannot be read is treated as a miss (re-encoded and overwritten, with a warning), never a
 crash.
 """
@@ -239,13 +242,18 @@ class CachedImage:
     masked: bool = False
 
 
+# An entry of `CacheStats.entries`: an image and the (height, width) it is cached at.
+EntryKey = tuple[Path, tuple[int, int]]
+
+
 @dataclass
 class CacheStats:
-    """What `cache_latents` did: entries found, encoded, found corrupt, and every image's keys."""
+    """What `cache_latents` did: entries found, encoded, found corrupt, and the keys of every
+    (image, target size) (an image trained at several resolutions has one per size)."""
     hits: int = 0
     misses: int = 0
     corrupt: int = 0
-    entries: dict[Path, CachedImage] = field(default_factory=dict)
+    entries: dict[EntryKey, CachedImage] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -293,11 +301,11 @@ def cache_latents(items: Sequence[ScanItem], encode_fn: EncodeFn, cache: LatentC
                        "once from the seed; turn latent caching off for a new crop every epoch")
     stats = CacheStats()
     corrupt_before = cache.corrupt
-    targets = _target_per_image(items, resolution, target_sizes)
+    targets = _distinct_targets(items, resolution, target_sizes)
     item_of = {Path(item.path): item for item in items}
     flips = (False, True) if random_flip else (False,)
     total, pending = len(targets) * len(flips), []
-    for path, target in targets.items():
+    for path, target in targets:
         if should_stop():
             raise StopRequested(f"latent caching stopped after {stats.hits} of {total} "
                                 "latents were checked")
@@ -307,7 +315,7 @@ def cache_latents(items: Sequence[ScanItem], encode_fn: EncodeFn, cache: LatentC
         mask = mask_name(item_of[path], cache.hasher) if masked_loss else None
         keys = {flip: cache.key_for(path, target, center_crop, crop, flip, mask)
                 for flip in flips}
-        stats.entries[path] = CachedImage(path, keys, masked=mask is not None)
+        stats.entries[(path, target)] = CachedImage(path, keys, masked=mask is not None)
         for flip, key in keys.items():
             if cache.get_entry(key, require_mask=mask is not None) is not None:
                 stats.hits += 1
@@ -328,20 +336,16 @@ def cache_latents(items: Sequence[ScanItem], encode_fn: EncodeFn, cache: LatentC
     return stats
 
 
-def _target_per_image(items: Sequence[ScanItem], resolution: int,
-                      target_sizes: Sequence[tuple[int, int]] | None
-                      ) -> dict[Path, tuple[int, int]]:
-    """Each distinct image's target size, in first-appearance order (repeats share one)."""
+def _distinct_targets(items: Sequence[ScanItem], resolution: int,
+                      target_sizes: Sequence[tuple[int, int]] | None) -> list[EntryKey]:
+    """Each distinct (image, target size), in first-appearance order (repeats share one; an
+    image at several resolutions has one per size)."""
     if target_sizes is None:
         target_sizes = square_sizes(len(items), resolution)
     if len(target_sizes) != len(items):
         raise ValueError(f"{len(target_sizes)} target sizes for {len(items)} items")
-    targets: dict[Path, tuple[int, int]] = {}
-    for item, target in zip(items, target_sizes):
-        path, target = Path(item.path), target_hw(target)
-        if targets.setdefault(path, target) != target:
-            raise ValueError(f"{path} has two target sizes, {targets[path]} and {target}")
-    return targets
+    pairs = ((Path(item.path), target_hw(target)) for item, target in zip(items, target_sizes))
+    return list(dict.fromkeys(pairs))
 
 
 def _same_size_batches(pending: Sequence[_Pending], batch_size: int) -> list[list[_Pending]]:
@@ -386,20 +390,18 @@ class CachedLatentDataset(Dataset):
     Items: {"latents": tensor, "caption", "path", "original_size", "crop_top_left"}. The flip
     of each item is drawn per (seed, epoch, index) like the pixel dataset's. Build it from the
     `CacheStats.entries` of a `cache_latents` call over the same items; `target_sizes` (the
-    items' buckets, as given to `cache_latents`) is kept for the bucket batch sampler.
+    items' buckets or squares, as given to `cache_latents`) picks each item's entry and is
+    kept for the bucket batch sampler. Without it every image must have one cached size.
     """
 
-    def __init__(self, items: Sequence[ScanItem], entries: Mapping[Path, CachedImage],
+    def __init__(self, items: Sequence[ScanItem], entries: Mapping[EntryKey, CachedImage],
                  cache: LatentCache, random_flip: bool = False, seed: int = 0,
                  target_sizes: Sequence[tuple[int, int]] | None = None,
                  caption_rules: Sequence[CaptionRules] = (),
                  loss_weights: Sequence[float] = (), masked_loss: bool = False) -> None:
-        missing = [item.path for item in items if Path(item.path) not in entries]
-        if missing:
-            raise ValueError(f"{len(missing)} item(s) were not cached, e.g. {missing[0]}; "
-                             "run cache_latents over the same items first")
         self.items = list(items)
         self.target_sizes = None if target_sizes is None else [(h, w) for h, w in target_sizes]
+        self.entry_keys = _entry_keys(self.items, entries, self.target_sizes)
         self.entries = entries
         self.cache = cache
         self.random_flip = random_flip
@@ -415,7 +417,7 @@ class CachedLatentDataset(Dataset):
         epoch, index = split_key(key)
         item = self.items[index]
         flip = self.random_flip and coin_flip(item_rng(self.seed, epoch, index))
-        cached = self.entries[Path(item.path)]
+        cached = self.entries[self.entry_keys[index]]
         cache_key = cached.keys[flip]
         entry = self.cache.get_entry(cache_key, require_mask=cached.masked)
         if entry is None:
@@ -438,3 +440,27 @@ class CachedLatentDataset(Dataset):
         if entry.mask is not None:
             return {"mask": entry.mask}
         return {"mask": torch.ones(1, *entry.latent.shape[-2:])}
+
+
+def _entry_keys(items: Sequence[ScanItem], entries: Mapping[EntryKey, CachedImage],
+                target_sizes: Sequence[tuple[int, int]] | None) -> list[EntryKey]:
+    """The `entries` key of each item: its image at its target size (the image's only cached
+    size when `target_sizes` is None). ValueError when an item was not cached, or is ambiguous."""
+    sizes_of: dict[Path, list[tuple[int, int]]] = {}
+    for path, size in entries:
+        sizes_of.setdefault(path, []).append(size)
+    keys = []
+    for index, item in enumerate(items):
+        path = Path(item.path)
+        if target_sizes is not None:
+            key = (path, target_sizes[index])
+        elif len(sizes_of.get(path, [])) > 1:
+            raise ValueError(f"{path} is cached at {len(sizes_of[path])} sizes; give each "
+                             "item's target size (target_sizes)")
+        else:
+            key = (path, sizes_of[path][0]) if path in sizes_of else (path, (0, 0))
+        if key not in entries:
+            raise ValueError(f"item {index} ({path}) was not cached at {key[1]}; run "
+                             "cache_latents over the same items and target sizes first")
+        keys.append(key)
+    return keys

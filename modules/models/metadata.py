@@ -62,7 +62,10 @@ def training_metadata(config_dict: dict, model_type: ModelType, method: Any, kin
     model, data = config_dict.get("model", {}), config_dict.get("data", {})
     training = config_dict.get("training", {})
     v_pred = _is_v_prediction(prediction_type or _plain(model.get("prediction_type")), model_type)
-    resolution = int(data.get("resolution", 0))
+    # the largest a run trained at (several resolutions: data.resolutions, a dataset's own)
+    resolution = max([int(data.get("resolution", 0)), *map(int, data.get("resolutions") or []),
+                      *(int(r) for ds in data.get("datasets") or []
+                        for r in ds.get("resolutions") or [])])
     when = (now or dt.datetime.now(dt.timezone.utc)).replace(microsecond=0)
     meta = {
         "modelspec.sai_model_spec": SAI_MODEL_SPEC_VERSION,

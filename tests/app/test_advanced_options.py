@@ -109,3 +109,21 @@ def test_check_compilation_shows_the_report_of_the_chosen_backend(app):
     pump(app, lambda: "graph_breaks" in app.compile_panel.report_text())
     assert calls == [CompileBackend.AOT_EAGER]
     assert app.guard.violations == []
+
+
+def test_the_resolutions_field_takes_a_list_and_the_description_says_its_compile_cost(app):
+    from modules.compile import Capabilities
+
+    panel = app.compile_panel
+    panel.use_machine(lambda config: Capabilities.everything("cuda"))
+    panel._load_summaries()
+    panel.backend.menu._dropdown_callback("AOT_EAGER")
+    assert "shape set" not in panel.description.cget("text")  # one resolution, no buckets
+    field = app.registry.find("data.resolutions")
+    field.var.set("512, 1024")                             # typed into the form's entry
+    assert app.binding.config.data.resolutions == [512, 1024]
+    text = panel.description.cget("text")
+    assert "compile: at most 2 shape set(s) (512 px: 1, 1024 px: 1)" in text
+    assert "FULL builds at most 1 denoiser graph(s)" in text
+    field.var.set("512, big")
+    assert app.binding.config.data.resolutions == [512, 1024]  # refused, the last good value

@@ -15,7 +15,8 @@ from tests.app.conftest import pump
 
 EXPECTED_VIEW = {"bool": BoolView, "int": EntryView, "float": EntryView,
                  "optional_float": EntryView, "str": EntryView, "path": PathView,
-                 "enum": EnumView, "list_enum": MultiEnumView, "list_dataclass": ListView}
+                 "enum": EnumView, "list_enum": MultiEnumView, "list_dataclass": ListView,
+                 "list_int": EntryView}
 
 
 def view(app, path):

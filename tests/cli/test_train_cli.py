@@ -125,6 +125,17 @@ def test_check_validates_without_training(small_config, capsys):
     assert not (small_config.parent / "out").exists()
 
 
+def test_check_says_the_samples_and_compile_cost_of_several_resolutions(small_config, capsys):
+    assert main(["--config", str(small_config), "--check", "--set", "data.resolutions=64,128",
+                 "--set", "compile.backend=AOT_EAGER"]) == 0
+    printed = capsys.readouterr()
+    text = printed.out + printed.err
+    assert "48 samples x 2 resolutions (64 px: 48, 128 px: 48) = 96 samples per epoch" in text
+    assert "compile: 2 shape set(s) (64 px: 1, 128 px: 1): FULL builds 1 denoiser graph(s)" \
+        in text
+    assert not (small_config.parent / "out").exists()
+
+
 def test_failure_during_training_exits_1(small_config, capsys, monkeypatch):
     import modules.train.recipe.recipe as recipe_module
 

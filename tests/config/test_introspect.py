@@ -29,6 +29,7 @@ def test_kinds_of_representative_fields():
         "training.learning_rate": "float", "data.caption_extension": "str",
         "compile.backend": "enum", "model.path": "path", "output.dir": "path",
         "training.lora_target_modules": "list_str", "output.formats": "list_enum",
+        "data.resolutions": "list_int",
         "components.denoiser.learning_rate": "optional_float", "data.datasets": "list_dataclass",
     }
     assert {path: fields[path].kind for path in expected} == expected

@@ -142,7 +142,8 @@ def test_the_latent_cache_stores_the_mask_with_the_latent(tmp_path):
     cache = LatentCache(tmp_path / "cache", "vae")
     stats = cache_latents(scan.items, fake_encode, cache, 64, random_flip=True,
                           masked_loss=True)
-    filed, plain = (stats.entries[tmp_path / "data" / n] for n in ("filed.png", "plain.png"))
+    filed, plain = (stats.entries[(tmp_path / "data" / n, (64, 64))]
+                    for n in ("filed.png", "plain.png"))
     assert filed.masked and not plain.masked
     for flip, key in filed.keys.items():
         entry = cache.get_entry(key, require_mask=True)
@@ -153,8 +154,8 @@ def test_the_latent_cache_stores_the_mask_with_the_latent(tmp_path):
         assert torch.allclose(entry.mask, expected.flip(-1) if flip else expected)
     # an image without a mask keeps the key (and file) an unmasked run uses
     unmasked = cache_latents(scan.items, fake_encode, cache, 64, random_flip=True)
-    assert unmasked.entries[tmp_path / "data" / "plain.png"].keys == plain.keys
-    assert unmasked.entries[tmp_path / "data" / "filed.png"].keys != filed.keys
+    assert unmasked.entries[(tmp_path / "data" / "plain.png", (64, 64))].keys == plain.keys
+    assert unmasked.entries[(tmp_path / "data" / "filed.png", (64, 64))].keys != filed.keys
     assert unmasked.misses == 2 and unmasked.hits == 2  # filed.png re-encoded without its mask
     dataset = CachedLatentDataset(scan.items, stats.entries, cache, masked_loss=True)
     batch = collate_examples([dataset[0], dataset[1]])

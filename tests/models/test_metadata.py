@@ -79,3 +79,10 @@ def test_saved_kohya_and_single_file_carry_the_metadata(tempera_cache, tmp_path)
     full_meta = safe_open(str(full), "pt").metadata()
     assert full_meta["modelspec.architecture"] == "stable-diffusion-v1"
     assert full_meta["modelspec.implementation"].startswith("https://github.com/Stability-AI")
+
+
+def test_a_run_over_several_resolutions_names_the_largest():
+    meta = training_metadata(_config_dict("data.resolutions=512,768",
+                                          'data.datasets=[{"path": "a", "resolutions": [1024]}]'),
+                             ModelType.SD15, "LORA", "lora", now=NOW)
+    assert meta["modelspec.resolution"] == "1024x1024" and meta["ss_resolution"] == "(1024, 1024)"

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from modules.config import apply_overrides
 from modules.config.schema import Config
-from modules.train.state.history import compile_expectation, history_path, record_compile_time
+from modules.train.state.history import (compile_expectation, compile_key, history_path,
+                                         record_compile_time)
 
 
 def config_in(tmp_path, *more: str) -> Config:
@@ -41,3 +42,12 @@ def test_without_the_cache_every_run_is_expected_as_long_as_the_last(tmp_path):
     assert (expected.seconds, expected.warm, expected.graphs) == (40.0, False, {"unet": 5})
     other = config_in(tmp_path, "data.resolution=1024")   # other shapes: other compile work
     assert compile_expectation(other, "cpu") is None
+
+
+def test_several_resolutions_have_their_own_entry_and_one_listed_keeps_the_old_one():
+    def key(*overrides: str) -> str:
+        return compile_key(apply_overrides(Config(), ["data.resolution=64", *overrides]), "cpu")
+
+    assert key("data.resolutions=64") == key()  # the same compile work as before the list
+    assert key("data.resolutions=64,128") != key()
+    assert key('data.datasets=[{"path": "a", "resolutions": [128]}]') != key()

@@ -77,3 +77,13 @@ def test_validation_passes_still_due_and_their_time():
                                               seconds_per_validation=4.0)
     assert (sampling, validating) == (20.0, 12.0)
     assert total == 100 * 0.5 + 20.0 + 12.0
+
+
+def test_several_resolutions_scale_the_sampling_estimate_by_their_mean_pixels():
+    config = Config()
+    config.data.resolution, config.data.resolutions = 512, [512, 1024]
+    config.training.batch_size, config.training.gradient_accumulation = 4, 1
+    config.sampling.steps, config.sampling.guidance_scale = 20, 1.0
+    config.sampling.prompts = ["a"]  # 512 x 512: 20 forwards of 512² against a mean of 2.5x
+    expected = 0.3 * 20 * 512 ** 2 / ((512 ** 2 + 1024 ** 2) / 2) / 12
+    assert abs(estimated_sample_seconds(config, prompts_of(config), 0.3) - expected) < 1e-9

@@ -12,14 +12,20 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "explain_compile.py"
 
 def test_explains_only_selected_components_and_reports_the_degrade(tiny_config):
     config = tiny_config("compile.backend=TRITON", "compile.denoiser=true",
-                         "compile.text_encoder=true", "compile.vae=false")
+                         "compile.text_encoder=true", "compile.vae=false",
+                         "data.resolutions=64,128")
     result = explain_config(config)
     assert set(result) == {"unet", "text_encoder"}
     unet = result["unet"]
     assert unet["requested"] == "TRITON"
     assert unet["effective"] != "TRITON" and "CUDA" in unet["degraded"]
     assert unet["regions"] and all(r["graphs"] >= 1 for r in unet["regions"])
-    assert "degraded" in explain_text(config)
+    text = explain_text(config)
+    assert "degraded" in text
+    # several resolutions: their shape sets' cost, at most (before a scan); TRITON runs as
+    # INDUCTOR here, which keeps a whole UNet's sizes static: a FULL graph per resolution
+    assert ("compile: at most 2 shape set(s) (64 px: 1, 128 px: 1): FULL builds at most 2 "
+            "denoiser graph(s)") in text
 
 
 def test_script_exit_codes(tiny_config, tmp_path, capsys):

@@ -21,6 +21,8 @@ class BatchShapeLog:
     micro_steps: int = 0
     first_pass_micro_steps: int = 0
     recompiles_in_first_pass: int = 0
+    # the run's recompiles so far at the end of each new shape's first micro-step
+    recompiles_at_new_shapes: list[int] = field(default_factory=list)
 
     def add(self, shape: Shape, recompiles: Callable[[], int]) -> None:
         """Count one finished micro-step on `shape`; `recompiles()` is the run's total so far
@@ -30,6 +32,7 @@ class BatchShapeLog:
             self.shapes.append(shape)
             self.first_pass_micro_steps = self.micro_steps
             self.recompiles_in_first_pass = recompiles()
+            self.recompiles_at_new_shapes.append(self.recompiles_in_first_pass)
 
     def report(self, recompiles: int) -> dict:
         """The run record's `batch_shapes` section, given the run's total recompiles."""
@@ -41,4 +44,8 @@ class BatchShapeLog:
             "recompiles": recompiles,
             "recompiles_in_first_pass": self.recompiles_in_first_pass,
             "recompiles_after_first_pass": recompiles - self.recompiles_in_first_pass,
+            "recompiles_at_new_shapes": list(self.recompiles_at_new_shapes),
+            "new_shapes_that_recompiled": sum(
+                later > earlier for earlier, later in zip(self.recompiles_at_new_shapes,
+                                                          self.recompiles_at_new_shapes[1:])),
         }

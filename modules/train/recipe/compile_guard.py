@@ -9,12 +9,16 @@ checkpointing decides whether CUDA graphs can stay on) is derived from the confi
 """
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping, Sequence
+
 import torch
 
 from modules.compile import (Capabilities, CompileEngine, CompileFacts, CompilePlan,
                              ComponentTraining, build_plan, compile_cache_folder,
                              detect_capabilities)
-from modules.config.schema import Config
+from modules.compile.shape_sets import CompileCost, Shape, compile_cost, possible_shapes
+from modules.config.schema import CompileScope, Config
 from modules.model_types import MODEL_TYPES
 from modules.events import TrainerCallbacks
 from modules.compile.regions import REPEATED_BLOCKS
@@ -91,3 +95,22 @@ def build_compile_guard(config: Config, bundle: ModelBundle, device: torch.devic
         cache_dir=compile_cache_folder(config.compile.cache_dir, config.general.cache_dir))
     engine.apply()
     return engine
+
+
+def denoiser_compile_cost(config: Config,
+                          shapes_per_resolution: Mapping[int, Sequence[Shape]] | None = None,
+                          capabilities: Capabilities | None = None) -> CompileCost | None:
+    """What the run's batch shapes cost the compiled denoiser, in both scopes
+    (modules/compile/shape_sets.py); None when the denoiser is not compiled.
+    `shapes_per_resolution` is what a scan found (`--check`, the run); without it, the most
+    the config allows (the GUI, before any image is read)."""
+    caps = capabilities if capabilities is not None else machine_capabilities(config)
+    full = dataclasses.replace(config, compile=dataclasses.replace(config.compile,
+                                                                   scope=CompileScope.FULL))
+    plan = compile_plans(full, caps)[COMPILE_DENOISER]
+    if not plan.compiled:
+        return None
+    if shapes_per_resolution is None:  # the most the config allows
+        return compile_cost(possible_shapes(config.data, config.training.batch_size),
+                            config.compile.dynamic, plan, upper_bound=True)
+    return compile_cost(shapes_per_resolution, config.compile.dynamic, plan)

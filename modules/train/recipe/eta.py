@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from modules.config.data import trained_resolutions
 from modules.config.prompts import SamplePrompt
 from modules.config.schema import Config
 
@@ -52,8 +53,10 @@ def estimated_sample_seconds(config: Config, prompts: Sequence[SamplePrompt],
     """A sampling pass's duration before one was measured, scaled from the step time by the
     forward passes each does: each prompt's own steps (`--s`) and guidance (`--l`), and its
     size (`--w`/`--h`) against the training resolution (a forward's work grows with the
-    pixels it denoises)."""
-    trained_pixels = config.data.resolution ** 2
+    pixels it denoises; with several resolutions the step time is their mix, taken as the
+    mean of their pixel counts)."""
+    resolutions = trained_resolutions(config.data)
+    trained_pixels = sum(r * r for r in resolutions) / len(resolutions)
     sampling_forwards = sum(p.steps * (2 if p.guidance_scale > 1 else 1)
                             * p.width * p.height / trained_pixels for p in prompts)
     return seconds_per_step * sampling_forwards / training_forwards(config)

@@ -24,8 +24,8 @@ import torch
 
 from modules.config.prompts import sample_prompts
 from modules.config.schema import MixedPrecision
-from modules.data.buckets import describe_buckets
-from modules.data.dataset import BucketBatchSampler, epoch_batch_sampler
+from modules.data.buckets import describe_buckets, resolution_plan
+from modules.data.dataset import BucketBatchSampler, epoch_batch_sampler, expand_repeats
 from modules.events import StopRequested, TrainerCallbacks, TrainerCommands
 from modules.train.recipe.adapters import seed_adapter_dropout
 from modules.train.state.backup import (NonFiniteBackup, ResumePoint, backups_folder, load_states,
@@ -37,7 +37,8 @@ from modules.train.outputs.checkpoints import due_checkpoint
 from modules.models.model_hash import base_model_hashes
 from modules.paths import cache_dir_for
 from modules.train.outputs.data_metadata import training_data_metadata
-from modules.train.recipe.compile_guard import build_compile_guard, component_blocks
+from modules.train.recipe.compile_guard import (build_compile_guard, component_blocks,
+                                                denoiser_compile_cost)
 from modules.train.recipe.distributed import Distributed, clip_sharded_gradients
 from modules.train.recipe.placement import borrowed, components_off_device, placement_record
 from modules.train.recipe.fused import FusedBackward, fused_record
@@ -164,15 +165,21 @@ class TrainingRecipe:
         if sharded:
             params = {name: [p for p in bundle.component(name).parameters() if p.requires_grad]
                       for name in params}
-        buckets = item_buckets(config, dataset)  # None when data.aspect_buckets is off
+        buckets = item_buckets(config, dataset)  # None: one resolution, no aspect buckets
         batches = epoch_batch_sampler(len(dataset), config.training.batch_size,
                                       config.training.seed, rank=dist.rank,
                                       world_size=dist.world_size, buckets=buckets)
         budget = step_budget(config, len(batches))
         record_warnings(record, config, budget.total_steps, callbacks)
         if buckets is not None and isinstance(batches, BucketBatchSampler):
-            record.write(buckets=bucket_record(buckets, batches))
-            callbacks.on_status(f"aspect buckets: {describe_buckets(buckets)}; "
+            plan = resolution_plan(config.data, expand_repeats(prepared.scan))
+            several = len(plan.distinct) > 1
+            record.write(buckets=bucket_record(buckets, batches, plan if several else None))
+            cost = denoiser_compile_cost(config, plan.shape_sets(config.training.batch_size,
+                                                                 dist.world_size))
+            record.write(compile_estimate=cost.record() if cost is not None else None)
+            callbacks.on_status(f"{'buckets' if several else 'aspect buckets'}: "
+                                f"{plan.describe() if several else describe_buckets(buckets)}; "
                                 f"{len(batches)} batches per epoch, "
                                 f"{batches.short_batches()} short")
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from modules.config.data import shapes_vary
 from modules.models.bundle import vae_latents
 from modules.train.recipe.compile_guard import COMPILE_DENOISER
 from modules.train.state.run import Run
@@ -49,7 +50,7 @@ def varying_shape(run: Run, tensor: torch.Tensor, component: str) -> torch.Tenso
     under compile.dynamic AUTO the compiled component's input is marked up front, so a whole
     denoiser or VAE does not first compile static and then recompile at the second bucket
     (modules/compile/dynamic_dims.py). `component` is the compile engine's name."""
-    if not run.config.data.aspect_buckets:
+    if not shapes_vary(run.config.data):  # aspect buckets or several resolutions
         return tensor
     return run.guard.mark_varying_input(component, tensor)
 

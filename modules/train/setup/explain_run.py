@@ -14,7 +14,8 @@ import torch
 
 from modules.compile import detect_capabilities
 from modules.compile.explain import explain, format_explanation
-from modules.train.recipe.compile_guard import compile_facts
+from modules.config.data import shapes_vary
+from modules.train.recipe.compile_guard import compile_facts, denoiser_compile_cost
 from modules.config.problems import ConfigError
 from modules.config.schema import Config
 from modules.config.validate import validate
@@ -77,8 +78,12 @@ def explain_config(config: Config) -> dict[str, Any]:
 
 
 def explain_text(config: Config) -> str:
-    """`explain_config` as text for a terminal or a dialog."""
+    """`explain_config` as text for a terminal or a dialog; with several resolutions or aspect
+    buckets, what their shape sets cost the denoiser at most (the example input traced is one
+    `data.resolution` square)."""
     result = explain_config(config)
     if not result:
         return "No component is selected for compilation (compile.denoiser / text_encoder / vae)."
-    return format_explanation(result)
+    text = format_explanation(result)
+    cost = denoiser_compile_cost(config) if shapes_vary(config.data) else None
+    return text if cost is None else f"{text}\n{cost.describe()}"

@@ -5,7 +5,7 @@ after the output folder has been touched.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -13,6 +13,7 @@ import torch
 from modules.config.caveats import config_warnings
 from modules.config.loader import from_dict, to_dict
 from modules.config.problems import ConfigError, Problem
+from modules.config.data import shapes_vary, trained_resolutions
 from modules.config.schema import BUILTIN_PREFIX, Config
 from modules.config.secret_settings import masked_config, secret_warnings
 from modules.config.validate import validate
@@ -67,6 +68,8 @@ class CheckedRun:
     resume: ResumePoint | None
     validation: ValidationImages | None = None
     memory: MemoryCheck | None = None  # the device memory plan (refused if over the card)
+    # samples per epoch over several resolutions, and their shape sets' compile cost
+    shape_plan: list[str] = field(default_factory=list)
 
 
 def check_run(config: Config, callbacks: TrainerCallbacks) -> CheckedRun:
@@ -107,7 +110,8 @@ def check_run(config: Config, callbacks: TrainerCallbacks) -> CheckedRun:
     try:
         scan = scan_datasets(sources, caption_extension=resolved.data.caption_extension,
                              recursive=resolved.data.recursive,
-                             resolution=resolved.data.resolution,
+                             # the smallest image is judged against the largest size
+                             resolution=max(trained_resolutions(resolved.data)),
                              check_masks=resolved.data.masked_loss,
                              progress=lambda folder: RateMeter(f"scanning {folder.name}",
                                                                callbacks.on_status))
@@ -128,6 +132,9 @@ def check_run(config: Config, callbacks: TrainerCallbacks) -> CheckedRun:
     scan, validation = choose_validation(resolved, scan)  # held-out images leave the scan
     if validation is not None:
         callbacks.on_status(f"validation: {validation.origin}")
+    shape_plan = shape_plan_lines(resolved, scan)
+    for line in shape_plan:
+        callbacks.on_status(line)
     model_path = resolve_model_path(config.model.path, cache_dir)
     resolved.model.path = str(model_path)
     resume = check_resume(resolved, callbacks)
@@ -144,7 +151,30 @@ def check_run(config: Config, callbacks: TrainerCallbacks) -> CheckedRun:
         callbacks.on_status(memory.summary())
     for warning in memory.warnings:
         callbacks.on_status(f"memory: {warning}")
-    return CheckedRun(resolved, cache_dir, scan, model_path, resume, validation, memory)
+    return CheckedRun(resolved, cache_dir, scan, model_path, resume, validation, memory,
+                      shape_plan)
+
+
+def shape_plan_lines(config: Config, scan: ScanResult) -> list[str]:
+    """What the resolutions and buckets make of the scanned images, said before the model
+    loads: the samples per epoch (images x resolutions, what the step budget counts) and the
+    compile cost of their shape sets (modules/compile/shape_sets.py)."""
+    from modules.data.buckets import resolution_plan
+    from modules.data.dataset import expand_repeats
+    from modules.train.recipe.compile_guard import denoiser_compile_cost
+    items = expand_repeats(scan)
+    plan = resolution_plan(config.data, items)
+    lines = []
+    if len(plan.distinct) > 1:
+        per = ", ".join(f"{row['resolution']} px: {row['items']}" for row in plan.table())
+        lines.append(f"resolutions: {len(items)} samples x {len(plan.distinct)} resolutions "
+                     f"({per}) = {len(plan.items)} samples per epoch; the step budget and "
+                     "the ETA count them all")
+    if shapes_vary(config.data):
+        cost = denoiser_compile_cost(config, plan.shape_sets(config.training.batch_size))
+        if cost is not None:
+            lines.append(cost.describe())
+    return lines
 
 
 def scan_problems(config: Config, scan: ScanResult, callbacks: TrainerCallbacks

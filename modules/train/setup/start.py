@@ -16,7 +16,8 @@ from modules.config.optimizers import OPTIMIZERS
 from modules.config.secret_settings import masked_config
 from modules.config.problems import ConfigError, Problem
 from modules.data.captions import CaptionRules
-from modules.data.buckets import assign_buckets, bucket_counts
+from modules.config.data import shapes_vary
+from modules.data.buckets import ResolutionPlan, bucket_counts, resolution_plan
 from modules.data.dataset import BucketBatchSampler, ImageCaptionDataset, expand_repeats
 from modules.data.latent_cache import CachedLatentDataset
 from modules.data.masks import mask_source
@@ -127,10 +128,15 @@ def continue_record(record: RunRecord, resume: ResumePoint) -> None:
                                        "the resumed run's compile warm")
 
 
-def bucket_record(target_sizes: list[tuple[int, int]], batches: BucketBatchSampler) -> dict:
-    """run.json's `buckets` section: items per bucket and this rank's batches per epoch."""
-    return {"sizes": bucket_counts(target_sizes), "batches_per_epoch": len(batches),
-            "short_batches_per_epoch": batches.short_batches()}
+def bucket_record(target_sizes: list[tuple[int, int]], batches: BucketBatchSampler,
+                  plan: ResolutionPlan | None = None) -> dict:
+    """run.json's `buckets` section: items per bucket and this rank's batches per epoch, and
+    with `plan` the table per resolution (its buckets and their item counts)."""
+    record = {"sizes": bucket_counts(target_sizes), "batches_per_epoch": len(batches),
+              "short_batches_per_epoch": batches.short_batches()}
+    if plan is not None:
+        record["resolutions"] = plan.table()
+    return record
 
 
 def caption_rules(config) -> list[CaptionRules]:
@@ -178,16 +184,21 @@ def build_dataset(prepared: PreparedRun, callbacks: TrainerCallbacks,
     """The training dataset, with latents encoded into the on-disk cache first when enabled.
 
     With `data.aspect_buckets` each item gets the bucket nearest its aspect ratio, from the
-    size the scan read.
+    size the scan read; with several resolutions (data.resolutions, a dataset's own) each
+    image is a sample at each of them (`plan_resolutions`).
     """
     config = prepared.config
     items = expand_repeats(prepared.scan)
     balance = balanced_repeats(prepared.scan)[1]
     if balance is not None:
         callbacks.on_status(balance.describe())
-    target_sizes = (assign_buckets(items, config.data.resolution, config.data.bucket_max_aspect)
-                    if config.data.aspect_buckets else None)
-    dataset = ImageCaptionDataset(items, resolution=config.data.resolution,
+    plan = resolution_plan(config.data, items)  # check_run said what it makes of them
+    # None: every item a data.resolution square, the path runs took before resolution lists
+    # (a dataset's own single resolution is another square, so it needs the sizes too)
+    same_as_before = (not shapes_vary(config.data)
+                      and plan.distinct == [config.data.resolution])
+    target_sizes = None if same_as_before else plan.target_sizes
+    dataset = ImageCaptionDataset(plan.items, resolution=config.data.resolution,
                                   center_crop=config.data.center_crop,
                                   random_flip=config.data.random_flip, seed=config.training.seed,
                                   target_sizes=target_sizes, caption_rules=caption_rules(config),

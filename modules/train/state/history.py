@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from modules.compile.cache import compile_cache_folder
+from modules.config.data import trained_resolutions
 from modules.config.loader import to_dict
 from modules.config.schema import Config
 from modules.util.atomic import atomic_write_text
@@ -42,6 +43,9 @@ def compile_key(config: Config, device_type: str) -> str:
              data["training"]["gradient_checkpointing"],
              "channels_last": data["training"]["channels_last"], "device": device_type,
              "torch": torch.__version__}
+    trained = trained_resolutions(config.data)
+    if trained != [config.data.resolution]:  # only then: a single-resolution run keeps its key
+        parts["resolutions"] = trained
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 

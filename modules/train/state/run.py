@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from modules.compile import CompileEngine
+from modules.config.data import shapes_vary
 from modules.config.prompts import SamplePrompt
 from modules.config.schema import Config
 from modules.data.dataset import (EpochBatches, ImageCaptionDataset, epoch_dataloader,
@@ -209,4 +210,4 @@ class Run:
 def item_buckets(config: Config, dataset: ImageCaptionDataset | CachedLatentDataset
                  ) -> list[tuple[int, int]] | None:
     """Each item's bucket for the batch sampler, or None when buckets are off."""
-    return dataset.target_sizes if config.data.aspect_buckets else None
+    return dataset.target_sizes if shapes_vary(config.data) else None
