@@ -17,6 +17,7 @@ from modules.config.prompts import sample_prompts
 from modules.config.schema import (
     BUILTIN_PREFIX,
     BUILTIN_SHAPES,
+    CompileScope,
     Config,
     DataConfig,
     Device,
@@ -59,6 +60,7 @@ def validate(config: Config) -> list[Problem]:
     problems += _check_objective_options(config)
     problems += _check_validation(config)
     problems += _check_weight_storage(config)
+    problems += _check_block_offload(config)
     return problems
 
 
@@ -112,6 +114,29 @@ def _check_weight_storage(config: Config) -> list[Problem]:
         return [Problem("model.weight_storage", "WEIGHT_DTYPE (torchao is not installed)",
                         "FLOAT8", "pip install torchao (or tempera[memory]), or use "
                         "WEIGHT_DTYPE")]
+    return []
+
+
+def _check_block_offload(config: Config) -> list[Problem]:
+    """Block offload streams frozen weights around REGIONAL-compiled blocks (docs/memory.md)."""
+    if config.model.offload_blocks == 0:
+        return []
+    if config.training.method == TrainingMethod.FINE_TUNE:
+        return [Problem("model.offload_blocks", "0 with FINE_TUNE",
+                        str(config.model.offload_blocks),
+                        "a full fine-tune trains the blocks' weights, and offload only streams "
+                        "frozen weights (an evicted block's device copy is dropped, never "
+                        "copied back); use training.method=LORA, or 0")]
+    if config.model.weight_storage == WeightStorage.FLOAT8:
+        return [Problem("model.offload_blocks", "0 with model.weight_storage=FLOAT8",
+                        str(config.model.offload_blocks),
+                        "streaming torchao's float8 weights is not tested yet; use one of "
+                        "the two levers")]
+    if config.compile.denoiser and config.compile.scope == CompileScope.FULL:
+        return [Problem("model.offload_blocks", "0 with compile.scope=FULL",
+                        str(config.model.offload_blocks),
+                        "the transfers run around each block's call, outside compiled code, "
+                        "and a whole-model compile would trace them; use compile.scope=REGIONAL")]
     return []
 
 

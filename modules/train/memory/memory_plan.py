@@ -32,6 +32,7 @@ from modules.config.optimizers import OPTIMIZERS
 from modules.config.schema import Config, ModelType, Optimizer, TrainingMethod
 from modules.model_types import MODEL_TYPES
 from modules.models.bundle import ModelBundle
+from modules.models.families import family_of
 from modules.models.sd_folder import component_classes
 from modules.models.weight_storage import is_float8, stored_bytes
 from modules.train.recipe.text_cache import text_encoder_leaves_device
@@ -196,6 +197,8 @@ def plan_from(config: Config, bundle: ModelBundle, params: dict[str, list[nn.Par
             lines.append((f"{name} linear weights stored as float8 (e4m3, "
                           f"{sum(t.numel() for t in float8):,} values, one fp32 scale per "
                           "row)", tensor_bytes(float8)))
+        if name == bundle.denoiser_name and config.model.offload_blocks:
+            lines.append(offload_line(config, module))
         if params.get(name):
             lines.append((f"{name} {what} ({describe_tensors(params[name])})",
                           tensor_bytes(params[name])))
@@ -208,6 +211,16 @@ def plan_from(config: Config, bundle: ModelBundle, params: dict[str, list[nn.Par
     if distributed:  # DDP's buckets are a flat copy of the gradients it all-reduces
         lines.append(("DistributedDataParallel gradient buckets", tensor_bytes(trained)))
     return MemoryPlan(tuple(lines))
+
+
+def offload_line(config: Config, denoiser: nn.Module) -> tuple[str, int]:
+    """`model.offload_blocks`' line: the offloaded blocks' frozen weights leave the device, but
+    for the two in flight (the block running and the one prefetched), a negative line."""
+    from modules.train.memory.offload import offload_saving
+    count, moved, in_flight = offload_saving(
+        denoiser, family_of(config.model.type).repeated_blocks, config.model.offload_blocks)
+    return (f"{count} denoiser blocks offloaded to CPU memory ({gib(moved)} of weights, less "
+            f"{gib(in_flight)} for the two in flight)", in_flight - moved)
 
 
 def describe_tensors(tensors: Sequence[torch.Tensor]) -> str:

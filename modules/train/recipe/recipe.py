@@ -34,7 +34,9 @@ from modules.train.recipe.builders import (Draws, autocast_context, build_lr_sch
                                            latent_shape, step_budget)
 from modules.train.outputs.checkpoints import due_checkpoint
 from modules.models.model_hash import base_model_hashes
+from modules.models.families import family_of
 from modules.paths import cache_dir_for
+from modules.train.memory.offload import build_streamer
 from modules.train.outputs.data_metadata import training_data_metadata
 from modules.train.recipe.compile_guard import build_compile_guard
 from modules.train.recipe.distributed import Distributed
@@ -135,6 +137,10 @@ class TrainingRecipe:
                 # keeps the unbound signature, so mypy reads `device` as `self`
                 module.to(device)  # type: ignore[arg-type]  # see above
         apply_denoiser_memory_format(bundle, config)
+        # before compile: the streamer's calls sit around the blocks' compiled code
+        offload = build_streamer(bundle.denoiser, family_of(bundle.model_type).repeated_blocks,
+                                 config.model.offload_blocks, device)
+        record.write(block_offload=offload.record() if offload else {"blocks": 0})
 
         # the data, and the step budget counted on the one batch sampler training uses
         try:
@@ -179,6 +185,7 @@ class TrainingRecipe:
                   forward=forward, restore_precision=restore_precision, lock=lock,
                   prompts=sample_prompts(config)[0],  # check_inputs read them already
                   validator=build_validator(config, prepared.validation))
+        run.offload = offload
         run.file_metadata = training_data_metadata(prepared.scan, config)
         if dist.is_main and hashes_base_model(config):
             # hashing a base checkpoint reads all of it: only where a saved file carries it
@@ -351,9 +358,13 @@ def micro_step(run: Run, batch: dict, draws: Draws) -> torch.Tensor:
     Returns the loss as a tensor on the device: reading it (a host sync) waits for the
     optimizer step, so CUDA graphs and asynchronous kernels are not stalled every micro-step.
     """
+    if run.offload is not None:
+        run.offload.begin()
     loss = forward_loss(run, batch, draws)
     scaled = loss / run.config.training.gradient_accumulation
     (run.scaler.scale(scaled) if run.scaler else scaled).backward()
+    if run.offload is not None:
+        run.offload.end()  # nothing offloaded stays on the device between micro-steps
     return loss.detach()
 
 

@@ -36,6 +36,7 @@ if TYPE_CHECKING:  # imported where a run builds them, only when the option is o
     from diffusers.training_utils import EMAModel
     from torch.utils.tensorboard import SummaryWriter
 
+    from modules.train.memory.offload import BlockStreamer
     from modules.train.validation.validation_set import Validator
 
 
@@ -68,6 +69,7 @@ class Run:
     text_cache: TextEncoderCache | None = None
     prompts: list[SamplePrompt] = field(default_factory=list)  # sample prompts, read at the start
     validator: Validator | None = None  # the held-out images, when validation is on
+    offload: BlockStreamer | None = None  # model.offload_blocks' streamer, when on
     # What the training forward calls, per component: the bundle's modules, or (several
     # processes) their DistributedDataParallel wrappers. Saving and sampling use the bundle.
     forward: dict[str, torch.nn.Module] = field(default_factory=dict)
@@ -197,6 +199,8 @@ class Run:
     def close(self) -> None:
         self.loader = None  # its persistent workers shut down with it (refcount)
         self.guard.close()
+        if self.offload is not None:
+            self.offload.close()
         self.restore_precision()
         if self.writer:
             self.writer.close()
