@@ -278,6 +278,30 @@ def phase_sd15_batch(sizes: dict[str, Size]) -> list[Job]:
     return jobs
 
 
+# Block offload (docs/memory.md): every UNet block streamed, the frozen weights at bfloat16 so
+# the saving holds through the step (autocast would keep 16-bit copies of float32 weights).
+OFFLOAD = ["model.offload_blocks=1000", "model.weight_dtype=BFLOAT16"]
+OFFLOAD_BASE = ["model.weight_dtype=BFLOAT16"]
+
+
+def phase_offload(sizes: dict[str, Size]) -> list[Job]:
+    """Block offload at SDXL size (the card sizes it is for), each cell alone: eager and
+    REGIONAL INDUCTOR, each with every block offloaded and without. What only a GPU shows:
+    the peak memory it saves, and the step time it costs where the copies do not hide behind
+    compute."""
+    size = sizes["sdxl"]
+    jobs = [_env(), _build("sdxl", size)]
+    for backend, limit in (("NONE", 100), ("INDUCTOR", 150)):
+        name = backend.lower()
+        jobs.append(_cell("sdxl", size, f"offload-base-{name}", backend, OFFLOAD_BASE, limit,
+                          None, f"{backend} with bf16 frozen weights: what offload is against"))
+        jobs.append(_cell("sdxl", size, f"offload-{name}", backend, OFFLOAD, limit, None,
+                          f"{backend} with every block offloaded: step time and peak memory "
+                          "against the same run without",
+                          compare_with=f"cell-sdxl-offload-base-{name}"))
+    return jobs
+
+
 @dataclass(frozen=True)
 class Phase:
     key: str
@@ -315,6 +339,10 @@ PHASES: list[Phase] = [
     Phase("8-zimage", 9, "Z-Image at 1024 px: eager vs REGIONAL INDUCTOR through train.py, "
           "cold and warm, steady steps alone, memory peaks against the plan", "Z-Image (45)",
           phase_zimage, max_parallel=2),
+    # After every earlier phase (issue 46 item 2): a memory lever, not a headline number.
+    Phase("9-offload", 9, "SDXL LoRA with every UNet block offloaded vs not, eager and "
+          "REGIONAL INDUCTOR, each alone: step time and peak memory", "memory levers (46)",
+          phase_offload),
 ]
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from modules.compile.backends import BackendRow
 from modules.compile.cache import use_compile_cache
+from modules.compile.outer import OuterCall, set_compiled_call
 from modules.compile.plan import CompileFacts, CompilePlan, plan_component
 from modules.compile.regions import compile_targets
 from modules.compile.reporting import CompiledComponent, CompileReporter
@@ -89,11 +90,15 @@ class PlanApplier:
             self.reporter.degrade(comp, note)
         for module in targets:
             # nn.Module.compile sets module._compiled_call_impl = torch.compile(module._call_impl,
-            # ...): the module object, its parameters and state-dict keys stay as they are.
+            # ...): the module object, its parameters and state-dict keys stay as they are. An
+            # OuterCall there (block offload) stays, around the compiled call (compile/outer.py).
+            outer = module._compiled_call_impl
             module.compile(**comp.plan.torch_compile_kwargs)
             compiled = module._compiled_call_impl
             assert compiled is not None  # module.compile just set it
-            module._compiled_call_impl = TrackedCall(compiled, self.tracker, comp.name)
+            if isinstance(outer, OuterCall):
+                module._compiled_call_impl = outer
+            set_compiled_call(module, TrackedCall(compiled, self.tracker, comp.name))
         comp.targets = targets
         comp.quiet_calls = 0
         comp.announced = False
@@ -107,7 +112,7 @@ class PlanApplier:
         """Every component eager again (what nn.Module.compile set, cleared)."""
         for comp in self.components.values():
             for module in comp.targets:
-                module._compiled_call_impl = None  # None = eager again
+                set_compiled_call(module, None)  # None = eager again
             comp.targets = []
 
     def compile_all(self) -> None:

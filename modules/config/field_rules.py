@@ -155,6 +155,10 @@ RULES: tuple[FieldRule, ...] = (
               lambda c: (c.training.method == TrainingMethod.LORA
                          or c.model.weight_storage == WeightStorage.FLOAT8),
               lambda c: "FINE_TUNE trains the weights themselves: float8 storage is for LoRA"),
+    FieldRule(("model.offload_blocks",),
+              lambda c: (c.training.method == TrainingMethod.LORA
+                         or c.model.offload_blocks != 0),
+              lambda c: "FINE_TUNE trains the blocks' weights: block offload is for LoRA"),
     FieldRule(("validation.save_best",),
               lambda c: bool(c.validation.every_steps) or c.validation.save_best,
               lambda c: "validation is off (validation.every_steps is 0)"),

@@ -169,6 +169,18 @@ class ModelConfig:
              "LoRA only (trained weights are never float8); convolutions, norms, embeddings "
              "and the VAE stay at model.weight_dtype. docs/memory.md has what it saves and "
              "costs.")
+    offload_blocks: int = setting(
+        0, label="Offloaded blocks", group="Model", min=0, max=10_000, advanced=True,
+        help="How many of the denoiser's repeated blocks (the UNet's transformer and resnet "
+             "blocks, Z-Image's transformer layers: the ones REGIONAL compile compiles) are "
+             "kept in CPU memory (pinned on CUDA) and streamed to the device just ahead of "
+             "their use, forward and backward, on a side CUDA stream; the largest blocks go "
+             "first. 0 is off. Saves the device memory of those blocks' frozen weights, less "
+             "the two blocks in flight at a time; costs the PCIe transfer of every offloaded "
+             "block twice a step (once in forward, once in backward), hidden behind compute "
+             "only where the blocks compute longer than they copy. LoRA / LoKr / LoHa only "
+             "(a full fine-tune trains the weights it would stream); not with whole-model "
+             "(FULL) compile of the denoiser, use REGIONAL. docs/memory.md has the details.")
     train_dtype: DType = setting(DType.FLOAT32, label="Trained weights dtype", group="Model",
                                  help="Data type of the weights being trained (the optimizer "
                                       "keeps its state in this type).")

@@ -18,6 +18,7 @@ from modules.config.wandb_settings import check_wandb
 from modules.config.schema import (
     BUILTIN_PREFIX,
     BUILTIN_SHAPES,
+    CompileScope,
     Config,
     DataConfig,
     Device,
@@ -72,6 +73,7 @@ def validate(config: Config) -> list[Problem]:
     problems += _check_textual_inversion(config)
     problems += _check_distributed_strategy(config)
     problems += fused_backward_problems(config)
+    problems += _check_block_offload(config)
     return problems
 
 
@@ -262,6 +264,29 @@ def fused_backward_problems(config: Config) -> list[Problem]:
                                 "true", "pip install torchao (or tempera[memory]), or set "
                                 f"model.train_dtype=FLOAT32, {FUSED_OFF}"))
     return problems
+
+
+def _check_block_offload(config: Config) -> list[Problem]:
+    """Block offload streams frozen weights around REGIONAL-compiled blocks (docs/memory.md)."""
+    if config.model.offload_blocks == 0:
+        return []
+    if config.training.method == TrainingMethod.FINE_TUNE:
+        return [Problem("model.offload_blocks", "0 with FINE_TUNE",
+                        str(config.model.offload_blocks),
+                        "a full fine-tune trains the blocks' weights, and offload only streams "
+                        "frozen weights (an evicted block's device copy is dropped, never "
+                        "copied back); use training.method=LORA, or 0")]
+    if config.model.weight_storage == WeightStorage.FLOAT8:
+        return [Problem("model.offload_blocks", "0 with model.weight_storage=FLOAT8",
+                        str(config.model.offload_blocks),
+                        "streaming torchao's float8 weights is not tested yet; use one of "
+                        "the two levers")]
+    if config.compile.denoiser and config.compile.scope == CompileScope.FULL:
+        return [Problem("model.offload_blocks", "0 with compile.scope=FULL",
+                        str(config.model.offload_blocks),
+                        "the transfers run around each block's call, outside compiled code, "
+                        "and a whole-model compile would trace them; use compile.scope=REGIONAL")]
+    return []
 
 
 def _check_noise_and_loss(config: Config) -> list[Problem]:

@@ -45,6 +45,9 @@ REHEARSED: dict[str, str | None] = {
     # a flow-matching transformer through train.py, eager (its INDUCTOR run and cell: the
     # GPU's; a compiled Z-Image run is tests/models/test_zimage_compile.py's)
     "8-zimage": "build-zimage,train-zimage-none",
+    # the offloaded eager cell (the base cell is the headline's eager cell with an override;
+    # its INDUCTOR cells: the GPU's)
+    "9-offload": "build-sdxl,cell-sdxl-offload-none",
 }
 
 
@@ -199,3 +202,9 @@ def test_the_headline_ratio_the_compiled_cells_lora_and_the_warm_cache(tmp_path)
     assert warm["status"] == "ok" and warm["warm_cache_found"], warm
     assert warm["warm_from"] == "cold-sd15-default" and "hit" in warm["cache"], warm
     assert warm["compile_seconds"] < cold["compile_seconds"]
+
+
+def test_the_offload_phase_times_a_cell_with_every_block_offloaded(phases):
+    jobs = rows(phases["9-offload"][0])
+    assert jobs["cell-sdxl-offload-none"]["status"] == "ok", jobs["cell-sdxl-offload-none"]
+    assert jobs["cell-sdxl-offload-none"]["compare_with"] == "cell-sdxl-offload-base-none"

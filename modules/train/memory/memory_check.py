@@ -20,16 +20,20 @@ import torch
 from modules.config.overrides import apply_overrides
 from modules.config.optimizers import OPTIMIZERS
 from modules.config.problems import ConfigError, Problem
-from modules.config.schema import Config, DType, TrainingMethod, WeightStorage
+from modules.config.schema import CompileScope, Config, DType, TrainingMethod, WeightStorage
 from modules.config.validate import fused_backward_problems
 from modules.model_types import MODEL_TYPES
+from modules.models.families import family_of
+from modules.train.memory.offload import denoiser_blocks
 from modules.train.memory.memory_plan import (WARN_FRACTION, MemoryPlan, gib, plan_from,
                                               plan_memory, weightless_trainable)
 from modules.train.recipe.trainable import trained_components
 from modules.util.errors import describe
 
 MAX_OPTIMIZER_FIXES = 3
-SAME_WEIGHTS = {"training.optimizer", "training.ema", "training.fused_backward"}  # fixes that leave the weights as they are
+# fixes that leave the weights as they are (the plan is recomputed on the same weightless model)
+SAME_WEIGHTS = {"training.optimizer", "training.ema", "training.fused_backward",
+                "model.offload_blocks"}
 
 
 @dataclass(frozen=True)
@@ -221,6 +225,21 @@ def fix_candidates(config: Config) -> list[str]:
     return found
 
 
+OFFLOAD_COSTS = ("a copy of each offloaded block per step, overlapped with compute on a GPU; "
+                 "LoRA and REGIONAL compile only")
+
+
+def offload_candidates(config: Config, blocks: int) -> list[str]:
+    """Block offload of all the denoiser's ``blocks`` repeated blocks (the most it saves), for
+    a LoRA that does not offload yet and can (validate's `_check_block_offload`)."""
+    t, m = config.training, config.model
+    if (t.method != TrainingMethod.LORA or m.offload_blocks or not blocks
+            or m.weight_storage == WeightStorage.FLOAT8
+            or (config.compile.denoiser and config.compile.scope == CompileScope.FULL)):
+        return []
+    return [f"model.offload_blocks={blocks}"]
+
+
 def memory_fixes(config: Config, model_path: Path, plan: MemoryPlan,
                  distributed: bool = False) -> list[tuple[str, int]]:
     """(override, bytes it saves) for each candidate that lowers the plan, largest first;
@@ -228,8 +247,10 @@ def memory_fixes(config: Config, model_path: Path, plan: MemoryPlan,
     here says so."""
     found: list[tuple[str, int]] = []
     seen_states = {OPTIMIZERS[config.training.optimizer].state}
-    trainable = None  # the weightless model, reused where only the optimizer or EMA changes
-    for override in fix_candidates(config):
+    trainable = weightless_trainable(config, model_path)  # reused where the weights stay
+    names = family_of(config.model.type).repeated_blocks
+    blocks = len(denoiser_blocks(trainable[0].denoiser, names))
+    for override in fix_candidates(config) + offload_candidates(config, blocks):
         changed = apply_overrides(config, override.split(" --set "))
         state = OPTIMIZERS[changed.training.optimizer].state
         if override.startswith("training.optimizer="):
@@ -237,7 +258,6 @@ def memory_fixes(config: Config, model_path: Path, plan: MemoryPlan,
                 continue
             seen_states.add(state)
         if override.split("=")[0] in SAME_WEIGHTS:
-            trainable = trainable or weightless_trainable(config, model_path)
             saved = plan.total - plan_from(changed, *trainable, distributed).total
         else:
             saved = plan.total - plan_memory(changed, model_path, distributed).total
@@ -266,6 +286,14 @@ def levers_report(config: Config, model_path: Path, plan: MemoryPlan,
         else:
             state = "saves nothing for this run"
         lines.append(f"  {lever.name}: {state}")
+    # block offload's override names the denoiser's block count, known from the model only
+    offload = next((key for key in saved if key.startswith("model.offload_blocks=")), None)
+    state = (f"--set {offload} saves {gib(saved[offload])} (then "
+             f"{gib(plan.total - saved[offload])}); costs: {OFFLOAD_COSTS}" if offload
+             else "on, or not for this run" if config.model.offload_blocks
+             or config.training.method != TrainingMethod.LORA
+             else "saves nothing for this run, or cannot combine with its settings")
+    lines.append(f"  denoiser blocks streamed from CPU memory (block offload): {state}")
     return lines
 
 

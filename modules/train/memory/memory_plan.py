@@ -34,6 +34,7 @@ from modules.config.schema import (Config, DistributedStrategy, ModelType, Optim
                                    TrainingMethod)
 from modules.model_types import MODEL_TYPES
 from modules.models.bundle import ModelBundle
+from modules.models.families import family_of
 from modules.models.sd_folder import component_classes
 from modules.models.weight_storage import is_float8, stored_bytes
 from modules.train.recipe.placement import components_off_device
@@ -200,6 +201,8 @@ def plan_from(config: Config, bundle: ModelBundle, params: dict[str, list[nn.Par
             lines.append((f"{name} linear weights stored as float8 (e4m3, "
                           f"{sum(t.numel() for t in float8):,} values, one fp32 scale per "
                           "row)", tensor_bytes(float8)))
+        if name == bundle.denoiser_name and config.model.offload_blocks:
+            lines.append(offload_line(config, module))
         if params.get(name):
             lines.append((f"{name} {what} ({describe_tensors(params[name])})",
                           tensor_bytes(params[name])))
@@ -288,6 +291,16 @@ def gradients_line(config: Config, trained: Sequence[torch.Tensor]) -> tuple[str
     largest = max(trained, key=lambda t: tensor_bytes([t]))
     return (f"gradients, one weight's at a time (fused backward: the largest, "
             f"{tuple(largest.shape)})", tensor_bytes([largest]))
+
+
+def offload_line(config: Config, denoiser: nn.Module) -> tuple[str, int]:
+    """`model.offload_blocks`' line: the offloaded blocks' frozen weights leave the device, but
+    for the two in flight (the block running and the one prefetched), a negative line."""
+    from modules.train.memory.offload import offload_saving
+    count, moved, in_flight = offload_saving(
+        denoiser, family_of(config.model.type).repeated_blocks, config.model.offload_blocks)
+    return (f"{count} denoiser blocks offloaded to CPU memory ({gib(moved)} of weights, less "
+            f"{gib(in_flight)} for the two in flight)", in_flight - moved)
 
 
 def describe_tensors(tensors: Sequence[torch.Tensor]) -> str:

@@ -35,7 +35,9 @@ from modules.train.recipe.builders import (Draws, autocast_context, build_lr_sch
                                            latent_shape, step_budget)
 from modules.train.outputs.checkpoints import due_checkpoint
 from modules.models.model_hash import base_model_hashes
+from modules.models.families import family_of
 from modules.paths import cache_dir_for
+from modules.train.memory.offload import build_streamer
 from modules.train.outputs.data_metadata import training_data_metadata
 from modules.train.recipe.compile_guard import (build_compile_guard, component_blocks,
                                                 denoiser_compile_cost)
@@ -158,6 +160,10 @@ class TrainingRecipe:
                 # keeps the unbound signature, so mypy reads `device` as `self`
                 module.to(device)  # type: ignore[arg-type]  # see above
         apply_denoiser_memory_format(bundle, config)
+        # before compile: the streamer's calls sit around the blocks' compiled code
+        offload = build_streamer(bundle.denoiser, family_of(bundle.model_type).repeated_blocks,
+                                 config.model.offload_blocks, device)
+        record.write(block_offload=offload.record() if offload else {"blocks": 0})
         # FSDP: shard each trained component block by block, then compile (below) and build
         # the optimizer over the sharded parameters (DTensors replace the originals)
         sharded = dist.shard_trained({name: bundle.component(name) for name in trained},
@@ -213,6 +219,7 @@ class TrainingRecipe:
                   prompts=[dataclasses.replace(p, text=prompt_with_trigger(config, p.text))
                            for p in sample_prompts(config)[0]],
                   validator=build_validator(config, prepared.validation))
+        run.offload = offload
         run.file_metadata = training_data_metadata(prepared.scan, config)
         if dist.is_main and hashes_base_model(config):
             # hashing a base checkpoint reads all of it: only where a saved file carries it
@@ -409,11 +416,15 @@ def micro_step(run: Run, batch: dict, draws: Draws) -> torch.Tensor:
     Returns the loss as a tensor on the device: reading it (a host sync) waits for the
     optimizer step, so CUDA graphs and asynchronous kernels are not stalled every micro-step.
     """
+    if run.offload is not None:
+        run.offload.begin()
     loss = forward_loss(run, batch, draws)
     if isinstance(run.optimizer, FusedBackward) and not torch.isfinite(loss):
         return loss.detach()  # backward would step the weights with non-finite gradients
     scaled = loss / run.config.training.gradient_accumulation
     (run.scaler.scale(scaled) if run.scaler else scaled).backward()
+    if run.offload is not None:
+        run.offload.end()  # nothing offloaded stays on the device between micro-steps
     return loss.detach()
 
 

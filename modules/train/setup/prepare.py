@@ -144,6 +144,12 @@ def check_run(config: Config, callbacks: TrainerCallbacks) -> CheckedRun:
             "float8 weight storage is not tested with DistributedDataParallel yet (its "
             "broadcast of every weight at the start meets torchao's float8 tensors); train "
             "in one process, or use WEIGHT_DTYPE")])
+    if resolved.model.offload_blocks and launched_distributed():
+        raise ConfigError([Problem(
+            "model.offload_blocks", "0 with several processes", str(resolved.model.offload_blocks),
+            "block offload is not tested with DistributedDataParallel yet (its broadcast of "
+            "every weight at the start would meet blocks whose weights are in CPU memory); "
+            "train in one process, or use 0")])
     # before the model is loaded or anything reaches the GPU: a run that cannot fit stops here
     memory = check_memory(resolved, model_path, pick_device(config.general.device),
                           distributed=launched_distributed())

@@ -38,6 +38,7 @@ from modules.models.families import family_of
 if TYPE_CHECKING:  # imported where a run builds them, only when the option is on
     from diffusers.training_utils import EMAModel
 
+    from modules.train.memory.offload import BlockStreamer
     from modules.train.validation.validation_set import Validator
 
 
@@ -70,6 +71,7 @@ class Run:
     text_cache: TextEncoderCache | None = None
     prompts: list[SamplePrompt] = field(default_factory=list)  # sample prompts, read at the start
     validator: Validator | None = None  # the held-out images, when validation is on
+    offload: BlockStreamer | None = None  # model.offload_blocks' streamer, when on
     # What the training forward calls, per component: the bundle's modules, or (several
     # processes) their DistributedDataParallel wrappers. Saving and sampling use the bundle.
     forward: dict[str, torch.nn.Module] = field(default_factory=dict)
@@ -201,6 +203,8 @@ class Run:
         self.guard.close()
         if isinstance(self.optimizer, FusedBackward):
             self.optimizer.close()  # its hooks off the weights
+        if self.offload is not None:
+            self.offload.close()
         self.restore_precision()
         self.writer.close()
         if self.lock is not None:

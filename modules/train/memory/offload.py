@@ -1,0 +1,298 @@
+"""Block offload (`model.offload_blocks`, issue 46 item 2): some of the denoiser's repeated blocks
+(the ones REGIONAL compile compiles) kept in (pinned, on CUDA) CPU memory and streamed to the
+device ahead of their use, in forward and in backward, for LoRA training.
+
+Two parts:
+- the schedule, pure data: `choose_blocks` (which blocks: the largest first, so a given count
+  saves the most) and `stream_schedule` (when each is fetched, prefetched and evicted in forward
+  and in backward, with a look-ahead of one offloaded block);
+- the mechanism, `BlockStreamer`: an `OuterCall` around each offloaded block's call
+  (compile/outer.py), so the transfers run outside the block's compiled code and REGIONAL
+  compile keeps every block compiled. Before a block runs, its weights are made resident (from
+  the prefetch, else fetched now) and the next offloaded block is prefetched on a side CUDA
+  stream; after its forward the device copy is dropped (the weights are frozen: nothing is
+  copied back). Autograd saved the parameters themselves, whose storage is swapped back in
+  before the block's backward runs: a hook on the block's output gradient fetches the block
+  (and prefetches the next one backward) and evicts the block whose backward came before.
+  With gradient checkpointing the re-run forward happens inside that window, block resident.
+
+Only frozen parameters move: a LoRA's trainable weights inside a block stay on the device. The
+device is a parameter: on the CPU the "transfer" is a copy into new storage, so the swap is
+observable (the weights' data_ptr changes) and a run is bit-for-bit the run without offload.
+What only a GPU shows (the overlap of copies with compute, the speed, the peak memory) is the
+GPU validation phase's measurement (docs/gpu.md).
+"""
+from __future__ import annotations
+
+from collections.abc import Collection, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from modules.compile.outer import OuterCall, install_outer_call, remove_outer_call
+from modules.compile.regions import regional_targets
+from modules.models.weight_storage import stored_bytes
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    """One thing the streamer did: ``action`` (fetch | prefetch | evict) on ``block`` (its index
+    among the denoiser's repeated blocks, module order) at ``point`` (before | after a block, or
+    end) of ``phase`` (forward | backward)."""
+    phase: str
+    point: str
+    at: int  # the block whose call (or backward) marks the point; -1 at the end
+    action: str
+    block: int
+
+
+def choose_blocks(block_bytes: Sequence[int], count: int) -> list[int]:
+    """The ``count`` blocks to offload: the largest weights first (ties: the earlier block), so a
+    given count saves the most device memory. Indices in module order, sorted."""
+    ranked = sorted(range(len(block_bytes)), key=lambda i: (-block_bytes[i], i))
+    return sorted(ranked[:count])
+
+
+def in_flight_bytes(block_bytes: Sequence[int], offloaded: Collection[int]) -> int:
+    """The most device memory offloaded blocks take at once: the one running and the one being
+    prefetched (a look-ahead of one), at most the two largest."""
+    sizes = sorted((block_bytes[i] for i in offloaded), reverse=True)
+    return sum(sizes[:2])
+
+
+def stream_schedule(order: Sequence[int], offloaded: Collection[int],
+                    backward: Collection[int]) -> list[StreamEvent]:
+    """What one micro-step does: ``order`` is the blocks' forward call order, ``backward`` the
+    blocks that take part in backward (their output needs a gradient). Forward: the first
+    offloaded block is fetched before it runs, every offloaded block prefetches the next one
+    before it runs and is evicted after it. Backward (reverse order): the same, except that a
+    block is evicted when the next backward block starts (autograd gives no hook at the end of a
+    block's backward); the last one at the end."""
+    events: list[StreamEvent] = []
+    forward = [b for b in order if b in offloaded]
+    _phase(events, "forward", forward, evict_after=True)
+    back = [b for b in reversed(order) if b in offloaded and b in backward]
+    _phase(events, "backward", back, evict_after=False)
+    if back:
+        events.append(StreamEvent("backward", "end", -1, "evict", back[-1]))
+    return events
+
+
+def _phase(events: list[StreamEvent], phase: str, blocks: list[int], evict_after: bool) -> None:
+    for k, block in enumerate(blocks):
+        if not evict_after and k:
+            events.append(StreamEvent(phase, "before", block, "evict", blocks[k - 1]))
+        if k == 0:
+            events.append(StreamEvent(phase, "before", block, "fetch", block))
+        if k + 1 < len(blocks):
+            events.append(StreamEvent(phase, "before", block, "prefetch", blocks[k + 1]))
+        if evict_after:
+            events.append(StreamEvent(phase, "after", block, "evict", block))
+
+
+def block_bytes(block: nn.Module) -> int:
+    """Bytes of a block's frozen parameters (what offloading it moves off the device)."""
+    return sum(stored_bytes(p) for p in block.parameters() if not p.requires_grad)
+
+
+def denoiser_blocks(denoiser: nn.Module, names: tuple[str, ...]) -> list[nn.Module]:
+    """The denoiser's repeated blocks, module order (the ones REGIONAL compile compiles)."""
+    return regional_targets("denoiser", [denoiser], {"denoiser": names})
+
+
+def offload_saving(denoiser: nn.Module, names: tuple[str, ...], count: int
+                   ) -> tuple[int, int, int]:
+    """(blocks offloaded, their bytes, the in-flight bytes) for ``count`` on ``denoiser``: the
+    memory plan's figures, from the same choice the streamer makes (meta tensors do)."""
+    sizes = [block_bytes(b) for b in denoiser_blocks(denoiser, names)]
+    chosen = choose_blocks(sizes, min(count, len(sizes)))
+    return len(chosen), sum(sizes[i] for i in chosen), in_flight_bytes(sizes, chosen)
+
+
+class _BlockCall(OuterCall):
+    """An offloaded block's call: the streamer's work around it."""
+
+    def __init__(self, module: nn.Module, streamer: BlockStreamer, index: int):
+        super().__init__(module)
+        self.streamer, self.index = streamer, index
+
+    def around(self, *args: Any, **kwargs: Any) -> Any:
+        return self.streamer.run_block(self, args, kwargs)
+
+
+class BlockStreamer:
+    """Keeps the chosen blocks' frozen weights on the host and streams them to ``device``."""
+
+    def __init__(self, blocks: Sequence[nn.Module], offloaded: Collection[int],
+                 device: torch.device):
+        self.blocks = list(blocks)
+        self.offloaded = sorted(offloaded)
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.order: list[int] = list(self.offloaded)  # forward call order, learned each step
+        self.backward_blocks: set[int] = set()
+        self.log: list[StreamEvent] = []  # this micro-step's events
+        self.phase = "forward"
+        self._calls: list[int] = []
+        self._host: dict[int, list[tuple[nn.Parameter, torch.Tensor]]] = {}
+        self._pending: dict[int, tuple[list[torch.Tensor], Any]] = {}
+        self._resident: set[int] = set()
+        self._back_current: int | None = None
+        for i in self.offloaded:
+            self._host[i] = [(p, self._host_copy(p.data)) for p in self._frozen(i)]
+            install_outer_call(self.blocks[i], _BlockCall(self.blocks[i], self, i))
+        self._drop_all()
+
+    # ------------------------------------------------------------------ the hosts' copies
+    def _frozen(self, i: int) -> Iterator[nn.Parameter]:
+        return (p for p in self.blocks[i].parameters() if not p.requires_grad)
+
+    def _host_copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.device.type == "cpu" and not self.cuda:
+            return tensor  # already the host copy
+        host = tensor.detach().to("cpu")
+        return host.pin_memory() if self.cuda else host
+
+    def host_tensors(self, i: int) -> list[torch.Tensor]:
+        """Block ``i``'s host copies (their storage is what an offloaded block points at)."""
+        return [host for _, host in self._host[i]]
+
+    def resident(self) -> set[int]:
+        """The offloaded blocks whose weights are on the device now."""
+        return set(self._resident)
+
+    def _drop_all(self) -> None:
+        for i in self.offloaded:
+            for param, host in self._host[i]:
+                param.data = host
+        self._resident.clear()
+        self._pending.clear()
+
+    # ------------------------------------------------------------------ transfers
+    def _copy(self, i: int) -> list[torch.Tensor]:
+        if self.cuda:
+            return [host.to(self.device, non_blocking=True) for _, host in self._host[i]]
+        return [host.clone() for _, host in self._host[i]]  # new storage: the swap shows
+
+    def _prefetch(self, i: int, phase: str, point: str, at: int) -> None:
+        if i in self._resident or i in self._pending:
+            return
+        self.log.append(StreamEvent(phase, point, at, "prefetch", i))
+        if self.stream is None:
+            self._pending[i] = (self._copy(i), None)
+            return
+        # the side stream waits for compute so far: memory freed by an eviction is reused only
+        # once the kernels that read it have run
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            copies = self._copy(i)
+            done = self.stream.record_event()
+        self._pending[i] = (copies, done)
+
+    def _make_resident(self, i: int, phase: str, at: int) -> None:
+        if i in self._resident:
+            return
+        if i in self._pending:
+            copies, done = self._pending.pop(i)
+        else:
+            self.log.append(StreamEvent(phase, "before", at, "fetch", i))
+            copies, done = self._copy(i), None
+        if done is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(done)
+            for copy in copies:
+                copy.record_stream(current)  # made on the side stream, used on compute
+        for (param, _), copy in zip(self._host[i], copies):
+            param.data = copy
+        self._resident.add(i)
+
+    def _evict(self, i: int, phase: str, point: str, at: int) -> None:
+        self.log.append(StreamEvent(phase, point, at, "evict", i))
+        for param, host in self._host[i]:
+            param.data = host  # frozen: dropping the device copy is all
+        self._resident.discard(i)
+
+    def _next(self, sequence: list[int], i: int) -> int | None:
+        if i not in sequence:
+            return None
+        k = sequence.index(i)
+        return sequence[k + 1] if k + 1 < len(sequence) else None
+
+    # ------------------------------------------------------------------ the step
+    def begin(self) -> None:
+        """Before a micro-step's forward (after one that raised, too: all offloaded again)."""
+        self._drop_all()
+        self.log, self._calls, self.phase = [], [], "forward"
+        self.backward_blocks, self._back_current = set(), None
+
+    def run_block(self, call: _BlockCall, args: tuple, kwargs: dict) -> Any:
+        i = call.index
+        if self.phase == "backward":  # gradient checkpointing's re-run: the block is resident
+            self._make_resident(i, "backward", i)
+            return call.call(*args, **kwargs)
+        self._calls.append(i)
+        self._make_resident(i, "forward", i)
+        following = self._next(self.order, i)
+        if following is not None:
+            self._prefetch(following, "forward", "before", i)
+        output = call.call(*args, **kwargs)
+        self._evict(i, "forward", "after", i)
+        first = output[0] if isinstance(output, tuple) else output
+        if isinstance(first, torch.Tensor) and first.requires_grad:
+            self.backward_blocks.add(i)
+            first.register_hook(lambda grad, i=i: self._backward_reached(i))
+        return output
+
+    def _backward_reached(self, i: int) -> None:
+        """Block ``i``'s output gradient is ready: its backward comes next."""
+        self.phase = "backward"
+        if self._back_current is not None and self._back_current != i:
+            self._evict(self._back_current, "backward", "before", i)
+        self._back_current = i
+        self._make_resident(i, "backward", i)
+        back = [b for b in reversed(self._calls) if b in self.backward_blocks]
+        following = self._next(back, i)
+        if following is not None:
+            self._prefetch(following, "backward", "before", i)
+
+    def end(self) -> None:
+        """After a micro-step's backward (or a forward without one): nothing stays resident."""
+        if self._back_current is not None:
+            self._evict(self._back_current, "backward", "end", -1)
+        for i in sorted(self._resident | set(self._pending)):
+            self._evict(i, self.phase, "end", -1)
+        self._drop_all()
+        if self._calls:  # the order the next step prefetches in
+            self.order = list(dict.fromkeys(self._calls))
+        self.phase, self._back_current = "forward", None
+
+    def close(self) -> None:
+        """Every block's weights back on the device and its call as it was."""
+        for i in self.offloaded:
+            for param, host in self._host[i]:
+                param.data = host.to(self.device)
+            remove_outer_call(self.blocks[i])
+        self._host.clear()
+
+    def record(self) -> dict[str, Any]:
+        """run.json's `block_offload`."""
+        sizes = [block_bytes(b) for b in self.blocks]
+        moved = sum(sizes[i] for i in self.offloaded)
+        return {"blocks": len(self.offloaded), "of": len(self.blocks),
+                "offloaded": [f"{i}:{type(self.blocks[i]).__name__}" for i in self.offloaded],
+                "offloaded_bytes": moved,
+                "in_flight_bytes": in_flight_bytes(sizes, self.offloaded),
+                "pinned": self.cuda, "side_stream": self.cuda}
+
+
+def build_streamer(denoiser: nn.Module, names: tuple[str, ...], count: int,
+                   device: torch.device) -> BlockStreamer | None:
+    """The streamer for `model.offload_blocks` (None when 0): the ``count`` largest blocks."""
+    if count <= 0:
+        return None
+    blocks = denoiser_blocks(denoiser, names)
+    chosen = choose_blocks([block_bytes(b) for b in blocks], min(count, len(blocks)))
+    return BlockStreamer(blocks, chosen, device)

@@ -1,0 +1,262 @@
+"""Block offload (`model.offload_blocks`, issue 46 item 2) on the CPU: the schedule as data; the
+streamer observed on the tiny UNet (its own event log against the schedule, the weights'
+storage swapped between the host copy and a resident copy, nothing resident after a step, with
+and without gradient checkpointing); training with it equals training without, bit for bit,
+resumes exactly, is recorded in run.json and compiles REGIONAL AOT_EAGER with no graph break and
+no recompile; refused for a full fine-tune and a FULL compile. Speed, overlap and peak memory
+are a GPU measurement (docs/gpu.md)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from modules.config import ConfigError
+from modules.config.overrides import apply_overrides
+from modules.config.schema import Config
+from modules.config.validate import validate
+from modules.events import RecordingCallbacks
+from modules.models.families import family_of
+from modules.models.loader import load_bundle
+from modules.models.tiny import ensure_builtin_model
+from modules.train.memory.offload import (block_bytes, build_streamer,
+                                          choose_blocks, in_flight_bytes, stream_schedule)
+from modules.train.recipe.trainable import component_dtypes, prepare_trainable
+from modules.train.trainer import train
+from tests.train.test_resume import final_tensors, run_json, stop_then_resume
+
+BASE = ("training.max_steps=2", "training.batch_size=2", "training.learning_rate=1e-3",
+        "data.resolution=64", "sampling.prompts=[]", "logging.tensorboard=false")
+OFFLOAD = "model.offload_blocks=3"
+
+
+def make_config(cache: Path, out: Path, *overrides: str) -> Config:
+    return apply_overrides(Config(), [f"general.cache_dir={cache}", f"output.dir={out}",
+                                      *BASE, *overrides])
+
+
+# ------------------------------------------------------------------ the schedule, as data
+def test_the_largest_blocks_are_chosen_and_two_are_in_flight():
+    sizes = [10, 40, 40, 5, 30]
+    assert choose_blocks(sizes, 2) == [1, 2]  # the largest; ties: the earlier block
+    assert choose_blocks(sizes, 3) == [1, 2, 4]
+    assert choose_blocks(sizes, 9) == [0, 1, 2, 3, 4]
+    assert in_flight_bytes(sizes, [1, 2, 4]) == 80
+    assert in_flight_bytes(sizes, [3]) == 5
+
+
+def test_schedule_prefetches_one_ahead_forward_and_backward():
+    # call order 2, 0, 1, 3; blocks 0, 1, 3 offloaded; block 0 takes no part in backward
+    events = [(e.phase, e.point, e.at, e.action, e.block)
+              for e in stream_schedule([2, 0, 1, 3], {0, 1, 3}, backward={1, 2, 3})]
+    assert events == [
+        ("forward", "before", 0, "fetch", 0), ("forward", "before", 0, "prefetch", 1),
+        ("forward", "after", 0, "evict", 0),
+        ("forward", "before", 1, "prefetch", 3), ("forward", "after", 1, "evict", 1),
+        ("forward", "after", 3, "evict", 3),
+        ("backward", "before", 3, "fetch", 3), ("backward", "before", 3, "prefetch", 1),
+        ("backward", "before", 1, "evict", 3),
+        ("backward", "end", -1, "evict", 1)]
+
+
+# ------------------------------------------------------------------ the streamer, observed
+@pytest.fixture(scope="module")
+def unet_parts(tempera_cache, tmp_path_factory):
+    """The tiny UNet with a LoRA (as training prepares it) and one batch of its inputs."""
+    config = make_config(tempera_cache, tmp_path_factory.mktemp("offload-unet"))
+    folder = ensure_builtin_model(config.model.path, tempera_cache)
+    bundle = load_bundle(folder, config.model, component_dtypes(config))
+    prepare_trainable(bundle, config)
+    unet = bundle.denoiser
+    generator = torch.Generator().manual_seed(0)
+    inputs = (torch.randn(2, unet.config.in_channels, 8, 8, generator=generator),
+              torch.tensor([10, 500]),
+              torch.randn(2, 4, unet.config.cross_attention_dim, generator=generator))
+    return bundle, inputs
+
+
+def one_step(unet, inputs, streamer=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    if streamer is not None:
+        streamer.begin()
+    out = unet(*inputs).sample
+    out.square().mean().backward()
+    if streamer is not None:
+        streamer.end()
+    grads = {n: p.grad.clone() for n, p in unet.named_parameters() if p.grad is not None}
+    unet.zero_grad(set_to_none=True)
+    return out.detach(), grads
+
+
+def test_streamer_follows_its_schedule_and_leaves_nothing_resident(unet_parts):
+    """With gradient checkpointing, whose re-run forwards happen in backward (without it: the
+    training runs below). Over 10 s: three forward and backward passes of the tiny UNet."""
+    bundle, inputs = unet_parts
+    unet = bundle.denoiser
+    unet.enable_gradient_checkpointing()
+    try:
+        want_out, want_grads = one_step(unet, inputs)
+        streamer = build_streamer(unet, family_of(bundle.model_type).repeated_blocks, 3,
+                                  torch.device("cpu"))
+        assert streamer is not None and len(streamer.offloaded) == 3
+        sizes = [block_bytes(b) for b in streamer.blocks]
+        assert streamer.offloaded == choose_blocks(sizes, 3)
+        hosts = {i: [t.data_ptr() for t in streamer.host_tensors(i)]
+                 for i in streamer.offloaded}
+        seen: dict[int, list[int]] = {}  # the storage each block ran with
+
+        def watch(block, args, i):
+            seen[i] = [p.data_ptr() for p in block.parameters() if not p.requires_grad]
+        handles = [streamer.blocks[i].register_forward_pre_hook(
+            lambda m, a, i=i: watch(m, a, i)) for i in streamer.offloaded]
+        try:
+            for _ in range(2):  # the second step prefetches in the order the first learned
+                out, grads = one_step(unet, inputs, streamer)
+        finally:
+            for handle in handles:
+                handle.remove()
+            log = list(streamer.log)
+            order, backward = list(streamer.order), set(streamer.backward_blocks)
+            resident = streamer.resident()
+            after = {i: [p.data_ptr() for p in streamer.blocks[i].parameters()
+                         if not p.requires_grad] for i in streamer.offloaded}
+            streamer.close()
+    finally:
+        unet.disable_gradient_checkpointing()
+    assert log == stream_schedule(order, streamer.offloaded, backward)
+    assert any(e.phase == "backward" for e in log) and backward
+    assert resident == set() and after == hosts  # every offloaded weight back on the host
+    for i in streamer.offloaded:  # each block ran on a resident copy, not its host storage
+        assert not set(seen[i]) & set(hosts[i])
+    assert torch.equal(out, want_out)
+    assert want_grads.keys() == grads.keys()
+    assert all(torch.equal(want_grads[n], grads[n]) for n in want_grads)
+
+
+def test_streamer_never_moves_trained_weights(unet_parts):
+    bundle, _ = unet_parts
+    streamer = build_streamer(bundle.denoiser, family_of(bundle.model_type).repeated_blocks,
+                              100, torch.device("cpu"))
+    assert streamer is not None
+    try:
+        moved = {id(p) for i in streamer.offloaded for p, _ in streamer._host[i]}
+        trained = [p for p in bundle.denoiser.parameters() if p.requires_grad]
+        assert trained and not moved & {id(p) for p in trained}
+        assert len(streamer.offloaded) == len(streamer.blocks)  # capped at the block count
+    finally:
+        streamer.close()
+
+
+# ------------------------------------------------------------------ training with it
+@pytest.fixture(scope="module")
+def runs(tempera_cache, tmp_path_factory):
+    """The shared runs (2 steps each on the tiny model): without offload, with 3 blocks
+    offloaded stopped at step 1 and resumed (equal to the first: offload changes nothing and
+    resumes exactly), and under REGIONAL AOT_EAGER with gradient checkpointing (dynamo's
+    counters cleared before it). Over 10 s: four short trainings, one compiled."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    root = tmp_path_factory.mktemp("block-offload")
+    out = {name: root / name for name in ("off", "resumed", "compiled")}
+    train(make_config(tempera_cache, out["off"]), RecordingCallbacks())
+    stop_then_resume(make_config(tempera_cache, out["resumed"], OFFLOAD), at=1)
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        train(make_config(tempera_cache, out["compiled"], OFFLOAD, "compile.backend=AOT_EAGER",
+                          "compile.scope=REGIONAL", "compile.denoiser=true",
+                          "training.gradient_checkpointing=true"), RecordingCallbacks())
+        breaks = dict(counters["graph_break"])
+        recompiles = dict(counters["recompiles"]) if "recompiles" in counters else {}
+    finally:
+        torch._dynamo.reset()
+    return out, breaks, recompiles
+
+
+def test_offloaded_run_resumes_to_the_run_without(runs):
+    """The offloaded run, stopped after step 1 and resumed, equals the unbroken run without
+    offload bit for bit: the losses step by step and the saved LoRA."""
+    out, _, _ = runs
+    whole, parts = run_json(out["off"]), run_json(out["resumed"])
+    assert parts["losses"] == whole["losses"] and parts["resume_count"] == 1
+    want, have = final_tensors(out["off"]), final_tensors(out["resumed"])
+    assert want.keys() == have.keys() and want
+    assert all(torch.equal(want[key], have[key]) for key in want)
+
+
+def test_run_record_says_which_blocks(runs):
+    out, _, _ = runs
+    record = run_json(out["resumed"])["block_offload"]
+    assert record["blocks"] == 3 and record["of"] > 3 and len(record["offloaded"]) == 3
+    assert record["offloaded_bytes"] > record["in_flight_bytes"] > 0
+    assert run_json(out["off"])["block_offload"] == {"blocks": 0}
+
+
+def test_offload_keeps_regional_compile_without_graph_breaks(runs):
+    out, breaks, recompiles = runs
+    report = run_json(out["compiled"])["compile"]["unet"]
+    assert report["effective"] == "AOT_EAGER" and report["scope"] == "REGIONAL", report
+    assert report["compiled_code_ran"] and not report["degraded"], report
+    assert breaks == {}, breaks
+    assert recompiles == {}, recompiles
+
+
+# ------------------------------------------------------------------ refused
+@pytest.mark.parametrize("setting, reason", [
+    ("training.method=FINE_TUNE", "a full fine-tune trains the blocks' weights"),
+    ("compile.scope=FULL", "use compile.scope=REGIONAL")])
+def test_offload_is_refused_where_it_cannot_work(tmp_path, setting, reason):
+    config = apply_overrides(Config(), [f"output.dir={tmp_path}", OFFLOAD, setting])
+    found = [p for p in validate(config) if p.path == "model.offload_blocks"]
+    assert found and reason in str(found[0]), found
+    with pytest.raises(ConfigError, match="model.offload_blocks"):
+        train(config, RecordingCallbacks())
+
+
+# ------------------------------------------------------------------ the memory plan
+def test_plan_counts_the_offloaded_blocks_as_the_real_ones_hold_them(unet_parts, tempera_cache,
+                                                                     tmp_path):
+    """The plan's offload line (weightless copies) is the real loaded blocks' bytes less the
+    two in flight, for the blocks the streamer picks."""
+    import modules.train.memory.memory_check as memory_check
+    from modules.train.memory.memory_plan import plan_memory
+
+    bundle, _ = unet_parts
+    config = make_config(tempera_cache, tmp_path / "out", OFFLOAD)
+    folder = ensure_builtin_model(config.model.path, tempera_cache)
+    streamer = build_streamer(bundle.denoiser, family_of(bundle.model_type).repeated_blocks, 3,
+                              torch.device("cpu"))
+    assert streamer is not None
+    try:
+        held = [sum(t.numel() * t.element_size() for t in streamer.host_tensors(i))
+                for i in streamer.offloaded]
+    finally:
+        streamer.close()
+    plan = plan_memory(config, folder)
+    [(what, size)] = [line for line in plan.lines if "blocks offloaded" in line[0]]
+    assert size == sorted(held)[-1] + sorted(held)[-2] - sum(held), what
+    off = plan_memory(make_config(tempera_cache, tmp_path / "out"), folder)
+    assert off.total - plan.total == -size > 0
+    # the refusal offers offloading every block, with what it saves
+    blocks = len(streamer.blocks)
+    assert memory_check.offload_candidates(make_config(tempera_cache, tmp_path), blocks) == [
+        f"model.offload_blocks={blocks}"]
+    assert memory_check.offload_candidates(config, blocks) == []
+    fixes = dict(memory_check.memory_fixes(make_config(tempera_cache, tmp_path), folder, off))
+    everything = plan_memory(make_config(tempera_cache, tmp_path,
+                                         f"model.offload_blocks={blocks}"), folder)
+    assert fixes[f"model.offload_blocks={blocks}"] == off.total - everything.total > 0
+
+
+def test_the_field_sits_in_the_model_group_and_is_greyed_for_a_full_fine_tune():
+    """The GUI builds its widget from this metadata (app/form.py): Model, behind More options."""
+    from modules.config.field_rules import unused_fields
+    from modules.config.introspect import field_map
+
+    info = field_map(Config)["model.offload_blocks"]
+    assert info.group == "Model" and info.advanced and info.label == "Offloaded blocks"
+    assert all(word in info.help for word in ("Saves", "costs", "LoRA", "REGIONAL"))
+    assert "model.offload_blocks" in unused_fields(
+        apply_overrides(Config(), ["training.method=FINE_TUNE"]))
+    assert "model.offload_blocks" not in unused_fields(Config())
