@@ -228,7 +228,7 @@ def test_a_non_finite_loss_skips_backward(monkeypatch):
     first, second = two_weights()
     opt = FusedBackward([{"params": [first, second], "lr": 0.1}],
                         lambda group: torch.optim.AdamW([group]), max_grad_norm=0)
-    run = SimpleNamespace(optimizer=opt, scaler=None,
+    run = SimpleNamespace(optimizer=opt, scaler=None, offload=None,
                           config=SimpleNamespace(training=SimpleNamespace(
                               gradient_accumulation=1)))
     scale = {"value": float("nan")}

@@ -418,14 +418,16 @@ def micro_step(run: Run, batch: dict, draws: Draws) -> torch.Tensor:
     """
     if run.offload is not None:
         run.offload.begin()
-    loss = forward_loss(run, batch, draws)
-    if isinstance(run.optimizer, FusedBackward) and not torch.isfinite(loss):
-        return loss.detach()  # backward would step the weights with non-finite gradients
-    scaled = loss / run.config.training.gradient_accumulation
-    (run.scaler.scale(scaled) if run.scaler else scaled).backward()
-    if run.offload is not None:
-        run.offload.end()  # nothing offloaded stays on the device between micro-steps
-    return loss.detach()
+    try:
+        loss = forward_loss(run, batch, draws)
+        if isinstance(run.optimizer, FusedBackward) and not torch.isfinite(loss):
+            return loss.detach()  # backward would step the weights with non-finite gradients
+        scaled = loss / run.config.training.gradient_accumulation
+        (run.scaler.scale(scaled) if run.scaler else scaled).backward()
+        return loss.detach()
+    finally:
+        if run.offload is not None:
+            run.offload.end()  # nothing offloaded stays on the device between micro-steps
 
 
 def forward_loss(run: Run, batch: dict, draws: Draws) -> torch.Tensor:
