@@ -9,11 +9,13 @@ from __future__ import annotations
 from enum import Enum
 
 from modules.config.schema import (Adapter, CompileBackend, CompileMode, CompileScope, Device,
+                                   DistributedStrategy,
                                    DType, DynamicShapes, HuberSchedule, LossType, LRScheduler,
                                    MixedPrecision, Optimizer, PredictionType, Sampler,
                                    SaveDType, SaveFormat, TimestepSampling, TrainingMethod,
                                    WeightStorage)
 from modules.config.optimizers import OPTIMIZERS
+from modules.config.outputs import WandbMode
 from modules.frontend import BACKENDS, MODEL_TYPES, ModelType
 
 # By enum type first: members of str enums compare equal by value across types
@@ -54,6 +56,10 @@ ENUM_LABELS: dict[type[Enum], dict[Enum, str]] = {
                     HuberSchedule.SNR: "By SNR"},
     TimestepSampling: {TimestepSampling.UNIFORM: "Uniform",
                        TimestepSampling.LOGIT_NORMAL: "Logit-normal"},
+    DistributedStrategy: {DistributedStrategy.DDP: "DDP (each process holds the whole model)",
+                          DistributedStrategy.FSDP: "FSDP (weights sharded over processes)"},
+    WandbMode: {WandbMode.ONLINE: "Online (needs an API key)",
+                WandbMode.OFFLINE: "Offline (sync later with wandb sync)"},
     WeightStorage: {WeightStorage.WEIGHT_DTYPE: "As the weight dtype",
                     WeightStorage.FLOAT8: "float8 (linear layers)"},
 }

@@ -128,9 +128,15 @@ def cached_run(tmp_path_factory, tempera_cache):
     def with_recorder(prepared, bundle, device, callbacks):
         recorder.install(bundle)
         return original(prepared, bundle, device, callbacks)
-    out = tmp_path_factory.mktemp("placement") / "out"
+    from modules.data.shapes import write_shapes
+    folder = tmp_path_factory.mktemp("placement")
+    out, images = folder / "out", folder / "images"
+    # images of its own: latents another test of this session cached would skip the encoding
+    # whose placement is checked
+    write_shapes(images, count=12, size=64, seed=11)
     config = apply_overrides(Config(), [
         f"general.cache_dir={tempera_cache}", f"output.dir={out}", "data.resolution=64",
+        f'data.datasets=[{{"path": "{images}"}}]',
         "training.max_steps=2", "training.batch_size=2", "training.learning_rate=1e-3",
         "logging.tensorboard=false", *CACHED, 'sampling.prompts=["a red circle"]',
         "sampling.steps=2", "validation.every_steps=2", "validation.split_ratio=0.25"])
