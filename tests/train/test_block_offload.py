@@ -24,7 +24,7 @@ from modules.train.memory.offload import (block_bytes, build_streamer,
                                           choose_blocks, in_flight_bytes, stream_schedule)
 from modules.train.recipe.trainable import component_dtypes, prepare_trainable
 from modules.train.trainer import train
-from tests.train.test_resume import final_tensors, run_json, stop_then_resume
+from tests.train.test_resume import assert_resumed_as, run_json, stop_then_resume
 
 BASE = ("training.max_steps=2", "training.batch_size=2", "training.learning_rate=1e-3",
         "data.resolution=64", "sampling.prompts=[]", "logging.tensorboard=false")
@@ -178,11 +178,7 @@ def test_offloaded_run_resumes_to_the_run_without(runs):
     """The offloaded run, stopped after step 1 and resumed, equals the unbroken run without
     offload bit for bit: the losses step by step and the saved LoRA."""
     out, _, _ = runs
-    whole, parts = run_json(out["off"]), run_json(out["resumed"])
-    assert parts["losses"] == whole["losses"] and parts["resume_count"] == 1
-    want, have = final_tensors(out["off"]), final_tensors(out["resumed"])
-    assert want.keys() == have.keys() and want
-    assert all(torch.equal(want[key], have[key]) for key in want)
+    assert_resumed_as(out["off"], out["resumed"])
 
 
 def test_run_record_says_which_blocks(runs):

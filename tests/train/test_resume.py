@@ -60,9 +60,15 @@ def assert_resumes_bit_for_bit(tiny_config, tmp_path: Path, settings: tuple[str,
     losses, step by step, and the same final weights, bit for bit."""
     train(tiny_config(*settings, f"output.dir={tmp_path / 'whole'}"), RecordingCallbacks())
     stop_then_resume(tiny_config(*settings, f"output.dir={tmp_path / 'parts'}"), at=at)
-    expected, got = run_json(tmp_path / "whole"), run_json(tmp_path / "parts")
+    assert_resumed_as(tmp_path / "whole", tmp_path / "parts")
+
+
+def assert_resumed_as(whole: Path, parts: Path) -> None:
+    """The run in `parts`, resumed once, has the losses of the unbroken run in `whole`, step by
+    step, and its final weights, bit for bit."""
+    expected, got = run_json(whole), run_json(parts)
     assert got["losses"] == expected["losses"] and got["resume_count"] == 1
-    want, have = final_tensors(tmp_path / "whole"), final_tensors(tmp_path / "parts")
+    want, have = final_tensors(whole), final_tensors(parts)
     assert want.keys() == have.keys() and want
     assert all(torch.equal(want[key], have[key]) for key in want)
 

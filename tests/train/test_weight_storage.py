@@ -27,7 +27,7 @@ from modules.train.memory.memory_check import CardMemory
 from modules.train.memory.memory_plan import gib, plan_memory
 from modules.train.recipe.trainable import component_dtypes, prepare_trainable
 from modules.train.trainer import train
-from tests.train.test_resume import final_tensors, run_json, stop_then_resume
+from tests.train.test_resume import assert_resumed_as, run_json, stop_then_resume
 
 pytest.importorskip("torchao")
 
@@ -95,11 +95,7 @@ def test_saved_files_hold_no_float8_weight(runs):
 
 def test_float8_run_resumes_exactly(runs):
     out, _ = runs
-    whole, parts = run_json(out["fp8"]), run_json(out["fp8_resumed"])
-    assert parts["losses"] == whole["losses"] and parts["resume_count"] == 1
-    want, have = final_tensors(out["fp8"]), final_tensors(out["fp8_resumed"])
-    assert want.keys() == have.keys() and want
-    assert all(torch.equal(want[key], have[key]) for key in want)
+    assert_resumed_as(out["fp8"], out["fp8_resumed"])
 
 
 def test_float8_compiles_regional_aot_eager_without_graph_breaks(runs):
