@@ -244,8 +244,12 @@ def extract(layout: ModelLayout, tuned: ModelLayout, output: Path, rank: int,
         raise LoraToolError(f"{tuned.source}: is not the same architecture as the base "
                             f"{layout.source} ({tuned.model_type.value} vs "
                             f"{layout.model_type.value})")
+    # the text projection is left out: no LoRA format adapts it (kohya's and ComfyUI's SDXL
+    # maps name the encoders' attention and MLP layers), and an OpenCLIP single file (SDXL's
+    # second encoder) holds it transposed, as a bare parameter, not as a layer's weight
     wanted = [k for k, s in layout.shapes.items()
-              if (conv_rank if len(s) == 4 else rank) > 0 and not k[1].endswith(".conv_in")]
+              if (conv_rank if len(s) == 4 else rank) > 0 and not k[1].endswith(".conv_in")
+              and not k[1].endswith("text_projection")]
     base_at, tuned_at = weight_locations(layout, wanted), weight_locations(tuned, wanted)
 
     def difference(key: LayerKey) -> torch.Tensor:

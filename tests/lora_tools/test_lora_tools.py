@@ -336,6 +336,23 @@ def test_merge_into_an_sdxl_single_file_streams_and_matches_peft(sdxl, tmp_path,
         torch.testing.assert_close(other[key], value, rtol=1e-6, atol=1e-7, msg=key)
 
 
+def test_extract_from_two_sdxl_single_files_gives_back_the_merged_update(sdxl, tmp_path):
+    """The base and the tool's merge at 0.6, both SDXL single files (OpenCLIP's fused q/k/v
+    read by rows, its transposed text projection left out): full rank gives 0.6 x each layer's
+    update, computed here from the LoRA's own tensors."""
+    from modules.cli.lora import parse_args, run
+    base = ["--base", str(sdxl["single"]), "--config-folder", str(sdxl["folder"])]
+    merged, out = tmp_path / "merged.safetensors", tmp_path / "extracted.safetensors"
+    assert main(["merge", *base, "--lora", f"{sdxl['lora']}:0.6", "-o", str(merged)]) == 0
+    report = run(parse_args(["extract", *base, "--tuned", str(merged), "--rank", "8",
+                             "--conv-rank", "8", "-o", str(out)]))
+    assert report.overall == pytest.approx(1.0, abs=1e-6)
+    original, extracted = _kohya_updates(sdxl["lora"]), _kohya_updates(out)
+    assert extracted.keys() == original.keys()
+    for name, update in original.items():
+        torch.testing.assert_close(extracted[name], 0.6 * update, rtol=1e-4, atol=1e-5)
+
+
 def test_sd2_merges_into_a_folder_and_a_single_file_as_peft_merges(tempera_cache, tmp_path):
     """SD 2: OpenCLIP text encoder (q/k/v fused in its single file) with the diffusers UNet
     names; both outputs give what peft's own merge gives, the single file read back by
