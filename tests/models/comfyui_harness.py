@@ -46,7 +46,9 @@ class _StandIn(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 def import_comfyui(checkout: Path) -> types.SimpleNamespace:
-    """comfy.lora, comfy.utils, comfy.model_base and comfy.model_detection from `checkout`."""
+    """comfy.lora, comfy.utils, comfy.model_base, comfy.model_detection and the checkpoint
+    loading modules (comfy.sd, comfy.model_patcher, comfy.sd1_clip, comfy.supported_models)
+    from `checkout`."""
     if not (checkout / "comfy" / "lora.py").is_file():
         pytest.skip(f"{checkout}: not a ComfyUI checkout")
     for package in ("einops", "psutil"):
@@ -65,6 +67,10 @@ def import_comfyui(checkout: Path) -> types.SimpleNamespace:
         import comfy.lora
         import comfy.model_base
         import comfy.model_detection
+        import comfy.model_patcher
+        import comfy.sd
+        import comfy.sd1_clip
+        import comfy.supported_models
         import comfy.utils
     finally:
         sys.argv = argv
@@ -72,4 +78,6 @@ def import_comfyui(checkout: Path) -> types.SimpleNamespace:
         for name in [n for n in sys.modules if n.split(".")[0] in STAND_INS]:
             del sys.modules[name]  # ComfyUI's modules keep theirs; nothing else sees one
     return types.SimpleNamespace(lora=comfy.lora, utils=comfy.utils, model_base=comfy.model_base,
-                                 model_detection=comfy.model_detection)
+                                 model_detection=comfy.model_detection, sd=comfy.sd,
+                                 model_patcher=comfy.model_patcher, sd1_clip=comfy.sd1_clip,
+                                 supported_models=comfy.supported_models)
