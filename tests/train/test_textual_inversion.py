@@ -2,7 +2,8 @@
 train, the files load in diffusers (and ComfyUI, with --comfyui) as trained, the captions and
 sample prompts carry the trigger word, the tokenizer's refusals, compile without recompiles.
 
-One SD 1.5 run (3 steps) and one SDXL run (2 steps) are shared by the tests that read them."""
+One SD 1.5 run (3 steps), one SD 2 run and one SDXL run (2 steps each) are shared by the tests
+that read them."""
 from __future__ import annotations
 
 import json
@@ -73,6 +74,17 @@ def sd15(tempera_cache, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def sd2(tempera_cache, tmp_path_factory):
+    """SD 2.x's OpenCLIP-style text encoder (the tiny SD2's): a 2-step run shared by the SD 2
+    tests, as cheap as the SD 1.5 run without its sample."""
+    out = tmp_path_factory.mktemp("ti-sd2")
+    config = ti_config(tempera_cache, out / "out", ModelType.SD2, "training.max_steps=2",
+                       "textual_inversion.vectors=2")
+    return {**_run_recipe(config), "base": _base(ModelType.SD2, tempera_cache),
+            "config": config}
+
+
+@pytest.fixture(scope="module")
 def sdxl(tempera_cache, tmp_path_factory):
     """bfloat16 frozen weights: the float32 embedding feeds bfloat16 layers. (About 5 s: a
     2-step SDXL run, shared by the SDXL tests.)"""
@@ -97,7 +109,7 @@ def _base_modules(model: ModelType, folder: Path) -> dict[str, torch.nn.Module]:
     return {name: getattr(pipe, name) for name in MODEL_TYPES[model].components}
 
 
-@pytest.mark.parametrize("which", ["sd15", "sdxl"])
+@pytest.mark.parametrize("which", ["sd15", "sd2", "sdxl"])
 def test_only_the_new_rows_train_and_every_other_weight_stays_bit_for_bit(which, request):
     run = request.getfixturevalue(which)
     bundle, config = run["bundle"], run["config"]
@@ -149,22 +161,27 @@ def _trained_vectors(run, encoder: str) -> torch.Tensor:
     return weight.detach()[_new_ids(run["bundle"], encoder, run["config"])].float()
 
 
-def test_diffusers_load_textual_inversion_reads_both_files_as_trained(sd15):
+@pytest.mark.parametrize("which", ["sd15", "sd2"])
+def test_diffusers_load_textual_inversion_reads_both_files_as_trained(which, request):
+    """SD 1.5's CLIP and SD 2's OpenCLIP-style encoder: both files, loaded by diffusers, give
+    the trained rows and the prompt embeddings of the trained encoder."""
     from diffusers import StableDiffusionPipeline
-    final = sd15["result"].output_dir / "final"
+    run = request.getfixturevalue(which)
+    final = run["result"].output_dir / "final"
     assert {p.name for p in final.iterdir()} == {"learned_embeds.safetensors",
                                                  "mychar.safetensors", "tempera_step.json"}
-    trained = _trained_vectors(sd15, "text_encoder")
+    trained = _trained_vectors(run, "text_encoder")
+    assert torch.equal(load_file(str(final / "mychar.safetensors"))["emb_params"], trained)
     prompt = f"{WORD} a red circle"
     # the trained encoder's own embeddings of the prompt, as training reads it
-    bundle = sd15["bundle"]
-    tokens = bundle.tokenizers["tokenizer"](with_trigger(sd15["config"], prompt),
-                                            padding="max_length", max_length=77,
-                                            return_tensors="pt").input_ids
+    bundle = run["bundle"]
+    tokenizer = bundle.tokenizers["tokenizer"]
+    tokens = tokenizer(with_trigger(run["config"], prompt), padding="max_length",
+                       max_length=tokenizer.model_max_length, return_tensors="pt").input_ids
     with torch.no_grad():
         expected = bundle.text_encoders["text_encoder"](tokens)[0]
     for file, token in (("learned_embeds.safetensors", None), ("mychar.safetensors", WORD)):
-        pipe = StableDiffusionPipeline.from_pretrained(sd15["base"], safety_checker=None,
+        pipe = StableDiffusionPipeline.from_pretrained(run["base"], safety_checker=None,
                                                        local_files_only=True)
         pipe.load_textual_inversion(str(final / file), token=token)
         ids = pipe.tokenizer.convert_tokens_to_ids([WORD, f"{WORD}_1"])
@@ -205,9 +222,10 @@ def test_sdxl_files_hold_both_encoders_and_load_in_diffusers(sdxl):
                            _trained_vectors(sdxl, name))
 
 
-def test_comfyui_load_embed_reads_the_a1111_files(sd15, sdxl, comfyui):
+def test_comfyui_load_embed_reads_the_a1111_files(comfyui, sd15, sd2, sdxl):
     import comfy.sd1_clip  # ComfyUI's embedding loader (tests/models/comfyui_harness.py)
     for run, keys in ((sd15, {"text_encoder": ("clip_l", 768)}),
+                      (sd2, {"text_encoder": ("clip_h", 1024)}),
                       (sdxl, {"text_encoder": ("clip_l", 768),
                               "text_encoder_2": ("clip_g", 1280)})):
         folder = str(run["result"].output_dir / "final")
