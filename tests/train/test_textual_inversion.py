@@ -75,8 +75,8 @@ def sd15(tempera_cache, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def sd2(tempera_cache, tmp_path_factory):
-    """SD 2.x's OpenCLIP-style text encoder (the tiny SD2's): a 2-step run shared by the SD 2
-    tests, as cheap as the SD 1.5 run without its sample."""
+    """SD 2.x's OpenCLIP-style text encoder (the tiny SD2's): a 2-step run without a sample,
+    shared by the SD 2 tests (about 9 s with its base load on 2 CPU cores under other load)."""
     out = tmp_path_factory.mktemp("ti-sd2")
     config = ti_config(tempera_cache, out / "out", ModelType.SD2, "training.max_steps=2",
                        "textual_inversion.vectors=2")
