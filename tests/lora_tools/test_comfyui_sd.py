@@ -32,8 +32,7 @@ trained, sdxl = tools_tests.trained, tools_tests.sdxl
 
 @pytest.fixture(scope="module")
 def sd15_single(comfyui, trained, tmp_path_factory):
-    """The tiny SD 1.5 base as one ldm file, ComfyUI's load of it and the kohya names of its
-    weights."""
+    """The tiny SD 1.5 base as one ldm file and {kohya name: ComfyUI key} of its weights."""
     from diffusers import StableDiffusionPipeline
     pipe = StableDiffusionPipeline.from_pretrained(trained["base"], safety_checker=None,
                                                    local_files_only=True)
