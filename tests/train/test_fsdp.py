@@ -133,8 +133,8 @@ def test_an_fsdp_backup_resumes_in_one_process_under_ddp(fsdp_run, tmp_path):
     """Backups have one format: the FSDP run's step-2 backup resumes in one process with
     training.distributed_strategy=DDP (a change the resume lists, and allows). Its step 3
     differs from the 2-process one (one process reads the data unsplit), so what is checked is
-    that every weight and optimizer state loaded and training went on from step 2. About
-    10 s: one process loading the tiny model and training one step."""
+    that every weight and optimizer state loaded and training went on from step 2. 10-17 s
+    measured here (cores shared): one process loading the tiny model and training one step."""
     from modules.events import RecordingCallbacks
     from modules.train.trainer import train
     backup = killed_after_backup(fsdp_run, tmp_path / "out", step=2)
