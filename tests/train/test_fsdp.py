@@ -6,7 +6,9 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,7 +16,9 @@ import torch
 from modules.config import Config, apply_overrides
 from modules.config.caveats import config_warnings
 from modules.config.loader import from_dict
+from modules.config.schema import DistributedStrategy
 from modules.config.validate import validate
+from modules.train.recipe.distributed import Distributed
 from tests.child_env import with_repo_on_pythonpath
 from tests.train.test_distributed import REPO, run_torchrun
 from tests.train.test_resume import assert_resumed_as
@@ -261,3 +265,54 @@ def test_fsdp_in_one_process_warns_that_it_does_nothing(monkeypatch):
     assert not [w for w in config_warnings(config) if "distributed_strategy" in w]
     assert not [w for w in config_warnings(fsdp("training.distributed_strategy=DDP"))
                 if "distributed_strategy" in w]
+
+
+class RanksAgree(Distributed):
+    """Rank 1 of 2 under FSDP whose `any` answers as if another rank's flag were set."""
+
+    def __init__(self, strategy: DistributedStrategy) -> None:
+        super().__init__(rank=1, world_size=2, strategy=strategy)
+        self.asked: list[bool] = []
+
+    def any(self, flag: bool) -> bool:
+        self.asked.append(flag)
+        return True
+
+
+def backup_timing_run(dist: Distributed, minutes: float) -> SimpleNamespace:
+    """What `backup_due` reads of a run: step 3 of 10, the last backup just now."""
+    return SimpleNamespace(config=apply_overrides(Config(), [
+        "output.backup_every_steps=0", f"output.backup_every_minutes={minutes}"]),
+        step=3, budget=SimpleNamespace(total_steps=10), state=SimpleNamespace(bad_steps=0),
+        last_backup_time=time.monotonic(), dist=dist)
+
+
+def test_a_timed_backup_is_due_on_every_rank_when_one_ranks_clock_says_so():
+    """Every FSDP rank takes part in a backup, so the minutes are agreed on (any rank's elapsed
+    interval makes it due everywhere); DDP's non-main ranks write nothing and ask no one."""
+    from modules.train.recipe.loop import backup_due
+    sharded = RanksAgree(DistributedStrategy.FSDP)
+    assert backup_due(backup_timing_run(sharded, 30)) and sharded.asked == [False]
+    assert not backup_due(backup_timing_run(sharded, 0)) and sharded.asked == [False]
+    replicated = RanksAgree(DistributedStrategy.DDP)
+    assert not backup_due(backup_timing_run(replicated, 30)) and replicated.asked == []
+
+
+def test_no_backup_after_a_failure_under_fsdp(tmp_path):
+    """A failed rank may not join the gathering a backup needs: none is tried, and the message
+    and run.json say why."""
+    from modules.train.outputs.record import RunRecord
+    from modules.train.trainer import backup_after_failure
+
+    class Recipe:
+        def save_backup(self, reason: str):
+            raise AssertionError("a backup under FSDP after a failure would wait forever")
+
+    dist = Distributed(rank=0, world_size=2, strategy=DistributedStrategy.FSDP)
+    record = RunRecord(tmp_path / "run.json")
+    recipe = Recipe()
+    recipe.built_run = SimpleNamespace(dist=dist, step=3, output_dir=tmp_path,
+                                       record=record)
+    message = backup_after_failure(recipe, RuntimeError("a step failed"))
+    assert "no backup after the failure (FSDP" in message and "nothing to resume" in message
+    assert "gathers every process's shards" in record_of(tmp_path)["backup_after_failure"]
