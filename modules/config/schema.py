@@ -424,14 +424,16 @@ class TrainingConfig:
     # -- issue 46 item 6: sharding over several processes (docs/cloud.md, "Multi-GPU") --
     distributed_strategy: DistributedStrategy = setting(
         DistributedStrategy.DDP, label="Multi-process strategy", group="Training",
-        advanced=True, on_resume=OnResume.MUST_MATCH,
+        # a memory switch: backups are the same whole-state format under either
+        # (train/state/sharded_state.py); the sums differ only in the order of float additions
+        advanced=True, on_resume=OnResume.MAY_CHANGE,
         help="Only when launched as several processes (accelerate launch / torchrun). DDP: "
              "every process holds the whole model and the gradients are averaged. FSDP: a "
              "full fine-tune's trained weights, gradients and optimizer state are split over "
              "the processes (FSDP2), each repeated block gathered just for its own forward "
              "and backward, so a model that does not fit one card trains on several. FSDP is "
              "for training.method FINE_TUNE only; it cannot be combined with EMA, FLOAT16 "
-             "mixed precision, sampling prompts or resume (docs/cloud.md, Multi-GPU).")
+             "mixed precision or sampling prompts (docs/cloud.md, Multi-GPU).")
 
 
 @dataclass

@@ -204,11 +204,6 @@ def _check_distributed_strategy(config: Config) -> list[Problem]:
         problems.append(Problem(path, "DDP with validation", given,
                                 "validation under FSDP is not tested yet; set "
                                 "validation.every_steps to 0, or use DDP"))
-    if t.resume_from:
-        problems.append(Problem(path, "DDP with training.resume_from", given,
-                                "FSDP runs write no backups yet (their state is sharded over "
-                                "the processes), so there is nothing exact to resume from; "
-                                "start anew, or use DDP"))
     return problems
 
 

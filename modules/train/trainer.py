@@ -114,6 +114,13 @@ def backup_after_failure(recipe: TrainingRecipe, exc: Exception) -> str:
     run = recipe.built_run
     if isinstance(exc, (NonFiniteTraining, DiskFull)) or run.step == 0:
         return resume_hint(run.output_dir)
+    if run.dist.sharded:  # gathering needs every process, and the failed one may not come
+        if run.dist.is_main:
+            run.record.write(backup_after_failure="not written: under FSDP a backup gathers "
+                                                  "every process's shards, and a failure may "
+                                                  "have ended some of them")
+        return ("; no backup after the failure (FSDP: gathering the sharded state needs every "
+                "process)" + resume_hint(run.output_dir))
     try:
         recipe.save_backup("after a failure")
     except Exception as backup_exc:  # noqa: BLE001 - reported in the failure message

@@ -6,39 +6,76 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from modules.config import Config, apply_overrides
 from modules.config.caveats import config_warnings
 from modules.config.loader import from_dict
+from modules.config.schema import DistributedStrategy
 from modules.config.validate import validate
+from modules.train.recipe.distributed import Distributed
 from tests.child_env import with_repo_on_pythonpath
 from tests.train.test_distributed import REPO, run_torchrun
+from tests.train.test_resume import assert_resumed_as
 
 FSDP_RUN = {
     "data": {"resolution": 64},
-    "training": {"method": "FINE_TUNE", "distributed_strategy": "FSDP", "max_steps": 2,
+    "training": {"method": "FINE_TUNE", "distributed_strategy": "FSDP", "max_steps": 3,
                  "batch_size": 2, "gradient_accumulation": 2, "learning_rate": 1e-4,
                  "max_grad_norm": 1.0},
     "compile": {"backend": "AOT_EAGER", "scope": "REGIONAL", "unet": True},
     "sampling": {"prompts": []},
     "logging": {"tensorboard": False},
-    "output": {"dir": "out", "save_every_steps": 1},
+    "output": {"dir": "out", "save_every_steps": 1, "backup_every_steps": 2},
 }
 
 
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory, tempera_cache) -> Path:
-    """One 2-process FSDP run (2 steps of 2 micro-batches, AOT_EAGER REGIONAL) read by the
-    tests below; about 55 s on 2 idle cores, the cost of two processes loading and compiling
-    the tiny UNet (the 2-process DDP tests cost the same)."""
+    """One 2-process FSDP run (3 steps of 2 micro-batches, AOT_EAGER REGIONAL, a backup at
+    step 2) read by the tests below; about 60 s on 2 idle cores (85-95 s measured with them
+    shared), the cost of two processes loading and compiling the tiny UNet (the 2-process DDP
+    tests cost the same)."""
     folder = tmp_path_factory.mktemp("fsdp")
     settings = {**FSDP_RUN, "general": {"cache_dir": str(tempera_cache), "device": "CPU"}}
     result = run_torchrun(folder, settings, port=29541)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.count("finished: 2 steps") == 2  # each rank reports its exit
+    assert result.stdout.count("finished: 3 steps") == 2  # each rank reports its exit
+    return folder / "out"
+
+
+def killed_after_backup(out: Path, copy: Path, step: int) -> Path:
+    """`out` copied to `copy` as a run killed after its backup of `step` leaves its folder
+    (a lost machine, the case FSDP's backups are for): run.json still says `running`, and
+    neither final/ nor a later backup was written. Returns the backup folder."""
+    shutil.copytree(out, copy)
+    shutil.rmtree(copy / "final")
+    for later in (copy / "backups").glob("step-*"):
+        if int(later.name.split("-")[1]) > step:
+            shutil.rmtree(later)
+    record = json.loads((copy / "run.json").read_text())
+    (copy / "run.json").write_text(json.dumps({**record, "status": "running"}))
+    return copy / "backups" / f"step-{step:06d}"
+
+
+@pytest.fixture(scope="module")
+def fsdp_resumed(fsdp_run, tmp_path_factory, tempera_cache) -> Path:
+    """`fsdp_run` killed after its backup of step 2 and resumed on 2 processes for step 3:
+    the one more 2-process run exact resume needs (the unbroken run is `fsdp_run`). 76-92 s
+    measured here with the 2 cores shared, like `fsdp_run`: two processes loading and
+    compiling the tiny UNet again."""
+    folder = tmp_path_factory.mktemp("fsdp-resumed")
+    backup = killed_after_backup(fsdp_run, folder / "out", step=2)
+    settings = {**FSDP_RUN, "general": {"cache_dir": str(tempera_cache), "device": "CPU"},
+                "training": {**FSDP_RUN["training"], "resume_from": str(backup)}}
+    result = run_torchrun(folder, settings, port=29543)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("finished: 3 steps") == 2
     return folder / "out"
 
 
@@ -54,9 +91,7 @@ def test_fsdp_trains_in_sync_and_saves_whole_weights(fsdp_run):
     assert dist["data_parallel"] == {"unet": "FSDPUNet2DConditionModel"}
     assert dist["ranks_in_sync"], dist["weight_checksums"]
     assert dist["compiled_code_ran_on_all_ranks"]["unet"]
-    assert record["steps_done"] == 2 and len(record["losses"]) == 2
-    assert record["backups"].startswith("not written: FSDP")
-    assert not (fsdp_run / "backups").exists()
+    assert record["steps_done"] == 3 and len(record["losses"]) == 3
     # final/ holds the gathered (whole) UNet: it loads with diffusers and its weights are the
     # ones both ranks summed (the checksum gathers every shard)
     from diffusers import UNet2DConditionModel
@@ -64,9 +99,60 @@ def test_fsdp_trains_in_sync_and_saves_whole_weights(fsdp_run):
     total = sum(float(p.detach().double().sum()) for p in unet.parameters())
     assert total == pytest.approx(dist["weight_checksums"][0], rel=1e-9)
     # a checkpoint during training is gathered the same way (both ranks take part)
-    assert sorted(record["checkpoints"]) == ["step-000001"]  # step 2 is final/
+    assert sorted(record["checkpoints"]) == ["step-000001", "step-000002"]  # step 3: final/
     first = UNet2DConditionModel.from_pretrained(fsdp_run / "checkpoints" / "step-000001" / "unet")
     assert sum(float(p.detach().double().sum()) for p in first.parameters()) != total
+
+
+@pytest.mark.timeout(600)
+def test_fsdp_backups_hold_the_whole_state_and_resume_exactly(fsdp_run, fsdp_resumed):
+    """Every rank gathered its shards into rank 0's backups (step 2, scheduled, and step 3,
+    finished), written in the one-process format: every UNet weight whole under its own name,
+    the optimizer's per-weight state whole. The run resumed from the step-2 backup on 2
+    processes equals the unbroken one: the losses step by step and final/ bit for bit."""
+    record = record_of(fsdp_run)
+    assert record["backups"] == {"sharded_over": 2, "gathered_to": "rank 0",
+                                 "format": "whole tensors, the format one process or DDP "
+                                           "writes",
+                                 "resumes_with": ["FSDP", "DDP", "one process"]}
+    assert [p.name for p in sorted((fsdp_run / "backups").iterdir())] == [
+        "step-000002", "step-000003"]
+    from diffusers import UNet2DConditionModel
+    from modules.train.state.backup import load_states
+    info, states = load_states(fsdp_run / "backups" / "step-000002")
+    assert info["step"] == 2 and info["reason"] == "scheduled"
+    unet = UNet2DConditionModel.from_pretrained(fsdp_run / "checkpoints" / "step-000002" / "unet")
+    whole = {f"unet.{name}": p for name, p in unet.named_parameters()}
+    assert states["parameters"].keys() == whole.keys()
+    assert all(torch.equal(states["parameters"][k], whole[k]) for k in whole)
+    adam = states["optimizer"]["state"]
+    assert len(adam) == len(whole)
+    ordered = list(whole.values())  # the optimizer's ids follow the parameters' order
+    assert all(adam[i]["exp_avg"].shape == ordered[i].shape for i in adam)
+    assert_resumed_as(fsdp_run, fsdp_resumed)
+    assert record_of(fsdp_resumed)["resumed_at_step"] == 2
+
+
+def test_an_fsdp_backup_resumes_in_one_process_under_ddp(fsdp_run, tmp_path):
+    """Backups have one format: the FSDP run's step-2 backup resumes in one process with
+    training.distributed_strategy=DDP (a change the resume lists, and allows). Its step 3
+    differs from the 2-process one (one process reads the data unsplit), so what is checked is
+    that every weight and optimizer state loaded and training went on from step 2. 10-17 s
+    measured here (cores shared): one process loading the tiny model and training one step."""
+    from modules.events import RecordingCallbacks
+    from modules.train.trainer import train
+    backup = killed_after_backup(fsdp_run, tmp_path / "out", step=2)
+    config = apply_overrides(from_dict(json.loads((fsdp_run / "config.json").read_text())), [
+        f"output.dir={tmp_path / 'out'}", f"training.resume_from={backup}",
+        "training.distributed_strategy=DDP", "compile.backend=NONE"])
+    result = train(config, RecordingCallbacks())
+    assert result.status == "finished" and result.steps == 3
+    record, fsdp_record = record_of(tmp_path / "out"), record_of(fsdp_run)
+    assert record["resume_count"] == 1 and record["resumed_at_step"] == 2
+    assert record["losses"][:2] == fsdp_record["losses"][:2]
+    assert [change for change in record["resume_changed"]
+            if change.startswith("training.distributed_strategy")] == [
+        "training.distributed_strategy: 'FSDP' -> 'DDP'"]
 
 
 def test_sharded_blocks_stay_regionally_compiled(fsdp_run):
@@ -141,8 +227,6 @@ def fsdp(*overrides: str) -> Config:
      "DDP with sampling prompts", "empty sampling.prompts"),
     (("training.method=FINE_TUNE", "validation.every_steps=5"), "DDP with validation",
      "validation.every_steps to 0"),
-    (("training.method=FINE_TUNE", "training.resume_from=latest"),
-     "DDP with training.resume_from", "start anew"),
 ])
 def test_fsdp_refuses_what_it_cannot_combine_with(overrides, expected, fix):
     problems = [p for p in validate(fsdp(*overrides))
@@ -166,8 +250,10 @@ def test_textual_inversion_is_refused_with_why_ddp_fits_it():
 
 
 def test_a_fine_tune_under_fsdp_validates():
-    assert not [p for p in validate(fsdp("training.method=FINE_TUNE"))
-                if p.path == "training.distributed_strategy"]
+    for resume in ("", "latest"):  # FSDP runs write backups and resume from them
+        assert not [p for p in validate(fsdp("training.method=FINE_TUNE",
+                                             f"training.resume_from={resume}"))
+                    if p.path == "training.distributed_strategy"]
 
 
 def test_fsdp_in_one_process_warns_that_it_does_nothing(monkeypatch):
@@ -179,3 +265,54 @@ def test_fsdp_in_one_process_warns_that_it_does_nothing(monkeypatch):
     assert not [w for w in config_warnings(config) if "distributed_strategy" in w]
     assert not [w for w in config_warnings(fsdp("training.distributed_strategy=DDP"))
                 if "distributed_strategy" in w]
+
+
+class RanksAgree(Distributed):
+    """Rank 1 of 2 under FSDP whose `any` answers as if another rank's flag were set."""
+
+    def __init__(self, strategy: DistributedStrategy) -> None:
+        super().__init__(rank=1, world_size=2, strategy=strategy)
+        self.asked: list[bool] = []
+
+    def any(self, flag: bool) -> bool:
+        self.asked.append(flag)
+        return True
+
+
+def backup_timing_run(dist: Distributed, minutes: float) -> SimpleNamespace:
+    """What `backup_due` reads of a run: step 3 of 10, the last backup just now."""
+    return SimpleNamespace(config=apply_overrides(Config(), [
+        "output.backup_every_steps=0", f"output.backup_every_minutes={minutes}"]),
+        step=3, budget=SimpleNamespace(total_steps=10), state=SimpleNamespace(bad_steps=0),
+        last_backup_time=time.monotonic(), dist=dist)
+
+
+def test_a_timed_backup_is_due_on_every_rank_when_one_ranks_clock_says_so():
+    """Every FSDP rank takes part in a backup, so the minutes are agreed on (any rank's elapsed
+    interval makes it due everywhere); DDP's non-main ranks write nothing and ask no one."""
+    from modules.train.recipe.loop import backup_due
+    sharded = RanksAgree(DistributedStrategy.FSDP)
+    assert backup_due(backup_timing_run(sharded, 30)) and sharded.asked == [False]
+    assert not backup_due(backup_timing_run(sharded, 0)) and sharded.asked == [False]
+    replicated = RanksAgree(DistributedStrategy.DDP)
+    assert not backup_due(backup_timing_run(replicated, 30)) and replicated.asked == []
+
+
+def test_no_backup_after_a_failure_under_fsdp(tmp_path):
+    """A failed rank may not join the gathering a backup needs: none is tried, and the message
+    and run.json say why."""
+    from modules.train.outputs.record import RunRecord
+    from modules.train.trainer import backup_after_failure
+
+    class Recipe:
+        def save_backup(self, reason: str):
+            raise AssertionError("a backup under FSDP after a failure would wait forever")
+
+    dist = Distributed(rank=0, world_size=2, strategy=DistributedStrategy.FSDP)
+    record = RunRecord(tmp_path / "run.json")
+    recipe = Recipe()
+    recipe.built_run = SimpleNamespace(dist=dist, step=3, output_dir=tmp_path,
+                                       record=record)
+    message = backup_after_failure(recipe, RuntimeError("a step failed"))
+    assert "no backup after the failure (FSDP" in message and "nothing to resume" in message
+    assert "gathers every process's shards" in record_of(tmp_path)["backup_after_failure"]

@@ -56,6 +56,7 @@ from modules.train.outputs.writes import (backup_bytes, distributed_summary, log
 from modules.train.setup.prepare import PreparedRun
 from modules.train.outputs.record import RunRecord, peak_memory
 from modules.train.state.run import Run, item_buckets
+from modules.train.state.sharded_state import sharded_backup_record
 from modules.train.setup.start import (apply_changed_learning_rates, bucket_record, build_dataset,
                                        build_ema, prepare_output_folder, record_warnings,
                                        resume_hint, start_record, take_output_lock,
@@ -340,23 +341,24 @@ class TrainingRecipe:
 
     # --------------------------------------------------------------------------- backups
     def save_backup(self, reason: str) -> Path | None:
-        """Write a backup at the last step boundary (once per step; the main process only)."""
+        """Write a backup at the last step boundary (once per step; the main process writes).
+        Under FSDP every process calls it at the same points (the loop's decisions are the
+        same on every rank: `backup_due`) and takes part in gathering the sharded state."""
         run, boundary = self.built_run, self.built_run.boundary
-        if run.dist.sharded:  # the state is sharded over the ranks: not written yet
-            if run.dist.is_main and "backups" not in run.record.data:
-                run.callbacks.on_status(f"no backup ({reason}): FSDP runs write no backups yet")
-                run.record.write(backups="not written: FSDP runs write no backups yet "
-                                         "(docs/cloud.md, Multi-GPU)")
-            return None
-        if (not run.dist.is_main or boundary is None
+        if (boundary is None or (not run.dist.is_main and not run.dist.sharded)
                 or boundary.training["step"] in (0, run.last_backup_step,
                                                  run.refused_backup_step)):
             return None
         step = boundary.training["step"]
+        states = run.state_dict(boundary)  # FSDP: a collective, every process gathers
+        if not run.dist.is_main:  # rank 0 writes; the others skip this step from now on too
+            run.last_backup_step = step
+            run.last_backup_time = time.monotonic()
+            return None
         run.callbacks.on_status(f"writing a backup at step {step} ({reason})")
         try:
-            folder = guarded_write(lambda: save_backup(run.state_dict(boundary), run.config,
-                                                       run.output_dir, reason),
+            folder = guarded_write(lambda: save_backup(states, run.config, run.output_dir,
+                                                       reason),
                                    backups_folder(run.output_dir), backup_bytes(run))
         except NonFiniteBackup as exc:
             refuse_backup(run, step, reason, str(exc))
@@ -364,6 +366,8 @@ class TrainingRecipe:
         run.last_backup_step = step
         run.last_backup_time = time.monotonic()
         run.record.write(last_backup=str(folder), last_backup_step=run.last_backup_step)
+        if run.dist.sharded:
+            run.record.write(backups=sharded_backup_record(run.dist.world_size))
         return folder
 
     def save_final_backup(self) -> None:

@@ -27,7 +27,9 @@ from modules.train.state.backup import BackupError, BoundaryState, set_random_st
 from modules.train.recipe.batch_shapes import BatchShapeLog
 from modules.train.recipe.builders import StepBudget
 from modules.train.recipe.fused import FusedBackward
-from modules.train.recipe.distributed import Distributed
+from modules.train.recipe.distributed import Distributed, local_tensor
+from modules.train.state.sharded_state import (gathered, is_sharded, shard_of,
+                                              sharded_optimizer_state)
 from modules.train.setup.output_lock import OutputLock
 from modules.train.outputs.metrics import RunMetrics
 from modules.train.outputs.record import RunRecord
@@ -158,7 +160,9 @@ class Run:
 
     def state_dict(self, boundary: BoundaryState) -> dict:
         """Everything a backup holds (train/state/backup.py writes it): the trained weights, the
-        optimizer, LR schedule, scaler and EMA, and the small states at `boundary`."""
+        optimizer, LR schedule, scaler and EMA, and the small states at `boundary`. Under FSDP
+        every process must call it (the shards are gathered whole, train/state/sharded_state.py);
+        only rank 0's result holds them."""
         states = {"parameters": self.trained_parameters(),
                   "optimizer": self.optimizer.state_dict(),
                   "lr_scheduler": self.lr_scheduler.state_dict(),
@@ -167,6 +171,8 @@ class Run:
             states["scaler"] = self.scaler.state_dict()
         if self.ema is not None:
             states["ema"] = self.ema.state_dict()
+        if self.dist.sharded:  # every process gathers its shards; rank 0 keeps the whole
+            states = gathered(states, keep=self.dist.is_main)
         return states
 
     def load_state_dict(self, states: dict) -> None:
@@ -181,8 +187,14 @@ class Run:
                               f"(missing {missing}, unexpected {extra})")
         with torch.no_grad():
             for name, param in params.items():
-                param.copy_(saved[name].to(param.device, param.dtype))
-        self.optimizer.load_state_dict(states["optimizer"])
+                if is_sharded(param):  # FSDP: this process's shard of the whole weight
+                    local_tensor(param).copy_(local_tensor(shard_of(saved[name], param)))
+                else:
+                    param.copy_(saved[name].to(param.device, param.dtype))
+        optimizer_state = states["optimizer"]
+        if self.dist.sharded:
+            optimizer_state = sharded_optimizer_state(optimizer_state, self.optimizer)
+        self.optimizer.load_state_dict(optimizer_state)
         self.lr_scheduler.load_state_dict(states["lr_scheduler"])
         if self.scaler is not None and "scaler" in states:
             self.scaler.load_state_dict(states["scaler"])
