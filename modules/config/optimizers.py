@@ -30,6 +30,9 @@ class OptimizerRow:
     state: tuple[str, ...] = ("copy", "copy")
     logs: tuple[str, ...] = ()    # param_group entries worth logging (Prodigy's d)
     lr_range: tuple[float, float] | None = None  # where training.learning_rate must lie
+    # Why it cannot step FSDP's sharded weights ("" where it can: its step is elementwise, so a
+    # shard steps as the whole weight would, and its state shards the same way; tested).
+    under_fsdp: str = "it has not been tested on FSDP's sharded weights yet"
 
 
 # What each entry of `OptimizerRow.state` is, for one trained weight of shape S:
@@ -45,22 +48,29 @@ STATE_KINDS = {
 }
 
 PYTORCH_OPTIMIZER = "pytorch_optimizer"
+_FACTORED_UNDER_FSDP = ("its factored second moment averages whole rows and columns of a "
+                        "weight, and a process holds only a slice of its rows")
 OPTIMIZERS: dict[Optimizer, OptimizerRow] = {
-    Optimizer.ADAMW: OptimizerRow("AdamW", "torch.optim", "AdamW"),
+    Optimizer.ADAMW: OptimizerRow("AdamW", "torch.optim", "AdamW", under_fsdp=""),
     Optimizer.ADAMW_8BIT: OptimizerRow("AdamW 8-bit", "bitsandbytes.optim", "AdamW8bit",
                                        package="bitsandbytes", needs_cuda=True,
-                                       state=("8bit", "8bit")),
+                                       state=("8bit", "8bit"),
+                                       under_fsdp="bitsandbytes quantizes its state in blocks "
+                                                  "of whole tensors, not of FSDP's shards"),
     Optimizer.PRODIGY: OptimizerRow("Prodigy", PYTORCH_OPTIMIZER, "Prodigy",
                                     package="pytorch-optimizer", state=("copy",) * 4,
-                                    logs=("d",), lr_range=(0.1, 10.0)),
+                                    logs=("d",), lr_range=(0.1, 10.0),
+                                    under_fsdp="its step size sums over every weight, which "
+                                               "each process would sum over its shard alone"),
     Optimizer.ADAFACTOR: OptimizerRow(
         "Adafactor (fixed learning rate)", PYTORCH_OPTIMIZER, "AdaFactor",
         {"relative_step": False, "scale_parameter": False, "warmup_init": False},
-        package="pytorch-optimizer", state=("bf16_copy", "factored")),
+        package="pytorch-optimizer", state=("bf16_copy", "factored"), under_fsdp=_FACTORED_UNDER_FSDP),
     Optimizer.ADAFACTOR_RELATIVE: OptimizerRow(
         "Adafactor (relative step)", PYTORCH_OPTIMIZER, "AdaFactor",
         {"relative_step": True, "scale_parameter": True, "warmup_init": False},
-        package="pytorch-optimizer", own_step_size=True, state=("bf16_copy", "factored")),
+        package="pytorch-optimizer", own_step_size=True, state=("bf16_copy", "factored"),
+        under_fsdp=_FACTORED_UNDER_FSDP),
     Optimizer.LION: OptimizerRow("Lion", PYTORCH_OPTIMIZER, "Lion",
                                  package="pytorch-optimizer", state=("copy",)),
     Optimizer.SCHEDULE_FREE_ADAMW: OptimizerRow(
@@ -68,5 +78,6 @@ OPTIMIZERS: dict[Optimizer, OptimizerRow] = {
         package="pytorch-optimizer", schedule_free=True),
     Optimizer.CAME: OptimizerRow("CAME", PYTORCH_OPTIMIZER, "CAME",
                                  package="pytorch-optimizer",
-                                 state=("copy", "factored", "factored_only")),
+                                 state=("copy", "factored", "factored_only"),
+                                 under_fsdp=_FACTORED_UNDER_FSDP),
 }

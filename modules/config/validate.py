@@ -190,6 +190,12 @@ def _check_distributed_strategy(config: Config) -> list[Problem]:
                                 "the EMA keeps a whole copy of every trained weight and reads "
                                 "them unsharded, which FSDP's sharded weights are not; turn "
                                 "training.ema off, or use DDP"))
+    why_not = OPTIMIZERS[t.optimizer].under_fsdp
+    if why_not:
+        usable = ", ".join(o.value for o, row in OPTIMIZERS.items() if not row.under_fsdp)
+        problems.append(Problem("training.optimizer", f"{usable} with FSDP", t.optimizer.value,
+                                f"{OPTIMIZERS[t.optimizer].label} under FSDP: {why_not}; use "
+                                f"{usable}, or training.distributed_strategy=DDP"))
     if t.mixed_precision == MixedPrecision.FP16:
         problems.append(Problem(path, "DDP with training.mixed_precision FP16", given,
                                 "FLOAT16's GradScaler unscales each process's gradient shard "

@@ -249,6 +249,20 @@ def test_textual_inversion_is_refused_with_why_ddp_fits_it():
     assert "rows of the token embedding" in problem.message and "DDP" in problem.message
 
 
+@pytest.mark.parametrize("optimizer, why", [
+    ("ADAFACTOR", "whole rows and columns"), ("CAME", "whole rows and columns"),
+    ("PRODIGY", "sums over every weight"), ("LION", "not been tested")])
+def test_optimizers_that_cannot_step_a_shard_are_refused_with_why(optimizer, why):
+    """A backup keeps the optimizer's state as one process's (modules/train/state/
+    sharded_state.py); a factored or whole-model statistic computed on a shard would be wrong
+    before it was ever saved. Only the optimizers marked in the table pass."""
+    [problem] = [p for p in validate(fsdp("training.method=FINE_TUNE",
+                                          f"training.optimizer={optimizer}"))
+                 if p.path == "training.optimizer"]
+    assert problem.given == optimizer and problem.expected == "ADAMW with FSDP"
+    assert why in problem.message and "training.distributed_strategy=DDP" in problem.message
+
+
 def test_a_fine_tune_under_fsdp_validates():
     for resume in ("", "latest"):  # FSDP runs write backups and resume from them
         assert not [p for p in validate(fsdp("training.method=FINE_TUNE",
