@@ -147,6 +147,47 @@ def test_streamer_never_moves_trained_weights(unet_parts):
         streamer.close()
 
 
+def test_a_pass_aside_streams_alone_and_keeps_the_training_order(unet_parts):
+    """Sampling and validation run their forwards inside `BlockStreamer.aside` (through
+    `Run.outside_training`): the pass's log is its own forward schedule, nothing stays resident
+    after it, even when it raised in the middle of a forward, and the next training step
+    prefetches in the order training learned (a pass that raised after its first block would
+    otherwise teach it a one-block order)."""
+    bundle, inputs = unet_parts
+    unet = bundle.denoiser
+    streamer = build_streamer(unet, family_of(bundle.model_type).repeated_blocks, 3,
+                              torch.device("cpu"))
+    assert streamer is not None
+    try:
+        one_step(unet, inputs, streamer)
+        learned, step_log = list(streamer.order), list(streamer.log)
+        hosts = {i: [t.data_ptr() for t in streamer.host_tensors(i)] for i in streamer.offloaded}
+        with streamer.aside(), torch.no_grad():
+            unet(*inputs)
+        assert streamer.log == stream_schedule(learned, streamer.offloaded, backward=())
+        assert streamer.resident() == set() and not streamer._pending
+        first, second = learned[0], learned[1]
+
+        def fail(module, args):
+            raise RuntimeError("a pass stopped in the middle of a forward")
+        handle = streamer.blocks[second].register_forward_pre_hook(fail)
+        try:
+            with pytest.raises(RuntimeError, match="middle of a forward"):
+                with streamer.aside(), torch.no_grad():
+                    unet(*inputs)
+        finally:
+            handle.remove()
+        assert [e.block for e in streamer.log if e.action == "fetch"] == [first]
+        assert streamer.resident() == set() and not streamer._pending
+        assert streamer.order == learned
+        assert {i: [p.data_ptr() for p in streamer.blocks[i].parameters()
+                    if not p.requires_grad] for i in streamer.offloaded} == hosts
+        one_step(unet, inputs, streamer)
+        assert streamer.log == step_log
+    finally:
+        streamer.close()
+
+
 # ------------------------------------------------------------------ training with it
 @pytest.fixture(scope="module")
 def runs(tempera_cache, tmp_path_factory):
@@ -196,6 +237,44 @@ def test_offload_keeps_regional_compile_without_graph_breaks(runs):
     assert report["compiled_code_ran"] and not report["degraded"], report
     assert breaks == {}, breaks
     assert recompiles == {}, recompiles
+
+
+def test_sampling_and_validation_passes_leave_each_step_its_schedule(tempera_cache, tmp_path,
+                                                                     monkeypatch):
+    """A run that samples and validates after each of its 2 steps: every pass streams the
+    offloaded blocks as a forward schedule of its own (one per denoiser call) and leaves none on
+    the device, and each training step's log is the schedule of training's order, the same
+    order before and after the passes. Over 10 s: 2 steps, 2 samples, 2 validation passes."""
+    from modules.train.memory import offload
+
+    ended: list[tuple[list, list[int], set[int], set[int]]] = []
+    real_end = offload.BlockStreamer.end
+
+    def end(self):  # what the step or pass did, in the order it prefetched in
+        order, backward = list(self.order), set(self.backward_blocks)
+        real_end(self)
+        ended.append((list(self.log), order, backward, self.resident() | set(self._pending)))
+    monkeypatch.setattr(offload.BlockStreamer, "end", end)
+    result = train(make_config(tempera_cache, tmp_path / "out", OFFLOAD,
+                               'sampling.prompts=["a red circle"]', "sampling.every_steps=1",
+                               "sampling.steps=2", "validation.every_steps=1",
+                               "validation.split_ratio=0.25", "validation.timesteps=2"),
+                   RecordingCallbacks())
+    assert result.status == "finished" and run_json(tmp_path / "out")["validation"]
+    offloaded = sorted(int(name.split(":")[0])
+                       for name in run_json(tmp_path / "out")["block_offload"]["offloaded"])
+    steps = [e for e in ended if any(ev.phase == "backward" for ev in e[0])]
+    passes = [e for e in ended if e not in steps]
+    assert len(steps) == 2 and len(passes) >= 4  # a sample and a validation pass per step
+    training_order = steps[0][1]
+    for log, order, backward, left in steps:
+        assert order == training_order and left == set()
+        assert log == stream_schedule(order, offloaded, backward)
+    one_forward = stream_schedule(training_order, offloaded, backward=())
+    for log, order, _, left in passes:
+        assert order == training_order and left == set()
+        calls = len(log) // len(one_forward)
+        assert calls >= 1 and log == one_forward * calls
 
 
 # ------------------------------------------------------------------ refused
