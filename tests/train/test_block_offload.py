@@ -238,6 +238,9 @@ def test_offload_keeps_regional_compile_without_graph_breaks(runs):
     assert report["compiled_code_ran"] and not report["degraded"], report
     assert breaks == {}, breaks
     assert recompiles == {}, recompiles
+    # dynamo (torch 2.13) no longer counts recompiles in counters["recompiles"]: the compile
+    # engine's own count is the check that can fail (none after the first step)
+    assert report["late_recompiles"] == 0, report
 
 
 def test_sampling_and_validation_passes_leave_each_step_its_schedule(tempera_cache, tmp_path,
