@@ -25,6 +25,7 @@ GPU validation phase's measurement (docs/gpu.md).
 from __future__ import annotations
 
 from collections.abc import Collection, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -268,6 +269,21 @@ class BlockStreamer:
         if self._calls:  # the order the next step prefetches in
             self.order = list(dict.fromkeys(self._calls))
         self.phase, self._back_current = "forward", None
+
+    @contextmanager
+    def aside(self) -> Iterator[None]:
+        """A pass outside training (sampling, validation: forwards without backward), streamed
+        as a step of its own: it starts with everything offloaded, leaves nothing resident
+        (also when it raises in the middle of a forward), and the next training step prefetches
+        in the order training learned, not the pass's (a pass cut short calls fewer blocks).
+        ``log`` holds the pass's events until the next step begins."""
+        order = list(self.order)
+        self.begin()
+        try:
+            yield
+        finally:
+            self.end()
+            self.order, self._calls = order, []
 
     def close(self) -> None:
         """Every block's weights back on the device and its call as it was."""

@@ -129,9 +129,7 @@ def sample(run: Run, should_stop: Callable[[], bool] = lambda: False) -> None:
         return
     run.callbacks.on_status(f"sampling at step {run.step}")
     run.state.last_sample_step = run.step
-    # Compiled code is bypassed: sampling (eval mode, no gradients, another batch size)
-    # would otherwise recompile the training graphs for work that is not the hot path.
-    with averaged_weights(run), run.guard.bypassed():
+    with averaged_weights(run), run.outside_training():
         rows = sample_images(run.bundle, run.config, run.prompts, run.device, run.step,
                              run.output_dir / "samples", should_stop, run.text_cache)
     if len(rows) < len(run.prompts):

@@ -4,7 +4,8 @@ modules/train/recipe/recipe.py builds it; the recipe's step and loop read it), w
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -209,6 +210,16 @@ class Run:
     def current_lr(self) -> float:
         """The first parameter group's learning rate for the next step."""
         return float(self.optimizer.param_groups[0]["lr"])
+
+    @contextmanager
+    def outside_training(self) -> Iterator[None]:
+        """Around a pass that is not a training step (sampling, validation): compiled code
+        bypassed (another batch size, eval mode: not worth recompiling the training graphs),
+        and the offloaded blocks streamed as a pass of their own (`BlockStreamer.aside`): none
+        stays on the device after it, and the next step's prefetch order is training's."""
+        with self.guard.bypassed(), (self.offload.aside() if self.offload is not None
+                                     else nullcontext()):
+            yield
 
     def close(self) -> None:
         self.loader = None  # its persistent workers shut down with it (refcount)

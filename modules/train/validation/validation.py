@@ -153,7 +153,7 @@ def score(run: Run, loss_fn: LossFn, should_stop: Callable[[], bool] = lambda: F
     timesteps = run_timesteps(run)
     total = torch.zeros((), dtype=torch.float64, device=run.device)
     count = scored = 0
-    with torch.no_grad(), run.guard.bypassed(), eval_mode(run), averaged_weights(run):
+    with torch.no_grad(), run.outside_training(), eval_mode(run), averaged_weights(run):
         if validator.batches is None:  # a VAE kept on the CPU (placement.py) encodes them
             with borrowed({"vae": run.bundle.vae}, run.device):
                 validator.batches = fixed_batches(run, validator)
