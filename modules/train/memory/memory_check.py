@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from modules.config.overrides import apply_overrides
 from modules.config.optimizers import OPTIMIZERS
@@ -25,6 +26,7 @@ from modules.config.schema import (CompileScope, Config, DistributedStrategy, DT
                                    TrainingMethod, WeightStorage)
 from modules.config.validate import fsdp_problems, fused_backward_problems
 from modules.model_types import MODEL_TYPES
+from modules.models.bundle import ModelBundle
 from modules.models.families import family_of
 from modules.train.memory.offload import denoiser_blocks
 from modules.train.memory.memory_plan import (WARN_FRACTION, MemoryPlan, gib, plan_from,
@@ -277,11 +279,14 @@ def fsdp_fix(processes: int, distributed: bool) -> str:
             f"accelerate launch --num_processes {processes})")
 
 
-def fsdp_saving(config: Config, plan: MemoryPlan, trainable, processes: int) -> int:
+def fsdp_saving(config: Config, plan: MemoryPlan,
+                trainable: tuple[ModelBundle, dict[str, list[nn.Parameter]]],
+                processes: int) -> int:
     """What each process saves when FSDP shards `config`'s run over `processes` processes
-    (the plan divides what is sharded by their number)."""
+    (the plan divides what is sharded by their number); `trainable`: weightless_trainable's."""
     changed = apply_overrides(config, [FSDP_OVERRIDE])
-    return plan.total - plan_from(changed, *trainable, True, processes).total
+    bundle, params = trainable
+    return plan.total - plan_from(changed, bundle, params, True, processes).total
 
 
 def memory_fixes(config: Config, model_path: Path, plan: MemoryPlan,
