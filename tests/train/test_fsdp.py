@@ -30,7 +30,7 @@ FSDP_RUN = {
     "components": {"text_encoder": {"train": True}},
     "compile": {"backend": "AOT_EAGER", "scope": "REGIONAL", "unet": True},
     "sampling": {"prompts": ["a red circle"], "steps": 2},
-    "validation": {"every_steps": 2, "split_ratio": 0.25, "save_best": True},
+    "validation": {"every_steps": 2, "split_ratio": 0.05, "save_best": True},  # 2 images
     "logging": {"tensorboard": False},
     "output": {"dir": "out", "save_every_steps": 1},
 }
@@ -110,7 +110,7 @@ def test_fsdp_samples_and_validation_equal_one_process_on_the_same_weights(fsdp_
     bit: FSDP's all-gather hands each block its exact weights, and with the same inputs and
     seeds on one thread of the same CPU (as each rank ran) the forwards are the same
     arithmetic (on two threads the loss moves in its 8th digit: the sums split differently).
-    About 15 s: the one-process run's setup (the tiny model, the training and validation
+    About 9 s: the one-process run's setup (the tiny model, the training and validation
     images' latents) and its validation pass and sample on one thread."""
     from diffusers import UNet2DConditionModel
     from PIL import Image
@@ -213,6 +213,34 @@ def test_sharded_gradients_and_compile_equal_one_process(tmp_path):
     assert sharded == unsharded
     assert sharded["graphs"] == 2  # one per block class: no break splits a block
     assert sharded["graph_breaks"] == 0 and sharded["graphs_after_first_pass"] == 0
+
+
+class OtherRankSaw:
+    """A sharded run's ranks where another rank answered yes (its `any` is the all-reduce)."""
+    sharded = True
+
+    def __init__(self) -> None:
+        self.asked: list[bool] = []
+
+    def any(self, flag: bool) -> bool:
+        self.asked.append(flag)
+        return True
+
+
+def test_a_stop_or_sample_request_one_rank_saw_is_every_ranks():
+    """Under FSDP every rank draws the samples: Stop between denoising steps and "Sample now"
+    are agreed over the ranks (one rank leaving a sharded forward would hang the others)."""
+    from types import SimpleNamespace
+
+    from modules.train.outputs.writes import agreed_stop, sample_due
+    run = SimpleNamespace(dist=OtherRankSaw(), config=Config())
+    assert agreed_stop(run, lambda: False)() is True
+    assert sample_due(run, False) is True
+    assert run.dist.asked == [False, False]
+    run.dist.sharded = False  # one process or DDP: rank 0 alone samples, nothing is agreed
+    assert agreed_stop(run, lambda: False)() is False
+    assert sample_due(run, False) is False
+    assert run.dist.asked == [False, False]
 
 
 def fsdp(*overrides: str) -> Config:
