@@ -93,8 +93,9 @@ def main(argv: list[str] | None = None) -> int:
                 print("\n".join(checked.memory.describe()))
             if checked.memory is not None and checked.memory.plan is not None:
                 from modules.train.memory.memory_check import levers_report
+                from modules.train.recipe.distributed import launched_distributed
                 print("\n".join(levers_report(checked.config, checked.model_path,
-                                               checked.memory.plan)))
+                                               checked.memory.plan, launched_distributed())))
             return 0
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -433,7 +433,7 @@ class TrainingConfig:
              "the processes (FSDP2), each repeated block gathered just for its own forward "
              "and backward, so a model that does not fit one card trains on several. FSDP is "
              "for training.method FINE_TUNE only; it cannot be combined with EMA, FLOAT16 "
-             "mixed precision or sampling prompts (docs/cloud.md, Multi-GPU).")
+             "mixed precision, or optimizers other than AdamW (docs/cloud.md, Multi-GPU).")
 
 
 @dataclass

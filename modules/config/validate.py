@@ -201,16 +201,13 @@ def _check_distributed_strategy(config: Config) -> list[Problem]:
                                 "FLOAT16's GradScaler unscales each process's gradient shard "
                                 "alone, so the processes would disagree on skipping a step; "
                                 "use BF16 or NO mixed precision, or DDP"))
-    if config.sampling.prompts or config.sampling.prompts_file:
-        problems.append(Problem(path, "DDP with sampling prompts", given,
-                                "samples are drawn by the main process alone, and sharded "
-                                "weights need every process for each forward; empty "
-                                "sampling.prompts and sampling.prompts_file, or use DDP"))
-    if config.validation.every_steps:
-        problems.append(Problem(path, "DDP with validation", given,
-                                "validation under FSDP is not tested yet; set "
-                                "validation.every_steps to 0, or use DDP"))
     return problems
+
+
+def fsdp_problems(config: Config) -> list[Problem]:
+    """What FSDP cannot combine with in `config` as it is set (the memory check asks before
+    offering `training.distributed_strategy=FSDP` as a lever)."""
+    return _check_distributed_strategy(config)
 
 
 # optimizers the fused backward pass refuses, and why (per-weight optimizers would change them)

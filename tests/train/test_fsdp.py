@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -17,19 +18,24 @@ from modules.config import Config, apply_overrides
 from modules.config.caveats import config_warnings
 from modules.config.loader import from_dict
 from modules.config.schema import DistributedStrategy
+from modules.config.problems import ConfigError
 from modules.config.validate import validate
 from modules.train.recipe.distributed import Distributed
 from tests.child_env import with_repo_on_pythonpath
 from tests.train.test_distributed import REPO, run_torchrun
 from tests.train.test_resume import assert_resumed_as
 
+# the one 2-process run every test below reads: it also trains the text encoder (sharded too)
+# with gradient checkpointing on, and samples and validates (every rank runs those forwards)
 FSDP_RUN = {
     "data": {"resolution": 64},
     "training": {"method": "FINE_TUNE", "distributed_strategy": "FSDP", "max_steps": 3,
                  "batch_size": 2, "gradient_accumulation": 2, "learning_rate": 1e-4,
-                 "max_grad_norm": 1.0},
+                 "max_grad_norm": 1.0, "gradient_checkpointing": True},
+    "components": {"text_encoder": {"train": True}},
     "compile": {"backend": "AOT_EAGER", "scope": "REGIONAL", "unet": True},
-    "sampling": {"prompts": []},
+    "sampling": {"prompts": ["a red circle"], "steps": 2},
+    "validation": {"every_steps": 2, "split_ratio": 0.05, "save_best": True},  # 2 images
     "logging": {"tensorboard": False},
     "output": {"dir": "out", "save_every_steps": 1, "backup_every_steps": 2},
 }
@@ -37,10 +43,10 @@ FSDP_RUN = {
 
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory, tempera_cache) -> Path:
-    """One 2-process FSDP run (3 steps of 2 micro-batches, AOT_EAGER REGIONAL, a backup at
-    step 2) read by the tests below; about 60 s on 2 idle cores (85-95 s measured with them
-    shared), the cost of two processes loading and compiling the tiny UNet (the 2-process DDP
-    tests cost the same)."""
+    """One 2-process FSDP run (3 steps of 2 micro-batches, AOT_EAGER REGIONAL, a backup, a
+    sample and a validation pass at step 2) read by the tests below; about 60 s on 2 idle
+    cores (85-95 s measured with them shared), the cost of two processes loading and compiling
+    the tiny UNet (the 2-process DDP tests cost the same)."""
     folder = tmp_path_factory.mktemp("fsdp")
     settings = {**FSDP_RUN, "general": {"cache_dir": str(tempera_cache), "device": "CPU"}}
     result = run_torchrun(folder, settings, port=29541)
@@ -88,20 +94,101 @@ def test_fsdp_trains_in_sync_and_saves_whole_weights(fsdp_run):
     record = record_of(fsdp_run)
     dist = record["distributed"]
     assert dist["strategy"] == "FSDP" and dist["shards"] == 2 and dist["world_size"] == 2
-    assert dist["data_parallel"] == {"unet": "FSDPUNet2DConditionModel"}
+    assert dist["data_parallel"] == {"unet": "FSDPUNet2DConditionModel",
+                                     "text_encoder": "FSDPCLIPTextModel"}
     assert dist["ranks_in_sync"], dist["weight_checksums"]
     assert dist["compiled_code_ran_on_all_ranks"]["unet"]
     assert record["steps_done"] == 3 and len(record["losses"]) == 3
     # final/ holds the gathered (whole) UNet: it loads with diffusers and its weights are the
     # ones both ranks summed (the checksum gathers every shard)
     from diffusers import UNet2DConditionModel
+    from transformers import CLIPTextModel
     unet = UNet2DConditionModel.from_pretrained(fsdp_run / "final" / "unet")
-    total = sum(float(p.detach().double().sum()) for p in unet.parameters())
+    encoder = CLIPTextModel.from_pretrained(fsdp_run / "final" / "text_encoder")
+    total = sum(float(p.detach().double().sum())
+                for p in [*unet.parameters(), *encoder.parameters()])
     assert total == pytest.approx(dist["weight_checksums"][0], rel=1e-9)
     # a checkpoint during training is gathered the same way (both ranks take part)
     assert sorted(record["checkpoints"]) == ["step-000001", "step-000002"]  # step 3: final/
     first = UNet2DConditionModel.from_pretrained(fsdp_run / "checkpoints" / "step-000001" / "unet")
-    assert sum(float(p.detach().double().sum()) for p in first.parameters()) != total
+    assert sum(float(p.detach().double().sum()) for p in first.parameters()) != sum(
+        float(p.detach().double().sum()) for p in unet.parameters())
+
+
+def test_fsdp_trains_the_text_encoder_with_gradient_checkpointing(fsdp_run):
+    """The shared run had gradient checkpointing on and trained the (sharded) text encoder:
+    its saved weights moved away from the base model's."""
+    from transformers import CLIPTextModel
+    config = json.loads((fsdp_run / "config.json").read_text())
+    assert config["training"]["gradient_checkpointing"]
+    assert config["components"]["text_encoder"]["train"]
+    base = CLIPTextModel.from_pretrained(base_model_folder(fsdp_run) / "text_encoder")
+    trained = CLIPTextModel.from_pretrained(fsdp_run / "final" / "text_encoder")
+    assert any(not torch.equal(a, b) for a, b in zip(base.parameters(), trained.parameters()))
+
+
+def base_model_folder(out: Path) -> Path:
+    from modules.paths import cache_dir_for
+    from modules.train.setup.prepare import resolve_model_path
+    config = from_dict(json.loads((out / "config.json").read_text()))
+    return Path(resolve_model_path(config.model.path, cache_dir_for(config.general.cache_dir)))
+
+
+@pytest.mark.timeout(300)
+def test_fsdp_samples_and_validation_equal_one_process_on_the_same_weights(fsdp_run,
+                                                                           tmp_path):
+    """Every rank ran the sampling and validation forwards on its shards; rank 0 wrote the
+    sample, both ranks scored the same validation loss, and one process holding the saved
+    (gathered) weights of the same step draws the same image and scores the same loss, bit for
+    bit: FSDP's all-gather hands each block its exact weights, and with the same inputs and
+    seeds on one thread of the same CPU (as each rank ran) the forwards are the same
+    arithmetic (on two threads the loss moves in its 8th digit: the sums split differently).
+    About 9 s: the one-process run's setup (the tiny model, the training and validation
+    images' latents) and its validation pass and sample on one thread."""
+    from diffusers import UNet2DConditionModel
+    from PIL import Image
+    from transformers import CLIPTextModel
+
+    from modules.events import RecordingCallbacks, TrainerCommands
+    from modules.train.outputs.sampling import sample_images
+    from modules.train.recipe.distributed import Distributed
+    from modules.train.recipe.recipe import TrainingRecipe, forward_loss
+    from modules.train.setup.prepare import prepare_run
+    from modules.train.validation.validation import score
+
+    record = record_of(fsdp_run)
+    assert sorted(p.name for p in (fsdp_run / "samples").iterdir()) == ["step-000003-0.png"]
+    validation = record["validation"]
+    [[step2, loss2], [step, loss]] = validation["history"]  # every 2 steps, and at the end
+    assert (step2, step) == (2, 3) and validation["last_pass_ranks"] == [loss, loss]
+    best = min([(loss2, 2), (loss, 3)])
+    assert record["best_weights"] == {"folder": "best", "step": best[1], "loss": best[0]}
+    assert (fsdp_run / "best" / "unet").is_dir()  # gathered by both ranks, written by rank 0
+
+    config = apply_overrides(from_dict(json.loads((fsdp_run / "config.json").read_text())),
+                             [f"output.dir={tmp_path / 'one'}"])
+    callbacks = RecordingCallbacks()
+    recipe = TrainingRecipe(prepare_run(config, callbacks), callbacks, Distributed(),
+                            TrainerCommands())
+    run = recipe.setup()
+    try:
+        final = fsdp_run / "final"
+        run.bundle.denoiser.load_state_dict(
+            UNet2DConditionModel.from_pretrained(final / "unet").state_dict())
+        run.bundle.text_encoders["text_encoder"].load_state_dict(
+            CLIPTextModel.from_pretrained(final / "text_encoder").state_dict())
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # as each rank ran (OMP_NUM_THREADS=1): the same sums' order
+        try:
+            assert score(run, forward_loss)[0] == loss
+            [(_, _, image)] = sample_images(run.bundle, run.config, run.prompts, run.device, 3,
+                                            tmp_path)
+        finally:
+            torch.set_num_threads(threads)
+    finally:
+        recipe.close()
+    written = Image.open(fsdp_run / "samples" / "step-000003-0.png")
+    assert np.array_equal(np.asarray(image), np.asarray(written))
 
 
 @pytest.mark.timeout(600)
@@ -175,11 +262,12 @@ def test_memory_plan_divides_what_fsdp_shards(fsdp_run, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     lines = dict(plan_memory(config, model, distributed=True).lines)
     shard = max(record_of(fsdp_run)["distributed"]["shard_bytes"])
-    weights = next(size for label, size in lines.items()
-                   if label.startswith("unet trained weights") and "sharded over 2" in label)
-    assert weights == shard
+    weights = [size for label, size in lines.items()
+               if "trained weights (" in label and "sharded over 2" in label]
+    assert len(weights) == 2 and sum(weights) == shard  # the UNet's and the text encoder's
     assert lines["gradients of the trained weights, sharded over 2 processes"] == shard
     assert not any("DistributedDataParallel" in label for label in lines)
+    assert lines["optimizer state (AdamW: 2 copies of each weight), sharded over 2 processes"]
     monkeypatch.setenv("WORLD_SIZE", "1")  # one process: nothing divided
     whole = dict(plan_memory(config, model, distributed=False).lines)
     assert whole["gradients of the trained weights"] > 1.9 * shard
@@ -212,6 +300,34 @@ def test_sharded_gradients_and_compile_equal_one_process(tmp_path):
     assert sharded["graph_breaks"] == 0 and sharded["graphs_after_first_pass"] == 0
 
 
+class OtherRankSaw:
+    """A sharded run's ranks where another rank answered yes (its `any` is the all-reduce)."""
+    sharded = True
+
+    def __init__(self) -> None:
+        self.asked: list[bool] = []
+
+    def any(self, flag: bool) -> bool:
+        self.asked.append(flag)
+        return True
+
+
+def test_a_stop_or_sample_request_one_rank_saw_is_every_ranks():
+    """Under FSDP every rank draws the samples: Stop between denoising steps and "Sample now"
+    are agreed over the ranks (one rank leaving a sharded forward would hang the others)."""
+    from types import SimpleNamespace
+
+    from modules.train.outputs.writes import agreed_stop, sample_due
+    run = SimpleNamespace(dist=OtherRankSaw(), config=Config())
+    assert agreed_stop(run, lambda: False)() is True
+    assert sample_due(run, False) is True
+    assert run.dist.asked == [False, False]
+    run.dist.sharded = False  # one process or DDP: rank 0 alone samples, nothing is agreed
+    assert agreed_stop(run, lambda: False)() is False
+    assert sample_due(run, False) is False
+    assert run.dist.asked == [False, False]
+
+
 def fsdp(*overrides: str) -> Config:
     return apply_overrides(Config(), ["training.distributed_strategy=FSDP",
                                       "sampling.prompts=[]", *overrides])
@@ -223,10 +339,6 @@ def fsdp(*overrides: str) -> Config:
      "turn training.ema off"),
     (("training.method=FINE_TUNE", "training.mixed_precision=FP16"),
      "DDP with training.mixed_precision FP16", "use BF16"),
-    (("training.method=FINE_TUNE", "sampling.prompts=[\"a red circle\"]"),
-     "DDP with sampling prompts", "empty sampling.prompts"),
-    (("training.method=FINE_TUNE", "validation.every_steps=5"), "DDP with validation",
-     "validation.every_steps to 0"),
 ])
 def test_fsdp_refuses_what_it_cannot_combine_with(overrides, expected, fix):
     problems = [p for p in validate(fsdp(*overrides))
@@ -263,11 +375,11 @@ def test_optimizers_that_cannot_step_a_shard_are_refused_with_why(optimizer, why
     assert why in problem.message and "training.distributed_strategy=DDP" in problem.message
 
 
-def test_a_fine_tune_under_fsdp_validates():
+def test_a_fine_tune_under_fsdp_validates_with_samples_validation_and_resume():
     for resume in ("", "latest"):  # FSDP runs write backups and resume from them
-        assert not [p for p in validate(fsdp("training.method=FINE_TUNE",
-                                             f"training.resume_from={resume}"))
-                    if p.path == "training.distributed_strategy"]
+        config = fsdp("training.method=FINE_TUNE", "sampling.prompts=[\"a red circle\"]",
+                      "validation.every_steps=5", f"training.resume_from={resume}")
+        assert not [p for p in validate(config) if p.path == "training.distributed_strategy"]
 
 
 def test_fsdp_in_one_process_warns_that_it_does_nothing(monkeypatch):
@@ -330,3 +442,87 @@ def test_no_backup_after_a_failure_under_fsdp(tmp_path):
     message = backup_after_failure(recipe, RuntimeError("a step failed"))
     assert "no backup after the failure (FSDP" in message and "nothing to resume" in message
     assert "gathers every process's shards" in record_of(tmp_path)["backup_after_failure"]
+
+
+# ---------------------------------------------------------------- FSDP as a memory lever
+def fine_tune(tiny_config, *overrides: str):
+    from modules.models.tiny import ensure_builtin_model
+    config = tiny_config("training.method=FINE_TUNE", *overrides)
+    return config, ensure_builtin_model("builtin:tiny-sd15", config.general.cache_dir)
+
+
+def gpus_visible(monkeypatch, count: int) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+
+
+def sharded_total(config, path, monkeypatch, processes: int) -> int:
+    """The plan of the same run under FSDP over `processes` launched processes."""
+    from modules.train.memory.memory_plan import plan_memory
+    monkeypatch.setenv("WORLD_SIZE", str(processes))
+    total = plan_memory(apply_overrides(config, ["training.distributed_strategy=FSDP"]), path,
+                        distributed=True).total
+    monkeypatch.delenv("WORLD_SIZE")
+    return total
+
+
+def test_the_refusal_and_check_offer_fsdp_over_the_visible_gpus(tiny_config, monkeypatch):
+    """One process that sees 2 GPUs: the refusal and `--check` offer FSDP launched as 2
+    processes, with what the plan of that run saves per process; with one GPU visible it is
+    not offered, and `--check` says what two would save. About 6 s: the refusal weighs every
+    candidate fix (a weightless plan each), twice."""
+    from modules.train.memory import memory_check
+    from modules.train.memory.memory_plan import gib, plan_memory
+    config, path = fine_tune(tiny_config)
+    plan = plan_memory(config, path)
+    saved = plan.total - sharded_total(config, path, monkeypatch, 2)
+    gpus_visible(monkeypatch, 2)
+    fix = ("training.distributed_strategy=FSDP (launched as 2 processes, one per visible GPU: "
+           "accelerate launch --num_processes 2)")
+    fixes = dict(memory_check.memory_fixes(config, path, plan))
+    assert fixes[fix] == saved > 0
+    line = memory_check.fsdp_state(config, path, plan, fixes, False)  # `--check`'s FSDP line
+    assert line.startswith(f"--set {fix} saves {gib(saved)} per process")
+    assert "reduce-scattered" in line
+    monkeypatch.setattr(memory_check, "card_memory", lambda device: memory_check.CardMemory(
+        "Test GPU", 2 ** 20, 2 ** 20))
+    with pytest.raises(ConfigError) as caught:
+        memory_check.check_memory(config, path, torch.device("cpu"))
+    assert f"--set {fix} saves {gib(saved)}" in str(caught.value)
+
+    gpus_visible(monkeypatch, 1)  # nothing to shard over: told, not offered
+    with pytest.raises(ConfigError) as caught:
+        memory_check.check_memory(config, path, torch.device("cpu"))
+    assert "FSDP" not in str(caught.value)
+    line = memory_check.fsdp_state(config, path, plan, {}, False)
+    assert line.startswith("needs several GPUs, and one GPU is visible here")
+    assert f"each would need {gib(saved)} less" in line
+
+
+def test_fsdp_over_a_launch_of_several_processes(tiny_config, monkeypatch):
+    """Launched as 3 DDP processes: FSDP over this launch's 3 (the plan also drops DDP's
+    gradient buckets), named as such."""
+    from modules.train.memory import memory_check
+    from modules.train.memory.memory_plan import plan_memory, weightless_trainable
+    config, path = fine_tune(tiny_config)
+    sharded = sharded_total(config, path, monkeypatch, 3)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    plan = plan_memory(config, path, distributed=True)
+    assert memory_check.fsdp_processes(True) == 3
+    saved = memory_check.fsdp_saving(config, plan, weightless_trainable(config, path), 3)
+    assert saved == plan.total - sharded > 0
+    assert memory_check.fsdp_fix(3, True) == ("training.distributed_strategy=FSDP (sharded "
+                                              "over this launch's 3 processes)")
+
+
+@pytest.mark.parametrize("overrides, state", [
+    (("training.method=LORA",), "not for this run (full fine-tunes only"),
+    (("training.ema=true",), "cannot combine with this run's settings"),  # FSDP refuses EMA
+    (("training.distributed_strategy=FSDP",), "on"),
+])
+def test_fsdp_is_not_offered_where_it_does_not_apply(tiny_config, overrides, state):
+    from modules.train.memory import memory_check
+    from modules.train.memory.memory_plan import MemoryPlan
+    config, path = fine_tune(tiny_config, *overrides)
+    assert memory_check.fsdp_candidate(config) is None
+    assert memory_check.fsdp_state(config, path, MemoryPlan(()), {}, False).startswith(state)

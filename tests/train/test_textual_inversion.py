@@ -299,4 +299,4 @@ def test_the_memory_plan_counts_the_embedding_its_optimizer_state_and_the_kept_r
     lines = dict(plan_memory(ti_config(tempera_cache, tmp_path, ModelType.SD15), folder).lines)
     assert lines["copy of the token embeddings' old rows"] == embedding
     assert lines["gradients of the trained weights"] == embedding
-    assert lines["optimizer state (AdamW: copy, copy per weight)"] == 2 * embedding
+    assert lines["optimizer state (AdamW: 2 copies of each weight)"] == 2 * embedding

@@ -11,18 +11,22 @@ makes a warning.
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from modules.config.overrides import apply_overrides
 from modules.config.optimizers import OPTIMIZERS
 from modules.config.problems import ConfigError, Problem
-from modules.config.schema import CompileScope, Config, DType, TrainingMethod, WeightStorage
-from modules.config.validate import fused_backward_problems
+from modules.config.schema import (CompileScope, Config, DistributedStrategy, DType,
+                                   TrainingMethod, WeightStorage)
+from modules.config.validate import fsdp_problems, fused_backward_problems
 from modules.model_types import MODEL_TYPES
+from modules.models.bundle import ModelBundle
 from modules.models.families import family_of
 from modules.train.memory.offload import denoiser_blocks
 from modules.train.memory.memory_plan import (WARN_FRACTION, MemoryPlan, gib, plan_from,
@@ -240,6 +244,51 @@ def offload_candidates(config: Config, blocks: int) -> list[str]:
     return [f"model.offload_blocks={blocks}"]
 
 
+FSDP_OVERRIDE = "training.distributed_strategy=FSDP"
+FSDP_LEVER = "weights, gradients and optimizer state sharded over processes (FSDP)"
+FSDP_COSTS = ("each block's weights gathered from every process for its forward and backward "
+              "and its gradients reduce-scattered (network traffic every step); full "
+              "fine-tunes only, without EMA or FP16 (docs/cloud.md, Multi-GPU)")
+
+
+def fsdp_processes(distributed: bool) -> int:
+    """How many processes FSDP would shard over here: this launch's when several run
+    (WORLD_SIZE, the launchers' contract), else one per GPU this process sees (0 or 1: none
+    to shard over)."""
+    if distributed:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def fsdp_candidate(config: Config) -> str | None:
+    """FSDP's override for a full fine-tune that does not shard yet and whose other settings
+    it combines with (validate's FSDP refusals); None where it does not apply."""
+    if (config.training.method != TrainingMethod.FINE_TUNE
+            or config.training.distributed_strategy == DistributedStrategy.FSDP):
+        return None
+    if fsdp_problems(apply_overrides(config, [FSDP_OVERRIDE])):
+        return None
+    return FSDP_OVERRIDE
+
+
+def fsdp_fix(processes: int, distributed: bool) -> str:
+    """The FSDP fix as the refusal and `--check` name it: the override and the launch."""
+    if distributed:
+        return f"{FSDP_OVERRIDE} (sharded over this launch's {processes} processes)"
+    return (f"{FSDP_OVERRIDE} (launched as {processes} processes, one per visible GPU: "
+            f"accelerate launch --num_processes {processes})")
+
+
+def fsdp_saving(config: Config, plan: MemoryPlan,
+                trainable: tuple[ModelBundle, dict[str, list[nn.Parameter]]],
+                processes: int) -> int:
+    """What each process saves when FSDP shards `config`'s run over `processes` processes
+    (the plan divides what is sharded by their number); `trainable`: weightless_trainable's."""
+    changed = apply_overrides(config, [FSDP_OVERRIDE])
+    bundle, params = trainable
+    return plan.total - plan_from(changed, bundle, params, True, processes).total
+
+
 def memory_fixes(config: Config, model_path: Path, plan: MemoryPlan,
                  distributed: bool = False) -> list[tuple[str, int]]:
     """(override, bytes it saves) for each candidate that lowers the plan, largest first;
@@ -263,6 +312,11 @@ def memory_fixes(config: Config, model_path: Path, plan: MemoryPlan,
             saved = plan.total - plan_memory(changed, model_path, distributed).total
         if saved > 0:
             found.append((describe_override(override), saved))
+    processes = fsdp_processes(distributed)
+    if fsdp_candidate(config) and processes > 1:  # one card: nothing to shard over here
+        saved = fsdp_saving(config, plan, trainable, processes)
+        if saved > 0:
+            found.append((fsdp_fix(processes, distributed), saved))
     found.sort(key=lambda item: -item[1])
     optimizers = [f for f in found if f[0].startswith("training.optimizer=")]
     dropped = {f[0] for f in optimizers[MAX_OPTIMIZER_FIXES:]}
@@ -294,7 +348,33 @@ def levers_report(config: Config, model_path: Path, plan: MemoryPlan,
              or config.training.method != TrainingMethod.LORA
              else "saves nothing for this run, or cannot combine with its settings")
     lines.append(f"  denoiser blocks streamed from CPU memory (block offload): {state}")
+    lines.append(f"  {FSDP_LEVER}: {fsdp_state(config, model_path, plan, saved, distributed)}")
     return lines
+
+
+def fsdp_state(config: Config, model_path: Path, plan: MemoryPlan, saved: dict[str, int],
+               distributed: bool) -> str:
+    """`--check`'s FSDP line: what sharding saves on this machine's processes or GPUs; with
+    one GPU (or none) visible, what it would save over two, said as needing more cards."""
+    if config.training.distributed_strategy == DistributedStrategy.FSDP:
+        return "on"
+    if config.training.method != TrainingMethod.FINE_TUNE:
+        return "not for this run (full fine-tunes only: DDP fits adapters and embeddings)"
+    if not fsdp_candidate(config):
+        return (f"cannot combine with this run's settings (--set {FSDP_OVERRIDE} is refused "
+                "with the reason)")
+    processes = fsdp_processes(distributed)
+    if processes > 1:
+        key = fsdp_fix(processes, distributed)
+        if key not in saved:
+            return "saves nothing for this run"
+        return (f"--set {key} saves {gib(saved[key])} per process (then "
+                f"{gib(plan.total - saved[key])}); costs: {FSDP_COSTS}")
+    two = fsdp_saving(config, plan, weightless_trainable(config, model_path), 2)
+    seen = "one GPU is" if processes == 1 else "no GPU is"
+    return (f"needs several GPUs, and {seen} visible here: sharded over 2 processes on 2 GPUs "
+            f"({FSDP_OVERRIDE}, accelerate launch --num_processes 2) each would need "
+            f"{gib(two)} less (then {gib(plan.total - two)})")
 
 
 def describe_override(override: str) -> str:

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from modules.config.adapters import ADAPTERS
-from modules.config.optimizers import OPTIMIZERS
+from modules.config.optimizers import OPTIMIZERS, OptimizerRow
 from modules.config.schema import (Config, DistributedStrategy, ModelType, Optimizer,
                                    TrainingMethod)
 from modules.model_types import MODEL_TYPES
@@ -174,8 +174,9 @@ def plan_memory(config: Config, model_path: Path, distributed: bool = False) -> 
 
 
 def plan_from(config: Config, bundle: ModelBundle, params: dict[str, list[nn.Parameter]],
-              distributed: bool = False) -> MemoryPlan:
-    """The plan's lines for a bundle whose trained parameters are `params` (meta or real)."""
+              distributed: bool = False, processes: int | None = None) -> MemoryPlan:
+    """The plan's lines for a bundle whose trained parameters are `params` (meta or real);
+    `processes`: how many processes a distributed run has (default: this launch's)."""
     trained_ids = {id(p) for plist in params.values() for p in plist}
     trained = [p for plist in params.values() for p in plist]
     what = {TrainingMethod.FINE_TUNE: "trained weights",
@@ -206,12 +207,12 @@ def plan_from(config: Config, bundle: ModelBundle, params: dict[str, list[nn.Par
         if params.get(name):
             lines.append((f"{name} {what} ({describe_tensors(params[name])})",
                           tensor_bytes(params[name])))
-    shards = fsdp_shards(config, distributed)
+    shards = fsdp_shards(config, distributed, processes)
     if shards > 1:  # FSDP: each process holds its shard of what is trained
         return MemoryPlan(tuple(sharded_lines(config, bundle, params, lines, shards)))
     lines.append(gradients_line(config, trained))
     row = OPTIMIZERS[config.training.optimizer]
-    lines.append((f"optimizer state ({row.label}: {', '.join(row.state)} per weight)",
+    lines.append((optimizer_state_label(row),
                   optimizer_state_bytes(config.training.optimizer, trained)))
     if config.training.ema:
         lines.append(("EMA copy of the trained weights", tensor_bytes(trained)))
@@ -223,13 +224,39 @@ def plan_from(config: Config, bundle: ModelBundle, params: dict[str, list[nn.Par
     return MemoryPlan(tuple(lines))
 
 
-def fsdp_shards(config: Config, distributed: bool) -> int:
-    """How many processes FSDP shards the trained weights over (1: not sharded). WORLD_SIZE is
-    the launchers' contract with the processes they start (train/recipe/distributed.py)."""
+# how the plan's optimizer line names each kind of state (config/optimizers.py STATE_KINDS):
+# one of it, several of it
+STATE_WORDS = {
+    "copy": ("a copy", "copies"),
+    "bf16_copy": ("a bfloat16 copy", "bfloat16 copies"),
+    "8bit": ("an 8-bit copy", "8-bit copies"),
+    "factored": ("row and column factors", "sets of row and column factors"),
+    "factored_only": ("row and column factors (none for a 1-D weight)",
+                      "sets of row and column factors (none for a 1-D weight)"),
+}
+
+
+def optimizer_state_label(row: OptimizerRow) -> str:
+    """The optimizer line's label, its state in words: "optimizer state (AdamW: 2 copies of
+    each weight)", "(Adafactor (fixed learning rate): a bfloat16 copy and row and column
+    factors of each weight)"."""
+    counts: dict[str, int] = {}
+    for kind in row.state:
+        counts[kind] = counts.get(kind, 0) + 1
+    parts = [STATE_WORDS[kind][0] if n == 1 else f"{n} {STATE_WORDS[kind][1]}"
+             for kind, n in counts.items()]
+    words = parts[0] if len(parts) == 1 else f"{', '.join(parts[:-1])} and {parts[-1]}"
+    return f"optimizer state ({row.label}: {words} of each weight)"
+
+
+def fsdp_shards(config: Config, distributed: bool, processes: int | None = None) -> int:
+    """How many processes FSDP shards the trained weights over (1: not sharded): `processes`,
+    else this launch's. WORLD_SIZE is the launchers' contract with the processes they start
+    (train/recipe/distributed.py)."""
     if (not distributed or config.training.distributed_strategy != DistributedStrategy.FSDP
             or config.training.method != TrainingMethod.FINE_TUNE):  # FSDP refuses adapters
         return 1
-    return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    return max(1, processes or int(os.environ.get("WORLD_SIZE", "1")))
 
 
 def shard_of(tensor: torch.Tensor, shards: int) -> torch.Tensor:
@@ -262,9 +289,8 @@ def sharded_lines(config: Config, bundle: ModelBundle, params: dict[str, list[nn
     out.append((f"gradients of the trained weights, sharded over {shards} processes",
                 tensor_bytes(local)))
     row = OPTIMIZERS[config.training.optimizer]
-    out.append((f"optimizer state ({row.label}: {', '.join(row.state)} per weight), sharded "
-                f"over {shards} processes", optimizer_state_bytes(config.training.optimizer,
-                                                                   local)))
+    out.append((f"{optimizer_state_label(row)}, sharded over {shards} processes",
+                optimizer_state_bytes(config.training.optimizer, local)))
     blocks = component_blocks(bundle)
     in_flight = 0
     for name, plist in params.items():

@@ -55,8 +55,8 @@ def _stop_between_steps(should_stop: Callable[[], bool]):
 @torch.no_grad()
 def sample_images(bundle: ModelBundle, config: Config, prompts: list[SamplePrompt],
                   device: torch.device, step: int, folder: Path,
-                  should_stop: Callable[[], bool] = lambda: False, text_cache=None
-                  ) -> list[tuple[Path, str, Image.Image]]:
+                  should_stop: Callable[[], bool] = lambda: False, text_cache=None,
+                  write: bool = True) -> list[tuple[Path, str, Image.Image]]:
     """Render one image per sample prompt into `folder`; return (path, prompt, image) rows.
 
     Every component is put in eval mode for sampling and restored afterwards, so sampling never
@@ -65,7 +65,8 @@ def sample_images(bundle: ModelBundle, config: Config, prompts: list[SamplePromp
     far are returned (a sample cut short is not written), so a Stop waits for one denoising
     step, not the whole pass. A `text_cache` whose text encoder has left the device
     (train/recipe/text_cache.py) hands the pipeline the cached prompts instead
-    (`prompt_texts`).
+    (`prompt_texts`). `write=False` draws the images without writing them (an FSDP rank
+    other than the main one: it takes part in every sharded forward, rank 0 writes).
     """
     modes = {name: m.training for name, m in bundle.components().items()}
     for module in bundle.components().values():
@@ -81,15 +82,16 @@ def sample_images(bundle: ModelBundle, config: Config, prompts: list[SamplePromp
         # pass, then leaves again
         with borrowed({"vae": bundle.vae}, device):
             return _draw(pipeline, bundle, prompts, folder, step, should_stop,
-                         text_cache if offloaded else None)
+                         text_cache if offloaded else None, write)
     finally:
         for name, module in bundle.components().items():
             module.train(modes[name])
 
 
 def _draw(pipeline, bundle: ModelBundle, prompts: list[SamplePrompt], folder: Path, step: int,
-          should_stop: Callable[[], bool], text_cache) -> list[tuple[Path, str, Image.Image]]:
-    """Each prompt's image, written into `folder`, until `should_stop`."""
+          should_stop: Callable[[], bool], text_cache, write: bool = True
+          ) -> list[tuple[Path, str, Image.Image]]:
+    """Each prompt's image, written into `folder` (when `write`), until `should_stop`."""
     zeros = bool(pipeline.config.get("force_zeros_for_empty_prompt", False))
     rows = []
     for i, prompt in enumerate(prompts):
@@ -105,8 +107,9 @@ def _draw(pipeline, bundle: ModelBundle, prompts: list[SamplePrompt], folder: Pa
         except _SamplingStopped:
             break
         path = folder / f"step-{step:06d}-{i}.png"
-        with atomic_file(path) as tmp:
-            image.save(tmp, format="PNG")
+        if write:
+            with atomic_file(path) as tmp:
+                image.save(tmp, format="PNG")
         rows.append((path, prompt.text, image))
     return rows
 

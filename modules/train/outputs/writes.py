@@ -122,16 +122,47 @@ def distributed_summary(run: Run) -> dict:
             "weight_checksums": checksums, "compiled_code_ran_on_all_ranks": ran_everywhere}
 
 
+def sample_due(run: Run, requested: bool) -> bool:
+    """A sampling pass is due after this step: asked for (Sample now) or scheduled. Under
+    FSDP every rank draws the samples, so a request one rank took is agreed by all (a
+    collective, once per step, only in sharded runs)."""
+    if run.dist.sharded:
+        requested = run.dist.any(requested)
+    every = run.config.sampling.every_steps
+    return requested or bool(every and run.step % every == 0)
+
+
+def agreed_stop(run: Run, should_stop: Callable[[], bool]) -> Callable[[], bool]:
+    """`should_stop` as every rank must answer it when all of them draw the samples (FSDP):
+    true on all as soon as one saw Stop, so no rank leaves a sharded forward the others are
+    waiting in. The question is asked at the same points on every rank (between prompts and
+    denoising steps), so the collective lines up."""
+    if not run.dist.sharded:
+        return should_stop
+    return lambda: run.dist.any(should_stop())
+
+
 def sample(run: Run, should_stop: Callable[[], bool] = lambda: False) -> None:
     """Sample every prompt; `should_stop` (Stop) is asked between prompts and denoising
-    steps, so a stop does not wait for the whole pass."""
-    if not run.dist.is_main:
+    steps, so a stop does not wait for the whole pass.
+
+    One process, or DDP (every rank holds the whole model): the main process alone draws
+    them. FSDP: every rank runs the same forwards on its sharded components (each block's
+    weights gathered for its own forward, as in training) with the same prompts and seeds,
+    so every rank draws the same images; rank 0 alone writes and logs them
+    (docs/cloud.md, "Multi-GPU")."""
+    if not run.dist.is_main and not run.dist.sharded:
         return
-    run.callbacks.on_status(f"sampling at step {run.step}")
+    main = run.dist.is_main
+    if main:
+        run.callbacks.on_status(f"sampling at step {run.step}")
     run.state.last_sample_step = run.step
     with averaged_weights(run), run.outside_training():
         rows = sample_images(run.bundle, run.config, run.prompts, run.device, run.step,
-                             run.output_dir / "samples", should_stop, run.text_cache)
+                             run.output_dir / "samples", agreed_stop(run, should_stop),
+                             run.text_cache, write=main)
+    if not main:
+        return
     if len(rows) < len(run.prompts):
         run.callbacks.on_status(f"sampling at step {run.step} cut short by Stop "
                                 f"({len(rows)} of {len(run.prompts)} samples written)")

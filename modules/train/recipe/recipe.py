@@ -52,7 +52,8 @@ from modules.train.recipe.objectives import (caption_dropouts, diffusion_loss, d
 from modules.train.setup.output_lock import OutputLock
 from modules.train.outputs.metrics import RunMetrics
 from modules.train.outputs.writes import (backup_bytes, distributed_summary, log_scalars, sample,
-                                          save_checkpoint, save_final, start_wandb_logging)
+                                          sample_due, save_checkpoint, save_final,
+                                          start_wandb_logging)
 from modules.train.setup.prepare import PreparedRun
 from modules.train.outputs.record import RunRecord, peak_memory
 from modules.train.state.run import Run, item_buckets
@@ -296,8 +297,7 @@ class TrainingRecipe:
             else:
                 skip_non_finite_step(run, loss)
 
-            every_sample = config.sampling.every_steps
-            if commands.take_sample() or (every_sample and run.step % every_sample == 0):
+            if sample_due(run, commands.take_sample()):
                 sample_started = time.perf_counter()
                 sample(run, lambda: commands.stop_requested)
                 sample_seconds = time.perf_counter() - sample_started

@@ -118,13 +118,17 @@ def validation_pass(run: Run, loss_fn: LossFn,
     if done.scored < done.total:
         cut_short(run, done)
         return None
+    loss, ranks = agreed_loss(run, loss)
     seconds = time.perf_counter() - started  # the first pass also loads and encodes the images
     validator.last_seconds = seconds
     run.state.validation.append([run.step, loss])
     if not run.dist.is_main:
+        if run.dist.sharded:  # best/ gathers the sharded weights: every rank takes part
+            keep_if_best(run)
         return loss
     best_step, best_loss = best_point(run.state.validation)
-    run.record.write(validation={**validation_record(run),
+    ranks_scored = {"last_pass_ranks": ranks} if run.dist.enabled else {}
+    run.record.write(validation={**validation_record(run), **ranks_scored,
                                  "last_pass_seconds": round(seconds, 3)})
     if run.writer and loss is not None:
         run.writer.add_scalar("validation/loss", loss, run.step)
@@ -135,6 +139,27 @@ def validation_pass(run: Run, loss_fn: LossFn,
     run.callbacks.on_status(f"validation loss {shown} at step {run.step} (best: {best})")
     keep_if_best(run)  # validation.save_best: best/ follows the history's best
     return loss
+
+
+def agreed_loss(run: Run, loss: float | None) -> tuple[float | None, list[float | None]]:
+    """Several processes: rank 0's score on every rank, and each rank's own (one collective
+    per pass; run.json's `validation.last_pass_ranks`).
+
+    Every rank scores the whole validation set (not a share of it): under FSDP each forward
+    is a collective every rank must run, and a share would leave a rank with fewer images
+    (or none) waiting in a forward the others never make; scoring it whole also keeps the
+    score the one a single process gets, whatever the number of processes. The ranks hold
+    the same weights and inputs, so their scores agree; taking rank 0's makes the history
+    (and best/, which all ranks decide on under FSDP) the same on every rank even where a
+    device's kernels are not bit-reproducible."""
+    if not run.dist.enabled:
+        return loss, [loss]
+    scores = [_finite(value) for value in run.dist.gather(math.nan if loss is None else loss)]
+    return scores[0], scores
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
 
 
 @dataclasses.dataclass(frozen=True)
