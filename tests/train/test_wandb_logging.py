@@ -221,25 +221,64 @@ def test_wandb_not_installed_is_reported(monkeypatch):
     assert "pip install tempera[wandb]" in problems["logging.wandb"]
 
 
+def process_wide_settings() -> dict:
+    """What a run's setup may change for the whole process (the GUI trains several runs in
+    one): the float32 precision switches, the compile engine's dynamo/inductor settings,
+    cache folders and compile callbacks."""
+    import os
+
+    import torch
+    import torch._dynamo
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
+
+    from modules.compile.cache import CACHE_DIR_ENV, TRITON_CACHE_ENV
+    handler = torch._dynamo.callback_handler
+    return {"matmul": torch.get_float32_matmul_precision(),
+            "cudnn_tf32": torch.backends.cudnn.allow_tf32,
+            "recompile_limit": torch._dynamo.config.recompile_limit,
+            "fx_graph_cache": inductor_config.fx_graph_cache,
+            "autograd_cache": functorch_config.enable_autograd_cache,
+            "env": {name: os.environ.get(name) for name in (CACHE_DIR_ENV, TRITON_CACHE_ENV)},
+            "callbacks": (list(handler.start_callbacks), list(handler.end_callbacks))}
+
+
 def test_online_without_a_server_stops_before_the_first_step_offering_offline(
         tempera_cache, tmp_path, monkeypatch):
     """W&B's server unreachable (a closed local port): train() ends with a clear error after
-    the model loads and before any step (~10-15 s: the tiny model, and W&B's 5 s wait)."""
+    the model loads and before any step, and the failed setup leaves the process as it found
+    it: the compile engine (AOT_EAGER, built before W&B starts) closed, its dynamo/inductor
+    settings and cache folders back, the output folder's lock let go (~10-15 s: the tiny
+    model, and W&B's 5 s wait; compiling is lazy, so nothing compiles)."""
+    import torch
+    import torch._dynamo
     monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")
     monkeypatch.setenv("WANDB_API_KEY", FAKE_KEY)
     monkeypatch.setattr("modules.train.outputs.metrics.WANDB_INIT_TIMEOUT_S", 5.0)
     config = apply_overrides(Config(), [
         f"general.cache_dir={tempera_cache}", f"output.dir={tmp_path / 'out'}",
         "data.resolution=64", "training.max_steps=2", "training.batch_size=2",
-        "sampling.prompts=[]", "logging.tensorboard=false", "logging.wandb=true",
-        "logging.wandb_project=tempera-tests"])
-    callbacks = RecordingCallbacks()
-    with pytest.raises(TrainingError) as err:
-        train(config, callbacks)
+        "sampling.prompts=[]", "logging.tensorboard=true", "logging.wandb=true",
+        "logging.wandb_project=tempera-tests", "compile.backend=AOT_EAGER",
+        f"compile.cache_dir={tmp_path / 'compile-cache'}"])
+    torch._dynamo.reset()  # the engine resets dynamo: start from a reset state to compare
+    previous_precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("medium")  # not the default, so a reset would show
+    try:
+        before = process_wide_settings()
+        callbacks = RecordingCallbacks()
+        with pytest.raises(TrainingError) as err:
+            train(config, callbacks)
+        assert process_wide_settings() == before
+    finally:
+        torch.set_float32_matmul_precision(previous_precision)
+    assert callbacks.compile_events  # the engine was built (and announced what it compiles)
     message = str(err.value)
     assert "Weights & Biases could not start the run in project 'tempera-tests' (ONLINE)" in message
     assert "logging.wandb_mode = OFFLINE" in message and FAKE_KEY not in message
     assert callbacks.progress == [] and not (tmp_path / "out" / "backups").exists()
+    from modules.train.setup.output_lock import OutputLock
+    OutputLock(tmp_path / "out").acquire().release()  # the failed run let go of its lock
 
 
 # ------------------------------------------------------------------ the key is never a setting

@@ -12,6 +12,7 @@ train/recipe/builders.py) and the guarded compile window (compile/guarded.py).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -49,7 +50,6 @@ from modules.train.recipe.objectives import (caption_dropouts, diffusion_loss, d
                                              noise_offset_strength, noisy_input_and_target,
                                              offset_noise, sample_weights, step_timesteps,
                                              timestep_terms)
-from modules.train.setup.output_lock import OutputLock
 from modules.train.outputs.metrics import RunMetrics
 from modules.train.outputs.writes import (backup_bytes, distributed_summary, log_scalars, sample,
                                           save_checkpoint, save_final, start_wandb_logging)
@@ -99,17 +99,23 @@ class TrainingRecipe:
     # ------------------------------------------------------------------------------ setup
     def setup(self) -> Run:
         """Create the output folder and everything the loop needs; the first write happens
-        here. The output folder's lock is let go again if building the run fails. A Stop
-        during latent caching raises StopRequested, with run.json saying `stopped`."""
-        lock = (take_output_lock(Path(self.prepared.config.output.dir), self.callbacks)
-                if self.dist.is_main else None)
-        try:
-            self.run = self._build(lock)
-        except BaseException:
-            if lock is not None:
-                lock.release()
-            raise
-        return self.run
+        here. A Stop during latent caching raises StopRequested, with run.json saying
+        `stopped`.
+
+        Whatever setup changes beyond the run's own objects (the output folder's lock, the
+        offload streamer and the fused backward's hooks on the weights, the float32 precision
+        switches, the compile engine's process-wide settings, TensorBoard's and W&B's files) is
+        undone by a function pushed onto one exit stack as it is done: a failure on the way
+        unwinds exactly what was done so far (the GUI trains the next run in this process),
+        and a built run owns the stack (`Run.close` unwinds it)."""
+        with contextlib.ExitStack() as undo:
+            if self.dist.is_main:
+                lock = take_output_lock(Path(self.prepared.config.output.dir), self.callbacks)
+                undo.callback(lock.release)
+            run = self._build(undo)
+            run.undo = undo.pop_all()
+        self.run = run
+        return run
 
     @property
     def built_run(self) -> Run:
@@ -118,10 +124,11 @@ class TrainingRecipe:
             raise RuntimeError("the training recipe has no run before setup()")
         return self.run
 
-    def _build(self, lock: OutputLock | None) -> Run:
+    def _build(self, undo: contextlib.ExitStack) -> Run:
         """`setup`'s body, in the order the run depends on: the record first, the captions
         and latents cached (each encoder alone on the device) before the rest of the weights
-        move there, compile before the DDP wrap, the state last."""
+        move there, compile before the DDP wrap, the state last. Each change made outside the
+        run's objects pushes its undo onto `undo` right after it is made."""
         prepared, callbacks, dist, commands = (self.prepared, self.callbacks, self.dist,
                                                self.commands)
         config, bundle = prepared.config, prepared.bundle
@@ -163,6 +170,8 @@ class TrainingRecipe:
         # before compile: the streamer's calls sit around the blocks' compiled code
         offload = build_streamer(bundle.denoiser, family_of(bundle.model_type).repeated_blocks,
                                  config.model.offload_blocks, device)
+        if offload is not None:
+            undo.callback(offload.close)
         record.write(block_offload=offload.record() if offload else {"blocks": 0})
         # FSDP: shard each trained component block by block, then compile (below) and build
         # the optimizer over the sharded parameters (DTensors replace the originals)
@@ -191,11 +200,15 @@ class TrainingRecipe:
 
         # optimizer, precision, compile (then the DDP wrap), EMA, text cache, TensorBoard
         optimizer = build_optimizer(config, params)
+        if isinstance(optimizer, FusedBackward):
+            undo.callback(optimizer.close)  # its hooks off the weights
         keep_old_rows(optimizer, bundle, config)  # TEXTUAL_INVERSION: only new rows change
         scaler = (torch.amp.GradScaler(device.type)
                   if config.training.mixed_precision == MixedPrecision.FP16 else None)
         restore_precision, precision = float32_precision(config, device)
+        undo.callback(restore_precision)
         guard = build_compile_guard(config, bundle, device, params, trained, callbacks)
+        undo.callback(guard.close)  # the compiled modules eager again, dynamo's settings back
         if guard.persistent_grads:
             for plist in params.values():
                 for p in plist:
@@ -207,14 +220,16 @@ class TrainingRecipe:
                      sampling="eager: compiled code is bypassed while sampling")
         components = bundle.components()
         forward = dist.wrap_trained({name: components[name] for name in trained})
+        writer = RunMetrics(tensorboard_writer(config, dist.is_main))
+        undo.callback(writer.close)  # TensorBoard's file, and the W&B run once it is added
         run = Run(config, bundle, device, Path(config.output.dir), record, callbacks, dataset,
                   batches, params, optimizer,
                   build_lr_scheduler(config, optimizer, budget.total_steps), budget, guard, dist,
                   TrainingState(generator=draws_generator(config.training.seed, dist.rank)),
-                  scaler=scaler, writer=RunMetrics(tensorboard_writer(config, dist.is_main)),
+                  scaler=scaler, writer=writer,
                   trained=trained, ema=build_ema(config, params),
                   text_cache=text_cache,
-                  forward=forward, restore_precision=restore_precision, lock=lock,
+                  forward=forward,
                   # check_inputs read them already; TEXTUAL_INVERSION's show the trigger word
                   prompts=[dataclasses.replace(p, text=prompt_with_trigger(config, p.text))
                            for p in sample_prompts(config)[0]],
@@ -228,11 +243,7 @@ class TrainingRecipe:
         if prepared.resume is not None:
             self.load_backup(run, prepared.resume)
         if config.logging.wandb and dist.is_main:  # after the backup: it holds the W&B run id
-            try:
-                start_wandb_logging(run)
-            except BaseException:  # W&B refused (WandbStartError): close TensorBoard's file
-                run.writer.close()
-                raise
+            start_wandb_logging(run)
         if run.validator is not None:  # a resumed run's history is the backup's
             record.write(validation=validation_record(run))
         mark_boundary(run)
@@ -391,8 +402,8 @@ class TrainingRecipe:
         run.last_backup_step = run.step
 
     def close(self) -> None:
-        """Let go of what the run holds: the compile engine, the float32 precision settings,
-        the TensorBoard writer and the output folder's lock."""
+        """Let go of what the run holds: what `setup` pushed onto the run's exit stack (the
+        compile engine, the float32 precision settings, TensorBoard and W&B, the lock)."""
         if self.run is not None:
             self.run.close()
 
