@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -76,6 +77,14 @@ from modules.util.disk import DiskFull, guarded_write
 from modules.train.recipe.loop import (MicroBatch, backup_due, batches, feeding, mark_boundary,
                                        mark_end, progress_event, refuse_backup,
                                        skip_non_finite_step)
+
+
+class StepResult(NamedTuple):
+    """What one optimizer step reports (`train_step`), read in the step's one host sync."""
+    loss: float        # the window's mean loss over every process
+    finite: bool       # loss and gradients finite: the optimizer stepped
+    grad_norm: float   # the gradients' total norm before clipping (`training.max_grad_norm`)
+    images: int        # images the step trained, over every process
 
 
 @dataclass
@@ -250,16 +259,18 @@ class TrainingRecipe:
         return run
 
     # -------------------------------------------------------------------------- one step
-    def train_step(self, micro_batches: Iterator[MicroBatch]) -> tuple[float, bool] | None:
+    def train_step(self, micro_batches: Iterator[MicroBatch]) -> StepResult | None:
         """One optimizer step: the accumulation window's micro-steps, each run inside the
         compile window (a compile failure replays the whole window with the next backend),
-        then the step's one host sync and the optimizer step. Returns (loss, finite), or None
-        when no micro-batch is left."""
+        then the step's one host sync and the optimizer step. Returns what the step
+        reports, or None when no micro-batch is left."""
         run = self.built_run
         config, state = run.config, run.state
         window = None
+        images = 0
         for index, batch, closes_window in micro_batches:
             pixel_shape = run.pixel_shape(batch)
+            images += pixel_shape[0]
             if window is None:  # the first micro-batch of the step: its draws are seeded
                 state.reseed_draws(config.training.seed, run.dist.rank)
                 seed_adapter_dropout(config, state.step, run.dist.rank)
@@ -277,11 +288,11 @@ class TrainingRecipe:
                 break
         else:
             return None
-        loss, finite = read_step(run, window.results, gradient_norm(run))  # one host sync
+        loss, norm, finite = read_step(run, window.results, gradient_norm(run))  # one sync
         optimizer_step(run, finite)
         state.step += 1
         state.batches_done = index + 1
-        return loss, finite
+        return StepResult(loss, finite, norm, images * run.dist.world_size)
 
     # -------------------------------------------------------------------------- the loop
     def train(self) -> RunResult:
@@ -293,26 +304,35 @@ class TrainingRecipe:
         callbacks.on_status(f"training {run.budget.total_steps} steps on {run.device.type}"
                             + (f", from step {run.step}" if run.step else ""))
 
+        if state.owed_passes:  # a stop skipped or cut short the passes of the step it ended
+            callbacks.on_status(f"running step {run.step}'s {' and '.join(state.owed_passes)}, "
+                                "which the stop cut short, before training on")
+            step_passes(run, commands, "sample" in state.owed_passes and bool(run.prompts),
+                        "validation" in state.owed_passes and run.validator is not None)
+            mark_boundary(run)
         micro_batches = batches(run, commands)
         while (outcome := self.train_step(micro_batches)) is not None:
-            loss, finite = outcome
-            run.record.step_seconds.append(time.perf_counter() - step_started)
+            loss, finite = outcome.loss, outcome.finite
+            # Read after the step's one host sync (read_step): the time from the end of the
+            # previous step's reporting to this step's sync, with no device sync of its own
+            # (the optimizer step's kernels, queued after the sync, count in the next step).
+            seconds = time.perf_counter() - step_started
+            run.record.step_seconds.append(seconds)
             if finite:
                 state.bad_steps = 0
                 run.record.losses.append(loss)
                 smooth = state.smoothed.update(loss)
                 callbacks.on_progress(progress_event(run, loss, smooth, sample_seconds))
-                log_scalars(run, loss, smooth)
+                log_scalars(run, loss, smooth, outcome.grad_norm, seconds, outcome.images)
             else:
                 skip_non_finite_step(run, loss)
 
             every_sample = config.sampling.every_steps
-            if commands.take_sample() or (every_sample and run.step % every_sample == 0):
-                sample_started = time.perf_counter()
-                sample(run, lambda: commands.stop_requested)
-                sample_seconds = time.perf_counter() - sample_started
-            if validation_due(run):
-                validation_pass(run, forward_loss, lambda: commands.stop_requested)
+            sampled = step_passes(
+                run, commands,
+                commands.take_sample() or bool(every_sample and run.step % every_sample == 0),
+                validation_due(run))
+            sample_seconds = sampled if sampled is not None else sample_seconds
             if name := due_checkpoint(run.step, run.budget.total_steps, state.epoch,
                                       state.batches_done, run.budget.batches_per_epoch,
                                       config.output.save_every_steps,
@@ -409,6 +429,33 @@ class TrainingRecipe:
 
 
 # ------------------------------------------------------------------ the step, beside the recipe
+def step_passes(run: Run, commands: TrainerCommands, sample_due: bool,
+                validate_due: bool) -> float | None:
+    """The step's sampling and validation passes, where due. Stop is asked inside each (a
+    stop does not wait for a long pass); a pass that Stop skipped or cut short is owed
+    (`state.owed_passes`, in the backup the stop writes) and a resumed run runs it first,
+    on the same weights. Returns the seconds of a complete sampling pass (for the ETA)."""
+    def should_stop() -> bool:
+        return commands.stop_requested
+
+    owed, seconds = [], None
+    if sample_due:
+        started = time.perf_counter()
+        if sample(run, should_stop):
+            seconds = time.perf_counter() - started
+        else:
+            owed.append("sample")
+    if validate_due:
+        validation_pass(run, forward_loss, should_stop)
+        if last_validated_step(run) != run.step:  # cut short: not a score
+            owed.append("validation")
+    if owed:
+        run.callbacks.on_status(f"step {run.step}'s {' and '.join(owed)} will run when the "
+                                "run is resumed (Stop cut it short)")
+    run.state.owed_passes = owed
+    return seconds
+
+
 def note_held_back(run: Run, held_back: int) -> None:
     """Under the fused backward pass, say (and count in run.json) the weights whose gradients
     were not finite: they kept their values and optimizer state, the others stepped."""
@@ -494,14 +541,16 @@ def gradient_norm(run: Run) -> torch.Tensor:
     return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
 
 
-def read_step(run: Run, losses: list[torch.Tensor], grad_norm: torch.Tensor) -> tuple[float, bool]:
-    """The window's mean loss (over every process) and whether loss and gradients are finite,
-    read from the device together: the step's one host sync."""
+def read_step(run: Run, losses: list[torch.Tensor], grad_norm: torch.Tensor
+              ) -> tuple[float, float, bool]:
+    """The window's mean loss (over every process), the gradients' norm before clipping and
+    whether loss and gradients are finite, read from the device together: the step's one
+    host sync."""
     loss_mean = torch.stack(losses).float().mean()
     loss, norm = torch.stack([loss_mean, grad_norm.float().to(loss_mean.device)]).tolist()
     loss = run.dist.mean(loss)
     finite = math.isfinite(loss) and (run.scaler is not None or math.isfinite(norm))
-    return loss, finite
+    return loss, norm, finite
 
 
 def optimizer_step(run: Run, finite: bool) -> None:
