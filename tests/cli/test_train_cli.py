@@ -165,19 +165,42 @@ def test_check_reports_an_installed_torch_below_the_tested_floor(small_config, c
     assert not (small_config.parent / "out").exists()
 
 
-def test_stop_file_stops_the_run_with_a_save(small_config, tmp_path, capsys):
+def test_stop_file_stops_the_run_with_a_save(small_config, tmp_path, capsys, monkeypatch):
+    """The stop file is written by the run's own progress event at step 2, which then waits
+    for the watcher (it looks once a second) to request the stop: the run stops after step 2
+    whatever the machine's load. (A file present from the start raced the setup: under load
+    the watcher's first look came before step 1, and a run stopped before its first step
+    saves no weights.)"""
+    import threading
+
+    from modules.cli import headless
+    from modules.events import TrainerCommands
     stop = tmp_path / "cancel"
-    stop.touch()  # present from the start: the watcher's first look (after 1 s) stops the run
     data = json.loads(small_config.read_text())
     data["training"]["max_steps"] = 100_000
     small_config.write_text(json.dumps(data))
+    requested = threading.Event()
+    request_stop, shown = TrainerCommands.request_stop, headless.TerminalCallbacks.on_progress
+
+    def on_request(self):
+        request_stop(self)
+        requested.set()
+
+    def on_progress(self, progress):
+        shown(self, progress)
+        if progress.step == 2:
+            stop.touch()
+            assert requested.wait(timeout=120), "the stop file watcher did not request a stop"
+
+    monkeypatch.setattr(TrainerCommands, "request_stop", on_request)
+    monkeypatch.setattr(headless.TerminalCallbacks, "on_progress", on_progress)
     assert main(["--config", str(small_config), "--progress-file", str(tmp_path / "p.json"),
                  "--stop-file", str(stop)]) == 0
     out = small_config.parent / "out"
     record = json.loads((out / "run.json").read_text())
-    assert record["status"] == "stopped" and record["steps_done"] < 100_000
+    assert record["status"] == "stopped" and record["steps_done"] == 2
     assert (out / "final").is_dir()  # stopped with a save
-    assert "stop file" in capsys.readouterr().err
+    assert f"stop file {stop} appeared" in capsys.readouterr().err
 
 
 def test_a_second_sigterm_aborts_says_so_exits_143_and_records_what_was_done(

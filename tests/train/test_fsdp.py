@@ -205,16 +205,21 @@ def test_fsdp_backups_hold_the_whole_state_and_resume_exactly(fsdp_run, fsdp_res
     assert [p.name for p in sorted((fsdp_run / "backups").iterdir())] == [
         "step-000002", "step-000003"]
     from diffusers import UNet2DConditionModel
+    from transformers import CLIPTextModel
     from modules.train.state.backup import load_states
     info, states = load_states(fsdp_run / "backups" / "step-000002")
     assert info["step"] == 2 and info["reason"] == "scheduled"
-    unet = UNet2DConditionModel.from_pretrained(fsdp_run / "checkpoints" / "step-000002" / "unet")
+    checkpoint = fsdp_run / "checkpoints" / "step-000002"
+    unet = UNet2DConditionModel.from_pretrained(checkpoint / "unet")
+    encoder = CLIPTextModel.from_pretrained(checkpoint / "text_encoder")
     whole = {f"unet.{name}": p for name, p in unet.named_parameters()}
+    whole.update({f"text_encoder.{name}": p for name, p in encoder.named_parameters()})
     assert states["parameters"].keys() == whole.keys()
     assert all(torch.equal(states["parameters"][k], whole[k]) for k in whole)
     adam = states["optimizer"]["state"]
     assert len(adam) == len(whole)
-    ordered = list(whole.values())  # the optimizer's ids follow the parameters' order
+    # the optimizer's ids follow the order the backup lists the parameters in
+    ordered = [whole[name] for name in states["parameters"]]
     assert all(adam[i]["exp_avg"].shape == ordered[i].shape for i in adam)
     assert_resumed_as(fsdp_run, fsdp_resumed)
     assert record_of(fsdp_resumed)["resumed_at_step"] == 2

@@ -169,6 +169,17 @@ def test_a_backup_from_before_validation_loads_with_an_empty_history():
     assert state.validation == []
 
 
+def test_owed_passes_round_trip_and_an_older_backup_owes_none():
+    state = TrainingState(generator=torch.Generator(), owed_passes=["sample", "validation"])
+    saved = state.state_dict()
+    loaded = TrainingState(generator=torch.Generator())
+    loaded.load_state_dict(saved)
+    assert loaded.owed_passes == ["sample", "validation"]
+    del saved["owed_passes"]  # a backup written before a stop could owe passes
+    loaded.load_state_dict(saved)
+    assert loaded.owed_passes == []
+
+
 @pytest.fixture
 def fresh_dynamo():
     """No compiled frames from earlier tests: this test counts recompiles."""

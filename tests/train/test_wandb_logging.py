@@ -27,6 +27,7 @@ from tests.train.test_resume import StopAt
 # A made-up key of the real shape (40 hex digits): set in the environment of the shared run.
 FAKE_KEY = "0123456789abcdef" * 2 + "01234567"
 STEPS, STOP_AT = 3, 2
+MAX_GRAD_NORM = 1e-4
 BLOCK = 32768  # the .wandb file is a LevelDB-style log of 32 KiB blocks
 
 
@@ -73,6 +74,16 @@ def history(records) -> dict[int, dict[str, object]]:
     return rows
 
 
+def merged_history(parts) -> dict[int, dict[str, object]]:
+    """step -> {key: value} over every segment of a resumed run (a resumed segment may log
+    more keys at the step the stop ended: the passes the stop cut short)."""
+    rows: dict[int, dict[str, object]] = defaultdict(dict)
+    for records in parts:
+        for step, row in history(records).items():
+            rows[step].update(row)
+    return dict(rows)
+
+
 def tensorboard_series(folder: Path, kind: str = "scalars") -> dict[str, dict[int, object]]:
     """tag -> step -> value (scalars) or event (images), over every events file (both halves)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -88,15 +99,18 @@ def tensorboard_series(folder: Path, kind: str = "scalars") -> dict[str, dict[in
 
 @pytest.fixture(scope="module")
 def wandb_run(tempera_cache, tmp_path_factory):
-    """One run logged to TensorBoard and W&B (OFFLINE), stopped at step 2 and resumed to 3, with
-    a W&B key in the environment: samples and validation every step. ~15-20 s (two train()
-    calls on the tiny model, a sample and a validation pass per step), shared by five tests."""
+    """One run logged to TensorBoard and W&B (OFFLINE), stopped at step 2 (from its progress
+    event, before step 2's passes) and resumed to 3, with a W&B key in the environment:
+    samples and validation every step. ~15-20 s (two train() calls on the tiny model, a
+    sample and a validation pass per step), shared by seven tests."""
     out = tmp_path_factory.mktemp("wandb") / "out"
     config = apply_overrides(Config(), [
         f"general.cache_dir={tempera_cache}", f"output.dir={out}", "data.resolution=64",
         f"training.max_steps={STEPS}", "training.batch_size=2", "training.learning_rate=1e-3",
         'sampling.prompts=["a red circle"]', "sampling.every_steps=1", "sampling.steps=2",
         "validation.every_steps=1", "validation.split_ratio=0.25",
+        # far below this run's gradient norms: the logged norm is the one before clipping
+        f"training.max_grad_norm={MAX_GRAD_NORM}",
         "logging.tensorboard=true", "logging.wandb=true", "logging.wandb_mode=OFFLINE",
         "logging.wandb_project=tempera-tests", "output.backup_every_steps=1"])
     with pytest.MonkeyPatch.context() as env:
@@ -120,15 +134,53 @@ def test_the_resumed_run_continues_the_same_wandb_run(wandb_run):
     assert record["wandb"]["continued"] is True and record["resume_count"] == 1
     runs = [r.run for part in records for r in part if r.WhichOneof("record_type") == "run"]
     assert {r.run_id for r in runs} == {run_id} and {r.project for r in runs} == {"tempera-tests"}
-    # the first half logged steps 1-2, the resumed half step 3: one series over both
-    assert sorted(history(records[0])) == [1, 2] and sorted(history(records[1])) == [3]
+    # the first half logged steps 1-2, the resumed half step 2's passes (the stop cut them
+    # short) and step 3: one series over both
+    assert sorted(history(records[0])) == [1, 2] and sorted(history(records[1])) == [2, 3]
+    assert set(history(records[1])[2]) >= {"sample/0", "validation/loss"}
+
+
+def test_the_passes_a_stop_cut_short_run_when_the_run_is_resumed(wandb_run):
+    """Stop came during step 2, before its sample and validation: the stopped run's backup
+    owes them and the resumed run ran them first, so every series has every step."""
+    out, _, records = wandb_run
+    board = tensorboard_series(out / "tensorboard")
+    images = tensorboard_series(out / "tensorboard", "images")
+    logged = merged_history(records)
+    every = list(range(1, STEPS + 1))
+    assert sorted(board["validation/loss"]) == every and sorted(images["sample/0"]) == every
+    assert [s for s in every if "sample/0" in logged[s] and "validation/loss" in logged[s]] == every
+    assert sorted(p.name for p in (out / "samples").glob("*.png")) == [
+        f"step-{s:06d}-0.png" for s in every]
+    record = json.loads((out / "run.json").read_text())
+    assert [step for step, _ in record["validation"]["history"]] == every
+
+
+def test_grad_norm_and_step_time_reach_both_dashboards(wandb_run):
+    """Every step logs the gradient norm before clipping (above training.max_grad_norm, which
+    clipped it) and the step time (seconds per step, and images per second for its batch of
+    two); test_wandb_gets_the_scalars_tensorboard_gets checks W&B has the same points."""
+    out, _, _ = wandb_run
+    board = tensorboard_series(out / "tensorboard")
+    every = list(range(1, STEPS + 1))
+    for tag in ("grad_norm", "time/step_seconds", "time/images_per_second"):
+        assert sorted(board[tag]) == every, tag
+    assert all(value > 10 * MAX_GRAD_NORM for value in board["grad_norm"].values())
+    for step in every:
+        seconds, per_second = board["time/step_seconds"][step], board["time/images_per_second"][step]
+        assert seconds > 0 and per_second * seconds == pytest.approx(2, rel=1e-4)
+    record = json.loads((out / "run.json").read_text())
+    # the resumed half's first step is step 3: run.json's time of it is the one logged
+    assert board["time/step_seconds"][STEPS] == pytest.approx(record["first_step_seconds"],
+                                                              rel=1e-5)
 
 
 def test_wandb_gets_the_scalars_tensorboard_gets(wandb_run):
     out, _, records = wandb_run
     board = tensorboard_series(out / "tensorboard")
-    logged = {step: row for part in records for step, row in history(part).items()}
-    assert {"loss/step", "loss/smoothed", "lr", "validation/loss"} <= set(board)
+    logged = merged_history(records)
+    assert {"loss/step", "loss/smoothed", "lr", "validation/loss", "grad_norm",
+            "time/step_seconds", "time/images_per_second"} <= set(board)
     assert sorted(board["loss/step"]) == [1, 2, 3]
     assert min(board["validation/loss"]) <= STOP_AT < max(board["validation/loss"])
     for tag, points in board.items():
@@ -140,7 +192,7 @@ def test_wandb_gets_the_scalars_tensorboard_gets(wandb_run):
 
 def test_samples_reach_wandb_as_images_with_their_prompts(wandb_run):
     out, files, records = wandb_run
-    rows = {step: row for part in records for step, row in history(part).items()}
+    rows = merged_history(records)
     samples = {step: row["sample/0"] for step, row in rows.items() if "sample/0" in row}
     board = tensorboard_series(out / "tensorboard", "images")["sample/0"]
     assert sorted(samples) == sorted(board) and 1 in samples and STEPS in samples
@@ -221,25 +273,64 @@ def test_wandb_not_installed_is_reported(monkeypatch):
     assert "pip install tempera[wandb]" in problems["logging.wandb"]
 
 
+def process_wide_settings() -> dict:
+    """What a run's setup may change for the whole process (the GUI trains several runs in
+    one): the float32 precision switches, the compile engine's dynamo/inductor settings,
+    cache folders and compile callbacks."""
+    import os
+
+    import torch
+    import torch._dynamo
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
+
+    from modules.compile.cache import CACHE_DIR_ENV, TRITON_CACHE_ENV
+    handler = torch._dynamo.callback_handler
+    return {"matmul": torch.get_float32_matmul_precision(),
+            "cudnn_tf32": torch.backends.cudnn.allow_tf32,
+            "recompile_limit": torch._dynamo.config.recompile_limit,
+            "fx_graph_cache": inductor_config.fx_graph_cache,
+            "autograd_cache": functorch_config.enable_autograd_cache,
+            "env": {name: os.environ.get(name) for name in (CACHE_DIR_ENV, TRITON_CACHE_ENV)},
+            "callbacks": (list(handler.start_callbacks), list(handler.end_callbacks))}
+
+
 def test_online_without_a_server_stops_before_the_first_step_offering_offline(
         tempera_cache, tmp_path, monkeypatch):
     """W&B's server unreachable (a closed local port): train() ends with a clear error after
-    the model loads and before any step (~10-15 s: the tiny model, and W&B's 5 s wait)."""
+    the model loads and before any step, and the failed setup leaves the process as it found
+    it: the compile engine (AOT_EAGER, built before W&B starts) closed, its dynamo/inductor
+    settings and cache folders back, the output folder's lock let go (~10-15 s: the tiny
+    model, and W&B's 5 s wait; compiling is lazy, so nothing compiles)."""
+    import torch
+    import torch._dynamo
     monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")
     monkeypatch.setenv("WANDB_API_KEY", FAKE_KEY)
     monkeypatch.setattr("modules.train.outputs.metrics.WANDB_INIT_TIMEOUT_S", 5.0)
     config = apply_overrides(Config(), [
         f"general.cache_dir={tempera_cache}", f"output.dir={tmp_path / 'out'}",
         "data.resolution=64", "training.max_steps=2", "training.batch_size=2",
-        "sampling.prompts=[]", "logging.tensorboard=false", "logging.wandb=true",
-        "logging.wandb_project=tempera-tests"])
-    callbacks = RecordingCallbacks()
-    with pytest.raises(TrainingError) as err:
-        train(config, callbacks)
+        "sampling.prompts=[]", "logging.tensorboard=true", "logging.wandb=true",
+        "logging.wandb_project=tempera-tests", "compile.backend=AOT_EAGER",
+        f"compile.cache_dir={tmp_path / 'compile-cache'}"])
+    torch._dynamo.reset()  # the engine resets dynamo: start from a reset state to compare
+    previous_precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("medium")  # not the default, so a reset would show
+    try:
+        before = process_wide_settings()
+        callbacks = RecordingCallbacks()
+        with pytest.raises(TrainingError) as err:
+            train(config, callbacks)
+        assert process_wide_settings() == before
+    finally:
+        torch.set_float32_matmul_precision(previous_precision)
+    assert callbacks.compile_events  # the engine was built (and announced what it compiles)
     message = str(err.value)
     assert "Weights & Biases could not start the run in project 'tempera-tests' (ONLINE)" in message
     assert "logging.wandb_mode = OFFLINE" in message and FAKE_KEY not in message
     assert callbacks.progress == [] and not (tmp_path / "out" / "backups").exists()
+    from modules.train.setup.output_lock import OutputLock
+    OutputLock(tmp_path / "out").acquire().release()  # the failed run let go of its lock
 
 
 # ------------------------------------------------------------------ the key is never a setting

@@ -1,5 +1,6 @@
 """One seam for a run's curves and images: TensorBoard and Weights & Biases get the same series
-(loss/step, loss/smoothed, lr, optimizer/*, sample/N with its prompt, validation/loss) from the
+(loss/step, loss/smoothed, lr, grad_norm, time/step_seconds, time/images_per_second,
+optimizer/*, sample/N with its prompt, validation/loss) from the
 same calls in train/outputs/writes.py and train/validation/validation.py.
 
 wandb is imported only when `logging.wandb` is on: its import takes about a second and starts

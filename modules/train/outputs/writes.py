@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol, cast, runtime_checkable
@@ -75,8 +76,12 @@ def averaged_weights(run: Run):
         run.ema.restore(run.all_params())
 
 
-def log_scalars(run: Run, loss: float, smoothed: float) -> None:
-    """TensorBoard's curves, and what the optimizer reports (Prodigy's d) in run.json."""
+def log_scalars(run: Run, loss: float, smoothed: float, grad_norm: float, step_seconds: float,
+                images: int) -> None:
+    """TensorBoard's and W&B's curves of a step (loss, LR, the gradients' norm before
+    clipping, seconds per optimizer step and images per second), and what the optimizer
+    reports (Prodigy's d) in run.json. A norm that is not finite (an fp16 step the
+    GradScaler skips) is left out of its curve."""
     scalars = optimizer_scalars(run.config, run.optimizer)
     if scalars:
         run.record.data["optimizer"] = {"name": run.config.training.optimizer.value,
@@ -85,6 +90,11 @@ def log_scalars(run: Run, loss: float, smoothed: float) -> None:
         run.writer.add_scalar("loss/step", loss, run.step)
         run.writer.add_scalar("loss/smoothed", smoothed, run.step)
         run.writer.add_scalar("lr", run.current_lr(), run.step)
+        if math.isfinite(grad_norm):
+            run.writer.add_scalar("grad_norm", grad_norm, run.step)
+        if step_seconds > 0:
+            run.writer.add_scalar("time/step_seconds", step_seconds, run.step)
+            run.writer.add_scalar("time/images_per_second", images / step_seconds, run.step)
         for name, value in scalars.items():
             run.writer.add_scalar(f"optimizer/{name}", value, run.step)
 
@@ -142,9 +152,10 @@ def agreed_stop(run: Run, should_stop: Callable[[], bool]) -> Callable[[], bool]
     return lambda: run.dist.any(should_stop())
 
 
-def sample(run: Run, should_stop: Callable[[], bool] = lambda: False) -> None:
+def sample(run: Run, should_stop: Callable[[], bool] = lambda: False) -> bool:
     """Sample every prompt; `should_stop` (Stop) is asked between prompts and denoising
-    steps, so a stop does not wait for the whole pass.
+    steps, so a stop does not wait for the whole pass. Returns False when Stop cut the pass
+    short (fewer samples than prompts were drawn).
 
     One process, or DDP (every rank holds the whole model): the main process alone draws
     them. FSDP: every rank runs the same forwards on its sharded components (each block's
@@ -152,7 +163,7 @@ def sample(run: Run, should_stop: Callable[[], bool] = lambda: False) -> None:
     so every rank draws the same images; rank 0 alone writes and logs them
     (docs/cloud.md, "Multi-GPU")."""
     if not run.dist.is_main and not run.dist.sharded:
-        return
+        return True
     main = run.dist.is_main
     if main:
         run.callbacks.on_status(f"sampling at step {run.step}")
@@ -161,8 +172,8 @@ def sample(run: Run, should_stop: Callable[[], bool] = lambda: False) -> None:
         rows = sample_images(run.bundle, run.config, run.prompts, run.device, run.step,
                              run.output_dir / "samples", agreed_stop(run, should_stop),
                              run.text_cache, write=main)
-    if not main:
-        return
+    if not main:  # an FSDP rank that drew without writing: the same answer as rank 0's
+        return len(rows) == len(run.prompts)
     if len(rows) < len(run.prompts):
         run.callbacks.on_status(f"sampling at step {run.step} cut short by Stop "
                                 f"({len(rows)} of {len(run.prompts)} samples written)")
@@ -173,6 +184,7 @@ def sample(run: Run, should_stop: Callable[[], bool] = lambda: False) -> None:
             import numpy as np
             run.writer.add_image(f"sample/{i}", np.asarray(image.convert("RGB")), run.step,
                                  caption=prompt)
+    return len(rows) == len(run.prompts)
 
 
 def save_checkpoint(run: Run, name: str) -> None:

@@ -93,7 +93,11 @@ def build_compile_guard(config: Config, bundle: ModelBundle, device: torch.devic
         trainable_params=[p for plist in params.values() for p in plist],
         training=facts.training,
         cache_dir=compile_cache_folder(config.compile.cache_dir, config.general.cache_dir))
-    engine.apply()
+    try:
+        engine.apply()
+    except BaseException:  # what apply changed so far (cache folders, callbacks) put back
+        engine.close()
+        raise
     return engine
 
 

@@ -12,6 +12,7 @@ train/recipe/builders.py) and the guarded compile window (compile/guarded.py).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -19,6 +20,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -49,7 +51,6 @@ from modules.train.recipe.objectives import (caption_dropouts, diffusion_loss, d
                                              noise_offset_strength, noisy_input_and_target,
                                              offset_noise, sample_weights, step_timesteps,
                                              timestep_terms)
-from modules.train.setup.output_lock import OutputLock
 from modules.train.outputs.metrics import RunMetrics
 from modules.train.outputs.writes import (backup_bytes, distributed_summary, log_scalars, sample,
                                           sample_due, save_checkpoint, save_final,
@@ -80,6 +81,14 @@ from modules.train.recipe.loop import (MicroBatch, backup_due, batches, feeding,
                                        skip_non_finite_step)
 
 
+class StepResult(NamedTuple):
+    """What one optimizer step reports (`train_step`), read in the step's one host sync."""
+    loss: float        # the window's mean loss over every process
+    finite: bool       # loss and gradients finite: the optimizer stepped
+    grad_norm: float   # the gradients' total norm before clipping (`training.max_grad_norm`)
+    images: int        # images the step trained, over every process
+
+
 @dataclass
 class RunResult:
     status: str  # finished | stopped
@@ -101,17 +110,23 @@ class TrainingRecipe:
     # ------------------------------------------------------------------------------ setup
     def setup(self) -> Run:
         """Create the output folder and everything the loop needs; the first write happens
-        here. The output folder's lock is let go again if building the run fails. A Stop
-        during latent caching raises StopRequested, with run.json saying `stopped`."""
-        lock = (take_output_lock(Path(self.prepared.config.output.dir), self.callbacks)
-                if self.dist.is_main else None)
-        try:
-            self.run = self._build(lock)
-        except BaseException:
-            if lock is not None:
-                lock.release()
-            raise
-        return self.run
+        here. A Stop during latent caching raises StopRequested, with run.json saying
+        `stopped`.
+
+        Whatever setup changes beyond the run's own objects (the output folder's lock, the
+        offload streamer and the fused backward's hooks on the weights, the float32 precision
+        switches, the compile engine's process-wide settings, TensorBoard's and W&B's files) is
+        undone by a function pushed onto one exit stack as it is done: a failure on the way
+        unwinds exactly what was done so far (the GUI trains the next run in this process),
+        and a built run owns the stack (`Run.close` unwinds it)."""
+        with contextlib.ExitStack() as undo:
+            if self.dist.is_main:
+                lock = take_output_lock(Path(self.prepared.config.output.dir), self.callbacks)
+                undo.callback(lock.release)
+            run = self._build(undo)
+            run.undo = undo.pop_all()
+        self.run = run
+        return run
 
     @property
     def built_run(self) -> Run:
@@ -120,10 +135,11 @@ class TrainingRecipe:
             raise RuntimeError("the training recipe has no run before setup()")
         return self.run
 
-    def _build(self, lock: OutputLock | None) -> Run:
+    def _build(self, undo: contextlib.ExitStack) -> Run:
         """`setup`'s body, in the order the run depends on: the record first, the captions
         and latents cached (each encoder alone on the device) before the rest of the weights
-        move there, compile before the DDP wrap, the state last."""
+        move there, compile before the DDP wrap, the state last. Each change made outside the
+        run's objects pushes its undo onto `undo` right after it is made."""
         prepared, callbacks, dist, commands = (self.prepared, self.callbacks, self.dist,
                                                self.commands)
         config, bundle = prepared.config, prepared.bundle
@@ -165,6 +181,8 @@ class TrainingRecipe:
         # before compile: the streamer's calls sit around the blocks' compiled code
         offload = build_streamer(bundle.denoiser, family_of(bundle.model_type).repeated_blocks,
                                  config.model.offload_blocks, device)
+        if offload is not None:
+            undo.callback(offload.close)
         record.write(block_offload=offload.record() if offload else {"blocks": 0})
         # FSDP: shard each trained component block by block, then compile (below) and build
         # the optimizer over the sharded parameters (DTensors replace the originals)
@@ -193,11 +211,15 @@ class TrainingRecipe:
 
         # optimizer, precision, compile (then the DDP wrap), EMA, text cache, TensorBoard
         optimizer = build_optimizer(config, params)
+        if isinstance(optimizer, FusedBackward):
+            undo.callback(optimizer.close)  # its hooks off the weights
         keep_old_rows(optimizer, bundle, config)  # TEXTUAL_INVERSION: only new rows change
         scaler = (torch.amp.GradScaler(device.type)
                   if config.training.mixed_precision == MixedPrecision.FP16 else None)
         restore_precision, precision = float32_precision(config, device)
+        undo.callback(restore_precision)
         guard = build_compile_guard(config, bundle, device, params, trained, callbacks)
+        undo.callback(guard.close)  # the compiled modules eager again, dynamo's settings back
         if guard.persistent_grads:
             for plist in params.values():
                 for p in plist:
@@ -209,14 +231,16 @@ class TrainingRecipe:
                      sampling="eager: compiled code is bypassed while sampling")
         components = bundle.components()
         forward = dist.wrap_trained({name: components[name] for name in trained})
+        writer = RunMetrics(tensorboard_writer(config, dist.is_main))
+        undo.callback(writer.close)  # TensorBoard's file, and the W&B run once it is added
         run = Run(config, bundle, device, Path(config.output.dir), record, callbacks, dataset,
                   batches, params, optimizer,
                   build_lr_scheduler(config, optimizer, budget.total_steps), budget, guard, dist,
                   TrainingState(generator=draws_generator(config.training.seed, dist.rank)),
-                  scaler=scaler, writer=RunMetrics(tensorboard_writer(config, dist.is_main)),
+                  scaler=scaler, writer=writer,
                   trained=trained, ema=build_ema(config, params),
                   text_cache=text_cache,
-                  forward=forward, restore_precision=restore_precision, lock=lock,
+                  forward=forward,
                   # check_inputs read them already; TEXTUAL_INVERSION's show the trigger word
                   prompts=[dataclasses.replace(p, text=prompt_with_trigger(config, p.text))
                            for p in sample_prompts(config)[0]],
@@ -230,27 +254,25 @@ class TrainingRecipe:
         if prepared.resume is not None:
             self.load_backup(run, prepared.resume)
         if config.logging.wandb and dist.is_main:  # after the backup: it holds the W&B run id
-            try:
-                start_wandb_logging(run)
-            except BaseException:  # W&B refused (WandbStartError): close TensorBoard's file
-                run.writer.close()
-                raise
+            start_wandb_logging(run)
         if run.validator is not None:  # a resumed run's history is the backup's
             record.write(validation=validation_record(run))
         mark_boundary(run)
         return run
 
     # -------------------------------------------------------------------------- one step
-    def train_step(self, micro_batches: Iterator[MicroBatch]) -> tuple[float, bool] | None:
+    def train_step(self, micro_batches: Iterator[MicroBatch]) -> StepResult | None:
         """One optimizer step: the accumulation window's micro-steps, each run inside the
         compile window (a compile failure replays the whole window with the next backend),
-        then the step's one host sync and the optimizer step. Returns (loss, finite), or None
-        when no micro-batch is left."""
+        then the step's one host sync and the optimizer step. Returns what the step
+        reports, or None when no micro-batch is left."""
         run = self.built_run
         config, state = run.config, run.state
         window = None
+        images = 0
         for index, batch, closes_window in micro_batches:
             pixel_shape = run.pixel_shape(batch)
+            images += pixel_shape[0]
             if window is None:  # the first micro-batch of the step: its draws are seeded
                 state.reseed_draws(config.training.seed, run.dist.rank)
                 seed_adapter_dropout(config, state.step, run.dist.rank)
@@ -268,11 +290,11 @@ class TrainingRecipe:
                 break
         else:
             return None
-        loss, finite = read_step(run, window.results, gradient_norm(run))  # one host sync
+        loss, norm, finite = read_step(run, window.results, gradient_norm(run))  # one sync
         optimizer_step(run, finite)
         state.step += 1
         state.batches_done = index + 1
-        return loss, finite
+        return StepResult(loss, finite, norm, images * run.dist.world_size)
 
     # -------------------------------------------------------------------------- the loop
     def train(self) -> RunResult:
@@ -284,25 +306,32 @@ class TrainingRecipe:
         callbacks.on_status(f"training {run.budget.total_steps} steps on {run.device.type}"
                             + (f", from step {run.step}" if run.step else ""))
 
+        if state.owed_passes:  # a stop skipped or cut short the passes of the step it ended
+            callbacks.on_status(f"running step {run.step}'s {' and '.join(state.owed_passes)}, "
+                                "which the stop cut short, before training on")
+            step_passes(run, commands, "sample" in state.owed_passes and bool(run.prompts),
+                        "validation" in state.owed_passes and run.validator is not None)
+            mark_boundary(run)
         micro_batches = batches(run, commands)
         while (outcome := self.train_step(micro_batches)) is not None:
-            loss, finite = outcome
-            run.record.step_seconds.append(time.perf_counter() - step_started)
+            loss, finite = outcome.loss, outcome.finite
+            # Read after the step's one host sync (read_step): the time from the end of the
+            # previous step's reporting to this step's sync, with no device sync of its own
+            # (the optimizer step's kernels, queued after the sync, count in the next step).
+            seconds = time.perf_counter() - step_started
+            run.record.step_seconds.append(seconds)
             if finite:
                 state.bad_steps = 0
                 run.record.losses.append(loss)
                 smooth = state.smoothed.update(loss)
                 callbacks.on_progress(progress_event(run, loss, smooth, sample_seconds))
-                log_scalars(run, loss, smooth)
+                log_scalars(run, loss, smooth, outcome.grad_norm, seconds, outcome.images)
             else:
                 skip_non_finite_step(run, loss)
 
-            if sample_due(run, commands.take_sample()):
-                sample_started = time.perf_counter()
-                sample(run, lambda: commands.stop_requested)
-                sample_seconds = time.perf_counter() - sample_started
-            if validation_due(run):
-                validation_pass(run, forward_loss, lambda: commands.stop_requested)
+            sampled = step_passes(run, commands, sample_due(run, commands.take_sample()),
+                                  validation_due(run))
+            sample_seconds = sampled if sampled is not None else sample_seconds
             if name := due_checkpoint(run.step, run.budget.total_steps, state.epoch,
                                       state.batches_done, run.budget.batches_per_epoch,
                                       config.output.save_every_steps,
@@ -395,13 +424,40 @@ class TrainingRecipe:
         run.last_backup_step = run.step
 
     def close(self) -> None:
-        """Let go of what the run holds: the compile engine, the float32 precision settings,
-        the TensorBoard writer and the output folder's lock."""
+        """Let go of what the run holds: what `setup` pushed onto the run's exit stack (the
+        compile engine, the float32 precision settings, TensorBoard and W&B, the lock)."""
         if self.run is not None:
             self.run.close()
 
 
 # ------------------------------------------------------------------ the step, beside the recipe
+def step_passes(run: Run, commands: TrainerCommands, sample_due: bool,
+                validate_due: bool) -> float | None:
+    """The step's sampling and validation passes, where due. Stop is asked inside each (a
+    stop does not wait for a long pass); a pass that Stop skipped or cut short is owed
+    (`state.owed_passes`, in the backup the stop writes) and a resumed run runs it first,
+    on the same weights. Returns the seconds of a complete sampling pass (for the ETA)."""
+    def should_stop() -> bool:
+        return commands.stop_requested
+
+    owed, seconds = [], None
+    if sample_due:
+        started = time.perf_counter()
+        if sample(run, should_stop):
+            seconds = time.perf_counter() - started
+        else:
+            owed.append("sample")
+    if validate_due:
+        validation_pass(run, forward_loss, should_stop)
+        if last_validated_step(run) != run.step:  # cut short: not a score
+            owed.append("validation")
+    if owed:
+        run.callbacks.on_status(f"step {run.step}'s {' and '.join(owed)} will run when the "
+                                "run is resumed (Stop cut it short)")
+    run.state.owed_passes = owed
+    return seconds
+
+
 def note_held_back(run: Run, held_back: int) -> None:
     """Under the fused backward pass, say (and count in run.json) the weights whose gradients
     were not finite: they kept their values and optimizer state, the others stepped."""
@@ -487,14 +543,16 @@ def gradient_norm(run: Run) -> torch.Tensor:
     return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
 
 
-def read_step(run: Run, losses: list[torch.Tensor], grad_norm: torch.Tensor) -> tuple[float, bool]:
-    """The window's mean loss (over every process) and whether loss and gradients are finite,
-    read from the device together: the step's one host sync."""
+def read_step(run: Run, losses: list[torch.Tensor], grad_norm: torch.Tensor
+              ) -> tuple[float, float, bool]:
+    """The window's mean loss (over every process), the gradients' norm before clipping and
+    whether loss and gradients are finite, read from the device together: the step's one
+    host sync."""
     loss_mean = torch.stack(losses).float().mean()
     loss, norm = torch.stack([loss_mean, grad_norm.float().to(loss_mean.device)]).tolist()
     loss = run.dist.mean(loss)
     finite = math.isfinite(loss) and (run.scaler is not None or math.isfinite(norm))
-    return loss, finite
+    return loss, norm, finite
 
 
 def optimizer_step(run: Run, finite: bool) -> None:

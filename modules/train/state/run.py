@@ -4,8 +4,8 @@ modules/train/recipe/recipe.py builds it; the recipe's step and loop read it), w
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,11 +27,9 @@ from modules.models.bundle import ModelBundle
 from modules.train.state.backup import BackupError, BoundaryState, set_random_states
 from modules.train.recipe.batch_shapes import BatchShapeLog
 from modules.train.recipe.builders import StepBudget
-from modules.train.recipe.fused import FusedBackward
 from modules.train.recipe.distributed import Distributed, local_tensor
 from modules.train.state.sharded_state import (gathered, is_sharded, shard_of,
                                               sharded_optimizer_state)
-from modules.train.setup.output_lock import OutputLock
 from modules.train.outputs.metrics import RunMetrics
 from modules.train.outputs.record import RunRecord
 from modules.train.state.training_state import TrainingState
@@ -80,8 +78,9 @@ class Run:
     forward: dict[str, torch.nn.Module] = field(default_factory=dict)
     shape_log: BatchShapeLog = field(default_factory=BatchShapeLog)
     trained: list[str] = field(default_factory=list)
-    restore_precision: Callable[[], None] = lambda: None  # undoes `float32_precision`
-    lock: OutputLock | None = None       # held by the main process until the run closes
+    # What `recipe.setup` changed beyond the run's objects, undone in reverse order by `close`:
+    # the compile engine, the float32 precision switches, hooks, TensorBoard/W&B, the lock
+    undo: ExitStack = field(default_factory=ExitStack)
     boundary: BoundaryState | None = None  # the small states after the last optimizer step
     last_backup_step: int = -1
     refused_backup_step: int = -1  # a step whose backup held NaN/inf: not tried twice
@@ -223,15 +222,7 @@ class Run:
 
     def close(self) -> None:
         self.loader = None  # its persistent workers shut down with it (refcount)
-        self.guard.close()
-        if isinstance(self.optimizer, FusedBackward):
-            self.optimizer.close()  # its hooks off the weights
-        if self.offload is not None:
-            self.offload.close()
-        self.restore_precision()
-        self.writer.close()
-        if self.lock is not None:
-            self.lock.release()
+        self.undo.close()
 
 
 def item_buckets(config: Config, dataset: ImageCaptionDataset | CachedLatentDataset

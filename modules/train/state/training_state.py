@@ -61,6 +61,10 @@ class TrainingState:
     validation: list[list] = field(default_factory=list)
     # The W&B run this run logs to (train/outputs/metrics.py): a resumed run continues it.
     wandb_run_id: str = ""
+    # The passes ("sample", "validation") due at `step` that Stop skipped or cut short: a
+    # resumed run runs them before its first step (docs/resume.md, "Sampling and validation
+    # at the stopped step"), so the series keep every point they were asked for.
+    owed_passes: list[str] = field(default_factory=list)
 
     def reseed_draws(self, seed: int, rank: int) -> None:
         """Seed the draws of the step about to run from (seed, rank, step): every process of a
@@ -75,7 +79,7 @@ class TrainingState:
                 "last_sample_step": self.last_sample_step, "bad_steps": self.bad_steps,
                 "skipped_steps": self.skipped_steps, "smoothed": self.smoothed.state_dict(),
                 "validation": [list(point) for point in self.validation],
-                "wandb_run_id": self.wandb_run_id}
+                "wandb_run_id": self.wandb_run_id, "owed_passes": list(self.owed_passes)}
 
     def load_state_dict(self, state: dict) -> None:
         for name in ("step", "epoch", "batches_done", "last_sample_step", "bad_steps",
@@ -85,3 +89,4 @@ class TrainingState:
         # backups written before validation existed hold no history
         self.validation = [[int(step), loss] for step, loss in state.get("validation", [])]
         self.wandb_run_id = str(state.get("wandb_run_id", ""))  # none before W&B existed
+        self.owed_passes = [str(name) for name in state.get("owed_passes", [])]  # none before
