@@ -65,6 +65,10 @@ class FallbackGuard:
         # successful calls per batch shape since the compiled code was last built (a fallback
         # rebuilds it: every shape compiles and records again)
         self.shape_calls: dict[Hashable, int] = {}
+        # Why the window's micro-steps cannot be run again now ("" when they can): set by a
+        # trainer whose micro-steps change state a replay would change twice (the fused
+        # backward pass steps weights inside backward, modules/train/recipe/fused.py).
+        self.replay_blocker: Callable[[], str] = lambda: ""
 
     @property
     def persistent_grads(self) -> bool:
@@ -131,6 +135,15 @@ class FallbackGuard:
         names = ", ".join(f"{c.label} ({c.plan.effective.value})" for c in failing)
         return CompileError(f"compiling {names} failed and compile.strict is on: "
                             f"{type(err).__name__}: {first_line(err)}")
+
+    def unreplayable_error(self, failing: list[CompiledComponent], err: Exception,
+                           why: str) -> CompileError:
+        names = ", ".join(f"{c.label} ({c.plan.effective.value})" for c in failing)
+        return CompileError(f"compiling {names} failed part way through a step, and {why}: "
+                            "running the step again on the next backend would apply those "
+                            "updates twice, so the run stops here (set that component's "
+                            f"compile.backend lower, or turn it off): {type(err).__name__}: "
+                            f"{first_line(err)}")
 
     def fall_back(self, failing: list[CompiledComponent], reason: str) -> None:
         """Move ``failing`` one backend down; ``reason`` is the failure as one line (the caller
@@ -200,6 +213,8 @@ class GuardedWindow:
                     raise
                 if guard.strict:
                     raise guard.strict_error(failing, err) from err
+                if why := guard.replay_blocker():
+                    raise guard.unreplayable_error(failing, err, why) from err
                 reason = describe(err)
             else:
                 guard.after_success(guard.compiled_since(before), shape)

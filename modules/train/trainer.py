@@ -11,6 +11,7 @@ from modules.train.recipe.distributed import init_distributed
 from modules.train.state.history import record_compile_time
 from modules.train.setup.prepare import PreparedRun, prepare_run
 from modules.train.recipe.loop import NonFiniteTraining
+from modules.train.recipe.fused import FusedBackward
 from modules.train.recipe.recipe import RunResult, TrainingRecipe
 from modules.train.outputs.metrics import WandbStartError
 from modules.train.outputs.record import peak_memory
@@ -114,6 +115,11 @@ def backup_after_failure(recipe: TrainingRecipe, exc: Exception) -> str:
     run = recipe.built_run
     if isinstance(exc, (NonFiniteTraining, DiskFull)) or run.step == 0:
         return resume_hint(run.output_dir)
+    if isinstance(run.optimizer, FusedBackward) and (half := run.optimizer.unfinished_step()):
+        run.record.write(backup_after_failure=f"not written: {half}, so the weights were part "
+                                              "way through a step")
+        return (f"; no backup after the failure ({half} when it failed: a backup would hold "
+                "half a step)" + resume_hint(run.output_dir))
     if run.dist.sharded:  # gathering needs every process, and the failed one may not come
         if run.dist.is_main:
             run.record.write(backup_after_failure="not written: under FSDP a backup gathers "

@@ -384,3 +384,37 @@ def test_release_device_memory_collects_before_it_empties_the_cache(monkeypatch)
     finally:
         gc.enable()
     assert emptied == [True]
+
+
+def test_a_step_that_changed_weights_before_its_compile_failed_is_not_replayed(
+        mlp, failing_backends):
+    """The fused backward pass (modules/train/recipe/fused.py) steps each weight as its gradient
+    arrives: an eager head's weights are stepped before the compiled body's backward fails, so
+    replaying the window would step them twice. The trainer tells the guard so, and the failure
+    stops the run naming why, with the head stepped once."""
+    from modules.compile.plan import CompileError
+    from modules.train.recipe.fused import FusedBackward
+
+    body, head = mlp(), torch.nn.Linear(1, 1)
+    engine = CompileEngine(CompileConfig(backend=CompileBackend.TRITON,
+                                         dynamic=DynamicShapes.STATIC),
+                           {"unet": body}, capabilities=GPU,
+                           table={**BACKENDS,
+                                  CompileBackend.TRITON: BackendRow(failing_backends[1], False),
+                                  CompileBackend.INDUCTOR: BackendRow("aot_eager", False)})
+    engine.apply()
+    fused = FusedBackward([{"params": [*head.parameters(), *body.parameters()], "lr": 0.5}],
+                          lambda group: torch.optim.SGD(group["params"], lr=group["lr"]), 0.0)
+    engine.guard.replay_blocker = fused.unfinished_step
+    before = head.weight.detach().clone()
+    x = torch.ones(2, 4)
+    with torch.no_grad():
+        grad = body(x).sum()  # d(sum(head(body(x))))/d(head.weight): the batch summed
+    with pytest.raises(CompileError, match="part way through a step") as caught:
+        engine.window().run(lambda: head(body(x)).sum().backward())
+    assert "already updated 2 of 6 weights" in str(caught.value)
+    assert "compiled backward failed" in str(caught.value)
+    torch.testing.assert_close(head.weight.detach(), before - 0.5 * grad.reshape(1, 1))
+    assert fused.unfinished_step()  # what the trainer's backup after the failure reads
+    fused.close()
+    engine.close()

@@ -379,3 +379,41 @@ def test_the_step_after_a_non_finite_one_is_clean():
     (first.sum() + second.sum()).backward()
     assert torch.isfinite(opt.gradient_norm()) and opt.held_back == 0
     opt.close()
+
+
+def test_no_backup_after_a_failure_part_way_through_a_fused_step(tmp_path):
+    """A failure after some weights of the step in flight were stepped (the fused pass steps
+    them inside backward) leaves the weights half a step on: a backup then would be resumed as
+    a whole step. None is written, and the message and run.json say why; a failure between
+    steps still writes one."""
+    import json
+    from types import SimpleNamespace
+
+    from modules.train.outputs.record import RunRecord
+    from modules.train.recipe.distributed import Distributed
+    from modules.train.trainer import backup_after_failure
+
+    weights = [torch.nn.Parameter(torch.ones(2)) for _ in range(3)]
+    optimizer = FusedBackward([{"params": weights, "lr": 0.1}],
+                              lambda group: torch.optim.SGD(group["params"], lr=group["lr"]),
+                              0.0)
+    (weights[2] * weights[2]).sum().backward()  # one weight's hook has stepped it
+
+    class Recipe:
+        saved: list[str] = []
+
+        def save_backup(self, reason: str) -> None:
+            self.saved.append(reason)
+
+    recipe = Recipe()
+    recipe.built_run = SimpleNamespace(optimizer=optimizer, dist=Distributed(), step=3,
+                                       output_dir=tmp_path, record=RunRecord(tmp_path / "run.json"))
+    message = backup_after_failure(recipe, RuntimeError("a step failed"))
+    assert recipe.saved == [] and "no backup after the failure" in message
+    assert "updated 1 of 3 weights" in message
+    record = json.loads((tmp_path / "run.json").read_text())
+    assert record["backup_after_failure"].startswith("not written: the fused backward pass")
+    optimizer.step()  # the step closed: the weights are whole again
+    backup_after_failure(recipe, RuntimeError("sampling failed"))
+    assert recipe.saved == ["after a failure"]
+    optimizer.close()

@@ -94,6 +94,14 @@ class FusedBackward(torch.optim.Optimizer):
             param.grad = None
         return step_weight
 
+    def unfinished_step(self) -> str:
+        """Why the weights are part way through a step ("" when they are not): some hooks of
+        the step in flight have run, so a replay of it or a backup now would be wrong."""
+        if not self.norms:
+            return ""
+        return (f"the fused backward pass had already updated {len(self.norms)} of "
+                f"{len(self.weights)} weights of the step")
+
     def gradient_norm(self) -> torch.Tensor:
         """The step's global gradient norm (before the per-weight clipping), on the device."""
         if not self.norms:  # backward was skipped (a non-finite loss)
