@@ -20,8 +20,9 @@ from modules.events import RecordingCallbacks
 from modules.models.families import family_of
 from modules.models.loader import load_bundle
 from modules.models.tiny import ensure_builtin_model
-from modules.train.memory.offload import (block_bytes, build_streamer,
-                                          choose_blocks, in_flight_bytes, stream_schedule)
+from modules.train.memory.offload import (block_bytes, build_streamer, choose_blocks,
+                                          held_on_host, in_flight_bytes, offload_choice,
+                                          stream_schedule)
 from modules.train.recipe.trainable import component_dtypes, prepare_trainable
 from modules.train.trainer import train
 from tests.train.test_resume import (assert_resumed_as, final_tensors, run_json,
@@ -132,6 +133,37 @@ def test_streamer_follows_its_schedule_and_leaves_nothing_resident(unet_parts):
     assert torch.equal(out, want_out)
     assert want_grads.keys() == grads.keys()
     assert all(torch.equal(want_grads[n], grads[n]) for n in want_grads)
+
+
+def test_loading_leaves_the_offloaded_blocks_frozen_weights_in_cpu_memory(tempera_cache,
+                                                                          tmp_path):
+    """Placing the denoiser on the device never holds the offloaded blocks' frozen weights
+    there (the load's peak is the rest of the model). A CPU has no second device to watch
+    weights leave for, so the move here is a conversion every weight visibly undergoes (to
+    float64: `.to(device)` and `.to(dtype)` are the same `Module._apply`, which changes each
+    parameter's data in place): inside `held_on_host` the chosen blocks' frozen weights come
+    out the same storage, while their LoRA weights and everything else converted."""
+    config = make_config(tempera_cache, tmp_path)
+    bundle = load_bundle(ensure_builtin_model(config.model.path, tempera_cache), config.model,
+                         component_dtypes(config))
+    prepare_trainable(bundle, config)
+    unet, names = bundle.denoiser, family_of(bundle.model_type).repeated_blocks
+    blocks, chosen = offload_choice(unet, names, 100)  # every block: some hold LoRA weights
+    params = list(unet.parameters())
+    kept = {id(p): p.data for i in chosen for p in blocks[i].parameters()
+            if not p.requires_grad}
+    lora = [p for i in chosen for p in blocks[i].parameters() if p.requires_grad]
+    assert kept and lora and len(chosen) == len(blocks)
+    assert len(kept) < len(params) - len(lora)  # weights outside the blocks too
+    with held_on_host(unet, names, 100):
+        unet.to(torch.float64)
+    assert list(unet.parameters()) == params  # the same parameters, their data changed
+    for param in params:
+        if id(param) in kept:
+            assert param.data_ptr() == kept[id(param)].data_ptr()
+            assert param.dtype == torch.float32
+        else:
+            assert param.dtype == torch.float64
 
 
 def test_streamer_never_moves_trained_weights(unet_parts):

@@ -304,11 +304,38 @@ class BlockStreamer:
                 "pinned": self.cuda, "side_stream": self.cuda}
 
 
+def offload_choice(denoiser: nn.Module, names: tuple[str, ...],
+                   count: int) -> tuple[list[nn.Module], list[int]]:
+    """The denoiser's repeated blocks and the indices of the ``count`` to offload."""
+    blocks = denoiser_blocks(denoiser, names)
+    return blocks, choose_blocks([block_bytes(b) for b in blocks], min(count, len(blocks)))
+
+
+@contextmanager
+def held_on_host(denoiser: nn.Module, names: tuple[str, ...], count: int) -> Iterator[None]:
+    """Inside, moving the denoiser to the device leaves the frozen weights of the blocks
+    `model.offload_blocks` chooses where they are (CPU memory), so loading never holds the
+    whole denoiser on the device: those weights stand in as empty tensors while the rest
+    moves (their LoRA weights and buffers move as usual), and are put back after.
+    `build_streamer` then takes them as its host copies."""
+    if count <= 0:
+        yield
+        return
+    blocks, chosen = offload_choice(denoiser, names, count)
+    kept = [(p, p.data) for i in chosen for p in blocks[i].parameters() if not p.requires_grad]
+    for param, data in kept:
+        param.data = torch.empty(0, dtype=data.dtype, device=data.device)
+    try:
+        yield
+    finally:
+        for param, data in kept:
+            param.data = data
+
+
 def build_streamer(denoiser: nn.Module, names: tuple[str, ...], count: int,
                    device: torch.device) -> BlockStreamer | None:
     """The streamer for `model.offload_blocks` (None when 0): the ``count`` largest blocks."""
     if count <= 0:
         return None
-    blocks = denoiser_blocks(denoiser, names)
-    chosen = choose_blocks([block_bytes(b) for b in blocks], min(count, len(blocks)))
+    blocks, chosen = offload_choice(denoiser, names, count)
     return BlockStreamer(blocks, chosen, device)

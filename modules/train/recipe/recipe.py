@@ -39,7 +39,7 @@ from modules.train.outputs.checkpoints import due_checkpoint
 from modules.models.model_hash import base_model_hashes
 from modules.models.families import family_of
 from modules.paths import cache_dir_for
-from modules.train.memory.offload import build_streamer
+from modules.train.memory.offload import build_streamer, held_on_host
 from modules.train.outputs.data_metadata import training_data_metadata
 from modules.train.recipe.compile_guard import (build_compile_guard, component_blocks,
                                                 denoiser_compile_cost)
@@ -172,15 +172,17 @@ class TrainingRecipe:
             # no step was trained: nothing to back up; a resumed run's backups stay as they were
             record.write(status="stopped", stopped_during="latent caching")
             raise
-        for name, module in bundle.components().items():
-            if name not in off:
-                # transformers' PreTrainedModel.to is @wraps(nn.Module.to): typeshed's _Wrapped
-                # keeps the unbound signature, so mypy reads `device` as `self`
-                module.to(device)  # type: ignore[arg-type]  # see above
+        # the blocks block offload streams never go to the device whole (the load's peak)
+        repeated = family_of(bundle.model_type).repeated_blocks
+        with held_on_host(bundle.denoiser, repeated, config.model.offload_blocks):
+            for name, module in bundle.components().items():
+                if name not in off:
+                    # transformers' PreTrainedModel.to is @wraps(nn.Module.to): typeshed's
+                    # _Wrapped keeps the unbound signature, so mypy reads `device` as `self`
+                    module.to(device)  # type: ignore[arg-type]  # see above
         apply_denoiser_memory_format(bundle, config)
         # before compile: the streamer's calls sit around the blocks' compiled code
-        offload = build_streamer(bundle.denoiser, family_of(bundle.model_type).repeated_blocks,
-                                 config.model.offload_blocks, device)
+        offload = build_streamer(bundle.denoiser, repeated, config.model.offload_blocks, device)
         if offload is not None:
             undo.callback(offload.close)
         record.write(block_offload=offload.record() if offload else {"blocks": 0})
@@ -220,6 +222,8 @@ class TrainingRecipe:
         undo.callback(restore_precision)
         guard = build_compile_guard(config, bundle, device, params, trained, callbacks)
         undo.callback(guard.close)  # the compiled modules eager again, dynamo's settings back
+        if isinstance(optimizer, FusedBackward):  # weights stepped in backward: no replay
+            guard.guard.replay_blocker = optimizer.unfinished_step
         if guard.persistent_grads:
             for plist in params.values():
                 for p in plist:
