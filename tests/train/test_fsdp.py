@@ -442,7 +442,7 @@ def test_no_backup_after_a_failure_under_fsdp(tmp_path):
     dist = Distributed(rank=0, world_size=2, strategy=DistributedStrategy.FSDP)
     record = RunRecord(tmp_path / "run.json")
     recipe = Recipe()
-    recipe.built_run = SimpleNamespace(dist=dist, step=3, output_dir=tmp_path,
+    recipe.built_run = SimpleNamespace(dist=dist, step=3, output_dir=tmp_path, optimizer=None,
                                        record=record)
     message = backup_after_failure(recipe, RuntimeError("a step failed"))
     assert "no backup after the failure (FSDP" in message and "nothing to resume" in message
