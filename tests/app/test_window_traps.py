@@ -341,6 +341,8 @@ def answer_no():  # runs inside the dialog's own event loop
 app.after(200, answer_no)
 app.after(100, lambda: app.tk.eval(app.protocol("WM_DELETE_WINDOW")))  # the close button
 run_window(app)
+import gc
+print("frozen", gc.get_freeze_count(), flush=True)
 print("closed", app.closed, time.time(), flush=True)
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
@@ -350,8 +352,13 @@ print("closed", app.closed, time.time(), flush=True)
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
     closed, returned = lines["closed"].split()
     assert closed == "True"
+    # the cause of the slow exit is handled: what torch made is left to the exit, uncollected
+    # (the whole heap: over 100,000 objects once torch is loaded)
+    assert int(lines["frozen"]) > 100_000, lines["frozen"]
+    # and the exit is prompt; leaving took 2-9 s before. The bound is loose: on a machine
+    # loaded by other processes an exit that frees nothing took 1.04 s once.
     closing, leaving = float(returned) - float(lines["answered"]), ended - float(returned)
-    assert closing < 3.0 and leaving < 1.0, (closing, leaving)  # leaving took 2-9 s
+    assert closing < 3.0 and leaving < 2.0, (closing, leaving)
 
 
 def test_the_engine_loader_turns_the_collector_back_on_whoever_ends_last():
