@@ -192,9 +192,10 @@ def test_compiled_cells_start_cold_then_warm_and_their_lora_loads(tmp_path):
     The headline phase's own DEFAULT cell is not run again here: it is this cold cell's job
     (`_cell` with no warm_from: a fresh cache) alone and compared with eager, as the warm cell
     below is; its lora job's wiring to it is test_gpu_validate.py's
-    test_the_headline_phase_comes_first_and_times_eager_default_and_inductor_alone, a lora job
-    after its run is the breadth phase's in the rehearsal above, and so is the eager cell the
-    ratio is against; the ratio's arithmetic is test_gpu_validate.py's."""
+    test_the_headline_phase_comes_first_and_times_eager_default_and_inductor_alone; a lora job
+    run after the job it checks is the breadth phase's, and the eager cell the ratio is against
+    the headline phase's, in the rehearsal above; the ratio's arithmetic is
+    test_gpu_validate.py's."""
     from modules.bench.gpu_jobs import lora_body
     from modules.bench.gpu_phases import TINY_SIZES
 
