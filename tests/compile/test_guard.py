@@ -72,6 +72,16 @@ def train_windows(unet, windows, engine=None):
     return losses, [p.detach().clone() for p in params]
 
 
+def failing_backward_engine(model, backend: str) -> CompileEngine:
+    """TRITON (static shapes, a GPU forced) runs ``backend`` (conftest's failing-backward
+    stand-in), INDUCTOR below it is aot_eager; applied to ``model`` as the UNet."""
+    engine = CompileEngine(CompileConfig(backend=CompileBackend.TRITON,
+                                         dynamic=DynamicShapes.STATIC),
+                           {"unet": model}, capabilities=GPU, table=table(backend))
+    engine.apply()
+    return engine
+
+
 def static_triton() -> CompileConfig:
     return CompileConfig(backend=CompileBackend.TRITON, dynamic=DynamicShapes.STATIC,
                          scope=CompileScope.FULL)
@@ -122,13 +132,7 @@ def test_a_failure_in_the_middle_of_a_window_replays_the_whole_window(make_unet,
 def test_the_guard_copies_no_gradients(make_unet, monkeypatch, failing_backends):
     unet = make_unet(lora=True)
     params = [p for p in unet.parameters() if p.requires_grad]
-    engine = CompileEngine(CompileConfig(backend=CompileBackend.TRITON,
-                                         dynamic=DynamicShapes.STATIC),
-                           {"unet": unet}, capabilities=GPU,
-                           table={**BACKENDS,
-                                  CompileBackend.TRITON: BackendRow(failing_backends[1], False),
-                                  CompileBackend.INDUCTOR: BackendRow("aot_eager", False)})
-    engine.apply()
+    engine = failing_backward_engine(unet, failing_backends[1])
     cloned: list[int] = []
     real_clone = torch.Tensor.clone
 
@@ -396,13 +400,7 @@ def test_a_step_that_changed_weights_before_its_compile_failed_is_not_replayed(
     from modules.train.recipe.fused import FusedBackward
 
     body, head = mlp(), torch.nn.Linear(1, 1)
-    engine = CompileEngine(CompileConfig(backend=CompileBackend.TRITON,
-                                         dynamic=DynamicShapes.STATIC),
-                           {"unet": body}, capabilities=GPU,
-                           table={**BACKENDS,
-                                  CompileBackend.TRITON: BackendRow(failing_backends[1], False),
-                                  CompileBackend.INDUCTOR: BackendRow("aot_eager", False)})
-    engine.apply()
+    engine = failing_backward_engine(body, failing_backends[1])
     fused = FusedBackward([{"params": [*head.parameters(), *body.parameters()], "lr": 0.5}],
                           lambda group: torch.optim.SGD(group["params"], lr=group["lr"]), 0.0)
     engine.guard.replay_blocker = fused.unfinished_step

@@ -7,7 +7,6 @@ no recompile; refused for a full fine-tune and a FULL compile. Speed, overlap an
 are a GPU measurement (docs/gpu.md)."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,17 +24,11 @@ from modules.train.memory.offload import (block_bytes, build_streamer, choose_bl
                                           stream_schedule)
 from modules.train.recipe.trainable import component_dtypes, prepare_trainable
 from modules.train.trainer import train
-from tests.train.test_resume import (assert_resumed_as, final_tensors, run_json,
-                                     stop_then_resume)
+from tests.train.lever_runs import (REGIONAL_AOT_EAGER, LeverRuns, lever_runs, make_config,
+                                    train_counting_dynamo)
+from tests.train.test_resume import assert_resumed_as, final_tensors, run_json
 
-BASE = ("training.max_steps=2", "training.batch_size=2", "training.learning_rate=1e-3",
-        "data.resolution=64", "sampling.prompts=[]", "logging.tensorboard=false")
 OFFLOAD = "model.offload_blocks=3"
-
-
-def make_config(cache: Path, out: Path, *overrides: str) -> Config:
-    return apply_overrides(Config(), [f"general.cache_dir={cache}", f"output.dir={out}",
-                                      *BASE, *overrides])
 
 
 # ------------------------------------------------------------------ the schedule, as data
@@ -90,6 +83,12 @@ def one_step(unet, inputs, streamer=None) -> tuple[torch.Tensor, dict[str, torch
     return out.detach(), grads
 
 
+def streamer_for(bundle, count: int):
+    """The streamer (on the CPU) for the ``count`` largest of the bundle's denoiser blocks."""
+    names = family_of(bundle.model_type).repeated_blocks
+    return build_streamer(offload_choice(bundle.denoiser, names, count), torch.device("cpu"))
+
+
 def test_streamer_follows_its_schedule_and_leaves_nothing_resident(unet_parts):
     """With gradient checkpointing, whose re-run forwards happen in backward (without it: the
     training runs below). Over 10 s: three forward and backward passes of the tiny UNet."""
@@ -98,8 +97,7 @@ def test_streamer_follows_its_schedule_and_leaves_nothing_resident(unet_parts):
     unet.enable_gradient_checkpointing()
     try:
         want_out, want_grads = one_step(unet, inputs)
-        streamer = build_streamer(unet, family_of(bundle.model_type).repeated_blocks, 3,
-                                  torch.device("cpu"))
+        streamer = streamer_for(bundle, 3)
         assert streamer is not None and len(streamer.offloaded) == 3
         sizes = [block_bytes(b) for b in streamer.blocks]
         assert streamer.offloaded == choose_blocks(sizes, 3)
@@ -148,14 +146,16 @@ def test_loading_leaves_the_offloaded_blocks_frozen_weights_in_cpu_memory(temper
                          component_dtypes(config))
     prepare_trainable(bundle, config)
     unet, names = bundle.denoiser, family_of(bundle.model_type).repeated_blocks
-    blocks, chosen = offload_choice(unet, names, 100)  # every block: some hold LoRA weights
+    choice = offload_choice(unet, names, 100)  # every block: some hold LoRA weights
+    assert choice is not None
+    blocks, chosen = choice
     params = list(unet.parameters())
     kept = {id(p): p.data for i in chosen for p in blocks[i].parameters()
             if not p.requires_grad}
     lora = [p for i in chosen for p in blocks[i].parameters() if p.requires_grad]
     assert kept and lora and len(chosen) == len(blocks)
     assert len(kept) < len(params) - len(lora)  # weights outside the blocks too
-    with held_on_host(unet, names, 100):
+    with held_on_host(choice):
         unet.to(torch.float64)
     assert list(unet.parameters()) == params  # the same parameters, their data changed
     for param in params:
@@ -168,8 +168,7 @@ def test_loading_leaves_the_offloaded_blocks_frozen_weights_in_cpu_memory(temper
 
 def test_streamer_never_moves_trained_weights(unet_parts):
     bundle, _ = unet_parts
-    streamer = build_streamer(bundle.denoiser, family_of(bundle.model_type).repeated_blocks,
-                              100, torch.device("cpu"))
+    streamer = streamer_for(bundle, 100)
     assert streamer is not None
     try:
         moved = {id(p) for i in streamer.offloaded for p, _ in streamer._host[i]}
@@ -188,8 +187,7 @@ def test_a_pass_aside_streams_alone_and_keeps_the_training_order(unet_parts):
     otherwise teach it a one-block order)."""
     bundle, inputs = unet_parts
     unet = bundle.denoiser
-    streamer = build_streamer(unet, family_of(bundle.model_type).repeated_blocks, 3,
-                              torch.device("cpu"))
+    streamer = streamer_for(bundle, 3)
     assert streamer is not None
     try:
         one_step(unet, inputs, streamer)
@@ -223,49 +221,32 @@ def test_a_pass_aside_streams_alone_and_keeps_the_training_order(unet_parts):
 
 # ------------------------------------------------------------------ training with it
 @pytest.fixture(scope="module")
-def runs(tempera_cache, tmp_path_factory):
-    """The shared runs (2 steps each on the tiny model): without offload, with 3 blocks
-    offloaded stopped at step 1 and resumed (equal to the first: offload changes nothing and
-    resumes exactly), and under REGIONAL AOT_EAGER with gradient checkpointing (dynamo's
-    counters cleared before it). Over 10 s: four short trainings, one compiled."""
-    import torch._dynamo
-    from torch._dynamo.utils import counters
-
-    root = tmp_path_factory.mktemp("block-offload")
-    out = {name: root / name for name in ("off", "resumed", "compiled")}
-    train(make_config(tempera_cache, out["off"]), RecordingCallbacks())
-    stop_then_resume(make_config(tempera_cache, out["resumed"], OFFLOAD), at=1)
-    torch._dynamo.reset()
-    counters.clear()
-    try:
-        train(make_config(tempera_cache, out["compiled"], OFFLOAD, "compile.backend=AOT_EAGER",
-                          "compile.scope=REGIONAL", "compile.denoiser=true",
-                          "training.gradient_checkpointing=true"), RecordingCallbacks())
-        breaks = dict(counters["graph_break"])
-        recompiles = dict(counters["recompiles"]) if "recompiles" in counters else {}
-    finally:
-        torch._dynamo.reset()
-    return out, breaks, recompiles
+def runs(tempera_cache, tmp_path_factory) -> LeverRuns:
+    """The shared runs (2 steps each on the tiny model, tests/train/lever_runs.py): "plain"
+    without offload, 3 blocks offloaded stopped at step 1 and resumed (equal to the first:
+    offload changes nothing and resumes exactly), and under REGIONAL AOT_EAGER with gradient
+    checkpointing. Over 10 s: four short trainings, one compiled."""
+    return lever_runs(tempera_cache, tmp_path_factory.mktemp("block-offload"), (OFFLOAD,),
+                      compiled=("training.gradient_checkpointing=true",))
 
 
 def test_offloaded_run_resumes_to_the_run_without(runs):
     """The offloaded run, stopped after step 1 and resumed, equals the unbroken run without
     offload bit for bit: the losses step by step and the saved LoRA."""
-    out, _, _ = runs
-    assert_resumed_as(out["off"], out["resumed"])
+    assert_resumed_as(runs.out["plain"], runs.out["resumed"])
 
 
 def test_run_record_says_which_blocks(runs):
-    out, _, _ = runs
+    out = runs.out
     record = run_json(out["resumed"])["block_offload"]
     assert record["blocks"] == 3 and record["of"] > 3 and len(record["offloaded"]) == 3
     assert record["offloaded_bytes"] > record["in_flight_bytes"] > 0
-    assert run_json(out["off"])["block_offload"] == {"blocks": 0}
+    assert run_json(out["plain"])["block_offload"] == {"blocks": 0}
 
 
 def test_offload_keeps_regional_compile_without_graph_breaks(runs):
-    out, breaks, recompiles = runs
-    report = run_json(out["compiled"])["compile"]["unet"]
+    breaks, recompiles = runs.graph_breaks, runs.recompiles
+    report = run_json(runs.out["compiled"])["compile"]["unet"]
     assert report["effective"] == "AOT_EAGER" and report["scope"] == "REGIONAL", report
     assert report["compiled_code_ran"] and not report["degraded"], report
     assert breaks == {}, breaks
@@ -320,9 +301,6 @@ def test_zimage_lora_trains_with_offload_as_without(zimage_folder, tempera_cache
     REGIONAL AOT_EAGER, 2 steps equal the eager run without offload bit for bit (losses and
     the saved LoRA), the blocks streamed forward and backward, no graph break and no recompile
     after the first step. Over 10 s: two short trainings, one compiled."""
-    import torch._dynamo
-    from torch._dynamo.utils import counters
-
     from modules.train.memory import offload
 
     logs: list[list] = []
@@ -334,15 +312,8 @@ def test_zimage_lora_trains_with_offload_as_without(zimage_folder, tempera_cache
     monkeypatch.setattr(offload.BlockStreamer, "end", end)
     zimage = ("model.type=ZIMAGE", "model.path=builtin:tiny-zimage")
     train(make_config(tempera_cache, tmp_path / "off", *zimage), RecordingCallbacks())
-    torch._dynamo.reset()
-    counters.clear()
-    try:
-        train(make_config(tempera_cache, tmp_path / "on", *zimage, OFFLOAD,
-                          "compile.backend=AOT_EAGER", "compile.scope=REGIONAL",
-                          "compile.denoiser=true"), RecordingCallbacks())
-        breaks = dict(counters["graph_break"])
-    finally:
-        torch._dynamo.reset()
+    breaks, _ = train_counting_dynamo(make_config(tempera_cache, tmp_path / "on", *zimage,
+                                                  OFFLOAD, *REGIONAL_AOT_EAGER))
     off, on = run_json(tmp_path / "off"), run_json(tmp_path / "on")
     assert on["block_offload"]["blocks"] == 3 and on["block_offload"]["of"] == 4
     assert on["losses"] == off["losses"] and len(on["losses"]) == 2
@@ -381,8 +352,7 @@ def test_plan_counts_the_offloaded_blocks_as_the_real_ones_hold_them(unet_parts,
     bundle, _ = unet_parts
     config = make_config(tempera_cache, tmp_path / "out", OFFLOAD)
     folder = ensure_builtin_model(config.model.path, tempera_cache)
-    streamer = build_streamer(bundle.denoiser, family_of(bundle.model_type).repeated_blocks, 3,
-                              torch.device("cpu"))
+    streamer = streamer_for(bundle, 3)
     assert streamer is not None
     try:
         held = [sum(t.numel() * t.element_size() for t in streamer.host_tensors(i))

@@ -27,45 +27,26 @@ from modules.train.memory.memory_check import CardMemory
 from modules.train.memory.memory_plan import gib, plan_memory
 from modules.train.recipe.trainable import component_dtypes, prepare_trainable
 from modules.train.trainer import train
-from tests.train.test_resume import assert_resumed_as, run_json, stop_then_resume
+from tests.train.lever_runs import lever_runs, make_config
+from tests.train.test_resume import assert_resumed_as, run_json
 
 pytest.importorskip("torchao")
 
-BASE = ("training.max_steps=2", "training.batch_size=2",
-        "training.learning_rate=1e-3", "data.resolution=64", "sampling.prompts=[]",
-        "logging.tensorboard=false")
 FLOAT8 = "model.weight_storage=FLOAT8"
 
 
-def make_config(cache: Path, out: Path, *overrides: str) -> Config:
-    return apply_overrides(Config(), [f"general.cache_dir={cache}", f"output.dir={out}",
-                                      *BASE, *overrides])
-
-
 @pytest.fixture(scope="module")
-def runs(tempera_cache, tmp_path_factory):
-    """The shared runs (2 steps each on the tiny model): float32 base, float8 base, float8
-    stopped at step 1 and resumed, float8 under REGIONAL AOT_EAGER (dynamo's counters cleared
-    before it; it also samples). Over 10 s in all: four short trainings, one compiled."""
-    import torch._dynamo
-    from torch._dynamo.utils import counters
-
+def runs(tempera_cache, tmp_path_factory) -> tuple[dict[str, Path], dict]:
+    """The shared runs (2 steps each on the tiny model, tests/train/lever_runs.py): float32 base
+    ("full"), float8 base ("fp8"), float8 stopped at step 1 and resumed, float8 under REGIONAL
+    AOT_EAGER (it also samples); with that run's graph breaks. Over 10 s in all: four short
+    trainings, one compiled."""
     root = tmp_path_factory.mktemp("weight-storage")
-    out = {name: root / name for name in ("full", "fp8", "fp8_resumed", "fp8_compiled")}
-    train(make_config(tempera_cache, out["full"]), RecordingCallbacks())
-    train(make_config(tempera_cache, out["fp8"], FLOAT8), RecordingCallbacks())
-    stop_then_resume(make_config(tempera_cache, out["fp8_resumed"], FLOAT8), at=1)
-    torch._dynamo.reset()
-    counters.clear()
-    try:
-        train(make_config(tempera_cache, out["fp8_compiled"], FLOAT8, "compile.backend=AOT_EAGER",
-                          "compile.scope=REGIONAL", "compile.denoiser=true",
-                          'sampling.prompts=["a red square"]', "sampling.steps=2"),
-              RecordingCallbacks())
-        breaks = dict(counters["graph_break"])
-    finally:
-        torch._dynamo.reset()
-    return out, breaks
+    train(make_config(tempera_cache, root / "full"), RecordingCallbacks())
+    fp8 = lever_runs(tempera_cache, root, (FLOAT8,), plain=(FLOAT8,),
+                     compiled=('sampling.prompts=["a red square"]', "sampling.steps=2"))
+    return {"full": root / "full", "fp8": fp8.out["plain"], "fp8_resumed": fp8.out["resumed"],
+            "fp8_compiled": fp8.out["compiled"]}, fp8.graph_breaks
 
 
 def test_float8_run_records_its_storage_and_trains(runs):

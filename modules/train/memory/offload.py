@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -304,25 +304,34 @@ class BlockStreamer:
                 "pinned": self.cuda, "side_stream": self.cuda}
 
 
+class OffloadChoice(NamedTuple):
+    """The denoiser's repeated blocks and the indices of those `model.offload_blocks` offloads:
+    made once at setup, read by `held_on_host` (the load) and `build_streamer` (the steps)."""
+    blocks: list[nn.Module]
+    chosen: list[int]
+
+
 def offload_choice(denoiser: nn.Module, names: tuple[str, ...],
-                   count: int) -> tuple[list[nn.Module], list[int]]:
-    """The denoiser's repeated blocks and the indices of the ``count`` to offload."""
+                   count: int) -> OffloadChoice | None:
+    """The ``count`` largest of the denoiser's repeated blocks (None when ``count`` is 0)."""
+    if count <= 0:
+        return None
     blocks = denoiser_blocks(denoiser, names)
-    return blocks, choose_blocks([block_bytes(b) for b in blocks], min(count, len(blocks)))
+    return OffloadChoice(blocks, choose_blocks([block_bytes(b) for b in blocks],
+                                               min(count, len(blocks))))
 
 
 @contextmanager
-def held_on_host(denoiser: nn.Module, names: tuple[str, ...], count: int) -> Iterator[None]:
-    """Inside, moving the denoiser to the device leaves the frozen weights of the blocks
-    `model.offload_blocks` chooses where they are (CPU memory), so loading never holds the
-    whole denoiser on the device: those weights stand in as empty tensors while the rest
-    moves (their LoRA weights and buffers move as usual), and are put back after.
-    `build_streamer` then takes them as its host copies."""
-    if count <= 0:
+def held_on_host(choice: OffloadChoice | None) -> Iterator[None]:
+    """Inside, moving the denoiser to the device leaves the frozen weights of the chosen blocks
+    where they are (CPU memory), so loading never holds the whole denoiser on the device: those
+    weights stand in as empty tensors while the rest moves (their LoRA weights and buffers move
+    as usual), and are put back after. `build_streamer` then takes them as its host copies."""
+    if choice is None:
         yield
         return
-    blocks, chosen = offload_choice(denoiser, names, count)
-    kept = [(p, p.data) for i in chosen for p in blocks[i].parameters() if not p.requires_grad]
+    kept = [(p, p.data) for i in choice.chosen for p in choice.blocks[i].parameters()
+            if not p.requires_grad]
     for param, data in kept:
         param.data = torch.empty(0, dtype=data.dtype, device=data.device)
     try:
@@ -332,10 +341,8 @@ def held_on_host(denoiser: nn.Module, names: tuple[str, ...], count: int) -> Ite
             param.data = data
 
 
-def build_streamer(denoiser: nn.Module, names: tuple[str, ...], count: int,
-                   device: torch.device) -> BlockStreamer | None:
-    """The streamer for `model.offload_blocks` (None when 0): the ``count`` largest blocks."""
-    if count <= 0:
+def build_streamer(choice: OffloadChoice | None, device: torch.device) -> BlockStreamer | None:
+    """The streamer for the chosen blocks (None when block offload is off)."""
+    if choice is None:
         return None
-    blocks, chosen = offload_choice(denoiser, names, count)
-    return BlockStreamer(blocks, chosen, device)
+    return BlockStreamer(choice.blocks, choice.chosen, device)

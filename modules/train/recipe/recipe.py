@@ -39,7 +39,7 @@ from modules.train.outputs.checkpoints import due_checkpoint
 from modules.models.model_hash import base_model_hashes
 from modules.models.families import family_of
 from modules.paths import cache_dir_for
-from modules.train.memory.offload import build_streamer, held_on_host
+from modules.train.memory.offload import build_streamer, held_on_host, offload_choice
 from modules.train.outputs.data_metadata import training_data_metadata
 from modules.train.recipe.compile_guard import (build_compile_guard, component_blocks,
                                                 denoiser_compile_cost)
@@ -173,8 +173,9 @@ class TrainingRecipe:
             record.write(status="stopped", stopped_during="latent caching")
             raise
         # the blocks block offload streams never go to the device whole (the load's peak)
-        repeated = family_of(bundle.model_type).repeated_blocks
-        with held_on_host(bundle.denoiser, repeated, config.model.offload_blocks):
+        offloaded = offload_choice(bundle.denoiser, family_of(bundle.model_type).repeated_blocks,
+                                   config.model.offload_blocks)
+        with held_on_host(offloaded):
             for name, module in bundle.components().items():
                 if name not in off:
                     # transformers' PreTrainedModel.to is @wraps(nn.Module.to): typeshed's
@@ -182,7 +183,7 @@ class TrainingRecipe:
                     module.to(device)  # type: ignore[arg-type]  # see above
         apply_denoiser_memory_format(bundle, config)
         # before compile: the streamer's calls sit around the blocks' compiled code
-        offload = build_streamer(bundle.denoiser, repeated, config.model.offload_blocks, device)
+        offload = build_streamer(offloaded, device)
         if offload is not None:
             undo.callback(offload.close)
         record.write(block_offload=offload.record() if offload else {"blocks": 0})
