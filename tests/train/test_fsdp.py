@@ -260,8 +260,9 @@ def test_a_write_rank_0_cannot_make_stops_every_rank_with_its_message(tmp_path,
     """A sample rank 0 cannot write (a folder stands where its file must go) stops both ranks
     at once with the same error naming the file and the cause, where before rank 0 stopped
     alone and rank 1 waited in the next step's collective until the process group's timeout.
-    The checkpoint and the backup of step 1 stay whole. The one 2-process run of this check,
-    about 35 s with the 2 cores shared: two processes loading the tiny model (no compile)."""
+    The checkpoint and the backup of step 1 stay whole. The one 2-process run of this check:
+    23 s measured with the 2 cores otherwise idle, 49 s beside another test run, the cost of
+    two processes loading the tiny model (no compile) and training 2 steps."""
     out = tmp_path / "out"
     blocker = out / "samples" / "step-000002-0.png"
     (blocker / "inside").mkdir(parents=True)  # the sample of step 2 cannot be put there
