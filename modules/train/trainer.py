@@ -8,6 +8,7 @@ from modules.config.problems import ConfigError
 from modules.config.schema import Config
 from modules.events import NullCallbacks, StopRequested, TrainerCallbacks, TrainerCommands
 from modules.train.recipe.distributed import init_distributed
+from modules.train.state.backup import random_states, set_random_states
 from modules.train.state.history import record_compile_time
 from modules.train.setup.prepare import PreparedRun, prepare_run
 from modules.train.recipe.loop import NonFiniteTraining
@@ -37,7 +38,24 @@ class TrainingAborted(Exception):
 
 def train(config: Config, callbacks: TrainerCallbacks | None = None,
           commands: TrainerCommands | None = None) -> RunResult:
-    """Validate, prepare and run one training; raise ConfigError before anything is written."""
+    """Validate, prepare and run one training; raise ConfigError before anything is written.
+
+    The global random generators (Python's, NumPy's, torch's CPU one, and CUDA's where CUDA
+    was in use before the run) are left as the caller had them, however the run ends:
+    loading the model draws from torch's, setup seeds it (LoRA's init), steps may reseed it
+    (adapter dropout) and a resume sets all of them from the backup, and a front end that
+    trains again in this process (the GUI) must not inherit that. The run's own states are
+    in its backups, taken at step boundaries, so exact resume does not depend on them."""
+    states = random_states()
+    try:
+        return run_training(config, callbacks, commands)
+    finally:
+        set_random_states(states)
+
+
+def run_training(config: Config, callbacks: TrainerCallbacks | None,
+                 commands: TrainerCommands | None) -> RunResult:
+    """`train`'s body: prepare, set up, train, close, with one failure handling."""
     commands = commands or TrainerCommands()
     dist = init_distributed(config.general.device, config.training.distributed_strategy)
     if not dist.is_main:  # one rank reports; the others train quietly
@@ -127,8 +145,8 @@ def backup_after_failure(recipe: TrainingRecipe, exc: Exception) -> str:
                                                   "have ended some of them")
         return ("; no backup after the failure (FSDP: gathering the sharded state needs every "
                 "process)" + resume_hint(run.output_dir))
-    try:
-        recipe.save_backup("after a failure")
+    try:  # not agreed: the other processes may not come to it
+        recipe.save_backup("after a failure", agreed=False)
     except Exception as backup_exc:  # noqa: BLE001 - reported in the failure message
         return (f"; the backup after the failure failed too ({describe(backup_exc)})"
                 + resume_hint(run.output_dir))

@@ -225,6 +225,81 @@ def test_fsdp_backups_hold_the_whole_state_and_resume_exactly(fsdp_run, fsdp_res
     assert record_of(fsdp_resumed)["resumed_at_step"] == 2
 
 
+def launch_two_ranks(folder: Path, settings: dict, port: int, timeout: float
+                     ) -> list[subprocess.CompletedProcess]:
+    """scripts/train.py as ranks 0 and 1 of one gloo group, each started on its own with the
+    variables torchrun would give it, not under torchrun: torchrun ends every rank as soon as
+    one fails, which would hide a rank left waiting in a collective. A rank still running
+    after `timeout` seconds is killed (its return code then says so)."""
+    config = folder / "settings.json"
+    config.write_text(json.dumps(settings))
+    processes = []
+    for rank in (0, 1):
+        env = {**with_repo_on_pythonpath(), "OMP_NUM_THREADS": "1", "RANK": str(rank),
+               "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        processes.append(subprocess.Popen(
+            [sys.executable, str(REPO / "scripts" / "train.py"), "--config", str(config),
+             "--quiet"], cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True))
+    deadline = time.monotonic() + timeout
+    finished = []
+    for rank, process in enumerate(processes):
+        try:
+            out, err = process.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            out, err = process.communicate()
+        finished.append(subprocess.CompletedProcess(process.args, process.returncode, out, err))
+    return finished
+
+
+@pytest.mark.timeout(400)
+def test_a_write_rank_0_cannot_make_stops_every_rank_with_its_message(tmp_path,
+                                                                      tempera_cache):
+    """A sample rank 0 cannot write (a folder stands where its file must go) stops both ranks
+    at once with the same error naming the file and the cause, where before rank 0 stopped
+    alone and rank 1 waited in the next step's collective until the process group's timeout.
+    The checkpoint and the backup of step 1 stay whole. The one 2-process run of this check:
+    23 s measured with the 2 cores otherwise idle, 49 s beside another test run, the cost of
+    two processes loading the tiny model (no compile) and training 2 steps."""
+    out = tmp_path / "out"
+    blocker = out / "samples" / "step-000002-0.png"
+    (blocker / "inside").mkdir(parents=True)  # the sample of step 2 cannot be put there
+    settings = {
+        "general": {"cache_dir": str(tempera_cache), "device": "CPU"},
+        "data": {"resolution": 64},
+        "training": {"method": "FINE_TUNE", "distributed_strategy": "FSDP", "max_steps": 3,
+                     "batch_size": 2, "learning_rate": 1e-4},
+        "compile": {"backend": "NONE"},
+        "sampling": {"prompts": ["a red circle"], "steps": 2, "every_steps": 2},
+        "logging": {"tensorboard": False},
+        "output": {"dir": str(out), "save_every_steps": 1, "backup_every_steps": 1},
+    }
+    started = time.monotonic()
+    ranks = launch_two_ranks(tmp_path, settings, port=29545, timeout=240)
+    seconds = time.monotonic() - started
+    errors = [[line for line in rank.stderr.splitlines() if line.startswith("error:")]
+              for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [1, 1], (seconds, ranks[0].stderr[-2000:],
+                                                           ranks[1].stderr[-2000:])
+    assert errors[0] == errors[1] and len(errors[0]) == 1  # the same message on both ranks
+    [message] = errors[0]
+    assert "training failed at step 2: WriteFailed: rank 0 could not write the samples of " \
+           "step 2" in message
+    assert "IsADirectoryError" in message and str(blocker) in message  # the cause, the file
+    record = record_of(out)
+    assert record["status"] == "failed" and record["error"] in message
+    # what was saved before the failure is whole: the checkpoint and backup of step 1
+    from diffusers import UNet2DConditionModel
+    from modules.train.state.backup import load_states
+    UNet2DConditionModel.from_pretrained(out / "checkpoints" / "step-000001" / "unet")
+    info, states = load_states(out / "backups" / "step-000001")
+    assert info["step"] == 1 and states["training"]["step"] == 1
+    assert sorted(p.name for p in (out / "samples").iterdir()) == ["step-000002-0.png"]
+    assert blocker.is_dir() and (blocker / "inside").is_dir()  # left as it was
+
+
 def test_an_fsdp_backup_resumes_in_one_process_under_ddp(fsdp_run, tmp_path):
     """Backups have one format: the FSDP run's step-2 backup resumes in one process with
     training.distributed_strategy=DDP (a change the resume lists, and allows). Its step 3
@@ -306,31 +381,102 @@ def test_sharded_gradients_and_compile_equal_one_process(tmp_path):
 
 
 class OtherRankSaw:
-    """A sharded run's ranks where another rank answered yes (its `any` is the all-reduce)."""
-    sharded = True
+    """Ranks where another rank answered yes (its `any` / `any_of` are the all-reduce)."""
+    sharded = enabled = True
 
     def __init__(self) -> None:
-        self.asked: list[bool] = []
+        self.asked: list[tuple[bool, ...]] = []
 
     def any(self, flag: bool) -> bool:
-        self.asked.append(flag)
+        self.asked.append((flag,))
         return True
 
+    def any_of(self, *flags: bool) -> tuple[bool, ...]:
+        self.asked.append(flags)
+        return tuple(True for _ in flags)
 
-def test_a_stop_or_sample_request_one_rank_saw_is_every_ranks():
-    """Under FSDP every rank draws the samples: Stop between denoising steps and "Sample now"
-    are agreed over the ranks (one rank leaving a sharded forward would hang the others)."""
-    from types import SimpleNamespace
 
-    from modules.train.outputs.writes import agreed_stop, sample_due
-    run = SimpleNamespace(dist=OtherRankSaw(), config=Config())
-    assert agreed_stop(run, lambda: False)() is True
-    assert sample_due(run, False) is True
-    assert run.dist.asked == [False, False]
+def test_a_stop_one_rank_saw_while_sampling_is_every_ranks():
+    """Under FSDP every rank draws the samples: Stop between denoising steps is agreed over
+    the ranks (one rank leaving a sharded forward would hang the others)."""
+    from modules.train.outputs.writes import agreed_stop
+    run = SimpleNamespace(dist=OtherRankSaw())
+    assert agreed_stop(run, lambda: False)() is True and run.dist.asked == [(False,)]
     run.dist.sharded = False  # one process or DDP: rank 0 alone samples, nothing is agreed
-    assert agreed_stop(run, lambda: False)() is False
-    assert sample_due(run, False) is False
-    assert run.dist.asked == [False, False]
+    assert agreed_stop(run, lambda: False)() is False and run.dist.asked == [(False,)]
+
+
+@pytest.mark.parametrize("sharded", [True, False])
+def test_sample_and_save_now_one_rank_took_are_every_ranks_on_the_same_step(sharded):
+    """"Sample now" and "Save now" make every rank act (FSDP: all draw, all gather the
+    weights; DDP: all wait for rank 0's write), so several processes agree on them with one
+    all-reduce of both flags where they look for Stop (every STOP_CHECK_EVERY_STEPS steps);
+    a request waits there untaken. One process takes them after every step."""
+    from modules.events import TrainerCommands
+    from modules.train.outputs.writes import agreed_requests, sample_due
+    from modules.train.state.run import Run
+    commands = TrainerCommands()
+    dist = OtherRankSaw()
+    dist.sharded = sharded
+    run = SimpleNamespace(dist=dist, step=Run.STOP_CHECK_EVERY_STEPS + 1, config=Config(),
+                          STOP_CHECK_EVERY_STEPS=Run.STOP_CHECK_EVERY_STEPS)
+    commands.request_save()
+    assert agreed_requests(run, commands) == (False, False) and dist.asked == []
+    run.step = 2 * Run.STOP_CHECK_EVERY_STEPS  # where Stop is looked at: the save asked above
+    assert agreed_requests(run, commands) == (True, True)  # another rank asked to sample
+    assert dist.asked == [(False, True)]
+    assert sample_due(run, True) and not sample_due(run, False)  # no collective of its own
+    assert dist.asked == [(False, True)]
+    dist.enabled = False  # one process: taken after every step, nothing agreed
+    run.step = 3
+    commands.request_sample()
+    assert agreed_requests(run, commands) == (True, False)
+    assert agreed_requests(run, commands) == (False, False) and dist.asked == [(False, True)]
+
+
+class RankZeroSaid(Distributed):
+    """Rank `rank` of 2 whose broadcast hands out `said` as rank 0's value (rank 0 keeps its
+    own, as `broadcast_object_list` leaves it)."""
+
+    def __init__(self, rank: int, said: object = None) -> None:
+        super().__init__(rank=rank, world_size=2)
+        self.said, self.sent = said, []
+
+    def from_main(self, value: object) -> object:
+        self.sent.append(value)
+        return value if self.is_main else self.said
+
+
+def test_a_failed_write_of_rank_0_is_raised_by_every_rank_with_its_message(tmp_path):
+    """`agreed_write`: rank 0 writes and broadcasts how it went; each rank raises the same
+    error (a full disk stays DiskFull); the other ranks never run the write. One process:
+    the write's own exception, unchanged."""
+    from modules.train.outputs.main_writes import WriteFailed, agreed_write
+    from modules.util.disk import DiskFull
+    target = tmp_path / "samples"
+    target.write_text("a file where the folder must go")
+
+    def write() -> None:
+        (target / "step-000001-0.png").write_bytes(b"png")
+
+    main = RankZeroSaid(0)
+    with pytest.raises(WriteFailed) as failed:
+        agreed_write(main, "the samples of step 1", write)
+    message = str(failed.value)
+    assert message.startswith("rank 0 could not write the samples of step 1 (NotADirectoryError")
+    assert str(target) in message and isinstance(failed.value.__cause__, NotADirectoryError)
+    assert main.sent == [(message, False)]
+    other = RankZeroSaid(1, said=(message, False))
+    with pytest.raises(WriteFailed, match="NotADirectoryError"):
+        agreed_write(other, "the samples of step 1", lambda: pytest.fail("rank 1 wrote"))
+    assert other.sent == [None]
+    with pytest.raises(DiskFull, match="no space"):
+        agreed_write(RankZeroSaid(1, said=("rank 0 could not write x (DiskFull: no space)",
+                                           True)), "x", lambda: None)
+    assert agreed_write(RankZeroSaid(0), "x", lambda: 7) == 7  # a write that went well
+    assert agreed_write(RankZeroSaid(1), "x", lambda: 7) is None
+    with pytest.raises(NotADirectoryError):  # one process: nothing wrapped, nothing sent
+        agreed_write(Distributed(), "x", write)
 
 
 def fsdp(*overrides: str) -> Config:
@@ -419,14 +565,14 @@ def backup_timing_run(dist: Distributed, minutes: float) -> SimpleNamespace:
 
 
 def test_a_timed_backup_is_due_on_every_rank_when_one_ranks_clock_says_so():
-    """Every FSDP rank takes part in a backup, so the minutes are agreed on (any rank's elapsed
-    interval makes it due everywhere); DDP's non-main ranks write nothing and ask no one."""
+    """Every rank takes part in a backup (FSDP: gathering it; DDP too: agreeing on how rank
+    0's write went), so the minutes are agreed on (any rank's elapsed interval makes it due
+    everywhere); without a timed schedule nothing is asked."""
     from modules.train.recipe.loop import backup_due
-    sharded = RanksAgree(DistributedStrategy.FSDP)
-    assert backup_due(backup_timing_run(sharded, 30)) and sharded.asked == [False]
-    assert not backup_due(backup_timing_run(sharded, 0)) and sharded.asked == [False]
-    replicated = RanksAgree(DistributedStrategy.DDP)
-    assert not backup_due(backup_timing_run(replicated, 30)) and replicated.asked == []
+    for strategy in DistributedStrategy:
+        ranks = RanksAgree(strategy)
+        assert backup_due(backup_timing_run(ranks, 30)) and ranks.asked == [False]
+        assert not backup_due(backup_timing_run(ranks, 0)) and ranks.asked == [False]
 
 
 def test_no_backup_after_a_failure_under_fsdp(tmp_path):

@@ -75,6 +75,29 @@ def test_a_prompts_file_adds_prompts_and_its_errors_name_the_line(tmp_path):
     assert bad.read_text(encoding="utf-8") == "a cat\n# fine\na dog --w 65\n"  # left alone
 
 
+def test_a_prompts_file_gone_after_the_checks_stops_the_start_naming_it(tiny_config, tmp_path,
+                                                                       monkeypatch):
+    """The prompts file is read for the run once, right after the checks read it
+    (`check_run`; setup samples what was read then): a file gone in between stops the start
+    with the file named, never a run that samples nothing."""
+    from modules.config.problems import ConfigError
+    from modules.train.setup import prepare
+    prompts_file = tmp_path / "prompts.txt"
+    prompts_file.write_text("a red circle\n", encoding="utf-8")
+
+    def checked_then_gone(config):
+        problems = check_inputs(config)
+        prompts_file.unlink()
+        return problems
+    monkeypatch.setattr(prepare, "check_inputs", checked_then_gone)
+    with pytest.raises(ConfigError) as caught:
+        prepare.check_run(tiny_config(f"sampling.prompts_file={prompts_file}"),
+                          RecordingCallbacks())
+    [problem] = caught.value.problems
+    assert problem.path == "sampling.prompts_file" and str(prompts_file) in str(problem)
+    assert "No such file" in str(problem)
+
+
 def test_each_sampler_runs_on_the_models_own_noise_schedule(tempera_cache):
     from diffusers import StableDiffusionPipeline
     folder = ensure_builtin_model("builtin:tiny-sd15", tempera_cache)

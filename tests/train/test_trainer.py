@@ -137,17 +137,40 @@ def test_save_now_and_sample_now_commands(tiny_config):
     assert [s for _, _, s in callbacks.samples] == [1, 2]
 
 
-def test_sampling_every_n_steps_writes_pngs_and_tensorboard(tiny_config):
+def test_sampling_every_n_steps_writes_pngs_and_tensorboard(tiny_config, tmp_path,
+                                                          monkeypatch):
+    """Also, on the same run (one run fewer for CI): the second prompt comes from a prompts
+    file that is gone once the run is prepared (checked and read by then: setup never reads
+    it again, so it cannot sample nothing in silence), and the run leaves torch's global
+    generator as it found it (setup seeds it; docs/resume.md, "Random states")."""
     from PIL import Image
+    from modules.train import trainer
+    prompts_file = tmp_path / "prompts.txt"
+    prompts_file.write_text("a blue square\n", encoding="utf-8")
+
+    def prepared_then_file_gone(*args):
+        prepared = prepare_run(*args)
+        prompts_file.unlink()
+        return prepared
+    prepare_run = trainer.prepare_run
+    monkeypatch.setattr(trainer, "prepare_run", prepared_then_file_gone)
+    torch.manual_seed(20261127)
+    torch.rand(3)  # a state no seed call gives
+    before = torch.get_rng_state()
     callbacks = RecordingCallbacks()
     result = train(tiny_config("training.max_steps=4", "sampling.every_steps=2",
-                               "sampling.prompts=[\"a red circle\", \"a blue square\"]",
+                               "sampling.prompts=[\"a red circle\"]",
+                               f"sampling.prompts_file={prompts_file}",
                                "sampling.steps=2", "logging.tensorboard=true"), callbacks)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert not prompts_file.exists()
     samples = sorted(p.name for p in (result.output_dir / "samples").glob("*.png"))
     assert samples == ["step-000002-0.png", "step-000002-1.png",
                        "step-000004-0.png", "step-000004-1.png"]
     assert Image.open(result.output_dir / "samples" / samples[0]).size == (64, 64)
     assert [step for _, _, step in callbacks.samples] == [2, 2, 4, 4]
+    assert [prompt for _, prompt, _ in callbacks.samples] == ["a red circle",
+                                                              "a blue square"] * 2
     assert list((result.output_dir / "tensorboard").glob("events.out.tfevents.*"))
     for p in callbacks.progress:  # the ETA counts the passes at steps 2 and 4 still to come
         assert p.sampling_eta_seconds > 0

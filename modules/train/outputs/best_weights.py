@@ -36,10 +36,10 @@ def latest_pass_improves(history: list[list]) -> bool:
 
 def keep_if_best(run: Run) -> bool:
     """Save best/ when the pass just made (the last of the history) is the best so far and
-    `validation.save_best` is on (the main process writes; under FSDP every rank calls it, as
-    the sharded weights are gathered by all). Returns whether best/ was written."""
-    if not (run.config.validation.save_best and (run.dist.is_main or run.dist.sharded)
-            and latest_pass_improves(run.state.validation)):
+    `validation.save_best` is on (the main process writes; every rank calls it: under FSDP
+    the sharded weights are gathered by all, and the outcome of rank 0's write is agreed by
+    all). Returns whether best/ was written."""
+    if not (run.config.validation.save_best and latest_pass_improves(run.state.validation)):
         return False
     step, loss = run.state.validation[-1]
     save_weights_into(run, best_folder(run.output_dir))

@@ -108,10 +108,15 @@ def _draw(pipeline, bundle: ModelBundle, prompts: list[SamplePrompt], folder: Pa
             break
         path = folder / f"step-{step:06d}-{i}.png"
         if write:
-            with atomic_file(path) as tmp:
-                image.save(tmp, format="PNG")
+            write_sample(path, image)
         rows.append((path, prompt.text, image))
     return rows
+
+
+def write_sample(path: Path, image: Image.Image) -> None:
+    """One sample image as a PNG at `path`, atomically (a failed write leaves no file)."""
+    with atomic_file(path) as tmp:
+        image.save(tmp, format="PNG")
 
 
 def prompt_texts(bundle: ModelBundle, prompt: SamplePrompt, text_cache=None,

@@ -11,16 +11,19 @@ from pathlib import Path
 from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
+from PIL import Image
 
 from modules.compile import COMPONENTS as COMPILE_COMPONENTS
 from modules.config.optimizers import OPTIMIZERS
+from modules.events import TrainerCommands
 from modules.train.recipe.builders import optimizer_scalars
 from modules.train.outputs.checkpoints import checkpoints_folder, rotate_checkpoints
 from modules.train.recipe.distributed import local_tensor, parameter_checksum
 from modules.train.memory.memory_plan import optimizer_state_bytes, tensor_bytes
 from modules.train.state.resume_offer import saved_step
 from modules.train.state.run import Run
-from modules.train.outputs.sampling import sample_images
+from modules.train.outputs.main_writes import agreed_write
+from modules.train.outputs.sampling import sample_images, write_sample
 from modules.train.outputs.metrics import start_wandb
 from modules.train.outputs.saving import save_weights
 from modules.models.bundle import ModelBundle
@@ -133,13 +136,25 @@ def distributed_summary(run: Run) -> dict:
 
 
 def sample_due(run: Run, requested: bool) -> bool:
-    """A sampling pass is due after this step: asked for (Sample now) or scheduled. Under
-    FSDP every rank draws the samples, so a request one rank took is agreed by all (a
-    collective, once per step, only in sharded runs)."""
-    if run.dist.sharded:
-        requested = run.dist.any(requested)
+    """A sampling pass is due after this step: asked for (Sample now, already agreed over the
+    ranks by `agreed_requests`) or scheduled."""
     every = run.config.sampling.every_steps
     return requested or bool(every and run.step % every == 0)
+
+
+def agreed_requests(run: Run, commands: TrainerCommands) -> tuple[bool, bool]:
+    """(Sample now, Save now) as every rank must take them: each makes every rank sample
+    (FSDP: all draw; DDP: all wait for rank 0's write, `agreed_write`) or save (FSDP: all
+    gather the weights), so a request one rank took is every rank's, on the same step. Several
+    processes look where they look for Stop (`Run.stop_requested`: every
+    `STOP_CHECK_EVERY_STEPS` optimizer steps, one all-reduce of both flags), so a request
+    waits for that step; one process takes them after every step."""
+    if not run.dist.enabled:
+        return commands.take_sample(), commands.take_save()
+    if run.step % run.STOP_CHECK_EVERY_STEPS:
+        return False, False  # left for the next look, not taken
+    asked_sample, asked_save = run.dist.any_of(commands.take_sample(), commands.take_save())
+    return asked_sample, asked_save
 
 
 def agreed_stop(run: Run, should_stop: Callable[[], bool]) -> Callable[[], bool]:
@@ -158,26 +173,44 @@ def sample(run: Run, should_stop: Callable[[], bool] = lambda: False) -> bool:
     short (fewer samples than prompts were drawn).
 
     One process, or DDP (every rank holds the whole model): the main process alone draws
-    them. FSDP: every rank runs the same forwards on its sharded components (each block's
-    weights gathered for its own forward, as in training) with the same prompts and seeds,
-    so every rank draws the same images; rank 0 alone writes and logs them
+    and writes them (under DDP the others wait for how that went, `agreed_write`). FSDP:
+    every rank runs the same forwards on its sharded components (each block's weights
+    gathered for its own forward, as in training) with the same prompts and seeds, so every
+    rank draws the same images; rank 0 alone writes and logs them, after the pass (a write
+    failing in the middle of it would leave the others in a sharded forward)
     (docs/cloud.md, "Multi-GPU")."""
-    if not run.dist.is_main and not run.dist.sharded:
-        return True
-    main = run.dist.is_main
-    if main:
-        run.callbacks.on_status(f"sampling at step {run.step}")
-    run.state.last_sample_step = run.step
-    with averaged_weights(run), run.outside_training():
-        rows = sample_images(run.bundle, run.config, run.prompts, run.device, run.step,
-                             run.output_dir / "samples", agreed_stop(run, should_stop),
-                             run.text_cache, write=main)
-    if not main:  # an FSDP rank that drew without writing: the same answer as rank 0's
+    run.state.last_sample_step = run.step  # on every rank: the end-of-run sample asks it
+    what = f"the samples of step {run.step} in {run.output_dir / 'samples'}"
+    if run.dist.sharded:
+        rows = draw_samples(run, should_stop, write=False)
+        agreed_write(run.dist, what, lambda: publish_samples(run, rows, write=True))
         return len(rows) == len(run.prompts)
+    complete = agreed_write(run.dist, what, lambda: publish_samples(
+        run, draw_samples(run, should_stop, write=True), write=False))
+    return True if complete is None else complete  # None: a DDP rank that drew nothing
+
+
+def draw_samples(run: Run, should_stop: Callable[[], bool], write: bool
+                 ) -> list[tuple[Path, str, Image.Image]]:
+    """The sample images of this step, written as they are drawn when `write`."""
+    if run.dist.is_main:
+        run.callbacks.on_status(f"sampling at step {run.step}")
+    with averaged_weights(run), run.outside_training():
+        return sample_images(run.bundle, run.config, run.prompts, run.device, run.step,
+                             run.output_dir / "samples", agreed_stop(run, should_stop),
+                             run.text_cache, write=write)
+
+
+def publish_samples(run: Run, rows: list[tuple[Path, str, Image.Image]], write: bool) -> bool:
+    """Rank 0: write the drawn samples (when `write`: not written as they were drawn), list
+    them in run.json, hand them to the front end and TensorBoard. Returns whether the pass
+    was complete."""
     if len(rows) < len(run.prompts):
         run.callbacks.on_status(f"sampling at step {run.step} cut short by Stop "
                                 f"({len(rows)} of {len(run.prompts)} samples written)")
     for i, (path, prompt, image) in enumerate(rows):
+        if write:
+            write_sample(path, image)
         run.record.add_file(path)
         run.callbacks.on_sample(path, prompt, run.step)
         if run.writer:
@@ -189,12 +222,16 @@ def sample(run: Run, should_stop: Callable[[], bool] = lambda: False) -> bool:
 
 def save_checkpoint(run: Run, name: str) -> None:
     """Save checkpoints/<name>/ (the weights at this step), then remove the oldest ones beyond
-    `output.keep_checkpoints`; run.json lists each kept checkpoint with its step and epoch."""
-    if not run.dist.is_main:
-        if run.dist.sharded:  # every rank gathers the sharded weights; rank 0 writes them
-            save_weights_into(run, checkpoints_folder(run.output_dir) / name)
-        return
-    save_weights_into(run, checkpoints_folder(run.output_dir) / name)
+    `output.keep_checkpoints`; run.json lists each kept checkpoint with its step and epoch.
+    Every rank calls it (FSDP: all gather the weights; the outcome of rank 0's write is
+    agreed by all)."""
+    save_weights_into(run, checkpoints_folder(run.output_dir) / name,
+                      then=lambda: list_checkpoint(run, name))
+
+
+def list_checkpoint(run: Run, name: str) -> None:
+    """Rank 0, after checkpoints/<name>/ was written: rotate the old ones out and list the
+    kept ones in run.json."""
     listed = dict(run.record.data.get("checkpoints", {}))
     listed[name] = {"step": run.step, "epoch": run.state.epoch + 1}
     removed = rotate_checkpoints(run.output_dir, run.config.output.keep_checkpoints, run.step)
@@ -214,40 +251,53 @@ def save_checkpoint(run: Run, name: str) -> None:
 def save_final(run: Run) -> bool:
     """Save final/, unless this is a resumed segment and final/ already holds weights of a
     later step (a finished run continued from an older backup, then stopped): those are
-    kept, and the status and run.json say so. Returns whether final/ was written."""
+    kept, and the status and run.json say so. Returns whether final/ was written. Every rank
+    calls it; rank 0's decision to keep final/ is every rank's (FSDP: none gathers alone)."""
     folder = run.output_dir / "final"
+    kept: int | None = None
     if run.dist.is_main and run.config.training.resume_from:
         kept = saved_step(folder)  # an unreadable marker raises: never replace blindly
-        if kept is not None and kept > run.step:
+        kept = kept if kept is not None and kept > run.step else None
+        if kept is not None:
             message = (f"final/ holds the weights of step {kept}, later than this segment's "
                        f"step {run.step}: final/ was kept, not replaced (this segment's "
                        "state is in its newest backup)")
             run.callbacks.on_status(message)
             run.record.write(final_kept={"final_step": kept, "segment_step": run.step,
                                          "reason": message})
-            return False
+    if run.config.training.resume_from and run.dist.from_main(kept) is not None:
+        return False
     save_weights_into(run, folder)
     return True
 
 
-def save_weights_into(run: Run, folder: Path) -> None:
-    """Save the (averaged) weights into `folder` (the main process only), listed in run.json.
-    Sharded (FSDP) weights are gathered whole first, which every process takes part in."""
-    if not run.dist.is_main and not run.dist.sharded:
+def save_weights_into(run: Run, folder: Path, then: Callable[[], None] = lambda: None) -> None:
+    """Save the (averaged) weights into `folder` (the main process only), listed in run.json,
+    then `then()` (the main process). Sharded (FSDP) weights are gathered whole first, which
+    every process takes part in. Every rank calls it: under several processes the outcome of
+    rank 0's write is agreed by all (`agreed_write`), so a failed save stops every rank."""
+    what = f"{folder.name}/ in {folder.parent}"
+    if not run.dist.is_main and not run.dist.sharded:  # DDP: rank 0 alone saves
+        agreed_write(run.dist, what, lambda: None)  # its outcome, as rank 0 had it
         return
-    run.callbacks.on_status(f"saving {folder.name} at step {run.step}")
+    if run.dist.is_main:
+        run.callbacks.on_status(f"saving {folder.name} at step {run.step}")
     with averaged_weights(run):
-        bundle = gathered_bundle(run)
-        if not run.dist.is_main:
-            return
-        written = guarded_write(lambda: save_weights(bundle, run.config, folder,
-                                                     run.step, run.file_metadata,
-                                                     warn=run.callbacks.on_status),
-                                folder, backup_bytes(run))
+        bundle = gathered_bundle(run)  # FSDP: a collective
+        agreed_write(run.dist, what, lambda: write_weights(run, bundle, folder, then))
+
+
+def write_weights(run: Run, bundle: ModelBundle, folder: Path, then: Callable[[], None]) -> None:
+    """Rank 0's part of `save_weights_into`: the files, run.json's list, the front end."""
+    written = guarded_write(lambda: save_weights(bundle, run.config, folder, run.step,
+                                                 run.file_metadata,
+                                                 warn=run.callbacks.on_status),
+                            folder, backup_bytes(run))
     for path in written:
         run.record.add_file(path)
     run.record.write(step=run.step)
     run.callbacks.on_saved(folder, run.step)
+    then()
 
 
 def gathered_bundle(run: Run) -> ModelBundle:

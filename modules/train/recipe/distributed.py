@@ -147,6 +147,23 @@ class Distributed:
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
         return bool(t.item())
 
+    def any_of(self, *flags: bool) -> tuple[bool, ...]:
+        """`any` of several flags at once, in one all-reduce."""
+        if not self.enabled:
+            return flags
+        t = torch.tensor([1.0 if flag else 0.0 for flag in flags], device=self.device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return tuple(bool(x) for x in t.tolist())
+
+    def from_main(self, value: object) -> object:
+        """Rank 0's `value` on every rank (one broadcast of a small picklable value): what
+        only rank 0 knew, such as how its write went."""
+        if not self.enabled:
+            return value
+        box = [value if self.is_main else None]
+        torch.distributed.broadcast_object_list(box, src=0, device=self.device)
+        return box[0]
+
     def gather(self, value: float) -> list[float]:
         if not self.enabled:
             return [value]

@@ -128,15 +128,16 @@ def backup_due(run: Run) -> bool:
     """A scheduled backup is due (by steps or minutes), not at the last step and not while
     steps are being skipped as non-finite (the backups from before that are the ones to keep).
 
-    Under FSDP every process must agree (each takes part in gathering the backup): the step
-    count, the budget and the skipped steps are the same on every rank, the clocks are not, so
-    the minutes are agreed on with one small collective per step (FSDP already exchanges every
-    block's weights and gradients each step); any rank's elapsed interval makes it due."""
+    Several processes must agree (each takes part in the backup: under FSDP in gathering it,
+    under DDP too in agreeing on how rank 0's write went): the step count, the budget and the
+    skipped steps are the same on every rank, the clocks are not, so the minutes are agreed on
+    with one small collective per step (the step's gradient exchange already is one); any
+    rank's elapsed interval makes it due."""
     out = run.config.output
     by_steps = out.backup_every_steps and run.step % out.backup_every_steps == 0
     by_time = bool(out.backup_every_minutes
                    and time.monotonic() - run.last_backup_time >= 60 * out.backup_every_minutes)
-    if run.dist.sharded and out.backup_every_minutes:
+    if run.dist.enabled and out.backup_every_minutes:
         by_time = run.dist.any(by_time)
     return (bool(by_steps or by_time) and run.step < run.budget.total_steps
             and run.state.bad_steps == 0)

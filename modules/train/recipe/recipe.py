@@ -24,7 +24,6 @@ from typing import NamedTuple
 
 import torch
 
-from modules.config.prompts import sample_prompts
 from modules.config.schema import MixedPrecision
 from modules.data.buckets import describe_buckets, resolution_plan
 from modules.data.dataset import BucketBatchSampler, epoch_batch_sampler, expand_repeats
@@ -52,9 +51,10 @@ from modules.train.recipe.objectives import (caption_dropouts, diffusion_loss, d
                                              offset_noise, sample_weights, step_timesteps,
                                              timestep_terms)
 from modules.train.outputs.metrics import RunMetrics
-from modules.train.outputs.writes import (backup_bytes, distributed_summary, log_scalars, sample,
-                                          sample_due, save_checkpoint, save_final,
-                                          start_wandb_logging)
+from modules.train.outputs.main_writes import agreed_write
+from modules.train.outputs.writes import (agreed_requests, backup_bytes, distributed_summary,
+                                          log_scalars, sample, sample_due, save_checkpoint,
+                                          save_final, start_wandb_logging)
 from modules.train.setup.prepare import PreparedRun
 from modules.train.outputs.record import RunRecord, peak_memory
 from modules.train.state.run import Run, item_buckets
@@ -246,9 +246,10 @@ class TrainingRecipe:
                   trained=trained, ema=build_ema(config, params),
                   text_cache=text_cache,
                   forward=forward,
-                  # check_inputs read them already; TEXTUAL_INVERSION's show the trigger word
+                  # check_run read them (the prompts file once); TEXTUAL_INVERSION's show
+                  # the trigger word
                   prompts=[dataclasses.replace(p, text=prompt_with_trigger(config, p.text))
-                           for p in sample_prompts(config)[0]],
+                           for p in prepared.prompts],
                   validator=build_validator(config, prepared.validation))
         run.offload = offload
         run.file_metadata = training_data_metadata(prepared.scan, config)
@@ -334,13 +335,14 @@ class TrainingRecipe:
             else:
                 skip_non_finite_step(run, loss)
 
-            sampled = step_passes(run, commands, sample_due(run, commands.take_sample()),
+            asked_sample, asked_save = agreed_requests(run, commands)  # the same on every rank
+            sampled = step_passes(run, commands, sample_due(run, asked_sample),
                                   validation_due(run))
             sample_seconds = sampled if sampled is not None else sample_seconds
             if name := due_checkpoint(run.step, run.budget.total_steps, state.epoch,
                                       state.batches_done, run.budget.batches_per_epoch,
                                       config.output.save_every_steps,
-                                      config.output.save_every_epochs, commands.take_save()):
+                                      config.output.save_every_epochs, asked_save):
                 save_checkpoint(run, name)
             mark_boundary(run)
             if backup_due(run):
@@ -374,21 +376,36 @@ class TrainingRecipe:
         return RunResult(status, run.step, run.output_dir, dict(run.record.data))
 
     # --------------------------------------------------------------------------- backups
-    def save_backup(self, reason: str) -> Path | None:
+    def save_backup(self, reason: str, agreed: bool = True) -> Path | None:
         """Write a backup at the last step boundary (once per step; the main process writes).
-        Under FSDP every process calls it at the same points (the loop's decisions are the
-        same on every rank: `backup_due`) and takes part in gathering the sharded state."""
+        Every process calls it at the same points (the loop's decisions are the same on every
+        rank: `backup_due`): under FSDP each takes part in gathering the sharded state, and
+        under several processes the outcome of rank 0's write is agreed by all
+        (`agreed_write`: a failed backup stops every rank). `agreed=False` (the backup after
+        a failure, which the other ranks may not reach): rank 0 writes alone, nothing is
+        agreed (not under FSDP, whose gathering needs every rank: none is tried then)."""
         run, boundary = self.built_run, self.built_run.boundary
-        if (boundary is None or (not run.dist.is_main and not run.dist.sharded)
+        if (boundary is None or (not agreed and not run.dist.is_main)
                 or boundary.training["step"] in (0, run.last_backup_step,
                                                  run.refused_backup_step)):
             return None
         step = boundary.training["step"]
-        states = run.state_dict(boundary)  # FSDP: a collective, every process gathers
-        if not run.dist.is_main:  # rank 0 writes; the others skip this step from now on too
+        # FSDP: a collective, every process gathers; DDP: the main process's own weights
+        states = run.state_dict(boundary) if run.dist.is_main or run.dist.sharded else {}
+        if agreed:
+            folder = agreed_write(run.dist, f"the backup of step {step} in "
+                                            f"{backups_folder(run.output_dir)}",
+                                  lambda: self._write_backup(states, step, reason))
+        else:
+            folder = self._write_backup(states, step, reason)
+        if not run.dist.is_main:  # the others skip this step from now on too, as rank 0 does
             run.last_backup_step = step
             run.last_backup_time = time.monotonic()
-            return None
+        return folder
+
+    def _write_backup(self, states: dict, step: int, reason: str) -> Path | None:
+        """Rank 0's part of `save_backup`: the folder, or None when refused (NaN or inf)."""
+        run = self.built_run
         run.callbacks.on_status(f"writing a backup at step {step} ({reason})")
         try:
             folder = guarded_write(lambda: save_backup(states, run.config, run.output_dir,

@@ -13,6 +13,7 @@ import torch
 from modules.config.caveats import config_warnings
 from modules.config.loader import from_dict, to_dict
 from modules.config.problems import ConfigError, Problem
+from modules.config.prompts import SamplePrompt, sample_prompts
 from modules.config.data import shapes_vary, trained_resolutions
 from modules.config.schema import BUILTIN_PREFIX, Config
 from modules.config.secret_settings import masked_config, secret_warnings
@@ -48,6 +49,9 @@ class PreparedRun:
     resume: ResumePoint | None = None  # the backup this run continues from
     validation: ValidationImages | None = None  # scored every validation.every_steps
     memory: MemoryCheck | None = None  # the device memory plan, for run.json
+    # the sample prompts, read once by `check_run` (setup samples these; it never reads the
+    # prompts file again, so a file changed or gone since cannot silently leave none)
+    prompts: list[SamplePrompt] = field(default_factory=list)
 
 
 def resolve_dataset_path(path: str, cache_dir: Path) -> Path:
@@ -70,6 +74,7 @@ class CheckedRun:
     memory: MemoryCheck | None = None  # the device memory plan (refused if over the card)
     # samples per epoch over several resolutions, and their shape sets' compile cost
     shape_plan: list[str] = field(default_factory=list)
+    prompts: list[SamplePrompt] = field(default_factory=list)  # what `PreparedRun` says
 
 
 def check_run(config: Config, callbacks: TrainerCallbacks) -> CheckedRun:
@@ -93,6 +98,9 @@ def check_run(config: Config, callbacks: TrainerCallbacks) -> CheckedRun:
     cache_dir = cache_dir_for(config.general.cache_dir)
     resolved = from_dict(to_dict(config))
     resolved.general.cache_dir = str(cache_dir)
+    prompts, problems = sample_prompts(resolved)  # the one read the run samples from
+    if problems:  # check_inputs read the prompts file a moment ago: changed or gone since
+        raise ConfigError(problems)
 
     callbacks.on_status("scanning datasets")
     for ds in resolved.data.datasets:
@@ -158,7 +166,7 @@ def check_run(config: Config, callbacks: TrainerCallbacks) -> CheckedRun:
     for warning in memory.warnings:
         callbacks.on_status(f"memory: {warning}")
     return CheckedRun(resolved, cache_dir, scan, model_path, resume, validation, memory,
-                      shape_plan)
+                      shape_plan, prompts)
 
 
 def shape_plan_lines(config: Config, scan: ScanResult) -> list[str]:
@@ -238,7 +246,8 @@ def prepare_run(config: Config, callbacks: TrainerCallbacks) -> PreparedRun:
     if problems:
         raise ConfigError(problems)
     return PreparedRun(checked.config, pick_device(config.general.device), checked.cache_dir,
-                       bundle, checked.scan, checked.resume, checked.validation, checked.memory)
+                       bundle, checked.scan, checked.resume, checked.validation, checked.memory,
+                       checked.prompts)
 
 
 def check_resume(resolved: Config, callbacks: TrainerCallbacks) -> ResumePoint | None:

@@ -352,7 +352,6 @@ def known_captions(prepared: PreparedRun) -> list[str]:
     """Every caption a run whose captions do not vary will read: each training image's (its
     dataset's prefix and suffix applied), "" when captions may be dropped, the validation
     images', and the sample prompts and negative prompts."""
-    from modules.config.prompts import sample_prompts
     from modules.data.captions import item_caption
     config = prepared.config
     rules = caption_rules(config)
@@ -367,7 +366,7 @@ def known_captions(prepared: PreparedRun) -> list[str]:
         captions += [item_caption(item.caption, item.source_index, held.rules,
                                   config.training.seed, 0, index)[0]
                      for index, item in enumerate(held.items)]
-    for prompt in sample_prompts(config)[0]:
+    for prompt in prepared.prompts:  # check_run's read: the prompts the run samples
         captions += [prompt.text, prompt.negative]
     return list(dict.fromkeys(captions))
 

@@ -122,9 +122,8 @@ def validation_pass(run: Run, loss_fn: LossFn,
     seconds = time.perf_counter() - started  # the first pass also loads and encodes the images
     validator.last_seconds = seconds
     run.state.validation.append([run.step, loss])
-    if not run.dist.is_main:
-        if run.dist.sharded:  # best/ gathers the sharded weights: every rank takes part
-            keep_if_best(run)
+    if not run.dist.is_main:  # best/: every rank takes part (FSDP gathers the weights,
+        keep_if_best(run)     # and rank 0's write is agreed by all)
         return loss
     best_step, best_loss = best_point(run.state.validation)
     ranks_scored = {"last_pass_ranks": ranks} if run.dist.enabled else {}
