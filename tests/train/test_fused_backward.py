@@ -402,7 +402,7 @@ def test_no_backup_after_a_failure_part_way_through_a_fused_step(tmp_path):
     class Recipe:
         saved: list[str] = []
 
-        def save_backup(self, reason: str) -> None:
+        def save_backup(self, reason: str, agreed: bool = True) -> None:
             self.saved.append(reason)
 
     recipe = Recipe()
