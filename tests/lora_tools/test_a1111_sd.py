@@ -2,7 +2,7 @@
 tests/models/a1111_harness.py; skipped without `pytest --a1111=PATH`) on the kohya / LyCORIS
 files Tempera writes, at full size on the meta device (tests/models/a1111_sd.py says why):
 the trainer's LoCon for SD 1.5, SD 2.x and SDXL, its LoHa and LoKr (SD 1.5, SDXL), its DoRA
-(SD 1.5), and what `tempera-lora resize` and `convert` write from them.
+(SD 1.5), and what `tempera-lora convert` writes from them.
 
 For each file: A1111's `load_network` matches every key (its `keys_failed_to_match` is empty)
 to the webui model's layer the adapter was trained on (the ldm / sgm / open_clip path found
@@ -275,40 +275,29 @@ def test_a1111_applies_a_dora_file_as_trained(a1111, written):
         assert error <= 1e-5 * float(want.abs().max()), f"{module.network_key}: off by {error}"
 
 
-def best_low_rank(update: torch.Tensor, rank: int) -> torch.Tensor:
-    """The closest rank-`rank` matrix to `update` (flattened per output channel), by SVD."""
-    flat = update.reshape(update.shape[0], -1)
-    u, s, vh = torch.linalg.svd(flat, full_matrices=False)
-    return ((u[:, :rank] * s[:rank]) @ vh[:rank]).reshape(update.shape)
-
-
 @pytest.mark.parametrize("model_type", [ModelType.SD15, ModelType.SDXL], ids=lambda v: v.value)
-def test_a1111_loads_what_tempera_lora_resize_and_convert_write(a1111, webui, written, tmp_path,
-                                                                model_type):
-    """`tempera-lora resize` to rank 2 and a `convert` round trip (kohya -> diffusers -> kohya)
-    of the trainer's LoCon: A1111 puts each layer on the trained one; the converted file
-    applies the trained update exactly, the resized one the closest rank-2 update (SVD here)."""
+def test_a1111_loads_what_tempera_lora_convert_writes(a1111, webui, written, tmp_path,
+                                                      model_type):
+    """A `tempera-lora convert` round trip (kohya -> diffusers -> kohya) of the trainer's
+    LoCon: A1111 puts each layer on the trained one and applies the trained update exactly.
+    (`resize` writes through the same writer; it is not run here: at full size it takes
+    minutes on 2 cores.)"""
     case = written(model_type, Adapter.LOCON)
-    family, sd_model = FAMILY[model_type], webui(model_type)
-    targets = trained_layers(model_type, case, sd_model)
-    resized, peft, back = (tmp_path / f"{n}.safetensors" for n in ("resized", "peft", "back"))
-    common = ["--model-type", family]
-    assert main(["resize", "--lora", str(case["path"]), "--rank", "2", *common,
-                 "-o", str(resized)]) == 0
+    sd_model = webui(model_type)
+    peft, back = tmp_path / "peft.safetensors", tmp_path / "back.safetensors"
+    common = ["--model-type", FAMILY[model_type]]
     assert main(["convert", "--lora", str(case["path"]), "--layout", "diffusers", *common,
                  "-o", str(peft)]) == 0
     assert main(["convert", "--lora", str(peft), "--layout", "kohya", *common,
                  "-o", str(back)]) == 0
+    net, unmatched = load_in_a1111(a1111, sd_model, back)
+    assert_every_layer_on_its_trained_layer(a1111, net, unmatched, back,
+                                            trained_layers(model_type, case, sd_model),
+                                            sd_model, "NetworkModuleLora")
     trained = file_layers(case["path"])
-    for path, rank in ((back, None), (resized, 2)):
-        net, unmatched = load_in_a1111(a1111, sd_model, path)
-        assert_every_layer_on_its_trained_layer(a1111, net, unmatched, path, targets, sd_model,
-                                                "NetworkModuleLora")
-        for module in sample(net):
-            shape = target_shape(module)
-            update, _ = module.calc_updown(torch.zeros(shape))
-            want = expected_update(trained[module.network_key.partition(".")[0]], shape)
-            if rank is not None:
-                want = best_low_rank(want, rank)
-            error = float((update.double() - want).abs().max())
-            assert error <= 1e-4 * float(want.abs().max()), f"{module.network_key}: {error}"
+    for module in sample(net):
+        shape = target_shape(module)
+        update, _ = module.calc_updown(torch.zeros(shape))
+        want = expected_update(trained[module.network_key.partition(".")[0]], shape)
+        error = float((update.double() - want).abs().max())
+        assert error <= 1e-5 * float(want.abs().max()) + 1e-9, f"{module.network_key}: {error}"
