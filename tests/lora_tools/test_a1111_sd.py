@@ -217,6 +217,21 @@ def assert_updates_equal_the_file_maths(net, path) -> None:
     assert checked >= 10
 
 
+def assert_file_holds_the_trained_loras(model_type: ModelType, case: dict[str, Any]) -> None:
+    """Each LoRA layer's tensors in the file are its trained layer's (down = peft's lora_A,
+    up = lora_B, alpha / rank = peft's scaling), so the name A1111 resolves carries them."""
+    from modules.models.kohya import adapter_layers
+    layers = file_layers(case["path"])
+    unet_config = case["components"]["unet"].config
+    for component, module in case["components"].items():
+        for path, layer in adapter_layers(module).items():
+            tensors = layers[kohya_module_name(component, path, model_type, unet_config)]
+            assert torch.equal(tensors["lora_down.weight"], layer.lora_A["default"].weight), path
+            assert torch.equal(tensors["lora_up.weight"], layer.lora_B["default"].weight), path
+            rank = tensors["lora_down.weight"].shape[0]
+            assert float(tensors["alpha"]) / rank == pytest.approx(layer.scaling["default"])
+
+
 @pytest.mark.parametrize("model_type,adapter", CASES, ids=lambda v: v.value)
 def test_a1111_puts_every_layer_on_the_layer_it_was_trained_on(a1111, webui, written,
                                                                 model_type, adapter):
@@ -226,6 +241,8 @@ def test_a1111_puts_every_layer_on_the_layer_it_was_trained_on(a1111, webui, wri
         a1111, case["net"], case["unmatched"], case["path"],
         trained_layers(model_type, case, sd_model), sd_model, MODULE_CLASS[adapter])
     assert case["on_disk"].sd_version.name == SD_VERSION[model_type]
+    if adapter == Adapter.LOCON:
+        assert_file_holds_the_trained_loras(model_type, case)
 
 
 @pytest.mark.parametrize("model_type,adapter", CASES, ids=lambda v: v.value)
