@@ -73,6 +73,10 @@ def pytest_addoption(parser):
     parser.addoption("--comfyui", default="", metavar="PATH",
                      help="a ComfyUI checkout: the tests that run ComfyUI's own loading code "
                           "(tests/models/comfyui_harness.py) are skipped without it")
+    parser.addoption("--a1111", default="", metavar="PATH",
+                     help="an A1111 harness folder (or a webui checkout with its repositories/): "
+                          "the tests that run A1111's own LoRA loading code "
+                          "(tests/models/a1111_harness.py) are skipped without it")
 
 
 @pytest.fixture(scope="session")
@@ -85,6 +89,19 @@ def comfyui(request):
     if not path:
         pytest.skip("no ComfyUI checkout given (pytest --comfyui=PATH)")
     return import_comfyui(Path(path))
+
+
+@pytest.fixture(scope="session")
+def a1111(request):
+    """A1111's LoRA loader and the ldm / sgm UNets from the folder `--a1111` names (skipped
+    without it)."""
+    from pathlib import Path
+
+    from tests.models.a1111_harness import import_a1111
+    path = request.config.getoption("--a1111")
+    if not path:
+        pytest.skip("no A1111 harness folder given (pytest --a1111=PATH; docs/lora_tools.md)")
+    return import_a1111(Path(path))
 
 
 def pytest_report_header(config):
