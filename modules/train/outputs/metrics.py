@@ -64,8 +64,15 @@ class RunMetrics:
         if self.tensorboard is not None:
             self.tensorboard.close()
         if self.wandb_run is not None:
+            import wandb
             self.wandb_run.finish()
             self.wandb_run = None
+            # finish() returns once W&B's service has the run's exit record; run-<id>.wandb
+            # may still lack records until the service closes the file. Twice, in full
+            # test runs on a loaded machine, a resumed run's file read right after train()
+            # returned held no records. teardown() waits until the service has ended with its
+            # files closed; the next run starts a new one.
+            wandb.teardown()
 
 
 def start_wandb(config: Config, run_record: dict, run_id: str) -> Any:
