@@ -75,7 +75,7 @@ def pytest_addoption(parser):
                           "(tests/models/comfyui_harness.py) are skipped without it")
     parser.addoption("--a1111", default="", metavar="PATH",
                      help="an A1111 harness folder (or a webui checkout with its repositories/): "
-                          "the tests that run A1111's own LoRA loading code "
+                          "the tests that run A1111's own LoRA and embedding loading code "
                           "(tests/models/a1111_harness.py) are skipped without it")
 
 
@@ -102,6 +102,18 @@ def a1111(request):
     if not path:
         pytest.skip("no A1111 harness folder given (pytest --a1111=PATH; docs/lora_tools.md)")
     return import_a1111(Path(path))
+
+
+@pytest.fixture(scope="session")
+def a1111_textual_inversion(request):
+    """A1111's textual-inversion loader from the folder `--a1111` names (skipped without it)."""
+    from pathlib import Path
+
+    from tests.models.a1111_harness import import_a1111_textual_inversion
+    path = request.config.getoption("--a1111")
+    if not path:
+        pytest.skip("no A1111 harness folder given (pytest --a1111=PATH; docs/lora_tools.md)")
+    return import_a1111_textual_inversion(Path(path))
 
 
 def pytest_report_header(config):

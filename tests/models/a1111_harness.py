@@ -7,6 +7,7 @@ so such a checkout can be named as it is; `python -m tests.models.a1111_harness 
 builds the same layout from the few files needed (docs/lora_tools.md says how):
 
     extensions-builtin/Lora/{networks,network,network_*,lyco_helpers}.py   A1111's loader
+    modules/textual_inversion/textual_inversion.py                         its embedding loader
     configs/v1-inference.yaml                                              A1111's SD 1.x config
     repositories/stable-diffusion-stability-ai/{ldm/, configs/stable-diffusion/v2-inference.yaml}
     repositories/generative-models/{sgm/, configs/inference/sd_xl_base.yaml}
@@ -19,6 +20,12 @@ A1111's functions keep the stand-ins they imported. Everything A1111 computes (k
 matching keys to the webui model's layers, the network module types and their `calc_updown`)
 is A1111's code. Its `lora_patches` (which patches torch layers when the webui starts) and
 `lora_logger` are stand-ins too: nothing in loading a file runs them.
+
+`import_a1111_textual_inversion` imports the webui's `modules/textual_inversion/
+textual_inversion.py` (`EmbeddingDatabase`, `create_embedding_from_data`, `Embedding`) the same
+way, as `modules.textual_inversion.textual_inversion`, with stand-ins for the webui modules it
+names (`shared` with the model the test sets, `devices`, `hashes`, `errors` that raise, and
+empty ones for the training and image code it imports but loading never runs).
 
 sgm's package `__init__`s import its whole training stack (pytorch-lightning, kornia, open_clip
 encoders ...); `import_sgm_unet` imports sgm's UNet module alone, giving its packages empty
@@ -48,6 +55,7 @@ LORA_DIR = Path("extensions-builtin") / "Lora"
 LORA_FILES = ("networks.py", "network.py", "network_lora.py", "network_hada.py",
               "network_lokr.py", "network_ia3.py", "network_full.py", "network_norm.py",
               "network_glora.py", "network_oft.py", "lyco_helpers.py")
+TI_FILE = Path("modules") / "textual_inversion" / "textual_inversion.py"
 LDM_REPO = Path("repositories") / "stable-diffusion-stability-ai"
 SGM_REPO = Path("repositories") / "generative-models"
 # the yaml each webui model is built from, as A1111's sd_models_config picks it
@@ -72,6 +80,7 @@ def assemble(webui: Path, stablediffusion: Path, generative_models: Path, dest: 
     """Copy the files the harness runs from checkouts of the three repositories into `dest`
     (the layout above); fails naming every file a checkout lacks."""
     plan = [(webui / LORA_DIR / f, dest / LORA_DIR / f) for f in LORA_FILES]
+    plan.append((webui / TI_FILE, dest / TI_FILE))
     plan += [(webui / CONFIGS["sd15"], dest / CONFIGS["sd15"]),
              (stablediffusion / "ldm", dest / LDM_REPO / "ldm"),
              (stablediffusion / "configs" / "stable-diffusion" / "v2-inference.yaml",
@@ -141,6 +150,43 @@ class _WebuiModules:
             setattr(parent, parts[1], module)
         self.modules[name] = module
         return module
+
+
+class _WebuiTextualInversionModules(_WebuiModules):
+    """The webui modules `textual_inversion.py` imports: `shared` (settings at their defaults,
+    `sd_model` set by the tests), `devices` (CPU), `hashes` (no cache: no hash), `errors`
+    (raise); the training, dataset and image-embedding modules it names only for training and
+    for embeddings stored in PNGs, which loading a safetensors file never calls."""
+
+    def __init__(self) -> None:
+        self.modules = {}
+        self.shared = self._module(
+            "modules.shared", sd_model=None,
+            opts=types.SimpleNamespace(textual_inversion_print_at_load=False,
+                                       save_optimizer_state=False),
+            cmd_opts=types.SimpleNamespace())
+        cpu = torch.device("cpu")
+        self._module("modules.devices", cpu=cpu, device=cpu, dtype=torch.float32,
+                     torch_npu_set_device=lambda: None)
+        self._module("modules.hashes", sha256=lambda *a, **k: None)
+        self._module("modules.errors", report=_reraise, display=_reraise)
+        for name in ("sd_hijack", "sd_models", "images", "sd_samplers", "sd_hijack_checkpoint",
+                     "textual_inversion.dataset"):
+            self._module(f"modules.{name}")
+        self._module("modules.textual_inversion.learn_schedule",
+                     LearnRateScheduler=type("LearnRateScheduler", (), {}))
+        self._module("modules.textual_inversion.image_embedding", **{
+            name: _not_in_harness(name) for name in (
+                "embedding_to_b64", "embedding_from_b64", "insert_image_data_embed",
+                "extract_image_data_embed", "caption_image_overlay")})
+        self._module("modules.textual_inversion.saving_settings",
+                     save_settings_to_file=_not_in_harness("save_settings_to_file"))
+
+
+def _not_in_harness(name: str) -> Any:
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError(f"A1111 called {name}, which this harness does not run")
+    return refuse
 
 
 def _no_files(path: str, allowed_extensions: list[str] | None = None) -> Iterator[str]:
@@ -282,6 +328,23 @@ def import_a1111(root: Path) -> types.SimpleNamespace:
         networks=networks, network=sys.modules["network"], shared=webui.shared,
         module_types={type(t).__name__: t for t in networks.module_types},
         ldm=import_ldm_unet(root), sgm=import_sgm_unet(root), open_clip=open_clip, root=root)
+
+
+def import_a1111_textual_inversion(root: Path) -> types.SimpleNamespace:
+    """A1111's `modules/textual_inversion/textual_inversion.py` from the harness folder `root`
+    and the `shared` stand-in it reads (skips, naming the file, when the folder lacks it)."""
+    path = root / TI_FILE
+    if not path.is_file():
+        pytest.skip(f"{root}: no {TI_FILE} (an A1111 harness folder assembled before it was "
+                    "added: run the assemble command of docs/lora_tools.md again)")
+    webui = _WebuiTextualInversionModules()
+    name = "modules.textual_inversion.textual_inversion"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    with _webui_modules_in_place(webui.modules):
+        spec.loader.exec_module(module)
+    return types.SimpleNamespace(textual_inversion=module, shared=webui.shared, root=root)
 
 
 def main(argv: list[str] | None = None) -> None:

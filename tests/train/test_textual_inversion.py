@@ -1,13 +1,16 @@
 """Textual inversion through the real trainer (docs/textual_inversion.md): only the new rows
 train, the files load in diffusers (and ComfyUI, with --comfyui) as trained, the captions and
-sample prompts carry the trigger word, the tokenizer's refusals, compile without recompiles.
+sample prompts carry the trigger word, A1111's own loader (with --a1111) reads the kohya
+file as trained, the tokenizer's refusals, compile without recompiles.
 
 One SD 1.5 run (3 steps), one SD 2 run and one SDXL run (2 steps each) are shared by the tests
 that read them."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -233,6 +236,69 @@ def test_comfyui_load_embed_reads_the_a1111_files(comfyui, sd15, sd2, sdxl):
             width = run["bundle"].text_encoders[encoder].get_input_embeddings().weight.shape[1]
             loaded = comfy.sd1_clip.load_embed("mychar", folder, width, key)
             assert loaded is not None and torch.equal(loaded, _trained_vectors(run, encoder))
+
+
+class _WebuiConditioner:
+    """The two methods of the webui's loaded text conditioner (`shared.sd_model.
+    cond_stage_model`) that A1111's embedding loading calls, on the run's own tokenizer and
+    text encoders: `tokenize`, as A1111's CLIP wrapper does it (the first tokenizer, no start
+    or end token), and `encode_embedding_init_text`, the token-embedding rows of a text (SDXL's
+    conditioner puts its two encoders' side by side: CLIP-L's, then CLIP-G's)."""
+
+    def __init__(self, bundle) -> None:
+        spec = MODEL_TYPES[bundle.model_type]
+        self.tokenizer = bundle.tokenizers[spec.tokenizers[0]]
+        self.encoders = [bundle.text_encoders[name] for name in spec.text_encoders]
+
+    def tokenize(self, texts: list[str]) -> list[list[int]]:
+        return self.tokenizer(texts, truncation=False, add_special_tokens=False)["input_ids"]
+
+    def encode_embedding_init_text(self, text: str, vectors: int) -> torch.Tensor:
+        ids = self.tokenizer(text, max_length=vectors, return_tensors="pt",
+                             add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            return torch.cat([enc.get_input_embeddings()(ids).squeeze(0) for enc in self.encoders],
+                             dim=1)
+
+
+@pytest.mark.parametrize("which", ["sd15", "sd2", "sdxl"])
+def test_a1111_loads_the_kohya_file_from_its_embeddings_folder_as_trained(
+        a1111_textual_inversion, which, request, tmp_path):
+    """A1111's own EmbeddingDatabase (pytest --a1111=PATH; tests/models/a1111_harness.py)
+    loads the file from an embeddings folder, registers it under the file's name (its width
+    is the loaded model's, so it is not skipped), with the run's vectors per token, the
+    encoders' width (SDXL: CLIP-L's plus CLIP-G's, as A1111 counts it) and the trained rows;
+    and a prompt that writes the name finds it."""
+    from transformers import CLIPTextConfig
+    run = request.getfixturevalue(which)
+    bundle, vectors = run["bundle"], run["config"].textual_inversion.vectors
+    conditioner = _WebuiConditioner(bundle)
+    a1111_textual_inversion.shared.sd_model = SimpleNamespace(cond_stage_model=conditioner)
+    folder = tmp_path / "embeddings"
+    folder.mkdir()
+    shutil.copy2(run["result"].output_dir / "final" / "mychar.safetensors", folder)
+    database = a1111_textual_inversion.textual_inversion.EmbeddingDatabase()
+    database.add_embedding_dir(str(folder))
+    database.load_textual_inversion_embeddings(force_reload=True)
+    assert database.skipped_embeddings == {} and list(database.word_embeddings) == ["mychar"]
+    embedding = database.word_embeddings["mychar"]
+    encoders = MODEL_TYPES[bundle.model_type].text_encoders
+    # the widths from the base model's saved text encoder configs, not from the file
+    widths = {name: CLIPTextConfig.from_pretrained(run["base"] / name).hidden_size
+              for name in encoders}
+    assert embedding.vectors == vectors and embedding.shape == sum(widths.values())
+    if which != "sdxl":
+        assert torch.equal(embedding.vec, _trained_vectors(run, "text_encoder"))
+    else:
+        assert set(embedding.vec) == {"clip_l", "clip_g"}
+        for key, name in (("clip_l", "text_encoder"), ("clip_g", "text_encoder_2")):
+            assert embedding.vec[key].shape == (vectors, widths[name])
+            assert torch.equal(embedding.vec[key], _trained_vectors(run, name))
+    [tokens] = conditioner.tokenize(["a photo of mychar"])
+    [before] = conditioner.tokenize(["a photo of"])
+    [name_ids] = conditioner.tokenize(["mychar"])
+    assert database.find_embedding_at_position(tokens, len(before)) == (embedding,
+                                                                        len(name_ids))
 
 
 def test_a_known_word_as_trigger_is_refused_before_anything_is_written(tempera_cache, tmp_path):
