@@ -51,6 +51,8 @@ from typing import Any
 import pytest
 import torch
 
+from tests.models.stand_ins import torchvision_stand_in
+
 LORA_DIR = Path("extensions-builtin") / "Lora"
 LORA_FILES = ("networks.py", "network.py", "network_lora.py", "network_hada.py",
               "network_lokr.py", "network_ia3.py", "network_full.py", "network_norm.py",
@@ -228,53 +230,14 @@ def _webui_modules_in_place(stand_ins: dict[str, types.ModuleType]) -> Iterator[
         sys.modules.update(ours)
 
 
-class _StandIn(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Empty modules for torchvision, which open_clip imports for its image transforms
-    (Tempera's environment has none; the text tower needs none): every attribute, and every
-    attribute of those, is an empty class."""
-
-    def find_spec(self, name, path, target=None):
-        if name.split(".")[0] == "torchvision":
-            return importlib.machinery.ModuleSpec(name, self, is_package=True)
-        return None
-
-    def create_module(self, spec):
-        module = types.ModuleType(spec.name)
-        module.__path__ = []
-        module.__getattr__ = _empty_class
-        return module
-
-    def exec_module(self, module):
-        pass
-
-
-class _EmptyMeta(type):
-    def __getattr__(cls, attr: str) -> type:
-        return _empty_class(attr)
-
-
-def _empty_class(attr: str) -> type:
-    if attr.startswith("__"):  # what inspection asks a module (__file__, __spec__ ...)
-        raise AttributeError(attr)
-    return _EmptyMeta(attr, (), {})
-
-
 def import_open_clip() -> types.ModuleType:
     """open_clip (pip install open_clip_torch --no-deps), imported with a torchvision stand-in
     that only its import sees."""
     pytest.importorskip("ftfy", reason="open_clip needs ftfy (pip install ftfy)")
     if "open_clip" in sys.modules:
         return sys.modules["open_clip"]
-    # transformers decides once, at its import, whether torchvision is installed
-    import transformers.utils.import_utils  # noqa: F401
-    stand_in = _StandIn()
-    sys.meta_path.append(stand_in)
-    try:
+    with torchvision_stand_in():
         import open_clip
-    finally:
-        sys.meta_path.remove(stand_in)
-        for name in [n for n in sys.modules if n.split(".")[0] == "torchvision"]:
-            del sys.modules[name]
     return open_clip
 
 

@@ -10,40 +10,13 @@ torch needs, through its own argument switch (comfy.options), not through sys.ar
 """
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import sys
 import types
 from pathlib import Path
 
 import pytest
 
-STAND_INS = ("torchvision",)
-
-
-def _empty_class(attr: str) -> type:
-    if attr.startswith("__"):  # what inspection asks a module (__file__, __spec__ ...)
-        raise AttributeError(attr)
-    return type(attr, (), {})
-
-
-class _StandIn(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Empty modules for `STAND_INS` (any attribute is an empty class)."""
-
-    def find_spec(self, name, path, target=None):
-        if name.split(".")[0] in STAND_INS:
-            return importlib.machinery.ModuleSpec(name, self, is_package=True)
-        return None
-
-    def create_module(self, spec):
-        module = types.ModuleType(spec.name)
-        module.__path__ = []
-        module.__getattr__ = _empty_class
-        return module
-
-    def exec_module(self, module):
-        pass
-
+from tests.models.stand_ins import torchvision_stand_in
 
 def import_comfyui(checkout: Path) -> types.SimpleNamespace:
     """comfy.lora, comfy.utils, comfy.model_base, comfy.model_detection and the checkpoint
@@ -55,28 +28,21 @@ def import_comfyui(checkout: Path) -> types.SimpleNamespace:
         pytest.importorskip(package, reason=f"ComfyUI needs {package} (pip install {package})")
     if str(checkout) not in sys.path:
         sys.path.insert(0, str(checkout))
-    # transformers decides once, at its import, whether torchvision is installed: let it see
-    # the truth before the stand-in exists, and take the stand-in away once ComfyUI is in
-    import transformers.utils.import_utils  # noqa: F401
-    stand_in = _StandIn()
-    sys.meta_path.append(stand_in)
     argv, sys.argv = sys.argv, ["comfyui", "--cpu"]
     try:
-        import comfy.options
-        comfy.options.enable_args_parsing()
-        import comfy.lora
-        import comfy.model_base
-        import comfy.model_detection
-        import comfy.model_patcher
-        import comfy.sd
-        import comfy.sd1_clip
-        import comfy.supported_models
-        import comfy.utils
+        with torchvision_stand_in():  # ComfyUI's modules keep theirs; nothing else sees one
+            import comfy.options
+            comfy.options.enable_args_parsing()
+            import comfy.lora
+            import comfy.model_base
+            import comfy.model_detection
+            import comfy.model_patcher
+            import comfy.sd
+            import comfy.sd1_clip
+            import comfy.supported_models
+            import comfy.utils
     finally:
         sys.argv = argv
-        sys.meta_path.remove(stand_in)
-        for name in [n for n in sys.modules if n.split(".")[0] in STAND_INS]:
-            del sys.modules[name]  # ComfyUI's modules keep theirs; nothing else sees one
     return types.SimpleNamespace(lora=comfy.lora, utils=comfy.utils, model_base=comfy.model_base,
                                  model_detection=comfy.model_detection, sd=comfy.sd,
                                  model_patcher=comfy.model_patcher, sd1_clip=comfy.sd1_clip,
