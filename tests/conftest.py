@@ -79,41 +79,38 @@ def pytest_addoption(parser):
                           "(tests/models/a1111_harness.py) are skipped without it")
 
 
+def opt_in_folder(request, option: str, what: str, see: str = ""):
+    """The folder the opt-in `option` names, or skip saying how to give one."""
+    from pathlib import Path
+
+    path = request.config.getoption(option)
+    if not path:
+        pytest.skip(f"no {what} given (pytest {option}=PATH{'; ' + see if see else ''})")
+    return Path(path)
+
+
 @pytest.fixture(scope="session")
 def comfyui(request):
     """ComfyUI's loading modules from the checkout `--comfyui` names (skipped without it)."""
-    from pathlib import Path
-
     from tests.models.comfyui_harness import import_comfyui
-    path = request.config.getoption("--comfyui")
-    if not path:
-        pytest.skip("no ComfyUI checkout given (pytest --comfyui=PATH)")
-    return import_comfyui(Path(path))
+    return import_comfyui(opt_in_folder(request, "--comfyui", "ComfyUI checkout"))
 
 
 @pytest.fixture(scope="session")
 def a1111(request):
     """A1111's LoRA loader and the ldm / sgm UNets from the folder `--a1111` names (skipped
     without it)."""
-    from pathlib import Path
-
     from tests.models.a1111_harness import import_a1111
-    path = request.config.getoption("--a1111")
-    if not path:
-        pytest.skip("no A1111 harness folder given (pytest --a1111=PATH; docs/lora_tools.md)")
-    return import_a1111(Path(path))
+    return import_a1111(opt_in_folder(request, "--a1111", "A1111 harness folder",
+                                      "docs/lora_tools.md"))
 
 
 @pytest.fixture(scope="session")
 def a1111_textual_inversion(request):
     """A1111's textual-inversion loader from the folder `--a1111` names (skipped without it)."""
-    from pathlib import Path
-
     from tests.models.a1111_harness import import_a1111_textual_inversion
-    path = request.config.getoption("--a1111")
-    if not path:
-        pytest.skip("no A1111 harness folder given (pytest --a1111=PATH; docs/lora_tools.md)")
-    return import_a1111_textual_inversion(Path(path))
+    folder = opt_in_folder(request, "--a1111", "A1111 harness folder", "docs/lora_tools.md")
+    return import_a1111_textual_inversion(folder)
 
 
 def pytest_report_header(config):
