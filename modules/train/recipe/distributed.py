@@ -141,7 +141,11 @@ class Distributed:
 
     def any(self, flag: bool) -> bool:
         """True on every rank when it is true on any (a Stop seen by one rank stops all)."""
-        return self.any_of(flag)[0]
+        if not self.enabled:
+            return flag
+        t = torch.tensor([1.0 if flag else 0.0], device=self.device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return bool(t.item())
 
     def any_of(self, *flags: bool) -> tuple[bool, ...]:
         """`any` of several flags at once, in one all-reduce."""
