@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import torch
 
 from modules.compile import (Capabilities, CompileEngine, CompileFacts, CompilePlan,
                              ComponentTraining, build_plan, compile_cache_folder,
                              detect_capabilities)
+from modules.compile.bundle import BundleKeeper, Fingerprint, settings_hash
 from modules.compile.shape_sets import CompileCost, Shape, compile_cost, possible_shapes
 from modules.config.schema import CompileScope, Config
 from modules.model_types import MODEL_TYPES
@@ -78,12 +80,56 @@ def component_blocks(bundle: ModelBundle) -> dict[str, tuple[str, ...]]:
     return blocks
 
 
+def compile_fingerprint(config: Config, facts: CompileFacts,
+                        device: torch.device) -> Fingerprint:
+    """What this run's compiled code is made for (a compile bundle's fingerprint): the
+    software and device, the family, each compiled component's settings, the dtypes and the
+    batch shapes the config allows."""
+    plans = build_plan(config.compile, facts)
+    caps = facts.capabilities
+    triton = ""
+    if caps.triton_ok:
+        import triton as triton_module
+        triton = triton_module.__version__
+    def settings(plan: CompilePlan) -> str:
+        return settings_hash({"kwargs": plan.torch_compile_kwargs,
+                              "options": plan.inductor_options,
+                              "dynamic": config.compile.dynamic.value})
+
+    components = tuple(f"{name}: {plan.effective.value} {config.compile.scope.value} "
+                       f"{settings(plan)}" for name, plan in plans.items() if plan.compiled)
+    shapes = possible_shapes(config.data, config.training.batch_size)
+    return Fingerprint(
+        torch=torch.__version__, triton=triton, cuda=torch.version.cuda or "",
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
+        capability=".".join(map(str, caps.compute_capability or ())),
+        family=config.model.type.value, components=components,
+        dtype=f"{config.model.weight_dtype.value} {config.model.weight_storage.value} "
+              f"{config.training.mixed_precision.value}",
+        shapes=tuple(sorted({"x".join(map(str, s)) for listed in shapes.values()
+                             for s in listed})))
+
+
+def bundle_keeper(config: Config, facts: CompileFacts, device: torch.device,
+                  cache_dir: Path, write: bool) -> BundleKeeper | None:
+    """The run's compile bundles (compile.bundles): looked for in compile.bundle (a file or
+    a folder) and the cache folder's bundles/, written there by the main process."""
+    if not config.compile.bundles:
+        return None
+    folder = cache_dir / "bundles"
+    places = ([Path(config.compile.bundle).expanduser()] if config.compile.bundle else [])
+    return BundleKeeper(compile_fingerprint(config, facts, device), [*places, folder], folder,
+                        write=write)
+
+
 def build_compile_guard(config: Config, bundle: ModelBundle, device: torch.device,
                         params: dict, trained: list[str],
-                        callbacks: TrainerCallbacks) -> CompileEngine:
+                        callbacks: TrainerCallbacks, writes_bundle: bool = True) -> CompileEngine:
     """Compile the selected components in place and return the engine that guards each step.
-    REGIONAL compiles the denoiser's repeated blocks that its family names."""
+    REGIONAL compiles the denoiser's repeated blocks that its family names. ``writes_bundle``:
+    this process writes the run's compile bundle (the main one of a multi-process run)."""
     facts = compile_facts(config, detect_capabilities(device), trained)
+    cache_dir = compile_cache_folder(config.compile.cache_dir, config.general.cache_dir)
     engine = CompileEngine(
         config.compile,
         {COMPILE_DENOISER: bundle.denoiser, "text_encoder": list(bundle.text_encoders.values()),
@@ -91,8 +137,9 @@ def build_compile_guard(config: Config, bundle: ModelBundle, device: torch.devic
         regional_blocks={**REPEATED_BLOCKS, COMPILE_DENOISER: family_of(bundle.model_type).repeated_blocks},
         callbacks=callbacks, device=device, capabilities=facts.capabilities,
         trainable_params=[p for plist in params.values() for p in plist],
-        training=facts.training,
-        cache_dir=compile_cache_folder(config.compile.cache_dir, config.general.cache_dir))
+        training=facts.training, cache_dir=cache_dir,
+        bundles=bundle_keeper(config, facts, device, cache_dir.expanduser().resolve(),
+                              writes_bundle))
     try:
         engine.apply()
     except BaseException:  # what apply changed so far (cache folders, callbacks) put back
