@@ -132,10 +132,12 @@ def loaded_kernel_names() -> list[str]:
     return list(cache) if isinstance(cache, dict) else []
 
 
-def write_bundle(folder: Path, fingerprint: Fingerprint, cache_dir: Path) -> Path | None:
+def write_bundle(folder: Path, fingerprint: Fingerprint, cache_dir: Path,
+                 cold_seconds: float | None = None) -> Path | None:
     """Write this process's compiled code as ``folder/<fingerprint's file name>``, atomically
     (a temporary file in the same folder, then a rename: a reader never sees half a bundle and
-    two writers leave one whole file). None when torch recorded nothing to carry."""
+    two writers leave one whole file). None when torch recorded nothing to carry.
+    ``cold_seconds``: what compiling this code cold took, for a later run's "saved" figure."""
     import torch
 
     saved = torch.compiler.save_cache_artifacts()
@@ -146,7 +148,7 @@ def write_bundle(folder: Path, fingerprint: Fingerprint, cache_dir: Path) -> Pat
     header = {"format": BUNDLE_FORMAT, "fingerprint": asdict(fingerprint),
               "artifacts_bytes": len(artifacts),
               "artifacts_sha256": hashlib.sha256(artifacts).hexdigest(),
-              "kernels": len(kernels)}
+              "kernels": len(kernels), "cold_compile_seconds": cold_seconds}
     folder.mkdir(parents=True, exist_ok=True)
     target = folder / fingerprint.file_name()
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".part", dir=folder)
@@ -266,6 +268,7 @@ class BundleKeeper:
         self.write = write
         self.lookup = Lookup("miss", why="not looked for yet")
         self.loaded_entries = 0
+        self.cold_seconds: float | None = None  # the loaded bundle's cold compile, if known
         self.written: Path | None = None
         self.write_error: str | None = None
         self._compiles_written = 0
@@ -275,21 +278,27 @@ class BundleKeeper:
         lookup = find_bundle(self.fingerprint, self.places)
         if lookup.status == "hit" and lookup.path is not None:
             try:
-                self.loaded_entries = load_bundle(read_header(lookup.path), cache_dir)
+                found = read_header(lookup.path)
+                self.loaded_entries = load_bundle(found, cache_dir)
+                cold = found.header.get("cold_compile_seconds")
+                self.cold_seconds = float(cold) if isinstance(cold, (int, float)) else None
             except BundleError as err:
                 lookup = Lookup("damaged", lookup.path, str(err), lookup.skipped)
         self.lookup = lookup
         return lookup
 
-    def write_if_new(self, compiles_so_far: int, cache_dir: Path) -> Path | None:
+    def write_if_new(self, compiles_so_far: int, cache_dir: Path,
+                     compile_seconds: float = 0.0, cold: bool = True) -> Path | None:
         """Write the bundle when graphs were compiled since the last write; the path written,
-        or None. A failed write (a full disk) is kept in ``write_error`` for the caller to
-        report: it never stops training."""
+        or None. ``compile_seconds`` is this run's compile time so far, a cold compile's when
+        ``cold`` (else the loaded bundle's cold time is carried on). A failed write (a full
+        disk) is kept in ``write_error`` for the caller to report: it never stops training."""
         if not self.write or compiles_so_far <= self._compiles_written:
             return None
         self._compiles_written = compiles_so_far
         try:
-            path = write_bundle(self.folder, self.fingerprint, cache_dir)
+            path = write_bundle(self.folder, self.fingerprint, cache_dir,
+                                round(compile_seconds, 1) if cold else self.cold_seconds)
         except OSError as err:
             self.write_error = f"{self.folder}: {err.strerror or err}"
             return None
@@ -297,12 +306,57 @@ class BundleKeeper:
             self.written, self.write_error = path, None
         return path
 
-    def record(self) -> dict:
-        """run.json's ``compile_bundle``."""
+    def record(self, compile_seconds: float | None = None) -> dict:
+        """run.json's ``compile_bundle``; with this run's ``compile_seconds``, what a loaded
+        bundle saved against the cold compile it was made by (when that was measured)."""
+        saved = (round(self.cold_seconds - compile_seconds, 1)
+                 if self.cold_seconds is not None and compile_seconds is not None
+                 and self.lookup.status == "hit" else None)
         return {"lookup": self.lookup.status, "why": self.lookup.why or None,
+                "cold_compile_seconds": self.cold_seconds, "seconds_saved": saved,
                 "found": str(self.lookup.path) if self.lookup.path else None,
                 "loaded_entries": self.loaded_entries,
                 "skipped": list(self.lookup.skipped),
                 "written": str(self.written) if self.written else None,
                 "write_error": self.write_error,
                 "fingerprint": asdict(self.fingerprint)}
+
+
+def _copy_whole(source: Path, target: Path) -> Path:
+    """Copy ``source`` to ``target`` through a temporary file beside it: never half a file."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".part", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as out, open(source, "rb") as src:
+            while chunk := src.read(1 << 20):
+                out.write(chunk)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target
+
+
+def import_bundle(source: Path, folder: Path) -> BundleFile:
+    """Copy a bundle (say, exported on another machine) into ``folder`` under its
+    fingerprint's name, where runs look for it; refused (BundleError) unless it is a whole
+    bundle. Returns the copy."""
+    found = read_header(source)
+    target = folder / found.fingerprint.file_name()
+    if target.exists() and target.resolve() == source.resolve():
+        return found
+    try:
+        _copy_whole(source, target)
+    except OSError as err:
+        raise BundleError(f"{target}: cannot be written ({err.strerror or err})") from err
+    return BundleFile(target, found.fingerprint, found.header)
+
+
+def export_bundle(source: Path, target: Path) -> Path:
+    """Copy a bundle to ``target`` (another machine's, a cloud run's repository): whole or
+    not at all; BundleError names what went wrong."""
+    read_header(source)
+    try:
+        return _copy_whole(source, target)
+    except OSError as err:
+        raise BundleError(f"{target}: cannot be written ({err.strerror or err})") from err

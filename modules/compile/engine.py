@@ -150,8 +150,11 @@ class CompileEngine:
         if bundles is None or self.cache_dir is None:
             return None
         error = bundles.write_error
-        written = bundles.write_if_new(sum(self.tracker.compile_counts().values()),
-                                       Path(self.cache_dir).expanduser().resolve())
+        stats = [self.tracker.component(name) for name in self.components]
+        written = bundles.write_if_new(sum(s.compiles for s in stats),
+                                       Path(self.cache_dir).expanduser().resolve(),
+                                       self._compile_seconds(),
+                                       cold=not any(s.cache_hits for s in stats))
         if written is not None:
             self.reporter.bundle_event(f"compile bundle written: {written}", "done")
         elif bundles.write_error and bundles.write_error != error:
@@ -163,7 +166,10 @@ class CompileEngine:
         """run.json's ``compile_bundle``: what was looked for, loaded and written; None when
         bundles are off or nothing compiles with inductor."""
         bundles = self.applier.bundles
-        return bundles.record() if bundles is not None else None
+        return bundles.record(self._compile_seconds()) if bundles is not None else None
+
+    def _compile_seconds(self) -> float:
+        return sum(self.tracker.component(name).compile_seconds for name in self.components)
 
     def close(self) -> None:
         """Undo every compilation and the engine's process-wide settings (cache folders,

@@ -22,6 +22,10 @@ COMPILED = ["compile.backend=INDUCTOR", "compile.scope=FULL", "compile.denoiser=
             "compile.text_encoder=true", "training.max_steps=2"]
 
 
+def encoder_seconds(record: dict) -> float:
+    return record["compile"]["text_encoder"]["compile_seconds"]
+
+
 def _record(folder) -> dict:
     return json.loads((folder / "run.json").read_text())
 
@@ -59,6 +63,10 @@ def test_a_bundle_warms_a_fresh_cache_folder_in_another_process_and_changes_no_n
     assert second["compile_bundle"]["lookup"] == "hit", second["compile_bundle"]
     assert second["compile_bundle"]["found"] == written
     assert second["compile_bundle"]["loaded_entries"] > 0
+    cold = record["compile"]["text_encoder"]["compile_seconds"]
+    assert second["compile_bundle"]["cold_compile_seconds"] == pytest.approx(cold, abs=0.1)
+    assert second["compile_bundle"]["seconds_saved"] == pytest.approx(
+        cold - encoder_seconds(second), abs=0.2)
     encoder = second["compile"]["text_encoder"]
     assert encoder["bundle"] == "hit" and encoder["cache"] == "hit", encoder
     assert encoder["compiled_code_ran"]

@@ -18,7 +18,9 @@ import torch
 from modules.compile import (Capabilities, CompileEngine, CompileFacts, CompilePlan,
                              ComponentTraining, build_plan, compile_cache_folder,
                              detect_capabilities)
-from modules.compile.bundle import BundleKeeper, Fingerprint, settings_hash
+from modules.compile.backends import BACKENDS
+from modules.compile.bundle import (BundleKeeper, Fingerprint, Lookup, find_bundle,
+                                    settings_hash)
 from modules.compile.shape_sets import CompileCost, Shape, compile_cost, possible_shapes
 from modules.config.schema import CompileScope, Config
 from modules.model_types import MODEL_TYPES
@@ -89,8 +91,11 @@ def compile_fingerprint(config: Config, facts: CompileFacts,
     caps = facts.capabilities
     triton = ""
     if caps.triton_ok:
-        import triton as triton_module
-        triton = triton_module.__version__
+        from importlib.metadata import PackageNotFoundError, version
+        try:
+            triton = version("triton")
+        except PackageNotFoundError:  # a machine faked by a test, or Triton by another name
+            triton = "unknown"
     def settings(plan: CompilePlan) -> str:
         return settings_hash({"kwargs": plan.torch_compile_kwargs,
                               "options": plan.inductor_options,
@@ -110,16 +115,39 @@ def compile_fingerprint(config: Config, facts: CompileFacts,
                              for s in listed})))
 
 
+def bundle_folder(config: Config) -> Path:
+    """Where runs write their compile bundles: the compile cache folder's bundles/."""
+    cache = compile_cache_folder(config.compile.cache_dir, config.general.cache_dir)
+    return cache.expanduser().resolve() / "bundles"
+
+
+def bundle_places(config: Config) -> list[Path]:
+    """Where a run looks for its compile bundle, in order: compile.bundle (a file or a
+    folder), then the cache folder's bundles/."""
+    named = [Path(config.compile.bundle).expanduser()] if config.compile.bundle else []
+    return [*named, bundle_folder(config)]
+
+
 def bundle_keeper(config: Config, facts: CompileFacts, device: torch.device,
-                  cache_dir: Path, write: bool) -> BundleKeeper | None:
-    """The run's compile bundles (compile.bundles): looked for in compile.bundle (a file or
-    a folder) and the cache folder's bundles/, written there by the main process."""
+                  write: bool) -> BundleKeeper | None:
+    """The run's compile bundles (compile.bundles), written by the main process."""
     if not config.compile.bundles:
         return None
-    folder = cache_dir / "bundles"
-    places = ([Path(config.compile.bundle).expanduser()] if config.compile.bundle else [])
-    return BundleKeeper(compile_fingerprint(config, facts, device), [*places, folder], folder,
-                        write=write)
+    return BundleKeeper(compile_fingerprint(config, facts, device), bundle_places(config),
+                        bundle_folder(config), write=write)
+
+
+def matching_bundle(config: Config, capabilities: Capabilities | None = None) -> Lookup | None:
+    """What a run of ``config`` would find of its compile bundle here (the GUI's line), or
+    None when bundles are off or nothing is compiled with inductor."""
+    caps = capabilities if capabilities is not None else machine_capabilities(config)
+    facts = compile_facts(config, caps)
+    plans = build_plan(config.compile, facts)
+    if not config.compile.bundles or not any(
+            p.compiled and BACKENDS[p.effective].inductor for p in plans.values()):
+        return None
+    device = pick_device(config.general.device)
+    return find_bundle(compile_fingerprint(config, facts, device), bundle_places(config))
 
 
 def build_compile_guard(config: Config, bundle: ModelBundle, device: torch.device,
@@ -138,8 +166,7 @@ def build_compile_guard(config: Config, bundle: ModelBundle, device: torch.devic
         callbacks=callbacks, device=device, capabilities=facts.capabilities,
         trainable_params=[p for plist in params.values() for p in plist],
         training=facts.training, cache_dir=cache_dir,
-        bundles=bundle_keeper(config, facts, device, cache_dir.expanduser().resolve(),
-                              writes_bundle))
+        bundles=bundle_keeper(config, facts, device, writes_bundle))
     try:
         engine.apply()
     except BaseException:  # what apply changed so far (cache folders, callbacks) put back

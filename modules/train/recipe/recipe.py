@@ -371,6 +371,7 @@ class TrainingRecipe:
             self.save_final_backup()
         feeding(run)
         run.record.write(status=status, compile=run.guard.report(),
+                         compile_bundle=run.guard.bundle_record(),
                          skipped_steps=state.skipped_steps,
                          batch_shapes=run.shape_log.report(run.recompiles()),
                          distributed=distributed_summary(run),
