@@ -10,24 +10,14 @@ from modules.config.schema import ModelType
 from modules.model_types import MODEL_TYPES
 from modules.models.tiny import ensure_builtin_model
 from tests.app.conftest import pump
+from tests.lora_tools.random_lora import random_unet_lora
 
 
 @pytest.fixture
 def kohya_lora(tempera_cache, tmp_path):
     """A random LoRA on the tiny SD 1.5 UNet's attention, in the kohya layout."""
-    from diffusers import UNet2DConditionModel
-    from peft import LoraConfig
-
-    from modules.models.kohya import save_kohya_lora
     base = ensure_builtin_model(MODEL_TYPES[ModelType.SD15].builtin, tempera_cache)
-    unet = UNet2DConditionModel.from_pretrained(base, subfolder="unet")
-    unet.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_v"]))
-    generator = torch.Generator().manual_seed(0)
-    for key, param in unet.named_parameters():
-        if "lora_" in key:
-            param.data = torch.randn(param.shape, generator=generator) * 0.1
-    return base, save_kohya_lora({"unet": unet}, tmp_path / "lora.safetensors", 8.0,
-                                 ModelType.SD15)
+    return base, random_unet_lora(base, tmp_path / "lora.safetensors")
 
 
 def _run(app, panel) -> str:

@@ -23,6 +23,7 @@ from modules.config.schema import ModelType
 from modules.lora_tools.errors import LoraToolError
 from modules.model_types import MODEL_TYPES
 from modules.models.tiny import ensure_builtin_model
+from tests.lora_tools.random_lora import random_unet_lora
 
 TINY = MODEL_TYPES[ModelType.SD15].builtin
 UNET_FILE = "unet/diffusion_pytorch_model.safetensors"
@@ -30,21 +31,9 @@ UNET_FILE = "unet/diffusion_pytorch_model.safetensors"
 
 @pytest.fixture(scope="module")
 def tiny(tempera_cache, tmp_path_factory):
-    """The tiny SD 1.5 (the demo's model) and a random kohya LoRA (rank 4, alpha 8) on its
-    UNet's attention."""
-    from diffusers import UNet2DConditionModel
-    from peft import LoraConfig
-
-    from modules.models.kohya import save_kohya_lora
+    """The tiny SD 1.5 (the demo's model) and a random kohya LoRA on its UNet's attention."""
     base = ensure_builtin_model(TINY, tempera_cache)
-    unet = UNet2DConditionModel.from_pretrained(base, subfolder="unet")
-    unet.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_v"]))
-    generator = torch.Generator().manual_seed(0)
-    for key, param in unet.named_parameters():
-        if "lora_" in key:
-            param.data = torch.randn(param.shape, generator=generator) * 0.1
-    lora = save_kohya_lora({"unet": unet}, tmp_path_factory.mktemp("lora") / "lora.safetensors",
-                           8.0, ModelType.SD15)
+    lora = random_unet_lora(base, tmp_path_factory.mktemp("lora") / "lora.safetensors")
     return {"base": Path(base), "lora": lora, "cache": tempera_cache}
 
 
