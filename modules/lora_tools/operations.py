@@ -85,7 +85,7 @@ def merge_into_base(layout: ModelLayout, loras: list[tuple[Path, float]], output
     write a diffusers folder (from a folder base, `output` without .safetensors) or an ldm
     single file (`output` .safetensors, from either kind of base)."""
     assert layout.path is not None
-    output = check_new_output(output, _model_bytes(layout.path))
+    output = check_new_output(output, _merge_bytes(layout, Path(output)))
     updates: dict[LayerKey, list[tuple[AdapterLayer, float]]] = {}
     report = Report(output)
     for path, weight in loras:
@@ -131,11 +131,17 @@ def merge_into_base(layout: ModelLayout, loras: list[tuple[Path, float]], output
     return report
 
 
-def _model_bytes(path: Path) -> int:
-    """The size of a model folder's files or of a single file: about what a merge writes."""
-    if path.is_file():
-        return path.stat().st_size
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+def _merge_bytes(layout: ModelLayout, output: Path) -> int:
+    """About what a merge writes: the base's size (a merged tensor keeps its dtype), or its
+    denoiser's where a folder becomes the family's lone denoiser file (Z-Image's)."""
+    assert layout.path is not None
+    if layout.is_single_file:
+        return layout.path.stat().st_size
+    folder = layout.path
+    if (output.suffix.lower() == ".safetensors"
+            and family_files(layout.model_type).denoiser_file_key is not None):
+        folder = folder / layout.denoiser
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
 def _change(parts: list[tuple[Location, LayerKey]],

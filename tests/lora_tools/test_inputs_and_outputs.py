@@ -23,6 +23,7 @@ from modules.config.schema import ModelType
 from modules.lora_tools.errors import LoraToolError
 from modules.model_types import MODEL_TYPES
 from modules.models.tiny import ensure_builtin_model
+from modules.util.disk import megabytes
 from tests.lora_tools.random_lora import random_unet_lora
 
 TINY = MODEL_TYPES[ModelType.SD15].builtin
@@ -180,8 +181,11 @@ def test_an_output_disk_without_room_for_the_merge_is_refused_before_any_work(
     out = tmp_path / "merged"
     error = _refused_in_one_line(["merge", "--base", str(tiny["base"]), "--lora",
                                   str(tiny["lora"]), "-o", str(out)], capsys)
-    assert error.startswith(f"tempera-lora merge: --output {out}: about ")
-    assert "MB needed, 0 MB free" in error and list(tmp_path.iterdir()) == []
+    size = sum(p.stat().st_size for p in tiny["base"].rglob("*") if p.is_file())
+    assert size > 2**20 and error == (f"tempera-lora merge: --output {out}: about "
+                                      f"{megabytes(size)} needed, 0 MB free on the disk of "
+                                      f"{tmp_path}; nothing was written\n")
+    assert list(tmp_path.iterdir()) == []
 
 
 def _write_then_fill_the_disk(target, *args, **kwargs):
