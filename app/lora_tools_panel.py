@@ -54,7 +54,7 @@ LORAS_LABEL = {"merge": "LoRA files\n(one per line,\nfile:weight)",
 # each input a tool's refusal names (modules/lora_tools/errors.py), in this tab's words
 LABELS = {**{name: label for name, (label, _) in FIELDS.items()},
           "loras": "LoRA files", "layout": "LoRA layout written", "model_type": "Model type",
-          "cache_dir": "Cache folder (Settings)", "threshold": "Threshold"}
+          "cache_dir": "the Cache folder setting (General)", "threshold": "Threshold"}
 SAFETENSORS: tuple[str, tuple[str, ...]] = ("Safetensors", ("*.safetensors",))
 # the Browse buttons beside each path field: a folder ("folder"), an existing .safetensors
 # ("file") or a new path to write ("save")
