@@ -1,7 +1,9 @@
 """The LoRA tools tab: merge, merge several, extract, resize, convert (docs/lora_tools.md).
 
-A form over `frontend.lora_tool`: the tool runs in a thread (it reads whole models), its report
-or its error comes back through a queue the Tk thread polls with `after()`.
+A form over `frontend.lora_tool`: the tool runs in a thread (it reads whole models), its
+progress (a line per layer of resize and extract), report or error comes back through a queue
+the Tk thread polls with `after()`. A refusal names the field to change by its label here
+(`LABELS`), as the command line names it by its flag.
 """
 from __future__ import annotations
 
@@ -20,25 +22,44 @@ from modules import frontend
 
 TAB = "LoRA tools"
 TOOLS = {  # label -> (tool, the fields it reads)
-    "Merge LoRAs into a model": ("merge", ("base", "loras", "output")),
-    "Merge LoRAs into one": ("merge-loras", ("base", "model_type", "loras", "layout", "output")),
-    "Extract a LoRA (two models)": ("extract", ("base", "tuned", "rank", "conv_rank",
-                                                "layout", "output")),
-    "Resize a LoRA": ("resize", ("base", "model_type", "loras", "rank", "layout", "output")),
-    "Convert a LoRA's layout": ("convert", ("base", "model_type", "loras", "layout", "output")),
+    "Merge LoRAs into a model": ("merge", ("base", "config_folder", "loras", "output")),
+    "Merge LoRAs into one": ("merge-loras", ("base", "config_folder", "model_type", "loras",
+                                             "layout", "output")),
+    "Extract a LoRA (two models)": ("extract", ("base", "config_folder", "tuned", "rank",
+                                                "conv_rank", "layout", "output")),
+    "Resize a LoRA": ("resize", ("base", "config_folder", "model_type", "loras", "rank",
+                                 "layout", "output")),
+    "Convert a LoRA's layout": ("convert", ("base", "config_folder", "model_type", "loras",
+                                            "layout", "output")),
 }
 FIELDS = {  # field -> (label, hint)
-    "base": ("Base model", "a diffusers folder, an SD / SDXL .safetensors or Z-Image's "
-                           "ComfyUI diffusion model"),
-    "tuned": ("Fine-tuned model", "extract: the model the LoRA is taken from"),
-    "rank": ("Rank", "the LoRA's rank (resize: the new one)"),
-    "conv_rank": ("Conv rank", "extract: convolutions' rank (0: left out)"),
-    "output": ("Output", "a new folder or .safetensors (never overwritten)"),
+    "base": ("Base model", "a diffusers folder, a .safetensors checkpoint, or builtin:tiny-sd15 "
+                           "(the demo's)"),
+    "config_folder": ("Config folder", "a .safetensors base's architecture: a diffusers folder "
+                                       "of it (empty: the shipped configs)"),
+    "tuned": ("Fine-tuned model", "the model the LoRA is taken from"),
+    "rank": ("Rank", "the LoRA's rank"),
+    "conv_rank": ("Conv rank", "convolutions' rank (0: left out)"),
+    "output": ("Output", "a new .safetensors LoRA file (never overwritten)"),
 }
+# what a field asks for where it differs by tool: (tool, field) -> hint or label
+HINTS = {
+    ("merge", "output"): "a new folder (diffusers) or .safetensors (one file); never "
+                         "overwritten; the base is not changed",
+    ("resize", "rank"): "the new, lower rank",
+}
+LORAS_LABEL = {"merge": "LoRA files\n(one per line,\nfile:weight)",
+               "merge-loras": "LoRA files\n(one per line,\nfile:weight)",
+               "resize": "LoRA file", "convert": "LoRA file"}
+# each input a tool's refusal names (modules/lora_tools/errors.py), in this tab's words
+LABELS = {**{name: label for name, (label, _) in FIELDS.items()},
+          "loras": "LoRA files", "layout": "LoRA layout written", "model_type": "Model type",
+          "cache_dir": "the Cache folder setting (General)", "threshold": "Threshold"}
 SAFETENSORS: tuple[str, tuple[str, ...]] = ("Safetensors", ("*.safetensors",))
 # the Browse buttons beside each path field: a folder ("folder"), an existing .safetensors
 # ("file") or a new path to write ("save")
-BROWSE = {"base": ("folder", "file"), "tuned": ("folder", "file"), "output": ("save",)}
+BROWSE = {"base": ("folder", "file"), "config_folder": ("folder",),
+          "tuned": ("folder", "file"), "output": ("save",)}
 BROWSE_TEXT = {"folder": "Folder…", "file": "File…", "save": "Save as…"}
 LAYOUTS = ("kohya", "diffusers")
 # without a base model, the family's shipped architecture names the layers
@@ -50,9 +71,12 @@ POLL_MS = 100
 class LoraToolsPanel:
     """The tab's widgets and the one tool run at a time."""
 
-    def __init__(self, parent: Any, tool_fn: Callable[..., str] = frontend.lora_tool) -> None:
+    def __init__(self, parent: Any, tool_fn: Callable[..., str] = frontend.lora_tool,
+                 cache_dir: Callable[[], str] = lambda: "") -> None:
         self.tool_fn = tool_fn
-        self.results: "queue.Queue[tuple[bool, str]]" = queue.Queue()
+        self.cache_dir = cache_dir  # the settings' Cache folder, where builtin: models are built
+        # (state, text): "progress" while running, then "done", "refused" or "failed"
+        self.results: "queue.Queue[tuple[str, str]]" = queue.Queue()
         self.busy = False
         self.ok: bool | None = None  # how the last run ended
         self.frame = ctk.CTkScrollableFrame(parent, fg_color="transparent")
@@ -76,7 +100,8 @@ class LoraToolsPanel:
         self.entries["rank"].insert(0, "16")
         self.entries["conv_rank"].insert(0, "0")
         row = len(FIELDS) + 1
-        loras_label = ctk.CTkLabel(self.frame, text="LoRA files\n(one per line,\nfile:weight)")
+        loras_label = ctk.CTkLabel(self.frame, text=LORAS_LABEL["merge"], justify="left")
+        self.loras_label = loras_label
         loras_label.grid(row=row, column=0, sticky="nw", padx=6, pady=3)
         self.loras = ctk.CTkTextbox(self.frame, height=70)
         self.loras.grid(row=row, column=1, sticky="ew", padx=6, pady=3)
@@ -142,8 +167,12 @@ class LoraToolsPanel:
             self.loras.insert("1.0", "\n".join([*lines, chosen]))
 
     def _show_fields(self) -> None:
-        """Only the fields the chosen tool reads are shown."""
-        wanted = TOOLS[self.tool.get()][1]
+        """Only the fields the chosen tool reads are shown, each with the hint and label that
+        say what this tool takes there."""
+        command, wanted = TOOLS[self.tool.get()]
+        for name, (_, hint) in FIELDS.items():
+            self.entries[name].configure(placeholder_text=HINTS.get((command, name), hint))
+        self.loras_label.configure(text=LORAS_LABEL.get(command, LORAS_LABEL["merge"]))
         for name, widgets in self.rows.items():
             for widget in widgets:
                 if name in wanted:
@@ -159,7 +188,7 @@ class LoraToolsPanel:
                                    "output": self.entries["output"].get().strip()}
         options["loras"] = ([line for line in self.loras.get("1.0", "end").splitlines()
                              if line.strip()] if "loras" in wanted else [])
-        for name in ("base", "tuned"):
+        for name in ("base", "config_folder", "tuned"):
             if name in wanted:
                 options[name] = self.entries[name].get().strip() or None
         for name in ("rank", "conv_rank"):
@@ -172,6 +201,8 @@ class LoraToolsPanel:
             options["layout"] = self.layout.get()
         if "model_type" in wanted:
             options["model_type"] = MODEL_TYPES[self.model_type.get()]
+        if "base" in wanted:  # a builtin: base is built where training builds it
+            options["cache_dir"] = self.cache_dir()
         return options
 
     def run(self) -> None:
@@ -186,23 +217,36 @@ class LoraToolsPanel:
         set_widget_enabled(self.run_button, False)
         set_readonly_text(self.report, f"Running {options['command']}…")
 
+        def progress(done: int, total: int, what: str) -> None:
+            self.results.put(("progress", f"Running {options['command']}: layer {done} of "
+                                          f"{total}\n{what}"))
+
         def work() -> None:
             try:
-                self.results.put((True, self.tool_fn(**options)))
-            except ValueError as error:  # bad input: the message names the file or field
-                self.results.put((False, f"Not done: {error}"))
+                self.results.put(("done", self.tool_fn(**options, progress=progress)))
+            except frontend.LoraToolError as error:  # bad input: named in this tab's words
+                self.results.put(("refused", f"Not done: {error.text(LABELS)}"))
+            except ValueError as error:  # bad input the engine names by its file
+                self.results.put(("refused", f"Not done: {error}"))
             except Exception as error:  # anything else is shown too, never swallowed
-                self.results.put((False, f"Failed: {type(error).__name__}: {error}"))
+                self.results.put(("failed", f"Failed: {type(error).__name__}: {error}"))
         threading.Thread(target=work, name="tempera-lora-tool", daemon=True).start()
         self.frame.after(POLL_MS, self._poll)
 
     def _poll(self) -> None:
-        try:
-            ok, text = self.results.get_nowait()
-        except queue.Empty:
+        """Show what the tool thread sent since the last poll: its latest progress, or how it
+        ended (then the run is over)."""
+        latest: tuple[str, str] | None = None
+        while latest is None or latest[0] == "progress":
+            try:
+                latest = self.results.get_nowait()
+            except queue.Empty:
+                break
+        if latest is not None:
+            set_readonly_text(self.report, latest[1])
+        if latest is None or latest[0] == "progress":
             self.frame.after(POLL_MS, self._poll)
             return
         self.busy = False
         set_widget_enabled(self.run_button, True)
-        set_readonly_text(self.report, text)
-        self.ok = ok
+        self.ok = latest[0] == "done"

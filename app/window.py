@@ -210,7 +210,8 @@ class TemperaApp(ctk.CTk):
             lambda fn, kind: run_in_thread(fn, self.events, kind),
             lambda: self.presets_bar.current.stem if self.presets_bar.current else "run",
             self._save_settings)
-        self.lora_tools = LoraToolsPanel(self.tabview.add(LORA_TOOLS_TAB))
+        self.lora_tools = LoraToolsPanel(self.tabview.add(LORA_TOOLS_TAB),
+                                         cache_dir=lambda: self.binding.config.general.cache_dir)
         self.tabview.set(tab_title(groups_in_order()[0]))
 
     def _on_config_change(self, path: str | None, _source: object | None) -> None:

@@ -26,6 +26,7 @@ from modules.compile.backends import BACKENDS  # the backend rows: torch-free
 from modules.config import Config, Problem, validate
 from modules.config.field_rules import RULED_PATHS, unused_fields
 from modules.events import TrainerCallbacks, TrainerCommands
+from modules.lora_tools.errors import LoraToolError  # torch-free: the LoRA tools tab's refusals
 from modules.model_types import MODEL_TYPES, ModelType
 from modules.paths import cache_dir_for, compile_cache_folder
 from modules.train.state.backup_files import list_backups
@@ -55,7 +56,9 @@ def __getattr__(name: str) -> Any:
 def lora_tool(command: str, loras: list[str], **options: Any) -> str:
     """Run one LoRA tool (merge, merge-loras, extract, resize, convert; docs/lora_tools.md)
     and return its report: `modules.lora_tools.operations.run_tool`, the LoRA files given as
-    `file[:weight]` texts. Bad input raises ValueError naming the file or field."""
+    `file[:weight]` texts, `progress(done, total, what)` called after each layer of resize and
+    extract. Bad input raises LoraToolError, naming the file or the input (its field key: the
+    caller says it in its own words, `LoraToolError.text`)."""
     from modules.lora_tools.operations import parse_lora_arg, run_tool
     return run_tool(command, loras=[parse_lora_arg(text) for text in loras], **options).text()
 
@@ -188,4 +191,5 @@ __all__ = [  # noqa: F822 - the lazy names come from __getattr__ below
     "finished_run_problem", "format_duration", "latest_samples", "list_backups", "load_engine",
     "machine_capabilities", "read_run_status", "resume_offer", "schedule_curve",
     "silence_library_noise", "silence_torchvision_fallback_warnings", "train", "unused_fields",
+    "LoraToolError", "lora_tool",
 ]

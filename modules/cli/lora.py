@@ -8,18 +8,26 @@
 
 MODEL: a diffusers folder (SD 1.x, 2.x, SDXL or Z-Image's ZImagePipeline), an SD / SDXL
 .safetensors checkpoint or Z-Image's ComfyUI diffusion-model .safetensors (its configs from
---config-folder, else the shipped ones). Z-Image: every tool, on the transformer's layers; a
+--config-folder, else the shipped ones), or a built-in tiny model (builtin:tiny-sd15, the
+demo's; built into --cache-dir as training builds it). Z-Image: every tool, on the transformer's layers; a
 merge's .safetensors output is ComfyUI's diffusion-model file; --layout kohya is the ComfyUI
 layout (diffusion_model.<path>), diffusers the peft one ZImagePipeline.load_lora_weights reads.
 A LoRA of another family than the base's is refused (docs/lora_tools.md).
 
-Exit codes: 0 done, 2 bad input (the message names the file or argument; nothing written).
+Exit codes: 0 done, 2 bad input or an output that cannot be written (the message names the
+file or argument; nothing written). resize and extract print each layer to stderr as they go.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
+
+# How this front end names each input a tool's error names (modules/lora_tools/errors.py)
+FLAGS = {"base": "--base", "model_type": "--model-type", "config_folder": "--config-folder",
+         "cache_dir": "--cache-dir", "loras": "--lora", "tuned": "--tuned", "rank": "--rank",
+         "conv_rank": "--conv-rank", "threshold": "--threshold", "layout": "--layout",
+         "output": "--output"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -30,12 +38,12 @@ class _Parser(argparse.ArgumentParser):
 
 def lora_with_weight(text: str) -> tuple[Path, float]:
     """`file.safetensors[:weight]`; the weight must be a finite number."""
-    from modules.lora_tools.architecture import LoraToolError
+    from modules.lora_tools.errors import LoraToolError
     from modules.lora_tools.operations import parse_lora_arg
     try:
         return parse_lora_arg(text)
     except LoraToolError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
+        raise argparse.ArgumentTypeError(error.text(FLAGS)) from None
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -46,13 +54,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
     def base_args(sub, required: bool) -> None:
         sub.add_argument("--base", required=required,
-                         help="the base model: a diffusers folder, an ldm .safetensors file or "
-                              "Z-Image's ComfyUI diffusion-model file")
+                         help="the base model: a diffusers folder, an ldm .safetensors file, "
+                              "Z-Image's ComfyUI diffusion-model file or a builtin: model")
         sub.add_argument("--model-type", choices=["sd15", "sd2", "sdxl", "zimage"],
                          help="the family, when there is no --base (its shipped architecture "
                               "names the layers) or to check the base's")
         sub.add_argument("--config-folder", help="a single-file base's architecture configs "
                                                  "(default: the family's shipped ones)")
+        sub.add_argument("--cache-dir", default="",
+                         help="where a builtin: model is built (default: the platform's cache "
+                              "folder, as training's general.cache_dir)")
 
     merge = commands.add_parser("merge", help="merge LoRAs into a base model at a weight")
     base_args(merge, True)
@@ -107,18 +118,24 @@ def run(args: argparse.Namespace):
                     tuned=getattr(args, "tuned", None), rank=getattr(args, "rank", 0),
                     conv_rank=getattr(args, "conv_rank", 0),
                     threshold=getattr(args, "threshold", 0.0),
-                    layout=getattr(args, "layout", None))
+                    layout=getattr(args, "layout", None), cache_dir=args.cache_dir,
+                    progress=print_progress)
+
+
+def print_progress(done: int, total: int, what: str) -> None:
+    """A layer done (resize, extract): one line on stderr, so stdout holds the report alone."""
+    print(f"[{done}/{total}] {what}", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
-    from modules.lora_tools.architecture import LoraToolError
+    from modules.lora_tools.errors import LoraToolError
     from modules.util.library_noise import silence_library_noise
     args = parse_args(argv)
     silence_library_noise()  # warnings about packages we never use (modules/util/library_noise.py)
     try:
         report = run(args)
     except LoraToolError as error:
-        print(f"tempera-lora {args.command}: {error}", file=sys.stderr)
+        print(f"tempera-lora {args.command}: {error.text(FLAGS)}", file=sys.stderr)
         return 2
     print(report.text())
     return 0

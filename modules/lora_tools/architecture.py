@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from modules.config.schema import ModelType
-from modules.model_types import MODEL_TYPES
+from modules.lora_tools.errors import LoraToolError, input_error
+from modules.model_types import BUILTIN_PREFIX, MODEL_TYPES
 from modules.models.families import family_files, family_of
 from modules.models.folder import SAFETENSORS_SUFFIX
 from modules.models.kohya import KohyaError, kohya_module_name
@@ -25,10 +26,6 @@ from modules.models.single_file import (
     config_folder_for, detect_model_type, unet_key_to_ldm)
 
 LayerKey = tuple[str, str]  # (component, module path)
-
-
-class LoraToolError(ValueError):
-    """Input a LoRA tool cannot use, with the file or argument named and what to do."""
 
 
 @dataclass(frozen=True)
@@ -95,10 +92,16 @@ def _same_names(a: ModelType, b: ModelType) -> bool:
     return a == b or {a, b} <= {ModelType.SD15, ModelType.SD2}
 
 
-def check_family(source: str, found: ModelType, wanted: ModelType | None) -> None:
+def check_family(source: str, found: ModelType, wanted: ModelType | None,
+                 which: str = "base") -> None:
+    """Refuse a model of another family than `wanted`: the base's given as the model type,
+    or the tuned model's given by the base."""
     if wanted is not None and not _same_names(found, wanted):
-        raise LoraToolError(f"{source}: is {MODEL_TYPES[found].label} ({found.value}), not "
-                            f"{MODEL_TYPES[wanted].label} ({wanted.value})")
+        said = "as {model_type} says" if which == "base" else "as the {base} is"
+        raise input_error("{" + which + "} {source}: is {found_label} ({found}), not {label} "
+                          "({wanted}) " + said, source=source,
+                          found_label=MODEL_TYPES[found].label, found=found.value,
+                          label=MODEL_TYPES[wanted].label, wanted=wanted.value)
 
 
 def _denoiser_file_family(path: Path) -> ModelType | None:
@@ -110,35 +113,62 @@ def _denoiser_file_family(path: Path) -> ModelType | None:
     return None
 
 
+def _about(which: str, rest: str, **values: object) -> LoraToolError:
+    """An error about the model input `which` ("base" or "tuned"), named first."""
+    return input_error("{" + which + "} " + rest, **values)
+
+
+def resolve_builtin(name: str, cache_dir: Path, which: str = "base") -> Path:
+    """The folder of a built-in tiny model (`builtin:tiny-sd15`), built into `cache_dir` on
+    first use, as training resolves it (`modules.models.loader.resolve_model_path`)."""
+    from modules.models.loader import resolve_model_path
+    from modules.models.tiny import BUILTIN_MODELS
+    if name not in BUILTIN_MODELS:
+        raise _about(which, "{name!r}: no such built-in model; the built-in ones are {known}",
+                     name=name, known=", ".join(BUILTIN_MODELS))
+    return resolve_model_path(name, cache_dir)
+
+
 def model_layout(path: str | Path | None = None, model_type: ModelType | None = None,
-                 config_folder: str | Path | None = None) -> ModelLayout:
+                 config_folder: str | Path | None = None, cache_dir: Path | None = None,
+                 which: str = "base") -> ModelLayout:
     """The layout of a base: a diffusers folder, a `.safetensors` single file (an ldm
     checkpoint, or a family's lone denoiser file such as Z-Image's ComfyUI diffusion model;
-    its configs from `config_folder` or the family's shipped ones), or, with no path, the
-    shipped architecture of `model_type` (enough to name layers, e.g. to convert a kohya file)."""
+    its configs from `config_folder` or the family's shipped ones), a built-in tiny model
+    (`builtin:…`, built into `cache_dir`), or, with no path, the shipped architecture of
+    `model_type` (enough to name layers, e.g. to convert a kohya file). `which` is the input
+    the path came from ("base" or "tuned"), named in errors about it."""
     if path is None:
         if model_type is None:
-            raise LoraToolError("--base or --model-type is needed to know the layers' names")
+            raise input_error("{base} or {model_type} is needed to know the layers' names")
         configs = config_folder_for(family_files(model_type))
         return _layout(model_type, Path(config_folder or configs), None, f"{model_type.value}")
+    source = str(path)
+    if source.startswith(BUILTIN_PREFIX):
+        if cache_dir is None:
+            raise _about(which, "{name}: a built-in model needs the cache folder to build it in",
+                         name=source)
+        path = resolve_builtin(source, cache_dir, which)
     path = Path(path)
     if path.is_dir():
         if not (path / "model_index.json").is_file():
-            raise LoraToolError(f"{path}: not a diffusers model folder (no model_index.json)")
+            raise _about(which, "{path}: not a diffusers model folder (no model_index.json)",
+                         path=path)
         found = _type_of_folder(path)
-        check_family(str(path), found, model_type)
-        return _layout(model_type or found, path, path, str(path))
+        check_family(source, found, model_type, which)
+        return _layout(model_type or found, path, path, source)
     if not path.is_file():
-        raise LoraToolError(f"{path}: no such model folder or file")
+        raise _about(which, "{path}: no such model folder or file", path=path)
     if path.suffix.lower() != SAFETENSORS_SUFFIX:
-        raise LoraToolError(f"{path}: only .safetensors checkpoints are read (a pickle can run "
-                            "code when loaded); convert it to .safetensors first")
+        raise _about(which, "{path}: only .safetensors checkpoints are read (a pickle can run "
+                     "code when loaded); convert it to .safetensors first", path=path)
     try:
         lone = _denoiser_file_family(path)
     except Exception as error:  # safetensors has its own error types for a damaged file
-        raise LoraToolError(f"{path}: not a readable .safetensors file ({error})") from None
+        raise _about(which, "{path}: not a readable .safetensors file ({error})", path=path,
+                     error=error) from None
     if lone is not None:
-        check_family(str(path), lone, model_type)
+        check_family(source, lone, model_type, which)
         found = lone
     else:
         try:
@@ -146,7 +176,7 @@ def model_layout(path: str | Path | None = None, model_type: ModelType | None = 
         except SingleFileError as error:
             raise LoraToolError(str(error)) from None
     configs = Path(config_folder) if config_folder else config_folder_for(family_files(found))
-    return _layout(found, configs, path, str(path))
+    return _layout(found, configs, path, source)
 
 
 def _layout(model_type: ModelType, configs: Path, path: Path | None, source: str) -> ModelLayout:
@@ -161,9 +191,10 @@ def _layout(model_type: ModelType, configs: Path, path: Path | None, source: str
     denoiser = MODEL_TYPES[model_type].denoiser
     denoiser_cls = getattr(diffusers, files.denoiser_class)
     if not (configs / denoiser / "config.json").is_file():
-        raise LoraToolError(f"{configs}: has no {denoiser}/config.json ({files.denoiser_class}); "
-                            f"name a {MODEL_TYPES[model_type].label} diffusers folder as "
-                            "--config-folder")
+        raise input_error("{configs}: has no {denoiser}/config.json ({cls}); name a {label} "
+                          "diffusers folder as {config_folder}", configs=configs,
+                          denoiser=denoiser, cls=files.denoiser_class,
+                          label=MODEL_TYPES[model_type].label)
     unet_config = denoiser_cls.load_config(configs / denoiser)
     modules: dict[str, nn.Module] = {}
     with init_empty_weights():  # the meta device: names and shapes, no memory
@@ -193,7 +224,7 @@ def _layout(model_type: ModelType, configs: Path, path: Path | None, source: str
 def weight_locations(layout: ModelLayout, keys: list[LayerKey]) -> dict[LayerKey, Location]:
     """Where each layer's weight is in the base's files (LoraToolError for one that is not)."""
     if layout.path is None:
-        raise LoraToolError("a base model's files are needed (--base)")
+        raise input_error("a base model's files are needed ({base})")
     if layout.is_single_file:
         return {key: _single_file_location(layout, key) for key in keys}
     headers: dict[str, dict[str, Path]] = {}
@@ -243,10 +274,12 @@ def _single_file_location(layout: ModelLayout, key: LayerKey) -> Location:
                 shape, expected = stored[candidate], layout.shapes[key]
                 if (shape[1:] != expected[1:] or (rows is None and shape[0] != expected[0])
                         or (rows is not None and shape[0] < rows[1])):
-                    raise LoraToolError(
-                        f"{layout.path}: {candidate} is {shape}, but the architecture configs "
-                        f"({layout.configs}) make {module_path} {expected}: name this model's "
-                        "configs with --config-folder (a diffusers folder of it)")
+                    raise input_error(
+                        "{path}: {tensor} is {shape}, but the architecture configs ({configs}) "
+                        "make {layer} {expected}: name this model's configs with "
+                        "{config_folder} (a diffusers folder of it)", path=layout.path,
+                        tensor=candidate, shape=shape, configs=layout.configs,
+                        layer=module_path, expected=expected)
                 return Location(layout.path, candidate, rows)
         raise LoraToolError(f"{layout.path}: has no weight {key_name} (for {module_path})")
     if component == "unet":

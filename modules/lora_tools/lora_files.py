@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from modules.lora_tools.architecture import LayerKey, LoraToolError, ModelLayout
+from modules.lora_tools.architecture import LayerKey, ModelLayout
+from modules.lora_tools.errors import LoraToolError
 from modules.model_types import MODEL_TYPES, ModelType
 from modules.models.families import FAMILIES, family_files
 from modules.models.single_file import clip_key_with_text_model

@@ -10,16 +10,18 @@ depends on the base); resizing takes LoRA / LoCon (an SVD of their update).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from modules.lora_tools.architecture import (
-    LayerKey, Location, LoraToolError, ModelLayout, weight_locations)
+from modules.lora_tools.architecture import LayerKey, Location, ModelLayout, weight_locations
+from modules.lora_tools.errors import LoraToolError, input_error
 from modules.lora_tools.lora_files import (
     LAYOUTS, AdapterLayer, delta, lora, read_lora, write_lora)
+from modules.lora_tools.low_rank import low_rank, low_rank_of_factors
+from modules.lora_tools.output import check_new_output, writing
 from modules.lora_tools.streaming import copy_tree_except, rewrite, write_streamed
 from modules.models.families import family_files
 from modules.util.atomic import atomic_file, atomic_write_dir
@@ -36,27 +38,27 @@ REFUSED = {  # operation -> why LoHa / LoKr / DoRA are refused
 }
 
 
+# Called once per layer by resize and extract: (layers done, layers in all, what was done).
+Progress = Callable[[int, int, str], None]
+
+
+def _no_progress(done: int, total: int, what: str) -> None:
+    return None
+
+
 @dataclass
 class Report:
-    """What a tool did: the file or folder written and one line per layer and overall."""
+    """What a tool did: the file or folder written, what it is (`summary`), and one line per
+    layer (`lines`) with its number in `per_layer`, and the overall one."""
     output: Path
     lines: list[str] = field(default_factory=list)
     per_layer: dict[str, float] = field(default_factory=dict)
     overall: float | None = None
+    summary: list[str] = field(default_factory=list)
 
     def text(self) -> str:
-        return "\n".join([*self.lines, f"written: {self.output}"])
-
-
-def check_new_output(path: str | Path, what: str = "--output") -> Path:
-    """The output path, refused when something is already there (nothing is overwritten)."""
-    path = Path(path)
-    if path.exists():
-        raise LoraToolError(f"{what} {path}: already exists; choose a new path (nothing was "
-                            "overwritten)")
-    if not path.parent.is_dir():
-        raise LoraToolError(f"{what} {path}: the folder {path.parent} does not exist")
-    return path
+        """The result first (what was written, and what it is), then the inputs and layers."""
+        return "\n".join([f"written: {self.output}", *self.summary, *self.lines])
 
 
 def check_weight(value: float, what: str) -> float:
@@ -82,7 +84,8 @@ def merge_into_base(layout: ModelLayout, loras: list[tuple[Path, float]], output
     """Add each LoRA's update times its weight to the base's weights, one tensor at a time;
     write a diffusers folder (from a folder base, `output` without .safetensors) or an ldm
     single file (`output` .safetensors, from either kind of base)."""
-    output = check_new_output(output)
+    assert layout.path is not None
+    output = check_new_output(output, _merge_bytes(layout, Path(output)))
     updates: dict[LayerKey, list[tuple[AdapterLayer, float]]] = {}
     report = Report(output)
     for path, weight in loras:
@@ -97,12 +100,11 @@ def merge_into_base(layout: ModelLayout, loras: list[tuple[Path, float]], output
         by_file.setdefault(location.file, {}).setdefault(location.key, []).append((location, key))
     changes = {file: {name: _change(parts, updates) for name, parts in keys.items()}
                for file, keys in by_file.items()}
-    assert layout.path is not None
     if layout.is_single_file:
         if output.suffix.lower() != ".safetensors":
-            raise LoraToolError(f"--output {output}: a single-file base is merged into a "
-                                ".safetensors file")
-        with atomic_file(output) as tmp:
+            raise input_error("{output} {path}: a single-file base is merged into a "
+                              ".safetensors file", path=output)
+        with writing(output), atomic_file(output) as tmp:
             rewrite(layout.path, tmp, changes.get(layout.path, {}),
                     {"tempera.merged_loras": ", ".join(p.name for p, _ in loras)})
     elif output.suffix.lower() == ".safetensors":  # a folder written as one file
@@ -112,7 +114,7 @@ def merge_into_base(layout: ModelLayout, loras: list[tuple[Path, float]], output
         # the whole model as one ldm checkpoint
         lone = family_files(layout.model_type).denoiser_file_key is not None
         entries = (denoiser_file_entries if lone else single_file_entries)(layout, changes)
-        with atomic_file(output) as tmp:
+        with writing(output), atomic_file(output) as tmp:
             write_streamed(tmp, entries, {"tempera.merged_loras":
                                           ", ".join(p.name for p, _ in loras)})
     else:
@@ -122,9 +124,24 @@ def merge_into_base(layout: ModelLayout, loras: list[tuple[Path, float]], output
             copy_tree_except(base, tmp, set(changes))
             for file, file_changes in changes.items():
                 rewrite(file, tmp / file.relative_to(base), file_changes)
-        atomic_write_dir(output, write)
-    report.lines.append(f"merged {len(updates)} layers into {layout.source}")
+        with writing(output):
+            atomic_write_dir(output, write)
+    report.summary.append(f"a new model: {layout.source} with {len(loras)} LoRA(s) merged into "
+                          f"{len(updates)} of its layers; {layout.source} itself is unchanged")
     return report
+
+
+def _merge_bytes(layout: ModelLayout, output: Path) -> int:
+    """About what a merge writes: the base's size (a merged tensor keeps its dtype), or its
+    denoiser's where a folder becomes the family's lone denoiser file (Z-Image's)."""
+    assert layout.path is not None
+    if layout.is_single_file:
+        return layout.path.stat().st_size
+    folder = layout.path
+    if (output.suffix.lower() == ".safetensors"
+            and family_files(layout.model_type).denoiser_file_key is not None):
+        folder = folder / layout.denoiser
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
 def _change(parts: list[tuple[Location, LayerKey]],
@@ -163,87 +180,89 @@ def merge_loras(layout: ModelLayout, loras: list[tuple[Path, float]], output: Pa
         up = torch.cat([layer.tensors["lora_up.weight"].float() * layer.scale * weight
                         for layer, weight in parts], dim=1)
         merged[key] = lora(down, up, float(down.shape[0]))  # alpha = rank: scale 1
-    write_lora(merged, output, file_layout, layout)
+    with writing(output):
+        write_lora(merged, output, file_layout, layout)
     ranks = sorted({layer.rank for layer in merged.values()})
-    report.lines.append(f"merged {len(loras)} LoRAs exactly (ranks concatenated): "
-                        f"{len(merged)} layers, rank {'/'.join(map(str, ranks))}")
+    report.summary.append(f"a new LoRA: {len(loras)} LoRAs merged exactly (ranks "
+                          f"concatenated), {len(merged)} layers, rank "
+                          f"{'/'.join(map(str, ranks))}")
     return report
 
 
 def _check_lora_output(output: Path, file_layout: str) -> Path:
     if file_layout not in LAYOUTS:
-        raise LoraToolError(f"--layout {file_layout!r}: expected one of {', '.join(LAYOUTS)}")
+        raise input_error("{layout} {value!r}: expected one of {known}", value=file_layout,
+                          known=", ".join(LAYOUTS))
     output = check_new_output(output)
     if output.suffix.lower() != ".safetensors":
-        raise LoraToolError(f"--output {output}: a LoRA file is written as .safetensors")
+        raise input_error("{output} {path}: a LoRA file is written as .safetensors",
+                          path=output)
     return output
 
 
 # --- SVD: resize and extract ---------------------------------------------------------------
-def low_rank(matrix: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """(up, down, share of the squared Frobenius norm kept) of the best rank-`rank`
-    approximation of a 2-D matrix (Eckart–Young: its top singular values)."""
-    u, s, vh = torch.linalg.svd(matrix.double(), full_matrices=False)
-    total = float((s * s).sum())
-    kept = float((s[:rank] * s[:rank]).sum())
-    root = s[:rank].sqrt()
-    up = (u[:, :rank] * root).float()
-    down = (root[:, None] * vh[:rank]).float()
-    return up, down, kept / total if total > 0 else 1.0
-
-
-def _as_lora(key: LayerKey, shape: tuple[int, ...], matrix: torch.Tensor, rank: int
-             ) -> tuple[AdapterLayer, float, float]:
-    up, down, share = low_rank(matrix, rank)
+def _as_lora(shape: tuple[int, ...], factors: tuple[torch.Tensor, torch.Tensor, float],
+             rank: int) -> tuple[AdapterLayer, float]:
+    """A LoRA layer of a layer's weight shape from low-rank factors; and the share kept."""
+    up, down, share = factors
     if len(shape) == 4:
         down = down.reshape(rank, *shape[1:])
         up = up.reshape(shape[0], rank, 1, 1)
-    energy = float(matrix.double().pow(2).sum())
-    return lora(down.contiguous(), up.contiguous(), float(rank)), share, energy
+    return lora(down.contiguous(), up.contiguous(), float(rank)), share
 
 
 def resize(layout: ModelLayout, source: Path, output: Path, rank: int,
-           file_layout: str | None = None) -> Report:
-    """The LoRA at a lower rank, each layer its update's best approximation at that rank (an
-    SVD); the report gives each layer's relative error ‖ΔW − ΔW_r‖ / ‖ΔW‖."""
+           file_layout: str | None = None, progress: Progress = _no_progress) -> Report:
+    """The LoRA at a lower rank, each layer its update's best approximation at that rank,
+    computed from the layer's own factors (`low_rank_of_factors`: the dense SVD's result
+    without forming the update); the report gives each layer's relative error
+    ‖ΔW − ΔW_r‖ / ‖ΔW‖. `progress` is called after each layer."""
     if rank < 1:
-        raise LoraToolError(f"--rank {rank}: must be at least 1")
+        raise input_error("{rank} {value}: must be at least 1", value=rank)
     kind, layers = read_lora(source, layout)
     output = _check_lora_output(output, file_layout or kind)
     _refuse_kinds(source, layers, "resize")
     too_big = [f"{_label(k)} (rank {layer.rank})" for k, layer in layers.items()
                if rank > layer.rank]
     if too_big:
-        raise LoraToolError(f"--rank {rank}: larger than the rank of {len(too_big)} layer(s) of "
-                            f"{source}, e.g. {too_big[0]}; resizing only lowers a rank")
+        raise input_error("{rank} {value}: larger than the rank of {count} layer(s) of {path}, "
+                          "e.g. {example}; resizing only lowers a rank", value=rank,
+                          count=len(too_big), path=source, example=too_big[0])
     report = Report(output)
     out = {}
-    for key, layer in layers.items():
+    for done, (key, layer) in enumerate(layers.items(), start=1):
         up = layer.tensors["lora_up.weight"].flatten(1).double() * layer.scale
         down = layer.tensors["lora_down.weight"].flatten(1).double()
-        new, share, _ = _as_lora(key, layout.shapes[key], up @ down, rank)
-        out[key] = new
+        out[key], share = _as_lora(layout.shapes[key], low_rank_of_factors(up, down, rank), rank)
         error = math.sqrt(max(0.0, 1.0 - share))
         report.per_layer[_label(key)] = error
         report.lines.append(f"{_label(key)}: rank {layer.rank} -> {rank}, error {error:.2%}")
-    write_lora(out, output, file_layout or kind, layout)
+        progress(done, len(layers), report.lines[-1])
+    worst = max(report.per_layer, key=report.per_layer.__getitem__)
+    report.summary.append(f"a new LoRA: {source} at rank {rank}, {len(out)} layers; the largest "
+                          f"error is {report.per_layer[worst]:.2%} ({worst})")
+    with writing(output):
+        write_lora(out, output, file_layout or kind, layout)
     return report
 
 
 def extract(layout: ModelLayout, tuned: ModelLayout, output: Path, rank: int,
-            conv_rank: int = 0, file_layout: str = "kohya", threshold: float = 0.0) -> Report:
+            conv_rank: int = 0, file_layout: str = "kohya", threshold: float = 0.0,
+            progress: Progress = _no_progress) -> Report:
     """A LoRA of the difference tuned − base, each changed layer at `rank` (convolutions at
-    `conv_rank`; 0 leaves them out), by SVD; the report gives the share of each layer's
-    difference kept (of its squared Frobenius norm) and overall."""
+    `conv_rank`; 0 leaves them out), by a dense SVD of the difference; the report gives the
+    share of each layer's difference kept (of its squared Frobenius norm) and overall.
+    `progress` is called after each layer is compared, and after each SVD."""
     from safetensors import safe_open
     output = _check_lora_output(output, file_layout)
     if rank < 1 or conv_rank < 0:
-        raise LoraToolError(f"--rank {rank} / --conv-rank {conv_rank}: rank must be at least 1, "
-                            "conv rank at least 0")
+        raise input_error("{rank} {value} / {conv_rank} {conv}: the rank must be at least 1, "
+                          "the conv rank at least 0", value=rank, conv=conv_rank)
     if tuned.model_type != layout.model_type or tuned.shapes != layout.shapes:
-        raise LoraToolError(f"{tuned.source}: is not the same architecture as the base "
-                            f"{layout.source} ({tuned.model_type.value} vs "
-                            f"{layout.model_type.value})")
+        raise input_error("{tuned} {path}: is not the same architecture as the {base} "
+                          "{source} ({found} vs {expected})", path=tuned.source,
+                          source=layout.source, found=tuned.model_type.value,
+                          expected=layout.model_type.value)
     # the text projection is left out: no LoRA format adapts it (kohya's and ComfyUI's SDXL
     # maps name the encoders' attention and MLP layers), and an OpenCLIP single file (SDXL's
     # second encoder) holds it transposed, as a bare parameter, not as a layer's weight
@@ -257,30 +276,40 @@ def extract(layout: ModelLayout, tuned: ModelLayout, output: Path, rank: int,
 
     # two passes, one layer at a time: which layers changed, then their SVDs (a full
     # fine-tune's differences would not fit in memory all at once)
-    changed = [key for key in wanted if float(difference(key).abs().max()) > threshold]
+    changed = []
+    for done, key in enumerate(wanted, start=1):
+        if float(difference(key).abs().max()) > threshold:
+            changed.append(key)
+        progress(done, len(wanted), f"compared {_label(key)}")
     too_big = [f"{_label(k)} {layout.shapes[k]}" for k in changed
                if (conv_rank if len(layout.shapes[k]) == 4 else rank)
                > min(layout.shapes[k][0], math.prod(layout.shapes[k][1:]))]
     if too_big:
-        raise LoraToolError(f"--rank {rank} / --conv-rank {conv_rank}: larger than "
-                            f"{len(too_big)} changed layer(s) allow, e.g. {too_big[0]} (a "
-                            "layer's rank is at most min(out, in x kernel))")
+        raise input_error("{rank} {value} / {conv_rank} {conv}: larger than {count} changed "
+                          "layer(s) allow, e.g. {example} (a layer's rank is at most min(out, "
+                          "in x kernel))", value=rank, conv=conv_rank, count=len(too_big),
+                          example=too_big[0])
+    if not changed:
+        raise input_error("{tuned} {path}: no layer differs from the {base} {source}",
+                          path=tuned.source, source=layout.source)
     report, out = Report(output), {}
     kept_energy = total_energy = 0.0
-    for key in changed:
+    for done, key in enumerate(changed, start=1):
         shape = layout.shapes[key]
         layer_rank = conv_rank if len(shape) == 4 else rank
-        out[key], share, energy = _as_lora(key, shape, difference(key).flatten(1),
-                                          layer_rank)
+        matrix = difference(key).flatten(1)
+        out[key], share = _as_lora(shape, low_rank(matrix, layer_rank), layer_rank)
+        energy = float(matrix.double().pow(2).sum())
         kept_energy, total_energy = kept_energy + share * energy, total_energy + energy
         report.per_layer[_label(key)] = share
         report.lines.append(f"{_label(key)}: rank {layer_rank}, kept {share:.2%}")
-    if not out:
-        raise LoraToolError(f"{tuned.source}: no layer differs from {layout.source}")
+        progress(done, len(changed), report.lines[-1])
     report.overall = kept_energy / total_energy
-    report.lines.append(f"{len(out)} layers differ; the LoRA keeps {report.overall:.2%} of the "
-                        "difference (squared Frobenius norm)")
-    write_lora(out, output, file_layout, layout)
+    report.summary.append(f"a new LoRA of {tuned.source} - {layout.source}: {len(out)} layers "
+                          f"differ; it keeps {report.overall:.2%} of the difference (squared "
+                          "Frobenius norm)")
+    with writing(output):
+        write_lora(out, output, file_layout, layout)
     return report
 
 
@@ -297,8 +326,10 @@ def convert(layout: ModelLayout, source: Path, output: Path, file_layout: str) -
     kind, layers = read_lora(source, layout)
     output = _check_lora_output(output, file_layout)
     _refuse_kinds(source, layers, "convert")
-    write_lora(layers, output, file_layout, layout)
-    return Report(output, [f"{source}: {kind} -> {file_layout}, {len(layers)} layers"])
+    with writing(output):
+        write_lora(layers, output, file_layout, layout)
+    return Report(output, summary=[f"a new LoRA: {source} in the {file_layout} layout (it was "
+                                   f"{kind}), {len(layers)} layers, the same updates"])
 
 
 # --- one entry for every front end -------------------------------------------------------------
@@ -324,19 +355,28 @@ def run_tool(command: str, *, output: str | Path, base: str | Path | None = None
              model_type: str | None = None, config_folder: str | Path | None = None,
              loras: Sequence[tuple[Path, float]] = (), tuned: str | Path | None = None,
              rank: int = 0, conv_rank: int = 0, threshold: float = 0.0,
-             layout: str | None = None) -> Report:
-    """Run one tool by name, as `tempera-lora <command>` and the app's LoRA tools tab ask."""
+             layout: str | None = None, cache_dir: str | Path | None = None,
+             progress: Progress = _no_progress) -> Report:
+    """Run one tool by name, as `tempera-lora <command>` and the app's LoRA tools tab ask.
+    A base or tuned model may be a built-in tiny model (`builtin:tiny-sd15`), built into
+    `cache_dir` (the platform's cache folder when None) as training builds it; `progress` is
+    called after each layer of resize and extract."""
     from modules.config.schema import ModelType
     from modules.lora_tools.architecture import model_layout
+    from modules.paths import cache_dir_for
 
     if command not in TOOLS:
         raise LoraToolError(f"unknown tool {command!r}; expected one of {', '.join(TOOLS)}")
     if not loras and command != "extract":
-        raise LoraToolError(f"{command}: at least one LoRA file is needed (--lora)")
+        raise input_error("{command}: at least one LoRA file is needed ({loras})",
+                          command=command)
     if command in ("merge", "extract") and not base:
-        raise LoraToolError(f"{command}: the base model is needed (--base)")
+        raise input_error("{command}: the base model is needed ({base})", command=command)
+    if not str(output).strip():
+        raise input_error("{command}: the path to write is needed ({output})", command=command)
+    cache = cache_dir_for(str(cache_dir or ""))
     kind = ModelType(model_type.upper()) if model_type else None
-    found = model_layout(base or None, kind, config_folder or None)
+    found = model_layout(base or None, kind, config_folder or None, cache)
     output = Path(output)
     if command == "merge":
         return merge_into_base(found, list(loras), output)
@@ -344,14 +384,16 @@ def run_tool(command: str, *, output: str | Path, base: str | Path | None = None
         return merge_loras(found, list(loras), output, layout or "kohya")
     if command == "extract":
         if not tuned:
-            raise LoraToolError("extract: the fine-tuned model is needed (--tuned)")
-        other = model_layout(tuned, found.model_type, config_folder or None)
-        return extract(found, other, output, rank, conv_rank, layout or "kohya", threshold)
+            raise input_error("extract: the fine-tuned model is needed ({tuned})")
+        other = model_layout(tuned, found.model_type, config_folder or None, cache, "tuned")
+        return extract(found, other, output, rank, conv_rank, layout or "kohya", threshold,
+                       progress)
     (source, _), *more = loras
     if more:
-        raise LoraToolError(f"{command}: takes one LoRA file, {len(loras)} were given")
+        raise input_error("{command}: takes one LoRA file ({loras}), {count} were given",
+                          command=command, count=len(loras))
     if command == "resize":
-        return resize(found, source, output, rank, layout)
+        return resize(found, source, output, rank, layout, progress)
     if layout is None:
-        raise LoraToolError("convert: the layout to write is needed (--layout)")
+        raise input_error("convert: the layout to write is needed ({layout})")
     return convert(found, source, output, layout)

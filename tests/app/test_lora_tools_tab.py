@@ -10,24 +10,14 @@ from modules.config.schema import ModelType
 from modules.model_types import MODEL_TYPES
 from modules.models.tiny import ensure_builtin_model
 from tests.app.conftest import pump
+from tests.lora_tools.random_lora import random_unet_lora
 
 
 @pytest.fixture
 def kohya_lora(tempera_cache, tmp_path):
     """A random LoRA on the tiny SD 1.5 UNet's attention, in the kohya layout."""
-    from diffusers import UNet2DConditionModel
-    from peft import LoraConfig
-
-    from modules.models.kohya import save_kohya_lora
     base = ensure_builtin_model(MODEL_TYPES[ModelType.SD15].builtin, tempera_cache)
-    unet = UNet2DConditionModel.from_pretrained(base, subfolder="unet")
-    unet.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_v"]))
-    generator = torch.Generator().manual_seed(0)
-    for key, param in unet.named_parameters():
-        if "lora_" in key:
-            param.data = torch.randn(param.shape, generator=generator) * 0.1
-    return base, save_kohya_lora({"unet": unet}, tmp_path / "lora.safetensors", 8.0,
-                                 ModelType.SD15)
+    return base, random_unet_lora(base, tmp_path / "lora.safetensors")
 
 
 def _run(app, panel) -> str:
@@ -74,7 +64,9 @@ def test_the_tab_converts_a_lora_and_refuses_bad_input(app, kohya_lora, tmp_path
     panel.entries["output"].insert(0, str(other))
     assert panel.model_type.get() == "from the base model"
     report = _run(app, panel)
-    assert not panel.ok and "--model-type" in report and not other.exists()
+    # named by the fields' labels, not the command line's flags
+    assert not panel.ok and not other.exists()
+    assert report == "Not done: Base model or Model type is needed to know the layers' names"
     # a rank that is not a number is named, and nothing runs
     panel.tool.set("Resize a LoRA")
     panel._show_fields()
@@ -125,7 +117,8 @@ def test_browse_buttons_fill_the_fields_and_the_tab_runs_with_them(app, kohya_lo
     assert asked[-1][0] == "asksaveasfilename" and asked[-1][1]["defaultextension"] == ""
     assert panel.entries["output"].get() == str(tmp_path / "merged")  # a merge: a folder
     assert panel.options() == {"command": "merge", "output": str(tmp_path / "merged"),
-                               "base": str(base), "loras": [str(lora)]}
+                               "base": str(base), "config_folder": None, "loras": [str(lora)],
+                               "cache_dir": app.binding.config.general.cache_dir}
     report = _run(app, panel)
     assert panel.ok and f"written: {tmp_path / 'merged'}" in report
     assert (tmp_path / "merged" / "unet" / "diffusion_pytorch_model.safetensors").is_file()
@@ -134,3 +127,63 @@ def test_browse_buttons_fill_the_fields_and_the_tab_runs_with_them(app, kohya_lo
     panel.browse[("output", "save")].invoke()
     assert asked[-1][1]["defaultextension"] == ".safetensors"  # a LoRA tool writes a file
     assert panel.entries["output"].get() == str(tmp_path / "merged.safetensors")
+
+
+def test_the_tab_speaks_its_own_words_takes_builtin_bases_and_shows_progress(
+        app, kohya_lora, tempera_cache, tmp_path):
+    """The demo's model as the base (`builtin:tiny-sd15`, built in the settings' Cache folder
+    as training builds it); each tool's hints; a refusal naming the field by its label; the
+    result first in the report; resize's progress shown while it runs."""
+    import threading
+
+    from modules import frontend
+    _, lora = kohya_lora
+    app.binding.set_value("general.cache_dir", str(tempera_cache))
+    panel = app.lora_tools
+    app.tabview.set("LoRA tools")
+    hints = {}
+    for label in ("Merge LoRAs into a model", "Convert a LoRA's layout", "Resize a LoRA"):
+        panel.tool.set(label)
+        panel._show_fields()
+        hints[label] = (panel.entries["output"].cget("placeholder_text"),
+                        panel.loras_label.cget("text"))
+    assert "folder" in hints["Merge LoRAs into a model"][0]
+    assert "base is not changed" in hints["Merge LoRAs into a model"][0]
+    assert "file:weight" in hints["Merge LoRAs into a model"][1]
+    for label in ("Convert a LoRA's layout", "Resize a LoRA"):  # one file in, one file out
+        output_hint, loras_label = hints[label]
+        assert "folder" not in output_hint and ".safetensors LoRA file" in output_hint
+        assert loras_label == "LoRA file"
+    panel.entries["base"].insert(0, "builtin:tiny-sd15")
+    panel.loras.insert("1.0", str(lora))
+    panel.entries["rank"].delete(0, "end")
+    panel.entries["rank"].insert(0, "0")
+    out = tmp_path / "small.safetensors"
+    panel.entries["output"].insert(0, str(out))
+    report = _run(app, panel)
+    assert not panel.ok and report == "Not done: Rank 0: must be at least 1"
+    panel.entries["rank"].delete(0, "end")
+    panel.entries["rank"].insert(0, "2")
+    calls: list[tuple[int, int, str]] = []
+    go_on = threading.Event()
+
+    def held_at_the_first_layer(**options):
+        progress = options.pop("progress")
+
+        def watched(done: int, total: int, what: str) -> None:
+            calls.append((done, total, what))
+            progress(done, total, what)
+            if done == 1:
+                go_on.wait(60)  # until the window has shown it
+        return frontend.lora_tool(**options, progress=watched)
+    panel.tool_fn = held_at_the_first_layer
+    panel.run_button.invoke()
+    pump(app, lambda: "layer 1 of" in panel.report.get("1.0", "end"), timeout=120)
+    assert panel.busy and calls[0][2] in panel.report.get("1.0", "end")
+    go_on.set()
+    pump(app, lambda: not panel.busy, timeout=120)
+    report = panel.report.get("1.0", "end").strip().splitlines()
+    assert panel.ok and report[0] == f"written: {out}" and out.is_file()
+    layers = len(load_file(str(lora))) // 3  # kohya: down, up and alpha of each layer
+    assert [c[:2] for c in calls] == [(i, layers) for i in range(1, layers + 1)]
+    assert len(report) == 2 + layers  # the result, what it is, then a line per layer

@@ -3,6 +3,7 @@ made here (the update up @ down · alpha / rank from the file's own tensors, pef
 diffusers' load_lora_weights + fuse_lora, torch's singular values), never against the tool."""
 from __future__ import annotations
 
+import re
 import shutil
 import weakref
 from pathlib import Path
@@ -11,9 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from modules.cli.lora import main
+from modules.cli.lora import FLAGS, main
 from modules.config import Config, apply_overrides
 from modules.config.schema import ModelType
+from modules.lora_tools.errors import LoraToolError
 from modules.model_types import MODEL_TYPES
 from modules.models.tiny import ensure_builtin_model
 
@@ -233,9 +235,12 @@ def test_extract_reproduces_the_difference_at_full_rank_and_reports_the_share_ke
         assert low.per_layer[label] == pytest.approx(float(s2[:4].sum() / s2.sum()), abs=1e-6)
         kept, total = kept + float(s2[:4].sum()), total + float(s2.sum())
     assert low.overall == pytest.approx(kept / total, abs=1e-6) and low.overall < 0.9
-    # a rank the changed 32 x 32 layer cannot have: refused, naming the argument, nothing written
-    with pytest.raises(ValueError, match=r"--rank 33.*out_proj"):
+    # a rank the changed 32 x 32 layer cannot have: refused, naming the input (its flag on the
+    # command line), nothing written
+    with pytest.raises(LoraToolError) as refused:
         run(parse_args([*args, "--rank", "33", "-o", str(tmp_path / "x.safetensors")]))
+    assert refused.value.fields[0] == "rank"
+    assert re.search(r"--rank 33.*out_proj", refused.value.text(FLAGS))
     assert not (tmp_path / "x.safetensors").exists()
 
 
