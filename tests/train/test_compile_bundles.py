@@ -13,14 +13,12 @@ import sys
 
 import pytest
 
-from modules.events import RecordingCallbacks
 from modules.train.trainer import train
 from tests.child_env import REPO, with_repo_on_pythonpath
 
 pytestmark = pytest.mark.inductor
 
-# TRITON on a CPU runs as inductor without CUDA graphs (checked on the first run below)
-COMPILED = ["compile.backend=TRITON", "compile.scope=FULL", "compile.denoiser=false",
+COMPILED = ["compile.backend=INDUCTOR", "compile.scope=FULL", "compile.denoiser=false",
             "compile.text_encoder=true", "training.max_steps=2"]
 
 
@@ -37,21 +35,10 @@ def test_a_bundle_warms_a_fresh_cache_folder_in_another_process_and_changes_no_n
     """Over 10 s: one cold inductor compile of the text encoder (the first run), and a second
     process that must not compile it cold (it loads the bundle): what a new machine or a cloud
     run meets. A third run in the first cache folder, told to start from a truncated bundle,
-    finds the cache folder's own and names the damaged one. The first run is also the check
-    that TRITON requested on a CPU runs as inductor without CUDA graphs, says why, and trains
-    (one cold compile serves both)."""
-    callbacks = RecordingCallbacks()
+    finds the cache folder's own and names the damaged one."""
     first = train(tiny_config(f"output.dir={tmp_path / 'a'}",
-                              f"compile.cache_dir={tmp_path / 'cache_a'}", *COMPILED), callbacks)
+                              f"compile.cache_dir={tmp_path / 'cache_a'}", *COMPILED))
     record = _record(first.output_dir)
-    encoder = record["compile"]["text_encoder"]
-    assert first.status == "finished" and record["compile"]["unet"]["effective"] == "NONE"
-    assert encoder["requested"] == "TRITON" and encoder["effective"] == "INDUCTOR"
-    assert "CUDA" in encoder["degraded"] and encoder["compiled_code_ran"] is True
-    assert not encoder["inductor_options"].get("triton.cudagraphs")
-    assert any(e.kind == "degraded" for e in callbacks.compile_events)
-    assert any(e.kind == "done" and "compile bundle written" in e.message
-               for e in callbacks.compile_events)
     written = record["compile_bundle"]["written"]
     assert record["compile_bundle"]["lookup"] == "miss" and written, record["compile_bundle"]
     assert record["compile"]["text_encoder"]["cache"] == "miss"
@@ -62,7 +49,7 @@ def test_a_bundle_warms_a_fresh_cache_folder_in_another_process_and_changes_no_n
               "training": {"max_steps": 2, "batch_size": 2, "learning_rate": 1e-3},
               "sampling": {"prompts": []}, "logging": {"tensorboard": False},
               "output": {"dir": str(tmp_path / "b")},
-              "compile": {"backend": "TRITON", "scope": "FULL", "denoiser": False,
+              "compile": {"backend": "INDUCTOR", "scope": "FULL", "denoiser": False,
                           "text_encoder": True, "cache_dir": str(tmp_path / "cache_b"),
                           "bundle": written}}
     (tmp_path / "b.json").write_text(json.dumps(config))
