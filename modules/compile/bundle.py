@@ -25,6 +25,7 @@ import zipfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Any
 
 BUNDLE_SUFFIX = ".tcb"
 BUNDLE_FORMAT = 1
@@ -68,7 +69,7 @@ class Fingerprint:
 
     @classmethod
     def from_dict(cls, data: Mapping) -> "Fingerprint":
-        values = {}
+        values: dict[str, Any] = {}
         for f in fields(cls):
             value = data[f.name]
             values[f.name] = tuple(value) if isinstance(value, list) else value
