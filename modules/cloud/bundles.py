@@ -114,7 +114,8 @@ def add_bundle(file: Path, repo: Path, commit: bool = True) -> list[str]:
     target = repo / REPO_BUNDLES / fp.file_name()
     target.parent.mkdir(exist_ok=True)
     replaced = target.exists()
-    shutil.copyfile(file, target)
+    if not replaced or not target.samefile(file):  # a bundle already in place is committed as is
+        shutil.copyfile(file, target)
     made_for = f"{fp.family} on {fp.device}" + (f" (capability {fp.capability})"
                                                 if fp.capability else "") + f", torch {fp.torch}"
     done = [f"{'replaced' if replaced else 'added'} {target.relative_to(repo)}: {made_for}"]

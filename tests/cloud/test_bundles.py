@@ -219,6 +219,8 @@ def test_add_bundle_refuses_a_damaged_file_and_replaces_the_same_settings(tmp_pa
     again = add_bundle(fake_bundle(tmp_path / "c", H200, artifacts=b"more code"), repo)
     assert again[0].startswith("replaced") and "committed" in again[1]
     assert len(list((repo / "bundles").glob("*.tcb"))) == 1
+    in_place = add_bundle(repo / "bundles" / H200.file_name(), repo)  # not copied onto itself
+    assert in_place[1].startswith("the same file is committed already")
     assert git(repo, "status", "--porcelain") == ""
 
 
