@@ -14,11 +14,11 @@ push carries it. `status.json` keeps how each run started (`compile_start_summar
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 from modules.cloud.git import CloudError, git, git_text
-from modules.compile.bundle import BundleError, read_header
+from modules.compile.bundle import (BundleError, Fingerprint, export_bundle, import_bundle,
+                                    read_header)
 from modules.config import Config
 
 REPO_BUNDLES = "bundles"   # the training repository's folder of compile bundles
@@ -90,13 +90,18 @@ def collect_written_bundle(output_dir: Path) -> str | None:
     if not source.is_file():  # the cache folder cleaned since, or another machine's path
         return f"compile bundle {source} not copied to the outputs: it is not there"
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        partial = target.with_name(target.name + ".partial")
-        shutil.copyfile(source, partial)
-        partial.replace(target)
-    except OSError as exc:
-        return f"compile bundle {source} not copied to the outputs: {exc.strerror or exc}"
+        export_bundle(source, target)
+    except BundleError as exc:
+        return f"compile bundle not copied to the outputs: {exc}"
     return f"compile bundle {source.name} copied to {target.parent}"
+
+
+def read_fingerprint(file: Path) -> Fingerprint:
+    """A bundle file's fingerprint; CloudError naming the file when it is not a whole bundle."""
+    try:
+        return read_header(file).fingerprint
+    except BundleError as exc:
+        raise CloudError(str(exc)) from None
 
 
 def add_bundle(file: Path, repo: Path, commit: bool = True) -> list[str]:
@@ -106,16 +111,12 @@ def add_bundle(file: Path, repo: Path, commit: bool = True) -> list[str]:
     repo = Path(repo).resolve()
     if not (repo / ".git").exists():
         raise CloudError(f"{repo} is not a training repository (tempera-cloud init {repo})")
+    target = repo / REPO_BUNDLES / read_fingerprint(Path(file)).file_name()
+    replaced = target.exists()
     try:
-        bundle = read_header(Path(file))
+        fp = import_bundle(Path(file), target.parent).fingerprint
     except BundleError as exc:
         raise CloudError(str(exc)) from None
-    fp = bundle.fingerprint
-    target = repo / REPO_BUNDLES / fp.file_name()
-    target.parent.mkdir(exist_ok=True)
-    replaced = target.exists()
-    if not replaced or not target.samefile(file):  # a bundle already in place is committed as is
-        shutil.copyfile(file, target)
     made_for = f"{fp.family} on {fp.device}" + (f" (capability {fp.capability})"
                                                 if fp.capability else "") + f", torch {fp.torch}"
     done = [f"{'replaced' if replaced else 'added'} {target.relative_to(repo)}: {made_for}"]

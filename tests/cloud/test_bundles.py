@@ -50,9 +50,9 @@ cache = Path({cache!r})
 keeper = BundleKeeper(gpu, [Path(sets["compile.bundle"])] if "compile.bundle" in sets else [],
                       cache)
 keeper.lookup = find_bundle(gpu, keeper.places)
-record = keeper.record()
-if keeper.lookup.status == "hit":
-    record.update(loaded_entries=3, seconds_saved=41.6)
+if keeper.lookup.status == "hit":  # as if loaded: made by a 60 s cold compile, 18.4 s now
+    keeper.loaded_entries, keeper.cold_seconds = 3, 60.0
+record = keeper.record(compile_seconds=18.4)
 keeper.written = fake_bundle(cache, gpu)
 record["written"] = str(keeper.written)
 (out / "run.json").write_text(json.dumps({{"status": "finished", "compile_bundle": record}}))
