@@ -10,7 +10,8 @@
   runs/<run-id>/log.txt      tempera-train's output (a clean progress line every N seconds)
   runs/<run-id>/progress.json  step/total, loss, it/s, ETA, compile status (tempera-train)
   runs/<run-id>/cancel       present: cancel (a queued run never starts, a running one stops)
-  outputs/<run-id>/          the run's output.dir (config.json, run.json, weights, samples)
+  outputs/<run-id>/          the run's output.dir (config.json, run.json, weights, samples;
+                             bundles/: the compile bundle it wrote, copied there at its end)
 ```
 """
 from __future__ import annotations
