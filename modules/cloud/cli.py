@@ -5,7 +5,8 @@ Subcommands:
   install-hook --bare GIT_DIR   on the GPU machine: train configs pushed to that bare repository
   push-and-train CONFIG --repo  copy a config under runs/, check it, commit it, push it
   status --remote WHERE         run states, step/loss/ETA, log tails; --follow to keep watching
-  fetch RUN --remote WHERE      copy a run's final weights, samples or everything back here
+  fetch RUN --remote WHERE      copy a run's final weights, samples, compile bundle or all back
+  add-bundle FILE --repo        commit a compile bundle into the training repo's bundles/
   cancel RUN --remote WHERE     a queued run never starts; a running one stops with a save
   run-changed --after SHA       the same as the hook, in the foreground (GitHub Actions)
   check-secrets                 scan files, staged changes or a pre-push for secret-looking values
@@ -63,9 +64,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = sub.add_parser("fetch", help="copy a run's results back (rsync over ssh, else scp)")
     p.add_argument("run_id", metavar="RUN")
     p.add_argument("--remote", required=True, help="the work root, as for status")
-    p.add_argument("--what", choices=["final", "samples", "all"], default="final",
-                   help="final: final/ + run.json + config.json (default); samples; all")
+    p.add_argument("--what", choices=["final", "samples", "bundle", "all"], default="final",
+                   help="final: final/ + run.json + config.json + the compile bundle the run "
+                        "wrote (default); samples; bundle: only that bundle (+ run.json); all")
     p.add_argument("--to", type=Path, help="destination folder (default ./outputs/RUN)")
+    p.add_argument("--add-to-repo", type=Path, metavar="REPO",
+                   help="also put the fetched compile bundle into this training repository's "
+                        "bundles/ and commit it (as add-bundle does)")
+
+    p = sub.add_parser("add-bundle", help="commit a compile bundle into a training repository's "
+                                          "bundles/, so the next push carries it")
+    p.add_argument("files", nargs="+", type=Path, metavar="FILE", help="a .tcb file")
+    p.add_argument("--repo", type=Path, default=Path("."), help="the training repository (.)")
+    p.add_argument("--no-commit", action="store_true", help="copy it, do not commit it")
 
     p = sub.add_parser("cancel", help="cancel a queued or running run")
     p.add_argument("run_id", metavar="RUN")
@@ -172,9 +183,26 @@ def cmd_status(args) -> int:
 def cmd_fetch(args) -> int:
     from modules.cloud.fetch import fetch_run
     from modules.cloud.remote_status import parse_remote
+    from modules.cloud.bundles import OUTPUT_BUNDLES, add_bundle
+    from modules.compile.bundle import candidate_files
     dest = args.to or Path("outputs") / args.run_id
     for line in fetch_run(parse_remote(args.remote), args.run_id, args.what, dest):
         print(line)
+    for bundle in candidate_files([dest / OUTPUT_BUNDLES]):
+        if args.add_to_repo:
+            for line in add_bundle(bundle, args.add_to_repo):
+                print(line)
+        else:
+            print(f"compile bundle {bundle}: to start the next runs on this GPU warm, "
+                  f"tempera-cloud add-bundle {bundle} --repo <training repo>")
+    return 0
+
+
+def cmd_add_bundle(args) -> int:
+    from modules.cloud.bundles import add_bundle
+    for file in args.files:
+        for line in add_bundle(file, args.repo, commit=not args.no_commit):
+            print(line)
     return 0
 
 
@@ -224,7 +252,7 @@ def cmd_work(args) -> int:
 
 COMMANDS = {"init": cmd_init, "install-hook": cmd_install_hook,
             "push-and-train": cmd_push_and_train, "status": cmd_status, "fetch": cmd_fetch,
-            "cancel": cmd_cancel,
+            "cancel": cmd_cancel, "add-bundle": cmd_add_bundle,
             "run-changed": cmd_run_changed, "check-secrets": cmd_check_secrets, "work": cmd_work}
 
 

@@ -14,16 +14,22 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from modules.cloud.bundles import OUTPUT_BUNDLES
 from modules.cloud.git import CloudError
 from modules.cloud.queue import cancel_path
 from modules.cloud.remote_status import _RUN_ID, Remote, _run_ssh
 
 # What each --what copies: (the part, whether the run must have it).
 FETCH_PARTS: dict[str, list[tuple[str, bool]]] = {
-    "final": [("final", True), ("run.json", False), ("config.json", False)],
+    "final": [("final", True), ("run.json", False), ("config.json", False),
+              (OUTPUT_BUNDLES, False)],
     "samples": [("samples", True), ("run.json", False)],
+    "bundle": [(OUTPUT_BUNDLES, True), ("run.json", False)],
     "all": [(".", True)],
 }
+# Why a part a fetch needs may be missing.
+MISSING_WHY = {OUTPUT_BUNDLES: "it wrote no compile bundle (nothing compiled with inductor, "
+                               "compile.bundles off), or it has not ended yet"}
 
 
 def check_run_id(run_id: str) -> None:
@@ -76,7 +82,7 @@ def copy_tree_resumable(source: Path, dest: Path) -> int:
 
 def fetch_run(remote: Remote, run_id: str, what: str, dest: Path, use_rsync: bool | None = None
               ) -> list[str]:
-    """Copy a run's `what` (final | samples | all) into dest; returns one line per part.
+    """Copy a run's `what` (final | samples | bundle | all) into dest; returns one line per part.
 
     A part the run must have but does not (no `final/` before the run finished) raises
     CloudError naming it; optional parts are reported as missing.
@@ -106,7 +112,8 @@ def fetch_run(remote: Remote, run_id: str, what: str, dest: Path, use_rsync: boo
         if not ok and required:
             raise CloudError(f"run {run_id} has no {part} at {remote.host or ''}"
                              f"{':' if remote.host else ''}{remote.path}/outputs/{run_id} "
-                             f"(not finished yet, or not this run id?)\n" + "\n".join(report))
+                             f"({MISSING_WHY.get(part, 'not finished yet, or not this run id?')})"
+                             "\n" + "\n".join(report))
         if not ok and remote.host is None:
             report.append(f"{part}: missing")
     return report

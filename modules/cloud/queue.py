@@ -10,7 +10,8 @@
   runs/<run-id>/log.txt      tempera-train's output (a clean progress line every N seconds)
   runs/<run-id>/progress.json  step/total, loss, it/s, ETA, compile status (tempera-train)
   runs/<run-id>/cancel       present: cancel (a queued run never starts, a running one stops)
-  outputs/<run-id>/          the run's output.dir (config.json, run.json, weights, samples)
+  outputs/<run-id>/          the run's output.dir (config.json, run.json, weights, samples;
+                             bundles/: the compile bundle it wrote, copied there at its end)
 ```
 """
 from __future__ import annotations
@@ -28,6 +29,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
+from modules.cloud.bundles import (collect_written_bundle, compile_start_summary,
+                                   read_compile_bundle)
 from modules.cloud.git import clean_git_env
 from modules.cloud.supervise import (MAX_RESTARTS, describe_exit, identity, local_is_alive,
                                      restart_command, settle_run_record)
@@ -39,6 +42,8 @@ INTERRUPTED, CANCELLED = "interrupted", "cancelled"
 DONE_STATES = (FINISHED, FAILED, INVALID, CANCELLED)
 STARTABLE = (QUEUED, INTERRUPTED)  # an interrupted run starts again (supervise.restart_command)
 PROGRESS_EVERY_SECONDS = 30
+# How often the worker looks at a running run's run.json for how it started compiling.
+COMPILE_START_POLL_SECONDS = 5.0
 
 
 @dataclass
@@ -65,6 +70,9 @@ class RunStatus:
     proc_start: str = ""
     restarts: int = 0
     notes: list[str] = field(default_factory=list)
+    # How the run started compiling, from its run.json (modules/cloud/bundles.py): None until
+    # the trainer has looked for a compile bundle.
+    compile_bundle: dict | None = None
 
     @classmethod
     def from_dict(cls, data: dict) -> RunStatus:
@@ -200,6 +208,7 @@ def reconcile(work_root: Path) -> list[RunStatus]:
                             "killed or machine rebooted); it resumes from its last backup")
             settle_run_record(Path(status.output_dir), INTERRUPTED, status.error,
                               status.run_meta())
+        settle_bundles(status)
         write_status(work_root, status)
         changed.append(status)
     return changed
@@ -256,7 +265,7 @@ def execute_run(work_root: Path, status: RunStatus, lock_fd: int | None = None,
                                                            found["proc_start"])
     write_status(work_root, status)
     try:
-        returncode = proc.wait()
+        returncode = wait_noting_compile_start(proc, work_root, status)
     except BaseException:
         cancel_path(work_root, status.run_id).touch()
         stop_process(proc, cancel_grace)
@@ -265,6 +274,38 @@ def execute_run(work_root: Path, status: RunStatus, lock_fd: int | None = None,
     finish_run(work_root, status, returncode,
                cancelled=cancel_path(work_root, status.run_id).exists())
     return status
+
+
+def note_compile_start(status: RunStatus) -> bool:
+    """Copy how the run started compiling (warm, cold, mismatch) from its run.json into its
+    status, once the trainer has written it; whether the status changed."""
+    if status.compile_bundle is not None:
+        return False
+    known, record = read_compile_bundle(Path(status.output_dir))
+    if known:
+        status.compile_bundle = compile_start_summary(record)
+    return known
+
+
+def wait_noting_compile_start(proc: subprocess.Popen, work_root: Path, status: RunStatus,
+                              poll: float = COMPILE_START_POLL_SECONDS) -> int:
+    """Wait for the trainer; meanwhile record in status.json how it started compiling, so
+    `status` (over ssh too, which reads status.json only) shows it while the run trains."""
+    while True:
+        try:
+            return proc.wait(timeout=poll)
+        except subprocess.TimeoutExpired:
+            if note_compile_start(status):
+                write_status(work_root, status)
+
+
+def settle_bundles(status: RunStatus) -> None:
+    """At a run's end: how it started compiling, and the bundle it wrote copied into its
+    output folder (a copy that fails is noted, never silent)."""
+    note_compile_start(status)
+    note = collect_written_bundle(Path(status.output_dir))
+    if note:
+        status.notes.append(note)
 
 
 def stop_process(proc: subprocess.Popen, grace: float) -> None:
@@ -292,6 +333,7 @@ def finish_run(work_root: Path, status: RunStatus, returncode: int | None, cance
     if status.state != FINISHED:
         settle_run_record(Path(status.output_dir), status.state, status.error,
                           status.run_meta())
+    settle_bundles(status)
     write_status(work_root, status)
 
 

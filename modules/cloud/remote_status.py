@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from modules.cloud.bundles import describe_compile_start
 from modules.cloud.git import CloudError
 from modules.cloud.queue import (FINISHED, INTERRUPTED, RUNNING, RunStatus, cancel_path, list_statuses,
                                  progress_path)
@@ -214,7 +215,8 @@ def progress_cells(view: RunView) -> tuple[str, str, str]:
 
 
 def format_table(views: list[RunView]) -> str:
-    """The run table: state, commit, config, step/loss/ETA of running runs, exit code, note."""
+    """The run table: state, commit, config, step/loss/ETA of running runs, exit code, note
+    (how the run started compiling: warm from which compile bundle, or cold and why)."""
     if not views:
         return "no runs yet"
     rows = [("RUN", "STATE", "COMMIT", "CONFIG", "STEP", "LOSS", "ETA", "EXIT", "NOTE")]
@@ -226,6 +228,8 @@ def format_table(views: list[RunView]) -> str:
                     + ("restarts it" if v.state == INTERRUPTED else "records it"))
         elif v.progress and v.progress.get("compile") and v.state == RUNNING:
             note = f"compile: {v.progress['compile']}"
+        started = describe_compile_start(s.compile_bundle)  # warm from a bundle, or cold: why
+        note = "; ".join(part for part in (started, note) if part)
         state = f"{v.state} (cancelling)" if v.cancelling and v.state in (RUNNING, "queued") \
             else v.state
         rows.append((s.run_id, state, s.commit[:10], s.config, *progress_cells(v),

@@ -11,6 +11,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from modules.cloud.bundles import REPO_BUNDLES
 from modules.cloud.git import CloudError, git, git_text
 from modules.cloud.hook import TEMPLATES, render_template, write_hook
 from modules.cloud.portable import portability_problems
@@ -28,7 +29,8 @@ MACHINE_DEPENDENT = ("general.device", "training.optimizer")
 
 
 def init_training_repo(folder: Path, python: str | None = None) -> list[str]:
-    """Make `folder` a training repo (git init, runs/, .gitignore, README, pre-push hook).
+    """Make `folder` a training repo (git init, runs/, bundles/, .gitignore, README, pre-push
+    hook).
 
     Existing files are kept. Returns what was done, one line each.
     """
@@ -38,16 +40,16 @@ def init_training_repo(folder: Path, python: str | None = None) -> list[str]:
     if not (folder / ".git").exists():
         git(["init", "-q", "-b", "main"], cwd=folder)
         done.append(f"git init {folder} (branch main)")
-    (folder / RUNS_DIR).mkdir(exist_ok=True)
     created = []
     for source, name in (("gitignore", ".gitignore"), ("README.md", "README.md")):
         if not (folder / name).exists():
             shutil.copyfile(TEMPLATES / source, folder / name)
             created.append(name)
-    keep = folder / RUNS_DIR / ".gitkeep"
-    if not any((folder / RUNS_DIR).iterdir()):
-        keep.touch()
-        created.append(f"{RUNS_DIR}/.gitkeep")
+    for sub in (RUNS_DIR, REPO_BUNDLES):  # bundles/: compile bundles a push carries
+        (folder / sub).mkdir(exist_ok=True)
+        if not any((folder / sub).iterdir()):
+            (folder / sub / ".gitkeep").touch()
+            created.append(f"{sub}/.gitkeep")
     hooks_dir = Path(git_text(["rev-parse", "--git-path", "hooks"], cwd=folder))
     hooks_dir = hooks_dir if hooks_dir.is_absolute() else folder / hooks_dir
     write_hook(hooks_dir / "pre-push", render_template("pre-push", python or sys.executable),

@@ -16,12 +16,13 @@ import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from modules.cloud.bundles import repo_bundle_override
 from modules.cloud.git import ZERO_SHA, CloudError, commit_exists, git, git_text
 from modules.cloud.local_overrides import apply_local_overrides
 from modules.cloud.secrets import scan_files
 from modules.cloud.queue import (INVALID, PROGRESS_EVERY_SECONDS, QUEUED, RunStatus, cancel_path,
                                  cloud_run_meta, new_run_id, progress_path, write_status)
-from modules.config import ConfigError, apply_overrides, load_config
+from modules.config import Config, ConfigError, apply_overrides, load_config
 from modules.frontend import check
 from modules.util.atomic import atomic_write_text, publish_dir_once
 
@@ -159,6 +160,13 @@ def queue_run(checkout: Path, commit: str, config: str, settings: CloudSettings,
                        command=command, checkout=str(checkout), ref=ref)
     problems = secret_problems(config_file, settings.local_overrides)
     problems = problems or check_config(config_file, settings.local_overrides, output_dir)
+    if not problems:
+        bundle_set = repo_bundle_override(checkout, effective_config(config_file,
+                                                                     settings.local_overrides))
+        for assignment in bundle_set:
+            status.command += ["--set", assignment]
+            status.notes.append(f"{assignment}: the training repository's compile bundles "
+                                "(neither the config nor local.json names one)")
     if problems:
         status.state, status.problems = INVALID, problems
         status.error = f"{config} is invalid ({len(problems)} problem(s)); nothing was started"
@@ -177,12 +185,16 @@ def secret_problems(config_file: Path, local_overrides: Path | None) -> list[str
             for finding in scan_files([f for f in files if f.is_file()])]
 
 
+def effective_config(config_file: Path, local_overrides: Path | None) -> Config:
+    """The config as this machine runs it: the file, then the machine's local.json."""
+    config = load_config(config_file)
+    return apply_local_overrides(config, local_overrides) if local_overrides else config
+
+
 def check_config(config_file: Path, local_overrides: Path | None, output_dir: Path) -> list[str]:
     """The problems tempera-train would refuse this config for here (empty when it is valid)."""
     try:
-        config = load_config(config_file)
-        if local_overrides:
-            config = apply_local_overrides(config, local_overrides)
+        config = effective_config(config_file, local_overrides)
         config = apply_overrides(config, [f"output.dir={output_dir}"])
         return [str(p) for p in check(config)]
     except ConfigError as exc:

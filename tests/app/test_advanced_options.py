@@ -141,7 +141,7 @@ def test_the_panel_says_whether_a_compile_bundle_is_ready_and_exports_and_import
     from modules.compile import detect_capabilities
     from modules.train.recipe.compile_guard import (bundle_folder, compile_facts,
                                                     compile_fingerprint)
-    from tests.compile.test_bundle import fake_bundle
+    from tests.compile.bundle_files import fake_bundle
 
     panel = app.compile_panel
     panel.use_machine(lambda config: detect_capabilities("cpu"))

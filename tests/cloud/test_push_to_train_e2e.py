@@ -53,6 +53,8 @@ def test_push_trains_the_config_with_its_compile_settings_and_records_the_commit
     resolved = json.loads((out / "config.json").read_text())
     assert {k: resolved["compile"][k] for k in COMPILE} == COMPILE
     assert resolved["general"]["cache_dir"] == str(tempera_cache)  # from the machine's local.json
+    # The worker pointed compile.bundle at the pushed repo's bundles/ (tempera-cloud init made it)
+    assert resolved["compile"]["bundle"] == str(Path(status.checkout) / "bundles")
     record = json.loads((out / "run.json").read_text())
     assert record["status"] == "finished" and record["steps_done"] == 2
     assert record["meta"] == {"commit": commit, "config": "runs/tiny.json",
@@ -60,6 +62,9 @@ def test_push_trains_the_config_with_its_compile_settings_and_records_the_commit
     requested = {name: record["compile"][name]["requested"] for name in ("unet", "text_encoder",
                                                                           "vae")}
     assert requested == {"unet": "NONE", "text_encoder": "AOT_EAGER", "vae": "NONE"}
+    # Nothing compiles with inductor: no bundle looked for, and the worker read that from run.json
+    assert "compile_bundle" in record and record["compile_bundle"] is None
+    assert status.compile_bundle == {"lookup": "off"}
 
     # A push that leaves the config unchanged starts nothing.
     output = cloud.commit_and_push({"README.md": "notes\n"}, "docs")

@@ -5,37 +5,16 @@ tests/train/test_compile_bundles.py's."""
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import threading
 import zipfile
-from pathlib import Path
 
 import pytest
 
 from modules.compile import bundle as bundles
-from modules.compile.bundle import (BundleError, BundleKeeper, Fingerprint, find_bundle,
+from modules.compile.bundle import (BundleError, BundleKeeper, find_bundle,
                                     load_bundle, read_header)
-
-PRINT = Fingerprint(torch="2.13.0", triton="", cuda="", device="cpu", capability="",
-                    family="SD15", components=("unet: INDUCTOR REGIONAL abc",),
-                    dtype="FLOAT32 WEIGHT_DTYPE NO", shapes=("2x64x64",))
-
-
-def fake_bundle(folder: Path, fingerprint: Fingerprint = PRINT, artifacts: bytes = b"code",
-                name: str | None = None) -> Path:
-    """A bundle file as write_bundle lays it out, with made-up compiled code."""
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / (name or fingerprint.file_name())
-    with zipfile.ZipFile(path, "w") as z:
-        z.writestr(bundles.HEADER, json.dumps({
-            "format": bundles.BUNDLE_FORMAT, "fingerprint": dataclasses.asdict(fingerprint),
-            "artifacts_bytes": len(artifacts),
-            "artifacts_sha256": hashlib.sha256(artifacts).hexdigest(), "kernels": 1}))
-        z.writestr(bundles.ARTIFACTS, artifacts)
-        z.writestr(bundles.KERNELS + "ab/cabkernel.main.so", b"\x7fELF")
-    return path
-
+from tests.compile.bundle_files import PRINT, fake_bundle
 
 def test_the_bundle_made_for_the_settings_is_found_among_others(tmp_path):
     other = dataclasses.replace(PRINT, family="SDXL")
