@@ -32,7 +32,6 @@ class CompileCheck:
         if self.runs.training or self.runs.checking:
             return
         config = self.binding.snapshot()
-        self.panel.set_check_enabled(False, "checking…")
         # Both would share dynamo's process-wide state: the check resets it and compiles
         self.runs.block_start("check", "Check compilation is running (Advanced Options): "
                                        "wait for its report")
@@ -42,7 +41,6 @@ class CompileCheck:
 
     def show_report(self, ok: bool, value: Any) -> None:
         self.runs.block_start("check", None)
-        self.panel.set_check_enabled(not self.runs.training)
         if not ok and isinstance(value, ConfigError):
             self.problems.show(value.problems)
             text = f"Cannot check: {len(value.problems)} problem(s), listed below the tabs."

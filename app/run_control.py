@@ -190,8 +190,18 @@ class RunControl:
             self._blockers.pop(key, None)
         else:
             self._blockers[key] = why_not
+        self._update_buttons()
+
+    def _update_buttons(self) -> None:
+        """Start's, Resume's and Check compilation's states from the facts now (what blocks
+        Start, whether a training runs); every change of those facts comes through here."""
         reasons = list(self._blockers.values())
         self.run_panel.set_start_allowed(not reasons, reasons[0] if reasons else "")
+        # Check compilation resets torch's compiler state process-wide and loads a second model
+        check_why_not = ("not while training: it would reset the running training's compiled "
+                         "code" if self.run_panel.running else self._blockers.get("engine")
+                         or ("checking…" if self.checking else ""))
+        self.set_check_enabled(not check_why_not, check_why_not)
 
     @property
     def checking(self) -> bool:
@@ -209,8 +219,7 @@ class RunControl:
         """Run controls, and what must not run beside a training (Check compilation resets
         torch's compiler state process-wide and loads a second model)."""
         self.run_panel.set_running(running)
-        self.set_check_enabled(not running, "not while training: it would reset the running "
-                                            "training's compiled code")
+        self._update_buttons()
         if not running:
             self.refresh_resume()
 
@@ -233,7 +242,6 @@ class RunControl:
             final = None
             self.run_panel.log(f"final/: {exc}")
         self.run_panel.show_backups(output, [step for step, _ in found], offer,
-                                    can_resume=offer.can_resume and not self.training,
                                     ended=frontend.read_run_status(output), final_step=final)
 
     def stop(self) -> None:

@@ -142,7 +142,6 @@ class TemperaApp(ctk.CTk):
         # waits for it, saying why: Start, Resume, Check compilation, the plan's line.
         self.compile_panel.cancel_pending()
         self.runs.block_start("engine", LOADING)
-        self.compile_panel.set_check_enabled(False, LOADING)
         self._status_before_engine = self.run_panel.status_text
         self.run_panel.set_status(f"{self._status_before_engine} {LOADING_STATUS}")
         self.update_idletasks()
@@ -328,13 +327,11 @@ class TemperaApp(ctk.CTk):
         if not ok:  # training would fail the same way: say so now, and keep Start refused
             why = f"the training engine could not be loaded: {value}"
             self.runs.block_start("engine", why)
-            self.compile_panel.set_check_enabled(False, why)
             self.run_panel.set_status(why[0].upper() + why[1:], error=True)
             self.run_panel.log("ERROR the training engine could not be loaded:\n"
                                + getattr(value, "formatted_traceback", str(value)))
             return
         self.runs.block_start("engine", None)
-        self.compile_panel.set_check_enabled(not self.runs.training)
         self.compile_panel.load_summaries(value)
         if loading:  # nothing newer was said than what the load was added to
             status = self.run_panel.status_text
