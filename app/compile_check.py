@@ -25,9 +25,9 @@ class CompileCheck:
     def start(self) -> None:
         """The button: fields with errors are listed instead; otherwise the check runs in a
         worker and its report arrives as a "report" event (`show_report`)."""
-        if self.binding.errors:
-            self.problems.show(self.binding.field_problems(), "Fix these fields first",
-                               source=self.binding.field_problems)
+        unfit = self.binding.field_problems()
+        if unfit:
+            self.problems.show(unfit, "Fix these fields first", source=self.binding.field_problems)
             return
         if self.runs.training or self.runs.checking:
             return

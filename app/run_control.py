@@ -8,6 +8,7 @@ hands it the training's events (`exited`, `show_sample`) and asks it whether a r
 """
 from __future__ import annotations
 
+import copy
 import queue
 import subprocess
 from collections.abc import Callable
@@ -173,10 +174,10 @@ class RunControl:
     def start_problems(self, resume: bool = False) -> list[Problem]:
         """What a start checks: unparsable fields, the config, and the model, datasets and
         output folder it names (the CLI's --check runs the same)."""
-        config = self.binding.snapshot()
+        config = copy.deepcopy(self.binding.config)  # a snapshot raises on a refused value
         if resume:
             config.training.resume_from = "latest"
-        problems = self.binding.field_problems() + frontend.check(config)
+        problems = self.binding.problems(config=config)
         if resume:  # the button is off for a finished run; this holds if it is pressed anyway
             finished = frontend.finished_run_problem(self.output_dir(), "latest",
                                                      config.training.max_steps)

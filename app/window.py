@@ -39,7 +39,7 @@ from app.thread_guard import ThreadGuard, tk_thread_only
 from app.text_boxes import bind_select_all
 from app.window_size import WindowSizing, apply_scaling, place_window
 from modules import frontend
-from modules.config import Config
+from modules.config import Config, ConfigError
 
 RUN_TAB = "Run"
 ENGINE_AFTER_MS = 1500  # the engine starts loading this long after the map at the latest
@@ -278,6 +278,24 @@ class TemperaApp(ctk.CTk):
                 return
         if redraw:
             self.run_panel.redraw_plot()
+
+    def report_callback_exception(self, exc: type[BaseException], value: BaseException,
+                                  tb: Any) -> None:
+        """A button's command or an `after()` raised (Tk's default printed it on the terminal
+        only, and the window said "Ready."): a config refusal, whichever check raised it, is
+        listed below the tabs and marked at its fields; anything else is said in the status
+        line and the log. The terminal still gets the traceback."""
+        super().report_callback_exception(exc, value, tb)
+        if isinstance(value, ConfigError):
+            self.problems_panel.show(value.problems, f"Refused: {len(value.problems)} "
+                                     "problem(s). Click one to go to its field.")
+            self.run_panel.set_status(f"Refused: {len(value.problems)} problem(s), listed "
+                                      "below the tabs.", error=True)
+            return
+        import traceback
+        self.run_panel.log("ERROR (window) " + "".join(traceback.format_exception(exc, value, tb)))
+        self.run_panel.set_status(f"Window error: {exc.__name__}: {value}; see the log in the "
+                                  "Run tab.", error=True)
 
     def _handle(self, event: Event) -> None:
         kind, data = event.kind, event.payload
