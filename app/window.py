@@ -24,7 +24,8 @@ from app.lora_tools_panel import TAB as LORA_TOOLS_TAB, LoraToolsPanel
 from app.compile_check import CompileCheck
 from app.compile_panel import PLACED, CompilePanel
 from app.engine_loader import EVENT as ENGINE_EVENT, LOADING, EngineLoader
-from app.field_states import update_cache_hints, update_component_states, update_unused_fields
+from app.field_states import (take_only_values, update_cache_hints, update_component_states,
+                              update_unused_fields)
 from app.form import (FieldRegistry, build_fields, fields_of_group, groups_in_order, reveal,
                       scroll_to, tab_title)
 from app.presets import BUILTIN_PRESETS_DIR
@@ -217,6 +218,8 @@ class TemperaApp(ctk.CTk):
         self.problems_panel.schedule_recheck()
         if path is None or path == "model.type":
             update_component_states(self.registry, self.binding.config)
+        if path == "model.type":  # chosen here (a preset is loaded as it is, and checked)
+            self._take_only_values()
         update_unused_fields(self.registry, self.binding.config)  # cheap: states that change
         if path is not None and not self.presets_bar.dirty:
             self.presets_bar.set_dirty(True)
@@ -224,6 +227,16 @@ class TemperaApp(ctk.CTk):
             self.runs.refresh_resume()
         if path is None or path.endswith("cache_dir"):
             update_cache_hints(self.registry, self.binding.config)
+
+    def _take_only_values(self) -> None:
+        """The settings the new model type allows one value of take it, and the status line
+        says which (they may sit on another tab)."""
+        changed = take_only_values(self.binding, self.registry)
+        if changed:
+            label = frontend.MODEL_TYPES[self.binding.config.model.type].label
+            text = f"{label} takes one value of these, now set: {'; '.join(changed)}."
+            self.run_panel.set_status(text)
+            self.run_panel.log(text)
 
     # --- navigation ----------------------------------------------------------------------------
     def jump_to(self, path: str) -> bool:
