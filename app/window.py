@@ -234,7 +234,7 @@ class TemperaApp(ctk.CTk):
         changed = take_only_values(self.binding, self.registry)
         if changed:
             label = frontend.MODEL_TYPES[self.binding.config.model.type].label
-            text = f"{label} takes one value of these, now set: {'; '.join(changed)}."
+            text = f"{label} allows one value of these, now set: {'; '.join(changed)}."
             self.run_panel.set_status(text)
             self.run_panel.log(text)
 
