@@ -12,7 +12,7 @@ from collections.abc import Callable
 from enum import Enum
 from typing import Any
 
-from modules.config import Config, Problem, from_dict, to_dict, validate
+from modules.config import Config, ConfigError, Problem, from_dict, to_dict, validate
 from modules.frontend import check
 from app.fields import FieldInfo, field_map, iter_fields
 
@@ -244,14 +244,30 @@ class ConfigBinding:
 
     # --- checking ------------------------------------------------------------------------
     def field_problems(self) -> list[Problem]:
-        return [Problem(path, err.expected, err.given, "not applied: fix the text in this field")
-                for path, err in sorted(self.errors.items())]
+        """What the form holds that no config can: text that does not parse (not applied),
+        and values the loader refuses, as it would in a preset file (a W&B API key pasted
+        into a field). Save, Start and every check stop on these, listed, before they copy
+        the config (`snapshot` raises on the second)."""
+        unparsable = [Problem(path, err.expected, err.given,
+                              "not applied: fix the text in this field")
+                      for path, err in sorted(self.errors.items())]
+        try:
+            from_dict(to_dict(self.config))
+        except ConfigError as exc:
+            return unparsable + exc.problems
+        return unparsable
 
-    def problems(self, check_files: bool = True) -> list[Problem]:
-        """Unparsable fields first, then the `validate(config)` the CLI also runs, and (with
-        check_files) the checks of the model, datasets and output folder a start runs."""
-        return self.field_problems() + (check(self.config) if check_files
-                                        else validate(self.config))
+    def problems(self, check_files: bool = True, config: Config | None = None) -> list[Problem]:
+        """The form's `field_problems` first, then the `validate(config)` the CLI also runs,
+        and (with check_files) the checks of the model, datasets and output folder a start
+        runs, of `config` (default: the form's). A check that refuses by raising ConfigError
+        is listed like the others: a refusal never reaches only the terminal."""
+        config = self.config if config is None else config
+        try:
+            checked = check(config) if check_files else validate(config)
+        except ConfigError as exc:
+            checked = exc.problems
+        return self.field_problems() + checked
 
     def snapshot(self) -> Config:
         """An independent copy (the worker trains on this while the GUI stays editable)."""

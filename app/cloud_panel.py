@@ -141,8 +141,9 @@ class CloudPanel:
                    if not getattr(self.settings, attribute)]
         if missing:
             return self._refuse("Not pushed.", f"Fill in: {', '.join(missing)}.")
-        if self.binding.errors:
-            problems = "\n".join(f"• {p}" for p in self.binding.field_problems())
+        unfit = self.binding.field_problems()
+        if unfit:
+            problems = "\n".join(f"• {p}" for p in unfit)
             return self._refuse("Not pushed.", "Fix these fields first:\n" + problems)
         name = self.run_name()
         self._set_busy(f"Pushing runs/{name}.json to {self.settings.cloud_remote}/"

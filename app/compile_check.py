@@ -25,14 +25,13 @@ class CompileCheck:
     def start(self) -> None:
         """The button: fields with errors are listed instead; otherwise the check runs in a
         worker and its report arrives as a "report" event (`show_report`)."""
-        if self.binding.errors:
-            self.problems.show(self.binding.field_problems(), "Fix these fields first",
-                               source=self.binding.field_problems)
+        unfit = self.binding.field_problems()
+        if unfit:
+            self.problems.show(unfit, "Fix these fields first", source=self.binding.field_problems)
             return
         if self.runs.training or self.runs.checking:
             return
         config = self.binding.snapshot()
-        self.panel.set_check_enabled(False, "checking…")
         # Both would share dynamo's process-wide state: the check resets it and compiles
         self.runs.block_start("check", "Check compilation is running (Advanced Options): "
                                        "wait for its report")
@@ -42,7 +41,6 @@ class CompileCheck:
 
     def show_report(self, ok: bool, value: Any) -> None:
         self.runs.block_start("check", None)
-        self.panel.set_check_enabled(not self.runs.training)
         if not ok and isinstance(value, ConfigError):
             self.problems.show(value.problems)
             text = f"Cannot check: {len(value.problems)} problem(s), listed below the tabs."

@@ -1,16 +1,19 @@
 """Field states that follow the config: the components a model type lacks are greyed, so are
 the settings the config leaves unused (modules/config/field_rules.py), each with its reason,
-and the two cache folders say where they are when left empty."""
+a setting the model type allows one value of takes it, and the two cache folders say where
+they are when left empty."""
 from __future__ import annotations
 
-from app.binding import enum_class
+from enum import Enum
+
+from app.binding import ConfigBinding, enum_class, format_value
 from app.fields import container_labels
 from app.form import FieldRegistry
 from app.labels import enum_label
 from app.widgets import BoolView, EnumView, set_label_enabled
 from modules.config import Config
 from modules.frontend import (MODEL_TYPES, RULED_PATHS, cache_dir_for, compile_cache_folder,
-                              unused_fields)
+                              only_values, unused_fields)
 
 
 def update_cache_hints(registry: FieldRegistry, config: Config) -> None:
@@ -72,3 +75,17 @@ def update_unused_fields(registry: FieldRegistry, config: Config) -> None:
         why = unused.get(view.path, "")
         if view.enabled != (not why) or view.disabled_why != why:
             view.set_enabled(not why, why)
+
+
+def take_only_values(binding: ConfigBinding, registry: FieldRegistry) -> list[str]:
+    """After the model type changed: each setting the new type allows one value of
+    (`only_values`: Z-Image samples with Euler only) takes it. What changed, as the window
+    names it ("Sampling › Sampler: Euler")."""
+    changed = []
+    for path, value in only_values(binding.config).items():
+        if binding.get(path) != value:
+            binding.set_value(path, value)
+            shown = (enum_label(value) if isinstance(value, Enum)
+                     else format_value(binding.info(path), value) or "empty")
+            changed.append(f"{registry.where(path)}: {shown}")
+    return changed

@@ -119,6 +119,8 @@ class PresetsBar:
         return self._write(self.current)
 
     def save_as(self, target: Path | None = None) -> Path | None:
+        if self._refused():  # before the file chooser: no name is asked for in vain
+            return None
         if target is None:
             chosen = self.ask_save_path(self.settings.user_presets_path)
             if not chosen:
@@ -133,10 +135,19 @@ class PresetsBar:
                 return None
         return self._write(target, allow_new_builtin)
 
-    def _write(self, target: Path, allow_new_builtin: bool = False) -> Path | None:
-        if self.binding.errors:
-            self.show_problems(self.binding.field_problems(), "Fix these fields before saving",
+    def _refused(self) -> bool:
+        """What no preset can hold (unparsable text, a value the loader refuses such as a W&B
+        API key) is listed and marked at its field, and nothing is written."""
+        problems = self.binding.field_problems()
+        if problems:
+            self.show_problems(problems, "Fix these fields before saving",
                                source=self.binding.field_problems)
+            self.set_status(f"Not saved: {len(problems)} problem(s), listed below the tabs.",
+                            error=True)
+        return bool(problems)
+
+    def _write(self, target: Path, allow_new_builtin: bool = False) -> Path | None:
+        if self._refused():
             return None
         try:
             written = save_preset(self.binding.config, target, self.builtin_dir, allow_new_builtin)

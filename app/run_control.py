@@ -8,6 +8,7 @@ hands it the training's events (`exited`, `show_sample`) and asks it whether a r
 """
 from __future__ import annotations
 
+import copy
 import queue
 import subprocess
 from collections.abc import Callable
@@ -173,10 +174,10 @@ class RunControl:
     def start_problems(self, resume: bool = False) -> list[Problem]:
         """What a start checks: unparsable fields, the config, and the model, datasets and
         output folder it names (the CLI's --check runs the same)."""
-        config = self.binding.snapshot()
+        config = copy.deepcopy(self.binding.config)  # a snapshot raises on a refused value
         if resume:
             config.training.resume_from = "latest"
-        problems = self.binding.field_problems() + frontend.check(config)
+        problems = self.binding.problems(config=config)
         if resume:  # the button is off for a finished run; this holds if it is pressed anyway
             finished = frontend.finished_run_problem(self.output_dir(), "latest",
                                                      config.training.max_steps)
@@ -190,8 +191,18 @@ class RunControl:
             self._blockers.pop(key, None)
         else:
             self._blockers[key] = why_not
+        self._update_buttons()
+
+    def _update_buttons(self) -> None:
+        """Start's, Resume's and Check compilation's states from the facts now (what blocks
+        Start, whether a training runs); every change of those facts comes through here."""
         reasons = list(self._blockers.values())
         self.run_panel.set_start_allowed(not reasons, reasons[0] if reasons else "")
+        # Check compilation resets torch's compiler state process-wide and loads a second model
+        check_why_not = ("not while training: it would reset the running training's compiled "
+                         "code" if self.run_panel.running else self._blockers.get("engine")
+                         or ("checking…" if self.checking else ""))
+        self.set_check_enabled(not check_why_not, check_why_not)
 
     @property
     def checking(self) -> bool:
@@ -209,8 +220,7 @@ class RunControl:
         """Run controls, and what must not run beside a training (Check compilation resets
         torch's compiler state process-wide and loads a second model)."""
         self.run_panel.set_running(running)
-        self.set_check_enabled(not running, "not while training: it would reset the running "
-                                            "training's compiled code")
+        self._update_buttons()
         if not running:
             self.refresh_resume()
 
@@ -233,7 +243,6 @@ class RunControl:
             final = None
             self.run_panel.log(f"final/: {exc}")
         self.run_panel.show_backups(output, [step for step, _ in found], offer,
-                                    can_resume=offer.can_resume and not self.training,
                                     ended=frontend.read_run_status(output), final_step=final)
 
     def stop(self) -> None:

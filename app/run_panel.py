@@ -74,7 +74,9 @@ class RunPanel:
         self.buttons["start"].configure(fg_color=("#2e7d32", "#2e7d32"),
                                         hover_color=("#1b5e20", "#1b5e20"))
         self.button_tips = {key: Tooltip(button, "") for key, button in self.buttons.items()}
-        self.start_allowed, self.start_why_not = True, ""
+        # the facts the buttons follow (`_update_buttons`)
+        self.running, self.start_why_not = False, ""
+        self.resume_why_not = "the output folder holds no backup"
         # One line across the window, cut to fit; the whole text on hover and in the log.
         self.status_font = ctk.CTkFont()
         self.status = ctk.CTkLabel(self.bar, text="Ready.", anchor="w", font=self.status_font)
@@ -165,25 +167,31 @@ class RunPanel:
     @tk_thread_only
     def set_running(self, running: bool) -> None:
         self.running = running
-        self._enable("start", not running and self.start_allowed,
-                     "training is running" if running else self.start_why_not)
-        if running:
-            self._enable("resume", False, "training is running")
-        for key in ("stop", "sample", "save"):
-            self._enable(key, running, "" if running else "no training is running")
-
-    def _enable(self, key: str, enabled: bool, why_not: str = "") -> None:
-        set_widget_enabled(self.buttons[key], enabled)
-        self.button_tips[key].text = "" if enabled or not why_not else f"Not now: {why_not}"
+        self._update_buttons()
 
     @tk_thread_only
     def set_start_allowed(self, allowed: bool, why_not: str = "") -> None:
         """Allow Start (and Resume) or not, for a reason outside the training (a benchmark)."""
-        self.start_allowed, self.start_why_not = allowed, ("" if allowed else why_not)
-        if not self.running:
-            self._enable("start", allowed, why_not)
-            if not allowed:
-                self._enable("resume", False, why_not)
+        self.start_why_not = "" if allowed else why_not
+        self._update_buttons()
+
+    def _update_buttons(self) -> None:
+        """Every run button's state from the facts now: whether a training runs, what keeps
+        Start waiting (`start_why_not`: the engine loads, a benchmark or a check runs) and what
+        the output folder offers to resume (`resume_why_not`). Each of those changes calls
+        this, so no button keeps the reason of a state that has passed (Resume stayed greyed
+        "while torch loads" after it had loaded, "while a benchmark runs" after it stopped)."""
+        waiting = "training is running" if self.running else self.start_why_not
+        self._enable("start", not waiting, waiting)
+        resume_why_not = "training is running" if self.running else (self.resume_why_not
+                                                                      or self.start_why_not)
+        self._enable("resume", not resume_why_not, resume_why_not)
+        for key in ("stop", "sample", "save"):
+            self._enable(key, self.running, "" if self.running else "no training is running")
+
+    def _enable(self, key: str, enabled: bool, why_not: str = "") -> None:
+        set_widget_enabled(self.buttons[key], enabled)
+        self.button_tips[key].text = "" if enabled or not why_not else f"Not now: {why_not}"
 
     @tk_thread_only
     def show_tensorboard(self, url: str) -> None:
@@ -194,26 +202,25 @@ class RunPanel:
 
     @tk_thread_only
     def show_backups(self, output: Path, steps: list[int], offer: ResumeOffer,
-                     can_resume: bool, ended: str, final_step: int | None = None) -> None:
+                     ended: str, final_step: int | None = None) -> None:
         """The output folder's backups, and Resume from the newest when the run ended early.
         A finished run shows no Resume: only Continue, when Max steps was raised past its end.
         `final_step`: the step of the weights in final/; later than the newest backup, they
         are a run's that got further (a finished run continued from an older backup, then
         stopped), and the note says so."""
-        why_not = "training is running" if self.running else self.start_why_not
         listed = (f"Backups in {output / 'backups'}: step " + ", ".join(str(s) for s in steps)
                   + ". ") if steps else ""
         if offer.finished_step is not None:
             n = offer.finished_step
             if offer.continues_finished and steps:
                 self.buttons["resume"].configure(text=f"Continue for {offer.more_steps} more steps")
-                self._enable("resume", can_resume and self.start_allowed, why_not)
+                self.resume_why_not = ""
                 tail = (f"Continue trains from the newest backup (step {steps[-1]}) to step "
                         f"{offer.max_steps}; final/ is replaced only by weights of a later step.")
             else:
                 self.buttons["resume"].configure(text="Resume")
-                self._enable("resume", False, f"the run finished at step {n}; raise Max steps "
-                                              f"above {n} to continue it")
+                self.resume_why_not = (f"the run finished at step {n}; raise Max steps above "
+                                       f"{n} to continue it")
                 tail = (f"To train it further, raise Max steps above {n}; to train again from "
                         "the start, choose a new output folder." if steps else
                         "It left no backup to continue from.")
@@ -221,7 +228,7 @@ class RunPanel:
                                               f"weights are in final/). {listed}{tail}")
         elif steps:
             self.buttons["resume"].configure(text=f"Resume from step {steps[-1]}")
-            self._enable("resume", can_resume and self.start_allowed, why_not)
+            self.resume_why_not = ""
             how = {"failed": "failed", "running": "was killed or crashed",
                    "interrupted": "was interrupted", "stopped": "was stopped"}.get(ended)
             lead = f"The last run here {how}. " if how else ""
@@ -232,9 +239,10 @@ class RunPanel:
                                               f"{kept}")
         else:
             self.buttons["resume"].configure(text="Resume")
-            self._enable("resume", False, "the output folder holds no backup")
+            self.resume_why_not = "the output folder holds no backup"
             self.backups_label.configure(text="No backups in the output folder (nothing to "
                                               "resume).")
+        self._update_buttons()
 
     @tk_thread_only
     def show_compiling(self, message: str, expected: Any = None, graph: int = 0,

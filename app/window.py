@@ -24,7 +24,8 @@ from app.lora_tools_panel import TAB as LORA_TOOLS_TAB, LoraToolsPanel
 from app.compile_check import CompileCheck
 from app.compile_panel import PLACED, CompilePanel
 from app.engine_loader import EVENT as ENGINE_EVENT, LOADING, EngineLoader
-from app.field_states import update_cache_hints, update_component_states, update_unused_fields
+from app.field_states import (take_only_values, update_cache_hints, update_component_states,
+                              update_unused_fields)
 from app.form import (FieldRegistry, build_fields, fields_of_group, groups_in_order, reveal,
                       scroll_to, tab_title)
 from app.presets import BUILTIN_PRESETS_DIR
@@ -39,7 +40,7 @@ from app.thread_guard import ThreadGuard, tk_thread_only
 from app.text_boxes import bind_select_all
 from app.window_size import WindowSizing, apply_scaling, place_window
 from modules import frontend
-from modules.config import Config
+from modules.config import Config, ConfigError
 
 RUN_TAB = "Run"
 ENGINE_AFTER_MS = 1500  # the engine starts loading this long after the map at the latest
@@ -142,7 +143,6 @@ class TemperaApp(ctk.CTk):
         # waits for it, saying why: Start, Resume, Check compilation, the plan's line.
         self.compile_panel.cancel_pending()
         self.runs.block_start("engine", LOADING)
-        self.compile_panel.set_check_enabled(False, LOADING)
         self._status_before_engine = self.run_panel.status_text
         self.run_panel.set_status(f"{self._status_before_engine} {LOADING_STATUS}")
         self.update_idletasks()
@@ -219,6 +219,8 @@ class TemperaApp(ctk.CTk):
         self.problems_panel.schedule_recheck()
         if path is None or path == "model.type":
             update_component_states(self.registry, self.binding.config)
+        if path == "model.type":  # chosen here (a preset is loaded as it is, and checked)
+            self._take_only_values()
         update_unused_fields(self.registry, self.binding.config)  # cheap: states that change
         if path is not None and not self.presets_bar.dirty:
             self.presets_bar.set_dirty(True)
@@ -226,6 +228,16 @@ class TemperaApp(ctk.CTk):
             self.runs.refresh_resume()
         if path is None or path.endswith("cache_dir"):
             update_cache_hints(self.registry, self.binding.config)
+
+    def _take_only_values(self) -> None:
+        """The settings the new model type allows one value of take it, and the status line
+        says which (they may sit on another tab)."""
+        changed = take_only_values(self.binding, self.registry)
+        if changed:
+            label = frontend.MODEL_TYPES[self.binding.config.model.type].label
+            text = f"{label} allows one value of these, now set: {'; '.join(changed)}."
+            self.run_panel.set_status(text)
+            self.run_panel.log(text)
 
     # --- navigation ----------------------------------------------------------------------------
     def jump_to(self, path: str) -> bool:
@@ -281,6 +293,24 @@ class TemperaApp(ctk.CTk):
         if redraw:
             self.run_panel.redraw_plot()
 
+    def report_callback_exception(self, exc: type[BaseException], value: BaseException,
+                                  tb: Any) -> None:
+        """A button's command or an `after()` raised (Tk's default printed it on the terminal
+        only, and the window said "Ready."): a config refusal, whichever check raised it, is
+        listed below the tabs and marked at its fields; anything else is said in the status
+        line and the log. The terminal still gets the traceback."""
+        super().report_callback_exception(exc, value, tb)
+        if isinstance(value, ConfigError):
+            self.problems_panel.show(value.problems, f"Refused: {len(value.problems)} "
+                                     "problem(s). Click one to go to its field.")
+            self.run_panel.set_status(f"Refused: {len(value.problems)} problem(s), listed "
+                                      "below the tabs.", error=True)
+            return
+        import traceback
+        self.run_panel.log("ERROR (window) " + "".join(traceback.format_exception(exc, value, tb)))
+        self.run_panel.set_status(f"Window error: {exc.__name__}: {value}; see the log in the "
+                                  "Run tab.", error=True)
+
     def _handle(self, event: Event) -> None:
         kind, data = event.kind, event.payload
         if kind in TRAINING_EVENTS:
@@ -329,13 +359,11 @@ class TemperaApp(ctk.CTk):
         if not ok:  # training would fail the same way: say so now, and keep Start refused
             why = f"the training engine could not be loaded: {value}"
             self.runs.block_start("engine", why)
-            self.compile_panel.set_check_enabled(False, why)
             self.run_panel.set_status(why[0].upper() + why[1:], error=True)
             self.run_panel.log("ERROR the training engine could not be loaded:\n"
                                + getattr(value, "formatted_traceback", str(value)))
             return
         self.runs.block_start("engine", None)
-        self.compile_panel.set_check_enabled(not self.runs.training)
         self.compile_panel.load_summaries(value)
         if loading:  # nothing newer was said than what the load was added to
             status = self.run_panel.status_text

@@ -21,10 +21,11 @@ from typing import Any
 # Resume points (`list_backups`, `resume_offer`, `finished_run_problem`), how a run ended
 # (`read_run_status`), the earlier run a resume continues (`earlier_losses`, `latest_samples`),
 # where the caches are (`cache_dir_for`, `compile_cache_folder`), which settings the config
-# leaves unused (`unused_fields`, greyed in the GUI): file-system or config only, re-exported.
+# leaves unused (`unused_fields`, greyed in the GUI) and which a model type allows one value of
+# (`only_values`): file-system or config only, re-exported.
 from modules.compile.backends import BACKENDS  # the backend rows: torch-free
 from modules.config import Config, Problem, validate
-from modules.config.field_rules import RULED_PATHS, unused_fields
+from modules.config.field_rules import RULED_PATHS, only_values, unused_fields
 from modules.events import TrainerCallbacks, TrainerCommands
 from modules.lora_tools.errors import LoraToolError  # torch-free: the LoRA tools tab's refusals
 from modules.model_types import MODEL_TYPES, ModelType
@@ -189,7 +190,7 @@ __all__ = [  # noqa: F822 - the lazy names come from __getattr__ below
     "expected_compile", "explain", "export_bundle", "final_weights_step", "import_bundle",
     "matching_bundle",
     "finished_run_problem", "format_duration", "latest_samples", "list_backups", "load_engine",
-    "machine_capabilities", "read_run_status", "resume_offer", "schedule_curve",
+    "machine_capabilities", "only_values", "read_run_status", "resume_offer", "schedule_curve",
     "silence_library_noise", "silence_torchvision_fallback_warnings", "train", "unused_fields",
     "LoraToolError", "lora_tool",
 ]

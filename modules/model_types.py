@@ -37,6 +37,9 @@ class ModelTypeSpec:
     flow_matching: bool = False
     # the sampling.sampler values its pipeline can sample with (None: every one)
     samplers: tuple[str, ...] | None = None
+    # the settings only this type reads (Z-Image's ComfyUI files, its distillation guard):
+    # greyed, with why, while another type is chosen (modules/config/field_rules.py)
+    own_settings: tuple[str, ...] = ()
 
     @property
     def components(self) -> tuple[str, ...]:
@@ -65,5 +68,7 @@ MODEL_TYPES: dict[ModelType, ModelTypeSpec] = {
     ModelType.ZIMAGE: ModelTypeSpec("Z-Image", "ZImagePipeline", ("text_encoder",),
                                     ("tokenizer",), 1024, "builtin:tiny-zimage",
                                     denoiser="transformer", denoiser_label="Transformer",
-                                    flow_matching=True, samplers=("EULER",)),
+                                    flow_matching=True, samplers=("EULER",),
+                                    own_settings=("model.text_encoder_path", "model.vae_path",
+                                                  "model.train_distilled")),
 }

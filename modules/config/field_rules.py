@@ -12,11 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from operator import attrgetter
+from typing import Any
 
 from modules.config.adapters import ADAPTERS, OPTION_OFF, AdapterRow
 from modules.config.optimizers import OPTIMIZERS, OptimizerRow
-from modules.config.schema import (Config, LRScheduler, PredictionType, TimestepSampling,
-                                   TrainingMethod, WeightStorage)
+from modules.config.schema import (Config, LRScheduler, PredictionType, Sampler,
+                                   TimestepSampling, TrainingMethod, WeightStorage)
 from modules.model_types import MODEL_TYPES
 
 
@@ -77,21 +79,17 @@ def _flow(config: Config) -> bool:
     return MODEL_TYPES[config.model.type].flow_matching
 
 
-# Each objective's own settings and their off value: greyed for a family trained with the
-# other objective only while off (validation refuses them when set, so they stay editable).
-IsSet = Callable[[Config], bool]
-FLOW_ONLY: dict[str, IsSet] = {
-    "loss.timestep_sampling": lambda c: c.loss.timestep_sampling != TimestepSampling.UNIFORM,
-    "loss.timestep_shift": lambda c: c.loss.timestep_shift is not None,
-    "loss.dynamic_shift": lambda c: c.loss.dynamic_shift}
-DDPM_ONLY: dict[str, IsSet] = {
-    "model.prediction_type": lambda c: c.model.prediction_type != PredictionType.AUTO,
-    "model.zero_terminal_snr": lambda c: c.model.zero_terminal_snr,
-    "training.min_snr_gamma": lambda c: bool(c.training.min_snr_gamma),
-    "loss.debiased_estimation": lambda c: c.loss.debiased_estimation}
+# Each objective's own settings and their off value, the one value a family trained with the
+# other objective takes (validation refuses any other): greyed there only while off, so that
+# validation's refusal can be undone, and taken when the model type changes (`only_values`).
+FLOW_ONLY: dict[str, Any] = {"loss.timestep_sampling": TimestepSampling.UNIFORM,
+                             "loss.timestep_shift": None, "loss.dynamic_shift": False}
+DDPM_ONLY: dict[str, Any] = {"model.prediction_type": PredictionType.AUTO,
+                             "model.zero_terminal_snr": False, "training.min_snr_gamma": 0.0,
+                             "loss.debiased_estimation": False}
 
 
-def _objective_rule(path: str, is_set: IsSet, flow: bool) -> FieldRule:
+def _objective_rule(path: str, off: Any, flow: bool) -> FieldRule:
     """A setting of one objective (flow matching's when `flow`), used by its families, and
     left editable while set elsewhere so that validation's refusal can be undone."""
     def why(c: Config) -> str:
@@ -99,12 +97,37 @@ def _objective_rule(path: str, is_set: IsSet, flow: bool) -> FieldRule:
         return (f"{label} is trained with DDPM; this shapes flow matching's noise levels"
                 if flow else f"{label} is trained with flow matching, which has no DDPM "
                              "schedule")
-    return FieldRule((path,), lambda c: _flow(c) == flow or is_set(c), why)
+    return FieldRule((path,), lambda c: _flow(c) == flow or attrgetter(path)(c) != off, why)
 
 
 def _objective_rules() -> tuple[FieldRule, ...]:
     return (*(_objective_rule(p, s, True) for p, s in FLOW_ONLY.items()),
             *(_objective_rule(p, s, False) for p, s in DDPM_ONLY.items()))
+
+
+# The settings some model types read and others do not (ModelTypeSpec.own_settings)
+OWN_SETTINGS = tuple(dict.fromkeys(path for spec in MODEL_TYPES.values()
+                                   for path in spec.own_settings))
+
+
+def _own_setting_rule(path: str) -> FieldRule:
+    """A setting only the model types that list it read (Z-Image's text encoder file)."""
+    having = " / ".join(spec.label for spec in MODEL_TYPES.values() if path in spec.own_settings)
+    return FieldRule((path,), lambda c: path in MODEL_TYPES[c.model.type].own_settings,
+                     lambda c: f"{MODEL_TYPES[c.model.type].label} models do not read it "
+                               f"({having} only)")
+
+
+def only_values(config: Config) -> dict[str, Any]:
+    """Dotted path -> value, for each setting the config's model type allows one value of:
+    the other objective's settings (their off value) and the sampler of a family whose
+    pipeline samples with one. The GUI sets them when the model type is changed; validation
+    refuses any other value."""
+    spec = MODEL_TYPES[config.model.type]
+    values = dict(DDPM_ONLY if spec.flow_matching else FLOW_ONLY)
+    if spec.samplers is not None and len(spec.samplers) == 1:
+        values["sampling.sampler"] = Sampler(spec.samplers[0])
+    return values
 
 
 def _has_prompts(config: Config) -> bool:
@@ -113,6 +136,7 @@ def _has_prompts(config: Config) -> bool:
 
 # The first rule that does not hold gives a field's reason, so the broad ones come first.
 RULES: tuple[FieldRule, ...] = (
+    *(_own_setting_rule(path) for path in OWN_SETTINGS),
     FieldRule(ADAPTER_FIELDS, lambda c: c.training.method == TrainingMethod.LORA,
               lambda c: (f"{c.training.method.value} trains new token embeddings, with no "
                          "adapter" if c.training.method == TrainingMethod.TEXTUAL_INVERSION

@@ -21,6 +21,7 @@ from modules.config.problems import ConfigError, Problem
 from modules.config.schema import BUILTIN_PREFIX, Config
 from modules.config.wandb_settings import wandb_key_problems
 from modules.util.atomic import atomic_write_text
+from modules.util.secrets import SECRET_NAME
 
 
 def _hints(cls: type) -> dict[str, Any]:
@@ -131,6 +132,16 @@ def _parse(tp: Any, value: Any, path: str, meta: dict, problems: list[Problem]) 
     return None
 
 
+def closest_key(key: str, known: list[str]) -> str | None:
+    """The known key an unknown `key` was probably meant to be, for a "did you mean" hint. None
+    for a name that says it holds a secret (`wandb_api_key`): a hint would invite pasting the
+    secret into a field the config keeps and records."""
+    if SECRET_NAME.search(key):
+        return None
+    close = difflib.get_close_matches(key, known, n=1)
+    return close[0] if close else None
+
+
 def _build(cls: type, data: dict, prefix: str, problems: list[Problem]) -> Any:
     hints = _hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -138,8 +149,10 @@ def _build(cls: type, data: dict, prefix: str, problems: list[Problem]) -> Any:
     for key, value in data.items():
         path = f"{prefix}.{key}" if prefix else key
         if key not in fields:
-            close = difflib.get_close_matches(key, list(fields), n=1)
-            hint = f"did you mean '{close[0]}'?" if close else ""
+            if any(p.path == path for p in problems):  # refused already (a W&B key entry)
+                continue
+            close = closest_key(key, list(fields))
+            hint = f"did you mean '{close}'?" if close else ""
             problems.append(Problem(path, "a known key (" + ", ".join(fields) + ")",
                                     f"unknown key '{key}'", hint))
             continue

@@ -10,7 +10,6 @@ Path values given on the command line are relative to the current folder.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import re
 import types
@@ -19,10 +18,12 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from modules.config.loader import from_dict, path_fields, resolve_path_value, to_dict
+from modules.config.loader import (closest_key, from_dict, path_fields, resolve_path_value,
+                                   to_dict)
 from modules.config.migrations import renamed_key
 from modules.config.problems import ConfigError, Problem
 from modules.config.schema import Config
+from modules.util.secrets import SECRET_NAME
 
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
@@ -143,10 +144,10 @@ def _all_keys(cls: Any = Config, prefix: str = "") -> list[str]:
 def _unknown_key_problem(key: str, assignment: str) -> Problem:
     if "=" not in assignment:
         return Problem(key or assignment, "dotted.key=value", repr(assignment), "no '=' in it")
-    close = difflib.get_close_matches(key, _all_keys(), n=1)
-    hint = f"did you mean '{close[0]}'?" if close else "see docs/config.md for every key"
-    return Problem(key or assignment, "dotted.key=value naming a config field",
-                   repr(assignment), hint)
+    close = closest_key(key, _all_keys())
+    hint = f"did you mean '{close}'?" if close else "see docs/config.md for every key"
+    given = repr(f"{key}=…") if SECRET_NAME.search(key) else repr(assignment)  # never echoed
+    return Problem(key or assignment, "dotted.key=value naming a config field", given, hint)
 
 
 def _within(dotted: str, prefix: str) -> bool:

@@ -64,6 +64,9 @@ KEY_VALUE = re.compile(
     r"(?<![A-Za-z0-9_.-])[\"']?(?P<key>[A-Za-z0-9_.-]*" + _KEY_WORDS + r")[\"']?\s*[:=]\s*"
     r"(?P<value>\"[^\"]*\"|'[^']*'|<[^>]*>|[^\s,#}\]]+)", re.IGNORECASE)
 
+# A name that says its value is a secret (`wandb_api_key`, `hub_token`, `password`).
+SECRET_NAME = re.compile(_KEY_WORDS + r"$", re.IGNORECASE)
+
 # Values that name where a secret comes from instead of holding it.
 NOT_A_SECRET = re.compile(r"^(?:|null|none|true|false|[-+]?\d+(?:\.\d+)?|\$\{?[A-Za-z_][A-Za-z0-9_]*\}?"
                            r"|env:[A-Za-z_][A-Za-z0-9_]*|<[^>]*>|\*+|\.\.\.)$", re.IGNORECASE)

@@ -99,3 +99,39 @@ def test_each_objectives_settings_are_greyed_for_the_other_family_while_off():
     logit = dataclasses.replace(zimage.loss, timestep_sampling=TimestepSampling.LOGIT_NORMAL)
     assert "loss.logit_std" in unused
     assert "loss.logit_std" not in unused_fields(Config(loss=logit))
+
+
+def test_the_settings_only_zimage_reads_are_unused_for_the_other_types():
+    """Issue 54 item 4: Z-Image's files and distillation guard stayed enabled on SD presets.
+    The model-type table says which type reads them; its ComfyUI-files loader agrees."""
+    from modules.model_types import MODEL_TYPES, ModelType
+    from modules.models.zimage_files import FIELDS
+    own = MODEL_TYPES[ModelType.ZIMAGE].own_settings
+    assert set(FIELDS.values()) - {"model.path"} <= set(own)
+    assert "model.train_distilled" in own
+    zimage = Config()
+    zimage.model.type = ModelType.ZIMAGE
+    assert not set(own) & set(unused_fields(zimage))
+    for model_type in (ModelType.SD15, ModelType.SD2, ModelType.SDXL):
+        config = Config()
+        config.model.type = model_type
+        label = MODEL_TYPES[model_type].label
+        assert {path: unused_fields(config)[path] for path in own} == {
+            path: f"{label} models do not read it (Z-Image only)" for path in own}
+
+
+def test_a_setting_the_model_type_allows_one_value_of_is_named_with_it():
+    from modules.config.field_rules import DDPM_ONLY, FLOW_ONLY, only_values
+    from modules.config.outputs import Sampler
+    from modules.config.validate import validate
+    from modules.model_types import ModelType
+    sd, zimage = Config(), Config()
+    zimage.model.type = ModelType.ZIMAGE
+    assert only_values(sd) == FLOW_ONLY                      # every sampler is an SD one
+    assert only_values(zimage) == {**DDPM_ONLY, "sampling.sampler": Sampler.EULER}
+    # the values are the ones validation accepts: another one of each is refused
+    zimage.sampling.prompts = ["a cat"]
+    zimage.sampling.sampler = Sampler.DDIM
+    assert "sampling.sampler" in {p.path for p in validate(zimage)}
+    zimage.sampling.sampler = only_values(zimage)["sampling.sampler"]
+    assert "sampling.sampler" not in {p.path for p in validate(zimage)}

@@ -43,6 +43,18 @@ def test_unknown_key_far_from_any_gives_no_suggestion():
     assert problem.message == ""
 
 
+
+@pytest.mark.parametrize("data, path", [
+    ({"logging": {"wandb_api_key": "0123456789abcdef" * 2 + "01234567"}}, "logging.wandb_api_key"),
+    ({"logging": {"wandb_api_key": ""}}, "logging.wandb_api_key"),   # unknown, not refused
+    ({"model": {"hub_token": "hf_x"}}, "model.hub_token"),
+])
+def test_a_secret_entry_is_refused_once_and_no_field_is_suggested_for_it(data, path):
+    """Issue 54: the refused W&B key entry was listed again as an unknown key, "did you mean
+    'wandb_entity'?": an invitation to paste the key into a field the config keeps."""
+    problem = problems_of(data)[path]         # one problem per path (problems_of checks it)
+    assert "did you mean" not in str(problem)
+
 @pytest.mark.parametrize("data, path, expected, given", [
     ({"training": {"max_steps": True}}, "training.max_steps", "an integer", "true"),
     ({"training": {"max_steps": 1.5}}, "training.max_steps", "an integer", "1.5"),

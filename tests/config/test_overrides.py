@@ -155,6 +155,14 @@ def test_unknown_key_suggests_the_close_one():
     assert problem.message == "did you mean 'training.max_steps'?"
 
 
+
+def test_a_secret_key_is_neither_suggested_a_field_nor_echoed():
+    """Issue 54: `--set logging.wandb_api_key=KEY` suggested 'logging.wandb_entity' (where the
+    key would be kept) and repeated the key in the message."""
+    problem = problems_of("logging.wandb_api_key=abc123secret")["logging.wandb_api_key"]
+    assert "did you mean" not in problem.message
+    assert "abc123secret" not in str(problem)
+
 def test_unknown_key_inside_list_item():
     problem = problems_of("data.datasets[0].repeat=3")["data.datasets[0].repeat"]
     assert "did you mean 'data.datasets[0].repeats'?" in problem.message
