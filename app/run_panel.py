@@ -237,6 +237,16 @@ class RunPanel:
                                               "resume).")
 
     @tk_thread_only
+    def show_run_folder(self, output: Path, steps: list[int], final_step: int | None) -> None:
+        """While a run trains: what its output folder holds now (read from the disk), not
+        what the folder held before it started (a fresh start removed those backups)."""
+        listed = ("Backups so far: step " + ", ".join(str(s) for s in steps) + "."
+                  if steps else "No backup in it yet.")
+        final = (f" final/ holds the weights of step {final_step} until this run saves a "
+                 "later step's." if final_step is not None else "")
+        self.backups_label.configure(text=f"Training into {output}. {listed}{final}")
+
+    @tk_thread_only
     def show_compiling(self, message: str, expected: Any = None, graph: int = 0,
                        component: str = "") -> None:
         """While the first steps compile, the step bar cannot move: say it is busy, what is
