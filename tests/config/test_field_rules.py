@@ -99,3 +99,16 @@ def test_each_objectives_settings_are_greyed_for_the_other_family_while_off():
     logit = dataclasses.replace(zimage.loss, timestep_sampling=TimestepSampling.LOGIT_NORMAL)
     assert "loss.logit_std" in unused
     assert "loss.logit_std" not in unused_fields(Config(loss=logit))
+
+
+def test_validation_images_and_details_are_greyed_while_validation_is_off():
+    config = Config()
+    unused = unused_fields(config)
+    for path in ("validation.split_ratio", "validation.folder", "validation.timesteps",
+                 "validation.batch_size", "validation.save_best"):
+        assert unused[path] == "validation is off (validation.every_steps is 0)", path
+    config.validation.split_ratio = 0.1   # refused by validation while off: left editable
+    unused = unused_fields(config)
+    assert "validation.split_ratio" not in unused and "validation.folder" in unused
+    config.validation.every_steps = 10
+    assert not {p for p in unused_fields(config) if p.startswith("validation.")}
