@@ -264,7 +264,8 @@ class RunControl:
             final = frontend.final_weights_step(output)
         except ValueError as exc:  # an unreadable marker: the run would refuse to replace it
             final = None
-            self.run_panel.log(f"final/: {exc}")
+            if not running:  # not at every step of a run
+                self.run_panel.log(f"final/: {exc}")
         if running:
             self.run_panel.show_run_folder(output, steps, final)
             return
