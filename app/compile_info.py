@@ -69,3 +69,21 @@ def format_report(report: Any) -> str:
         import json
         return json.dumps(report, indent=2, default=str)
     return str(report)
+
+
+def bundle_text(lookup: Any, known: bool) -> str:
+    """The Advanced Options line on the compile bundle a run of these settings would start
+    from (``lookup``: a `Lookup`, None when bundles do not apply; ``known``: the machine was
+    detected, so the lookup was made)."""
+    if not known:
+        return "Compile bundle: looked up once the engine has loaded"
+    if lookup is None:
+        return "Compile bundle: none used (bundles off, or nothing compiles with inductor)"
+    if lookup.status == "hit":
+        return f"Compile bundle for these settings: {lookup.path.name} (the first step starts warm)"
+    if lookup.status == "mismatch":
+        return (f"No compile bundle for these settings on this machine; closest "
+                f"{lookup.path.name}: {lookup.why}")
+    if lookup.status == "damaged":
+        return f"Compile bundle damaged, not used: {lookup.why}"
+    return "No compile bundle for these settings yet: the first run writes one"

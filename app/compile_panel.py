@@ -9,12 +9,14 @@ of the group is generated below this panel.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import customtkinter as ctk
 
+from app import dialogs
 from app.binding import ConfigBinding
-from app.compile_info import backend_description, describe_plan
+from app.compile_info import backend_description, bundle_text, describe_plan
 from app.form import FieldRegistry
 from app.text_boxes import pass_wheel_at_ends, set_readonly_text
 from app.widgets import BoolView, FieldView, make_view, set_label_enabled, set_widget_enabled
@@ -27,7 +29,8 @@ DESCRIPTION_INDENT = 10 + 208  # under the menu: the field label column and its 
 COMPONENT_TOGGLES = (("compile.denoiser", "UNet"), ("compile.text_encoder", "Text Encoder"),
                      ("compile.vae", "VAE"))
 DETAILS = ("compile.scope", "compile.mode", "compile.dynamic", "compile.fullgraph",
-           "compile.cache_dir", "compile.strict")
+           "compile.cache_dir", "compile.strict", "compile.bundles", "compile.bundle")
+BUNDLE_FILES = ("Compile bundles", ("*.tcb",))
 PLACED = {"compile.backend", *(p for p, _ in COMPONENT_TOGGLES), *DETAILS}
 
 
@@ -84,6 +87,24 @@ class CompilePanel:
             detail.frame.pack(fill="x", padx=10, pady=1)
             registry.add(detail, TAB)
             self.details.append(detail)
+
+        bundle_row = ctk.CTkFrame(self.box, fg_color="transparent")
+        bundle_row.pack(fill="x", padx=10, pady=(6, 0))
+        self.export_button = ctk.CTkButton(bundle_row, text="Export bundle…", width=130,
+                                           command=self.export_bundle)
+        self.export_button.pack(side="left")
+        self.import_button = ctk.CTkButton(bundle_row, text="Import bundle…", width=130,
+                                           command=self.import_bundle)
+        self.import_button.pack(side="left", padx=(8, 0))
+        self.bundle_line = ctk.CTkLabel(bundle_row, text="", anchor="w", justify="left",
+                                        text_color=("gray35", "gray65"))
+        self.bundle_line.pack(side="left", padx=10, fill="x", expand=True)
+        self.bundle: Any = None  # what a run would find of its compile bundle (a Lookup)
+        # the file choosers (tests answer them)
+        self.ask_export: Callable[[str], str | None] = lambda name: dialogs.ask_save_file(
+            self.box, "Export the compile bundle", Path.home(), BUNDLE_FILES, ".tcb")
+        self.ask_import: Callable[[], str | None] = lambda: dialogs.ask_open_file(
+            self.box, "Import a compile bundle", "", BUNDLE_FILES)
 
         check_row = ctk.CTkFrame(self.box, fg_color="transparent")
         check_row.pack(fill="x", padx=10, pady=(8, 4))
@@ -166,11 +187,48 @@ class CompilePanel:
             if device not in self._machines:
                 self._machines[device] = self._detect_machine(config)
             text = plan_text(config, self._machines[device])
+            self.bundle = frontend.matching_bundle(config, self._machines[device])
         self.description.configure(text=text)
+        self.bundle_line.configure(text=bundle_text(self.bundle, self._summaries))
+        set_widget_enabled(self.export_button, self.bundle is not None
+                           and self.bundle.status == "hit")
+        set_widget_enabled(self.import_button, config.compile.bundles)
         enabled = backend != CompileBackend.NONE
         for view in [*self.toggles.values(), *self.details]:
             view.set_enabled(enabled, "the backend is None (eager): nothing is compiled")
         set_label_enabled(self.toggles_label, enabled)
+
+    def export_bundle(self) -> None:
+        """Copy the bundle made for these settings where the user says (another machine's
+        or a cloud run's repository picks it up there)."""
+        if self.bundle is None or self.bundle.path is None:
+            return
+        target = self.ask_export(self.bundle.path.name)
+        if not target:
+            return
+        try:
+            written = frontend.export_bundle(self.bundle.path, target)
+        except frontend.BundleError as err:
+            self.bundle_line.configure(text=f"Not exported: {err}")
+            return
+        self.bundle_line.configure(text=f"Exported to {written}")
+
+    def import_bundle(self) -> None:
+        """Copy a bundle file into this machine's bundles folder, and say whether it was
+        made for the current settings (and if not, what differs)."""
+        source = self.ask_import()
+        if not source:
+            return
+        try:
+            imported = frontend.import_bundle(source, self.binding.config)
+        except frontend.BundleError as err:
+            self.bundle_line.configure(text=f"Not imported: {err}")
+            return
+        self._update()
+        if self.bundle is not None and self.bundle.status != "hit":
+            self.bundle_line.configure(
+                text=f"Imported {imported.path.name}, but it was made for other settings: "
+                     f"{self.bundle.why}")
 
     def show_report(self, text: str, result: bool = False) -> None:
         set_readonly_text(self.report, text)

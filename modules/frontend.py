@@ -44,7 +44,7 @@ from modules.util.library_noise import (silence_library_noise,
 
 # Names read on first use (`__getattr__`): importing them imports torch.
 _LAZY = {"TrainingError": "modules.train.trainer", "TrainingAborted": "modules.train.trainer",
-         "COMPONENT_LABELS": "modules.compile.plan"}
+         "COMPONENT_LABELS": "modules.compile.plan", "BundleError": "modules.compile.bundle"}
 
 
 def __getattr__(name: str) -> Any:
@@ -156,15 +156,39 @@ def expected_compile(config: Config) -> Any:
     return compile_expectation(config, pick_device(config.general.device).type)
 
 
+def matching_bundle(config: Config, machine: Any = None) -> Any:
+    """What a run of ``config`` would find of its compile bundle on ``machine`` (a
+    `modules.compile.bundle.Lookup`: status hit/miss/mismatch/damaged, path, why), or None
+    when bundles are off or nothing compiles with inductor (docs/compilation.md)."""
+    from modules.train.recipe.compile_guard import matching_bundle as lookup
+    return lookup(config, machine)
+
+
+def import_bundle(source: str | Path, config: Config) -> Any:
+    """Copy a compile bundle file into ``config``'s bundles folder, where runs look; raises
+    `BundleError` (naming the file and what is wrong with it) unless it is a whole bundle."""
+    from modules.compile.bundle import import_bundle as copy_in
+    from modules.train.recipe.compile_guard import bundle_folder
+    return copy_in(Path(source), bundle_folder(config))
+
+
+def export_bundle(source: str | Path, target: str | Path) -> Path:
+    """Copy a compile bundle to ``target``, whole or not at all (`BundleError` says why)."""
+    from modules.compile.bundle import export_bundle as copy_out
+    return copy_out(Path(source), Path(target))
+
+
 # COMPONENT_LABELS, TrainingError and TrainingAborted are loaded on first use by __getattr__
 # (they import torch).
 __all__ = [  # noqa: F822 - the lazy names come from __getattr__ below
-    "BACKENDS", "COMPONENT_LABELS", "LossPoint", "MODEL_TYPES", "ModelType", "RULED_PATHS",
+    "BACKENDS", "BundleError", "COMPONENT_LABELS", "LossPoint", "MODEL_TYPES", "ModelType", "RULED_PATHS",
     "ResumeOffer", "TrainingAborted", "TrainingError", "atomic_write_text", "cache_dir_for",
     "check", "check_inputs", "check_run", "compile_cache_folder", "compile_cost", "compile_plans", "earlier_losses",
     "earlier_validation",
-    "expected_compile", "explain", "final_weights_step",
-    "finished_run_problem", "format_duration", "free_sibling", "latest_samples", "list_backups", "load_engine",
-    "machine_capabilities", "PreviousRun", "previous_run", "read_run_status", "resume_offer", "schedule_curve",
+    "expected_compile", "explain", "export_bundle", "final_weights_step", "import_bundle",
+    "matching_bundle",
+    "finished_run_problem", "format_duration", "free_sibling", "latest_samples", "list_backups",
+    "load_engine", "machine_capabilities", "PreviousRun", "previous_run", "read_run_status",
+    "resume_offer", "schedule_curve",
     "silence_library_noise", "silence_torchvision_fallback_warnings", "train", "unused_fields",
 ]

@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from modules.compile.backends import BackendRow
+from modules.compile.bundle import BundleKeeper
 from modules.compile.cache import use_compile_cache
 from modules.compile.outer import OuterCall, set_compiled_call
 from modules.compile.plan import CompileFacts, CompilePlan, plan_component
@@ -25,7 +26,8 @@ class PlanApplier:
     def __init__(self, config: CompileConfig, components: Mapping[str, CompiledComponent],
                  facts: CompileFacts, table: Mapping[CompileBackend, BackendRow],
                  regional_blocks: Mapping[str, tuple[str, ...]], cache_dir: str | Path | None,
-                 tracker: CompileTracker, reporter: CompileReporter):
+                 tracker: CompileTracker, reporter: CompileReporter,
+                 bundles: BundleKeeper | None = None):
         self.config = config
         self.components = components
         self.facts = facts
@@ -34,6 +36,7 @@ class PlanApplier:
         self.cache_dir = cache_dir
         self.tracker = tracker
         self.reporter = reporter
+        self.bundles = bundles
         self._restore: list[Callable[[], None]] = []
         self._applied = False
 
@@ -54,6 +57,7 @@ class PlanApplier:
             # run's report would then say its compiled code never ran.
             torch._dynamo.reset()
             self._restore.append(use_compile_cache(self.cache_dir))
+            self._load_bundle()
             self._raise_process_recompile_limit()
             self.tracker.install()
         for comp in self.components.values():
@@ -62,6 +66,24 @@ class PlanApplier:
             for note in comp.plan.notes:
                 self.reporter.emit(comp, note, kind="warning")
             self.compile(comp)
+
+    def _load_bundle(self) -> None:
+        """Load the run's compile bundle into the cache folder just set, before anything
+        compiles; say what was found. Off where nothing compiles with inductor."""
+        uses_inductor = any(self.table[c.plan.effective].inductor
+                            for c in self.components.values() if c.plan.compiled)
+        if self.bundles is None or not self.cache_dir or not uses_inductor:
+            self.bundles = self.reporter.bundles = None
+            return
+        lookup = self.bundles.load(Path(self.cache_dir).expanduser().resolve())
+        for skipped in lookup.skipped:
+            self.reporter.bundle_event(f"compile bundle skipped: {skipped}", "warning")
+        if lookup.status == "hit":
+            self.reporter.bundle_event(f"compile bundle loaded: {lookup.path} "
+                                       f"({self.bundles.loaded_entries} entries)", "done")
+        elif lookup.status in ("mismatch", "damaged"):
+            self.reporter.bundle_event(f"compile bundle {lookup.path} not used: "
+                                       f"{lookup.describe()}; compiling cold", "warning")
 
     def _raise_process_recompile_limit(self) -> None:
         """Where torch.compile has no per-call ``recompile_limit`` (torch < 2.12), raise dynamo's

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from modules.compile.applier import PlanApplier
+from modules.compile.bundle import BundleKeeper
 from modules.compile.backends import BACKENDS, BackendRow, check_table
 from modules.compile.capabilities import Capabilities, detect_capabilities
 from modules.compile.dynamic_dims import input_dims, mark_input
@@ -61,7 +62,8 @@ class CompileEngine:
                  probation_steps: int = 3,
                  recompile_warning_after: int = 2,
                  table: Mapping[CompileBackend, BackendRow] = BACKENDS,
-                 regional_blocks: Mapping[str, tuple[str, ...]] = REPEATED_BLOCKS):
+                 regional_blocks: Mapping[str, tuple[str, ...]] = REPEATED_BLOCKS,
+                 bundles: BundleKeeper | None = None):
         unknown = set(components) - set(COMPONENTS)
         if unknown:
             raise ValueError(f"unknown compile components {sorted(unknown)}; expected {COMPONENTS}")
@@ -70,6 +72,8 @@ class CompileEngine:
         self.caps = capabilities or detect_capabilities(device)
         self.facts = CompileFacts(self.caps, dict(training or {}))
         self.cache_dir = config.cache_dir if cache_dir is None else cache_dir
+        # bundles live in the cache folder's world: without one there is nothing to carry
+        self.bundles = bundles if self.cache_dir else None
         self.components: dict[str, CompiledComponent] = {}
         for name in COMPONENTS:
             found = components.get(name)
@@ -89,9 +93,9 @@ class CompileEngine:
         self.reporter = CompileReporter(
             config, self.components, self.tracker, callbacks or NullCallbacks(), table,
             self.cache_dir, recompile_expected=lambda: self.guard.recompile_expected(),
-            recompile_warning_after=recompile_warning_after)
+            recompile_warning_after=recompile_warning_after, bundles=self.bundles)
         self.applier = PlanApplier(config, self.components, self.facts, table, regional_blocks,
-                                   self.cache_dir, self.tracker, self.reporter)
+                                   self.cache_dir, self.tracker, self.reporter, self.bundles)
         self.guard = FallbackGuard(self.components, self.applier, self.reporter, self.tracker,
                                    self.caps, trainable_params, config.strict, probation_steps)
 
@@ -138,6 +142,34 @@ class CompileEngine:
         if plan.compiled and self.config.dynamic == DynamicShapes.AUTO:
             torch._dynamo.maybe_mark_dynamic(tensor, dim)
         return tensor
+
+    def after_step(self) -> Path | None:
+        """After an optimizer step: write the run's compile bundle when graphs were compiled
+        since the last write (the first step's, a new shape's); the path written, or None."""
+        bundles = self.applier.bundles  # None where no compiled component uses inductor
+        if bundles is None or self.cache_dir is None:
+            return None
+        error = bundles.write_error
+        stats = [self.tracker.component(name) for name in self.components]
+        written = bundles.write_if_new(sum(s.compiles for s in stats),
+                                       Path(self.cache_dir).expanduser().resolve(),
+                                       self._compile_seconds(),
+                                       cold=not any(s.cache_hits for s in stats))
+        if written is not None:
+            self.reporter.bundle_event(f"compile bundle written: {written}", "done")
+        elif bundles.write_error and bundles.write_error != error:
+            self.reporter.bundle_event("compile bundle not written (training goes on): "
+                                       f"{bundles.write_error}", "warning")
+        return written
+
+    def bundle_record(self) -> dict | None:
+        """run.json's ``compile_bundle``: what was looked for, loaded and written; None when
+        bundles are off or nothing compiles with inductor."""
+        bundles = self.applier.bundles
+        return bundles.record(self._compile_seconds()) if bundles is not None else None
+
+    def _compile_seconds(self) -> float:
+        return sum(self.tracker.component(name).compile_seconds for name in self.components)
 
     def close(self) -> None:
         """Undo every compilation and the engine's process-wide settings (cache folders,

@@ -15,6 +15,7 @@ from typing import Any
 from torch import nn
 
 from modules.compile.backends import BackendRow
+from modules.compile.bundle import BundleKeeper
 from modules.compile.guards import late_recompile_sentence, summarize_guard_failure
 from modules.compile.plan import COMPONENT_LABELS, CompilePlan
 from modules.compile.tracking import CompileTracker, ComponentStats
@@ -57,7 +58,8 @@ class CompileReporter:
     def __init__(self, config: CompileConfig, components: Mapping[str, CompiledComponent],
                  tracker: CompileTracker, callbacks: TrainerCallbacks,
                  table: Mapping[CompileBackend, BackendRow], cache_dir: str | Path | None,
-                 recompile_expected: Callable[[], bool], recompile_warning_after: int = 2):
+                 recompile_expected: Callable[[], bool], recompile_warning_after: int = 2,
+                 bundles: BundleKeeper | None = None):
         self.config = config
         self.components = components
         self.tracker = tracker
@@ -67,11 +69,30 @@ class CompileReporter:
         self.recompile_expected = recompile_expected
         self.recompile_warning_after = recompile_warning_after
         self.late_recompiles: dict[str, int] = {}
+        self.bundles = bundles  # None: bundles off (the applier clears it where none apply)
 
     # -- events ---------------------------------------------------------------------------------
     def emit(self, comp: CompiledComponent, message: str, seconds: float = 0.0,
              kind: str = "progress", detail: str = "", graph: int = 0) -> None:
         self.callbacks.on_compile(CompileEvent(comp.name, message, seconds, kind, detail, graph))
+
+    def bundle_event(self, message: str, kind: str) -> None:
+        """A compile bundle's news, on the first compiled component (the denoiser's when it
+        is compiled): bundles are per run, the events per component."""
+        comp = next((c for c in self.components.values() if c.plan.compiled), None)
+        if comp is not None:
+            self.emit(comp, message, kind=kind)
+
+    def bundle_status(self, comp: CompiledComponent, cache_on: bool) -> str:
+        """run.json's per-component ``bundle``: off, hit, miss, or mismatch / damaged with why.
+        A hit whose component still compiled graphs cold says how many."""
+        if self.bundles is None or not cache_on or not comp.plan.compiled:
+            return "off"
+        lookup = self.bundles.lookup
+        misses = self.tracker.component(comp.name).cache_misses
+        if lookup.status == "hit" and misses:
+            return f"hit ({misses} graphs not in it were compiled)"
+        return lookup.describe()
 
     def degrade(self, comp: CompiledComponent, reason: str) -> None:
         comp.degraded.append(reason)
@@ -178,5 +199,6 @@ class CompileReporter:
             "recompile_reasons": list(stats.recompile_reasons[-MAX_KEPT_REASONS:]),
             "cache": ("off" if not cache_on else
                       "hit" if stats.cache_hits and not stats.cache_misses else "miss"),
+            "bundle": self.bundle_status(comp, cache_on),
             "compiled_code_ran": plan.compiled and stats.compiled_code_ran,
         }

@@ -496,6 +496,20 @@ class CompileConfig:
     cache_dir: str = setting("", label="Compile cache folder", group="Advanced", path=True,
                              help="Persistent compile cache reused across runs. Empty means "
                                   "<cache folder>/compile.")
+    bundles: bool = setting(
+        True, label="Compile bundles", group="Advanced",
+        help="Before the first step, load the compile bundle made for these settings on this "
+             "kind of machine (a file of compiled code: the cache folder's bundles/, or "
+             "compile.bundle); after a step that compiled something new, write one there. A "
+             "bundle carried to a new machine or cloud run makes its first step warm. "
+             "docs/compilation.md says more.")
+    bundle: str = setting(
+        "", label="Compile bundle to start from", group="Advanced", path=True,
+        files=("*.tcb",),
+        help="A compile bundle file (.tcb) or a folder of them, looked in before the cache "
+             "folder's bundles/ (e.g. one exported on another machine). One made for other "
+             "settings, another torch or another GPU is not loaded; the run says which part "
+             "differed.")
     strict: bool = setting(False, label="Strict", group="Advanced",
                            help="Make any compile failure fatal instead of falling back to the "
                                 "next backend.")

@@ -127,3 +127,57 @@ def test_the_resolutions_field_takes_a_list_and_the_description_says_its_compile
     assert "FULL builds at most 1 denoiser graph(s)" in text
     field.var.set("512, big")
     assert app.binding.config.data.resolutions == [512, 1024]  # refused, the last good value
+
+
+def test_the_panel_says_whether_a_compile_bundle_is_ready_and_exports_and_imports_one(
+        app, tmp_path):
+    """The line under the compile details follows the bundles folder: none yet, then the one
+    made for these settings (exportable); an imported bundle for other settings is copied and
+    said to differ (with what differs); a file that is no bundle is refused and copies nothing."""
+    import dataclasses
+
+    import torch
+
+    from modules.compile import detect_capabilities
+    from modules.train.recipe.compile_guard import (bundle_folder, compile_facts,
+                                                    compile_fingerprint)
+    from tests.compile.test_bundle import fake_bundle
+
+    panel = app.compile_panel
+    panel.use_machine(lambda config: detect_capabilities("cpu"))
+    app.binding.set_value("general.cache_dir", str(tmp_path / "cache"))
+    panel.backend.menu._dropdown_callback("INDUCTOR")
+    panel._load_summaries()
+    assert "No compile bundle for these settings yet" in panel.bundle_line.cget("text")
+    assert panel.export_button.cget("state") == "disabled"
+
+    config = app.binding.config
+    folder = bundle_folder(config)
+    mine = compile_fingerprint(config, compile_facts(config, detect_capabilities("cpu")),
+                               torch.device("cpu"))
+    made = fake_bundle(folder, mine)
+    app.binding.set_value("compile.strict", True)  # any compile setting: the line is redone
+    app.binding.set_value("compile.strict", False)
+    assert made.name in panel.bundle_line.cget("text") and "starts warm" in \
+        panel.bundle_line.cget("text")
+    assert panel.export_button.cget("state") == "normal"
+
+    panel.ask_export = lambda name: str(tmp_path / "exported.tcb")
+    panel.export_bundle()
+    assert (tmp_path / "exported.tcb").read_bytes() == made.read_bytes()
+    assert "Exported to" in panel.bundle_line.cget("text")
+
+    made.unlink()
+    other = fake_bundle(tmp_path / "elsewhere", dataclasses.replace(mine, family="SDXL"))
+    panel.ask_import = lambda: str(other)
+    panel.import_bundle()
+    assert (folder / other.name).is_file()
+    text = panel.bundle_line.cget("text")
+    assert "made for other settings" in text and "family: this run SD15, bundle SDXL" in text
+
+    junk = tmp_path / "junk.tcb"
+    junk.write_text("not a bundle")
+    panel.ask_import = lambda: str(junk)
+    panel.import_bundle()
+    assert "Not imported" in panel.bundle_line.cget("text")
+    assert sorted(p.name for p in folder.iterdir()) == [other.name]

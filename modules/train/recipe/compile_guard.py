@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import torch
 
 from modules.compile import (Capabilities, CompileEngine, CompileFacts, CompilePlan,
                              ComponentTraining, build_plan, compile_cache_folder,
                              detect_capabilities)
+from modules.compile.backends import BACKENDS
+from modules.compile.bundle import (BundleKeeper, Fingerprint, Lookup, find_bundle,
+                                    settings_hash)
 from modules.compile.shape_sets import CompileCost, Shape, compile_cost, possible_shapes
 from modules.config.schema import CompileScope, Config
 from modules.model_types import MODEL_TYPES
@@ -78,12 +82,82 @@ def component_blocks(bundle: ModelBundle) -> dict[str, tuple[str, ...]]:
     return blocks
 
 
+def compile_fingerprint(config: Config, facts: CompileFacts,
+                        device: torch.device) -> Fingerprint:
+    """What this run's compiled code is made for (a compile bundle's fingerprint): the
+    software and device, the family, each compiled component's settings, the dtypes and the
+    batch shapes the config allows."""
+    plans = build_plan(config.compile, facts)
+    caps = facts.capabilities
+    triton = ""
+    if caps.triton_ok:
+        from importlib.metadata import PackageNotFoundError, version
+        try:
+            triton = version("triton")
+        except PackageNotFoundError:  # a machine faked by a test, or Triton by another name
+            triton = "unknown"
+    def settings(plan: CompilePlan) -> str:
+        return settings_hash({"kwargs": plan.torch_compile_kwargs,
+                              "options": plan.inductor_options,
+                              "dynamic": config.compile.dynamic.value})
+
+    components = tuple(f"{name}: {plan.effective.value} {config.compile.scope.value} "
+                       f"{settings(plan)}" for name, plan in plans.items() if plan.compiled)
+    shapes = possible_shapes(config.data, config.training.batch_size)
+    return Fingerprint(
+        torch=torch.__version__, triton=triton, cuda=torch.version.cuda or "",
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
+        capability=".".join(map(str, caps.compute_capability or ())),
+        family=config.model.type.value, components=components,
+        dtype=f"{config.model.weight_dtype.value} {config.model.weight_storage.value} "
+              f"{config.training.mixed_precision.value}",
+        shapes=tuple(sorted({"x".join(map(str, s)) for listed in shapes.values()
+                             for s in listed})))
+
+
+def bundle_folder(config: Config) -> Path:
+    """Where runs write their compile bundles: the compile cache folder's bundles/."""
+    cache = compile_cache_folder(config.compile.cache_dir, config.general.cache_dir)
+    return cache.expanduser().resolve() / "bundles"
+
+
+def bundle_places(config: Config) -> list[Path]:
+    """Where a run looks for its compile bundle, in order: compile.bundle (a file or a
+    folder), then the cache folder's bundles/."""
+    named = [Path(config.compile.bundle).expanduser()] if config.compile.bundle else []
+    return [*named, bundle_folder(config)]
+
+
+def bundle_keeper(config: Config, facts: CompileFacts, device: torch.device,
+                  write: bool) -> BundleKeeper | None:
+    """The run's compile bundles (compile.bundles), written by the main process."""
+    if not config.compile.bundles:
+        return None
+    return BundleKeeper(compile_fingerprint(config, facts, device), bundle_places(config),
+                        bundle_folder(config), write=write)
+
+
+def matching_bundle(config: Config, capabilities: Capabilities | None = None) -> Lookup | None:
+    """What a run of ``config`` would find of its compile bundle here (the GUI's line), or
+    None when bundles are off or nothing is compiled with inductor."""
+    caps = capabilities if capabilities is not None else machine_capabilities(config)
+    facts = compile_facts(config, caps)
+    plans = build_plan(config.compile, facts)
+    if not config.compile.bundles or not any(
+            p.compiled and BACKENDS[p.effective].inductor for p in plans.values()):
+        return None
+    device = pick_device(config.general.device)
+    return find_bundle(compile_fingerprint(config, facts, device), bundle_places(config))
+
+
 def build_compile_guard(config: Config, bundle: ModelBundle, device: torch.device,
                         params: dict, trained: list[str],
-                        callbacks: TrainerCallbacks) -> CompileEngine:
+                        callbacks: TrainerCallbacks, writes_bundle: bool = True) -> CompileEngine:
     """Compile the selected components in place and return the engine that guards each step.
-    REGIONAL compiles the denoiser's repeated blocks that its family names."""
+    REGIONAL compiles the denoiser's repeated blocks that its family names. ``writes_bundle``:
+    this process writes the run's compile bundle (the main one of a multi-process run)."""
     facts = compile_facts(config, detect_capabilities(device), trained)
+    cache_dir = compile_cache_folder(config.compile.cache_dir, config.general.cache_dir)
     engine = CompileEngine(
         config.compile,
         {COMPILE_DENOISER: bundle.denoiser, "text_encoder": list(bundle.text_encoders.values()),
@@ -91,8 +165,8 @@ def build_compile_guard(config: Config, bundle: ModelBundle, device: torch.devic
         regional_blocks={**REPEATED_BLOCKS, COMPILE_DENOISER: family_of(bundle.model_type).repeated_blocks},
         callbacks=callbacks, device=device, capabilities=facts.capabilities,
         trainable_params=[p for plist in params.values() for p in plist],
-        training=facts.training,
-        cache_dir=compile_cache_folder(config.compile.cache_dir, config.general.cache_dir))
+        training=facts.training, cache_dir=cache_dir,
+        bundles=bundle_keeper(config, facts, device, writes_bundle))
     try:
         engine.apply()
     except BaseException:  # what apply changed so far (cache folders, callbacks) put back

@@ -221,8 +221,10 @@ class TrainingRecipe:
                   if config.training.mixed_precision == MixedPrecision.FP16 else None)
         restore_precision, precision = float32_precision(config, device)
         undo.callback(restore_precision)
-        guard = build_compile_guard(config, bundle, device, params, trained, callbacks)
+        guard = build_compile_guard(config, bundle, device, params, trained, callbacks,
+                                    writes_bundle=dist.is_main)
         undo.callback(guard.close)  # the compiled modules eager again, dynamo's settings back
+        record.write(compile_bundle=guard.bundle_record())
         if isinstance(optimizer, FusedBackward):  # weights stepped in backward: no replay
             guard.guard.replay_blocker = optimizer.unfinished_step
         if guard.persistent_grads:
@@ -326,6 +328,8 @@ class TrainingRecipe:
             # (the optimizer step's kernels, queued after the sync, count in the next step).
             seconds = time.perf_counter() - step_started
             run.record.step_seconds.append(seconds)
+            if run.guard.after_step():  # graphs compiled since the last bundle: write one
+                run.record.write(compile_bundle=run.guard.bundle_record())
             if finite:
                 state.bad_steps = 0
                 run.record.losses.append(loss)
@@ -367,6 +371,7 @@ class TrainingRecipe:
             self.save_final_backup()
         feeding(run)
         run.record.write(status=status, compile=run.guard.report(),
+                         compile_bundle=run.guard.bundle_record(),
                          skipped_steps=state.skipped_steps,
                          batch_shapes=run.shape_log.report(run.recompiles()),
                          distributed=distributed_summary(run),

@@ -1,0 +1,97 @@
+"""Compile bundles through the real trainer: the first run writes one, a second process with
+another cache folder and home starts from it alone (inductor's cache hits, not misses) and
+trains the same numbers, and a damaged bundle is named and passed over without stopping a run.
+
+The compiled component is the frozen text encoder, FULL: its forward-only graph is the
+cheapest real inductor compile a run makes (about 20 s here; the UNet's forward and backward
+take minutes). The bundle file format's refusals are tests/compile/test_bundle.py's."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from modules.events import RecordingCallbacks
+from modules.train.trainer import train
+from tests.child_env import REPO, with_repo_on_pythonpath
+
+pytestmark = pytest.mark.inductor
+
+# TRITON on a CPU runs as inductor without CUDA graphs (checked on the first run below)
+COMPILED = ["compile.backend=TRITON", "compile.scope=FULL", "compile.denoiser=false",
+            "compile.text_encoder=true", "training.max_steps=2"]
+
+
+def encoder_seconds(record: dict) -> float:
+    return record["compile"]["text_encoder"]["compile_seconds"]
+
+
+def _record(folder) -> dict:
+    return json.loads((folder / "run.json").read_text())
+
+
+def test_a_bundle_warms_a_fresh_cache_folder_in_another_process_and_changes_no_number(
+        tiny_config, tempera_cache, tmp_path):
+    """Over 10 s: one cold inductor compile of the text encoder (the first run), and a second
+    process that must not compile it cold (it loads the bundle): what a new machine or a cloud
+    run meets. A third run in the first cache folder, told to start from a truncated bundle,
+    finds the cache folder's own and names the damaged one. The first run is also the check
+    that TRITON requested on a CPU runs as inductor without CUDA graphs, says why, and trains
+    (one cold compile serves both)."""
+    callbacks = RecordingCallbacks()
+    first = train(tiny_config(f"output.dir={tmp_path / 'a'}",
+                              f"compile.cache_dir={tmp_path / 'cache_a'}", *COMPILED), callbacks)
+    record = _record(first.output_dir)
+    encoder = record["compile"]["text_encoder"]
+    assert first.status == "finished" and record["compile"]["unet"]["effective"] == "NONE"
+    assert encoder["requested"] == "TRITON" and encoder["effective"] == "INDUCTOR"
+    assert "CUDA" in encoder["degraded"] and encoder["compiled_code_ran"] is True
+    assert not encoder["inductor_options"].get("triton.cudagraphs")
+    assert any(e.kind == "degraded" for e in callbacks.compile_events)
+    assert any(e.kind == "done" and "compile bundle written" in e.message
+               for e in callbacks.compile_events)
+    written = record["compile_bundle"]["written"]
+    assert record["compile_bundle"]["lookup"] == "miss" and written, record["compile_bundle"]
+    assert record["compile"]["text_encoder"]["cache"] == "miss"
+    assert record["compile"]["text_encoder"]["bundle"].startswith("miss")
+    assert record["compile"]["unet"]["bundle"] == "off"  # not compiled
+
+    config = {"general": {"cache_dir": str(tempera_cache)}, "data": {"resolution": 64},
+              "training": {"max_steps": 2, "batch_size": 2, "learning_rate": 1e-3},
+              "sampling": {"prompts": []}, "logging": {"tensorboard": False},
+              "output": {"dir": str(tmp_path / "b")},
+              "compile": {"backend": "TRITON", "scope": "FULL", "denoiser": False,
+                          "text_encoder": True, "cache_dir": str(tmp_path / "cache_b"),
+                          "bundle": written}}
+    (tmp_path / "b.json").write_text(json.dumps(config))
+    env = with_repo_on_pythonpath()
+    env["HOME"] = str(tmp_path / "home")
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "train.py"), "--config",
+                           str(tmp_path / "b.json"), "--quiet"], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    second = _record(tmp_path / "b")
+    assert second["compile_bundle"]["lookup"] == "hit", second["compile_bundle"]
+    assert second["compile_bundle"]["found"] == written
+    assert second["compile_bundle"]["loaded_entries"] > 0
+    cold = record["compile"]["text_encoder"]["compile_seconds"]
+    assert second["compile_bundle"]["cold_compile_seconds"] == pytest.approx(cold, abs=0.1)
+    assert second["compile_bundle"]["seconds_saved"] == pytest.approx(
+        cold - encoder_seconds(second), abs=0.2)
+    encoder = second["compile"]["text_encoder"]
+    assert encoder["bundle"] == "hit" and encoder["cache"] == "hit", encoder
+    assert encoder["compiled_code_ran"]
+    assert second["losses"] == record["losses"]
+
+    cut = tmp_path / "cut.tcb"
+    data = (tmp_path / "cache_a" / "bundles").joinpath(written.rsplit("/", 1)[1]).read_bytes()
+    cut.write_bytes(data[:100])
+    third = train(tiny_config(f"output.dir={tmp_path / 'c'}",
+                              f"compile.cache_dir={tmp_path / 'cache_a'}",
+                              f"compile.bundle={cut}", *COMPILED))
+    bundle = _record(third.output_dir)["compile_bundle"]
+    assert third.status == "finished"
+    assert bundle["lookup"] == "hit" and bundle["found"] == written
+    assert len(bundle["skipped"]) == 1 and str(cut) in bundle["skipped"][0]
