@@ -18,6 +18,7 @@ from app.widgets import grid_hide
 from modules.config import Problem
 
 RECHECK_MS = 400  # a listed problem is checked again this long after the last edit
+MAX_ROWS, ROW_HEIGHT = 4, 30  # the list opens with a row per problem, up to MAX_ROWS
 
 
 class ProblemsPanel:
@@ -32,6 +33,7 @@ class ProblemsPanel:
         self._recheck_id: str | None = None
         self._heading: str | None = None
         self._keys = False
+        self._rows = MAX_ROWS  # the rows the open list shows (set when it opens)
         self.frame = ctk.CTkFrame(window, border_width=2, border_color=("#c62828", "#ef5350"))
         head = ctk.CTkFrame(self.frame, fg_color="transparent")
         head.pack(fill="x", padx=8, pady=(6, 0))
@@ -67,15 +69,21 @@ class ProblemsPanel:
             button.pack(fill="x")
             self.buttons.append(button)
             view = self.registry.find(problem.path)
-            if view is not None and not view.error:
-                view.show_error(problem.detail())
+            if view is not None and not view.error:  # named as the list names it
+                view.show_error(problem.detail() if keys else readable(problem.detail()))
                 self._marks.append(view)
         if not self.is_open:
             # Sized when it opens and kept while it is open (a longer list scrolls): a panel
             # that shrank as problems were fixed moved the fields under the pointer.
-            height = min(max(len(problems), 1), 4) * 30
+            self._rows = min(max(len(problems), 1), MAX_ROWS)
+            height = self._rows * ROW_HEIGHT
             self.list.configure(height=height)
             self.list._scrollbar.configure(height=height)  # its own minimum is 200 px
+        # a scrollbar only when the list is longer than the rows it shows
+        if len(problems) > self._rows:
+            self.list._scrollbar.grid()
+        else:
+            self.list._scrollbar.grid_remove()
         self.frame.grid(row=2, column=0, sticky="ew", padx=8, pady=(4, 0))
 
     def describe(self, problem: Problem, keys: bool = False) -> str:

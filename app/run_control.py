@@ -19,6 +19,7 @@ from app import external
 from app.binding import ConfigBinding
 from app.problems_panel import ProblemsPanel
 from app.readable import readable
+from app.replace_dialog import NEW_FOLDER, REPLACE, AskReplace
 from app.run_panel import RunPanel
 from app.runner import Event, TrainFn, TrainingWorker
 from modules import frontend
@@ -35,8 +36,9 @@ class RunControl:
                  train_fn: TrainFn | None, run_panel: RunPanel, problems: ProblemsPanel, *,
                  benchmark_running: Callable[[], bool],
                  set_check_enabled: Callable[[bool, str], None],
-                 show_run_tab: Callable[[], None]) -> None:
+                 show_run_tab: Callable[[], None], ask_replace: AskReplace) -> None:
         self.binding, self.events, self.train_fn = binding, events, train_fn
+        self.ask_replace = ask_replace  # before a fresh start replaces the folder's run
         self.run_panel, self.problems = run_panel, problems
         self.benchmark_running, self.set_check_enabled = benchmark_running, set_check_enabled
         self.show_run_tab = show_run_tab
@@ -79,6 +81,8 @@ class RunControl:
         config = self.binding.snapshot()
         if resume:
             config.training.resume_from = "latest"
+        elif not self._may_start_anew(config):
+            return False
         self.problems.hide()
         self.run_panel.reset()
         if resume:
@@ -92,7 +96,29 @@ class RunControl:
         self.last_result = None
         self.worker = TrainingWorker(config, self.events, self.train_fn)
         self.worker.start()
+        self.refresh_resume()  # the Run tab's note now says what this run's folder holds
         return True
+
+    def _may_start_anew(self, config: Config) -> bool:
+        """With overwrite on, a fresh start removes the run in the output folder (without it,
+        the start check refuses such a folder): ask first, naming what would go, and offer a
+        numbered folder beside it. Answered "new folder", `config` and the form get it."""
+        output = Path(config.output.dir).expanduser()
+        earlier = frontend.previous_run(output) if config.output.overwrite else None
+        if earlier is None:
+            return True
+        sibling = frontend.free_sibling(output)
+        answer = self.ask_replace(readable(earlier.describe()), sibling)
+        if answer == REPLACE:
+            self.run_panel.log(f"replacing the run in {output}: " + "; ".join(earlier.removed()))
+            return True
+        if answer == NEW_FOLDER:
+            config.output.dir = str(sibling)
+            self.binding.set_value("output.dir", str(sibling))
+            self.run_panel.log(f"starting in {sibling}: the run in {output} is kept")
+            return True
+        self.run_panel.set_status(f"Not started: the run in {output} is kept.")
+        return False
 
     def resume(self) -> bool:
         return self.start(resume=True)
@@ -123,14 +149,17 @@ class RunControl:
             text = readable(data)
             panel.set_status(text, of_run=True)
             panel.log(text)
+            self.refresh_resume()  # e.g. "removed the previous run's ...": read the disk again
         elif kind == "progress":
             panel.show_progress(data)
+            self.refresh_resume()  # a backup the step before wrote
         elif kind == "sample":
             self.show_sample(*data)
         elif kind == "compile":
             self.show_compile(data)
         elif kind == "saved":
             panel.log(f"saved {data[0]} at step {data[1]}")
+            self.refresh_resume()  # a backup or final/ more on the disk
         elif kind == "validation":  # the status line about it came as a status event
             panel.show_validation(data)
         elif kind == "error":
@@ -231,18 +260,27 @@ class RunControl:
         self.set_running(False)
 
     def refresh_resume(self) -> None:
-        """Offer Resume when the output folder holds backups of a run that ended early (and
-        say how it ended); a finished run only offers to continue when Max steps was raised
-        above its end (`modules/train/state/resume_offer.py` decides, as it does for the CLI)."""
-        output = self.output_dir()
-        found = frontend.list_backups(output)
-        offer = frontend.resume_offer(output, self.binding.config.training.max_steps)
+        """The Run tab's note and Resume, read from the disk now. While a run trains, what
+        its folder holds (the backups written so far: a fresh start removed the earlier
+        run's). Otherwise Resume is offered when the output folder holds backups of a run
+        that ended early (and the note says how it ended); a finished run only offers to
+        continue when Max steps was raised above its end (`modules/train/state/resume_offer.py`
+        decides, as it does for the CLI)."""
+        running = self.worker is not None
+        output = (Path(self.worker.config.output.dir).expanduser() if self.worker is not None
+                  else self.output_dir())
+        steps = [step for step, _ in frontend.list_backups(output)]
         try:
             final = frontend.final_weights_step(output)
         except ValueError as exc:  # an unreadable marker: the run would refuse to replace it
             final = None
-            self.run_panel.log(f"final/: {exc}")
-        self.run_panel.show_backups(output, [step for step, _ in found], offer,
+            if not running:  # not at every step of a run
+                self.run_panel.log(f"final/: {exc}")
+        if running:
+            self.run_panel.show_run_folder(output, steps, final)
+            return
+        offer = frontend.resume_offer(output, self.binding.config.training.max_steps)
+        self.run_panel.show_backups(output, steps, offer,
                                     ended=frontend.read_run_status(output), final_step=final)
 
     def stop(self) -> None:

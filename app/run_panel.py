@@ -22,6 +22,17 @@ from modules.events import Progress
 from modules.frontend import ResumeOffer, format_duration
 
 SAMPLE_SIZE = 320
+# A sample's caption (up to three lines), the box's step line and paddings; the least side
+SAMPLE_BOX_LINES, CAPTION_ROOM, MIN_SAMPLE = 44, 48, 48
+RESUME_TEXTS = ("Resume", "Resume from step 999999", "Continue for 99999 more steps")
+
+
+def fit_button_width(button: Any, texts: tuple[str, ...]) -> None:
+    """Give a button whose text changes the width of the longest of `texts`, so the widgets
+    after it stay where they are as its text changes (a button grows with a longer text)."""
+    font = ctk.CTkFont()  # a button's default font, unscaled: widths are in unscaled pixels
+    widest = max(font.measure(text) for text in texts)
+    button.configure(width=widest + 2 * (button.cget("corner_radius") + 8))
 
 
 def compile_hint(expected: Any) -> str:
@@ -73,6 +84,9 @@ class RunPanel:
             self.buttons[key] = button
         self.buttons["start"].configure(fg_color=("#2e7d32", "#2e7d32"),
                                         hover_color=("#1b5e20", "#1b5e20"))
+        # Resume's text changes (Resume from step N, Continue for M more steps): its width is
+        # that of its longest usual text, so the buttons after it do not move sideways.
+        fit_button_width(self.buttons["resume"], RESUME_TEXTS)
         self.button_tips = {key: Tooltip(button, "") for key, button in self.buttons.items()}
         # the facts the buttons follow (`_update_buttons`)
         self.running, self.start_why_not = False, ""
@@ -127,10 +141,12 @@ class RunPanel:
         self.status.configure(height=22 if compact else 28)
 
     def _build_tab(self, parent: Any) -> None:
-        parent.grid_columnconfigure(0, weight=3)
-        parent.grid_columnconfigure(1, weight=2)
-        parent.grid_rowconfigure(1, weight=3)  # the loss curve and samples, then the log
-        parent.grid_rowconfigure(2, weight=2)
+        # Shares of the tab, whatever the parts ask for: the loss curve kept shrinking as
+        # samples (and their captions) arrived and asked for more room.
+        parent.grid_columnconfigure(0, weight=3, uniform="run_columns")
+        parent.grid_columnconfigure(1, weight=2, uniform="run_columns")
+        parent.grid_rowconfigure(1, weight=3, uniform="run_rows")  # the curve and samples,
+        parent.grid_rowconfigure(2, weight=2, uniform="run_rows")  # then the log
         # What the output folder holds to resume, across the top: in the samples' column it
         # was squeezed on a short window until only its middle line showed.
         self.backups_label = ctk.CTkLabel(parent, text="", justify="left", anchor="w",
@@ -142,13 +158,18 @@ class RunPanel:
         self.plot.canvas.grid(row=1, column=0, sticky="nsew", padx=(0, 8), pady=(0, 8))
         sample_box = ctk.CTkFrame(parent)
         sample_box.grid(row=1, column=1, sticky="nsew", pady=(0, 8))
+        sample_box.pack_propagate(False)  # its samples fit the box; they never resize it
+        self.sample_box = sample_box
         # width/height 1: an empty frame would ask for 200x200 and push the caption out
         self.samples_row = ctk.CTkFrame(sample_box, fg_color="transparent", width=1, height=1)
         self.samples_row.pack(padx=8, pady=(8, 2))
+        # the step of the samples shown (each prompt is under its own image)
         self.sample_caption = ctk.CTkLabel(sample_box, text="the latest samples appear here",
                                            wraplength=SAMPLE_SIZE + 40, justify="left")
         self.sample_caption.pack(padx=8, pady=(0, 4))
-        self.sample_widgets: list[Any] = []
+        self.sample_widgets: list[Any] = []   # the images
+        self.sample_captions: list[Any] = []  # each image's prompt, under it
+        self._sample_cells: list[Any] = []
         self.sample_step: int | None = None
         self.sample_paths: list[Path] = []
         self.log_box = ctk.CTkTextbox(parent, height=160, wrap="word")
@@ -243,6 +264,16 @@ class RunPanel:
             self.backups_label.configure(text="No backups in the output folder (nothing to "
                                               "resume).")
         self._update_buttons()
+
+    @tk_thread_only
+    def show_run_folder(self, output: Path, steps: list[int], final_step: int | None) -> None:
+        """While a run trains: what its output folder holds now (read from the disk), not
+        what the folder held before it started (a fresh start removed those backups)."""
+        listed = ("Backups so far: step " + ", ".join(str(s) for s in steps) + "."
+                  if steps else "No backup in it yet.")
+        final = (f" final/ holds the weights of step {final_step} until this run saves a "
+                 "later step's." if final_step is not None else "")
+        self.backups_label.configure(text=f"Training into {output}. {listed}{final}")
 
     @tk_thread_only
     def show_compiling(self, message: str, expected: Any = None, graph: int = 0,
@@ -357,11 +388,23 @@ class RunPanel:
         self.plot.redraw()
 
     def _clear_samples(self, caption: str) -> None:
-        for widget in self.sample_widgets:
-            widget.destroy()
+        for cell in self._sample_cells:
+            cell.destroy()
         self.sample_widgets, self.sample_paths, self.sample_step = [], [], None
+        self.sample_captions, self._sample_cells = [], []
         self._sample_images: list[Any] = []
         self.sample_caption.configure(text=caption)
+
+    def _sample_side(self, count: int) -> int:
+        """The side of each of `count` samples: SAMPLE_SIZE alone, half that two to a row, and
+        smaller where the box (a share of the tab) is too short for their rows and captions."""
+        side = SAMPLE_SIZE if count == 1 else SAMPLE_SIZE // 2
+        height = self.sample_box.winfo_height() / self.bar._get_widget_scaling()
+        if height <= 1:  # not laid out yet
+            return side
+        rows = 1 if count == 1 else (count + 1) // 2
+        room = (height - SAMPLE_BOX_LINES) / rows - CAPTION_ROOM
+        return max(MIN_SAMPLE, min(side, int(room)))
 
     @tk_thread_only
     def show_sample(self, path: Path, prompt: str, step: int) -> None:
@@ -369,20 +412,25 @@ class RunPanel:
         if step != self.sample_step:
             self._clear_samples("")
             self.sample_step = step
-            self._prompts: list[str] = []
         with Image.open(path) as image:
             image.load()
             picture = ctk.CTkImage(light_image=image.copy(), size=image.size)
         count = len(self.sample_paths) + 1
-        label = ctk.CTkLabel(self.samples_row, image=picture, text="")
-        label.grid(row=(count - 1) // 2, column=(count - 1) % 2, padx=2, pady=2)
+        side = self._sample_side(count)  # all the same size
+        cell = ctk.CTkFrame(self.samples_row, fg_color="transparent")
+        cell.grid(row=(count - 1) // 2, column=(count - 1) % 2, padx=2, pady=2, sticky="n")
+        label = ctk.CTkLabel(cell, image=picture, text="")
+        label.pack()
+        caption = ctk.CTkLabel(cell, text=prompt, justify="center", font=ctk.CTkFont(size=11))
+        caption.pack(fill="x")
         self._sample_images.append(picture)
-        side = SAMPLE_SIZE if count == 1 else SAMPLE_SIZE // 2  # all the same size
-        for shown in self._sample_images:
+        self._sample_cells.append(cell)
+        self.sample_captions.append(caption)
+        for shown, under in zip(self._sample_images, self.sample_captions):
             width, height = shown.cget("light_image").size
             scale = side / max(width, height)
             shown.configure(size=(max(1, int(width * scale)), max(1, int(height * scale))))
+            under.configure(wraplength=side)
         self.sample_widgets.append(label)
         self.sample_paths.append(Path(path))
-        self._prompts.append(prompt)
-        self.sample_caption.configure(text=f"step {step}: " + " | ".join(self._prompts))
+        self.sample_caption.configure(text=f"step {step}")

@@ -2,7 +2,10 @@
 
 It plots `modules.frontend.schedule_curve`, the function training itself follows, over the
 run's `training.max_steps`; a run counted in epochs has no step count until its dataset is
-scanned, so the curve is then drawn over an assumed length and the caption says so.
+scanned, so the curve is then drawn over an assumed length and the caption says so. When no
+curve describes the run (an optimizer that sets its own step size, a rejected entry in one of
+the schedule's fields, a warm-up longer than the run) the caption says why and nothing is
+drawn.
 """
 from __future__ import annotations
 
@@ -12,11 +15,14 @@ from typing import Any
 import customtkinter as ctk
 
 from app.binding import ConfigBinding
+from app.readable import field_name
 from modules import frontend
+from modules.config.optimizers import OPTIMIZERS
 
 WIDTH, HEIGHT, PAD = 240, 60, 3
 ASSUMED_STEPS = 1000  # the length a run counted in epochs is drawn over
-REDRAW_ON = ("training.lr_", "training.learning_rate", "training.max_steps")
+REDRAW_ON = ("training.lr_", "training.learning_rate", "training.max_steps",
+             "training.optimizer")
 LINE_COLORS = {"Light": ("#f4f4f4", "#1f6aa5", "#b0b0b0"), "Dark": ("#262626", "#5aa7e0", "#555555")}
 
 
@@ -34,6 +40,8 @@ class SchedulePreview:
         self.caption = ctk.CTkLabel(view.frame, text="", anchor="w", height=15,
                                     font=ctk.CTkFont(size=11), text_color=("gray35", "gray65"))
         self.caption.grid(row=3, column=1, sticky="w", pady=(0, 4))
+        # the canvas is plain Tk: its text font is scaled here, as customtkinter scales its own
+        self.message_font = ctk.CTkFont(size=round(11 * scale))
         binding.subscribe(self._on_change)
         self.draw()
 
@@ -41,15 +49,36 @@ class SchedulePreview:
         if path is None or path.startswith(REDRAW_ON):
             self.draw()
 
+    def no_curve(self) -> str:
+        """Why no curve is drawn now ("" when one is): a rejected entry in one of the
+        schedule's fields (the config still holds the value before it), or an optimizer
+        that sets its own step size (the rate and schedule do nothing)."""
+        rejected = [path for path in self.binding.errors if path.startswith(REDRAW_ON)]
+        if rejected:
+            return f"No curve: {field_name(rejected[0]) or rejected[0]} is not a valid value"
+        optimizer = OPTIMIZERS[self.binding.config.training.optimizer]
+        if optimizer.own_step_size:
+            return f"No curve: {optimizer.label} sets its own step size"
+        return ""
+
     def draw(self) -> None:
-        """The curve over the run's steps, the base rate as a dotted line at the top."""
+        """The curve over the run's steps, the base rate as a dotted line at the top; or,
+        when no curve describes the run, a short message in its place saying why."""
         config = self.binding.config
         steps = config.training.max_steps or ASSUMED_STEPS
         width, height = self.size
         background, line, guide = LINE_COLORS.get(ctk.get_appearance_mode(), LINE_COLORS["Dark"])
         self.canvas.delete("all")
         self.canvas.configure(bg=background)
-        points = frontend.schedule_curve(config, steps, points=width)
+        why_not = self.no_curve()
+        points = [] if why_not else frontend.schedule_curve(config, steps, points=width)
+        if not points:  # the reason in place of the curve: no base line, no "peak" of nothing
+            self.canvas.create_text(width / 2, height / 2, width=width - 2 * PAD,
+                                    font=self.message_font, fill=line, justify="center",
+                                    text=why_not or "No curve: the warm-up is longer than the "
+                                                    "run", tags="message")
+            self.caption.configure(text="")
+            return
         peak = max((lr for _, lr in points), default=0.0) or 1.0
         top, bottom = PAD + 4, height - PAD
 

@@ -31,6 +31,7 @@ from app.form import (FieldRegistry, build_fields, fields_of_group, groups_in_or
 from app.presets import BUILTIN_PRESETS_DIR
 from app.presets_bar import PresetsBar
 from app.problems_panel import ProblemsPanel
+from app.replace_dialog import AskReplace, ask_replace as replace_dialog
 from app.run_panel import RunPanel
 from app.run_control import TRAINING_EVENTS, RunControl
 from app.schedule_preview import SchedulePreview
@@ -68,9 +69,12 @@ class TemperaApp(ctk.CTk):
                  bench_fn: BenchFn | None = None,
                  initial_preset: Path | None = None,
                  ask_unsaved: Callable[[str, str], bool | None] | None = None,
-                 load_engine: Callable[[], None] | None = None) -> None:
+                 load_engine: Callable[[], None] | None = None,
+                 ask_replace: AskReplace | None = None) -> None:
         """`load_engine` imports the training engine (default `frontend.load_engine`, which
-        imports torch); the window calls it once, in a thread, after it is shown."""
+        imports torch); the window calls it once, in a thread, after it is shown.
+        `ask_replace`: what Start asks before it replaces the output folder's run (default
+        the dialog of `app.replace_dialog`)."""
         self.settings_path = Path(settings_path or default_settings_path()).expanduser()
         self.settings, settings_warning = load_settings(self.settings_path)
         apply_scaling(self.settings.scaling)
@@ -124,7 +128,8 @@ class TemperaApp(ctk.CTk):
             self.binding, self.events, train_fn, self.run_panel, self.problems_panel,
             benchmark_running=lambda: self.benchmark.running,
             set_check_enabled=self.compile_panel.set_check_enabled,
-            show_run_tab=lambda: self.tabview.set(RUN_TAB))
+            show_run_tab=lambda: self.tabview.set(RUN_TAB),
+            ask_replace=ask_replace or functools.partial(replace_dialog, self))
         self.compile_check = CompileCheck(self.binding, self.compile_panel, self.problems_panel,
                                           self.runs, self.run_panel, self.events, explain_fn)
         self.binding.subscribe(self._on_config_change)

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 # Resume points (`list_backups`, `resume_offer`, `finished_run_problem`), how a run ended
-# (`read_run_status`), the earlier run a resume continues (`earlier_losses`, `latest_samples`),
+# (`read_run_status`), what a fresh start would remove (`previous_run`, `free_sibling`), the
+# earlier run a resume continues (`earlier_losses`, `latest_samples`),
 # where the caches are (`cache_dir_for`, `compile_cache_folder`), which settings the config
 # leaves unused (`unused_fields`, greyed in the GUI) and which a model type allows one value of
 # (`only_values`): file-system or config only, re-exported.
@@ -34,6 +35,7 @@ from modules.train.state.backup_files import list_backups
 from modules.train.state.earlier_run import (LossPoint, earlier_losses, earlier_validation,
                                              latest_samples)
 from modules.train.setup.inputs import check_inputs
+from modules.train.outputs.previous_run import PreviousRun, free_sibling, previous_run
 from modules.train.outputs.record import read_run_status
 from modules.train.state.resume_offer import ResumeOffer, finished_run_problem, resume_offer
 from modules.train.recipe.schedules import schedule_curve
@@ -189,8 +191,9 @@ __all__ = [  # noqa: F822 - the lazy names come from __getattr__ below
     "earlier_validation",
     "expected_compile", "explain", "export_bundle", "final_weights_step", "import_bundle",
     "matching_bundle",
-    "finished_run_problem", "format_duration", "latest_samples", "list_backups", "load_engine",
-    "machine_capabilities", "only_values", "read_run_status", "resume_offer", "schedule_curve",
+    "finished_run_problem", "format_duration", "free_sibling", "latest_samples", "list_backups",
+    "load_engine", "machine_capabilities", "only_values", "PreviousRun", "previous_run",
+    "read_run_status", "resume_offer", "schedule_curve",
     "silence_library_noise", "silence_torchvision_fallback_warnings", "train", "unused_fields",
     "LoraToolError", "lora_tool",
 ]

@@ -130,6 +130,10 @@ def only_values(config: Config) -> dict[str, Any]:
     return values
 
 
+def _validation_off(config: Config) -> str:
+    return "validation is off (validation.every_steps is 0)"
+
+
 def _has_prompts(config: Config) -> bool:
     return bool(config.sampling.prompts or config.sampling.prompts_file)
 
@@ -185,7 +189,17 @@ RULES: tuple[FieldRule, ...] = (
               lambda c: "FINE_TUNE trains the blocks' weights: block offload is for LoRA"),
     FieldRule(("validation.save_best",),
               lambda c: bool(c.validation.every_steps) or c.validation.save_best,
-              lambda c: "validation is off (validation.every_steps is 0)"),
+              _validation_off),
+    # validation's images: greyed only while off and unset (set, validation asks to turn it
+    # on or clear them, so they stay editable)
+    FieldRule(("validation.split_ratio",),
+              lambda c: bool(c.validation.every_steps) or c.validation.split_ratio > 0,
+              _validation_off),
+    FieldRule(("validation.folder",),
+              lambda c: bool(c.validation.every_steps) or bool(c.validation.folder.strip()),
+              _validation_off),
+    FieldRule(("validation.timesteps", "validation.batch_size"),
+              lambda c: bool(c.validation.every_steps), _validation_off),
 )
 RULED_PATHS = frozenset(path for rule in RULES for path in rule.paths)
 

@@ -84,6 +84,7 @@ def make_app(display, tmp_path):
         kwargs.setdefault("settings_path", tmp_path / "ui.json")
         kwargs.setdefault("confirm", lambda title, message: True)
         kwargs.setdefault("ask_unsaved", lambda title, message: False)  # discard on close
+        kwargs.setdefault("ask_replace", lambda message, folder: "replace")  # Start anew
         kwargs.setdefault("builtin_presets_dir", REPO / "training_presets")
         app = TemperaApp(**kwargs)
         apps.append(app)

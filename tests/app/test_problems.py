@@ -60,3 +60,25 @@ def test_dataset_row_problem_jumps_to_that_row(app, tmp_path):
     button.invoke()
     assert app.tabview.get() == "Data"
     assert app.jumped_to.path == "data.datasets[1].path"
+
+
+def test_a_field_note_names_settings_as_the_list_does_and_one_problem_has_no_scrollbar(app):
+    """The note under a listed field used the config's keys (validation.split_ratio) where the
+    list says “Held-out fraction”; and a list of one problem showed a scrollbar."""
+    panel = app.problems_panel
+    app.registry.find("validation.every_steps").var.set("10")   # validation with no images
+    assert app.runs.start() is False
+    (button,) = panel.buttons
+    view = app.registry.find("validation.every_steps")
+    assert "“Held-out fraction” > 0" in button.cget("text")
+    assert "“Held-out fraction” > 0" in view.error and "split_ratio" not in view.error
+    assert "split_ratio" not in view.error_tip.text
+    pump(app)
+    assert not panel.list._scrollbar.winfo_ismapped()
+    panel.hide()
+    for path in ("training.batch_size", "data.resolution", "training.lr_warmup_steps",
+                 "sampling.steps", "output.keep_checkpoints"):      # 6 problems, 4 rows shown
+        app.registry.find(path).var.set("x")
+    assert app.runs.start() is False and len(panel.buttons) == 6
+    pump(app)
+    assert panel.list._scrollbar.winfo_ismapped()

@@ -187,7 +187,13 @@ def test_every_prompt_of_the_latest_step_is_shown_and_compiling_is_busy(app, tmp
     app._handle(SimpleNamespace(kind="sample", payload=(images[1], "a blue one", 20)))
     app._handle(SimpleNamespace(kind="sample", payload=(images[2], "a green one", 20)))
     assert panel.sample_paths == images[1:]  # step 20's two prompts, step 10's gone
-    assert panel.sample_caption.cget("text") == "step 20: a blue one | a green one"
+    assert panel.sample_caption.cget("text") == "step 20"
+    # each prompt under its own image, not both prompts run together under both
+    assert [c.cget("text") for c in panel.sample_captions] == ["a blue one", "a green one"]
+    for image, caption in zip(panel.sample_widgets, panel.sample_captions):
+        assert caption.master is image.master and caption.grid_info() == {}  # packed below it
+        assert image.master.grid_info()["column"] in (0, 1)
+    assert [c.master.grid_info()["column"] for c in panel.sample_captions] == [0, 1]
     sizes = {image.cget("size") for image in panel._sample_images}
     assert len(sizes) == 1 and max(sizes.pop()) == 160  # side by side, the same size
 

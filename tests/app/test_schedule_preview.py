@@ -2,7 +2,7 @@
 when its settings change."""
 from __future__ import annotations
 
-from modules.config.schema import LRScheduler
+from modules.config.schema import LRScheduler, Optimizer
 from tests.app.conftest import pump
 
 
@@ -42,3 +42,35 @@ def test_the_curve_follows_the_schedule_and_its_settings(app):
     binding.set_value("training.max_steps", 0)
     pump(app)
     assert "assumed" in app.schedule_preview.caption.cget("text")
+
+
+def _drawn(app) -> tuple[set[str], str]:
+    """The canvas's item tags, and the text of its message (if it shows one)."""
+    canvas = app.schedule_preview.canvas
+    tags = {tag for item in canvas.find_all() for tag in canvas.gettags(item)}
+    message = canvas.find_withtag("message")
+    return tags, canvas.itemcget(message[0], "text") if message else ""
+
+
+def test_no_curve_is_drawn_for_an_ignored_rate_or_a_rejected_entry_only_why(app):
+    """Adafactor's relative step ignores the learning rate, and "6o" is not applied (the
+    config still holds the old rate): a curve would describe neither run."""
+    binding = app.binding
+    binding.set_value("training.max_steps", 200)
+    pump(app)
+    assert "curve" in _drawn(app)[0]
+    binding.set_value("training.optimizer", Optimizer.ADAFACTOR_RELATIVE)
+    pump(app)
+    tags, message = _drawn(app)
+    assert tags == {"message"} and message == ("No curve: Adafactor (relative step) sets its "
+                                               "own step size")
+    assert app.schedule_preview.caption.cget("text") == ""     # no "peak 1" either
+    binding.set_value("training.optimizer", Optimizer.ADAMW)
+    app.registry.find("training.learning_rate").var.set("6o")  # typed: rejected at the field
+    pump(app)
+    tags, message = _drawn(app)
+    assert tags == {"message"}
+    assert message == "No curve: “Training › Learning rate” is not a valid value"
+    app.registry.find("training.learning_rate").var.set("6e-5")
+    pump(app)
+    assert "curve" in _drawn(app)[0] and "peak 6e-05" in app.schedule_preview.caption.cget("text")

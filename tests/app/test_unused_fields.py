@@ -69,3 +69,16 @@ def test_unused_settings_follow_the_form(app):
     assert cfg.sampling.prompts == []
     assert greyed(app, "sampling.guidance_scale") == (
         False, "there are no prompts, so nothing is sampled")
+
+
+def test_validation_fields_are_greyed_while_validation_is_off(app):
+    off = "validation is off (validation.every_steps is 0)"
+    for path in ("validation.split_ratio", "validation.folder"):
+        assert greyed(app, path) == (False, off), path
+        assert view(app, path).label.cget("text_color") != view(
+            app, "validation.every_steps").label.cget("text_color")   # the label looks it too
+    assert "“Validate every N steps” is 0" in view(app, "validation.folder").tooltips[0].text
+    view(app, "validation.every_steps").var.set("50")              # typed
+    pump(app)
+    assert greyed(app, "validation.split_ratio") == (True, "")
+    assert greyed(app, "validation.folder") == (True, "")

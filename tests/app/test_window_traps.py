@@ -174,7 +174,8 @@ def test_resuming_shows_the_earlier_loss_curve_and_the_latest_samples(app, tmp_p
         assert plot.canvas.find_withtag("curve")  # drawn, not only kept
         assert [p.name for p in panel.sample_paths] == ["step-000008-0.png",
                                                         "step-000008-1.png"]
-        assert panel.sample_caption.cget("text") == "step 8: a red one | a blue one"
+        assert panel.sample_caption.cget("text") == "step 8"
+        assert [c.cget("text") for c in panel.sample_captions] == ["a red one", "a blue one"]
     finally:
         release.set()
         pump(app, lambda: app.runs.worker is None)

@@ -135,3 +135,16 @@ def test_a_setting_the_model_type_allows_one_value_of_is_named_with_it():
     assert "sampling.sampler" in {p.path for p in validate(zimage)}
     zimage.sampling.sampler = only_values(zimage)["sampling.sampler"]
     assert "sampling.sampler" not in {p.path for p in validate(zimage)}
+
+
+def test_validation_images_and_details_are_greyed_while_validation_is_off():
+    config = Config()
+    unused = unused_fields(config)
+    for path in ("validation.split_ratio", "validation.folder", "validation.timesteps",
+                 "validation.batch_size", "validation.save_best"):
+        assert unused[path] == "validation is off (validation.every_steps is 0)", path
+    config.validation.split_ratio = 0.1   # refused by validation while off: left editable
+    unused = unused_fields(config)
+    assert "validation.split_ratio" not in unused and "validation.folder" in unused
+    config.validation.every_steps = 10
+    assert not {p for p in unused_fields(config) if p.startswith("validation.")}

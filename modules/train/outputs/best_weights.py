@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+# the folder's name lives with what a fresh start removes, which the GUI reads without torch
+from modules.train.outputs.previous_run import BEST
 from modules.train.outputs.writes import save_weights_into
 from modules.train.state.run import Run
-
-BEST = "best"
 
 
 def best_folder(output_dir: Path) -> Path:

@@ -24,8 +24,8 @@ from modules.data.masks import mask_source
 from modules.data.regularization import balanced_repeats
 from modules.events import TrainerCallbacks
 from modules.model_types import MODEL_TYPES
-from modules.train.outputs.best_weights import BEST
 from modules.train.outputs.checkpoints import checkpoints_folder, list_checkpoints
+from modules.train.outputs.previous_run import RUN_OUTPUTS
 from modules.train.state.backup import ResumePoint, backups_folder
 from modules.train.state.backup_files import list_backups
 from modules.train.recipe.objectives import noise_schedule_record
@@ -44,19 +44,12 @@ if TYPE_CHECKING:  # imported where a run builds them, only when the option is o
     from diffusers.training_utils import EMAModel
     from torch.utils.tensorboard import SummaryWriter
 
-# An earlier run's outputs that would mix with a new run's. final/ is not among them: the new
-# run replaces it atomically with its own, so a new run that fails early does not cost the
-# user the previous run's result. Its checkpoints and best/ the new run would not replace
-# (other steps, or no validation): they would sit beside the new run's, counted by
-# output.keep_checkpoints, the newest-numbered being the old run's.
-RUN_OUTPUTS = ("samples", "tensorboard", "wandb", "backups", BEST)
-
-
 def clear_previous_run(output_dir: Path) -> list[str]:
     """Remove an earlier run's samples, TensorBoard logs, backups, best/ and checkpoints so
     they do not mix with the new run's (old samples in the Run tab, two runs' curves in one
     TensorBoard, an old backup `--resume latest` would pick, old checkpoints kept by the
-    rotation). Only Tempera's own checkpoint folders go; everything else stays."""
+    rotation). Only Tempera's own checkpoint folders go; everything else stays.
+    `modules.train.outputs.previous_run` says beforehand what this removes."""
     import shutil
     cleared = []
     for name in RUN_OUTPUTS:
