@@ -47,7 +47,8 @@ class Curtain:
         holds the Tk thread: nothing else is painted until it returns)."""
         self.frame.place(x=0, y=0, relwidth=1, relheight=1)
         self.lift()
-        self.window.update_idletasks()  # the cover is mapped, above the content
+        self._set(text, scale)  # its font is looked up before the window is on screen, blank
+        self.window.update_idletasks()  # on screen (the window too, at launch), above the content
         # A label paints itself when configured while mapped; its Expose event would wait for
         # the event loop, which the caller's work holds.
         self.say(text, scale)
@@ -64,10 +65,13 @@ class Curtain:
 
     def say(self, text: str, scale: float = 1.0) -> None:
         """Change the curtain's line (what is being done now) and paint it."""
+        self._set(text, scale)
+        self.window.update_idletasks()
+
+    def _set(self, text: str, scale: float) -> None:
         self.text = text
         family = ThemeManager.theme["CTkFont"]["family"]
         self.label.configure(text=text, font=(family, -round(FONT_SIZE * scale)))
-        self.window.update_idletasks()
 
     def lift(self) -> None:
         """Above every child of the window: a child made after the curtain is stacked above it

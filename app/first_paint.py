@@ -25,12 +25,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from PIL import Image, ImageChops, ImageGrab
+
 from app.display import start_xvfb
 
 ROOT = Path(__file__).resolve().parent.parent
 BLACK = (0, 0, 0)  # Xvfb's screen where no window is
 FORM_PART = 0.6  # the upper share of the window compared with the settled form
 TOP_BAND = 40  # px: where the preset bar is drawn (empty under the curtain)
+LINE_HEIGHT = 60  # px: the curtain's line of text is no taller, at any UI scale
 SETTLE_S = 3.0  # the form is settled once its upper part has not changed for this long
 
 
@@ -111,7 +114,6 @@ def measure_first_paint(screen: str = "1024x700", timeout: float = 180.0,
                         preset: Path = ROOT / "training_presets" / "demo.json") -> FirstPaint:
     """Launch the window on a fresh `screen` ("WxH") and classify what the screen shows until
     the form has settled (or `timeout`)."""
-    from PIL import ImageGrab
     result = FirstPaint(screen, load_before=os.getloadavg()[0])
     xvfb, display = start_xvfb(f"{screen}x24")
     work = Path(tempfile.mkdtemp(prefix="tempera-paint-"))
@@ -180,6 +182,17 @@ def _top_band_drawn(image: Any) -> bool:
     return _colours(image.crop((left, top, right, top + TOP_BAND))) > 1
 
 
+def _one_line(window: Any) -> bool:
+    """All but the window's background is one line of text (the curtain's), below its top."""
+    counts = window.getcolors(maxcolors=1 << 16) or []
+    if not counts:
+        return False
+    background = max(counts)[1]
+    flat = Image.new("RGB", window.size, background)
+    drawn = ImageChops.difference(window.convert("RGB"), flat).getbbox()
+    return drawn is not None and drawn[1] >= TOP_BAND and drawn[3] - drawn[1] <= LINE_HEIGHT
+
+
 def _colours(image: Any) -> int:
     return len(image.getcolors(maxcolors=1 << 16) or range(1 << 16))
 
@@ -191,7 +204,7 @@ def _kind(image: Any, reference: Any) -> str:
     window = image.crop(box)
     if _colours(window) == 1:
         return "blank"
-    if not _top_band_drawn(image):
+    if _one_line(window):
         return "curtain"
     part = _form_part(image)
     if reference is not None and part.size == reference.size and part.tobytes() == reference.tobytes():
