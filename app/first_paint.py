@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -88,7 +89,8 @@ class FirstPaint:
         """What must hold on any machine, however loaded (no timing): (held?, what)."""
         seen = " > ".join(self.kinds())
         return [
-            (not self.error, f"the window launched and settled {self.error}".strip()),
+            (not self.error, "the window launched and settled"
+             + (f": {self.error}" if self.error else "")),
             (bool(re.fullmatch(r"(nothing > )?(blank > )?curtain( > half drawn)? > form", seen)),
              f"first the starting curtain with its line, then the complete form, the form "
              f"never seen half built (seen: {seen})"),
@@ -118,10 +120,12 @@ def measure_first_paint(screen: str = "1024x700", timeout: float = 180.0,
     xvfb, display = start_xvfb(f"{screen}x24")
     work = Path(tempfile.mkdtemp(prefix="tempera-paint-"))
     env = {**os.environ, "DISPLAY": display}
+    log = work / "stderr.txt"  # a file, not a pipe: a full pipe would stall the window
     started = time.monotonic()
-    app = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "train_ui.py"),
-                            "--settings", str(work / "ui.json"), "--config", str(preset)],
-                           env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    with log.open("wb") as errors:
+        app = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "train_ui.py"),
+                                "--settings", str(work / "ui.json"), "--config", str(preset)],
+                               env=env, stdout=subprocess.DEVNULL, stderr=errors)
     try:
         last_hash, changed = "", started
         while time.monotonic() - started < timeout:
@@ -135,8 +139,8 @@ def measure_first_paint(screen: str = "1024x700", timeout: float = 180.0,
                   and _top_band_drawn(image)):
                 break
             if app.poll() is not None:
-                result.error = f"the window's process ended ({app.returncode}): " + (
-                    app.stderr.read().decode(errors="replace")[-2000:] if app.stderr else "")
+                result.error = (f"the window's process ended ({app.returncode}): "
+                                + log.read_text(errors="replace")[-2000:])
                 break
             time.sleep(0.01)
         else:
@@ -148,6 +152,7 @@ def measure_first_paint(screen: str = "1024x700", timeout: float = 180.0,
         except subprocess.TimeoutExpired:
             app.kill()
         xvfb.terminate()
+        shutil.rmtree(work)
     classify(result.frames)
     return result
 
