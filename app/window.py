@@ -23,6 +23,7 @@ from app.cloud_panel import TAB as CLOUD_TAB, CloudPanel
 from app.lora_tools_panel import TAB as LORA_TOOLS_TAB, LoraToolsPanel
 from app.compile_check import CompileCheck
 from app.compile_panel import PLACED, CompilePanel
+from app.curtain import Curtain
 from app.engine_loader import EVENT as ENGINE_EVENT, LOADING, EngineLoader
 from app.field_states import (take_only_values, update_cache_hints, update_component_states,
                               update_unused_fields)
@@ -44,8 +45,8 @@ from modules import frontend
 from modules.config import Config, ConfigError
 
 RUN_TAB = "Run"
-ENGINE_AFTER_MS = 1500  # the engine starts loading this long after the map at the latest
 LOADING_STATUS = "Loading the training engine (torch)…"
+STARTING = "Tempera is starting: building the {} tab…"
 
 
 def ask_yes_no(title: str, message: str) -> bool:
@@ -79,9 +80,12 @@ class TemperaApp(ctk.CTk):
         self.settings, settings_warning = load_settings(self.settings_path)
         apply_scaling(self.settings.scaling)
         super().__init__()
-        self.withdraw()  # shown once every tab is built: no half-drawn first paint
         self.title("Tempera")
         place_window(self, self.settings)
+        # On screen at once, at its size, covered by a line saying what is being built; the
+        # form is laid out behind it and uncovered once complete (`app.curtain` says why).
+        self.curtain = Curtain(self)
+        self.curtain.show(STARTING.format(tab_title(groups_in_order()[0])), self.settings.scaling)
         self.poll_ms = poll_ms
         self.bench_fn = bench_fn
         self.confirm = confirm or ask_yes_no
@@ -99,9 +103,11 @@ class TemperaApp(ctk.CTk):
         self.grid_rowconfigure(1, weight=1)
         self.tabview = ctk.CTkTabview(self)
         self.tabview.grid(row=1, column=0, sticky="nsew", padx=8)
+        self.curtain.lift()
         self._build_tabs()
         bar = ctk.CTkFrame(self)
         bar.grid(row=0, column=0, sticky="ew", padx=8, pady=(8, 0))
+        self.curtain.lift()
         self.sizing = WindowSizing(self, bar, self.tabview, self.registry, self.settings,
                                    self._save_settings)
         self.presets_bar = PresetsBar(
@@ -121,6 +127,7 @@ class TemperaApp(ctk.CTk):
                 ("sample", "sample_now"), ("save", "save_now"),
                 ("open_output", "open_output_folder"), ("tensorboard", "start_tensorboard"))})
         self.run_panel.bar.grid(row=3, column=0, sticky="ew", padx=8, pady=(4, 8))
+        self.curtain.lift()
         self.run_panel.idle_text = self._idle_status
         self.sizing.set_compact = self.run_panel.set_compact
         self.sizing.pages = list(self.scroll_frames.values())
@@ -150,9 +157,9 @@ class TemperaApp(ctk.CTk):
         self.runs.block_start("engine", LOADING)
         self._status_before_engine = self.run_panel.status_text
         self.run_panel.set_status(f"{self._status_before_engine} {LOADING_STATUS}")
-        self.update_idletasks()
-        self._map_id = self.bind("<Map>", self._mapped, add="+")
-        self.deiconify()
+        self.sizing.fit_columns()  # the columns fitted to the window's width, still covered
+        self.curtain.hide()  # and painted: the engine's import cannot slow the first paint
+        self._engine_id = self.after_idle(self._load_engine)
         self._poll_id = self.after(self.poll_ms, self._poll)
 
     def _run_control(self, name: str) -> Any:
@@ -188,6 +195,7 @@ class TemperaApp(ctk.CTk):
         self.scroll_frames: dict[str, Any] = {}
         for group in groups_in_order():
             title = tab_title(group)
+            self.curtain.say(STARTING.format(title), self.settings.scaling)
             scroll = ctk.CTkScrollableFrame(self.tabview.add(title), fg_color="transparent")
             scroll.pack(fill="both", expand=True)
             self.scroll_frames[title] = scroll
@@ -331,15 +339,6 @@ class TemperaApp(ctk.CTk):
             self.run_panel.log("cloud: " + self.cloud_panel.status.cget("text"))
         elif kind == "cloud_status":
             self.cloud_panel.on_status(*data)
-
-    def _mapped(self, event: Any) -> None:
-        """The window is on screen: its first layout (the columns fitted to its width) and
-        paint come first, then the engine loads (the two share the interpreter, so the paint
-        would otherwise come in pieces)."""
-        if event.widget is self and self.engine.thread is None and not self.closed:
-            self.unbind("<Map>", self._map_id)
-            self.sizing.fitted.append(lambda: self.after_idle(self._load_engine))
-            self._engine_id = self.after(ENGINE_AFTER_MS, self._load_engine)  # at the latest
 
     def _load_engine(self) -> None:
         if self.engine.thread is not None or self.closed:

@@ -28,7 +28,6 @@ class WindowSizing:
         self.window, self.tabview, self.registry = window, tabview, registry
         self.settings, self.save_settings = settings, save_settings
         self._fit_id: str | None = None
-        self.fitted: list[Callable[[], None]] = []  # called once after the next column fit
         self.set_compact: Callable[[bool], None] = lambda compact: None  # the run bar's
         self.pages: list[Any] = []  # the tabs' scrollable pages (their wheel step)
         # Packed first, so a narrow window clips the preset controls, never the way back
@@ -46,12 +45,16 @@ class WindowSizing:
         window = self.window
         width, height = window.winfo_width(), window.winfo_height()
         scale = int(text.rstrip("%")) / 100
-        self.settings.scaling = scale
-        apply_scaling(scale)
-        fit_minsize(window, scale)
-        screen_w, screen_h = window.winfo_screenwidth(), window.winfo_screenheight()
-        window.geometry(f"{int(min(width, screen_w) / scale)}x{int(min(height, screen_h) / scale)}")
-        self.fit_columns()
+        # customtkinter redraws every widget, in Python, for seconds on a loaded machine: under
+        # a curtain, so that the buttons without their labels in between are never seen
+        with window.curtain.covering(f"Changing the UI scale to {text}…", scale):
+            self.settings.scaling = scale
+            apply_scaling(scale)
+            fit_minsize(window, scale)
+            screen_w, screen_h = window.winfo_screenwidth(), window.winfo_screenheight()
+            window.geometry(f"{int(min(width, screen_w) / scale)}x"
+                            f"{int(min(height, screen_h) / scale)}")
+            self.fit_columns()
         self.save_settings()
 
     def _resized(self, event: Any) -> None:
@@ -73,9 +76,6 @@ class WindowSizing:
         if width > 1:
             for layout in self.registry.layouts:
                 layout.arrange(stacked=layout.needed_width() > width)
-        waiting, self.fitted = self.fitted, []
-        for fn in waiting:
-            fn()
 
     def close(self) -> None:
         """Cancel the pending column fit and leave customtkinter's scaling registry."""

@@ -4,6 +4,10 @@
     python scripts/walkthrough_ui.py [--out DIR] [--screens 1600x1000@100,1600x1000@150,1024x700@100]
                                      [--journey first|all|none]
 
+First `tempera-ui` is launched as a user launches it, on the first screen's size
+(app/first_paint.py, scripts/measure_first_paint.py): the first complete picture must be the
+starting curtain with its line, then the complete form, never the form half built; the times
+since the launch are printed and the pictures kept in DIR/launch/.
 Each screen is a fresh virtual display (Xvfb) and fresh GUI settings with the demo preset; xdotool
 drives the window. On each, first the start-up: while the training engine (torch) loads (held
 back by the walkthrough until these checks are done) the window must be drawn, say that it loads,
@@ -261,6 +265,19 @@ def walk(screen: str, out: Path, journey: bool = False) -> list[str]:
         xvfb.terminate()
 
 
+def first_paint(screen: str, out: Path) -> bool:
+    """`tempera-ui` launched as a user launches it (scripts/measure_first_paint.py): the first
+    complete picture is the starting curtain, then the complete form; the times are printed."""
+    from app.first_paint import measure_first_paint
+    result = measure_first_paint(screen)
+    check = Checks()
+    for ok, what in result.checks():
+        check(ok, what)
+    print("  " + result.summary(), flush=True)
+    result.save_pictures(out)
+    return not check.failed
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) /
@@ -280,6 +297,10 @@ def main() -> int:
         return 1 if walk(args.one, args.out / args.one.replace("@", "-"),
                          args.with_journey) else 0
     failed = []
+    first_screen = args.screens.split(",")[0].split("@")[0]
+    print(f"launch on {first_screen}:", flush=True)
+    if not first_paint(first_screen, args.out / "launch"):
+        failed.append("launch")
     for index, screen in enumerate(args.screens.split(",")):
         print(f"{screen}:", flush=True)
         journey = args.journey == "all" or (args.journey == "first" and index == 0)

@@ -192,22 +192,46 @@ def test_the_wheel_over_a_read_only_box_scrolls_the_page(make_app):
     assert canvas.yview()[0] > 0.0
 
 
-def test_the_window_is_shown_only_when_every_tab_is_built(display, tmp_path):
+def curtain_on_top(app) -> bool:
+    """The curtain is shown and stacked above every other part of the window."""
+    parts = [child for child in app.winfo_children() if child.winfo_toplevel() is app]
+    return app.curtain.shown and parts[-1] is app.curtain.frame  # Tk lists them lowest first
+
+
+def test_the_form_is_built_under_a_curtain_that_says_what_it_builds(display, tmp_path):
+    """The window is on screen at once, covered by a line naming the tab being built, so the
+    half-built form (an empty grey frame, buttons without labels) is never seen; once every
+    tab is built and fitted it is uncovered."""
     from app.window import TemperaApp
-    seen = {}
+    seen = []
 
     class Watched(TemperaApp):
         def _build_tabs(self):
-            seen["while building"] = self.state()
+            seen.append((self.state(), self.winfo_viewable(), curtain_on_top(self)))
             super()._build_tabs()
+            seen.append((self.curtain.text, curtain_on_top(self)))
 
     app = Watched(settings_path=tmp_path / "ui.json", confirm=lambda t, m: True)
     try:
-        app.update()
-        assert seen["while building"] == "withdrawn"
-        assert app.state() == "normal"
+        assert seen[0] == ("normal", 1, True)
+        assert seen[1] == ("Tempera is starting: building the Advanced Options tab…", True)
+        assert not app.curtain.shown and app.state() == "normal"
+        assert app.run_panel.buttons["start"].winfo_viewable()
     finally:
         app._finish_close()
+
+
+def test_a_ui_scale_change_happens_under_the_curtain(app):
+    """customtkinter redraws every widget on a scale change, in Python, seconds on a loaded
+    machine, with buttons drawn before their labels: the window is covered meanwhile."""
+    during = []
+    fit = app.sizing.fit_columns
+    app.sizing.fit_columns = lambda: (during.append((app.curtain.text, curtain_on_top(app))),
+                                      fit())
+    app.sizing.scale_menu._dropdown_callback("150%")
+    assert during == [("Changing the UI scale to 150%…", True)]
+    assert not app.curtain.shown and app.sizing.scale_menu.winfo_viewable()
+    app.sizing.scale_menu._dropdown_callback("100%")
 
 
 def test_save_as_uses_the_desktop_chooser_when_there_is_one(app, tmp_path, monkeypatch):

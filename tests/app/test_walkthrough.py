@@ -1,5 +1,6 @@
 """The scripted first-use walkthrough (scripts/walkthrough_ui.py) with real pointer and keyboard
-input, on the smallest screen it knows: every check it makes must pass."""
+input, on the smallest screen it knows, after a launch of tempera-ui watched from outside
+(app/first_paint.py): every check it makes must pass."""
 from __future__ import annotations
 
 import shutil
@@ -27,3 +28,8 @@ def test_the_walkthrough_passes_on_a_1024x700_screen(display, tmp_path):
     assert {"startup-loading.png", "tab-general.png", "tab-advanced-options.png",
             "problems.png", "inline-error.png"} <= set(pictures)
     assert "ok   while torch loads, a typed value reaches the settings" in report
+    # launched as a user launches it: the curtain, then the complete form, never half built
+    assert "ok   first the starting curtain with its line, then the complete form" in report
+    launch = sorted(p.name for p in (tmp_path / "launch").glob("*.png"))
+    assert any(name.endswith("-curtain.png") for name in launch), launch
+    assert launch[-1].endswith("-form.png"), launch
