@@ -17,7 +17,7 @@ from modules.compile import bundle as bundles
 from modules.compile.bundle import (BundleError, BundleKeeper, Fingerprint, find_bundle,
                                     load_bundle, read_header)
 
-PRINT = Fingerprint(torch="2.13.0", triton="", cuda="", device="cpu", capability="",
+PRINT = Fingerprint(torch="2.13.0", triton="", cuda="", device="cpu", capability="", threads="2",
                     family="SD15", components=("unet: INDUCTOR REGIONAL abc",),
                     dtype="FLOAT32 WEIGHT_DTYPE NO", shapes=("2x64x64",))
 
@@ -50,6 +50,7 @@ def test_the_bundle_made_for_the_settings_is_found_among_others(tmp_path):
     ({"torch": "2.12.0"}, "torch: this run 2.13.0, bundle 2.12.0"),
     ({"device": "NVIDIA H200", "capability": "9.0"}, "device: this run cpu, bundle NVIDIA H200"),
     ({"shapes": ("1x64x64",)}, "shapes: this run 2x64x64, bundle 1x64x64"),
+    ({"threads": "1"}, "threads: this run 2, bundle 1"),
     ({"components": ("unet: INDUCTOR FULL abc",)}, "components: this run unet: INDUCTOR "
                                                     "REGIONAL abc, bundle unet: INDUCTOR FULL"),
 ])
