@@ -45,6 +45,7 @@ class Fingerprint:
     cuda: str                   # "" on a CPU build
     device: str                 # "cpu", or the GPU's name
     capability: str             # "9.0"; "" on the CPU
+    threads: str                # CPU kernels are built for a thread count; "" on a GPU
     family: str                 # model.type
     components: tuple[str, ...]  # "unet: INDUCTOR REGIONAL <settings hash>" per compiled one
     dtype: str                  # weights / mixed precision

@@ -199,6 +199,8 @@ class CompileReporter:
             "recompile_reasons": list(stats.recompile_reasons[-MAX_KEPT_REASONS:]),
             "cache": ("off" if not cache_on else
                       "hit" if stats.cache_hits and not stats.cache_misses else "miss"),
+            "cache_hits": stats.cache_hits,      # graphs inductor's cache (or a bundle) served
+            "cache_misses": stats.cache_misses,  # graphs compiled cold
             "bundle": self.bundle_status(comp, cache_on),
             "compiled_code_ran": plan.compiled and stats.compiled_code_ran,
         }

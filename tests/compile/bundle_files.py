@@ -11,7 +11,7 @@ from pathlib import Path
 from modules.compile import bundle as bundles
 from modules.compile.bundle import Fingerprint
 
-PRINT = Fingerprint(torch="2.13.0", triton="", cuda="", device="cpu", capability="",
+PRINT = Fingerprint(torch="2.13.0", triton="", cuda="", device="cpu", capability="", threads="2",
                     family="SD15", components=("unet: INDUCTOR REGIONAL abc",),
                     dtype="FLOAT32 WEIGHT_DTYPE NO", shapes=("2x64x64",))
 

@@ -29,6 +29,7 @@ def test_the_bundle_made_for_the_settings_is_found_among_others(tmp_path):
     ({"torch": "2.12.0"}, "torch: this run 2.13.0, bundle 2.12.0"),
     ({"device": "NVIDIA H200", "capability": "9.0"}, "device: this run cpu, bundle NVIDIA H200"),
     ({"shapes": ("1x64x64",)}, "shapes: this run 2x64x64, bundle 1x64x64"),
+    ({"threads": "1"}, "threads: this run 2, bundle 1"),
     ({"components": ("unet: INDUCTOR FULL abc",)}, "components: this run unet: INDUCTOR "
                                                     "REGIONAL abc, bundle unet: INDUCTOR FULL"),
 ])

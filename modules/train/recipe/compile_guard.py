@@ -108,6 +108,9 @@ def compile_fingerprint(config: Config, facts: CompileFacts,
         torch=torch.__version__, triton=triton, cuda=torch.version.cuda or "",
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
         capability=".".join(map(str, caps.compute_capability or ())),
+        # inductor's CPU code is generated for torch's thread count (part of its cache key):
+        # a bundle from a process with another count would load and serve nothing
+        threads=str(torch.get_num_threads()) if device.type == "cpu" else "",
         family=config.model.type.value, components=components,
         dtype=f"{config.model.weight_dtype.value} {config.model.weight_storage.value} "
               f"{config.training.mixed_precision.value}",
