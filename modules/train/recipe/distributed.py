@@ -131,6 +131,19 @@ class Distributed:
                         stack.enter_context(module.no_sync())
             yield
 
+    def close(self) -> None:
+        """Leave the launcher's process group (destroy it in this process), once the run is
+        over, however it ended.
+
+        Left to the interpreter's exit, the group is torn down while Python is finalizing:
+        gloo's worker threads can still hold work objects whose tensors reference Python, and
+        destroying them then aborts the process (`terminate called without an active
+        exception`, exit -6 under torchrun) after a run that finished. torch registers no exit
+        hook for this (pytorch/pytorch#179291 proposed one), so the run closes its own group.
+        """
+        if self.enabled and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
     def mean(self, value: float) -> float:
         """The mean of a number over all ranks (for the logged loss)."""
         if not self.enabled:
