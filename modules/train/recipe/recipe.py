@@ -440,6 +440,8 @@ class TrainingRecipe:
     def load_backup(self, run: Run, resume: ResumePoint) -> None:
         """Load the backup into the freshly built run (weights, optimizer, schedule, states)."""
         run.callbacks.on_status(f"resuming from {resume.folder} (step {resume.step})")
+        if resume.changed:  # what may change on a resume and did (run.json: resume_changed)
+            run.callbacks.on_status("changed since the backup: " + "; ".join(resume.changed))
         _, states = load_states(resume.folder)
         run.load_state_dict(states)
         apply_changed_learning_rates(run)
