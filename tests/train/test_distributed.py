@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -57,6 +58,9 @@ def test_two_processes_stay_in_sync_and_write_once(tmp_path, tempera_cache):
     record = json.loads((out / "run.json").read_text())
     dist = record["distributed"]
     assert dist["world_size"] == 2 and dist["backend"] == "gloo"
+    launcher = shlex.split(record["launcher"])  # what a printed resume command starts with
+    assert Path(launcher[0]).name == "torchrun" and launcher[1:] == [
+        "--nproc_per_node", "2", "--master_port", "29533", str(tmp_path / "train_then_report.py")]
     assert dist["ranks_in_sync"], dist["weight_checksums"]
     assert dist["compiled_code_ran_on_all_ranks"]["unet"]
     # compile, then wrap: the compiled UNet ran inside DistributedDataParallel on both ranks
