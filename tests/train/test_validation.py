@@ -163,8 +163,8 @@ def test_a_resumed_run_keeps_the_history_and_continues_it_identically(tiny_confi
 def test_a_run_stopped_before_its_validation_resumes_with_fewer_timesteps(tiny_config):
     """Validation scores the run and does not train it: its settings may change on a resume
     (the owed pass uses the new ones, and the log says what changed), while the split, which
-    takes images out of training, may not (turning validation off needs it at 0). Two short
-    runs (~20 s): only a real stop leaves a backup that owes a validation pass."""
+    takes images out of training, may not (turning validation off needs it at 0). Over 10 s:
+    a stopped run and its resume, as only a real stop leaves a backup owing a validation pass."""
     commands = TrainerCommands()
     first = train(tiny_config(*SPLIT), StopAt(commands, 2), commands)  # before step 2's pass
     assert (first.status, first.steps) == ("stopped", 2)
