@@ -158,22 +158,29 @@ def resume_advice(args: argparse.Namespace, config, own_process: bool) -> str:
     """After a stop or a failure: the command that resumes this run, pasted as it is into the
     same shell (the same program, config, --local and --set options, shell-quoted, plus
     `--resume latest`); or, when no backup was written, that there is nothing to resume and
-    the command that starts the run again."""
+    the command that starts the run again. Under a launcher of several processes (torchrun,
+    accelerate launch) the command is the launcher's, with its options: the program alone
+    would go on in one process, at a fraction of the effective batch."""
     from modules.frontend import list_backups
+    from modules.train.recipe.distributed import launched_distributed, launcher_command
     output_dir = Path(config.output.dir)
-    words = [*program_words(own_process), "--config", str(args.config)]
+    launcher = launcher_command(sys.argv[0]) if own_process and sys.argv else None
+    words = [*(launcher or program_words(own_process)), "--config", str(args.config)]
     if args.local:
         words += ["--local", str(args.local)]
     for override in args.overrides:
         words += ["--set", override]
+    unknown = ("\nnote: a launcher started this run's processes, and its command line could "
+               "not be read: run the command above under it, with its options"
+               if launched_distributed() and launcher is None else "")
     if list_backups(output_dir):
-        return "resume with: " + shlex.join([*words, "--resume", "latest"])
+        return "resume with: " + shlex.join([*words, "--resume", "latest"]) + unknown
     if (output_dir / "run.json").exists() and not config.output.overwrite:
         # the folder now holds this run's record (no weights, no backup): a new start in it
         # needs overwrite, which removes nothing of value here
         words += ["--set", "output.overwrite=true"]
     return ("nothing to resume: no backup was written (the run ended before its first "
-            "backup); start it again with: " + shlex.join(words))
+            "backup); start it again with: " + shlex.join(words) + unknown)
 
 
 def program_words(own_process: bool) -> list[str]:

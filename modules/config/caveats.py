@@ -48,8 +48,10 @@ def unused_settings(config: Config) -> dict[str, str]:
 DORA_TEXT_ENCODER = ("training.adapter is DORA with a trained text encoder and the DIFFUSERS "
                      "format: diffusers loads the text encoder's DoRA without its trained "
                      "magnitudes (an upstream limit, docs/adapters.md), so in diffusers it acts "
-                     "as a plain LoRA; the UNet's DoRA loads exactly. ComfyUI and A1111 read "
-                     "the KOHYA file's magnitudes (add KOHYA to output.formats)")
+                     "as a plain LoRA; the UNet's DoRA loads exactly. For the text encoder's "
+                     "DoRA as trained, add KOHYA to output.formats and load that file with "
+                     "LyCORIS, which applies it exactly; ComfyUI and Forge render a DoRA "
+                     "approximately and A1111's built-in loader mis-applies it")
 
 
 def config_warnings(config: Config) -> list[str]:

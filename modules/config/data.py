@@ -123,11 +123,11 @@ class DataConfig:
 class ValidationConfig:
     every_steps: int = setting(
         0, label="Validate every N steps", group="Data", min=0, max=100_000_000,
-        on_resume=OnResume.MAY_CHANGE,
         help="Score the held-out images every N optimizer steps (and at the end of the run); "
              "0 turns validation off (no image is held out). docs/validation.md.")
     split_ratio: float = setting(
         0.0, label="Held-out fraction", group="Data", min=0.0, max=0.5,
+        on_resume=OnResume.MUST_MATCH,  # which images train (validate() ties every_steps to it)
         help="Hold this fraction of the training images out for validation (chosen from the "
              "seed and each file's name, so the same images on every run and resume); they "
              "are not trained on. 0: use the validation folder instead.")
@@ -144,7 +144,7 @@ class ValidationConfig:
         help="Images per validation forward pass; 0 uses training.batch_size. It changes only "
              "speed and memory, not the score's noise (drawn per image).")
     save_best: bool = setting(
-        False, label="Keep the best weights", group="Data", on_resume=OnResume.MAY_CHANGE,
+        False, label="Keep the best weights", group="Data",
         help="Each time the validation loss is lower than at every earlier pass, save the "
              "weights (in output.formats) into best/ in the output folder, replacing the "
              "previous best only once the new one is complete. Needs validation "

@@ -544,7 +544,9 @@ class Config:
                                        group="Sampling", help="Sample images during training.")
     validation: ValidationConfig = setting(default_factory=ValidationConfig,
                                            label="Validation", group="Data",
-                                           on_resume=OnResume.MUST_MATCH,
+                                           # scoring, not training: split_ratio, which
+                                           # takes images out of training, must match
+                                           on_resume=OnResume.MAY_CHANGE,
                                            help="A held-out split scored during training.")
     output: OutputConfig = setting(default_factory=OutputConfig, label="Output", group="General",
                                    help="Where results go.")

@@ -21,9 +21,8 @@ from modules.models.families import family_of
 from modules.models.families.base import FileConventions
 
 SAI_MODEL_SPEC_VERSION = "1.0.0"
-# modelspec.implementation: LoRAs and ldm checkpoints follow the original (Stability) layout,
-# diffusers folders and peft-layout LoRAs follow diffusers'.
-IMPL_STABILITY = "https://github.com/Stability-AI/generative-models"
+# modelspec.implementation: LoRAs and single files follow the family's original layout (its
+# FileConventions.modelspec_implementation), diffusers folders and peft-layout LoRAs diffusers'.
 IMPL_DIFFUSERS = "diffusers"
 KINDS = ("lora", "checkpoint", "embedding")
 LAYOUTS = ("kohya", "single_file", "diffusers")
@@ -67,15 +66,19 @@ def training_metadata(config_dict: dict, model_type: ModelType, method: Any, kin
                       *(int(r) for ds in data.get("datasets") or []
                         for r in ds.get("resolutions") or [])])
     when = (now or dt.datetime.now(dt.timezone.utc)).replace(microsecond=0)
+    files = conventions(model_type)
     meta = {
         "modelspec.sai_model_spec": SAI_MODEL_SPEC_VERSION,
         "modelspec.architecture": modelspec_architecture(model_type, v_pred, kind),
-        "modelspec.implementation": IMPL_DIFFUSERS if layout == "diffusers" else IMPL_STABILITY,
+        "modelspec.implementation": (IMPL_DIFFUSERS if layout == "diffusers"
+                                     else files.modelspec_implementation),
         "modelspec.title": title or _default_title(config_dict),
         "modelspec.resolution": f"{resolution}x{resolution}",
         "modelspec.date": when.isoformat(),
-        "modelspec.prediction_type": "v" if v_pred else "epsilon",
     }
+    prediction = files.modelspec_prediction_type(v_pred)
+    if prediction is not None:
+        meta["modelspec.prediction_type"] = prediction
     max_steps = steps if steps is not None else training.get("max_steps", 0)
     meta.update({
         "ss_base_model_version": conventions(model_type).base_model_version,

@@ -7,7 +7,7 @@ from pathlib import Path
 from modules.config.problems import ConfigError
 from modules.config.schema import Config
 from modules.events import NullCallbacks, StopRequested, TrainerCallbacks, TrainerCommands
-from modules.train.recipe.distributed import init_distributed
+from modules.train.recipe.distributed import Distributed, init_distributed
 from modules.train.state.backup import random_states, set_random_states
 from modules.train.state.history import record_compile_time
 from modules.train.setup.prepare import PreparedRun, prepare_run
@@ -47,17 +47,22 @@ def train(config: Config, callbacks: TrainerCallbacks | None = None,
     trains again in this process (the GUI) must not inherit that. The run's own states are
     in its backups, taken at step boundaries, so exact resume does not depend on them."""
     states = random_states()
+    dist = init_distributed(config.general.device, config.training.distributed_strategy)
     try:
-        return run_training(config, callbacks, commands)
+        result = run_training(config, callbacks, commands, dist)
+        # every rank has made its last collective and rank 0 its last write before any of
+        # them leaves the group (Distributed.close)
+        dist.barrier()
+        return result
     finally:
+        dist.close()
         set_random_states(states)
 
 
 def run_training(config: Config, callbacks: TrainerCallbacks | None,
-                 commands: TrainerCommands | None) -> RunResult:
+                 commands: TrainerCommands | None, dist: Distributed) -> RunResult:
     """`train`'s body: prepare, set up, train, close, with one failure handling."""
     commands = commands or TrainerCommands()
-    dist = init_distributed(config.general.device, config.training.distributed_strategy)
     if not dist.is_main:  # one rank reports; the others train quietly
         callbacks = None
     callbacks = callbacks or NullCallbacks()

@@ -1,16 +1,20 @@
 """The resume command `tempera-train` prints after a stop, run as printed in a shell; a finished
 run refused by `--resume` (exit 2) until training.max_steps is raised; a stop before the first
-step saying there is nothing to resume. Real processes, real signals."""
+step saying there is nothing to resume; under torchrun, the command keeps the launcher. Real
+processes, real signals."""
 from __future__ import annotations
 
 import json
+import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
-from modules.train.state.backup_files import list_backups
+from modules.train.recipe.distributed import launcher_words
+from modules.train.state.backup_files import backups_folder, list_backups
 from modules.train.state.resume_offer import saved_step
 from tests.child_env import with_repo_on_pythonpath
 from tests.cli.test_resume_cli import record, wait_for
@@ -114,3 +118,66 @@ def test_a_stop_before_the_first_step_has_nothing_to_resume(tmp_path, tempera_ca
     again = in_shell(printed_command(err, "nothing to resume"), tmp_path)
     assert again.returncode == 0, again.stderr  # the printed start command trains the run
     assert record(output)["status"] == "finished" and saved_step(output / "final") == 3
+
+
+# resume_advice as main() calls it after a stop, in each process torchrun starts (no training:
+# the advice reads the launcher's command line and the output folder's backups)
+ADVICE = """import sys
+sys.path.insert(0, {repo!r})
+from modules.cli.train import parse_args, resume_advice
+from modules.config import load_config
+args = parse_args(sys.argv[1:])
+print(resume_advice(args, load_config(args.config), own_process=True))
+"""
+
+
+def test_under_torchrun_the_printed_command_keeps_the_launcher_and_its_options(tmp_path,
+                                                                              tempera_cache):
+    """Pasted without torchrun, the command would resume in one process at half the
+    effective batch."""
+    config, _ = write_run_files(tmp_path, tempera_cache)
+    backup = backups_folder(config.parent / "out") / "step-000002"
+    backup.mkdir(parents=True)
+    for name in ("backup.json", "tensors.safetensors"):  # what list_backups looks for
+        (backup / name).write_text("{}")
+    script = tmp_path / "advice.py"
+    script.write_text(ADVICE.format(repo=str(REPO)))
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    assert torchrun, "torchrun comes with torch"
+    done = subprocess.run(
+        [torchrun, "--nproc_per_node", "2", "--master_port", "29541", "advice.py",
+         "--config", str(config.relative_to(tmp_path)), "--set", "training.max_steps=9"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        env={**with_repo_on_pythonpath(), "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.startswith("resume with: ")]
+    assert len(lines) == 2, done.stdout  # each process prints it
+    words = shlex.split(printed_command(lines[0], "resume with: "))
+    assert Path(words[0]).name == "torchrun" and Path(words[0]).resolve() == Path(
+        torchrun).resolve()
+    assert words[1:] == ["--nproc_per_node", "2", "--master_port", "29541", "advice.py",
+                         "--config", "my runs/it's.json", "--set", "training.max_steps=9",
+                         "--resume", "latest"]
+
+
+def test_a_launcher_run_by_its_interpreter_is_written_as_the_shell_finds_it(tmp_path,
+                                                                            monkeypatch):
+    """/proc gives a console script as `python /path/torchrun ...` (the #! line's work)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    launcher = bin_dir / "torchrun"
+    launcher.write_text("#!/bin/sh\n")
+    launcher.chmod(0o755)
+    parent = ["/usr/bin/python3", str(launcher), "--nproc-per-node=4", "scripts/train.py",
+              "--config", "a.json"]
+    monkeypatch.setenv("PATH", os.pathsep.join(["/nonexistent", str(tmp_path)]))
+    assert launcher_words(parent, "scripts/train.py") == [str(launcher), "--nproc-per-node=4",
+                                                          "scripts/train.py"]
+    monkeypatch.setenv("PATH", str(bin_dir))
+    assert launcher_words(parent, "/abs/scripts/train.py") == ["torchrun", "--nproc-per-node=4",
+                                                               "scripts/train.py"]
+    # `python -m torch.distributed.run`, and a program the launcher was not given
+    module = ["/nowhere/python3", "-m", "torch.distributed.run", "--nproc_per_node", "2",
+              "train.py"]
+    assert launcher_words(module, "train.py") == module
+    assert launcher_words(parent, "other.py") is None

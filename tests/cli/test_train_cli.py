@@ -125,6 +125,27 @@ def test_check_validates_without_training(small_config, capsys):
     assert not (small_config.parent / "out").exists()
 
 
+def test_check_says_each_lever_is_on_off_or_not_for_this_run_and_why(small_config, capsys):
+    """Both caches on, and a dataset that shuffles its tags: the VAE leaves the GPU but the
+    text encoder stays, and --check says why instead of "on, or not for this run"."""
+    assert main(["--config", str(small_config), "--check", "--set", "data.cache_latents=true",
+                 "--set", "data.cache_text_encoder_outputs=true",
+                 "--set", "data.datasets[0].shuffle_tags=true"]) == 0
+    out = capsys.readouterr().out
+    levers = dict(line.strip().split(": ", 1)
+                  for line in out.split("memory levers:\n", 1)[1].splitlines())
+    cached = levers["text encoders and VAE off the GPU (their outputs cached)"]
+    assert cached.startswith("not for this run: the text encoders stay on the GPU: "
+                             "data.datasets[0] (")
+    assert cached.endswith("shuffle_tags) change their captions every epoch, so their outputs "
+                           "cannot be cached; the VAE leaves it")
+    assert levers["the fused backward pass (full fine-tunes)"] == (
+        "not for this run: full fine-tunes only (a LoRA's gradients are small)")
+    assert len(levers) == 5 and all(state == "on" or state.startswith(("off", "not for this "
+                                                                       "run: "))
+                                    for state in levers.values()), levers
+
+
 def test_check_says_the_samples_and_compile_cost_of_several_resolutions(small_config, capsys):
     assert main(["--config", str(small_config), "--check", "--set", "data.resolutions=64,128",
                  "--set", "compile.backend=AOT_EAGER"]) == 0

@@ -34,3 +34,9 @@ def test_a_dora_text_encoder_in_diffusers_files_is_warned():
     assert config_warnings(config_with(*dora)) == [DORA_TEXT_ENCODER]
     assert config_warnings(config_with(*dora, "output.formats=kohya")) == []
     assert config_warnings(config_with("training.adapter=DORA")) == []  # the UNet loads exactly
+    # the advice names the loader that applies the KOHYA file's DoRA exactly (docs/adapters.md:
+    # LyCORIS), and says that ComfyUI / Forge approximate it and A1111's loader mis-applies it
+    advice = DORA_TEXT_ENCODER.split("For the text encoder's DoRA as trained", 1)[1]
+    assert "LyCORIS, which applies it exactly" in advice
+    assert "ComfyUI and Forge render a DoRA approximately" in advice
+    assert "A1111's built-in loader mis-applies it" in advice

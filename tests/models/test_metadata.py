@@ -86,3 +86,20 @@ def test_a_run_over_several_resolutions_names_the_largest():
                                           'data.datasets=[{"path": "a", "resolutions": [1024]}]'),
                              ModelType.SD15, "LORA", "lora", now=NOW)
     assert meta["modelspec.resolution"] == "1024x1024" and meta["ss_resolution"] == "(1024, 1024)"
+
+
+def test_a_flow_matching_family_names_its_own_implementation_and_no_ddpm_prediction_type():
+    """Z-Image trains on flow matching: modelspec's prediction types (epsilon, v) are DDPM's,
+    so its files carry none, and their implementation is Z-Image's, not SD's (the family
+    record's FileConventions say both)."""
+    kohya = training_metadata(_config_dict(), ModelType.ZIMAGE, "LORA", "lora", now=NOW)
+    assert kohya["modelspec.architecture"] == "z-image/lora"
+    assert kohya["modelspec.implementation"] == "https://github.com/Tongyi-MAI/Z-Image"
+    assert "modelspec.prediction_type" not in kohya
+    peft = training_metadata(_config_dict(), ModelType.ZIMAGE, "LORA", "lora",
+                             layout="diffusers", now=NOW)
+    assert peft["modelspec.implementation"] == "diffusers"
+    assert "modelspec.prediction_type" not in peft
+    sd = training_metadata(_config_dict(), ModelType.SD15, "LORA", "lora", now=NOW)
+    assert sd["modelspec.prediction_type"] == "epsilon"
+    assert sd["modelspec.implementation"] == "https://github.com/Stability-AI/generative-models"

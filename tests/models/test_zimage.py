@@ -205,18 +205,12 @@ def test_comfyui_maps_every_key_and_applies_the_trained_update(lora_run, zimage_
         torch.testing.assert_close(applied[path], delta, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("adapter", [("training.adapter=LORA", "training.use_rslora=true"),
-                                     ("training.adapter=LOHA",),
-                                     ("training.adapter=LOKR", "training.lokr_factor=4")],
-                         ids=["lora-rslora", "loha", "lokr"])
-def test_comfyui_applies_every_adapter_kind_as_built(zimage_folder, comfyui, caplog, tmp_path,
-                                                    adapter):
-    """LoRA (rsLoRA's alpha), LoHa and LoKr on the main blocks, every tensor random: the file
-    ComfyUI reads gives each layer peft's own update (no training run: the adapters are set)."""
+def random_adapter_file(zimage_folder, tmp_path, adapter: tuple[str, ...]):
+    """The tiny transformer with `adapter` on its main blocks, every adapter tensor random,
+    saved as the KOHYA file: (the transformer, the file's path, each layer's peft update)."""
     from modules.config import Config, apply_overrides
     from modules.models.kohya import adapter_layers, save_kohya_lora
     from modules.train.recipe.adapters import add_adapter
-    from safetensors.torch import load_file
     config = apply_overrides(Config(), ["model.type=ZIMAGE", "training.lora_rank=4",
                                         "training.lora_alpha=6", *adapter,
                                         'training.lora_target_modules=["to_q", "to_k", '
@@ -234,8 +228,39 @@ def test_comfyui_applies_every_adapter_kind_as_built(zimage_folder, comfyui, cap
                            ModelType.ZIMAGE)
     deltas = {p: layer.get_delta_weight("default").detach()
               for p, layer in adapter_layers(transformer).items()}
+    return transformer, path, deltas
+
+
+@pytest.mark.parametrize("adapter", [("training.adapter=LORA", "training.use_rslora=true"),
+                                     ("training.adapter=LOHA",),
+                                     ("training.adapter=LOKR", "training.lokr_factor=4")],
+                         ids=["lora-rslora", "loha", "lokr"])
+def test_comfyui_applies_every_adapter_kind_as_built(zimage_folder, comfyui, caplog, tmp_path,
+                                                    adapter):
+    """LoRA (rsLoRA's alpha), LoHa and LoKr on the main blocks, every tensor random: the file
+    ComfyUI reads gives each layer peft's own update (no training run: the adapters are set)."""
+    from safetensors.torch import load_file
+    transformer, path, deltas = random_adapter_file(zimage_folder, tmp_path, adapter)
     assert all(p.startswith("layers.") for p in deltas) and len(deltas) == 2 * 7
     applied = _comfyui_applied(comfyui, transformer, load_file(path), caplog)
     assert applied.keys() == deltas.keys()
     for p, delta in deltas.items():
         torch.testing.assert_close(applied[p], delta, rtol=1e-4, atol=1e-6)
+
+
+def test_diffusers_applies_a_lokr_file_as_built(zimage_folder, tmp_path):
+    """The KOHYA LoKr file (LoKr has no DIFFUSERS file) through ZImagePipeline's own
+    load_lora_weights: every layer gets peft's update as built, not a loader that returns
+    and attaches nothing (docs/zimage.md names the loaders that apply a LoKr)."""
+    from diffusers import ZImagePipeline
+    _, path, deltas = random_adapter_file(zimage_folder, tmp_path,
+                                          ("training.adapter=LOKR", "training.lokr_factor=4"))
+    pipe = ZImagePipeline.from_pretrained(zimage_folder, local_files_only=True)
+    pipe.load_lora_weights(str(path))
+    loaded = {name: module for name, module in pipe.transformer.named_modules()
+              if hasattr(module, "lokr_w1")}
+    assert loaded.keys() == deltas.keys()
+    for name, delta in deltas.items():
+        adapter_name = next(iter(loaded[name].lokr_w1))
+        torch.testing.assert_close(loaded[name].get_delta_weight(adapter_name), delta,
+                                   rtol=1e-5, atol=1e-7)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -13,15 +14,29 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
+# scripts/train.py's main, then what is left of the process group when it returned: a group
+# left to the interpreter's exit can abort a rank that finished (Distributed.close)
+DRIVER = """import sys
+import torch.distributed
+sys.path.insert(0, {repo!r})
+from modules.cli.train import main
+code = main(sys.argv[1:])
+print("process group still initialized:", torch.distributed.is_initialized())
+sys.exit(code)
+"""
+
+
 def run_torchrun(tmp_path: Path, settings: dict, port: int) -> subprocess.CompletedProcess:
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     assert torchrun, "torchrun comes with torch"
     config = tmp_path / "ddp.json"
     config.write_text(json.dumps(settings))
+    driver = tmp_path / "train_then_report.py"
+    driver.write_text(DRIVER.format(repo=str(REPO)))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
         [torchrun, "--nproc_per_node", "2", "--master_port", str(port),
-         str(REPO / "scripts" / "train.py"), "--config", str(config), "--quiet"],
+         str(driver), "--config", str(config), "--quiet"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=540)
 
 
@@ -43,6 +58,9 @@ def test_two_processes_stay_in_sync_and_write_once(tmp_path, tempera_cache):
     record = json.loads((out / "run.json").read_text())
     dist = record["distributed"]
     assert dist["world_size"] == 2 and dist["backend"] == "gloo"
+    launcher = shlex.split(record["launcher"])  # what a printed resume command starts with
+    assert Path(launcher[0]).name == "torchrun" and launcher[1:] == [
+        "--nproc_per_node", "2", "--master_port", "29533", str(tmp_path / "train_then_report.py")]
     assert dist["ranks_in_sync"], dist["weight_checksums"]
     assert dist["compiled_code_ran_on_all_ranks"]["unet"]
     # compile, then wrap: the compiled UNet ran inside DistributedDataParallel on both ranks
@@ -52,6 +70,8 @@ def test_two_processes_stay_in_sync_and_write_once(tmp_path, tempera_cache):
     assert sorted(p.name for p in (out / "samples").iterdir()) == ["step-000003-0.png"]
     assert (out / "final" / "pytorch_lora_weights.safetensors").is_file()
     assert result.stdout.count("finished: 3 steps") == 2  # each rank reports its exit
+    # each rank left the process group before the interpreter's exit
+    assert result.stdout.count("process group still initialized: False") == 2, result.stdout
 
 
 @pytest.mark.timeout(600)

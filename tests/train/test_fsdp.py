@@ -633,7 +633,7 @@ def test_the_refusal_and_check_offer_fsdp_over_the_visible_gpus(tiny_config, mon
     fixes = dict(memory_check.memory_fixes(config, path, plan))
     assert fixes[fix] == saved > 0
     line = memory_check.fsdp_state(config, path, plan, fixes, False)  # `--check`'s FSDP line
-    assert line.startswith(f"--set {fix} saves {gib(saved)} per process")
+    assert line.startswith(f"off; --set {fix} saves {gib(saved)} per process")
     assert "reduce-scattered" in line
     monkeypatch.setattr(memory_check, "card_memory", lambda device: memory_check.CardMemory(
         "Test GPU", 2 ** 20, 2 ** 20))
@@ -646,7 +646,7 @@ def test_the_refusal_and_check_offer_fsdp_over_the_visible_gpus(tiny_config, mon
         memory_check.check_memory(config, path, torch.device("cpu"))
     assert "FSDP" not in str(caught.value)
     line = memory_check.fsdp_state(config, path, plan, {}, False)
-    assert line.startswith("needs several GPUs, and one GPU is visible here")
+    assert line.startswith("off; needs several GPUs, and one GPU is visible here")
     assert f"each would need {gib(saved)} less" in line
 
 
@@ -667,8 +667,8 @@ def test_fsdp_over_a_launch_of_several_processes(tiny_config, monkeypatch):
 
 
 @pytest.mark.parametrize("overrides, state", [
-    (("training.method=LORA",), "not for this run (full fine-tunes only"),
-    (("training.ema=true",), "cannot combine with this run's settings"),  # FSDP refuses EMA
+    (("training.method=LORA",), "not for this run: full fine-tunes only"),
+    (("training.ema=true",), "not for this run: the EMA keeps a whole copy"),  # FSDP: no EMA
     (("training.distributed_strategy=FSDP",), "on"),
 ])
 def test_fsdp_is_not_offered_where_it_does_not_apply(tiny_config, overrides, state):

@@ -160,6 +160,33 @@ def test_a_resumed_run_keeps_the_history_and_continues_it_identically(tiny_confi
     assert [s.step for s in callbacks.validations] == [4]  # step 2 came from the backup
 
 
+def test_a_run_stopped_before_its_validation_resumes_with_fewer_timesteps(tiny_config):
+    """Validation scores the run and does not train it: its settings may change on a resume
+    (the owed pass uses the new ones, and the log says what changed), while the split, which
+    takes images out of training, may not (turning validation off needs it at 0). Over 10 s:
+    a stopped run and its resume, as only a real stop leaves a backup owing a validation pass."""
+    commands = TrainerCommands()
+    first = train(tiny_config(*SPLIT), StopAt(commands, 2), commands)  # before step 2's pass
+    assert (first.status, first.steps) == ("stopped", 2)
+    backup = json.loads((list_backups(first.output_dir)[-1][1] / "backup.json").read_text())
+    assert backup["states"]["training"]["owed_passes"] == ["validation"]
+
+    with pytest.raises(ConfigError) as refused:
+        train(tiny_config(*SPLIT, "validation.every_steps=0", "validation.split_ratio=0",
+                          "training.resume_from=latest"))
+    assert "validation.split_ratio: 0.25 -> 0.0" in str(refused.value)
+
+    callbacks = RecordingCallbacks()
+    train(tiny_config(*SPLIT, "validation.timesteps=2", "training.resume_from=latest"),
+          callbacks)
+    record = run_json(first.output_dir)
+    assert record["resume_changed"] == ["validation.timesteps: 4 -> 2"]
+    assert "changed since the backup: validation.timesteps: 4 -> 2" in callbacks.statuses
+    assert "validating at step 2 (12 images at 2 timesteps)" in callbacks.statuses
+    assert [step for step, _ in record["validation"]["history"]] == [2, 3]
+    assert len(record["validation"]["timesteps"]) == 2
+
+
 def test_a_backup_from_before_validation_loads_with_an_empty_history():
     state = TrainingState(generator=torch.Generator())
     saved = state.state_dict()

@@ -65,6 +65,15 @@ class Objective:
     continuous_timesteps: Callable[..., torch.Tensor] | None = None
 
 
+# modelspec.implementation of SD and SDXL files in the original layout
+STABILITY_IMPLEMENTATION = "https://github.com/Stability-AI/generative-models"
+
+
+def epsilon_or_v(v_prediction: bool) -> str | None:
+    """modelspec.prediction_type of a DDPM family: "v" or "epsilon"."""
+    return "v" if v_prediction else "epsilon"
+
+
 @dataclass(frozen=True)
 class FileConventions:
     """How the tools of this field name a family's files (kohya LoRAs, `modelspec.*` and
@@ -76,6 +85,11 @@ class FileConventions:
     - `base_model_version`: kohya's `ss_base_model_version`; `kohya_v2`: its `ss_v2`;
     - `a1111_sd_version`: the "sd version" A1111's LoRA card metadata (`<lora>.json`) names;
     - `modelspec_architecture(v_prediction)`: the modelspec architecture id (no /lora);
+    - `modelspec_implementation`: modelspec's implementation URL of a file in the family's
+      original layout (a kohya LoRA, a single file; a diffusers-layout file says "diffusers");
+    - `modelspec_prediction_type(v_prediction)`: modelspec's prediction type ("epsilon" or
+      "v"), None for a family whose objective is neither (flow matching): the key is then
+      left out, as kohya's writer does for Flux, rather than naming a wrong one;
     - `predicts_v_by_default`: what prediction type AUTO means for the family's base models;
     - `single_file_configs`: the folder under models/configs/ with its architecture configs;
     - `single_file_text_encoders`: text encoder -> (key prefix in an ldm file, "hf" or
@@ -99,6 +113,8 @@ class FileConventions:
     single_file_text_encoders: Mapping[str, tuple[str, str]]
     kohya_v2: bool = False
     predicts_v_by_default: bool = False
+    modelspec_implementation: str = STABILITY_IMPLEMENTATION
+    modelspec_prediction_type: Callable[[bool], str | None] = epsilon_or_v
     a1111_sd_version: str = "Unknown"
     kohya_separator: str = "_"
     denoiser_class: str = "UNet2DConditionModel"

@@ -61,6 +61,9 @@ ZIMAGE_FILES = FileConventions(
     kohya_prefixes={"transformer": "diffusion_model."}, kohya_denoiser_naming="diffusers",
     kohya_separator=".", base_model_version="z_image",
     modelspec_architecture=lambda v_prediction: "z-image",
+    # flow matching: neither of modelspec's prediction types (epsilon, v)
+    modelspec_implementation="https://github.com/Tongyi-MAI/Z-Image",
+    modelspec_prediction_type=lambda v_prediction: None,
     single_file_configs="zimage", single_file_text_encoders={},
     denoiser_class="ZImageTransformer2DModel", denoiser_file=_denoiser_file,
     denoiser_file_key=_denoiser_file_key)

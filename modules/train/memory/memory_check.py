@@ -31,6 +31,7 @@ from modules.models.families import family_of
 from modules.train.memory.offload import denoiser_blocks
 from modules.train.memory.memory_plan import (WARN_FRACTION, MemoryPlan, gib, plan_from,
                                               plan_memory, weightless_trainable)
+from modules.train.recipe.text_cache import text_encoder_stays
 from modules.train.recipe.trainable import trained_components
 from modules.util.errors import describe
 
@@ -149,42 +150,73 @@ def fixes_sentence(config: Config, model_path: Path, plan: MemoryPlan,
 
 
 @dataclass(frozen=True)
+class LeverState:
+    """Where a lever stands for one config: on; off, with the `--set` overrides that turn it
+    on (`overrides`); or not for this run, with why (`not_for`)."""
+    on: bool = False
+    overrides: list[str] | None = None
+    not_for: str = ""
+
+
+ON = LeverState(on=True)
+
+
+@dataclass(frozen=True)
 class Lever:
     """A memory lever (issue 46): a way to make the same training fit a smaller card, at a
-    cost. `overrides(config)`: the `--set` overrides that turn it on for this config, None
-    where it does not apply (already on, or not for this run); what it saves is not written
-    here: the plan of the config with the overrides says it."""
+    cost. `state(config)`: on, off (with the overrides that turn it on) or not for this run
+    (with why); what it saves is not written here: the plan of the config with the overrides
+    says it."""
     name: str
-    overrides: Callable[[Config], list[str] | None]
+    state: Callable[[Config], LeverState]
     costs: str
 
-
-def _float8_storage(config: Config) -> list[str] | None:
-    if (config.training.method == TrainingMethod.LORA
-            and config.model.weight_storage != WeightStorage.FLOAT8
-            and importlib.util.find_spec("torchao") is not None):  # its plan needs torchao
-        return ["model.weight_storage=FLOAT8"]
-    return None
+    def overrides(self, config: Config) -> list[str] | None:
+        """The `--set` overrides that turn it on for this config; None when it is on or not
+        for this run."""
+        return self.state(config).overrides
 
 
-def _cached_outputs(config: Config) -> list[str] | None:
+def _float8_storage(config: Config) -> LeverState:
+    if config.model.weight_storage == WeightStorage.FLOAT8:
+        return ON
+    if config.training.method != TrainingMethod.LORA:
+        return LeverState(not_for="LoRA only (a trained weight is never stored as float8)")
+    if importlib.util.find_spec("torchao") is None:  # its plan needs torchao
+        return LeverState(not_for="needs torchao, not installed here (pip install torchao)")
+    return LeverState(overrides=["model.weight_storage=FLOAT8"])
+
+
+def _cached_outputs(config: Config) -> LeverState:
     """Cache latents and captions, so the VAE and text encoders stay on the CPU
-    (train/recipe/placement.py): offered when either cache is off."""
+    (train/recipe/placement.py): offered when either cache is off; a cache that is on and
+    not applied (a trained component, captions that change every epoch) says why."""
     d = config.data
     wanted = ([] if d.cache_latents else ["data.cache_latents=true", "data.center_crop=true"]) \
         + ([] if d.cache_text_encoder_outputs else ["data.cache_text_encoder_outputs=true"])
-    return wanted or None
+    if wanted:
+        return LeverState(overrides=wanted)
+    stays = [f"the text encoders stay on the GPU: {why}"
+             for why in [text_encoder_stays(config)] if why]
+    if "vae" in trained_components(config):
+        stays.append("the VAE stays on the GPU: it is trained")
+    elif stays:
+        stays.append("the VAE leaves it")
+    return LeverState(not_for="; ".join(stays)) if stays else ON
 
 
-def _fused_backward(config: Config) -> list[str] | None:
+def _fused_backward(config: Config) -> LeverState:
     """Step each weight in backward (train/recipe/fused.py): offered to a full fine-tune whose
     other settings it combines with."""
     t = config.training
-    if t.method != TrainingMethod.FINE_TUNE or t.fused_backward:
-        return None
-    if fused_backward_problems(apply_overrides(config, ["training.fused_backward=true"])):
-        return None
-    return ["training.fused_backward=true"]
+    if t.fused_backward:
+        return ON
+    if t.method != TrainingMethod.FINE_TUNE:
+        return LeverState(not_for="full fine-tunes only (a LoRA's gradients are small)")
+    problems = fused_backward_problems(apply_overrides(config, ["training.fused_backward=true"]))
+    if problems:
+        return LeverState(not_for="; ".join(p.message or p.detail() for p in problems))
+    return LeverState(overrides=["training.fused_backward=true"])
 
 
 # The levers, one row each; the refusal and `--check` offer each that lowers the plan. Block
@@ -233,13 +265,21 @@ OFFLOAD_COSTS = ("a copy of each offloaded block per step, overlapped with compu
                  "LoRA and REGIONAL compile only")
 
 
+def offload_not_for(config: Config) -> str:
+    """Why block offload cannot serve this run (validate's `_check_block_offload`), or ""."""
+    if config.training.method != TrainingMethod.LORA:
+        return "LoRA only (a trained weight stays on the GPU)"
+    if config.model.weight_storage == WeightStorage.FLOAT8:
+        return "cannot combine with model.weight_storage=FLOAT8"
+    if config.compile.denoiser and config.compile.scope == CompileScope.FULL:
+        return "needs REGIONAL compile of the denoiser (compile.scope is FULL)"
+    return ""
+
+
 def offload_candidates(config: Config, blocks: int) -> list[str]:
     """Block offload of all the denoiser's ``blocks`` repeated blocks (the most it saves), for
-    a LoRA that does not offload yet and can (validate's `_check_block_offload`)."""
-    t, m = config.training, config.model
-    if (t.method != TrainingMethod.LORA or m.offload_blocks or not blocks
-            or m.weight_storage == WeightStorage.FLOAT8
-            or (config.compile.denoiser and config.compile.scope == CompileScope.FULL)):
+    a LoRA that does not offload yet and can."""
+    if config.model.offload_blocks or not blocks or offload_not_for(config):
         return []
     return [f"model.offload_blocks={blocks}"]
 
@@ -330,26 +370,31 @@ def levers_report(config: Config, model_path: Path, plan: MemoryPlan,
     saved = dict(memory_fixes(config, model_path, plan, distributed))
     lines = ["memory levers:"]
     for lever in LEVERS:
-        overrides = lever.overrides(config)
-        key = lever_override(overrides) if overrides else ""
-        if not overrides:
-            state = "on, or not for this run"
-        elif key in saved:
-            state = (f"--set {key} saves {gib(saved[key])} (then "
-                     f"{gib(plan.total - saved[key])}); costs: {lever.costs}")
-        else:
-            state = "saves nothing for this run"
+        state = lever_line(lever.state(config), lever.costs, saved, plan)
         lines.append(f"  {lever.name}: {state}")
     # block offload's override names the denoiser's block count, known from the model only
     offload = next((key for key in saved if key.startswith("model.offload_blocks=")), None)
-    state = (f"--set {offload} saves {gib(saved[offload])} (then "
-             f"{gib(plan.total - saved[offload])}); costs: {OFFLOAD_COSTS}" if offload
-             else "on, or not for this run" if config.model.offload_blocks
-             or config.training.method != TrainingMethod.LORA
-             else "saves nothing for this run, or cannot combine with its settings")
+    why = offload_not_for(config)
+    state = lever_line(LeverState(on=bool(config.model.offload_blocks), not_for=why,
+                                  overrides=[offload] if offload else None),
+                       OFFLOAD_COSTS, saved, plan)
     lines.append(f"  denoiser blocks streamed from CPU memory (block offload): {state}")
     lines.append(f"  {FSDP_LEVER}: {fsdp_state(config, model_path, plan, saved, distributed)}")
     return lines
+
+
+def lever_line(state: LeverState, costs: str, saved: dict[str, int], plan: MemoryPlan) -> str:
+    """One lever's state as `--check` prints it: "on", "not for this run: why", or "off" with
+    what turning it on saves and costs (or that it saves nothing here)."""
+    if state.on:
+        return "on"
+    if state.not_for:
+        return f"not for this run: {state.not_for}"
+    key = lever_override(state.overrides or [])
+    if key not in saved:
+        return "off; turning it on saves nothing for this run"
+    return (f"off; --set {key} saves {gib(saved[key])} (then {gib(plan.total - saved[key])}); "
+            f"costs: {costs}")
 
 
 def fsdp_state(config: Config, model_path: Path, plan: MemoryPlan, saved: dict[str, int],
@@ -359,21 +404,22 @@ def fsdp_state(config: Config, model_path: Path, plan: MemoryPlan, saved: dict[s
     if config.training.distributed_strategy == DistributedStrategy.FSDP:
         return "on"
     if config.training.method != TrainingMethod.FINE_TUNE:
-        return "not for this run (full fine-tunes only: DDP fits adapters and embeddings)"
+        return "not for this run: full fine-tunes only (DDP fits adapters and embeddings)"
     if not fsdp_candidate(config):
-        return (f"cannot combine with this run's settings (--set {FSDP_OVERRIDE} is refused "
-                "with the reason)")
+        return ("not for this run: "
+                + "; ".join(p.message or p.detail()
+                            for p in fsdp_problems(apply_overrides(config, [FSDP_OVERRIDE]))))
     processes = fsdp_processes(distributed)
     if processes > 1:
         key = fsdp_fix(processes, distributed)
         if key not in saved:
-            return "saves nothing for this run"
-        return (f"--set {key} saves {gib(saved[key])} per process (then "
+            return "off; turning it on saves nothing for this run"
+        return (f"off; --set {key} saves {gib(saved[key])} per process (then "
                 f"{gib(plan.total - saved[key])}); costs: {FSDP_COSTS}")
     two = fsdp_saving(config, plan, weightless_trainable(config, model_path), 2)
     seen = "one GPU is" if processes == 1 else "no GPU is"
-    return (f"needs several GPUs, and {seen} visible here: sharded over 2 processes on 2 GPUs "
-            f"({FSDP_OVERRIDE}, accelerate launch --num_processes 2) each would need "
+    return (f"off; needs several GPUs, and {seen} visible here: sharded over 2 processes on 2 "
+            f"GPUs ({FSDP_OVERRIDE}, accelerate launch --num_processes 2) each would need "
             f"{gib(two)} less (then {gib(plan.total - two)})")
 
 

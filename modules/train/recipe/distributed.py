@@ -22,8 +22,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
+import shutil
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -131,6 +135,19 @@ class Distributed:
                         stack.enter_context(module.no_sync())
             yield
 
+    def close(self) -> None:
+        """Leave the launcher's process group (destroy it in this process), once the run is
+        over, however it ended.
+
+        Left to the interpreter's exit, the group is torn down while Python is finalizing:
+        gloo's worker threads can still hold work objects whose tensors reference Python, and
+        destroying them then aborts the process (`terminate called without an active
+        exception`, exit -6 under torchrun) after a run that finished. torch registers no exit
+        hook for this (pytorch/pytorch#179291 proposed one), so the run closes its own group.
+        """
+        if self.enabled and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
     def mean(self, value: float) -> float:
         """The mean of a number over all ranks (for the logged loss)."""
         if not self.enabled:
@@ -179,6 +196,56 @@ def launched_distributed() -> bool:
     WORLD_SIZE is the launchers' documented contract with the processes they start.
     """
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def launcher_command(program: str) -> list[str] | None:
+    """The command line that started this process's launcher, up to and including `program`
+    (this process's sys.argv[0]) as the launcher was given it, e.g. `torchrun
+    --nproc_per_node 2 --master_port 29500 scripts/train.py`; None when no launcher started
+    several processes, or where its command line cannot be read (Linux's /proc only).
+
+    A command printed to start this run again must keep it: the same program without it runs
+    one process, at 1/world_size of the effective batch. torchrun and `accelerate launch`
+    start each process themselves (the parent); the environment they set (WORLD_SIZE,
+    LOCAL_WORLD_SIZE) says how many, but not the options they were given."""
+    if not launched_distributed():
+        return None
+    try:
+        raw = Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
+    except OSError:
+        return None
+    return launcher_words([word.decode(errors="replace") for word in raw.split(b"\0") if word],
+                          program)
+
+
+def launcher_record() -> str:
+    """run.json's `launcher`: the launcher's command up to the program (`launcher_command`),
+    shell-quoted, or why it is not known."""
+    words = launcher_command(sys.argv[0]) if sys.argv and sys.argv[0] else None
+    return shlex.join(words) if words else "not known: the launcher's command line could not be read"
+
+
+def launcher_words(parent: list[str], program: str) -> list[str] | None:
+    """`launcher_command` from the launcher's argv (`parent`): its words up to `program`
+    (matched by name), with a console script run by its interpreter (`python .../torchrun`,
+    as the kernel starts a script with a #! line) written as the shell finds it."""
+    name = Path(program).name
+    found = next((i for i, word in enumerate(parent) if i and Path(word).name == name), None)
+    if found is None:
+        return None
+    words = parent[:found + 1]
+    if Path(words[0]).name.startswith("python") and not words[1].startswith("-"):
+        words = [shell_name(words[1]), *words[2:]]  # a console script (torchrun, accelerate)
+    elif Path(words[0]).name.startswith("python"):
+        words = [shell_name(words[0]), *words[1:]]  # python -m torch.distributed.run
+    return words
+
+
+def shell_name(path: str) -> str:
+    """`path`'s bare name when the shell finds that very file by it, else the path."""
+    found = shutil.which(Path(path).name)
+    same = found is not None and Path(found).resolve() == Path(path).resolve()
+    return Path(path).name if same else path
 
 
 def init_distributed(device_setting: Device,

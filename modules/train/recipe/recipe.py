@@ -42,7 +42,7 @@ from modules.train.memory.offload import build_streamer, held_on_host, offload_c
 from modules.train.outputs.data_metadata import training_data_metadata
 from modules.train.recipe.compile_guard import (build_compile_guard, component_blocks,
                                                 denoiser_compile_cost)
-from modules.train.recipe.distributed import Distributed, clip_sharded_gradients
+from modules.train.recipe.distributed import Distributed, clip_sharded_gradients, launcher_record
 from modules.train.recipe.placement import borrowed, components_off_device, placement_record
 from modules.train.recipe.fused import FusedBackward, fused_record
 from modules.train.recipe.objectives import (caption_dropouts, diffusion_loss, drop_captions,
@@ -146,6 +146,8 @@ class TrainingRecipe:
         device = dist.device or prepared.device
         record = self.record = prepare_output_folder(prepared, callbacks, dist.is_main)
         start_record(record, prepared, device)
+        if dist.enabled:  # what starts it again with its processes (the CLI's resume command)
+            record.write(launcher=launcher_record())
 
         # the trained weights (LoRA init draws from the global generator)
         torch.manual_seed(config.training.seed)
@@ -445,6 +447,8 @@ class TrainingRecipe:
     def load_backup(self, run: Run, resume: ResumePoint) -> None:
         """Load the backup into the freshly built run (weights, optimizer, schedule, states)."""
         run.callbacks.on_status(f"resuming from {resume.folder} (step {resume.step})")
+        if resume.changed:  # what may change on a resume and did (run.json: resume_changed)
+            run.callbacks.on_status("changed since the backup: " + "; ".join(resume.changed))
         _, states = load_states(resume.folder)
         run.load_state_dict(states)
         apply_changed_learning_rates(run)

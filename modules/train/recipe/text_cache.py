@@ -35,15 +35,29 @@ def varying_datasets(config: Config) -> list[str]:
 
 def text_encoder_leaves_device(config: Config) -> bool:
     """Whether the run caches every caption before training and moves the text encoder off
-    the GPU: text encoder outputs cached (data.cache_text_encoder_outputs), no text encoder
-    trained, no caption that changes per step, and a family whose samples can be drawn from
-    cached prompts (`ModelFamily.pipeline_text_arguments`). The memory plan counts the encoder
-    only while it stays."""
+    the GPU: text encoder outputs cached (data.cache_text_encoder_outputs) and nothing that
+    keeps the encoder on it (`text_encoder_stays`). The memory plan counts the encoder only
+    while it stays."""
+    return config.data.cache_text_encoder_outputs and not text_encoder_stays(config)
+
+
+def text_encoder_stays(config: Config) -> str:
+    """Why the text encoder stays on the device even with its outputs cached, or "" when
+    nothing keeps it there: a trained text encoder, a caption that changes per step, or a
+    family whose samples cannot be drawn from cached prompts
+    (`ModelFamily.pipeline_text_arguments`)."""
     spec = MODEL_TYPES[config.model.type]
-    return (config.data.cache_text_encoder_outputs
-            and family_of(config.model.type).pipeline_text_arguments is not None
-            and not any(n in spec.text_encoders for n in trained_components(config))
-            and not varying_datasets(config))
+    trained = [n for n in trained_components(config) if n in spec.text_encoders]
+    if trained:
+        return f"it is trained ({', '.join(f'components.{n}.train' for n in trained)})"
+    varying = varying_datasets(config)
+    if varying:
+        return (f"{'; '.join(varying)} change their captions every epoch, so their outputs "
+                "cannot be cached")
+    if family_of(config.model.type).pipeline_text_arguments is None:
+        return (f"{config.model.type.value}'s sampling pipeline takes no cached prompts, so "
+                "samples need the encoder")
+    return ""
 
 
 def module_device(module: nn.Module) -> torch.device:
