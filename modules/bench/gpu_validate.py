@@ -133,6 +133,7 @@ def run_phase(ctx: Context, jobs: list[Job], kinds: dict[str, Kind],
     if ctx.jobs_root().exists():
         shutil.rmtree(ctx.jobs_root())
     ctx.order = [job.name for job in jobs]
+    ctx.machine()  # its date and load average as the phase starts, not after its first job
     waiting: list[Job] = list(jobs)
     running: list[_Running] = []
     with _stop_on_signals():  # inside it, a second signal does not cut the cleanup short
