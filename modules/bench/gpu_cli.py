@@ -66,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
 def list_phases(docs: Path) -> str:
     """Every phase, its minutes, what it measures and its results; then which to run next
     (a lent session has time for one) and the command for it, with this checkout's commit."""
-    from modules.bench.gpu_phases import PHASES
+    from modules.bench.gpu_packages import extra_wheels, wheels_command
+    from modules.bench.gpu_phases import PHASES, phase_packages
 
     lines, missing = [], []
     for phase in PHASES:
@@ -89,6 +90,9 @@ def list_phases(docs: Path) -> str:
     following = missing[0]
     lines.append(f"next: phase {following.key} (a lent session's 15 minutes hold one phase; "
                  "docs/gpu.md has the call):")
+    if extra_wheels(phase_packages(following)):
+        lines.append("first, here, put the wheels it needs besides the default ones in .whl/: "
+                     + wheels_command(phase_packages(following)))
     lines.append(gpu_command(following.key.split("-")[0], source_commit(None)))
     return "\n".join(lines)
 

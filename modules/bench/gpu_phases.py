@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from modules.bench.gpu_packages import EVERY_PHASE, config_packages
 from modules.bench.gpu_validate import REST, Job
 
 
@@ -104,7 +105,8 @@ def _train(key: str, size: Size, name: str, backend: str, extra: list[str],
     needs_cuda = "training.mixed_precision=FP16" in extra
     return Job(f"train-{key}-{name}", "train", limit * size.limit_scale,
                {"size": key, "backend": backend, "overrides": extra, "model": size.model,
-                "needs_cuda": needs_cuda},
+                "needs_cuda": needs_cuda,
+                "packages": config_packages([*size.overrides, *extra])},
                group=group, after=(f"build-{key}",), reserve_s=reserve,
                answers=answers or f"{backend} trains {key} through train.py: effective backend, "
                                   "compile time, recompiles, memory")
@@ -129,7 +131,8 @@ def _cell(key: str, size: Size, name: str, backend: str, extra: list[str], limit
         f"cell-{key}-none" if compare_with is None else compare_with or None)
     return Job(f"{prefix}-{key}-{name}", "cell", limit * size.limit_scale,
                {"size": key, "backend": backend, "overrides": extra, "model": size.model,
-                "warm_from": warm_from, "compare_with": baseline},
+                "warm_from": warm_from, "compare_with": baseline,
+                "packages": config_packages([*size.overrides, *extra])},
                group=group, after=(f"build-{key}",) + ((warm_from,) if warm_from else ()),
                answers=answers, reserve_s=reserve)
 
@@ -368,6 +371,17 @@ def phase_offload_inductor(sizes: dict[str, Size]) -> list[Job]:
     return jobs
 
 
+# Float8 storage (docs/memory.md): the frozen linear weights as float8 through torchao, the rest
+# at bfloat16.
+FLOAT8 = ["model.weight_storage=FLOAT8", "model.weight_dtype=BFLOAT16"]
+
+
+def phase_float8(sizes: dict[str, Size]) -> list[Job]:
+    """Float8 weight storage: the memory it saves and what its dequantizing costs, eager and
+    fused into INDUCTOR's compiled blocks. Needs torchao: `--list` names its wheel."""
+    return _lever_ratio_first(sizes, "float8", FLOAT8, "float8 frozen weights")
+
+
 @dataclass(frozen=True)
 class Phase:
     key: str
@@ -414,6 +428,9 @@ PHASES: list[Phase] = [
     Phase("11-offload-inductor", 9, "SDXL LoRA, REGIONAL INDUCTOR with every block offloaded "
           "vs not: cold side by side, then each alone warm (step time and peak memory)",
           "memory levers", phase_offload_inductor),
+    Phase("12-float8", 9, "SDXL LoRA with float8 frozen weights vs bf16, eager, each alone "
+          "(step time and peak memory); then REGIONAL INDUCTOR with float8, cold and alone with "
+          "what is left", "memory levers", phase_float8),
 ]
 
 
@@ -429,3 +446,11 @@ def find_phase(name: str) -> Phase:
 def phase_jobs(phase: Phase, tiny: bool) -> list[Job]:
     return phase.jobs(TINY_SIZES if tiny else FULL_SIZES)
 
+
+def phase_packages(phase: Phase) -> list[str]:
+    """Every package (distribution name) the phase imports on the GPU machine: the engine's,
+    and what its runs' settings need (at full size: what the GPU machine runs)."""
+    needed = set(EVERY_PHASE)
+    for job in phase_jobs(phase, tiny=False):
+        needed.update(job.spec.get("packages", ()))
+    return sorted(needed)

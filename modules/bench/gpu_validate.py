@@ -43,6 +43,7 @@ from typing import Any
 
 from modules.bench.gpu_context import Context
 from modules.bench.gpu_machine import card_memory
+from modules.bench.gpu_packages import missing, wheels_command
 from modules.bench.gpu_outputs import log_tail, write_outputs
 from modules.util.process import (
     dies_with_parent,
@@ -289,6 +290,10 @@ def _why_not_started(job: Job, ctx: Context) -> str:
         return "not in --jobs"
     if ctx.backends is not None and backend and backend not in ctx.backends:
         return f"backend {backend} not in --backends {','.join(ctx.backends)}"
+    absent = missing(job.spec.get("packages", ()))
+    if absent:
+        return (f"needs {', '.join(absent)}, not installed here: carry the wheel "
+                f"({wheels_command(absent)})")
     for name in job.after:
         before = ctx.row(name)
         if before is None or before["status"] != "ok":

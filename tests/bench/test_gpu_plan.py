@@ -1,6 +1,6 @@
 """The GPU validation's plan, without a GPU: each phase's ratio first and the budget
 arithmetic behind it, a cell cut short by its limit still reporting a median, the plot's bars,
-and what --list says of each phase."""
+and the packages each phase needs against what the GPU machine has or is carried."""
 from __future__ import annotations
 
 import datetime as dt
@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from modules.bench import gpu_packages
 from modules.bench.cell import StepTimer
 from modules.bench.gpu_cli import main as cli_main
 from modules.bench.gpu_context import Context
@@ -20,6 +21,7 @@ from modules.bench.gpu_phases import (
     PHASES,
     find_phase,
     phase_jobs,
+    phase_packages,
 )
 from modules.bench.gpu_report import cell_rows, plot_bars, speedups
 from modules.bench.gpu_validate import PACK_RESERVE_SECONDS, REST, Job, Kind, job_limit, run_phase
@@ -45,6 +47,7 @@ def first_ratio(jobs: dict[str, Job]) -> tuple[Job, Job]:
     ("1", "cell-sd15-none", "cell-sd15-default"),
     ("8", "cell-zimage-none", "cell-zimage-inductor"),
     ("9", "cell-sdxl-offload-base-none", "cell-sdxl-offload-none"),
+    ("12", "cell-sdxl-float8-base-none", "cell-sdxl-float8-none"),
 ])
 def test_a_phase_that_times_a_backend_measures_its_ratio_first(key, eager, compiled):
     jobs = jobs_of(key)
@@ -60,6 +63,7 @@ def test_a_phase_that_times_a_backend_measures_its_ratio_first(key, eager, compi
     ("1", "cell-sd15-default", "cell-sd15-none"),
     ("8", "cell-zimage-inductor", "cell-zimage-none"),
     ("9", "cell-sdxl-offload-inductor", "cell-sdxl-offload-none"),
+    ("12", "cell-sdxl-float8-inductor", "cell-sdxl-float8-none"),
 ])
 def test_the_first_compiled_cell_gets_what_the_budget_leaves(key, compiled, eager):
     """The compiled cell of a ratio-first phase is cold, alone, compared with its eager cell
@@ -208,3 +212,59 @@ def test_list_names_what_each_phase_measures_not_issue_numbers(tmp_path, capsys)
     for phase in PHASES:
         assert f"{phase.key} " in listing and phase.answers in listing
         assert f"{phase.topic}; no results yet" in listing
+
+
+# --- packages -------------------------------------------------------------------------------
+def test_every_package_a_phase_needs_is_on_the_gpu_image_or_carried():
+    for phase in PHASES:
+        needed = phase_packages(phase)
+        assert set(gpu_packages.EVERY_PHASE) <= set(needed)
+        assert gpu_packages.not_carried(needed) == [], phase.key
+
+
+def test_float8_storage_needs_torchao_and_its_wheel_is_named():
+    assert "torchao" not in gpu_packages.GPU_IMAGE and "torchao" not in gpu_packages.CARRIED
+    assert gpu_packages.config_packages(["model.weight_storage=FLOAT8"]) == ["torchao"]
+    assert gpu_packages.config_packages(["training.optimizer=PRODIGY"]) == ["pytorch-optimizer"]
+    assert gpu_packages.config_packages(["model.offload_blocks=1000"]) == []
+    float8 = find_phase("12")
+    assert "torchao" in phase_packages(float8)
+    assert gpu_packages.wheels_command(phase_packages(float8)) == (
+        f"bash ../shared/gpu/wheels.sh torchao=={gpu_packages.EXTRA_WHEELS['torchao']}")
+    # A phase without such settings carries the default wheels only.
+    assert gpu_packages.extra_wheels(phase_packages(find_phase("1"))) == []
+    jobs = {j.name: j for j in phase_jobs(float8, tiny=True)}
+    assert jobs["cell-sdxl-float8-none"].spec["packages"] == ["torchao"]
+    assert jobs["cell-sdxl-float8-base-none"].spec["packages"] == []
+
+
+def test_list_names_the_wheels_the_next_phase_needs_besides_the_default(tmp_path, capsys,
+                                                                       monkeypatch):
+    import modules.bench.gpu_phases as gpu_phases
+
+    monkeypatch.setattr(gpu_phases, "PHASES", [find_phase("12")])
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    assert cli_main(["--list", "--docs", str(docs)]) == 0
+    text = capsys.readouterr().out
+    assert "bash ../shared/gpu/wheels.sh torchao==" in text.split("\nnext:")[1]
+
+
+def test_a_job_whose_package_is_missing_is_not_started_with_the_wheel_to_carry(tmp_path,
+                                                                              monkeypatch):
+    monkeypatch.setitem(gpu_packages.EXTRA_WHEELS, "no-such-package-here", "1.0")
+
+    def command(job: Job, ctx: Context, folder: Path) -> list[str]:
+        return [sys.executable, "-c", "pass"]
+
+    ctx = Context(phase="9-test", device="cpu", tiny=True, out=tmp_path / "out",
+                  work=tmp_path / "work", budget_s=60, parallel=1)
+    run_phase(ctx, [Job("needs", "x", 30, {"packages": ["no-such-package-here"]}),
+                    Job("plain", "x", 30, {"packages": []})],
+              {"x": Kind(command, lambda *a: {})}, print_line=lambda line: None)
+    rows = {r["job"]: r for r in ctx.rows}
+    assert rows["needs"]["status"] == "not started"
+    assert rows["needs"]["error"] == ("needs no-such-package-here, not installed here: carry "
+                                      "the wheel (bash ../shared/gpu/wheels.sh "
+                                      "no-such-package-here==1.0)")
+    assert rows["plain"]["status"] == "ok"

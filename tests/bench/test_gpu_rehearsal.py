@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 
 from modules.bench.gpu_cli import source_commit
-from modules.bench.gpu_phases import PHASES
+from modules.bench.gpu_packages import missing, wheels_command
+from modules.bench.gpu_phases import PHASES, phase_jobs
 from modules.bench.gpu_report import merge_results
 
 REPO = Path(__file__).resolve().parents[2]
@@ -53,6 +54,10 @@ REHEARSED: dict[str, str | None] = {
     "10-zimage-train": "build-zimage,train-zimage-none",
     # INDUCTOR cells only: the GPU's (the offloaded eager cell is phase 9's)
     "11-offload-inductor": "build-sdxl",
+    # its cells are eager cells with an override (float8 training is
+    # tests/train/test_weight_storage.py's; a float8 step costs seconds here) and INDUCTOR's:
+    # that torchao is there for them is test_the_packages_the_phases_need_are_installed_here's
+    "12-float8": "build-sdxl",
 }
 
 
@@ -235,3 +240,12 @@ def test_the_offload_phase_times_a_cell_with_every_block_offloaded(phases):
     assert jobs["cell-sdxl-offload-none"]["status"] == "ok", jobs["cell-sdxl-offload-none"]
     assert jobs["cell-sdxl-offload-none"]["compare_with"] == "cell-sdxl-offload-base-none"
 
+
+def test_the_packages_the_phases_need_are_installed_here():
+    """What the phases' runs need besides the engine (torchao for float8 storage, say) is
+    installed: on the GPU image's stack (../shared/gpu/emulate.sh, the wheels in .site/ as on
+    the GPU machine), a wheel the next lent session would lack fails here first."""
+    for phase in PHASES:
+        needed = sorted({p for job in phase_jobs(phase, tiny=True)
+                         for p in job.spec.get("packages", ())})
+        assert missing(needed) == [], f"{phase.key} needs {needed}: {wheels_command(needed)}"
