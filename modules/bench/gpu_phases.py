@@ -3,10 +3,10 @@
 A session lent the GPU machine has about 15 minutes of it, a start included, and a machine
 starts bare: so each phase is one command of at most 9 minutes that needs nothing from an
 earlier one (no compile cache, no model), and a lent session runs the earliest phase without
-results. A phase that times a compiled backend brings back its ratio first (`_ratio_first`):
-eager alone, then one compiled backend cold and alone with whatever the budget has left (less
-the checks after it); a cell cut short by that limit stops itself and reports the median of
-the clean steps it has. What does not fit behind that is a later phase. Phases 2, 5 and 10
+results. Phases 1, 8, 9 and 12 bring back their ratio first (`_ratio_first`): eager alone,
+then one compiled backend cold and alone with whatever the budget has left (less the checks
+after it); a cell cut short by that limit stops itself and reports the median of the clean
+steps it has. What does not fit behind that is a later phase (10, 11). Phases 2, 5 and 10
 train through `scripts/train.py` exactly as a user does, with the compiled runs side by side to
 fit their cold starts in one command (their step times share the GPU); phases 3 and 11 compile
 side by side first and then time each setting alone on the cache it just filled, so its warm
