@@ -16,7 +16,10 @@ Which steps the median leaves out is decided by what happened, not by a fixed co
 engine reported a compile (its `CompileEvent`s, or dynamo's graph counter moving), and, when a
 component runs CUDA graphs, the steps after each compile in which the new graph is warmed up and
 recorded. The cell keeps training until it has ``steps`` such clean steps (or a cap is reached),
-then stops the trainer.
+then stops the trainer. Given ``stop_at`` (a wall-clock time: its parent's time limit less a
+margin to save and write), it also stops once that time has passed and it has one clean step:
+a cell cut short by its limit reports the median of the clean steps it has (``partial``), since
+a ratio from a short steady window beats none.
 """
 from __future__ import annotations
 
@@ -44,6 +47,16 @@ from modules.util.errors import describe
 CUDAGRAPH_SETTLE_STEPS = 2
 KEPT_EVENT_KINDS = ("fallback", "degraded", "recompile", "warning")
 PROGRESS_EVERY_SECONDS = 2.0
+# What a cell stopping itself at its time limit keeps for after the stop request: the step in
+# flight, the trainer's final save and record, the result file (the step of a large model with
+# gradient checkpointing takes seconds; a LoRA's save one).
+STOP_MARGIN_SECONDS = 30.0
+
+
+def stop_time(limit_seconds: float, margin: float = STOP_MARGIN_SECONDS) -> float:
+    """The ``stop_at`` (wall clock) of a cell that starts now and is killed after
+    ``limit_seconds``: early enough to end by itself with the clean steps it has."""
+    return time.time() + limit_seconds - margin
 
 
 def step_cap(warmup: int, steps: int) -> int:
@@ -74,15 +87,19 @@ class StepTimer(NullCallbacks):
     """Trainer callbacks that timestamp each optimizer step and note the steps that compiled.
 
     ``steps``/``warmup``/``settle_steps`` set when enough clean steps were seen: the timer then
-    asks ``commands`` to stop the run (the trainer looks at the start of the next step).
+    asks ``commands`` to stop the run (the trainer looks at the start of the next step). So it
+    does once ``stop_at`` (``time.time()``) has passed and one clean step was seen
+    (``cut_short``).
     """
 
     def __init__(self, cuda: bool, *, steps: int | None = None, warmup: int = 1,
                  settle_steps: int = 0, commands: TrainerCommands | None = None,
-                 progress: Path | None = None) -> None:
+                 progress: Path | None = None, stop_at: float | None = None) -> None:
         self.cuda = cuda
         self.wanted, self.warmup, self.settle_steps = steps, warmup, settle_steps
         self.commands = commands
+        self.stop_at = stop_at
+        self.cut_short = False
         self.progress = progress     # where the step and the last compile status go, if set
         self.compile_status = ""
         self.progress_written = -math.inf
@@ -133,8 +150,13 @@ class StepTimer(NullCallbacks):
             self.compile_steps.add(step)  # a graph no engine event announced
         self.graphs.append(graphs)
         self._write_progress(every=PROGRESS_EVERY_SECONDS)
-        if self.commands is not None and self.wanted is not None and len(self.timed_steps(
-                self.settle_steps)) >= self.wanted:
+        if self.commands is None:
+            return
+        timed = len(self.timed_steps(self.settle_steps))
+        if self.wanted is not None and timed >= self.wanted:
+            self.commands.request_stop()
+        elif self.stop_at is not None and timed and time.time() >= self.stop_at:
+            self.cut_short = True
             self.commands.request_stop()
 
     def timed_steps(self, settle_steps: int) -> list[int]:
@@ -192,7 +214,8 @@ def run_cell(spec: dict[str, Any]) -> dict[str, Any]:
     commands = TrainerCommands()
     timer = StepTimer(cuda, steps=steps, warmup=warmup, commands=commands,
                       settle_steps=CUDAGRAPH_SETTLE_STEPS if may_use_cudagraphs(config, cuda)
-                      else 0, progress=Path(spec["progress"]) if spec.get("progress") else None)
+                      else 0, progress=Path(spec["progress"]) if spec.get("progress") else None,
+                      stop_at=spec.get("stop_at"))
     started = time.perf_counter()
     result = train(config, timer, commands)
     wall = time.perf_counter() - started
@@ -213,6 +236,9 @@ def run_cell(spec: dict[str, Any]) -> dict[str, Any]:
         "steps_run": len(step_seconds),
         "step_seconds": [round(s, 5) for s in step_seconds],
         "timed_steps": [i + 1 for i in timed],          # 1-based, as the trainer counts
+        "steps_wanted": steps,
+        "partial": len(timed) < steps,                   # fewer clean steps than asked for
+        "stopped_at_time_limit": timer.cut_short,
         "compile_steps": sorted(s + 1 for s in timer.compile_steps if s < len(step_seconds)),
         "cudagraphs": cudagraphs,
         "median_step_seconds": round(median, 5),

@@ -64,9 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def list_phases(docs: Path) -> str:
-    """Every phase, its minutes, the issue it answers and its results; then which to run next
+    """Every phase, its minutes, what it measures and its results; then which to run next
     (a lent session has time for one) and the command for it, with this checkout's commit."""
-    from modules.bench.gpu_phases import PHASES
+    from modules.bench.gpu_packages import extra_wheels, wheels_command
+    from modules.bench.gpu_phases import PHASES, phase_packages
 
     lines, missing = [], []
     for phase in PHASES:
@@ -79,16 +80,20 @@ def list_phases(docs: Path) -> str:
                     "jobs ok)")
         else:
             have = "no results yet"
-            missing.append(phase.key)
-        lines.append(f"{phase.key:<16} ~{phase.minutes:g} min  {phase.answers}\n"
-                     f"{'':<16} for the GPU issue: {phase.issue}; {have}")
+            missing.append(phase)
+        lines.append(f"{phase.key:<20} ~{phase.minutes:g} min  {phase.answers}\n"
+                     f"{'':<20} {phase.topic}; {have}")
     lines.append("")
     if not missing:
         lines.append("next: every phase has results; rerun one to measure again")
         return "\n".join(lines)
-    lines.append(f"next: phase {missing[0]} (a lent session's 15 minutes hold one phase; "
+    following = missing[0]
+    lines.append(f"next: phase {following.key} (a lent session's 15 minutes hold one phase; "
                  "docs/gpu.md has the call):")
-    lines.append(gpu_command(missing[0].split("-")[0], source_commit(None)))
+    if extra_wheels(phase_packages(following)):
+        lines.append("first, here, put the wheels it needs besides the default ones in .whl/: "
+                     + wheels_command(phase_packages(following)))
+    lines.append(gpu_command(following.key.split("-")[0], source_commit(None)))
     return "\n".join(lines)
 
 

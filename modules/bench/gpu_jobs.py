@@ -189,7 +189,7 @@ def run_numbers(record: dict[str, Any]) -> dict[str, Any]:
 
 # --- cell ------------------------------------------------------------------------------------
 def cell_command(job: Job, ctx: Context, folder: Path) -> list[str]:
-    from modules.bench.cell import step_cap
+    from modules.bench.cell import step_cap, stop_time
     from modules.bench.matrix import Cell, cell_config
     from modules.config import to_dict
 
@@ -205,8 +205,11 @@ def cell_command(job: Job, ctx: Context, folder: Path) -> list[str]:
                          compile_cache_dir=cache)
     (folder / "cache.json").write_text(json.dumps({"warm_cache_found": warm,
                                                    "cache_folder": str(cache)}) + "\n", "utf-8")
+    # ``job.limit_s`` is the limit it got (the budget's cut): the cell stops itself before it,
+    # so a cold start that leaves it a short steady window still brings back a median.
     spec = {"config": to_dict(config), "steps": steps, "warmup": warmup,
-            "phase": "warm" if warm else "cold", "progress": str(folder / "progress.json")}
+            "phase": "warm" if warm else "cold", "progress": str(folder / "progress.json"),
+            "stop_at": stop_time(job.limit_s)}
     path = folder / "cell-spec.json"
     path.write_text(json.dumps(spec, indent=2) + "\n", encoding="utf-8")
     return [python(), "-m", "modules.bench.cell", "--spec", str(path),
@@ -224,7 +227,8 @@ def cell_collect(job: Job, ctx: Context, folder: Path) -> dict[str, Any]:
             "first_step_overhead_seconds", "timed_steps", "compile_steps", "step_seconds",
             "cudagraphs", "peak_allocated_bytes", "peak_reserved_bytes", "peak_rss_bytes",
             "graph_breaks", "graphs_after_warmup", "compile_seconds", "recompiles",
-            "fallbacks", "degraded", "effective", "cache", "compiled_code_ran", "timing")
+            "fallbacks", "degraded", "effective", "cache", "compiled_code_ran", "timing",
+            "steps_wanted", "partial", "stopped_at_time_limit")
     row = {k: result.get(k) for k in keep if k in result}
     row.update(_read(folder / "cache.json"))
     return row

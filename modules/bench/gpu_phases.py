@@ -3,21 +3,24 @@
 A session lent the GPU machine has about 15 minutes of it, a start included, and a machine
 starts bare: so each phase is one command of at most 9 minutes that needs nothing from an
 earlier one (no compile cache, no model), and a lent session runs the earliest phase without
-results. Phase 1 brings back the headline number first: eager and DEFAULT each timed alone
-(DEFAULT cold, with every core), then INDUCTOR alone with what is left. Phases 2 and 5 train
-through `scripts/train.py` exactly as a user does, with the compiled runs side by side to fit
-their cold starts in one command (their step times share the GPU); phase 3 compiles side by
-side first and then times each setting alone on the cache it just filled, so its warm start
-and steady step are measured in the same command. Every phase starts with the env job: the
-GPU's name, driver and TF32 setting as the runs set it (each phase may be lent another card).
-`--tiny` swaps the SD-size random-weight models for the built-in tiny ones and shortens every
-run: the CPU suite rehearses every phase that way.
+results. Phases 1, 8, 9 and 12 bring back their ratio first (`_ratio_first`): eager alone,
+then one compiled backend cold and alone with whatever the budget has left (less the checks
+after it); a cell cut short by that limit stops itself and reports the median of the clean
+steps it has. What does not fit behind that is a later phase (10, 11). Phases 2, 5 and 10
+train through `scripts/train.py` exactly as a user does, with the compiled runs side by side to
+fit their cold starts in one command (their step times share the GPU); phases 3 and 11 compile
+side by side first and then time each setting alone on the cache it just filled, so its warm
+start and steady step are measured in the same command. Every phase starts with the env job:
+the GPU's name, driver and TF32 setting as the runs set it (each phase may be lent another
+card). `--tiny` swaps the SD-size random-weight models for the built-in tiny ones and shortens
+every run: the CPU suite rehearses every phase that way.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from modules.bench.gpu_packages import EVERY_PHASE, config_packages
 from modules.bench.gpu_validate import REST, Job
 
 
@@ -102,7 +105,8 @@ def _train(key: str, size: Size, name: str, backend: str, extra: list[str],
     needs_cuda = "training.mixed_precision=FP16" in extra
     return Job(f"train-{key}-{name}", "train", limit * size.limit_scale,
                {"size": key, "backend": backend, "overrides": extra, "model": size.model,
-                "needs_cuda": needs_cuda},
+                "needs_cuda": needs_cuda,
+                "packages": config_packages([*size.overrides, *extra])},
                group=group, after=(f"build-{key}",), reserve_s=reserve,
                answers=answers or f"{backend} trains {key} through train.py: effective backend, "
                                   "compile time, recompiles, memory")
@@ -118,39 +122,62 @@ def _lora(key: str, trained: str, group: str | None = "train") -> Job:
 
 def _cell(key: str, size: Size, name: str, backend: str, extra: list[str], limit: float,
           warm_from: str | None, answers: str, compare_with: str | None = None,
-          group: str | None = None, prefix: str = "cell") -> Job:
+          group: str | None = None, prefix: str = "cell", reserve: float = 0.0) -> Job:
     """A timed cell, alone unless ``group`` is given; ``warm_from``: the job (same phase) whose
     compile cache it starts from, and must have ended ok; ``compare_with``: the cell (same
-    phase) its speed-up is against (default: eager). Cells side by side share the GPU, so
-    their step times are never compared: their memory peaks (per process) still hold."""
-    baseline = None if name == "none" or group else compare_with or f"cell-{key}-none"
+    phase) its speed-up is against (default: eager; "": none). Cells side by side share the
+    GPU, so their step times are never compared: their memory peaks (per process) still hold."""
+    baseline = None if name == "none" or group else (
+        f"cell-{key}-none" if compare_with is None else compare_with or None)
     return Job(f"{prefix}-{key}-{name}", "cell", limit * size.limit_scale,
                {"size": key, "backend": backend, "overrides": extra, "model": size.model,
-                "warm_from": warm_from, "compare_with": baseline},
+                "warm_from": warm_from, "compare_with": baseline,
+                "packages": config_packages([*size.overrides, *extra])},
                group=group, after=(f"build-{key}",) + ((warm_from,) if warm_from else ()),
-               answers=answers)
+               answers=answers, reserve_s=reserve)
 
 
-def _cold(key: str, size: Size, name: str, backend: str, extra: list[str], limit: float) -> Job:
+def _cold(key: str, size: Size, name: str, backend: str, extra: list[str], limit: float,
+          reserve: float = 0.0) -> Job:
     """The cold start of a cell, side by side with the other backends' (group "cold"): it
     fills the compile cache that ``cell-KEY-NAME`` then starts from, alone. Its compile
     seconds are an upper bound (the CPU was shared)."""
     return _cell(key, size, name, backend, extra, limit, None, "the cold compile, side by "
-                 "side, that the cell alone then starts warm from", group="cold", prefix="cold")
+                 "side, that the cell alone then starts warm from", group="cold", prefix="cold",
+                 reserve=reserve)
+
+
+def _ratio_first(key: str, size: Size, eager: tuple[str, list[str], float, str],
+                 compiled: tuple[str, str, list[str], str], reserve: float = 0.0,
+                 eager_against: str = "") -> list[Job]:
+    """A phase's ratio, first: its eager cell alone (``eager``: name, overrides, limit,
+    answers; compared with the cell ``eager_against`` if given), then one compiled cell
+    (``compiled``: name, backend, overrides, answers) cold and alone with whatever the budget
+    has left less ``reserve`` (the checks after it), compared with that eager cell. A compile
+    that leaves it too little time for all its clean steps stops itself with those it has: a
+    ratio from a short steady window beats none."""
+    eager_name, eager_extra, eager_limit, eager_answers = eager
+    name, backend, extra, answers = compiled
+    return [_cell(key, size, eager_name, "NONE", eager_extra, eager_limit, None, eager_answers,
+                  compare_with=eager_against),
+            _cell(key, size, name, backend, extra, REST, None, answers,
+                  compare_with=f"cell-{key}-{eager_name}", reserve=reserve)]
 
 
 def phase_sd15_headline(sizes: dict[str, Size]) -> list[Job]:
-    """The number the product is about, first: eager and DEFAULT each alone, DEFAULT cold with
-    every core (no max_autotune: the most likely to finish; the cell's median leaves its
-    compile steps out), its LoRA in diffusers, then INDUCTOR (the presets' backend, with
-    max_autotune) alone with what is left: its ratio, or how long its cold start ran alone."""
+    """The number the product is about, first: eager alone, then DEFAULT cold and alone with
+    every core and whatever the budget leaves after its LoRA check (no max_autotune: the most
+    likely to finish; the cell's median leaves its compile steps out, and a cold start that
+    runs long still leaves a partial window's median), its LoRA in diffusers, then INDUCTOR
+    (the presets' backend, with max_autotune) alone with what is left: its ratio, or how long
+    its cold start ran alone."""
     size = sizes["sd15"]
     return [
         _env(), _build("sd15", size),
-        _cell("sd15", size, "none", "NONE", [], 150, None,
-              "eager's steady step time and memory, alone: the baseline"),
-        _cell("sd15", size, "default", "DEFAULT", [], 300, None,
-              "DEFAULT (inductor, no max_autotune) cold and alone: its speed-up over eager"),
+        *_ratio_first("sd15", size, ("none", [], 150, "eager's steady step time and memory, "
+                                                     "alone: the baseline"),
+                      ("default", "DEFAULT", [], "DEFAULT (inductor, no max_autotune) cold and "
+                       "alone: its speed-up over eager"), reserve=LORA_SECONDS),
         _lora("sd15", "cell-sd15-default", group=None),
         _cell("sd15", size, "inductor", "INDUCTOR", [], REST, None,
               "INDUCTOR (max_autotune, as the presets) cold and alone with what is left: its "
@@ -210,7 +237,7 @@ def phase_sd15_more(sizes: dict[str, Size]) -> list[Job]:
     # Last: max_autotune's cold start may not fit at all (public figures: 4-25 min at SD
     # size); then its row says how long it ran, which answers the question too.
     jobs += [_cell("sd15", size, "default", "DEFAULT", [], 240, None,
-                   "DEFAULT, cold: what max_autotune is against"),
+                   "DEFAULT, cold: what max_autotune is against", compare_with=""),
              _cell("sd15", size, "inductor-autotune", "INDUCTOR", ["compile.mode=MAX_AUTOTUNE"],
                    480, None, "is max_autotune's cold start worth its step time at SD size",
                    compare_with="cell-sd15-default")]
@@ -229,22 +256,32 @@ def phase_sdxl(sizes: dict[str, Size]) -> list[Job]:
     return jobs
 
 
+ZIMAGE_EAGER_SECONDS = 180   # the 12 GB transformer's load, the captions cached, 6 steps
+
+
 def phase_zimage(sizes: dict[str, Size]) -> list[Job]:
-    """Z-Image at 1024 px, built on the GPU: eager and REGIONAL INDUCTOR through train.py side
-    by side (cold start, both memory peaks against the plan in their rows), then each alone
-    for the steady step: eager, and INDUCTOR warm on the cache its run just filled."""
+    """Z-Image at 1024 px, built on the GPU: its ratio first, eager alone, then REGIONAL
+    INDUCTOR cold and alone with what is left (a partial window's median if its cold start
+    runs long). Its runs through train.py are a later phase's (`phase_zimage_train`)."""
     size = sizes["zimage"]
-    runs = [("none", "NONE"), ("inductor", "INDUCTOR")]
+    return [_env(), _build("zimage", size),
+            *_ratio_first("zimage", size, ("none", [], ZIMAGE_EAGER_SECONDS,
+                                           "eager's steady Z-Image step and memory, alone: "
+                                           "the baseline"),
+                          ("inductor", "INDUCTOR", [], "REGIONAL INDUCTOR cold and alone with "
+                           "what is left: cold start, steady step against eager, memory"))]
+
+
+def phase_zimage_train(sizes: dict[str, Size]) -> list[Job]:
+    """Z-Image through train.py as a user runs it: eager and REGIONAL INDUCTOR side by side,
+    cold, each with what the budget has left (compile seconds, recompiles after the first
+    pass with sampling, both memory peaks beside the plan)."""
+    size = sizes["zimage"]
     jobs = [_env(), _build("zimage", size)]
-    jobs += [_train("zimage", size, name, backend, [], 420,
+    jobs += [_train("zimage", size, name, backend, [], REST,
                     answers=f"{backend} trains Z-Image at {size.resolution} px through "
                             "train.py, cold: compile time, recompiles, peak memory vs the plan")
-             for name, backend in runs]
-    jobs.append(_cell("zimage", size, "none", "NONE", [], 150, None,
-                      "eager's steady Z-Image step and memory, alone: the baseline"))
-    jobs.append(_cell("zimage", size, "inductor", "INDUCTOR", [], REST,
-                      "train-zimage-inductor", "REGIONAL INDUCTOR alone, warm on its run's "
-                      "cache: warm start and steady step against eager"))
+             for name, backend in (("none", "NONE"), ("inductor", "INDUCTOR"))]
     return jobs
 
 
@@ -274,75 +311,126 @@ def phase_sd15_batch(sizes: dict[str, Size]) -> list[Job]:
             jobs.append(_cell("sd15", size, f"batch{batch}-{backend.lower()}", backend,
                               [f"training.batch_size={batch}"], 240, None,
                               f"batch {batch}: does the ratio to eager hold at small batches",
-                              compare_with=f"cell-sd15-batch{batch}-none"))
+                              compare_with=f"cell-sd15-batch{batch}-none"
+                              if backend != "NONE" else ""))
     return jobs
 
 
 # Block offload (docs/memory.md): every UNet block streamed, the frozen weights at bfloat16 so
 # the saving holds through the step (autocast would keep 16-bit copies of float32 weights).
 OFFLOAD = ["model.offload_blocks=1000", "model.weight_dtype=BFLOAT16"]
-OFFLOAD_BASE = ["model.weight_dtype=BFLOAT16"]
+BF16_FROZEN = ["model.weight_dtype=BFLOAT16"]
+
+
+LEVER_EAGER_SECONDS = 100    # an SDXL cell alone, eager: load, latents, 10 steps
+OFFLOAD_WARM_SECONDS = 90    # an SDXL cell alone, warm: load, the cache's kernels, 10 steps
+
+
+def _lever_ratio_first(sizes: dict[str, Size], lever: str, extra: list[str],
+                       what: str) -> list[Job]:
+    """A memory lever at SDXL size (the card sizes levers are for), each cell alone. Its ratio
+    first, without a compile: eager with ``what`` (``extra``) against eager with bf16 frozen
+    weights alone (the peak memory it saves, the step time it costs); then REGIONAL INDUCTOR
+    with it, cold and alone with what is left, against eager with it."""
+    size = sizes["sdxl"]
+    return [_env(), _build("sdxl", size),
+            _cell("sdxl", size, f"{lever}-base-none", "NONE", BF16_FROZEN, LEVER_EAGER_SECONDS,
+                  None, f"eager with bf16 frozen weights: what {what} is against",
+                  compare_with=""),
+            *_ratio_first("sdxl", size, (f"{lever}-none", extra, LEVER_EAGER_SECONDS,
+                                         f"eager with {what}: step time and peak memory "
+                                         "against the same run without"),
+                          (f"{lever}-inductor", "INDUCTOR", extra, f"REGIONAL INDUCTOR with "
+                           f"{what}, cold and alone with what is left: does compiling still "
+                           "pay with it"), eager_against=f"cell-sdxl-{lever}-base-none")]
 
 
 def phase_offload(sizes: dict[str, Size]) -> list[Job]:
-    """Block offload at SDXL size (the card sizes it is for), each cell alone: eager and
-    REGIONAL INDUCTOR, each with every block offloaded and without. What only a GPU shows:
-    the peak memory it saves, and the step time it costs where the copies do not hide behind
-    compute."""
+    """Block offload: what only a GPU shows is the step time it costs where the copies do not
+    hide behind compute, and the peak memory it saves. INDUCTOR with against without offload
+    is a later phase's (`phase_offload_inductor`): two SDXL cold compiles do not fit one
+    command."""
+    return _lever_ratio_first(sizes, "offload", OFFLOAD, "every block offloaded")
+
+
+def phase_offload_inductor(sizes: dict[str, Size]) -> list[Job]:
+    """REGIONAL INDUCTOR at SDXL size with every block offloaded and without: both cold
+    starts side by side (each with what is left less the warm cells' time), then each alone,
+    warm on the cache its cold twin filled: the step time offload costs a compiled step."""
     size = sizes["sdxl"]
+    runs = [("offload-base-inductor", BF16_FROZEN), ("offload-inductor", OFFLOAD)]
     jobs = [_env(), _build("sdxl", size)]
-    for backend, limit in (("NONE", 100), ("INDUCTOR", 150)):
-        name = backend.lower()
-        jobs.append(_cell("sdxl", size, f"offload-base-{name}", backend, OFFLOAD_BASE, limit,
-                          None, f"{backend} with bf16 frozen weights: what offload is against"))
-        jobs.append(_cell("sdxl", size, f"offload-{name}", backend, OFFLOAD, limit, None,
-                          f"{backend} with every block offloaded: step time and peak memory "
-                          "against the same run without",
-                          compare_with=f"cell-sdxl-offload-base-{name}"))
+    jobs += [_cold("sdxl", size, name, "INDUCTOR", extra, REST,
+                   reserve=len(runs) * OFFLOAD_WARM_SECONDS) for name, extra in runs]
+    jobs += [_cell("sdxl", size, name, "INDUCTOR", extra, OFFLOAD_WARM_SECONDS,
+                   f"cold-sdxl-{name}", "INDUCTOR alone, warm: step time and peak memory, "
+                   + ("with every block offloaded, against the same without" if extra == OFFLOAD
+                      else "bf16 frozen weights: what offload is against"),
+                   compare_with="cell-sdxl-offload-base-inductor" if extra == OFFLOAD else "")
+             for name, extra in runs]
     return jobs
+
+
+# Float8 storage (docs/memory.md): the frozen linear weights as float8 through torchao, the rest
+# at bfloat16.
+FLOAT8 = ["model.weight_storage=FLOAT8", "model.weight_dtype=BFLOAT16"]
+
+
+def phase_float8(sizes: dict[str, Size]) -> list[Job]:
+    """Float8 weight storage: the memory it saves and what its dequantizing costs, eager and
+    fused into INDUCTOR's compiled blocks. Needs torchao: `--list` names its wheel."""
+    return _lever_ratio_first(sizes, "float8", FLOAT8, "float8 frozen weights")
 
 
 @dataclass(frozen=True)
 class Phase:
     key: str
     minutes: float          # expected minutes on the GPU machine (the budget is 9)
-    answers: str
-    issue: str              # the GPU issue it brings results to
+    answers: str            # what it measures, as --list prints it
+    topic: str              # what its results are about (a model, a lever), for --list
     jobs: Callable[[dict[str, Size]], list[Job]]
     max_parallel: int | None = None   # runs side by side at most (GPU memory), whatever asked
 
 
-# In order of value: one per lent session, the earliest without results first.
+# In order of value: one per lent session, the earliest without results first. The keys of
+# phases whose results may already be merged into benchmarks.md stay as they are: a later
+# phase is added at the end.
 PHASES: list[Phase] = [
-    Phase("1-sd15-headline", 9, "SD 1.5 LoRA: eager and DEFAULT each alone (DEFAULT cold), its "
-          "speed-up and its LoRA in diffusers; INDUCTOR alone with what is left",
-          "SD 1.5 (29)", phase_sd15_headline),
+    Phase("1-sd15-headline", 9, "SD 1.5 LoRA: eager alone, then DEFAULT cold and alone with "
+          "what the budget leaves (its speed-up) and its LoRA in diffusers; INDUCTOR alone "
+          "with what is left", "SD 1.5", phase_sd15_headline),
     # Five runs, the CUDA tests in the eager run's slot once it ends.
     Phase("2-sd15-breadth", 9, "SD 1.5 LoRA through train.py, every backend, cold, side by "
-          "side; saved LoRAs load in diffusers; tests/gpu", "SD 1.5 (29)", phase_sd15_breadth,
+          "side; saved LoRAs load in diffusers; tests/gpu", "SD 1.5", phase_sd15_breadth,
           max_parallel=5),
     Phase("3-sd15-warm", 9, "SD 1.5 step times alone, warm on the cache compiled side by side "
-          "first; channels_last", "SD 1.5 (29)", phase_sd15_warm),
+          "first; channels_last", "SD 1.5", phase_sd15_warm),
     Phase("4-sd15-more", 9, "SD 1.5 full fine-tune eager vs compiled; DEFAULT vs max_autotune",
-          "SD 1.5 (29)", phase_sd15_more),
+          "SD 1.5", phase_sd15_more),
     # Three SDXL runs at 1024 px (~5 GB of weights and ~15 GB of activations each) fit 80 GB.
     Phase("5-sdxl", 9, "SDXL LoRA at 1024 px through train.py, fp16 VAE, LoRA in diffusers",
-          "SDXL (30)", phase_sdxl, max_parallel=3),
+          "SDXL", phase_sdxl, max_parallel=3),
     Phase("6-rest", 9, "FULL-scope INDUCTOR at SD size; SDXL full fine-tune",
-          "at size (31)", phase_rest),
-    Phase("7-sd15-batch", 8, "SD 1.5 batch 1 vs 4, eager vs compiled", "at size (31)",
+          "at size", phase_rest),
+    Phase("7-sd15-batch", 8, "SD 1.5 batch 1 vs 4, eager vs compiled", "at size",
           phase_sd15_batch),
-    # Last: after every SD 1.5 phase, as issue 45 asks (the phase keys of results already
-    # merged into benchmarks.md stay as they are).
+    Phase("8-zimage", 9, "Z-Image at 1024 px: eager alone, then REGIONAL INDUCTOR cold and "
+          "alone with what is left: its speed-up and memory", "Z-Image", phase_zimage),
+    # A memory lever, not a headline number.
+    Phase("9-offload", 9, "SDXL LoRA with every UNet block offloaded vs not, eager, each alone "
+          "(step time and peak memory); then REGIONAL INDUCTOR offloaded, cold and alone with "
+          "what is left", "memory levers", phase_offload),
     # Two runs of a 6 B transformer at 1024 px side by side (12 GB of bf16 weights each, the
     # text encoder's 8 GB only while captions are cached) fit 80 GB.
-    Phase("8-zimage", 9, "Z-Image at 1024 px: eager vs REGIONAL INDUCTOR through train.py, "
-          "cold and warm, steady steps alone, memory peaks against the plan", "Z-Image (45)",
-          phase_zimage, max_parallel=2),
-    # After every earlier phase (issue 46 item 2): a memory lever, not a headline number.
-    Phase("9-offload", 9, "SDXL LoRA with every UNet block offloaded vs not, eager and "
-          "REGIONAL INDUCTOR, each alone: step time and peak memory", "memory levers (46)",
-          phase_offload),
+    Phase("10-zimage-train", 9, "Z-Image at 1024 px through train.py, eager and REGIONAL "
+          "INDUCTOR side by side, cold: compile seconds, recompiles, memory peaks against the "
+          "plan", "Z-Image", phase_zimage_train, max_parallel=2),
+    Phase("11-offload-inductor", 9, "SDXL LoRA, REGIONAL INDUCTOR with every block offloaded "
+          "vs not: cold side by side, then each alone warm (step time and peak memory)",
+          "memory levers", phase_offload_inductor),
+    Phase("12-float8", 9, "SDXL LoRA with float8 frozen weights vs bf16, eager, each alone "
+          "(step time and peak memory); then REGIONAL INDUCTOR with float8, cold and alone with "
+          "what is left", "memory levers", phase_float8),
 ]
 
 
@@ -357,3 +445,12 @@ def find_phase(name: str) -> Phase:
 
 def phase_jobs(phase: Phase, tiny: bool) -> list[Job]:
     return phase.jobs(TINY_SIZES if tiny else FULL_SIZES)
+
+
+def phase_packages(phase: Phase) -> list[str]:
+    """Every package (distribution name) the phase imports on the GPU machine: the engine's,
+    and what its runs' settings need (at full size: what the GPU machine runs)."""
+    needed = set(EVERY_PHASE)
+    for job in phase_jobs(phase, tiny=False):
+        needed.update(job.spec.get("packages", ()))
+    return sorted(needed)

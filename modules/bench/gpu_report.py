@@ -64,9 +64,19 @@ def _card_memory(row: dict[str, Any]) -> str:
             + (f" (held: {held})" if held else ""))
 
 
+def _partial(row: dict[str, Any]) -> str:
+    """A cell whose median comes from fewer clean steps than it asked for, and why."""
+    if not row.get("partial"):
+        return ""
+    return (f"partial steady window: {len(row.get('timed_steps') or [])} of "
+            f"{row.get('steps_wanted')} clean steps"
+            + (" (it stopped itself at its time limit)" if row.get("stopped_at_time_limit")
+               else ""))
+
+
 def _notes(row: dict[str, Any]) -> str:
     notes = [row["error"]] if row.get("error") else []
-    notes += [text for text in (_progress(row), _card_memory(row)) if text]
+    notes += [text for text in (_progress(row), _partial(row), _card_memory(row)) if text]
     notes += row.get("fallbacks") or []
     notes += row.get("degraded") or []
     if row.get("skipped_steps"):
@@ -110,7 +120,7 @@ def speedup_text(row: dict[str, Any], ratio: float | None) -> str:
     """The speed-up column: the ratio, or, for a cold cell killed at its limit, how long its
     cold start ran (alone, or side by side): a finding too."""
     if ratio:
-        return f"{ratio:.2f}×"
+        return f"{ratio:.2f}×" + (" (partial)" if row.get("partial") else "")
     if row["status"] == "timeout" and not row.get("warm_cache_found"):
         alone = "alone" if row.get("side_by_side", 1) == 1 else "side by side"
         return f"cold start > {row['seconds']:.0f} s {alone}"
@@ -168,7 +178,7 @@ def other_rows(rows: list[dict[str, Any]]) -> list[str]:
             found = "; ".join(f"{name}: mean |Δ| {f['mean_abs_change']:.2e}"
                               for name, f in (r.get("files") or {}).items())
         elif r["kind"] == "build":
-            found = (f"{_num(r.get('unet_parameters'), ',d')} UNet parameters, "
+            found = (f"{_num(r.get('unet_parameters'), ',d')} denoiser parameters, "
                      f"{_mib(r.get('folder_bytes'))} MiB folder, built on "
                      f"{r.get('built_on', '?')}") if r.get("path") else ""
             if r.get("gpu_build_error"):
@@ -321,7 +331,7 @@ def best_speedup(jobs: dict[tuple[str, str], dict[str, Any]]) -> str:
     parts = []
     if ratios:
         row, ratio = max(ratios, key=lambda pair: pair[1])
-        parts.append(f"{_label(row)}: {ratio:.2f}×")
+        parts.append(f"{_label(row)}: {speedup_text(row, ratio)}")
     parts += [f"{_label(r)}: {speedup_text(r, None)}" for r, _ in _against_eager(jobs)
               if r["status"] == "timeout" and not r.get("warm_cache_found")]
     return "; ".join(parts)
@@ -398,13 +408,26 @@ def target_lines(phases: list[dict[str, Any]]) -> list[str]:
     return ["Targets (reported, not asserted):", "", *_table(["target", "measured"], rows)]
 
 
-def write_plot(phases: list[dict[str, Any]], path: Path) -> bool:
-    """Median step time (timed cells) and cold compile seconds (train runs) per backend."""
+def plot_bars(phases: list[dict[str, Any]]) -> tuple[list[tuple[str, float]],
+                                                     list[tuple[str, float]]]:
+    """The plot's two sets of (label, value) bars: median step ms of the cells timed alone,
+    and cold compile seconds of every run and cell that started from an empty cache (train
+    runs and timed cells alike; one side by side is marked so: an upper bound)."""
     jobs = _jobs(phases)
-    cells = [r for r in jobs.values() if r["kind"] == "cell" and r["status"] == "ok"
-             and r.get("median_step_seconds") and r.get("side_by_side", 1) == 1]
-    trains = [r for r in jobs.values() if r["kind"] == "train" and r["status"] == "ok"]
-    if not cells and not trains:
+    steps = [(_label(r), r["median_step_seconds"] * 1000) for r in jobs.values()
+             if r["kind"] == "cell" and r["status"] == "ok" and r.get("median_step_seconds")
+             and r.get("side_by_side", 1) == 1]
+    cold = [(_label(r) + (" (side by side)" if r.get("side_by_side", 1) > 1 else ""),
+             r["compile_seconds"]) for r in jobs.values()
+            if r["kind"] in ("train", "cell") and r["status"] == "ok"
+            and r.get("compile_seconds") and not r.get("warm_cache_found")]
+    return steps, cold
+
+
+def write_plot(phases: list[dict[str, Any]], path: Path) -> bool:
+    """Median step time (timed cells alone) and cold compile seconds (runs and cells)."""
+    steps, cold = plot_bars(phases)
+    if not steps and not cold:
         return False
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -412,13 +435,11 @@ def write_plot(phases: list[dict[str, Any]], path: Path) -> bool:
     figure = Figure(figsize=(12, 4.8))
     FigureCanvasAgg(figure)
     left, right = figure.subplots(1, 2)
-    left.barh([_label(r) for r in cells], [r["median_step_seconds"] * 1000 for r in cells],
-              color="tab:blue")
-    left.set_title("median step ms, alone (lower is better)")
-    right.barh([_label(r) for r in trains], [r.get("compile_seconds") or 0 for r in trains],
-               color="tab:red")
-    right.set_title("cold compile seconds in train.py (lower is better)")
-    for axis in (left, right):
+    for axis, bars, color, title in (
+            (left, steps, "tab:blue", "median step ms, alone (lower is better)"),
+            (right, cold, "tab:red", "cold compile seconds (lower is better)")):
+        axis.barh([label for label, _ in bars], [value for _, value in bars], color=color)
+        axis.set_title(title)
         axis.tick_params(axis="y", labelsize=7)
     figure.suptitle(device_line(phases[0]))
     figure.tight_layout()

@@ -43,6 +43,7 @@ from typing import Any
 
 from modules.bench.gpu_context import Context
 from modules.bench.gpu_machine import card_memory
+from modules.bench.gpu_packages import missing, wheels_command
 from modules.bench.gpu_outputs import log_tail, write_outputs
 from modules.util.process import (
     dies_with_parent,
@@ -133,6 +134,7 @@ def run_phase(ctx: Context, jobs: list[Job], kinds: dict[str, Kind],
     if ctx.jobs_root().exists():
         shutil.rmtree(ctx.jobs_root())
     ctx.order = [job.name for job in jobs]
+    ctx.machine()  # its date and load average as the phase starts, not after its first job
     waiting: list[Job] = list(jobs)
     running: list[_Running] = []
     with _stop_on_signals():  # inside it, a second signal does not cut the cleanup short
@@ -288,6 +290,10 @@ def _why_not_started(job: Job, ctx: Context) -> str:
         return "not in --jobs"
     if ctx.backends is not None and backend and backend not in ctx.backends:
         return f"backend {backend} not in --backends {','.join(ctx.backends)}"
+    absent = missing(job.spec.get("packages", ()))
+    if absent:
+        return (f"needs {', '.join(absent)}, not installed here: carry the wheel "
+                f"({wheels_command(absent)})")
     for name in job.after:
         before = ctx.row(name)
         if before is None or before["status"] != "ok":

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from modules.config import Config, from_dict, to_dict
+from modules.config.outputs import Sampler
 from modules.config.schema import (
     BUILTIN_SHAPES,
     CompileBackend,
@@ -17,6 +18,7 @@ from modules.config.schema import (
     DatasetConfig,
     DynamicShapes,
 )
+from modules.model_types import MODEL_TYPES
 
 # --components values -> which compile.* switches they turn on (the UNet is compile.denoiser).
 COMPONENT_SETS: dict[str, dict[str, bool]] = {
@@ -122,6 +124,11 @@ def model_config(base: Config, *, model_path: str, model_type, resolution: int, 
     config.data.resolution = resolution
     config.training.batch_size = batch
     config.training.method = method
+    # A family that samples with its own schedulers only (the family table says which) gets
+    # the first of them: the cells never sample, but the config must validate.
+    samplers = MODEL_TYPES[model_type].samplers
+    if samplers and config.sampling.sampler.value not in samplers:
+        config.sampling.sampler = Sampler(samplers[0])
     set_precision(config, precision)
     return config
 

@@ -20,8 +20,9 @@ from typing import Any
 
 from modules.bench.cell import step_cap
 from modules.bench.matrix import Cell, cell_config, expand_matrix
-from modules.bench.timeouts import cell_timeout_seconds, unet_parameters
+from modules.bench.timeouts import cell_timeout_seconds, denoiser_parameters
 from modules.config import Config, to_dict
+from modules.model_types import MODEL_TYPES
 from modules.paths import triton_cache_folder
 from modules.util.errors import first_line
 from modules.util.process import kill_group, last_log_line
@@ -105,7 +106,7 @@ def run_benchmark(config: Config, *, backends: Sequence[str] = ("NONE", "AOT_EAG
                           list(components) if components else [_components_of(config)],
                           list(scopes) if scopes else [c.scope.value],
                           list(dynamic) if dynamic else [c.dynamic.value])
-    parameters, parameters_source = unet_parameters(config)
+    parameters, parameters_source = denoiser_parameters(config)
     result = BenchmarkResult(machine_info(), {
         "backends": list(backends), "steps": steps, "warmup": warmup, "warm_start": warm_start,
         "cell_timeout": cell_timeout, "unet_parameters": parameters,
@@ -124,7 +125,8 @@ def run_benchmark(config: Config, *, backends: Sequence[str] = ("NONE", "AOT_EAG
                        cell_timeout_seconds(parameters, cell.backend, c.mode))
             row["timeout_seconds"] = timeout
             why = ("--cell-timeout" if cell_timeout is not None else
-                   f"scaled for a {parameters / 1e6:.1f} M-parameter UNet and {cell.backend}; "
+                   f"scaled for a {parameters / 1e6:.1f} M-parameter "
+                   f"{MODEL_TYPES[config.model.type].denoiser_label} and {cell.backend}; "
                    "--cell-timeout sets it")
             if stop():
                 row.update(status="skipped", error="benchmark stopped")

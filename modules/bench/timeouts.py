@@ -8,10 +8,9 @@ choices. A cell killed by its limit is a ``timeout`` row, never a failure of its
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from modules.config import Config
-from modules.config.schema import CompileBackend, CompileMode, ModelType
+from modules.config.schema import CompileBackend, CompileMode
 
 # Model load, the eager steps and a small model's compile on a slow machine (the tiny UNet's
 # inductor cold start is ~110 s on a 2-core CPU).
@@ -20,9 +19,6 @@ BASE_SECONDS = 600.0
 SECONDS_PER_MILLION_PARAMETERS = 1.0
 # max_autotune times several kernel choices per matrix product and convolution.
 AUTOTUNE_FACTOR = 3.0
-# When the UNet's own config cannot be read (a single-file checkpoint): the real sizes.
-TYPICAL_UNET_PARAMETERS = {ModelType.SD15: 859_520_964, ModelType.SD2: 865_910_724,
-                           ModelType.SDXL: 2_567_463_684}
 
 
 def autotunes(backend: str, mode: CompileMode = CompileMode.DEFAULT) -> bool:
@@ -39,34 +35,39 @@ def autotunes(backend: str, mode: CompileMode = CompileMode.DEFAULT) -> bool:
     return bool(options.get("max_autotune") or options.get("max_autotune_gemm"))
 
 
-def cell_timeout_seconds(unet_parameters: int, backend: str,
+def cell_timeout_seconds(denoiser_parameters: int, backend: str,
                          mode: CompileMode = CompileMode.DEFAULT) -> float:
     """Seconds one cell process may run before it is killed and recorded as ``timeout``."""
     seconds = BASE_SECONDS
     if backend != CompileBackend.NONE.value:
-        seconds += SECONDS_PER_MILLION_PARAMETERS * unet_parameters / 1e6
+        seconds += SECONDS_PER_MILLION_PARAMETERS * denoiser_parameters / 1e6
         if autotunes(backend, mode):
             seconds *= AUTOTUNE_FACTOR
     return round(seconds)
 
 
-def unet_parameters(config: Config) -> tuple[int, str]:
-    """(parameters of the config's UNet, where the number came from), without loading weights:
-    the UNet is built from its config on the meta device."""
+def denoiser_parameters(config: Config) -> tuple[int, str]:
+    """(parameters of the config's denoiser, a UNet or a transformer, and the config file the
+    number came from), without loading weights: the denoiser is built from its config on the
+    meta device, as the class its config names. The config is the model folder's (a built-in
+    model is built into the cache first, as training does: it is tiny), else, for a single-file
+    checkpoint, the one the family ships for reading single files."""
     import diffusers
     import torch
 
-    from modules.models.tiny import BUILTIN_MODELS, TINY_SPECS
+    from modules.bench.models import CONFIGS_DIR
+    from modules.model_types import MODEL_TYPES
+    from modules.models.families import family_files
+    from modules.models.loader import resolve_model_path
+    from modules.paths import cache_dir_for
 
-    path = config.model.path
-    if path in BUILTIN_MODELS:
-        unet_config, source = dict(TINY_SPECS[BUILTIN_MODELS[path]].unet), path
-    else:
-        config_file = Path(path) / "unet" / "config.json"
-        if not config_file.is_file():
-            return (TYPICAL_UNET_PARAMETERS[config.model.type],
-                    f"typical {config.model.type.value} UNet ({config_file} not found)")
-        unet_config, source = json.loads(config_file.read_text(encoding="utf-8")), str(config_file)
+    denoiser = MODEL_TYPES[config.model.type].denoiser
+    folder = resolve_model_path(config.model.path, cache_dir_for(config.general.cache_dir))
+    config_file = folder / denoiser / "config.json"
+    if not config_file.is_file():
+        shipped = family_files(config.model.type).single_file_configs
+        config_file = CONFIGS_DIR / shipped / denoiser / "config.json"
+    data = json.loads(config_file.read_text(encoding="utf-8"))
     with torch.device("meta"):
-        unet = diffusers.UNet2DConditionModel.from_config(unet_config)
-    return sum(p.numel() for p in unet.parameters()), source
+        model = getattr(diffusers, data["_class_name"]).from_config(data)
+    return sum(p.numel() for p in model.parameters()), str(config_file)

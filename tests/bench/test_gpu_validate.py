@@ -213,7 +213,10 @@ def test_the_headline_phase_comes_first_and_times_eager_default_and_inductor_alo
         assert jobs[name].spec["compare_with"] == "cell-sd15-none"
         assert jobs[name].spec["warm_from"] is None and not jobs[name].spec["overrides"]  # cold
     assert jobs["lora-sd15-default"].spec["train_job"] == "cell-sd15-default"
-    assert jobs["cell-sd15-inductor"].limit_s == REST    # with what is left
+    # the headline with what the budget leaves after its LoRA check; INDUCTOR with the rest
+    assert jobs["cell-sd15-default"].limit_s == REST
+    assert jobs["cell-sd15-default"].reserve_s == LORA_SECONDS
+    assert jobs["cell-sd15-inductor"].limit_s == REST
 
 
 def test_the_breadth_phase_wastes_no_slot():

@@ -16,11 +16,14 @@ from modules.train.outputs.record import peak_memory
 from modules.bench.cli import benchmark_config, build_parser
 from modules.bench.models import unet_parameter_count
 from modules.bench.report import markdown_report, plain_table
-from modules.bench.timeouts import (TYPICAL_UNET_PARAMETERS, autotunes, cell_timeout_seconds,
-                                    unet_parameters)
+from modules.bench.timeouts import autotunes, cell_timeout_seconds, denoiser_parameters
 from modules.config import Config, apply_overrides
-from modules.config.schema import DType, MixedPrecision, ModelType
+from modules.config.schema import DType, MixedPrecision, ModelType, TrainingMethod
+from modules.config.validate import validate
+from modules.bench.matrix import model_config
 from modules.events import CompileEvent, Progress, TrainerCommands
+from modules.model_types import MODEL_TYPES
+from modules.models.families import FAMILIES, family_files
 
 
 @pytest.mark.parametrize("warmup,compiles,settle,expected", [
@@ -137,20 +140,47 @@ def test_timeout_scales_with_the_model_and_autotuning():
     assert cell_timeout_seconds(sd15, "NONE") == cell_timeout_seconds(tiny, "NONE")
 
 
-def test_unet_parameters_come_from_the_model_without_loading_it(tmp_path):
-    config = Config()
-    assert unet_parameters(config) == (unet_parameter_count("tiny"), "builtin:tiny-sd15")
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_every_family_gets_a_cell_timeout_from_its_denoiser(model_type, tempera_cache, tmp_path):
+    """The benchmark's timeout reads the denoiser (a UNet or a transformer) of every family the
+    trainer offers: its built-in model's folder, and the family's shipped config for a single
+    file (a family missing from a table of UNets failed with a KeyError before any cell ran)."""
+    spec = MODEL_TYPES[model_type]
+    config = apply_overrides(Config(), [f"general.cache_dir={tempera_cache}",
+                                        f"model.path={spec.builtin}",
+                                        f"model.type={model_type.value}"])
+    count, source = denoiser_parameters(config)
+    assert source.endswith(f"{spec.denoiser}/config.json") and "models/configs" not in source
+    assert count > 0 and cell_timeout_seconds(count, "INDUCTOR") > cell_timeout_seconds(count,
+                                                                                        "NONE")
+    config.model.path = str(tmp_path / "model.safetensors")   # no folder: the shipped config
+    count, source = denoiser_parameters(config)
+    shipped = family_files(model_type).single_file_configs
+    assert source.endswith(f"models/configs/{shipped}/{spec.denoiser}/config.json")
+    assert count > 100e6   # the real architecture, built on the meta device
+
+
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_a_benchmark_config_validates_for_every_family(model_type):
+    # Z-Image samples with its flow-matching Euler scheduler only: a benchmark of it was
+    # refused for the default sampler before a cell ran.
+    config = model_config(Config(), model_path=MODEL_TYPES[model_type].builtin,
+                          model_type=model_type, resolution=64, batch=2,
+                          method=TrainingMethod.LORA, precision="fp32")
+    assert validate(config) == []
+
+
+def test_a_tiny_unet_counts_as_the_benchmark_model_of_the_same_shape(tmp_path, tempera_cache):
     from modules.models.tiny import TINY_SPECS
+    config = apply_overrides(Config(), [f"general.cache_dir={tempera_cache}"])
+    assert denoiser_parameters(config)[0] == unet_parameter_count("tiny")
     folder = tmp_path / "model"
     (folder / "unet").mkdir(parents=True)
     (folder / "unet" / "config.json").write_text(json.dumps(
         {"_class_name": "UNet2DConditionModel", **TINY_SPECS[ModelType.SD15].unet}))
     config.model.path = str(folder)
-    assert unet_parameters(config)[0] == unet_parameter_count("tiny")
-    config.model.path = str(tmp_path / "model.safetensors")
-    config.model.type = ModelType.SDXL
-    count, source = unet_parameters(config)
-    assert count == TYPICAL_UNET_PARAMETERS[ModelType.SDXL] and "not found" in source
+    assert denoiser_parameters(config) == (unet_parameter_count("tiny"),
+                                           str(folder / "unet" / "config.json"))
 
 
 def _result(base_status: str, compiled_status: str, speedup: float = 1.5) -> BenchmarkResult:
