@@ -196,6 +196,7 @@ def summarize_compile(report: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "degraded": [f"{name}: {r['degraded']}" for name, r in compiled.items() if r["degraded"]],
         "effective": {name: r["effective"] for name, r in compiled.items()},
         "cache": "/".join(caches) if caches else "off",
+        "bundle": "/".join(sorted({r.get("bundle", "off") for r in compiled.values()})) or "off",
         "compiled_code_ran": all(r["compiled_code_ran"] for name, r in compiled.items()
                                  if r["effective"] != "NONE"),
     }

@@ -194,17 +194,25 @@ def cell_command(job: Job, ctx: Context, folder: Path) -> list[str]:
     from modules.config import to_dict
 
     warm_from = job.spec.get("warm_from")
+    # bundle_from: an empty cache folder of its own, and only the compile bundle the job
+    # named wrote (a new machine's start: docs/compilation.md "Compile bundles")
+    bundle_from = job.spec.get("bundle_from")
     cache = ctx.compile_cache() / (warm_from or job.name)
-    warm = bool(warm_from) and cache.is_dir() and any(cache.rglob("*"))
+    bundles = ctx.compile_cache() / bundle_from / "bundles" if bundle_from else None
+    warm = (bool(warm_from) and cache.is_dir() and any(cache.rglob("*"))) or (
+        bundles is not None and any(bundles.glob("*.tcb")))
     if not warm_from:
         _fresh(cache)
     base = run_config(job, ctx, folder, cache)
+    if bundles is not None:
+        base.compile.bundle = str(bundles)
     cell = Cell(job.spec["backend"], "unet", base.compile.scope.value, base.compile.dynamic.value)
     warmup, steps = 1, sizes(ctx)[job.spec["size"]].cell_steps
     config = cell_config(base, cell, max_steps=step_cap(warmup, steps), output_dir=folder / "out",
                          compile_cache_dir=cache)
     (folder / "cache.json").write_text(json.dumps({"warm_cache_found": warm,
-                                                   "cache_folder": str(cache)}) + "\n", "utf-8")
+                                                   "cache_folder": str(cache),
+                                                   "bundle_from": bundle_from}) + "\n", "utf-8")
     # ``job.limit_s`` is the limit it got (the budget's cut): the cell stops itself before it,
     # so a cold start that leaves it a short steady window still brings back a median.
     spec = {"config": to_dict(config), "steps": steps, "warmup": warmup,
@@ -227,7 +235,7 @@ def cell_collect(job: Job, ctx: Context, folder: Path) -> dict[str, Any]:
             "first_step_overhead_seconds", "timed_steps", "compile_steps", "step_seconds",
             "cudagraphs", "peak_allocated_bytes", "peak_reserved_bytes", "peak_rss_bytes",
             "graph_breaks", "graphs_after_warmup", "compile_seconds", "recompiles",
-            "fallbacks", "degraded", "effective", "cache", "compiled_code_ran", "timing",
+            "fallbacks", "degraded", "effective", "cache", "bundle", "compiled_code_ran", "timing",
             "steps_wanted", "partial", "stopped_at_time_limit")
     row = {k: result.get(k) for k in keep if k in result}
     row.update(_read(folder / "cache.json"))

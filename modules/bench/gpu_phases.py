@@ -17,6 +17,7 @@ every run: the CPU suite rehearses every phase that way.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -76,6 +77,8 @@ SDXL_TRAIN_RUNS: list[tuple[str, str, list[str]]] = [
     ("fp16", "NONE", ["training.mixed_precision=FP16", "model.weight_dtype=FLOAT16"]),  # CUDA
     ("triton", "TRITON", []),
 ]
+# A cell started from a compile bundle: warm, so its first step is seconds, not minutes.
+BUNDLE_CELL_SECONDS = 150
 # A LoRA check's limit, and what a run it checks leaves it of the budget: load a pipeline,
 # generate once before and once per saved file.
 LORA_SECONDS = 120
@@ -137,6 +140,15 @@ def _cell(key: str, size: Size, name: str, backend: str, extra: list[str], limit
                answers=answers, reserve_s=reserve)
 
 
+def _bundle_cell(key: str, size: Size, name: str, backend: str, written_by: str,
+                 limit: float, answers: str) -> Job:
+    """A timed cell on an empty compile cache folder that starts from the compile bundle the
+    cell ``written_by`` (same phase) wrote, alone: a new machine's first step."""
+    job = _cell(key, size, name, backend, [], limit, None, answers, prefix="bundle")
+    job.spec["bundle_from"] = written_by
+    return dataclasses.replace(job, after=(*job.after, written_by))
+
+
 def _cold(key: str, size: Size, name: str, backend: str, extra: list[str], limit: float,
           reserve: float = 0.0) -> Job:
     """The cold start of a cell, side by side with the other backends' (group "cold"): it
@@ -183,6 +195,23 @@ def phase_sd15_headline(sizes: dict[str, Size]) -> list[Job]:
               "INDUCTOR (max_autotune, as the presets) cold and alone with what is left: its "
               "speed-up, or how long its cold start ran"),
     ]
+
+
+def phase_bundle(sizes: dict[str, Size]) -> list[Job]:
+    """Compile bundles at SD 1.5 size: REGIONAL INDUCTOR cold and alone (it writes the
+    bundle), then the same settings alone in a fresh process on an empty cache folder that has
+    only that bundle (a new machine's or a cloud run's start): the first step's seconds of
+    each against eager's (target: the bundle's first step within 10 s of eager's)."""
+    size = sizes["sd15"]
+    return [_env(), _build("sd15", size),
+            _cell("sd15", size, "none", "NONE", [], 150, None,
+                  "eager's first step and steady step, alone: the baseline"),
+            _cell("sd15", size, "inductor", "INDUCTOR", [], REST, None,
+                  "REGIONAL INDUCTOR cold and alone: its first step, and the bundle it writes",
+                  reserve=BUNDLE_CELL_SECONDS),
+            _bundle_cell("sd15", size, "inductor", "INDUCTOR", "cell-sd15-inductor",
+                         BUNDLE_CELL_SECONDS, "the same settings on an empty cache folder with "
+                         "only that bundle: its first step against eager's and the cold one")]
 
 
 def phase_sd15_breadth(sizes: dict[str, Size]) -> list[Job]:
@@ -431,6 +460,9 @@ PHASES: list[Phase] = [
     Phase("12-float8", 9, "SDXL LoRA with float8 frozen weights vs bf16, eager, each alone "
           "(step time and peak memory); then REGIONAL INDUCTOR with float8, cold and alone with "
           "what is left", "memory levers", phase_float8),
+    Phase("13-bundle", 9, "SD 1.5 LoRA, REGIONAL INDUCTOR: the first step cold, then in a "
+          "fresh process and cache folder from the compile bundle alone, against eager's",
+          "compile bundles", phase_bundle),
 ]
 
 

@@ -59,6 +59,10 @@ REHEARSED: dict[str, str | None] = {
     # tests/train/test_weight_storage.py's; a float8 step costs seconds here) and INDUCTOR's:
     # that torchao is there for them is test_the_packages_the_phases_need_are_installed_here's
     "12-float8": "build-sdxl",
+    # INDUCTOR cells: the cold one writes a compile bundle, the other starts from it alone
+    # (the bundle round trip on the CPU is tests/train/test_compile_bundles.py's; the bundle
+    # cell's config is test_gpu_validate.py's)
+    "13-bundle": "build-sd15",
 }
 
 
