@@ -215,8 +215,9 @@ def test_report_has_the_stable_keys():
         "requested", "effective", "scope", "torch_compile_kwargs", "inductor_options",
         "cudagraphs", "persistent_grads", "recompile_limit", "notes", "fallbacks", "degraded",
         "compile_seconds", "compiles", "recompiles", "late_recompiles", "recompile_reasons", "cache",
-        "compiled_code_ran"}
+        "cache_hits", "cache_misses", "bundle", "compiled_code_ran"}
     assert report["unet"]["cache"] == "off" and report["unet"]["compiled_code_ran"] is False
+    assert report["unet"]["bundle"] == "off"  # nothing compiles with inductor
 
 
 # -- torch without a per-call recompile_limit (the GPU image's torch 2.11) --------------------
