@@ -42,7 +42,7 @@ def recommended_settings(result) -> tuple[dict[str, Any], str, dict[str, Any]]:
     if unfinished:
         names = ", ".join(f"{c['label']} ({c['status']})" for c in unfinished)
         raise ApplyError(f"not every cell finished: {names}; one of them may be the fastest. "
-                         "Run the benchmark again (with a larger --cell-timeout for a "
+                         "Run the benchmark again (with more time per cell for a "
                          "timeout), or without those backends, before applying")
     best = result.fastest()
     base = result.baseline()

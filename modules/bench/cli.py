@@ -140,6 +140,9 @@ def run_matrix(argv: list[str]) -> int:
     paths = result.write(args.out)
     print(result.markdown())
     print("wrote " + ", ".join(str(p) for p in paths.values()))
+    if any(cell["status"] == "timeout" for cell in result.cells):
+        print("a cell timed out: --cell-timeout SECONDS gives every cell that long",
+              file=sys.stderr)
     if args.apply:
         try:
             applied = apply_fastest(result, args.apply, force=args.force)
