@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
+import shutil
 import zipfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
+
+from modules.util.atomic import atomic_file, atomic_write_bytes
 
 BUNDLE_SUFFIX = ".tcb"
 BUNDLE_FORMAT = 1
@@ -137,9 +138,8 @@ def loaded_kernel_names() -> list[str]:
 def write_bundle(folder: Path, fingerprint: Fingerprint, cache_dir: Path,
                  cold_seconds: float | None = None) -> Path | None:
     """Write this process's compiled code as ``folder/<fingerprint's file name>``, atomically
-    (a temporary file in the same folder, then a rename: a reader never sees half a bundle and
-    two writers leave one whole file). None when torch recorded nothing to carry.
-    ``cold_seconds``: what compiling this code cold took, for a later run's "saved" figure."""
+    (`atomic_file`: a reader never sees half a bundle and two writers leave one whole file).
+    None when torch recorded nothing to carry. ``cold_seconds``: what compiling this code cold took, for a later run's "saved" figure."""
     import torch
 
     saved = torch.compiler.save_cache_artifacts()
@@ -151,20 +151,13 @@ def write_bundle(folder: Path, fingerprint: Fingerprint, cache_dir: Path,
               "artifacts_bytes": len(artifacts),
               "artifacts_sha256": hashlib.sha256(artifacts).hexdigest(),
               "kernels": len(kernels), "cold_compile_seconds": cold_seconds}
-    folder.mkdir(parents=True, exist_ok=True)
     target = folder / fingerprint.file_name()
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".part", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as raw, zipfile.ZipFile(raw, "w") as z:
-            z.writestr(HEADER, json.dumps(header, indent=1))
-            z.writestr(ARTIFACTS, artifacts, compress_type=zipfile.ZIP_DEFLATED)
-            for path in kernels:
-                z.write(path, KERNELS + path.relative_to(cache_dir).as_posix(),
-                        compress_type=zipfile.ZIP_DEFLATED)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(target) as tmp, zipfile.ZipFile(tmp, "w") as z:
+        z.writestr(HEADER, json.dumps(header, indent=1))
+        z.writestr(ARTIFACTS, artifacts, compress_type=zipfile.ZIP_DEFLATED)
+        for path in kernels:
+            z.write(path, KERNELS + path.relative_to(cache_dir).as_posix(),
+                    compress_type=zipfile.ZIP_DEFLATED)
     return target
 
 
@@ -189,11 +182,7 @@ def load_bundle(bundle: BundleFile, cache_dir: Path) -> int:
         if cache_dir.resolve() not in target.parents:
             raise BundleError(f"{bundle.path} names a file outside the cache folder: {relative}")
         if not target.exists():  # a kernel already there is the same build (its name is its hash)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".part")
-            with os.fdopen(fd, "wb") as out:
-                out.write(data)
-            os.replace(tmp, target)
+            atomic_write_bytes(target, data)
             if target.suffix == ".so":
                 target.chmod(0o755)
     try:
@@ -326,16 +315,8 @@ class BundleKeeper:
 
 def _copy_whole(source: Path, target: Path) -> Path:
     """Copy ``source`` to ``target`` through a temporary file beside it: never half a file."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".part", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as out, open(source, "rb") as src:
-            while chunk := src.read(1 << 20):
-                out.write(chunk)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(target) as tmp:
+        shutil.copyfile(source, tmp)
     return target
 
 
