@@ -42,10 +42,11 @@ def compile_hint(expected: Any) -> str:
     if expected.seconds:
         why = "compile cache warm" if expected.warm else "last run with these settings"
         return f" · expected about {format_duration(expected.seconds)} ({why})"
+    warm = "compile bundle loaded" if expected.bundle else "compile cache warm"
     if expected.warm and expected.cold_seconds:
-        return (f" · compile cache warm: well under the {format_duration(expected.cold_seconds)}"
+        return (f" · {warm}: well under the {format_duration(expected.cold_seconds)}"
                 " of a cold compile")
-    return " · compile cache warm: no estimate yet" if expected.warm else ""
+    return f" · {warm}: no estimate yet" if expected.warm else ""
 
 
 def with_graph_total(message: str, graph: int, component: str, expected: Any) -> str:

@@ -151,13 +151,15 @@ def explain(config: Config) -> str:
 
 
 def expected_compile(config: Config) -> Any:
-    """What earlier runs with these settings here say about this compile (a
-    `CompileExpectation`; None: no record, or nothing compiles)."""
+    """What earlier runs with these settings here, and a compile bundle made for them, say
+    about this compile (a `CompileExpectation`; None: no record, or nothing compiles)."""
     if config.compile.backend.value == "NONE":
         return None
+    from modules.compile.bundle import bundle_cold_seconds
     from modules.train.recipe.builders import pick_device
     from modules.train.state.history import compile_expectation
-    return compile_expectation(config, pick_device(config.general.device).type)
+    return compile_expectation(config, pick_device(config.general.device).type,
+                               bundle_cold_seconds(matching_bundle(config)))
 
 
 def matching_bundle(config: Config, machine: Any = None) -> Any:

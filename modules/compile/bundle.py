@@ -208,6 +208,18 @@ class Lookup:
         return f"{self.status} ({self.why})" if self.why else self.status
 
 
+def bundle_cold_seconds(lookup: Lookup | None) -> float | None | bool:
+    """For a compile ETA: False unless ``lookup`` found the bundle made for the settings;
+    then the cold compile time it records (None where it records none or cannot be read)."""
+    if lookup is None or lookup.status != "hit" or lookup.path is None:
+        return False
+    try:
+        cold = read_header(lookup.path).header.get("cold_compile_seconds")
+    except BundleError:
+        return None
+    return float(cold) if isinstance(cold, (int, float)) else None
+
+
 def candidate_files(places: Sequence[Path]) -> list[Path]:
     """Every bundle file in ``places`` (each a bundle file or a folder of them), in order."""
     found: list[Path] = []

@@ -17,15 +17,17 @@ PRINT = Fingerprint(torch="2.13.0", triton="", cuda="", device="cpu", capability
 
 
 def fake_bundle(folder: Path, fingerprint: Fingerprint = PRINT, artifacts: bytes = b"code",
-                name: str | None = None) -> Path:
-    """A bundle file as write_bundle lays it out, with made-up compiled code."""
+                name: str | None = None, cold_seconds: float | None = None) -> Path:
+    """A bundle file as write_bundle lays it out, with made-up compiled code (``cold_seconds``:
+    the cold compile time its header records)."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / (name or fingerprint.file_name())
     with zipfile.ZipFile(path, "w") as z:
         z.writestr(bundles.HEADER, json.dumps({
             "format": bundles.BUNDLE_FORMAT, "fingerprint": dataclasses.asdict(fingerprint),
             "artifacts_bytes": len(artifacts),
-            "artifacts_sha256": hashlib.sha256(artifacts).hexdigest(), "kernels": 1}))
+            "artifacts_sha256": hashlib.sha256(artifacts).hexdigest(), "kernels": 1,
+            "cold_compile_seconds": cold_seconds}))
         z.writestr(bundles.ARTIFACTS, artifacts)
         z.writestr(bundles.KERNELS + "ab/cabkernel.main.so", b"\x7fELF")
     return path

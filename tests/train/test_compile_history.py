@@ -51,3 +51,36 @@ def test_several_resolutions_have_their_own_entry_and_one_listed_keeps_the_old_o
     assert key("data.resolutions=64") == key()  # the same compile work as before the list
     assert key("data.resolutions=64,128") != key()
     assert key('data.datasets=[{"path": "a", "resolutions": [128]}]') != key()
+
+
+def test_a_compile_bundle_for_the_settings_makes_a_new_machine_expect_a_warm_compile(tmp_path):
+    """A machine these settings never ran on, with the bundle another made (issue 55): the
+    compile is expected warm against the bundle's cold time, and the busy line says why."""
+    from app.run_panel import compile_hint
+    from modules import frontend
+    from modules.compile import detect_capabilities
+    from modules.compile.bundle import bundle_cold_seconds, find_bundle
+    from modules.train.recipe.compile_guard import (bundle_folder, bundle_places,
+                                                    compile_facts, compile_fingerprint)
+    from tests.compile.bundle_files import fake_bundle
+
+    import torch
+
+    config = config_in(tmp_path, "compile.denoiser=true")
+    assert frontend.expected_compile(config) is None   # nothing here yet
+    fingerprint = compile_fingerprint(config, compile_facts(config, detect_capabilities("cpu")),
+                                      torch.device("cpu"))
+    path = fake_bundle(bundle_folder(config), fingerprint, cold_seconds=228.0)
+    lookup = find_bundle(fingerprint, bundle_places(config))
+    assert lookup.status == "hit" and bundle_cold_seconds(lookup) == 228.0
+    expected = frontend.expected_compile(config)
+    assert (expected.warm, expected.bundle, expected.cold_seconds) == (True, True, 228.0)
+    assert "compile bundle loaded: well under the 3:48 of a cold compile" in \
+        compile_hint(expected)
+    # the history of a cold run here does not make it cold: the bundle is loaded first
+    record_compile_time(config, "cpu", report(200.0, "miss", 12))
+    expected = compile_expectation(config, "cpu", bundle_cold_seconds(lookup))
+    assert expected.warm and expected.cold_seconds == 200.0
+    path.unlink()
+    assert not compile_expectation(config, "cpu", bundle_cold_seconds(
+        find_bundle(fingerprint, bundle_places(config)))).warm

@@ -64,6 +64,7 @@ class CompileExpectation:
     warm: bool                # the compile cache should already hold these graphs
     cold_seconds: float | None  # a compile without the cache's help, when measured
     graphs: dict[str, int]    # per component, the graphs compiled last time ({} unknown)
+    bundle: bool = False      # warm because a compile bundle for these settings is there
 
 
 def record_compile_time(config: Config, device_type: str, report: dict[str, dict]) -> None:
@@ -91,15 +92,24 @@ def record_compile_time(config: Config, device_type: str, report: dict[str, dict
     atomic_write_text(path, json.dumps(entries, indent=1) + "\n")
 
 
-def compile_expectation(config: Config, device_type: str) -> CompileExpectation | None:
-    """What to expect of this run's compile, or None when these settings never ran here.
+def compile_expectation(config: Config, device_type: str,
+                        bundle_cold_seconds: float | None | bool = False
+                        ) -> CompileExpectation | None:
+    """What to expect of this run's compile, or None when these settings never ran here and
+    no compile bundle is there for them.
 
     A run that used the compile cache left these graphs in it: the next one is expected warm
     (its time measured on an earlier warm run, or unknown yet), unless the cache folder is gone.
+    ``bundle_cold_seconds``: False without a compile bundle for these settings here; with one,
+    the cold compile time it records (None: not recorded). The run will load it, so it is
+    expected warm even on a machine these settings never ran on.
     """
+    bundle = bundle_cold_seconds is not False
+    bundle_cold = bundle_cold_seconds if isinstance(bundle_cold_seconds, float) else None
     entry = _read(history_path(config)).get(compile_key(config, device_type))
     if not isinstance(entry, dict) or "seconds" not in entry:
-        return None
+        return (CompileExpectation(seconds=None, warm=True, cold_seconds=bundle_cold, graphs={},
+                                   bundle=True) if bundle else None)
     caches = entry.get("cache") or []
     cold = entry.get("cold_seconds", entry["seconds"] if "hit" not in caches else None)
     warm_seconds = entry.get("warm_seconds", entry["seconds"] if "miss" not in caches
@@ -108,13 +118,16 @@ def compile_expectation(config: Config, device_type: str) -> CompileExpectation 
     from modules.compile.cache import compile_cache_folder
     from modules.paths import cache_dir_for
     folder = compile_cache_folder(config.compile.cache_dir, cache_dir_for(config.general.cache_dir))
-    warm = cache_used and folder.is_dir() and any(
-        p.name != HISTORY_FILE for p in folder.iterdir())
+    # the history and the bundles a run writes are not compiled code in the cache
+    cached = cache_used and folder.is_dir() and any(
+        p.name not in (HISTORY_FILE, "bundles") for p in folder.iterdir())
     graphs = entry.get("graphs")
     if not isinstance(graphs, dict):
         graphs = {}
+    warm = cached or bundle
     return CompileExpectation(seconds=warm_seconds if warm else cold, warm=warm,
-                              cold_seconds=cold, graphs=graphs)
+                              cold_seconds=cold if cold is not None else bundle_cold,
+                              graphs=graphs, bundle=bundle and not cached)
 
 
 def expected_compile_seconds(config: Config, device_type: str) -> float | None:
