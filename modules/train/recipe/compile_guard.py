@@ -83,12 +83,13 @@ def component_blocks(bundle: ModelBundle) -> dict[str, tuple[str, ...]]:
 
 
 def compile_fingerprint(config: Config, facts: CompileFacts,
-                        device: torch.device) -> Fingerprint:
+                        device: torch.device | str) -> Fingerprint:
     """What this run's compiled code is made for (a compile bundle's fingerprint): the
     software and device, the family, each compiled component's settings, the dtypes and the
     batch shapes the config allows."""
     plans = build_plan(config.compile, facts)
     caps = facts.capabilities
+    device = torch.device(device)  # a name ("cpu") is taken too, as the engine takes it
     triton = ""
     if caps.triton_ok:
         from importlib.metadata import PackageNotFoundError, version
@@ -131,7 +132,7 @@ def bundle_places(config: Config) -> list[Path]:
     return [*named, bundle_folder(config)]
 
 
-def bundle_keeper(config: Config, facts: CompileFacts, device: torch.device,
+def bundle_keeper(config: Config, facts: CompileFacts, device: torch.device | str,
                   write: bool) -> BundleKeeper | None:
     """The run's compile bundles (compile.bundles), written by the main process."""
     if not config.compile.bundles:
