@@ -31,39 +31,44 @@ def _record(folder) -> dict:
     return json.loads((folder / "run.json").read_text())
 
 
+def train_elsewhere(tempera_cache, tmp_path, name: str, **compile_settings) -> dict:
+    """A run of the compiled settings in a fresh process with its own home (what another
+    machine is): its run.json. The test process's own global state (what earlier tests in it
+    left) is no part of a bundle's fingerprint, so the bundle is made in a fresh process too;
+    CPU kernels are built for a thread count, which the child gets from this process."""
+    config = {"general": {"cache_dir": str(tempera_cache)}, "data": {"resolution": 64},
+              "training": {"max_steps": 2, "batch_size": 2, "learning_rate": 1e-3},
+              "sampling": {"prompts": []}, "logging": {"tensorboard": False},
+              "output": {"dir": str(tmp_path / name)},
+              "compile": {"backend": "INDUCTOR", "scope": "FULL", "denoiser": False,
+                          "text_encoder": True, **compile_settings}}
+    (tmp_path / f"{name}.json").write_text(json.dumps(config))
+    env = with_repo_on_pythonpath()
+    env["HOME"] = str(tmp_path / f"home-{name}")
+    env["OMP_NUM_THREADS"] = str(torch.get_num_threads())
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "train.py"), "--config",
+                           str(tmp_path / f"{name}.json"), "--quiet"], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return _record(tmp_path / name)
+
+
 def test_a_bundle_warms_a_fresh_cache_folder_in_another_process_and_changes_no_number(
         tiny_config, tempera_cache, tmp_path):
     """Over 10 s: one cold inductor compile of the text encoder (the first run), and a second
-    process that must not compile it cold (it loads the bundle): what a new machine or a cloud
-    run meets. A third run in the first cache folder, told to start from a truncated bundle,
-    finds the cache folder's own and names the damaged one."""
-    first = train(tiny_config(f"output.dir={tmp_path / 'a'}",
-                              f"compile.cache_dir={tmp_path / 'cache_a'}", *COMPILED))
-    record = _record(first.output_dir)
+    process with another cache folder and home that must not compile it cold (it loads the
+    bundle): what a new machine or a cloud run meets. A third run in the first cache folder,
+    told to start from a truncated bundle, finds the cache folder's own and names the damaged
+    one."""
+    record = train_elsewhere(tempera_cache, tmp_path, "a", cache_dir=str(tmp_path / "cache_a"))
     written = record["compile_bundle"]["written"]
     assert record["compile_bundle"]["lookup"] == "miss" and written, record["compile_bundle"]
     assert record["compile"]["text_encoder"]["cache"] == "miss"
     assert record["compile"]["text_encoder"]["bundle"].startswith("miss")
     assert record["compile"]["unet"]["bundle"] == "off"  # not compiled
 
-    config = {"general": {"cache_dir": str(tempera_cache)}, "data": {"resolution": 64},
-              "training": {"max_steps": 2, "batch_size": 2, "learning_rate": 1e-3},
-              "sampling": {"prompts": []}, "logging": {"tensorboard": False},
-              "output": {"dir": str(tmp_path / "b")},
-              "compile": {"backend": "INDUCTOR", "scope": "FULL", "denoiser": False,
-                          "text_encoder": True, "cache_dir": str(tmp_path / "cache_b"),
-                          "bundle": written}}
-    (tmp_path / "b.json").write_text(json.dumps(config))
-    env = with_repo_on_pythonpath()
-    env["HOME"] = str(tmp_path / "home")
-    # CPU kernels are built for a thread count (the bundle's fingerprint has it): the second
-    # process gets the test process's, as a second machine of the same kind would have
-    env["OMP_NUM_THREADS"] = str(torch.get_num_threads())
-    done = subprocess.run([sys.executable, str(REPO / "scripts" / "train.py"), "--config",
-                           str(tmp_path / "b.json"), "--quiet"], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    second = _record(tmp_path / "b")
+    second = train_elsewhere(tempera_cache, tmp_path, "b", cache_dir=str(tmp_path / "cache_b"),
+                             bundle=written)
     assert second["compile_bundle"]["lookup"] == "hit", second["compile_bundle"]
     assert second["compile_bundle"]["found"] == written
     assert second["compile_bundle"]["loaded_entries"] > 0
