@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -421,6 +422,10 @@ def plot_bars(phases: list[dict[str, Any]]) -> tuple[list[tuple[str, float]],
              r["compile_seconds"]) for r in jobs.values()
             if r["kind"] in ("train", "cell") and r["status"] == "ok"
             and r.get("compile_seconds") and not r.get("warm_cache_found")]
+    # a cold start killed at its limit is a lower bound, drawn as one (`> N s`)
+    cold += [(f"{_label(r)} > {r['seconds']:.0f} s, killed", float(r["seconds"]))
+             for r in jobs.values() if r["kind"] in ("train", "cell")
+             and r["status"] == "timeout" and r.get("seconds") and not r.get("warm_cache_found")]
     return steps, cold
 
 
@@ -438,10 +443,15 @@ def write_plot(phases: list[dict[str, Any]], path: Path) -> bool:
     for axis, bars, color, title in (
             (left, steps, "tab:blue", "median step ms, alone (lower is better)"),
             (right, cold, "tab:red", "cold compile seconds (lower is better)")):
-        axis.barh([label for label, _ in bars], [value for _, value in bars], color=color)
+        drawn = axis.barh([label for label, _ in bars], [value for _, value in bars],
+                          color=color)
+        for bar, (label, _) in zip(drawn, bars):
+            if label.endswith(", killed"):  # not an end: it ran at least this long
+                bar.set_hatch("//")
+                bar.set_alpha(0.5)
         axis.set_title(title)
         axis.tick_params(axis="y", labelsize=7)
-    figure.suptitle(device_line(phases[0]))
+    figure.suptitle(textwrap.fill(device_line(phases[0]), 130), fontsize=9)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=100)

@@ -177,11 +177,15 @@ def test_the_plot_draws_cold_compiles_of_timed_cells_too():
             {"job": "cell-sd15-inductor", "kind": "cell", "status": "ok", "compile_seconds": 6.0,
              "median_step_seconds": 0.19, "warm_cache_found": True},
             {"job": "train-sd15-inductor", "kind": "train", "status": "ok",
-             "compile_seconds": 120.0}]
+             "compile_seconds": 120.0},
+            {"job": "cell-sd15-triton", "kind": "cell", "status": "timeout", "seconds": 176.1,
+             "warm_cache_found": False}]
     steps, cold = plot_bars([{"phase": "1-sd15-headline", "jobs": jobs}])
     assert cold == [("cell-sd15-default (1-sd15-headline)", 80.0),
                     ("cold-sd15-inductor (1-sd15-headline) (side by side)", 140.0),
-                    ("train-sd15-inductor (1-sd15-headline)", 120.0)]
+                    ("train-sd15-inductor (1-sd15-headline)", 120.0),
+                    # killed at its limit: a lower bound, labelled so (and hatched)
+                    ("cell-sd15-triton (1-sd15-headline) > 176 s, killed", 176.1)]
     assert [label for label, _ in steps] == ["cell-sd15-none (1-sd15-headline)",
                                              "cell-sd15-default (1-sd15-headline)",
                                              "cell-sd15-inductor (1-sd15-headline)"]
