@@ -39,6 +39,8 @@ def compile_hint(expected: Any) -> str:
     """What the busy bar says about the compile's length (`CompileExpectation` or None)."""
     if expected is None:
         return " · first compile with these settings: no estimate yet"
+    if expected.measured and not expected.warm and not expected.seconds:
+        return f" · first compile with these settings here; measured elsewhere: {expected.measured}"
     if expected.seconds:
         why = "compile cache warm" if expected.warm else "last run with these settings"
         return f" · expected about {format_duration(expected.seconds)} ({why})"

@@ -157,9 +157,11 @@ def expected_compile(config: Config) -> Any:
         return None
     from modules.compile.bundle import bundle_cold_seconds
     from modules.train.recipe.builders import pick_device
-    from modules.train.state.history import compile_expectation
-    return compile_expectation(config, pick_device(config.general.device).type,
-                               bundle_cold_seconds(matching_bundle(config)))
+    from modules.train.state.history import compile_expectation, with_measured
+    device = pick_device(config.general.device).type
+    return with_measured(compile_expectation(config, device,
+                                             bundle_cold_seconds(matching_bundle(config))),
+                         config, device)
 
 
 def matching_bundle(config: Config, machine: Any = None) -> Any:

@@ -144,7 +144,11 @@ def merge(args: argparse.Namespace) -> int:
         print("error: merge needs the returned output folder(s)", file=sys.stderr)
         return 2
     try:
-        written = merge_results(args.paths, args.docs, allow_rehearsal=args.allow_rehearsal)
+        # the estimate's table of measured compiles belongs with the repository's own docs
+        from modules.compile.measured import TABLE
+        own_docs = args.docs.resolve() == (REPO / "docs").resolve() and not args.allow_rehearsal
+        written = merge_results(args.paths, args.docs, allow_rehearsal=args.allow_rehearsal,
+                                measured=TABLE if own_docs else None)
     except (OSError, ValueError, KeyError) as err:
         print(f"error: merge: {err}", file=sys.stderr)
         return 2

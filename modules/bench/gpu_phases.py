@@ -176,13 +176,21 @@ def _ratio_first(key: str, size: Size, eager: tuple[str, list[str], float, str],
                   compare_with=f"cell-{key}-{eager_name}", reserve=reserve)]
 
 
+# The compiled backend the phases after the headline measure models, levers and bundles with: the
+# presets' backend. Phase 1 on an H200 (SD 1.5 LoRA, docs/benchmarks.md): DEFAULT's cold start
+# ended in 143 s (1.23x eager); INDUCTOR's max_autotune was still autotuning its fourth graph
+# when killed, alone, at 176 s and again at 204 s. A cold start that does not end brings back no
+# ratio, so each phase's one compiled cell is DEFAULT; phase 4 weighs max_autotune.
+COMPILED = "DEFAULT"
+COMPILED_NAME = COMPILED.lower()
+
+
 def phase_sd15_headline(sizes: dict[str, Size]) -> list[Job]:
     """The number the product is about, first: eager alone, then DEFAULT cold and alone with
     every core and whatever the budget leaves after its LoRA check (no max_autotune: the most
     likely to finish; the cell's median leaves its compile steps out, and a cold start that
     runs long still leaves a partial window's median), its LoRA in diffusers, then INDUCTOR
-    (the presets' backend, with max_autotune) alone with what is left: its ratio, or how long
-    its cold start ran alone."""
+    (max_autotune) alone with what is left: its ratio, or how long its cold start ran alone."""
     size = sizes["sd15"]
     return [
         _env(), _build("sd15", size),
@@ -192,13 +200,13 @@ def phase_sd15_headline(sizes: dict[str, Size]) -> list[Job]:
                        "alone: its speed-up over eager"), reserve=LORA_SECONDS),
         _lora("sd15", "cell-sd15-default", group=None),
         _cell("sd15", size, "inductor", "INDUCTOR", [], REST, None,
-              "INDUCTOR (max_autotune, as the presets) cold and alone with what is left: its "
-              "speed-up, or how long its cold start ran"),
+              "INDUCTOR (max_autotune) cold and alone with what is left: its speed-up, or how "
+              "long its cold start ran"),
     ]
 
 
 def phase_bundle(sizes: dict[str, Size]) -> list[Job]:
-    """Compile bundles at SD 1.5 size: REGIONAL INDUCTOR cold and alone (it writes the
+    """Compile bundles at SD 1.5 size: REGIONAL DEFAULT (inductor) cold and alone (it writes the
     bundle), then the same settings alone in a fresh process on an empty cache folder that has
     only that bundle (a new machine's or a cloud run's start): the first step's seconds of
     each against eager's (target: the bundle's first step within 10 s of eager's)."""
@@ -206,10 +214,10 @@ def phase_bundle(sizes: dict[str, Size]) -> list[Job]:
     return [_env(), _build("sd15", size),
             _cell("sd15", size, "none", "NONE", [], 150, None,
                   "eager's first step and steady step, alone: the baseline"),
-            _cell("sd15", size, "inductor", "INDUCTOR", [], REST, None,
-                  "REGIONAL INDUCTOR cold and alone: its first step, and the bundle it writes",
-                  reserve=BUNDLE_CELL_SECONDS),
-            _bundle_cell("sd15", size, "inductor", "INDUCTOR", "cell-sd15-inductor",
+            _cell("sd15", size, COMPILED_NAME, COMPILED, [], REST, None,
+                  f"REGIONAL {COMPILED} cold and alone: its first step, and the bundle it "
+                  "writes", reserve=BUNDLE_CELL_SECONDS),
+            _bundle_cell("sd15", size, COMPILED_NAME, COMPILED, f"cell-sd15-{COMPILED_NAME}",
                          BUNDLE_CELL_SECONDS, "the same settings on an empty cache folder with "
                          "only that bundle: its first step against eager's and the cold one")]
 
@@ -236,7 +244,7 @@ def phase_sd15_breadth(sizes: dict[str, Size]) -> list[Job]:
 # The warm phase's compiled settings, in order of value: what the cells alone time, warm.
 SD15_WARM = [(name, backend, extra) for name, backend, extra in SD15_TRAIN_RUNS
              if backend not in ("NONE", "AOT_EAGER")]   # AOT_EAGER: a debugging backend
-SD15_WARM.sort(key=lambda run: ["inductor", "triton-full", "default"].index(run[0]))
+SD15_WARM.sort(key=lambda run: ["default", "inductor", "triton-full"].index(run[0]))
 
 
 def phase_sd15_warm(sizes: dict[str, Size]) -> list[Job]:
@@ -248,7 +256,8 @@ def phase_sd15_warm(sizes: dict[str, Size]) -> list[Job]:
     jobs += [_cell("sd15", size, name, backend, extra, 120, f"cold-sd15-{name}",
                    "steady step time, ratio to eager, warm first step, memory, alone")
              for name, backend, extra in SD15_WARM]
-    for name, backend in (("channels-last-none", "NONE"), ("channels-last-inductor", "INDUCTOR")):
+    for name, backend in (("channels-last-none", "NONE"),
+                          (f"channels-last-{COMPILED_NAME}", COMPILED)):
         jobs.append(_cell("sd15", size, name, backend, ["training.channels_last=true"], 240,
                           None, "does channels_last pay (against the same backend without)",
                           compare_with=f"cell-sd15-{backend.lower()}"))
@@ -259,7 +268,7 @@ def phase_sd15_more(sizes: dict[str, Size]) -> list[Job]:
     size = sizes["sd15"]
     jobs = [_env(), _build("sd15", size)]
     # Side by side: the question is memory (each process's own peaks), not speed.
-    for backend in ("NONE", "INDUCTOR"):
+    for backend in ("NONE", COMPILED):
         jobs.append(_cell("sd15", size, f"finetune-{backend.lower()}", backend,
                           FINE_TUNE, 300, None,
                           "full fine-tune: peak memory, eager vs compiled", group="finetune"))
@@ -290,19 +299,19 @@ ZIMAGE_EAGER_SECONDS = 180   # the 12 GB transformer's load, the captions cached
 
 def phase_zimage(sizes: dict[str, Size]) -> list[Job]:
     """Z-Image at 1024 px, built on the GPU: its ratio first, eager alone, then REGIONAL
-    INDUCTOR cold and alone with what is left (a partial window's median if its cold start
+    DEFAULT cold and alone with what is left (a partial window's median if its cold start
     runs long). Its runs through train.py are a later phase's (`phase_zimage_train`)."""
     size = sizes["zimage"]
     return [_env(), _build("zimage", size),
             *_ratio_first("zimage", size, ("none", [], ZIMAGE_EAGER_SECONDS,
                                            "eager's steady Z-Image step and memory, alone: "
                                            "the baseline"),
-                          ("inductor", "INDUCTOR", [], "REGIONAL INDUCTOR cold and alone with "
-                           "what is left: cold start, steady step against eager, memory"))]
+                          (COMPILED_NAME, COMPILED, [], f"REGIONAL {COMPILED} cold and alone "
+                           "with what is left: cold start, steady step against eager, memory"))]
 
 
 def phase_zimage_train(sizes: dict[str, Size]) -> list[Job]:
-    """Z-Image through train.py as a user runs it: eager and REGIONAL INDUCTOR side by side,
+    """Z-Image through train.py as a user runs it: eager and REGIONAL DEFAULT side by side,
     cold, each with what the budget has left (compile seconds, recompiles after the first
     pass with sampling, both memory peaks beside the plan)."""
     size = sizes["zimage"]
@@ -310,7 +319,7 @@ def phase_zimage_train(sizes: dict[str, Size]) -> list[Job]:
     jobs += [_train("zimage", size, name, backend, [], REST,
                     answers=f"{backend} trains Z-Image at {size.resolution} px through "
                             "train.py, cold: compile time, recompiles, peak memory vs the plan")
-             for name, backend in (("none", "NONE"), ("inductor", "INDUCTOR"))]
+             for name, backend in (("none", "NONE"), (COMPILED_NAME, COMPILED))]
     return jobs
 
 
@@ -324,11 +333,12 @@ def phase_rest(sizes: dict[str, Size]) -> list[Job]:
                answers="SDXL full fine-tune on one GPU: runs, or refuses up front with the "
                        "memory it needs"),
         _build("sd15", sd15),
-        _train("sd15", sd15, "inductor-alone", "INDUCTOR", [], 240, group=None,
-               answers="REGIONAL INDUCTOR at SD size, alone: what FULL is against"),
-        _train("sd15", sd15, "inductor-full", "INDUCTOR",
+        _train("sd15", sd15, f"{COMPILED_NAME}-alone", COMPILED, [], 240, group=None,
+               answers=f"REGIONAL {COMPILED} at SD size, alone: what FULL is against"),
+        _train("sd15", sd15, f"{COMPILED_NAME}-full", COMPILED,
                ["compile.scope=FULL", "training.gradient_checkpointing=false"], 480, group=None,
-               answers="FULL-scope INDUCTOR at SD size: cold start and speed against REGIONAL"),
+               answers=f"FULL-scope {COMPILED} at SD size: cold start and speed against "
+                       "REGIONAL"),
     ]
 
 
@@ -336,7 +346,7 @@ def phase_sd15_batch(sizes: dict[str, Size]) -> list[Job]:
     size = sizes["sd15"]
     jobs = [_env(), _build("sd15", size)]
     for batch in (1, 4):
-        for backend in ("NONE", "INDUCTOR"):
+        for backend in ("NONE", COMPILED):
             jobs.append(_cell("sd15", size, f"batch{batch}-{backend.lower()}", backend,
                               [f"training.batch_size={batch}"], 240, None,
                               f"batch {batch}: does the ratio to eager hold at small batches",
@@ -359,7 +369,7 @@ def _lever_ratio_first(sizes: dict[str, Size], lever: str, extra: list[str],
                        what: str) -> list[Job]:
     """A memory lever at SDXL size (the card sizes levers are for), each cell alone. Its ratio
     first, without a compile: eager with ``what`` (``extra``) against eager with bf16 frozen
-    weights alone (the peak memory it saves, the step time it costs); then REGIONAL INDUCTOR
+    weights alone (the peak memory it saves, the step time it costs); then REGIONAL DEFAULT
     with it, cold and alone with what is left, against eager with it."""
     size = sizes["sdxl"]
     return [_env(), _build("sdxl", size),
@@ -369,33 +379,34 @@ def _lever_ratio_first(sizes: dict[str, Size], lever: str, extra: list[str],
             *_ratio_first("sdxl", size, (f"{lever}-none", extra, LEVER_EAGER_SECONDS,
                                          f"eager with {what}: step time and peak memory "
                                          "against the same run without"),
-                          (f"{lever}-inductor", "INDUCTOR", extra, f"REGIONAL INDUCTOR with "
-                           f"{what}, cold and alone with what is left: does compiling still "
+                          (f"{lever}-{COMPILED_NAME}", COMPILED, extra, f"REGIONAL {COMPILED} "
+                           f"with {what}, cold and alone with what is left: does compiling still "
                            "pay with it"), eager_against=f"cell-sdxl-{lever}-base-none")]
 
 
 def phase_offload(sizes: dict[str, Size]) -> list[Job]:
     """Block offload: what only a GPU shows is the step time it costs where the copies do not
-    hide behind compute, and the peak memory it saves. INDUCTOR with against without offload
+    hide behind compute, and the peak memory it saves. DEFAULT with against without offload
     is a later phase's (`phase_offload_inductor`): two SDXL cold compiles do not fit one
     command."""
     return _lever_ratio_first(sizes, "offload", OFFLOAD, "every block offloaded")
 
 
 def phase_offload_inductor(sizes: dict[str, Size]) -> list[Job]:
-    """REGIONAL INDUCTOR at SDXL size with every block offloaded and without: both cold
+    """REGIONAL DEFAULT at SDXL size with every block offloaded and without: both cold
     starts side by side (each with what is left less the warm cells' time), then each alone,
     warm on the cache its cold twin filled: the step time offload costs a compiled step."""
     size = sizes["sdxl"]
-    runs = [("offload-base-inductor", BF16_FROZEN), ("offload-inductor", OFFLOAD)]
+    runs = [(f"offload-base-{COMPILED_NAME}", BF16_FROZEN), (f"offload-{COMPILED_NAME}", OFFLOAD)]
     jobs = [_env(), _build("sdxl", size)]
-    jobs += [_cold("sdxl", size, name, "INDUCTOR", extra, REST,
+    jobs += [_cold("sdxl", size, name, COMPILED, extra, REST,
                    reserve=len(runs) * OFFLOAD_WARM_SECONDS) for name, extra in runs]
-    jobs += [_cell("sdxl", size, name, "INDUCTOR", extra, OFFLOAD_WARM_SECONDS,
-                   f"cold-sdxl-{name}", "INDUCTOR alone, warm: step time and peak memory, "
+    jobs += [_cell("sdxl", size, name, COMPILED, extra, OFFLOAD_WARM_SECONDS,
+                   f"cold-sdxl-{name}", f"{COMPILED} alone, warm: step time and peak memory, "
                    + ("with every block offloaded, against the same without" if extra == OFFLOAD
                       else "bf16 frozen weights: what offload is against"),
-                   compare_with="cell-sdxl-offload-base-inductor" if extra == OFFLOAD else "")
+                   compare_with=f"cell-sdxl-offload-base-{COMPILED_NAME}" if extra == OFFLOAD
+                   else "")
              for name, extra in runs]
     return jobs
 
@@ -407,7 +418,7 @@ FLOAT8 = ["model.weight_storage=FLOAT8", "model.weight_dtype=BFLOAT16"]
 
 def phase_float8(sizes: dict[str, Size]) -> list[Job]:
     """Float8 weight storage: the memory it saves and what its dequantizing costs, eager and
-    fused into INDUCTOR's compiled blocks. Needs torchao: `--list` names its wheel."""
+    fused into DEFAULT's compiled blocks. Needs torchao: `--list` names its wheel."""
     return _lever_ratio_first(sizes, "float8", FLOAT8, "float8 frozen weights")
 
 
@@ -439,28 +450,28 @@ PHASES: list[Phase] = [
     # Three SDXL runs at 1024 px (~5 GB of weights and ~15 GB of activations each) fit 80 GB.
     Phase("5-sdxl", 9, "SDXL LoRA at 1024 px through train.py, fp16 VAE, LoRA in diffusers",
           "SDXL", phase_sdxl, max_parallel=3),
-    Phase("6-rest", 9, "FULL-scope INDUCTOR at SD size; SDXL full fine-tune",
+    Phase("6-rest", 9, "FULL-scope DEFAULT at SD size; SDXL full fine-tune",
           "at size", phase_rest),
     Phase("7-sd15-batch", 8, "SD 1.5 batch 1 vs 4, eager vs compiled", "at size",
           phase_sd15_batch),
-    Phase("8-zimage", 9, "Z-Image at 1024 px: eager alone, then REGIONAL INDUCTOR cold and "
+    Phase("8-zimage", 9, "Z-Image at 1024 px: eager alone, then REGIONAL DEFAULT cold and "
           "alone with what is left: its speed-up and memory", "Z-Image", phase_zimage),
     # A memory lever, not a headline number.
     Phase("9-offload", 9, "SDXL LoRA with every UNet block offloaded vs not, eager, each alone "
-          "(step time and peak memory); then REGIONAL INDUCTOR offloaded, cold and alone with "
+          "(step time and peak memory); then REGIONAL DEFAULT offloaded, cold and alone with "
           "what is left", "memory levers", phase_offload),
     # Two runs of a 6 B transformer at 1024 px side by side (12 GB of bf16 weights each, the
     # text encoder's 8 GB only while captions are cached) fit 80 GB.
     Phase("10-zimage-train", 9, "Z-Image at 1024 px through train.py, eager and REGIONAL "
-          "INDUCTOR side by side, cold: compile seconds, recompiles, memory peaks against the "
+          "DEFAULT side by side, cold: compile seconds, recompiles, memory peaks against the "
           "plan", "Z-Image", phase_zimage_train, max_parallel=2),
-    Phase("11-offload-inductor", 9, "SDXL LoRA, REGIONAL INDUCTOR with every block offloaded "
+    Phase("11-offload-inductor", 9, "SDXL LoRA, REGIONAL DEFAULT with every block offloaded "
           "vs not: cold side by side, then each alone warm (step time and peak memory)",
           "memory levers", phase_offload_inductor),
     Phase("12-float8", 9, "SDXL LoRA with float8 frozen weights vs bf16, eager, each alone "
-          "(step time and peak memory); then REGIONAL INDUCTOR with float8, cold and alone with "
+          "(step time and peak memory); then REGIONAL DEFAULT with float8, cold and alone with "
           "what is left", "memory levers", phase_float8),
-    Phase("13-bundle", 9, "SD 1.5 LoRA, REGIONAL INDUCTOR: the first step cold, then in a "
+    Phase("13-bundle", 9, "SD 1.5 LoRA, REGIONAL DEFAULT: the first step cold, then in a "
           "fresh process and cache folder from the compile bundle alone, against eager's",
           "compile bundles", phase_bundle),
 ]

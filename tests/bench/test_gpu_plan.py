@@ -45,7 +45,7 @@ def first_ratio(jobs: dict[str, Job]) -> tuple[Job, Job]:
 
 @pytest.mark.parametrize("key,eager,compiled", [
     ("1", "cell-sd15-none", "cell-sd15-default"),
-    ("8", "cell-zimage-none", "cell-zimage-inductor"),
+    ("8", "cell-zimage-none", "cell-zimage-default"),
     ("9", "cell-sdxl-offload-base-none", "cell-sdxl-offload-none"),
     ("12", "cell-sdxl-float8-base-none", "cell-sdxl-float8-none"),
 ])
@@ -61,9 +61,9 @@ def test_a_phase_that_times_a_backend_measures_its_ratio_first(key, eager, compi
 
 @pytest.mark.parametrize("key,compiled,eager", [
     ("1", "cell-sd15-default", "cell-sd15-none"),
-    ("8", "cell-zimage-inductor", "cell-zimage-none"),
-    ("9", "cell-sdxl-offload-inductor", "cell-sdxl-offload-none"),
-    ("12", "cell-sdxl-float8-inductor", "cell-sdxl-float8-none"),
+    ("8", "cell-zimage-default", "cell-zimage-none"),
+    ("9", "cell-sdxl-offload-default", "cell-sdxl-offload-none"),
+    ("12", "cell-sdxl-float8-default", "cell-sdxl-float8-none"),
 ])
 def test_the_first_compiled_cell_gets_what_the_budget_leaves(key, compiled, eager):
     """The compiled cell of a ratio-first phase is cold, alone, compared with its eager cell
@@ -97,14 +97,14 @@ def test_the_offload_inductor_phase_keeps_its_warm_cells_their_time():
     assert len(cold) == len(warm) == 2
     assert all(j.limit_s == REST and j.reserve_s == sum(w.limit_s for w in warm) for j in cold)
     assert {w.spec["warm_from"] for w in warm} == {c.name for c in cold}
-    offload = jobs["cell-sdxl-offload-inductor"]
-    assert offload.spec["compare_with"] == "cell-sdxl-offload-base-inductor"
+    offload = jobs["cell-sdxl-offload-default"]
+    assert offload.spec["compare_with"] == "cell-sdxl-offload-base-default"
 
 
 def test_the_zimage_runs_through_train_py_are_a_phase_of_their_own():
     assert not [j for j in jobs_of("8").values() if j.kind == "train"]
     runs = [j for j in jobs_of("10").values() if j.kind == "train"]
-    assert {j.spec["backend"] for j in runs} == {"NONE", "INDUCTOR"}
+    assert {j.spec["backend"] for j in runs} == {"NONE", "DEFAULT"}
     assert all(j.limit_s == REST for j in runs)
 
 

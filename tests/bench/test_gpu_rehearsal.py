@@ -44,22 +44,22 @@ REHEARSED: dict[str, str | None] = {
     "5-sdxl": "build-sdxl,train-sdxl-none,lora-sdxl-none",
     "6-rest": "build-sdxl,train-sdxl-finetune",
     "7-sd15-batch": "build-sd15",
-    # a flow-matching transformer's eager cell (its INDUCTOR cell: the GPU's; a compiled
+    # a flow-matching transformer's eager cell (its DEFAULT cell: the GPU's; a compiled
     # Z-Image run is tests/models/test_zimage_compile.py's)
     "8-zimage": "build-zimage,cell-zimage-none",
     # the offloaded eager cell (the base cell is the headline's eager cell with an override;
-    # its INDUCTOR cells: the GPU's)
+    # its compiled cells: the GPU's)
     "9-offload": "build-sdxl,cell-sdxl-offload-none",
     # its runs are the train kind of phases 2, 5 and 6 on the Z-Image size that phase 8's
     # cell rehearses (the same run_config); Z-Image through train.py is tests/models'
     "10-zimage-train": "build-zimage",
-    # INDUCTOR cells only: the GPU's (the offloaded eager cell is phase 9's)
+    # compiled cells only: the GPU's (the offloaded eager cell is phase 9's)
     "11-offload-inductor": "build-sdxl",
     # its cells are eager cells with an override (float8 training is
-    # tests/train/test_weight_storage.py's; a float8 step costs seconds here) and INDUCTOR's:
+    # tests/train/test_weight_storage.py's; a float8 step costs seconds here) and DEFAULT's:
     # that torchao is there for them is test_the_packages_the_phases_need_are_installed_here's
     "12-float8": "build-sdxl",
-    # INDUCTOR cells: the cold one writes a compile bundle, the other starts from it alone
+    # DEFAULT cells: the cold one writes a compile bundle, the other starts from it alone
     # (the bundle round trip on the CPU is tests/train/test_compile_bundles.py's; the bundle
     # cell's config is test_gpu_validate.py's)
     "13-bundle": "build-sd15",
@@ -175,8 +175,8 @@ def test_the_zimage_phase_times_the_transformer_family_in_a_cell(phases):
     assert cell["status"] == "ok" and cell["median_step_seconds"] > 0, cell
     assert cell["effective"] == {} and cell["peak_rss_bytes"] > 0, cell
     assert cell["timed_steps"] and cell["steps_wanted"] == 3, cell
-    # INDUCTOR's cell: the GPU's (an inductor graph costs a minute here)
-    assert jobs["cell-zimage-inductor"]["error"] == "not in --jobs"
+    # the compiled cell: the GPU's (an inductor graph costs a minute here)
+    assert jobs["cell-zimage-default"]["error"] == "not in --jobs"
 
 
 def test_merge_folds_the_rehearsal_into_a_docs_copy(phases, tmp_path):
@@ -215,7 +215,7 @@ def test_compiled_cells_start_cold_then_warm_and_their_lora_loads(tmp_path):
     work = tmp_path / "work"
     timed = rows(run_phase("3", tmp_path / "out", work, "DEFAULT",
                            "build-sd15,cold-sd15-default,cell-sd15-default"))
-    assert timed["cell-sd15-channels-last-inductor"]["error"] == "not in --jobs"
+    assert timed["cell-sd15-channels-last-default"]["error"] == "not in --jobs"
     cold, warm = timed["cold-sd15-default"], timed["cell-sd15-default"]
     for cell in (cold, warm):
         assert cell["status"] == "ok" and cell["effective"] == {"unet": "DEFAULT"}, cell

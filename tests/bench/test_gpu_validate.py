@@ -264,17 +264,17 @@ def test_the_bundle_phase_starts_its_last_cell_from_the_bundle_alone(tmp_path):
     from modules.bench.gpu_phases import find_phase
     phase = find_phase("13")
     jobs = {job.name: job for job in phase_jobs(phase, tiny=False)}
-    cold, warm = jobs["cell-sd15-inductor"], jobs["bundle-sd15-inductor"]
-    assert cold.spec["backend"] == warm.spec["backend"] == "INDUCTOR"
-    assert "cell-sd15-inductor" in warm.after and warm.spec["compare_with"] == "cell-sd15-none"
+    cold, warm = jobs["cell-sd15-default"], jobs["bundle-sd15-default"]
+    assert cold.spec["backend"] == warm.spec["backend"] == "DEFAULT"
+    assert "cell-sd15-default" in warm.after and warm.spec["compare_with"] == "cell-sd15-none"
     assert cold.reserve_s >= warm.limit_s  # the cold cell leaves the bundle cell its time
     ctx = Context(phase=phase.key, device="cuda", tiny=False, out=tmp_path / "out",
                   work=tmp_path / "work", budget_s=540, parallel=1,
                   rows=[{"job": "build-sd15", "path": "/models/sd15"}])
-    written = ctx.compile_cache() / "cell-sd15-inductor" / "bundles"
+    written = ctx.compile_cache() / "cell-sd15-default" / "bundles"
     written.mkdir(parents=True)
     (written / "sd15-x.tcb").write_bytes(b"a bundle")
-    own = ctx.compile_cache() / "bundle-sd15-inductor"
+    own = ctx.compile_cache() / "bundle-sd15-default"
     (own / "stale").mkdir(parents=True)
     folder = ctx.job_dir(warm.name)
     folder.mkdir(parents=True)
@@ -283,7 +283,7 @@ def test_the_bundle_phase_starts_its_last_cell_from_the_bundle_alone(tmp_path):
     assert config["bundle"] == str(written) and config["cache_dir"] == str(own)
     assert not own.exists()  # its own cache folder starts empty (the run makes it)
     cache = json.loads((folder / "cache.json").read_text())
-    assert cache["warm_cache_found"] and cache["bundle_from"] == "cell-sd15-inductor"
+    assert cache["warm_cache_found"] and cache["bundle_from"] == "cell-sd15-default"
 
 
 def test_a_run_gets_what_the_budget_has_left_less_the_checks_after_it(tmp_path):

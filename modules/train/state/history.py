@@ -9,6 +9,7 @@ graphs each component compiled (for "graph N of M").
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
@@ -65,6 +66,7 @@ class CompileExpectation:
     cold_seconds: float | None  # a compile without the cache's help, when measured
     graphs: dict[str, int]    # per component, the graphs compiled last time ({} unknown)
     bundle: bool = False      # warm because a compile bundle for these settings is there
+    measured: str | None = None  # no history here: what a GPU phase measured for them, as text
 
 
 def record_compile_time(config: Config, device_type: str, report: dict[str, dict]) -> None:
@@ -128,6 +130,23 @@ def compile_expectation(config: Config, device_type: str,
     return CompileExpectation(seconds=warm_seconds if warm else cold, warm=warm,
                               cold_seconds=cold if cold is not None else bundle_cold,
                               graphs=graphs, bundle=bundle and not cached)
+
+
+def with_measured(expected: CompileExpectation | None, config: Config, device_type: str
+                  ) -> CompileExpectation | None:
+    """``expected``, and for a first cold compile of these settings on a CUDA device (no
+    history, no warm cache or bundle) what a GPU phase measured for the same family, backend
+    and scope (`modules.compile.measured`), so the estimate is not empty on a new machine."""
+    if device_type != "cuda" or (expected is not None and (expected.warm or expected.seconds)):
+        return expected
+    from modules.compile.measured import measured_compile
+    found = measured_compile(config.model.type.value, config.compile.backend.value,
+                             config.compile.scope.value)
+    if found is None:
+        return expected
+    return dataclasses.replace(
+        expected or CompileExpectation(seconds=None, warm=False, cold_seconds=None, graphs={}),
+        measured=found.text())
 
 
 def expected_compile_seconds(config: Config, device_type: str) -> float | None:
