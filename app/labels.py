@@ -61,7 +61,8 @@ ENUM_LABELS: dict[type[Enum], dict[Enum, str]] = {
     WandbMode: {WandbMode.ONLINE: "Online (needs an API key)",
                 WandbMode.OFFLINE: "Offline (sync later with wandb sync)"},
     WeightStorage: {WeightStorage.WEIGHT_DTYPE: "As the weight dtype",
-                    WeightStorage.FLOAT8: "float8 (linear layers)"},
+                    WeightStorage.FLOAT8: "float8 (linear layers)",
+                    WeightStorage.INT8: "int8 (linear layers)"},
 }
 
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""What float8 weight storage costs in quality on the tiny model (docs/memory.md): a LoRA
-trained on the float8-stored base against one on the unquantized base, same seed and data:
-`python scripts/measure_float8_quality.py [--steps 60] [--weight-dtype BFLOAT16]`."""
+"""What 8-bit weight storage costs in quality on the tiny model (docs/memory.md): a LoRA
+trained on the float8- (or int8-) stored base against one on the unquantized base, same seed
+and data: `python scripts/measure_float8_quality.py [--steps 60] [--weight-dtype BFLOAT16]
+[--storage INT8]`."""
 import argparse
 import json
 import sys
@@ -17,8 +18,9 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--weight-dtype", default="BFLOAT16", choices=["BFLOAT16", "FLOAT32"])
+    parser.add_argument("--storage", default="FLOAT8", choices=["FLOAT8", "INT8"])
     parser.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "tempera")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="tempera-float8-") as work:
-        print(json.dumps(measure(args.cache, Path(work), args.steps, args.weight_dtype),
-                         indent=2))
+        print(json.dumps(measure(args.cache, Path(work), args.steps, args.weight_dtype,
+                                 args.storage), indent=2))

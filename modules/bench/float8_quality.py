@@ -1,7 +1,7 @@
-"""What float8 weight storage costs in quality (docs/memory.md), measured, not assumed: the same
+"""What 8-bit weight storage costs in quality (docs/memory.md), measured, not assumed: the same
 LoRA trained on the tiny model twice, on the base at `model.weight_dtype` and on the base stored
-as float8 (`model.weight_storage=FLOAT8`), same seed and data; then each saved LoRA applied to
-the unquantized base, and its effect on the denoiser's prediction compared.
+in 8 bits (`model.weight_storage=FLOAT8` or `INT8`), same seed and data; then each saved LoRA
+applied to the unquantized base, and its effect on the denoiser's prediction compared.
 
 `scripts/measure_float8_quality.py` is the command line; tests/train/test_weight_storage.py runs
 the same comparison on a few steps.
@@ -62,18 +62,20 @@ def lora_effect_gap(cache: Path, weight_dtype: torch.dtype, reference: Path,
             "effect_rms": float(want.pow(2).mean().sqrt())}
 
 
-def measure(cache: Path, work: Path, steps: int, weight_dtype: str = "BFLOAT16") -> dict:
-    """Train both LoRAs for `steps` steps and compare their loss curves and saved effects."""
+def measure(cache: Path, work: Path, steps: int, weight_dtype: str = "BFLOAT16",
+            storage: str = "FLOAT8") -> dict:
+    """Train both LoRAs for `steps` steps and compare their loss curves and saved effects
+    (the stored run is keyed "float8" for either storage, as earlier results are)."""
     from modules.train.trainer import train
 
-    runs = {"base": (), "float8": ("model.weight_storage=FLOAT8",)}
+    runs = {"base": (), "float8": (f"model.weight_storage={storage}",)}
     losses = {}
     for name, extra in runs.items():
         out = work / name
         train(quality_config(cache, out, steps, weight_dtype, *extra), RecordingCallbacks())
         losses[name] = json.loads((out / "run.json").read_text(encoding="utf-8"))["losses"]
     gaps = [abs(a - b) / a for a, b in zip(losses["base"], losses["float8"])]
-    return {"steps": steps, "weight_dtype": weight_dtype,
+    return {"steps": steps, "weight_dtype": weight_dtype, "storage": storage,
             "mean_loss": {name: statistics.fmean(values) for name, values in losses.items()},
             "last_10_loss": {name: statistics.fmean(values[-10:])
                              for name, values in losses.items()},

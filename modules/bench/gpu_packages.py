@@ -33,15 +33,15 @@ MODULES = {"pytorch-optimizer": "pytorch_optimizer", "pillow": "PIL",
 
 def config_packages(overrides: Sequence[str]) -> list[str]:
     """The optional packages (distribution names) a run with ``overrides`` on the shared
-    config needs: FLOAT8 storage and bf16 stochastic rounding are torchao's, an optimizer is
+    config needs: 8-bit storage (FLOAT8, INT8) and bf16 stochastic rounding are torchao's, an optimizer is
     its table row's package (modules/config/optimizers.py)."""
     from modules.config import Config, apply_overrides
     from modules.config.optimizers import OPTIMIZERS
-    from modules.config.schema import DType, WeightStorage
+    from modules.config.schema import DType
 
     config = apply_overrides(Config(), list(overrides))
     needed = {OPTIMIZERS[config.training.optimizer].package}
-    if config.model.weight_storage == WeightStorage.FLOAT8 or (
+    if config.model.weight_storage.eight_bit or (
             config.training.fused_backward and config.model.train_dtype == DType.BFLOAT16):
         needed.add("torchao")
     return sorted(name for name in needed if name)

@@ -18,7 +18,7 @@ from typing import Any
 from modules.config.adapters import ADAPTERS, OPTION_OFF, AdapterRow
 from modules.config.optimizers import OPTIMIZERS, OptimizerRow
 from modules.config.schema import (Config, LRScheduler, PredictionType, Sampler,
-                                   TimestepSampling, TrainingMethod, WeightStorage)
+                                   TimestepSampling, TrainingMethod)
 from modules.model_types import MODEL_TYPES
 
 
@@ -181,8 +181,8 @@ RULES: tuple[FieldRule, ...] = (
     # greyed only while off: when on, validation asks to turn it off, so it stays editable
     FieldRule(("model.weight_storage",),
               lambda c: (c.training.method == TrainingMethod.LORA
-                         or c.model.weight_storage == WeightStorage.FLOAT8),
-              lambda c: "FINE_TUNE trains the weights themselves: float8 storage is for LoRA"),
+                         or c.model.weight_storage.eight_bit),
+              lambda c: "FINE_TUNE trains the weights themselves: 8-bit storage is for LoRA"),
     FieldRule(("model.offload_blocks",),
               lambda c: (c.training.method == TrainingMethod.LORA
                          or c.model.offload_blocks != 0),

@@ -46,6 +46,12 @@ class DType(str, Enum):
 class WeightStorage(str, Enum):
     WEIGHT_DTYPE = "WEIGHT_DTYPE"
     FLOAT8 = "FLOAT8"
+    INT8 = "INT8"
+
+    @property
+    def eight_bit(self) -> bool:
+        """Stored in 8 bits through torchao (modules/models/weight_storage.py's FORMATS)."""
+        return self != WeightStorage.WEIGHT_DTYPE
 
 
 class DistributedStrategy(str, Enum):
@@ -166,9 +172,11 @@ class ModelConfig:
              "e4m3 with one scale per output row (torchao: pip install torchao) and turned "
              "back into model.weight_dtype inside each layer's forward (inside a compiled "
              "block's graph): about half the bytes of bfloat16, at a small cost in quality. "
-             "LoRA only (trained weights are never float8); convolutions, norms, embeddings "
-             "and the VAE stay at model.weight_dtype. docs/memory.md has what it saves and "
-             "costs.")
+             "INT8: the same with int8 values, one scale and zero point per row: the same "
+             "saving, for cards without float8 (RTX 30 series and older). "
+             "LoRA only (trained weights are never stored in 8 bits); convolutions, norms, "
+             "embeddings and the VAE stay at model.weight_dtype. docs/memory.md has what it "
+             "saves and costs.")
     offload_blocks: int = setting(
         0, label="Offloaded blocks", group="Model", min=0, max=10_000, advanced=True,
         help="How many of the denoiser's repeated blocks (the UNet's transformer and resnet "

@@ -151,17 +151,21 @@ def _check_objective_options(config: Config) -> list[Problem]:
 
 
 def _check_weight_storage(config: Config) -> list[Problem]:
-    """FLOAT8 storage holds frozen weights only, through torchao (docs/memory.md)."""
-    if config.model.weight_storage != WeightStorage.FLOAT8:
+    """8-bit storage (FLOAT8, INT8) holds frozen weights only, through torchao
+    (docs/memory.md)."""
+    storage = config.model.weight_storage
+    if not storage.eight_bit:
         return []
     if config.training.method == TrainingMethod.FINE_TUNE:
-        return [Problem("model.weight_storage", "WEIGHT_DTYPE with FINE_TUNE", "FLOAT8",
+        why = ("its 3-bit mantissa" if storage == WeightStorage.FLOAT8
+               else "its 256 levels a row")
+        return [Problem("model.weight_storage", "WEIGHT_DTYPE with FINE_TUNE", storage.value,
                         "a full fine-tune trains the weights themselves, and trained weights "
-                        "are never stored as float8 (its 3-bit mantissa would swallow the "
-                        "updates); use training.method=LORA, or model.weight_dtype=BFLOAT16")]
+                        f"are never stored in 8 bits ({why} would swallow the updates); use "
+                        "training.method=LORA, or model.weight_dtype=BFLOAT16")]
     if importlib.util.find_spec("torchao") is None:
         return [Problem("model.weight_storage", "WEIGHT_DTYPE (torchao is not installed)",
-                        "FLOAT8", "pip install torchao (or tempera[memory]), or use "
+                        storage.value, "pip install torchao (or tempera[memory]), or use "
                         "WEIGHT_DTYPE")]
     return []
 
@@ -274,11 +278,12 @@ def _check_block_offload(config: Config) -> list[Problem]:
                         "a full fine-tune trains the blocks' weights, and offload only streams "
                         "frozen weights (an evicted block's device copy is dropped, never "
                         "copied back); use training.method=LORA, or 0")]
-    if config.model.weight_storage == WeightStorage.FLOAT8:
-        return [Problem("model.offload_blocks", "0 with model.weight_storage=FLOAT8",
+    if config.model.weight_storage.eight_bit:
+        storage = config.model.weight_storage.value
+        return [Problem("model.offload_blocks", f"0 with model.weight_storage={storage}",
                         str(config.model.offload_blocks),
-                        "streaming torchao's float8 weights is not tested yet; use one of "
-                        "the two levers")]
+                        f"streaming torchao's {storage.lower()} weights is not tested yet; use "
+                        "one of the two levers")]
     if config.compile.denoiser and config.compile.scope == CompileScope.FULL:
         return [Problem("model.offload_blocks", "0 with compile.scope=FULL",
                         str(config.model.offload_blocks),

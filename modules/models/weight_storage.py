@@ -1,11 +1,17 @@
-"""Frozen weights stored in float8 (`model.weight_storage=FLOAT8`, issue 46 item 1).
+"""Frozen weights stored in 8 bits (`model.weight_storage=FLOAT8` or `INT8`; issue 46 item 1,
+issue 58 item 1).
 
 The frozen linear layers of the denoiser and the text encoders are quantized with torchao's
-float8 weight-only quantization (`Float8WeightOnlyConfig`: e4m3 values with one float32 scale
-per output row). The layer stays an `nn.Linear` whose `weight` is a torchao `Float8Tensor`; its
-forward dequantizes to the weight's original dtype (`model.weight_dtype`) and multiplies, which
-dynamo traces into the block's graph (no graph break), and peft wraps it as its own
-`TorchaoLoraLinear` so LoRA trains on top at `model.train_dtype`.
+weight-only quantization, one table row per format (`FORMATS`):
+- FLOAT8: `Float8WeightOnlyConfig`, e4m3 values with one float32 scale per output row; a torchao
+  `Float8Tensor`;
+- INT8: `Int8WeightOnlyConfig`, int8 values with one float32 scale and one int8 zero point per
+  output row; a torchao `Int8Tensor`. For the cards without float8 arithmetic (RTX 30 series
+  and older): it stores the same byte a value, and needs no float8 dtype anywhere.
+The layer stays an `nn.Linear` whose `weight` is the torchao tensor; its forward dequantizes to
+the weight's original dtype (`model.weight_dtype`) and multiplies, which dynamo traces into the
+block's graph (no graph break), and peft wraps it as its own `TorchaoLoraLinear` so LoRA trains
+on top at `model.train_dtype`.
 
 What torchao does not do here (checked on torch 2.13, torchao 0.18.0; docs/memory.md):
 convolutions (its float8 conv needs the CUDA-only `mslk` kernels), so they stay at
@@ -14,10 +20,14 @@ pass (eager and AOTAutograd alike), so the saving holds at rest and between step
 step's backward holds a dequantized copy per layer whose activations it keeps (gradient
 checkpointing bounds that to one block).
 """
+
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,27 +36,74 @@ FLOAT8_DTYPE = torch.float8_e4m3fn
 PACKAGE = "torchao"
 
 
+def _float8_config() -> Any:
+    from torchao.quantization import Float8WeightOnlyConfig, PerRow
+    return Float8WeightOnlyConfig(weight_dtype=FLOAT8_DTYPE, granularity=PerRow(),
+                                  set_inductor_config=False)
+
+
+def _int8_config() -> Any:
+    from torchao.quantization import Int8WeightOnlyConfig
+    return Int8WeightOnlyConfig(set_inductor_config=False)
+
+
+@dataclass(frozen=True)
+class StoredFormat:
+    """One way of storing frozen linear weights: what `model.weight_storage` names."""
+    key: str                         # the model.weight_storage value
+    tensor_class: str                # torchao's tensor subclass a stored weight is
+    word: str                        # as sentences say it ("float8")
+    layout: str                      # run.json's format, and the memory plan's line
+    config: Callable[[], Any]        # the torchao quantization config that stores it
+
+
+FORMATS: dict[str, StoredFormat] = {
+    "FLOAT8": StoredFormat("FLOAT8", "Float8Tensor", "float8",
+                           "float8_e4m3fn values, one float32 scale per output row",
+                           _float8_config),
+    "INT8": StoredFormat("INT8", "Int8Tensor", "int8",
+                         "int8 values, one float32 scale and one int8 zero point per output row",
+                         _int8_config),
+}
+_CLASSES = {f.tensor_class: f for f in FORMATS.values()}
+
+
+def stored_format(tensor: torch.Tensor) -> StoredFormat | None:
+    """The format a weight was stored in by `store_weights`, or None for a plain tensor."""
+    return _CLASSES.get(type(tensor).__name__)
+
+
+def is_stored(tensor: torch.Tensor) -> bool:
+    """A weight stored in 8 bits by `store_weights` (a torchao tensor of a `FORMATS` row)."""
+    return stored_format(tensor) is not None
+
+
 def is_float8(tensor: torch.Tensor) -> bool:
-    """A weight stored by `store_float8` (a torchao Float8Tensor)."""
-    return type(tensor).__name__ == "Float8Tensor"
+    """A weight stored as float8 (a torchao Float8Tensor)."""
+    found = stored_format(tensor)
+    return found is not None and found.key == "FLOAT8"
 
 
 def _frozen_linear(module: nn.Module, _fqn: str) -> bool:
     return (type(module) is nn.Linear and not module.weight.requires_grad
-            and not is_float8(module.weight))
+            and not is_stored(module.weight))
 
 
-def store_float8(module: nn.Module) -> int:
-    """Store `module`'s frozen `nn.Linear` weights as float8 e4m3 with per-row scales, in
-    place (on whatever device it is, the meta device included); returns how many layers."""
-    from torchao.quantization import Float8WeightOnlyConfig, PerRow, quantize_
+def store_weights(module: nn.Module, storage: str) -> int:
+    """Store `module`'s frozen `nn.Linear` weights in the format `storage` names (a `FORMATS`
+    key), in place (on whatever device it is, the meta device included); returns how many
+    layers."""
+    from torchao.quantization import quantize_
 
     count = sum(1 for name, m in module.named_modules() if _frozen_linear(m, name))
     if count:
-        quantize_(module, Float8WeightOnlyConfig(weight_dtype=FLOAT8_DTYPE, granularity=PerRow(),
-                                                 set_inductor_config=False),
-                  filter_fn=_frozen_linear)
+        quantize_(module, FORMATS[storage].config(), filter_fn=_frozen_linear)
     return count
+
+
+def store_float8(module: nn.Module) -> int:
+    """`store_weights` as float8 e4m3 with per-row scales."""
+    return store_weights(module, "FLOAT8")
 
 
 @contextmanager
@@ -54,19 +111,25 @@ def quiet_torchao_lora():
     """peft warns, once per layer it wraps, that a torchao layer it adapts cannot be merged
     (`TorchaoLoraLinear` without `get_apply_tensor_subclass`). Tempera never merges adapters
     into a float8 base (it saves the adapters alone), so that one warning is filtered by its
-    text while adapters are added; any other warning passes."""
+    text while adapters are added; any other warning passes. The same for int8."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="TorchaoLoraLinear was instantiated without")
         yield
 
 
 def stored_bytes(tensor: torch.Tensor) -> int:
-    """Bytes a tensor holds: a float8 weight is its e4m3 values plus its scales."""
-    if is_float8(tensor):
-        # torchao's Float8Tensor is a tensor subclass: it flattens to its inner tensors' names
+    """Bytes a tensor holds: a stored weight is its 8-bit values plus its scales (and zero
+    points)."""
+    if is_stored(tensor):
+        # torchao's tensors are tensor subclasses: each flattens to its inner tensors' names
         inner: list[str] = tensor.__tensor_flatten__()[0]  # type: ignore[attr-defined]
         return sum(stored_bytes(getattr(tensor, name)) for name in inner)
     return tensor.numel() * tensor.element_size()
+
+
+def stored_weights(module: nn.Module) -> list[torch.Tensor]:
+    """The weights of `module` stored in 8 bits."""
+    return [p for p in module.parameters() if is_stored(p)]
 
 
 def float8_weights(module: nn.Module) -> list[torch.Tensor]:
@@ -74,14 +137,14 @@ def float8_weights(module: nn.Module) -> list[torch.Tensor]:
     return [p for p in module.parameters() if is_float8(p)]
 
 
-def storage_record(components: dict[str, nn.Module]) -> dict:
-    """run.json's `weight_storage` for FLOAT8: per component, the layers stored as float8 and
-    their bytes (values and scales), and the library that does it."""
+def storage_record(components: dict[str, nn.Module], storage: str) -> dict:
+    """run.json's `weight_storage` for a `FORMATS` storage: per component, the layers stored
+    and their bytes (values and scales), and the library that does it."""
     from importlib.metadata import version
 
-    stored = {name: float8_weights(module) for name, module in components.items()}
-    return {"storage": "FLOAT8", "library": f"{PACKAGE} {version(PACKAGE)}",
-            "format": "float8_e4m3fn values, one float32 scale per output row",
+    stored = {name: stored_weights(module) for name, module in components.items()}
+    return {"storage": storage, "library": f"{PACKAGE} {version(PACKAGE)}",
+            "format": FORMATS[storage].layout,
             "components": {name: {"layers": len(weights),
                                   "bytes": sum(stored_bytes(w) for w in weights)}
                            for name, weights in stored.items() if weights}}

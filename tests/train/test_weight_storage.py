@@ -1,9 +1,10 @@
-"""Frozen weights stored as float8 (`model.weight_storage=FLOAT8`, issue 46 item 1): LoRA trains on
-the float8-stored tiny model, eager and under REGIONAL AOT_EAGER compile with no graph break,
-resumes exactly, never saves a float8 weight, is recorded in run.json, is counted by the memory
-plan and offered by its refusal, and is refused for a full fine-tune or without torchao. The
-quality cost is measured against the same LoRA trained on the full-precision base (float32,
-the tiny model's default: bfloat16 is slow on a CPU; docs/memory.md has the bfloat16 numbers)."""
+"""Frozen weights stored in 8 bits (`model.weight_storage=FLOAT8`, issue 46 item 1, and `INT8`,
+issue 58 item 1): LoRA trains on the stored tiny model, eager and under REGIONAL AOT_EAGER
+compile with no graph break, resumes exactly, never saves an 8-bit weight, is recorded in
+run.json, is counted by the memory plan and offered by its refusal, and is refused for a full
+fine-tune or without torchao. The quality cost is measured against the same LoRA trained on the
+full-precision base (float32, the tiny model's default: bfloat16 is slow on a CPU;
+docs/memory.md has the bfloat16 numbers)."""
 from __future__ import annotations
 
 import math
@@ -22,7 +23,7 @@ from modules.config.validate import validate
 from modules.events import RecordingCallbacks
 from modules.models.loader import load_bundle
 from modules.models.tiny import ensure_builtin_model
-from modules.models.weight_storage import float8_weights, stored_bytes
+from modules.models.weight_storage import FORMATS, float8_weights, stored_bytes, stored_weights
 from modules.train.memory.memory_check import CardMemory
 from modules.train.memory.memory_plan import gib, plan_memory
 from modules.train.recipe.trainable import component_dtypes, prepare_trainable
@@ -36,56 +37,67 @@ FLOAT8 = "model.weight_storage=FLOAT8"
 
 
 @pytest.fixture(scope="module")
-def runs(tempera_cache, tmp_path_factory) -> tuple[dict[str, Path], dict]:
-    """The shared runs (2 steps each on the tiny model, tests/train/lever_runs.py): float32 base
-    ("full"), float8 base ("fp8"), float8 stopped at step 1 and resumed, float8 under REGIONAL
-    AOT_EAGER (it also samples); with that run's graph breaks. Over 10 s in all: four short
-    trainings, one compiled."""
-    root = tmp_path_factory.mktemp("weight-storage")
-    train(make_config(tempera_cache, root / "full"), RecordingCallbacks())
-    fp8 = lever_runs(tempera_cache, root, (FLOAT8,), plain=(FLOAT8,),
-                     compiled=('sampling.prompts=["a red square"]', "sampling.steps=2"))
-    return {"full": root / "full", "fp8": fp8.out["plain"], "fp8_resumed": fp8.out["resumed"],
-            "fp8_compiled": fp8.out["compiled"]}, fp8.graph_breaks
+def full_run(tempera_cache, tmp_path_factory) -> Path:
+    """The LoRA on the float32 base the stored runs are measured against (2 steps)."""
+    out = tmp_path_factory.mktemp("weight-storage") / "full"
+    train(make_config(tempera_cache, out), RecordingCallbacks())
+    return out
 
 
-def test_float8_run_records_its_storage_and_trains(runs):
+@pytest.fixture(scope="module", params=sorted(FORMATS))
+def runs(request, full_run, tempera_cache, tmp_path_factory) -> tuple[dict[str, Path], dict]:
+    """The shared runs of one 8-bit storage (2 steps each on the tiny model,
+    tests/train/lever_runs.py): the stored base ("fp8"), stopped at step 1 and resumed, and
+    under REGIONAL AOT_EAGER (it also samples); with that run's graph breaks, beside the
+    float32 run ("full"). Over 10 s in all: three short trainings per format, one compiled."""
+    storage = f"model.weight_storage={request.param}"
+    root = tmp_path_factory.mktemp(f"weight-storage-{request.param.lower()}")
+    stored = lever_runs(tempera_cache, root, (storage,), plain=(storage,),
+                        compiled=('sampling.prompts=["a red square"]', "sampling.steps=2"))
+    return {"full": full_run, "fp8": stored.out["plain"], "fp8_resumed": stored.out["resumed"],
+            "fp8_compiled": stored.out["compiled"], "storage": request.param}, \
+        stored.graph_breaks
+
+
+def test_stored_run_records_its_storage_and_trains(runs):
     out, _ = runs
     record = run_json(out["fp8"])
     storage = record["weight_storage"]
-    assert storage["storage"] == "FLOAT8" and storage["library"].startswith("torchao ")
+    assert storage["storage"] == out["storage"] and storage["library"].startswith("torchao ")
+    assert storage["format"] == FORMATS[out["storage"]].layout
     assert storage["components"]["unet"]["layers"] > 0
     assert storage["components"]["text_encoder"]["layers"] > 0
     assert "vae" not in storage["components"]
     assert run_json(out["full"])["weight_storage"] == {"storage": "WEIGHT_DTYPE",
                                                         "dtype": "FLOAT32"}
     lines = [line["what"] for line in record["memory_plan"]["lines"]]
-    assert any(line.startswith("unet linear weights stored as float8") for line in lines)
+    word = FORMATS[out["storage"]].word
+    assert any(line.startswith(f"unet linear weights stored as {word}") for line in lines)
     assert all(math.isfinite(loss) for loss in record["losses"]) and len(record["losses"]) == 2
 
 
-def test_saved_files_hold_no_float8_weight(runs):
+def test_saved_files_hold_no_8_bit_weight(runs):
     out, _ = runs
     files = [p for name in ("fp8", "fp8_resumed") for p in out[name].rglob("*.safetensors")]
     assert any("backup" in str(p) for p in files) and any("final" in str(p) for p in files)
     for path in files:
         with safe_open(str(path), "pt") as f:
             dtypes = {f.get_slice(key).get_dtype() for key in f.keys()}
-        assert not any(d.startswith("F8") for d in dtypes), (path, dtypes)
+        assert not any(d.startswith("F8") or d == "I8" for d in dtypes), (path, dtypes)
 
 
-def test_float8_run_resumes_exactly(runs):
+def test_stored_run_resumes_exactly(runs):
     out, _ = runs
     assert_resumed_as(out["fp8"], out["fp8_resumed"])
 
 
-def test_float8_compiles_regional_aot_eager_without_graph_breaks(runs):
+def test_stored_weights_compile_regional_aot_eager_without_graph_breaks(runs):
     out, breaks = runs
     report = run_json(out["fp8_compiled"])["compile"]["unet"]
     assert report["effective"] == "AOT_EAGER" and report["scope"] == "REGIONAL", report
     assert report["compiled_code_ran"] and not report["degraded"], report
     assert breaks == {}, breaks
-    assert list((out["fp8_compiled"] / "samples").rglob("*.png"))  # sampling on the float8 base
+    assert list((out["fp8_compiled"] / "samples").rglob("*.png"))  # sampling on the stored base
 
 
 def test_quality_cost_against_the_full_precision_base(runs, tempera_cache):
@@ -115,6 +127,37 @@ def test_plan_counts_float8_weights_as_the_real_model_holds_them(tempera_cache, 
     assert full.total > plan_memory(config, folder).total
 
 
+def test_plan_counts_int8_weights_as_the_real_model_holds_them(tempera_cache, tmp_path):
+    """INT8's plan line is what the loaded model holds: one byte a value, a float32 scale and
+    an int8 zero point per row; the same bytes as float8 save, for cards without float8."""
+    int8 = "model.weight_storage=INT8"
+    config = make_config(tempera_cache, tmp_path / "out", int8)
+    folder = ensure_builtin_model(config.model.path, tempera_cache)
+    bundle = load_bundle(folder, config.model, component_dtypes(config))
+    prepare_trainable(bundle, config)
+    weights = stored_weights(bundle.denoiser)
+    assert weights and {type(w).__name__ for w in weights} == {"Int8Tensor"}
+    held = sum(w.qdata.numel() + w.scale.numel() * 4 + w.zero_point.numel() for w in weights)
+    assert held == sum(stored_bytes(w) for w in weights)
+    plan = {what.split(" (")[0]: size for what, size in plan_memory(config, folder).lines}
+    assert plan["unet linear weights stored as int8"] == held
+    float8 = plan_memory(make_config(tempera_cache, tmp_path / "out", FLOAT8), folder)
+    full = plan_memory(make_config(tempera_cache, tmp_path / "out"), folder)
+    assert full.total > plan_memory(config, folder).total
+    assert abs(plan_memory(config, folder).total - float8.total) < 0.02 * float8.total
+
+
+def test_int8_is_refused_for_a_full_fine_tune_and_greys_nothing_else():
+    fine_tune = apply_overrides(Config(), ["model.weight_storage=INT8",
+                                           "training.method=FINE_TUNE",
+                                           'output.formats=["diffusers"]'])
+    [problem] = [p for p in validate(fine_tune) if p.path == "model.weight_storage"]
+    assert "never stored in 8 bits (its 256 levels a row" in problem.message
+    offload = apply_overrides(Config(), ["model.weight_storage=INT8", "model.offload_blocks=2"])
+    [problem] = [p for p in validate(offload) if p.path == "model.offload_blocks"]
+    assert "0 with model.weight_storage=INT8" in str(problem)
+
+
 def test_refusal_offers_float8_storage_with_what_it_saves(tempera_cache, tmp_path, monkeypatch):
     config = make_config(tempera_cache, tmp_path / "out")
     folder = ensure_builtin_model(config.model.path, tempera_cache)
@@ -137,7 +180,7 @@ def test_float8_is_refused_for_a_full_fine_tune_and_without_torchao(monkeypatch)
     fine_tune = apply_overrides(Config(), [FLOAT8, "training.method=FINE_TUNE",
                                            'output.formats=["diffusers"]'])
     problems = [p for p in validate(fine_tune) if p.path == "model.weight_storage"]
-    assert problems and "never stored as float8" in problems[0].message
+    assert problems and "never stored in 8 bits (its 3-bit mantissa" in problems[0].message
 
     import importlib.util
     real = importlib.util.find_spec

@@ -23,7 +23,7 @@ from modules.config.overrides import apply_overrides
 from modules.config.optimizers import OPTIMIZERS
 from modules.config.problems import ConfigError, Problem
 from modules.config.schema import (CompileScope, Config, DistributedStrategy, DType,
-                                   TrainingMethod, WeightStorage)
+                                   TrainingMethod)
 from modules.config.validate import fsdp_problems, fused_backward_problems
 from modules.model_types import MODEL_TYPES
 from modules.models.bundle import ModelBundle
@@ -178,10 +178,12 @@ class Lever:
 
 
 def _float8_storage(config: Config) -> LeverState:
-    if config.model.weight_storage == WeightStorage.FLOAT8:
+    """8-bit storage of the frozen linear weights: offered as FLOAT8; INT8 (the same bytes,
+    for cards without float8) counts as on."""
+    if config.model.weight_storage.eight_bit:
         return ON
     if config.training.method != TrainingMethod.LORA:
-        return LeverState(not_for="LoRA only (a trained weight is never stored as float8)")
+        return LeverState(not_for="LoRA only (a trained weight is never stored in 8 bits)")
     if importlib.util.find_spec("torchao") is None:  # its plan needs torchao
         return LeverState(not_for="needs torchao, not installed here (pip install torchao)")
     return LeverState(overrides=["model.weight_storage=FLOAT8"])
@@ -269,8 +271,8 @@ def offload_not_for(config: Config) -> str:
     """Why block offload cannot serve this run (validate's `_check_block_offload`), or ""."""
     if config.training.method != TrainingMethod.LORA:
         return "LoRA only (a trained weight stays on the GPU)"
-    if config.model.weight_storage == WeightStorage.FLOAT8:
-        return "cannot combine with model.weight_storage=FLOAT8"
+    if config.model.weight_storage.eight_bit:
+        return f"cannot combine with model.weight_storage={config.model.weight_storage.value}"
     if config.compile.denoiser and config.compile.scope == CompileScope.FULL:
         return "needs REGIONAL compile of the denoiser (compile.scope is FULL)"
     return ""

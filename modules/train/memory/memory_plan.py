@@ -36,7 +36,7 @@ from modules.model_types import MODEL_TYPES
 from modules.models.bundle import ModelBundle
 from modules.models.families import family_of
 from modules.models.sd_folder import component_classes
-from modules.models.weight_storage import is_float8, stored_bytes
+from modules.models.weight_storage import stored_bytes, stored_format
 from modules.train.recipe.placement import components_off_device
 
 GIB = 2 ** 30
@@ -107,8 +107,16 @@ def optimizer_state_bytes(optimizer: Optimizer, params: Iterable[torch.Tensor]) 
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes the tensors hold (a float8-stored weight: 1 byte a value plus its scales)."""
+    """Bytes the tensors hold (a weight stored in 8 bits: 1 byte a value plus its scales)."""
     return sum(stored_bytes(t) for t in tensors)
+
+
+def stored_line(name: str, stored: list[torch.Tensor]) -> str:
+    """The plan's line for a component's weights stored in 8 bits (`model.weight_storage`)."""
+    found = stored_format(stored[0])
+    assert found is not None  # only stored weights reach here
+    return (f"{name} linear weights stored as {found.word} ({sum(t.numel() for t in stored):,} "
+            f"{found.layout})")
 
 
 # -------------------------------------------------------------- the plan on weightless copies
@@ -186,22 +194,20 @@ def plan_from(config: Config, bundle: ModelBundle, params: dict[str, list[nn.Par
     off = components_off_device(config)
     for name, module in bundle.components().items():
         frozen = [t for t in [*module.parameters(), *module.buffers()] if id(t) not in trained_ids]
-        float8 = [t for t in frozen if is_float8(t)]
-        frozen = [t for t in frozen if not is_float8(t)]
-        if (frozen or float8) and name in off:
+        stored = [t for t in frozen if stored_format(t)]
+        frozen = [t for t in frozen if not stored_format(t)]
+        if (frozen or stored) and name in off:
             # kept on the CPU (train/recipe/placement.py): on the device only while its
             # outputs are cached, before training, and for the passes that borrow it
-            alone = frozen + float8
+            alone = frozen + stored
             lines.append((f"{name} weights ({describe_tensors(alone)}; on the CPU: "
                           f"{gib(tensor_bytes(alone))} on the device only while its outputs "
                           f"are cached, before training; back on it: {off[name][1]})", 0))
-            float8 = []
+            stored = []
         elif frozen:
             lines.append((f"{name} weights ({describe_tensors(frozen)})", tensor_bytes(frozen)))
-        if float8:  # model.weight_storage=FLOAT8
-            lines.append((f"{name} linear weights stored as float8 (e4m3, "
-                          f"{sum(t.numel() for t in float8):,} values, one fp32 scale per "
-                          "row)", tensor_bytes(float8)))
+        if stored:  # model.weight_storage FLOAT8 or INT8
+            lines.append((stored_line(name, stored), tensor_bytes(stored)))
         if name == bundle.denoiser_name and config.model.offload_blocks:
             lines.append(offload_line(config, module))
         if params.get(name):

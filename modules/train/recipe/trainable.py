@@ -10,7 +10,7 @@ from modules.config.schema import Config, DType, TrainingMethod, WeightStorage
 from modules.model_types import MODEL_TYPES
 from modules.models.bundle import TORCH_DTYPES, ModelBundle
 from modules.models.families import family_of
-from modules.models.weight_storage import quiet_torchao_lora, storage_record, store_float8
+from modules.models.weight_storage import quiet_torchao_lora, storage_record, store_weights
 from modules.train.recipe.adapters import add_adapter
 from modules.train.recipe.textual_inversion import (add_placeholder_tokens, embedding_parameter,
                                                     is_textual_inversion, new_row_ids,
@@ -46,11 +46,11 @@ def component_dtypes(config: Config) -> dict[str, torch.dtype]:
     return dtypes
 
 
-def float8_components(config: Config) -> list[str]:
-    """The components whose frozen linear weights `model.weight_storage=FLOAT8` stores as
-    float8: the denoiser and the text encoders (the VAE stays at `model.weight_dtype`: it is
+def stored_components(config: Config) -> list[str]:
+    """The components whose frozen linear weights `model.weight_storage` (FLOAT8, INT8) stores
+    in 8 bits: the denoiser and the text encoders (the VAE stays at `model.weight_dtype`: it is
     small and mostly convolutions). None for a full fine-tune (validation refuses it)."""
-    if (config.model.weight_storage != WeightStorage.FLOAT8
+    if (not config.model.weight_storage.eight_bit
             or config.training.method != TrainingMethod.LORA):
         return []
     spec = MODEL_TYPES[config.model.type]
@@ -61,18 +61,20 @@ def apply_weight_storage(bundle: ModelBundle, config: Config) -> None:
     """Store the frozen weights as `model.weight_storage` says, on a bundle that is not made
     trainable (*Check compilation* traces the layers training compiles); `prepare_trainable`
     does the same on its way."""
-    for name in float8_components(config):
-        store_float8(bundle.component(name).requires_grad_(False))
+    for name in stored_components(config):
+        store_weights(bundle.component(name).requires_grad_(False),
+                      config.model.weight_storage.value)
 
 
 def weight_storage_record(bundle: ModelBundle, config: Config) -> dict:
-    """run.json's `weight_storage`: how the frozen weights were kept (FLOAT8: which layers of
-    which components, their bytes, the library)."""
-    float8 = float8_components(config)
-    if not float8:
+    """run.json's `weight_storage`: how the frozen weights were kept (FLOAT8, INT8: which
+    layers of which components, their bytes, the library)."""
+    stored = stored_components(config)
+    if not stored:
         return {"storage": WeightStorage.WEIGHT_DTYPE.value,
                 "dtype": config.model.weight_dtype.value}
-    return storage_record({name: bundle.component(name) for name in float8})
+    return storage_record({name: bundle.component(name) for name in stored},
+                          config.model.weight_storage.value)
 
 
 def prepare_trainable(bundle: ModelBundle, config: Config) -> dict[str, list[nn.Parameter]]:
@@ -83,12 +85,12 @@ def prepare_trainable(bundle: ModelBundle, config: Config) -> dict[str, list[nn.
     LoRA adds the configured peft adapter in place (train/recipe/adapters.py: LoRA, LoCon, LoHa, LoKr
     or DoRA) so each component keeps its class and its state-dict keys, which the compile
     engine and the savers rely on. Trainable tensors (full weights or adapters) are kept at
-    `model.train_dtype`. With `model.weight_storage=FLOAT8` the frozen linear layers are stored
-    as float8 first (models/weight_storage.py), so the adapters wrap the float8 layers.
+    `model.train_dtype`. With `model.weight_storage` FLOAT8 or INT8 the frozen linear layers are
+    stored in 8 bits first (models/weight_storage.py), so the adapters wrap the stored layers.
     """
     trained = trained_components(config)
     dtypes = component_dtypes(config)
-    float8 = float8_components(config)
+    stored = stored_components(config)
     train_dtype = TORCH_DTYPES[config.model.train_dtype]
     params: dict[str, list[nn.Parameter]] = {}
     if is_textual_inversion(config):
@@ -100,8 +102,8 @@ def prepare_trainable(bundle: ModelBundle, config: Config) -> dict[str, list[nn.
             # keeps the unbound signature, so mypy misses `self`
             module.to(dtype=dtypes[name])  # type: ignore[call-arg]  # see above
         module.eval()
-        if name in float8:
-            store_float8(module)
+        if name in stored:
+            store_weights(module, config.model.weight_storage.value)
         if name not in trained:
             continue
         if config.training.method == TrainingMethod.LORA:

@@ -36,7 +36,7 @@ from modules.train.recipe.loss_checks import family_problems, model_problems
 from modules.train.setup.output_lock import busy_message
 from modules.train.validation.validation_set import ValidationImages, choose_validation
 from modules.util.errors import first_line
-from modules.train.recipe.trainable import component_dtypes, float8_components
+from modules.train.recipe.trainable import component_dtypes, stored_components
 
 
 @dataclass
@@ -146,12 +146,13 @@ def check_run(config: Config, callbacks: TrainerCallbacks) -> CheckedRun:
     model_path = resolve_model_path(config.model.path, cache_dir)
     resolved.model.path = str(model_path)
     resume = check_resume(resolved, callbacks)
-    if float8_components(resolved) and launched_distributed():
+    if stored_components(resolved) and launched_distributed():
+        storage = resolved.model.weight_storage.value
         raise ConfigError([Problem(
-            "model.weight_storage", "WEIGHT_DTYPE with several processes", "FLOAT8",
-            "float8 weight storage is not tested with DistributedDataParallel yet (its "
-            "broadcast of every weight at the start meets torchao's float8 tensors); train "
-            "in one process, or use WEIGHT_DTYPE")])
+            "model.weight_storage", "WEIGHT_DTYPE with several processes", storage,
+            f"{storage.lower()} weight storage is not tested with DistributedDataParallel yet "
+            f"(its broadcast of every weight at the start meets torchao's {storage.lower()} "
+            "tensors); train in one process, or use WEIGHT_DTYPE")])
     if resolved.model.offload_blocks and launched_distributed():
         raise ConfigError([Problem(
             "model.offload_blocks", "0 with several processes", str(resolved.model.offload_blocks),
