@@ -150,11 +150,12 @@ def targets(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
           if r.get("status") == "ok"}
     out: dict[str, Any] = {"cache_over_cold": None, "cache_target_met": None,
                            "bundle_over_cache": None, "bundle_target_met": None}
-    if by.get("cold") and by.get("cache"):
-        out["cache_over_cold"] = round(by["cache"] / by["cold"], 3)
+    cold, cache, bundle = by.get("cold"), by.get("cache"), by.get("bundle")
+    if cold and cache:
+        out["cache_over_cold"] = round(cache / cold, 3)
         out["cache_target_met"] = out["cache_over_cold"] <= CACHE_AT_MOST
-    if by.get("cache") and by.get("bundle"):
-        out["bundle_over_cache"] = round(by["bundle"] / by["cache"], 3)
+    if cache and bundle:
+        out["bundle_over_cache"] = round(bundle / cache, 3)
         out["bundle_target_met"] = abs(out["bundle_over_cache"] - 1) <= BUNDLE_WITHIN
     return out
 
