@@ -241,9 +241,11 @@ def run_cell_process(config: Config, folder: Path, phase: str, steps: int, warmu
     if not result_path.is_file():
         return {"status": "failed", "error": last_log_line(folder / f"{phase}.log")}
     result = json.loads(result_path.read_text(encoding="utf-8"))
+    result["launched_at"] = launched
     if result.get("first_step_end_time"):
         result["first_step_end_after_launch_seconds"] = round(
             result["first_step_end_time"] - launched, 3)
+        result_path.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     return result
 
 

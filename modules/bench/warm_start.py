@@ -240,7 +240,7 @@ def measure_warm_start(out_dir: Path, *, backend: str = "DEFAULT",
             result.rows.append(measure_setting(config, cell, folder, run, steps=steps,
                                                warmup=warmup, checkout=REPO_ROOT,
                                                progress=progress))
-    result.write(Path(out_dir))
+            result.write(Path(out_dir))  # after each setting: a run cut short keeps them
     return result
 
 
