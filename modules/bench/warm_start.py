@@ -258,8 +258,9 @@ def markdown_table(result: WarmStartResult) -> str:
         family = MODEL_TYPES[_model_type(row["family"])].label
         for p in row["phases"]:
             if p["status"] != "ok":
-                lines.append(f"| {family} | {row['scope']} | {p['label']} | "
-                             f"{p['status']}: {p.get('error') or ''} | | | | | |")
+                said = p.get("error") if p["status"] == "not built" else \
+                    f"{p['status']}: {p.get('error') or ''}"
+                lines.append(f"| {family} | {row['scope']} | {p['label']} | {said} | | | | | |")
                 continue
             step = p.get("median_step_seconds")
             lines.append(
