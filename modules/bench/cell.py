@@ -104,6 +104,7 @@ class StepTimer(NullCallbacks):
         self.compile_status = ""
         self.progress_written = -math.inf
         self.stamps: list[float] = []        # perf_counter at each step's end
+        self.first_step_end: float | None = None  # time.time() there: a parent compares it
         self.cuda_events: list[Any] = []     # torch.cuda.Event at each step's end (CUDA)
         self.graphs: list[int] = []          # dynamo's unique_graphs after each step
         self.compile_steps: set[int] = set()
@@ -145,6 +146,8 @@ class StepTimer(NullCallbacks):
             event.record()
             self.cuda_events.append(event)
         self.stamps.append(time.perf_counter())
+        if self.first_step_end is None:
+            self.first_step_end = time.time()
         graphs = _dynamo_counter("stats", "unique_graphs")
         if graphs != (self.graphs[-1] if self.graphs else 0):
             self.compile_steps.add(step)  # a graph no engine event announced
@@ -245,6 +248,7 @@ def run_cell(spec: dict[str, Any]) -> dict[str, Any]:
         "median_step_seconds": round(median, 5),
         "first_step_seconds": round(step_seconds[0], 4),
         "first_step_overhead_seconds": round(step_seconds[0] - median, 4),
+        "first_step_end_time": timer.first_step_end,
         **peak_memory(cuda),
         "graph_breaks": _dynamo_counter("graph_break"),
         "unique_graphs": _dynamo_counter("stats", "unique_graphs"),

@@ -198,10 +198,11 @@ def _run_cell(base: Config, cell: Cell, folder: Path, *, steps: int, warmup: int
     except ValueError as err:
         return {"status": "failed", "error": first_line(err)}
     notify("cold", "cold start")
-    row = _run_phase(configs["cold"], folder, "cold", steps, warmup, timeout, compile_cache, stop)
+    row = run_cell_process(configs["cold"], folder, "cold", steps, warmup, timeout,
+                           compile_cache, stop)
     if row["status"] == "ok" and "warm" in configs:
         notify("warm", "warm start (persistent cache)")
-        warm = _run_phase(configs["warm"], folder, "warm", steps, warmup, timeout,
+        warm = run_cell_process(configs["warm"], folder, "warm", steps, warmup, timeout,
                           compile_cache, stop)
         row["warm"] = {key: warm.get(key) for key in (
             "status", "error", "compile_seconds", "first_step_overhead_seconds",
@@ -210,9 +211,13 @@ def _run_cell(base: Config, cell: Cell, folder: Path, *, steps: int, warmup: int
     return row
 
 
-def _run_phase(config: Config, folder: Path, phase: str, steps: int, warmup: int,
+def run_cell_process(config: Config, folder: Path, phase: str, steps: int, warmup: int,
                timeout: tuple[float, str], compile_cache: Path,
-               stop: Callable[[], bool]) -> dict[str, Any]:
+               stop: Callable[[], bool], *, env: dict[str, str] | None = None,
+               cwd: Path = REPO_ROOT) -> dict[str, Any]:
+    """One cell process: its result, with ``first_step_end_after_launch_seconds`` (the
+    process's whole cold start: imports, model load, compile or bundle load, the first step).
+    ``env`` is added to this process's environment; ``cwd`` is the checkout it imports from."""
     spec_path, result_path = folder / f"spec-{phase}.json", folder / f"result-{phase}.json"
     spec_path.write_text(json.dumps({"config": to_dict(config), "steps": steps,
                                      "warmup": warmup, "phase": phase}, indent=2) + "\n",
@@ -220,11 +225,13 @@ def _run_phase(config: Config, folder: Path, phase: str, steps: int, warmup: int
     result_path.unlink(missing_ok=True)
     # Triton keeps its own kernel cache outside inductor's folder; point it at the cell's
     # cache too, or a "cold" GPU cell would reuse the previous cell's kernels.
-    env = {**os.environ, "TRITON_CACHE_DIR": str(triton_cache_folder(compile_cache))}
+    child_env = {**os.environ, "TRITON_CACHE_DIR": str(triton_cache_folder(compile_cache)),
+                 **(env or {})}
     command = [sys.executable, "-m", "modules.bench.cell", "--spec", str(spec_path),
                "--result", str(result_path)]
+    launched = time.time()
     with open(folder / f"{phase}.log", "w", encoding="utf-8") as log:
-        outcome = _wait(command, env, log, timeout, stop)
+        outcome = _wait(command, child_env, log, timeout, stop, cwd)
     run_dir = Path(config.output.dir)
     if (run_dir / "run.json").is_file():
         shutil.copyfile(run_dir / "run.json", folder / f"run-{phase}.json")
@@ -233,14 +240,20 @@ def _run_phase(config: Config, folder: Path, phase: str, steps: int, warmup: int
         return {"status": outcome[0], "error": outcome[1]}
     if not result_path.is_file():
         return {"status": "failed", "error": last_log_line(folder / f"{phase}.log")}
-    return json.loads(result_path.read_text(encoding="utf-8"))
+    result = json.loads(result_path.read_text(encoding="utf-8"))
+    result["launched_at"] = launched
+    if result.get("first_step_end_time"):
+        result["first_step_end_after_launch_seconds"] = round(
+            result["first_step_end_time"] - launched, 3)
+        result_path.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    return result
 
 
 def _wait(command: list[str], env: dict[str, str], log, timeout: tuple[float, str],
-          stop: Callable[[], bool]) -> tuple[str, str] | None:
+          stop: Callable[[], bool], cwd: Path = REPO_ROOT) -> tuple[str, str] | None:
     """Run ``command``; (status, error) if it timed out or was stopped, else None.
     ``timeout`` is (seconds, where that limit came from)."""
-    process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=log,
+    process = subprocess.Popen(command, cwd=cwd, env=env, stdout=log,
                                stderr=subprocess.STDOUT, start_new_session=True)
     seconds, why = timeout
     deadline = time.monotonic() + seconds

@@ -116,6 +116,7 @@ class CompileBackend(str, Enum):
 class CompileScope(str, Enum):
     FULL = "FULL"
     REGIONAL = "REGIONAL"
+    AUTO = "AUTO"
 
 
 class CompileMode(str, Enum):
@@ -489,7 +490,10 @@ class CompileConfig:
         CompileScope.REGIONAL, label="Scope", group="Advanced",
         help="REGIONAL compiles each repeated block (transformer and resnet blocks) so the "
              "compiled code is reused across blocks: a much shorter cold start. FULL compiles "
-             "each component whole.")
+             "each component whole. AUTO measures eager, REGIONAL and FULL briefly the first "
+             "time this device, model family, backend, batch and resolution are met, keeps the "
+             "fastest step (stored in the compile cache folder's bundles/ for later runs) and "
+             "says so; where it cannot measure, REGIONAL.")
     mode: CompileMode = setting(
         CompileMode.DEFAULT, label="Mode", group="Advanced",
         help="torch.compile mode, merged into the backend's inductor options.")

@@ -30,6 +30,7 @@ from modules.models.bundle import ModelBundle
 from modules.train.recipe.builders import pick_device
 from modules.train.recipe.trainable import trained_components
 from modules.models.families import family_of
+from modules.train.recipe.compile_scope import planned_config
 
 # The compile engine's (and run.json's) name for the denoiser, whatever its family calls it:
 # `compile.denoiser` selects it.
@@ -70,6 +71,7 @@ def compile_plans(config: Config,
     """Per component, what training this config will compile, with what, and why: the plan the
     run applies (``capabilities``: default, this machine's for the configured device)."""
     caps = capabilities if capabilities is not None else machine_capabilities(config)
+    config = planned_config(config)  # AUTO: what it decided before, else REGIONAL
     return build_plan(config.compile, compile_facts(config, caps))
 
 
@@ -145,6 +147,7 @@ def matching_bundle(config: Config, capabilities: Capabilities | None = None) ->
     """What a run of ``config`` would find of its compile bundle here (the GUI's line), or
     None when bundles are off or nothing is compiled with inductor."""
     caps = capabilities if capabilities is not None else machine_capabilities(config)
+    config = planned_config(config)  # AUTO: what it decided before, else REGIONAL
     facts = compile_facts(config, caps)
     plans = build_plan(config.compile, facts)
     if not config.compile.bundles or not any(
@@ -160,6 +163,9 @@ def build_compile_guard(config: Config, bundle: ModelBundle, device: torch.devic
     """Compile the selected components in place and return the engine that guards each step.
     REGIONAL compiles the denoiser's repeated blocks that its family names. ``writes_bundle``:
     this process writes the run's compile bundle (the main one of a multi-process run)."""
+    # a run has decided AUTO before it gets here (recipe.py); any other caller compiles what
+    # the plan shows: the stored decision, else REGIONAL
+    config = planned_config(config, device)
     facts = compile_facts(config, detect_capabilities(device), trained)
     cache_dir = compile_cache_folder(config.compile.cache_dir, config.general.cache_dir)
     engine = CompileEngine(
@@ -187,6 +193,7 @@ def denoiser_compile_cost(config: Config,
     `shapes_per_resolution` is what a scan found (`--check`, the run); without it, the most
     the config allows (the GUI, before any image is read)."""
     caps = capabilities if capabilities is not None else machine_capabilities(config)
+    config = planned_config(config)  # AUTO: what it decided before, else REGIONAL
     full = dataclasses.replace(config, compile=dataclasses.replace(config.compile,
                                                                    scope=CompileScope.FULL))
     plan = compile_plans(full, caps)[COMPILE_DENOISER]

@@ -40,6 +40,7 @@ from modules.models.families import family_of
 from modules.paths import cache_dir_for
 from modules.train.memory.offload import build_streamer, held_on_host, offload_choice
 from modules.train.outputs.data_metadata import training_data_metadata
+from modules.train.recipe.compile_scope import resolve_compile_scope
 from modules.train.recipe.compile_guard import (build_compile_guard, component_blocks,
                                                 denoiser_compile_cost)
 from modules.train.recipe.distributed import Distributed, clip_sharded_gradients, launcher_record
@@ -146,6 +147,16 @@ class TrainingRecipe:
         device = dist.device or prepared.device
         record = self.record = prepare_output_folder(prepared, callbacks, dist.is_main)
         start_record(record, prepared, device)
+        # compile.scope=AUTO: decided now, before the weights move to the device (its
+        # measurement runs in processes of its own); every later step sees the chosen scope
+        config, scope_choice = resolve_compile_scope(config, device,
+                                                     multi_process=dist.enabled)
+        if scope_choice is not None:
+            self.prepared = prepared = dataclasses.replace(prepared, config=config)
+            record.write(compile_scope=scope_choice.record())
+            callbacks.on_status(scope_choice.describe())
+            for problem in scope_choice.problems:
+                callbacks.on_status(f"warning: {problem}")
         if dist.enabled:  # what starts it again with its processes (the CLI's resume command)
             record.write(launcher=launcher_record())
 

@@ -15,6 +15,7 @@ import torch
 from modules.compile import detect_capabilities
 from modules.compile.explain import explain, format_explanation
 from modules.config.data import shapes_vary
+from modules.train.recipe.compile_scope import planned_config
 from modules.train.recipe.compile_guard import compile_facts, denoiser_compile_cost
 from modules.config.problems import ConfigError
 from modules.config.schema import Config
@@ -61,6 +62,8 @@ def explain_config(config: Config) -> dict[str, Any]:
     if problems:
         raise ConfigError(problems)
     device = pick_device(config.general.device)
+    # compile.scope=AUTO: what it decided before for this setting, else REGIONAL (as training)
+    config = planned_config(config, device)
     path = resolve_model_path(config.model.path, cache_dir_for(config.general.cache_dir))
     # the loading training does (a single file included)
     bundle = load_bundle(path, config.model, component_dtypes(config))
