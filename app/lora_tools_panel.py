@@ -33,8 +33,8 @@ TOOLS = {  # label -> (tool, the fields it reads)
                                             "layout", "output")),
 }
 FIELDS = {  # field -> (label, hint)
-    "base": ("Base model", "a diffusers folder, a .safetensors checkpoint, or builtin:tiny-sd15 "
-                           "(the demo's)"),
+    "base": ("Base model", "a diffusers folder, a .safetensors checkpoint, or "
+                           f"{frontend.BUILTIN_DEMO} (the demo's)"),
     "config_folder": ("Config folder", "a .safetensors base's architecture: a diffusers folder "
                                        "of it (empty: the shipped configs)"),
     "tuned": ("Fine-tuned model", "the model the LoRA is taken from"),
@@ -63,8 +63,8 @@ BROWSE = {"base": ("folder", "file"), "config_folder": ("folder",),
 BROWSE_TEXT = {"folder": "Folder…", "file": "File…", "save": "Save as…"}
 LAYOUTS = ("kohya", "diffusers")
 # without a base model, the family's shipped architecture names the layers
-MODEL_TYPES = {"from the base model": None, "SD 1.x": "sd15", "SD 2.x": "sd2", "SDXL": "sdxl",
-               "Z-Image": "zimage"}
+MODEL_TYPES = {"from the base model": None, **{spec.short_label: model_type.cli_name
+                                               for model_type, spec in frontend.MODEL_TYPES.items()}}
 POLL_MS = 100
 
 

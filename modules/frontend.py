@@ -29,7 +29,7 @@ from modules.config import Config, Problem, validate
 from modules.config.field_rules import RULED_PATHS, only_values, unused_fields
 from modules.events import TrainerCallbacks, TrainerCommands
 from modules.lora_tools.errors import LoraToolError  # torch-free: the LoRA tools tab's refusals
-from modules.model_types import MODEL_TYPES, ModelType
+from modules.model_types import BUILTIN_DEMO, MODEL_TYPES, ModelType
 from modules.paths import cache_dir_for, compile_cache_folder
 from modules.train.state.backup_files import list_backups
 from modules.train.state.earlier_run import (LossPoint, earlier_losses, earlier_validation,
@@ -189,7 +189,7 @@ def export_bundle(source: str | Path, target: str | Path) -> Path:
 # COMPONENT_LABELS, TrainingError and TrainingAborted are loaded on first use by __getattr__
 # (they import torch).
 __all__ = [  # noqa: F822 - the lazy names come from __getattr__ below
-    "BACKENDS", "BundleError", "COMPONENT_LABELS", "LossPoint", "MODEL_TYPES", "ModelType", "RULED_PATHS",
+    "BACKENDS", "BUILTIN_DEMO", "BundleError", "COMPONENT_LABELS", "LossPoint", "MODEL_TYPES", "ModelType", "RULED_PATHS",
     "ResumeOffer", "TrainingAborted", "TrainingError", "atomic_write_text", "cache_dir_for",
     "check", "check_inputs", "check_run", "compile_cache_folder", "compile_cost", "compile_plans", "earlier_losses",
     "earlier_validation",

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 BUILTIN_PREFIX = "builtin:"
-BUILTIN_TINY_SD15 = "builtin:tiny-sd15"
+BUILTIN_DEMO = "builtin:tiny-sd15"  # the demo's model and the config's default
 BUILTIN_SHAPES = "builtin:shapes"
 BUILTIN_DATASETS = (BUILTIN_SHAPES,)
 
@@ -21,10 +21,17 @@ class ModelType(str, Enum):
     SDXL = "SDXL"
     ZIMAGE = "ZIMAGE"
 
+    @property
+    def cli_name(self) -> str:
+        """How command lines and menus that take a family name it ("sdxl"); `ModelType(name.upper())`
+        reads it back."""
+        return self.value.lower()
+
 
 @dataclass(frozen=True)
 class ModelTypeSpec:
     label: str
+    short_label: str              # where space is short (the LoRA tools' model-type menu)
     pipeline_class: str           # diffusers pipeline class name
     text_encoders: tuple[str, ...]  # attribute names on the pipeline, in order
     tokenizers: tuple[str, ...]
@@ -40,6 +47,10 @@ class ModelTypeSpec:
     # the settings only this type reads (Z-Image's ComfyUI files, its distillation guard):
     # greyed, with why, while another type is chosen (modules/config/field_rules.py)
     own_settings: tuple[str, ...] = ()
+    # what a LoRA's layer names say its family is, where several families' names look alike
+    # (kohya names SD 1.x, 2.x and XL layers with the same prefixes): families sharing it are
+    # told apart layer by layer (modules/lora_tools/lora_files.py); None: the label
+    lora_kin: str | None = None
 
     @property
     def components(self) -> tuple[str, ...]:
@@ -57,18 +68,23 @@ class ModelTypeSpec:
         return tuple(self.config_key(name) for name in self.components)
 
 
+_SD_LORA_KIN = "Stable Diffusion (1.x, 2.x or XL)"
 MODEL_TYPES: dict[ModelType, ModelTypeSpec] = {
-    ModelType.SD15: ModelTypeSpec("Stable Diffusion 1.x", "StableDiffusionPipeline",
-                                  ("text_encoder",), ("tokenizer",), 512, "builtin:tiny-sd15"),
-    ModelType.SD2: ModelTypeSpec("Stable Diffusion 2.x", "StableDiffusionPipeline",
-                                 ("text_encoder",), ("tokenizer",), 768, "builtin:tiny-sd2"),
-    ModelType.SDXL: ModelTypeSpec("Stable Diffusion XL", "StableDiffusionXLPipeline",
+    ModelType.SD15: ModelTypeSpec("Stable Diffusion 1.x", "SD 1.x", "StableDiffusionPipeline",
+                                  ("text_encoder",), ("tokenizer",), 512, "builtin:tiny-sd15",
+                                  lora_kin=_SD_LORA_KIN),
+    ModelType.SD2: ModelTypeSpec("Stable Diffusion 2.x", "SD 2.x", "StableDiffusionPipeline",
+                                 ("text_encoder",), ("tokenizer",), 768, "builtin:tiny-sd2",
+                                 lora_kin=_SD_LORA_KIN),
+    ModelType.SDXL: ModelTypeSpec("Stable Diffusion XL", "SDXL", "StableDiffusionXLPipeline",
                                   ("text_encoder", "text_encoder_2"), ("tokenizer", "tokenizer_2"),
-                                  1024, "builtin:tiny-sdxl"),
-    ModelType.ZIMAGE: ModelTypeSpec("Z-Image", "ZImagePipeline", ("text_encoder",),
+                                  1024, "builtin:tiny-sdxl", lora_kin=_SD_LORA_KIN),
+    ModelType.ZIMAGE: ModelTypeSpec("Z-Image", "Z-Image", "ZImagePipeline", ("text_encoder",),
                                     ("tokenizer",), 1024, "builtin:tiny-zimage",
                                     denoiser="transformer", denoiser_label="Transformer",
                                     flow_matching=True, samplers=("EULER",),
                                     own_settings=("model.text_encoder_path", "model.vae_path",
                                                   "model.train_distilled")),
 }
+# builtin: name -> its model type
+BUILTIN_MODEL_TYPES: dict[str, ModelType] = {spec.builtin: t for t, spec in MODEL_TYPES.items()}

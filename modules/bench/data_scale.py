@@ -55,6 +55,7 @@ def measure(folder: Path, cache: Path, with_cache: bool = True) -> dict[str, Any
     from modules.data.dataset import expand_repeats
     from modules.data.folders import DatasetSource, scan_datasets
     from modules.data.latent_cache import LatentCache, cache_latents, vae_fingerprint
+    from modules.model_types import BUILTIN_DEMO
     from modules.models.tiny import ensure_builtin_model
 
     started = time.perf_counter()
@@ -71,7 +72,7 @@ def measure(folder: Path, cache: Path, with_cache: bool = True) -> dict[str, Any
     if not with_cache:
         return {**row, "peak_rss_mib": round(peak_rss_mib())}
     from diffusers import AutoencoderKL
-    vae = AutoencoderKL.from_pretrained(ensure_builtin_model("builtin:tiny-sd15", cache) / "vae")
+    vae = AutoencoderKL.from_pretrained(ensure_builtin_model(BUILTIN_DEMO, cache) / "vae")
     vae.eval()
 
     @torch.no_grad()

@@ -17,11 +17,12 @@ import torch
 from modules.config.overrides import apply_overrides
 from modules.config.schema import Config, DType
 from modules.events import RecordingCallbacks
+from modules.model_types import BUILTIN_DEMO
 from modules.models.bundle import TORCH_DTYPES
 from modules.models.tiny import ensure_builtin_model
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
-TINY = "builtin:tiny-sd15"
+TINY = BUILTIN_DEMO
 
 
 def quality_config(cache: Path, out: Path, steps: int, weight_dtype: str,

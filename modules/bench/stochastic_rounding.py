@@ -28,9 +28,10 @@ from safetensors.torch import load_file
 from modules.config.overrides import apply_overrides
 from modules.config.schema import Config
 from modules.events import RecordingCallbacks
+from modules.model_types import BUILTIN_DEMO
 from modules.models.tiny import ensure_builtin_model
 
-TINY = "builtin:tiny-sd15"
+TINY = BUILTIN_DEMO
 UNET_FILE = Path("unet") / "diffusion_pytorch_model.safetensors"
 RUNS = {
     "float32": ("model.train_dtype=FLOAT32",),

@@ -23,6 +23,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from modules.model_types import MODEL_TYPES
+
 # How this front end names each input a tool's error names (modules/lora_tools/errors.py)
 FLAGS = {"base": "--base", "model_type": "--model-type", "config_folder": "--config-folder",
          "cache_dir": "--cache-dir", "loras": "--lora", "tuned": "--tuned", "rank": "--rank",
@@ -55,8 +57,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     def base_args(sub, required: bool) -> None:
         sub.add_argument("--base", required=required,
                          help="the base model: a diffusers folder, an ldm .safetensors file, "
-                              "Z-Image's ComfyUI diffusion-model file or a builtin: model")
-        sub.add_argument("--model-type", choices=["sd15", "sd2", "sdxl", "zimage"],
+                              "a family's lone diffusion-model file (ComfyUI's) or a builtin: "
+                              "model")
+        sub.add_argument("--model-type", choices=[t.cli_name for t in MODEL_TYPES],
                          help="the family, when there is no --base (its shipped architecture "
                               "names the layers) or to check the base's")
         sub.add_argument("--config-folder", help="a single-file base's architecture configs "
@@ -71,8 +74,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                        metavar="FILE[:WEIGHT]", help="a LoRA and its weight (default 1)")
     merge.add_argument("-o", "--output", required=True,
                        help="a new folder (diffusers; from a folder base) or a new "
-                            ".safetensors (an ldm single file; Z-Image: ComfyUI's diffusion-"
-                            "model file; from either base)")
+                            ".safetensors (an ldm single file, or the family's lone "
+                            "diffusion-model file where it has one; from either base)")
 
     several = commands.add_parser("merge-loras", help="merge several LoRAs into one (exact)")
     base_args(several, False)

@@ -29,8 +29,9 @@ from modules.config.outputs import (  # noqa: F401 - the sampling, output and lo
 from modules.config.textual_inversion import TextualInversionConfig  # noqa: F401
 from modules.model_types import (  # noqa: F401 - the config's own names for them
     BUILTIN_PREFIX,
+    BUILTIN_DEMO,
+    BUILTIN_MODEL_TYPES,
     BUILTIN_SHAPES,
-    BUILTIN_TINY_SD15,
     ModelType,
 )
 
@@ -156,12 +157,12 @@ class GeneralConfig:
 
 @dataclass
 class ModelConfig:
-    path: str = setting(BUILTIN_TINY_SD15, label="Base model", group="Model", path=True,
+    path: str = setting(BUILTIN_DEMO, label="Base model", group="Model", path=True,
                         files=("*.safetensors", "*.ckpt", "*.pt", "*.bin"),
                         help="A diffusers model folder, a single-file checkpoint in the original "
                              "SD/SDXL layout (.safetensors), or a built-in model such as "
-                             "'builtin:tiny-sd15' (a tiny random-weight model built locally).")
-    type: ModelType = setting(ModelType.SD15, label="Model type", group="Model",
+                             f"'{BUILTIN_DEMO}' (a tiny random-weight model built locally).")
+    type: ModelType = setting(BUILTIN_MODEL_TYPES[BUILTIN_DEMO], label="Model type", group="Model",
                               help="The model family: decides which components exist and how "
                                    "they are conditioned.")
     weight_dtype: DType = setting(DType.FLOAT32, label="Frozen weights dtype", group="Model",

@@ -79,17 +79,18 @@ def _type_of_folder(folder: Path) -> ModelType:
     if not found:
         raise LoraToolError(f"{folder}: a {index.get('_class_name')} folder, which no family "
                             f"these tools know uses ({', '.join(t.value for t in MODEL_TYPES)})")
-    if len(found) == 1:
+    identify = family_of(found[0]).identify_folder
+    if len(found) == 1 or identify is None:
         return found[0]
-    text = json.loads((folder / "text_encoder" / "config.json").read_text(encoding="utf-8"))
-    # SD 2's OpenCLIP encoder uses the exact GELU, SD 1.x's CLIP quick_gelu (the kohya and
-    # diffusers names of the two are the same; only metadata differs)
-    return ModelType.SD2 if text.get("hidden_act") == "gelu" else ModelType.SD15
+    # several families share the pipeline class: the one the folder holds is theirs to say
+    # (the kohya and diffusers names of those families are the same; only metadata differs)
+    return identify(folder)[0]
 
 
 def _same_names(a: ModelType, b: ModelType) -> bool:
-    """Whether two families name the same layers (SD 1.x and 2.x do: one LoRA layout)."""
-    return a == b or {a, b} <= {ModelType.SD15, ModelType.SD2}
+    """Whether two families name the same layers: those sharing a pipeline class do (SD 1.x
+    and 2.x: one LoRA layout)."""
+    return a == b or MODEL_TYPES[a].pipeline_class == MODEL_TYPES[b].pipeline_class
 
 
 def check_family(source: str, found: ModelType, wanted: ModelType | None,

@@ -130,20 +130,23 @@ def _check_family(path: Path, tensors: dict[str, torch.Tensor], layout: ModelLay
     """Refuse a LoRA of another family than the base's, naming both."""
     families = _families_of(tensors)
     if families and not any(_same_family(t, layout.model_type) for t in families):
-        labels = " / ".join(dict.fromkeys(
-            "Stable Diffusion (1.x, 2.x or XL)" if t != ModelType.ZIMAGE
-            else MODEL_TYPES[t].label for t in families))
+        labels = " / ".join(dict.fromkeys(_kin(t) for t in families))
         raise LoraToolError(
             f"{path}: is a {labels} LoRA (its layer names), but the base {layout.source} is "
             f"{MODEL_TYPES[layout.model_type].label} ({layout.model_type.value}): a LoRA only "
             "applies to the family it was trained on")
 
 
+def _kin(model_type: ModelType) -> str:
+    """What a LoRA's layer names say its family is (`ModelTypeSpec.lora_kin`)."""
+    spec = MODEL_TYPES[model_type]
+    return spec.lora_kin or spec.label
+
+
 def _same_family(a: ModelType, b: ModelType) -> bool:
-    # SD 1.x, 2.x and XL share the kohya prefixes; which of them the layers fit is checked
+    # families of one kin share the kohya prefixes; which of them the layers fit is checked
     # layer by layer (names and shapes) below
-    sd = {ModelType.SD15, ModelType.SD2, ModelType.SDXL}
-    return a == b or {a, b} <= sd
+    return a == b or _kin(a) == _kin(b)
 
 
 _KOHYA_SUFFIX = re.compile(r"\.(lora_down\.weight|lora_up\.weight|alpha|dora_scale|hada_\w+|"

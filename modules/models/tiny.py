@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from modules.model_types import BUILTIN_PREFIX, ModelType
+from modules.model_types import BUILTIN_MODEL_TYPES, BUILTIN_PREFIX, ModelType
 from modules.models.single_file import clip_key_with_text_model, rename_weight_keys
 from modules.models.tiny_text import CORPUS_PATH, byte_symbols, train_bpe_merges
 from modules.models.tiny_zimage import TINY_ZIMAGE, build_tiny_zimage
@@ -142,12 +142,7 @@ TINY_SPECS: dict[ModelType, TinySpec] = {
     ),
 }
 
-BUILTIN_MODELS: dict[str, ModelType] = {
-    f"{BUILTIN_PREFIX}tiny-sd15": ModelType.SD15,
-    f"{BUILTIN_PREFIX}tiny-sd2": ModelType.SD2,
-    f"{BUILTIN_PREFIX}tiny-sdxl": ModelType.SDXL,
-    f"{BUILTIN_PREFIX}tiny-zimage": ModelType.ZIMAGE,
-}
+BUILTIN_MODELS = BUILTIN_MODEL_TYPES  # each family's record names its built-in tiny model
 
 
 # --- tokenizer ----------------------------------------------------------------------------
@@ -313,6 +308,90 @@ def save_tiny_pipeline(spec: TinySpec, components: dict[str, Any], work_dir: Pat
         rename_weight_keys(dest / te.name, clip_key_with_text_model)
         for name in TOKENIZER_FILES:
             shutil.copyfile(work_dir / te.tokenizer / name, dest / te.tokenizer / name)
+
+
+# --- at the real size (the benchmark's) ----------------------------------------------------
+_CLIP_L = {"hidden_size": 768, "intermediate_size": 3072, "num_attention_heads": 12,
+           "num_hidden_layers": 12, "max_position_embeddings": 77, "projection_dim": 768,
+           "hidden_act": "quick_gelu"}
+_OPEN_CLIP_BIG_G = {"hidden_size": 1280, "intermediate_size": 5120, "num_attention_heads": 20,
+                    "num_hidden_layers": 32, "max_position_embeddings": 77,
+                    "projection_dim": 1280, "hidden_act": "gelu"}
+_SD_VAE = {"in_channels": 3, "out_channels": 3, "latent_channels": 4, "layers_per_block": 2,
+           "block_out_channels": [128, 256, 512, 512], "norm_num_groups": 32,
+           "down_block_types": ["DownEncoderBlock2D"] * 4,
+           "up_block_types": ["UpDecoderBlock2D"] * 4, "sample_size": 512,
+           "scaling_factor": 0.18215}
+
+# Used only when modules/models/configs/ is absent: the real UNet/VAE/CLIP architectures
+# (the same public diffusers values), by configs folder.
+REAL_SIZE_FALLBACK: dict[str, dict[str, dict[str, Any]]] = {
+    "sd15": {
+        "unet": {"sample_size": 64, "in_channels": 4, "out_channels": 4,
+                 "block_out_channels": [320, 640, 1280, 1280], "layers_per_block": 2,
+                 "cross_attention_dim": 768, "attention_head_dim": 8,
+                 "down_block_types": ["CrossAttnDownBlock2D"] * 3 + ["DownBlock2D"],
+                 "up_block_types": ["UpBlock2D"] + ["CrossAttnUpBlock2D"] * 3},
+        "vae": _SD_VAE,
+        "text_encoder": _CLIP_L,
+    },
+    "sdxl": {
+        "unet": {"sample_size": 128, "in_channels": 4, "out_channels": 4,
+                 "block_out_channels": [320, 640, 1280], "layers_per_block": 2,
+                 "transformer_layers_per_block": [1, 2, 10], "cross_attention_dim": 2048,
+                 "attention_head_dim": [5, 10, 20], "use_linear_projection": True,
+                 "addition_embed_type": "text_time", "addition_time_embed_dim": 256,
+                 "projection_class_embeddings_input_dim": 2816,
+                 "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D",
+                                      "CrossAttnDownBlock2D"],
+                 "up_block_types": ["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"]},
+        "vae": {**_SD_VAE, "sample_size": 1024, "scaling_factor": 0.13025},
+        "text_encoder": _CLIP_L,
+        "text_encoder_2": _OPEN_CLIP_BIG_G,
+    },
+}
+
+
+
+def real_component_config(folder: str, component: str) -> tuple[dict[str, Any], str]:
+    """(config, source) of a real SD architecture: the shipped config, else the table above."""
+    from modules.models.shipped_configs import real_component_config as shipped
+    return shipped(folder, component, REAL_SIZE_FALLBACK, "modules/models/tiny.py table")
+
+
+def real_size_spec(model_type: ModelType, folder: str) -> TinySpec:
+    """The real architecture of `model_type` (its configs in `folder`), in the tiny layout."""
+    base = TINY_SPECS[model_type]
+    text_encoders = tuple(
+        TextEncoderSpec(te.name, te.tokenizer, te.model_class,
+                        real_component_config(folder, te.name)[0])
+        for te in base.text_encoders)
+    return TinySpec(pipeline_class=base.pipeline_class,
+                    unet=real_component_config(folder, "unet")[0],
+                    vae=real_component_config(folder, "vae")[0],
+                    text_encoders=text_encoders, scheduler=base.scheduler,
+                    pipeline_kwargs=base.pipeline_kwargs)
+
+
+def build_from_spec(spec: TinySpec, dest: Path, half: bool = True) -> Path:
+    """A random-weight folder of `spec` (seed 0); `half`: saved in float16, as SD's are
+    released (it halves a real-size folder; runs load it in their weight dtype)."""
+    with tempfile.TemporaryDirectory(prefix="tempera-bench-tokenizer-") as work_dir:
+        components = build_tiny_components(spec, Path(work_dir))
+        if half:
+            for value in components.values():
+                if isinstance(value, torch.nn.Module):
+                    value.to(torch.float16)
+        save_tiny_pipeline(spec, components, Path(work_dir), dest)
+    return dest
+
+
+def unet_parameters(spec: TinySpec) -> int:
+    """Parameters of the spec's UNet (built on the meta device: no memory, no time)."""
+    import diffusers
+    with torch.device("meta"):
+        unet = diffusers.UNet2DConditionModel(**spec.unet)
+    return sum(p.numel() for p in unet.parameters())
 
 
 # --- the cache ----------------------------------------------------------------------------

@@ -80,3 +80,28 @@ def build_tiny_zimage(dest: Path, seed: int = 0, corpus_path: Path | None = None
             scheduler=diffusers.FlowMatchEulerDiscreteScheduler(**spec["scheduler"]))
         pipeline.save_pretrained(dest, safe_serialization=True)
     return Path(dest)
+
+
+def real_size_spec() -> dict[str, Any]:
+    """Z-Image at its real size from the shipped configs, in the layout of the tiny one: the
+    6 B transformer, Qwen3-4B, Flux's VAE. The tokenizer is trained here as for the tiny model
+    (600 tokens, not Qwen's 151,936: the embedding table is 0.7 GiB smaller in bf16; the
+    encoder leaves the GPU once the captions are cached)."""
+    from modules.models.shipped_configs import real_component_config, shipped_scheduler
+    spec: dict[str, Any] = {part: real_component_config("zimage", part)[0]
+                            for part in ("transformer", "text_encoder", "vae")}
+    spec["scheduler"] = shipped_scheduler("zimage")
+    return {**spec, "tokenizer_vocab_size": TINY_ZIMAGE["tokenizer_vocab_size"]}
+
+
+def build_real_size(spec: dict[str, Any], dest: Path) -> Path:
+    """A random-weight Z-Image of `spec`, saved in bf16 as Z-Image is released."""
+    return build_tiny_zimage(dest, spec=spec, dtype=torch.bfloat16)
+
+
+def transformer_parameters(spec: dict[str, Any]) -> int:
+    """Parameters of the spec's transformer (built on the meta device)."""
+    import diffusers
+    with torch.device("meta"):
+        transformer = diffusers.ZImageTransformer2DModel(**spec["transformer"])
+    return sum(p.numel() for p in transformer.parameters())

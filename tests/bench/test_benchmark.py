@@ -187,8 +187,8 @@ def test_the_real_size_zimage_builds_its_encoder_and_vae_from_the_shipped_config
     import torch
     from transformers import Qwen3Config, Qwen3Model
 
-    from modules.bench.models import zimage_spec
-    spec = zimage_spec()
+    from modules.bench.models import bench_spec
+    spec = bench_spec("zimage")
     with torch.device("meta"):
         encoder = Qwen3Model(Qwen3Config(**spec["text_encoder"], vocab_size=600))
         vae = diffusers.AutoencoderKL(**spec["vae"])

@@ -6,7 +6,8 @@ family does differently (`base.ModelFamily`).
 from __future__ import annotations
 
 from modules.model_types import ModelType
-from modules.models.families.base import FileConventions, ModelFamily, Objective, TextEmbeddings
+from modules.models.families.base import (FileConventions, ModelFamily, Objective, RealSize,
+                                          TextEmbeddings)
 from modules.models.families.sd import sd_family
 from modules.models.families.sdxl import SDXL
 from modules.models.families.zimage import ZIMAGE
@@ -32,5 +33,5 @@ def family_files(model_type: ModelType) -> FileConventions:
     return files
 
 
-__all__ = ["FAMILIES", "FileConventions", "ModelFamily", "Objective", "TextEmbeddings",
+__all__ = ["FAMILIES", "FileConventions", "ModelFamily", "Objective", "RealSize", "TextEmbeddings",
            "family_files", "family_of"]

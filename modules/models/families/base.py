@@ -123,6 +123,22 @@ class FileConventions:
 
 
 @dataclass(frozen=True)
+class RealSize:
+    """The family at its real size with random weights, which the benchmark builds locally
+    (modules/bench/models.py lists it under the model type's `cli_name`):
+    - `description`: what the benchmark's model list says of it;
+    - `spec()`: its architecture, from the shipped configs, in the tiny model's layout;
+    - `build(spec, dest)`: a folder of the model `spec` describes, in the dtype the family's
+      models are released in (a real-size one in float32 would be twice the size);
+    - `denoiser_parameters(spec)`: the denoiser's parameter count for a spec in that layout
+      (the tiny one's too), counted on the meta device."""
+    description: str
+    spec: Callable[[], Any]
+    build: Callable[[Any, Path], Path]
+    denoiser_parameters: Callable[[Any], int]
+
+
+@dataclass(frozen=True)
 class ModelFamily:
     """Everything that differs between model families, as data and functions.
 
@@ -156,12 +172,15 @@ class ModelFamily:
     - `lora_scope`: a regular expression the path of an adapted layer must start with (the
       main blocks of a transformer whose refiner blocks keep their weights), None: anywhere;
     - `objective`: noise, target and loss weights (`Objective`);
-    - `build_tiny(dest, seed)`: a tiny randomly initialised model folder, for tests and demos;
+    - `build_tiny(dest, seed)`: a tiny randomly initialised model folder, for tests and demos
+      (its `builtin:` name is the model-type table's);
     - `enable_gradient_checkpointing(module)` on the denoiser;
     - `fp16_vae_overflows`: the VAE's activations overflow in float16 (kept at float32 then);
     - `identify_folder(folder)`: (model type, why) of a diffusers folder whose pipeline class
       several model types share (SD 1.x and 2.x), or None when the class says enough;
-    - `files`: how other tools name its files (`FileConventions`), None when it has none.
+    - `files`: how other tools name its files (`FileConventions`), None when it has none;
+    - `real_size`: the benchmark's random-weight model at the real size (`RealSize`), None
+      where the benchmark has none.
     """
     model_type: ModelType
     repeated_blocks: tuple[str, ...]
@@ -186,6 +205,7 @@ class ModelFamily:
     varying_lengths: Callable[[dict[str, Any]], list[torch.Tensor]] = lambda conditioning: []
     input_problems: Callable[[Any, bool], list[Any]] | None = None
     write_single_file: Callable[..., Path] | None = None
+    real_size: RealSize | None = None
 
     @property
     def spec(self) -> ModelTypeSpec:

@@ -13,7 +13,7 @@ from torch import nn
 
 from modules.config.schema import ModelConfig, PredictionType
 from modules.model_types import MODEL_TYPES, ModelType
-from modules.models.families.base import (FileConventions, ModelFamily, Objective,
+from modules.models.families.base import (FileConventions, ModelFamily, Objective, RealSize,
                                           TextEmbeddings)
 from modules.models.bundle import Dtypes, ModelBundle
 from modules.models.folder import read_config
@@ -141,6 +141,23 @@ def build_tiny(model_type: ModelType, dest: Path, seed: int = 0) -> Path:
     return build_tiny_pipeline(model_type, dest, seed)
 
 
+def real_size(model_type: ModelType, files: FileConventions, description: str) -> RealSize:
+    """The benchmark's random-weight SD model of the real size (models/tiny.py builds it from
+    the configs shipped for `files`)."""
+    def spec() -> Any:
+        from modules.models.tiny import real_size_spec
+        return real_size_spec(model_type, files.single_file_configs)
+
+    def build(spec: Any, dest: Path) -> Path:
+        from modules.models.tiny import build_from_spec
+        return build_from_spec(spec, dest, half=True)
+
+    def denoiser_parameters(spec: Any) -> int:
+        from modules.models.tiny import unet_parameters
+        return unet_parameters(spec)
+    return RealSize(description, spec, build, denoiser_parameters)
+
+
 # The original (ldm) names that other tools read, per SD version.
 SD_FILES = {
     ModelType.SD15: FileConventions(
@@ -160,6 +177,10 @@ SD_FILES = {
         kohya_v2=True, predicts_v_by_default=True,  # SD 2's 768-v base predicts v
         a1111_sd_version="SD2"),
 }
+
+
+# what the benchmark's model list says of each real-size model it builds (SD 2.x: none)
+REAL_SIZE_DESCRIPTIONS = {ModelType.SD15: "SD 1.5 architecture, random weights"}
 
 
 def pipeline_text_arguments(prompt: TextEmbeddings, negative: TextEmbeddings
@@ -183,4 +204,6 @@ def sd_family(model_type: ModelType) -> ModelFamily:
         identify_folder=detect_folder_type,
         files=SD_FILES[model_type],
         pipeline_text_arguments=pipeline_text_arguments,
+        real_size=(real_size(model_type, SD_FILES[model_type], REAL_SIZE_DESCRIPTIONS[model_type])
+                   if model_type in REAL_SIZE_DESCRIPTIONS else None),
     )

@@ -103,4 +103,5 @@ SDXL = ModelFamily(
     build_tiny=functools.partial(sd.build_tiny, ModelType.SDXL),
     files=SDXL_FILES,
     pipeline_text_arguments=pipeline_text_arguments,
+    real_size=sd.real_size(ModelType.SDXL, SDXL_FILES, "SDXL base architecture, random weights"),
 )

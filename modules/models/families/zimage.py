@@ -20,9 +20,10 @@ from modules.config.outputs import Sampler
 from modules.model_types import ModelType
 from modules.models.bundle import Dtypes, ModelBundle, dtype_of
 from modules.models.chat_text import ChatEncoding, caption_list, encode_chat
-from modules.models.families.base import FileConventions, ModelFamily, TextEmbeddings
+from modules.models.families.base import FileConventions, ModelFamily, RealSize, TextEmbeddings
 from modules.models.families.flow import FLOW_MATCHING
 from modules.models.families.sd import text_encoders
+from modules.models.tiny_zimage import build_real_size, real_size_spec, transformer_parameters
 
 # The blocks REGIONAL compiles: the class diffusers declares repeated
 # (ZImageTransformer2DModel._repeated_blocks); the refiners are blocks of the same class.
@@ -195,4 +196,6 @@ ZIMAGE = ModelFamily(
     input_problems=input_problems,
     write_single_file=write_single_file,
     pipeline_text_arguments=pipeline_text_arguments,
+    real_size=RealSize("Z-Image architecture (6 B transformer, Qwen3-4B), random weights",
+                       real_size_spec, build_real_size, transformer_parameters),
 )

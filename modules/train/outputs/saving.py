@@ -265,10 +265,10 @@ def build_pipeline(bundle: ModelBundle, config: Config, scheduler=None,
              **bundle.tokenizers}
     if without_text_encoders:
         parts.update({name: None for name in spec.text_encoders})
-    if spec.pipeline_class == "StableDiffusionPipeline":
-        parts.update(safety_checker=None, feature_extractor=None, requires_safety_checker=False)
-    else:
-        parts.update(image_encoder=None, feature_extractor=None)
+    # the optional parts a pipeline may take and a training run never has (SD's safety checker,
+    # IP-Adapter's image encoder): off, for whichever of them this pipeline class takes
+    parts.update(safety_checker=None, feature_extractor=None, image_encoder=None,
+                 requires_safety_checker=False)
     known = set(inspect.signature(cls.__init__).parameters)
     return cls(**{k: v for k, v in parts.items() if k in known})
 
