@@ -145,10 +145,11 @@ def merge(args: argparse.Namespace) -> int:
         return 2
     try:
         # the estimate's table of measured compiles belongs with the repository's own docs
+        from modules.bench.gpu_phases import measured_table
         from modules.compile.measured import TABLE
         own_docs = args.docs.resolve() == (REPO / "docs").resolve() and not args.allow_rehearsal
         written = merge_results(args.paths, args.docs, allow_rehearsal=args.allow_rehearsal,
-                                measured=TABLE if own_docs else None)
+                                measured=(TABLE, measured_table) if own_docs else None)
     except (OSError, ValueError, KeyError) as err:
         print(f"error: merge: {err}", file=sys.stderr)
         return 2

@@ -9,6 +9,14 @@ from typing import Any
 
 from modules.bench.gpu_machine import installed_versions
 
+# The compiled backend the phases after the headline measure models, levers and bundles with: the
+# presets' backend. Phase 1 on an H200 (SD 1.5 LoRA, docs/benchmarks.md): DEFAULT's cold start
+# ended in 143 s (1.23x eager); INDUCTOR's max_autotune was still autotuning its fourth graph
+# when killed, alone, at 176 s and again at 204 s. A cold start that does not end brings back no
+# ratio, so each phase's one compiled cell is DEFAULT; phase 4 weighs max_autotune.
+COMPILED = "DEFAULT"
+COMPILED_NAME = COMPILED.lower()
+
 
 @dataclass
 class Context:

@@ -20,7 +20,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
+from modules.bench.gpu_context import COMPILED, COMPILED_NAME
 from modules.bench.gpu_packages import EVERY_PHASE, config_packages
 from modules.bench.gpu_validate import REST, Job
 
@@ -176,13 +178,6 @@ def _ratio_first(key: str, size: Size, eager: tuple[str, list[str], float, str],
                   compare_with=f"cell-{key}-{eager_name}", reserve=reserve)]
 
 
-# The compiled backend the phases after the headline measure models, levers and bundles with: the
-# presets' backend. Phase 1 on an H200 (SD 1.5 LoRA, docs/benchmarks.md): DEFAULT's cold start
-# ended in 143 s (1.23x eager); INDUCTOR's max_autotune was still autotuning its fourth graph
-# when killed, alone, at 176 s and again at 204 s. A cold start that does not end brings back no
-# ratio, so each phase's one compiled cell is DEFAULT; phase 4 weighs max_autotune.
-COMPILED = "DEFAULT"
-COMPILED_NAME = COMPILED.lower()
 
 
 def phase_sd15_headline(sizes: dict[str, Size]) -> list[Job]:
@@ -497,3 +492,14 @@ def phase_packages(phase: Phase) -> list[str]:
     for job in phase_jobs(phase, tiny=False):
         needed.update(job.spec.get("packages", ()))
     return sorted(needed)
+
+
+def measured_table(phases: list[dict[str, Any]]) -> dict[str, Any]:
+    """The cold compile times of merged GPU phases (their summary.json data), as
+    `modules.compile.measured` reads them: each job's size and overrides from this plan."""
+    from modules.compile.measured import table_rows
+    from modules.model_types import MODEL_TYPES
+    labels = {kind.value: spec.label for kind, spec in MODEL_TYPES.items()}
+    return {"written_by": "scripts/gpu_validate.py merge (from docs/benchmarks/gpu/)",
+            "rows": table_rows(phases, lambda key: phase_jobs(find_phase(key), tiny=False),
+                               FULL_SIZES, labels)}

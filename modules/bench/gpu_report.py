@@ -244,11 +244,13 @@ def summary_markdown(data: dict[str, Any]) -> str:
 
 # --- merge into the docs -----------------------------------------------------------------------
 def merge_results(out_dirs: list[Path], docs: Path, allow_rehearsal: bool = False,
-                  measured: Path | None = None) -> list[Path]:
+                  measured: tuple[Path, Callable[[list[dict[str, Any]]], dict[str, Any]]]
+                  | None = None) -> list[Path]:
     """Fold returned phase folders into ``docs``: raw files under benchmarks/gpu/, the GPU
-    block of benchmarks.md, and images/gpu-validate.png; with ``measured``, the table of cold
-    compile times a first run's estimate quotes (`modules.compile.measured`). Returns the
-    files written."""
+    block of benchmarks.md, and images/gpu-validate.png; with ``measured`` (a path and what
+    makes its table from the phases: `gpu_phases.measured_table`), the table of cold compile
+    times a first run's estimate quotes (`modules.compile.measured`). Returns the files
+    written."""
     raw = docs / "benchmarks" / "gpu"
     raw.mkdir(parents=True, exist_ok=True)
     written = []
@@ -274,21 +276,9 @@ def merge_results(out_dirs: list[Path], docs: Path, allow_rehearsal: bool = Fals
     if write_plot(phases, plot):
         written.append(plot)
     if measured is not None:
-        atomic_write_text(measured, json.dumps(measured_table(phases), indent=1) + "\n")
-        written.append(measured)
+        atomic_write_text(measured[0], json.dumps(measured[1](phases), indent=1) + "\n")
+        written.append(measured[0])
     return written
-
-
-def measured_table(phases: list[dict[str, Any]]) -> dict[str, Any]:
-    """The cold compile times of the merged GPU phases, as `modules.compile.measured` reads
-    them."""
-    from modules.bench.gpu_phases import FULL_SIZES, find_phase, phase_jobs
-    from modules.compile.measured import table_rows
-    from modules.model_types import MODEL_TYPES
-    labels = {kind.value: spec.label for kind, spec in MODEL_TYPES.items()}
-    return {"written_by": "scripts/gpu_validate.py merge (from docs/benchmarks/gpu/)",
-            "rows": table_rows(phases, lambda key: phase_jobs(find_phase(key), tiny=False),
-                               FULL_SIZES, labels)}
 
 
 def load_phases(raw: Path) -> list[dict[str, Any]]:
@@ -386,7 +376,7 @@ def regional_against_full(jobs: dict[tuple[str, str], dict[str, Any]]) -> str:
     """The rest phase's two compiled runs (`COMPILED`), each alone: cold compile and median
     step, REGIONAL against FULL. A FULL run killed at its limit still answers: its cold start
     took longer."""
-    from modules.bench.gpu_phases import COMPILED_NAME
+    from modules.bench.gpu_context import COMPILED_NAME
     names = (f"train-sd15-{COMPILED_NAME}-alone", f"train-sd15-{COMPILED_NAME}-full")
     found = {name: r for (_, name), r in jobs.items() if name in names}
     regional, full = found.get(names[0]), found.get(names[1])

@@ -5,8 +5,7 @@ import json
 
 import pytest
 
-from modules.bench.gpu_phases import FULL_SIZES, find_phase, phase_jobs
-from modules.bench.gpu_report import measured_table
+from modules.bench.gpu_phases import FULL_SIZES, find_phase, measured_table, phase_jobs
 from modules.compile.measured import MeasuredCompile, load_table, table_rows
 from modules.config import Config, apply_overrides
 from modules.train.state.history import CompileExpectation, with_measured

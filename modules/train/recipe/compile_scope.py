@@ -3,12 +3,13 @@ moves to the device (the measurement's processes load their own copy), and what 
 end plans with before a run has decided (the stored decision, else REGIONAL).
 
 The decision and its storage are `modules.compile.scope_choice`; the measurement is the
-benchmark's (`modules.bench.runner.run_benchmark`): one eager cell and one per compiled scope,
-each a fresh process, a few steps each.
+benchmark's, run as a process of its own (`modules.bench.scope_measure`): one eager cell and
+one per compiled scope, each a fresh process, a few steps each.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -19,11 +20,6 @@ from modules.compile.scope_choice import (CANDIDATES, DECISIONS_FILE, EAGER, Mea
                                           ScopeChoice, ScopeMeasurement, read_decisions,
                                           resolve_auto, scope_key)
 from modules.config.schema import CompileBackend, CompileScope, Config
-
-# Short: the benchmark's first step compiles (cold); three clean steps give a median.
-MEASURE_STEPS = 3
-MEASURE_WARMUP = 1
-
 
 def decisions_path(config: Config) -> Path:
     """Where AUTO's decisions are kept: beside the compile bundles."""
@@ -99,20 +95,25 @@ def resolve_compile_scope(config: Config, device: torch.device | str, *,
 def measure_scopes(config: Config, allowed: tuple[str, ...]
                    ) -> Mapping[str, ScopeMeasurement | None]:
     """The steady and first step of eager and of each allowed compiled scope, from a short
-    benchmark of this config (each candidate a fresh process); None for a cell that failed,
-    timed out or fell back to another backend."""
-    from modules.bench.runner import _components_of, run_benchmark
+    benchmark of this config (`modules.bench.scope_measure`, a process of its own that starts
+    one fresh process per candidate); None for a cell that failed, timed out or fell back to
+    another backend. A measurement process that fails raises, and AUTO falls back."""
+    import subprocess
+    import sys
+    import tempfile
 
-    base = with_scope(config, "REGIONAL")
-    scopes = [s for s in allowed if s != EAGER]
-    result = run_benchmark(base, backends=[EAGER, config.compile.backend.value],
-                           components=[_components_of(config)], scopes=scopes, steps=MEASURE_STEPS,
-                           warmup=MEASURE_WARMUP, warm_start=False)
-    working = {id(c) for c in result.working()}
-    measured: dict[str, ScopeMeasurement | None] = {}
-    for cell in result.cells:
-        name = EAGER if cell["backend"] == EAGER else cell["scope"]
-        ok = cell["status"] == "ok" and (name == EAGER or id(cell) in working)
-        measured[name] = (ScopeMeasurement(cell["median_step_seconds"],
-                                           cell["first_step_seconds"]) if ok else None)
-    return measured
+    from modules.config import save_config
+    repo = Path(__file__).resolve().parents[3]
+    with tempfile.TemporaryDirectory(prefix="tempera-scope-") as work:
+        config_file, out = Path(work) / "config.json", Path(work) / "measured.json"
+        save_config(with_scope(config, "REGIONAL"), config_file)
+        done = subprocess.run(
+            [sys.executable, "-m", "modules.bench.scope_measure", "--config", str(config_file),
+             "--allowed", ",".join(allowed), "--out", str(out)],
+            cwd=repo, capture_output=True, text=True)
+        if done.returncode != 0 or not out.is_file():
+            tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            raise RuntimeError(f"the scope measurement failed (exit {done.returncode}): {tail}")
+        raw = json.loads(out.read_text(encoding="utf-8"))
+    return {name: ScopeMeasurement(**numbers) if numbers else None
+            for name, numbers in raw.items()}
