@@ -27,6 +27,7 @@ import torch
 from modules.model_types import BUILTIN_PREFIX, ModelType
 from modules.models.single_file import clip_key_with_text_model, rename_weight_keys
 from modules.models.tiny_text import CORPUS_PATH, byte_symbols, train_bpe_merges
+from modules.models.tiny_klein import TINY_KLEIN, build_tiny_klein
 from modules.models.tiny_zimage import TINY_ZIMAGE, build_tiny_zimage
 from modules.util.atomic import publish_dir_once
 
@@ -147,6 +148,13 @@ BUILTIN_MODELS: dict[str, ModelType] = {
     f"{BUILTIN_PREFIX}tiny-sd2": ModelType.SD2,
     f"{BUILTIN_PREFIX}tiny-sdxl": ModelType.SDXL,
     f"{BUILTIN_PREFIX}tiny-zimage": ModelType.ZIMAGE,
+    f"{BUILTIN_PREFIX}tiny-klein": ModelType.KLEIN,
+}
+# The transformer families' tiny models: (the spec that fingerprints the build, its builder);
+# the SD families are built from TINY_SPECS by build_tiny_pipeline.
+OWN_BUILDERS: dict[ModelType, tuple[dict, Callable[[Path], Path]]] = {
+    ModelType.ZIMAGE: (TINY_ZIMAGE, build_tiny_zimage),
+    ModelType.KLEIN: (TINY_KLEIN, build_tiny_klein),
 }
 
 
@@ -335,7 +343,8 @@ def builtin_model_dir(name: str, cache_dir: Path) -> Path:
 def tiny_spec(name: str) -> TinySpec | dict:
     """What decides the built-in model `name`'s weights and layout (its cache fingerprint)."""
     model_type = _builtin_type(name)
-    return TINY_ZIMAGE if model_type == ModelType.ZIMAGE else TINY_SPECS[model_type]
+    own = OWN_BUILDERS.get(model_type)
+    return own[0] if own is not None else TINY_SPECS[model_type]
 
 
 def builtin_identity(path: str) -> str | None:
@@ -362,8 +371,9 @@ def ensure_builtin_model(name: str, cache_dir: Path) -> Path:
     if target.is_dir():
         return target
     model_type = _builtin_type(name)
-    if model_type == ModelType.ZIMAGE:  # a transformer family: its own builder
-        return publish_dir_once(target, build_tiny_zimage)
+    own = OWN_BUILDERS.get(model_type)
+    if own is not None:  # a transformer family: its own builder
+        return publish_dir_once(target, own[1])
     return publish_dir_once(target, lambda tmp: build_tiny_pipeline(model_type, tmp))
 
 
