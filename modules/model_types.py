@@ -20,6 +20,7 @@ class ModelType(str, Enum):
     SD2 = "SD2"
     SDXL = "SDXL"
     ZIMAGE = "ZIMAGE"
+    KLEIN = "KLEIN"
 
     @property
     def cli_name(self) -> str:
@@ -85,6 +86,13 @@ MODEL_TYPES: dict[ModelType, ModelTypeSpec] = {
                                     flow_matching=True, samplers=("EULER",),
                                     own_settings=("model.text_encoder_path", "model.vae_path",
                                                   "model.train_distilled")),
+    # Flux.2 Klein, base 4B (Qwen3-4B) and 9B (Qwen3-8B): one type, the folder's configs say
+    # which; the step-distilled Klein models are refused unless model.train_distilled says so
+    ModelType.KLEIN: ModelTypeSpec("Flux.2 Klein", "Klein", "Flux2KleinPipeline",
+                                   ("text_encoder",), ("tokenizer",), 1024, "builtin:tiny-klein",
+                                   denoiser="transformer", denoiser_label="Transformer",
+                                   flow_matching=True, samplers=("EULER",),
+                                   own_settings=("model.train_distilled",)),
 }
 # builtin: name -> its model type
 BUILTIN_MODEL_TYPES: dict[str, ModelType] = {spec.builtin: t for t, spec in MODEL_TYPES.items()}

@@ -217,9 +217,10 @@ class ModelConfig:
              "ae.safetensors, models/vae). Empty for a diffusers folder.")
     train_distilled: bool = setting(
         False, label="Train a distilled model", group="Model", advanced=True,
-        help="Z-Image-Turbo is step-distilled, and training it breaks its distillation: it is "
-             "refused unless this is on (with a de-distillation training adapter merged into "
-             "it, say). Train Z-Image Base or a de-distilled Turbo instead.")
+        help="Z-Image-Turbo and the Flux.2 Klein 4B and 9B (not base) models are "
+             "step-distilled, and training them breaks their distillation: they are refused "
+             "unless this is on (with a de-distillation training adapter merged in, say). "
+             "Train Z-Image Base, Klein base 4B or 9B, or a de-distilled model instead.")
     allow_pickle: bool = setting(
         False, label="Allow pickle checkpoints", group="Model", advanced=True,
         on_resume=OnResume.MAY_CHANGE,

@@ -27,6 +27,7 @@ import torch
 from modules.model_types import BUILTIN_MODEL_TYPES, BUILTIN_PREFIX, ModelType
 from modules.models.single_file import clip_key_with_text_model, rename_weight_keys
 from modules.models.tiny_text import CORPUS_PATH, byte_symbols, train_bpe_merges
+from modules.models.tiny_klein import TINY_KLEIN, build_tiny_klein
 from modules.models.tiny_zimage import TINY_ZIMAGE, build_tiny_zimage
 from modules.util.atomic import publish_dir_once
 
@@ -143,6 +144,12 @@ TINY_SPECS: dict[ModelType, TinySpec] = {
 }
 
 BUILTIN_MODELS = BUILTIN_MODEL_TYPES  # each family's record names its built-in tiny model
+# The transformer families' tiny models: (the spec that fingerprints the build, its builder);
+# the SD families are built from TINY_SPECS by build_tiny_pipeline.
+OWN_BUILDERS: dict[ModelType, tuple[dict, Callable[[Path], Path]]] = {
+    ModelType.ZIMAGE: (TINY_ZIMAGE, build_tiny_zimage),
+    ModelType.KLEIN: (TINY_KLEIN, build_tiny_klein),
+}
 
 
 # --- tokenizer ----------------------------------------------------------------------------
@@ -414,7 +421,8 @@ def builtin_model_dir(name: str, cache_dir: Path) -> Path:
 def tiny_spec(name: str) -> TinySpec | dict:
     """What decides the built-in model `name`'s weights and layout (its cache fingerprint)."""
     model_type = _builtin_type(name)
-    return TINY_ZIMAGE if model_type == ModelType.ZIMAGE else TINY_SPECS[model_type]
+    own = OWN_BUILDERS.get(model_type)
+    return own[0] if own is not None else TINY_SPECS[model_type]
 
 
 def builtin_identity(path: str) -> str | None:
@@ -441,8 +449,9 @@ def ensure_builtin_model(name: str, cache_dir: Path) -> Path:
     if target.is_dir():
         return target
     model_type = _builtin_type(name)
-    if model_type == ModelType.ZIMAGE:  # a transformer family: its own builder
-        return publish_dir_once(target, build_tiny_zimage)
+    own = OWN_BUILDERS.get(model_type)
+    if own is not None:  # a transformer family: its own builder
+        return publish_dir_once(target, own[1])
     return publish_dir_once(target, lambda tmp: build_tiny_pipeline(model_type, tmp))
 
 

@@ -227,8 +227,9 @@ def test_unknown_builtin_name_lists_the_known_ones(tmp_path):
 
 
 def test_builtin_models_cover_every_spec():
-    # the UNet families from the spec table, Z-Image from its own builder (tiny_zimage.py)
-    assert set(tiny.BUILTIN_MODELS.values()) == {*tiny.TINY_SPECS, ModelType.ZIMAGE} == set(
+    # the UNet families from the spec table, the transformer families from their own
+    # builders (tiny_zimage.py, tiny_klein.py)
+    assert set(tiny.BUILTIN_MODELS.values()) == {*tiny.TINY_SPECS, *tiny.OWN_BUILDERS} == set(
         ModelType)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from modules.model_types import ModelType
 from modules.models.families.base import (FileConventions, ModelFamily, Objective, RealSize,
                                           TextEmbeddings)
+from modules.models.families.klein import KLEIN
 from modules.models.families.sd import sd_family
 from modules.models.families.sdxl import SDXL
 from modules.models.families.zimage import ZIMAGE
@@ -17,6 +18,7 @@ FAMILIES: dict[ModelType, ModelFamily] = {
     ModelType.SD2: sd_family(ModelType.SD2),
     ModelType.SDXL: SDXL,
     ModelType.ZIMAGE: ZIMAGE,
+    ModelType.KLEIN: KLEIN,
 }
 
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from modules.model_types import MODEL_TYPES, ModelType, ModelTypeSpec
-from modules.models.bundle import ModelBundle
+from modules.models.bundle import ModelBundle, vae_latents
 
 
 if TYPE_CHECKING:
@@ -181,6 +181,11 @@ class ModelFamily:
     - `files`: how other tools name its files (`FileConventions`), None when it has none;
     - `real_size`: the benchmark's random-weight model at the real size (`RealSize`), None
       where the benchmark has none.
+    - `vae_latents(vae, z)`: the VAE's latents (B, C, h, w) as the denoiser is trained on
+      them (default: `(z - shift_factor) * scaling_factor`; Flux.2: its batch-norm statistics);
+    - `unpack_prediction(prediction, noisy)`: the prediction back in the noisy latents'
+      layout, for a denoiser that takes them packed into tokens (Flux.2: (B, tokens, C) to
+      (B, C, h, w)); None: `read_prediction` gives that layout already.
     """
     model_type: ModelType
     repeated_blocks: tuple[str, ...]
@@ -206,6 +211,8 @@ class ModelFamily:
     input_problems: Callable[[Any, bool], list[Any]] | None = None
     write_single_file: Callable[..., Path] | None = None
     real_size: RealSize | None = None
+    vae_latents: Callable[[Any, torch.Tensor], torch.Tensor] = vae_latents
+    unpack_prediction: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     @property
     def spec(self) -> ModelTypeSpec:
@@ -220,4 +227,7 @@ class ModelFamily:
                 conditioning: dict[str, Any]) -> torch.Tensor:
         """The denoiser's prediction (`read_prediction` of what it returns)."""
         args, kwargs = self.denoiser_arguments(noisy, timesteps, conditioning)
-        return self.read_prediction(denoiser(*args, **kwargs))
+        prediction = self.read_prediction(denoiser(*args, **kwargs))
+        if self.unpack_prediction is not None:
+            return self.unpack_prediction(prediction, noisy)
+        return prediction

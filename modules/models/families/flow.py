@@ -10,7 +10,7 @@ type) are refused for flow-matching families (train/recipe/loss_checks.py).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -68,15 +68,18 @@ def shifted(sigma: torch.Tensor, shift: float | None, mu: float | None) -> torch
 
 
 def flow_timesteps(bundle: ModelBundle, normal: torch.Tensor, loss: LossConfig,
-                   latent_size: tuple[int, int], patch: int = 2) -> torch.Tensor:
+                   latent_size: tuple[int, int], patch: int = 2,
+                   mu_of: Callable[[int, Mapping[str, Any]], float] = calculate_mu
+                   ) -> torch.Tensor:
     """The step's timesteps, sigma * T, from one normal draw per sample: `unit_draw`, then the
-    shift: loss.dynamic_shift's resolution-dependent one (the latent's tokens of `patch` x
-    `patch`), loss.timestep_shift, or the model scheduler's own `shift`."""
+    shift: loss.dynamic_shift's resolution-dependent one (`mu_of` the latent's tokens of
+    `patch` x `patch` and the scheduler config: the family's pipeline's formula),
+    loss.timestep_shift, or the model scheduler's own `shift`."""
     config = bundle.noise_scheduler.config
     sigma = unit_draw(normal, loss)
     if loss.dynamic_shift:
         tokens = (latent_size[0] // patch) * (latent_size[1] // patch)
-        sigma = shifted(sigma, None, calculate_mu(tokens, config))
+        sigma = shifted(sigma, None, mu_of(tokens, config))
     else:
         shift = loss.timestep_shift if loss.timestep_shift is not None else config.get("shift", 1.0)
         sigma = shifted(sigma, shift, None)

@@ -1,6 +1,7 @@
 """Sample images from the model being trained, with fixed prompts and seeds."""
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from pathlib import Path
 
@@ -93,13 +94,16 @@ def _draw(pipeline, bundle: ModelBundle, prompts: list[SamplePrompt], folder: Pa
           ) -> list[tuple[Path, str, Image.Image]]:
     """Each prompt's image, written into `folder` (when `write`), until `should_stop`."""
     zeros = bool(pipeline.config.get("force_zeros_for_empty_prompt", False))
+    # a pipeline that takes no negative prompt as text (Flux2KleinPipeline: encoded only) gets
+    # both prompts encoded here, by the family, as it would encode them
+    encode_here = "negative_prompt" not in inspect.signature(pipeline.__call__).parameters
     rows = []
     for i, prompt in enumerate(prompts):
         if should_stop():
             break
         generator = torch.Generator("cpu").manual_seed(prompt.seed)
         try:
-            image = pipeline(**prompt_texts(bundle, prompt, text_cache, zeros),
+            image = pipeline(**prompt_texts(bundle, prompt, text_cache, zeros, encode_here),
                              height=prompt.height, width=prompt.width,
                              num_inference_steps=prompt.steps,
                              guidance_scale=prompt.guidance_scale, generator=generator,
@@ -120,21 +124,25 @@ def write_sample(path: Path, image: Image.Image) -> None:
 
 
 def prompt_texts(bundle: ModelBundle, prompt: SamplePrompt, text_cache=None,
-                 zeros_for_empty: bool = False) -> dict:
+                 zeros_for_empty: bool = False, encode_here: bool = False) -> dict:
     """The pipeline's prompt arguments: the texts, or with a `text_cache` the cached prompt
-    and negative prompt as the family's pipeline takes them encoded. `zeros_for_empty`: the
-    pipeline's `force_zeros_for_empty_prompt` (SDXL's), which conditions an empty negative
-    prompt on zeros rather than its encoding; the cached one follows it."""
-    if text_cache is None:
+    and negative prompt as the family's pipeline takes them encoded (`encode_here`: encoded
+    now by the family, for a pipeline that takes its negative prompt encoded only).
+    `zeros_for_empty`: the pipeline's `force_zeros_for_empty_prompt` (SDXL's), which
+    conditions an empty negative prompt on zeros rather than its encoding; the cached one
+    follows it."""
+    if text_cache is None and not encode_here:
         return {"prompt": prompt.text, "negative_prompt": prompt.negative or None}
     arguments = family_of(bundle.model_type).pipeline_text_arguments
     if arguments is None:
         raise ValueError(f"{bundle.model_type.value}: its pipeline takes no encoded prompts, "
                          "so its samples cannot use cached text embeddings")
     dtype = bundle.denoiser.dtype  # the cached rows are at the text encoder's dtype
+    encoder_device = next(next(iter(bundle.text_encoders.values())).parameters()).device
 
     def encoded(text: str):
-        rows = text_cache.encode([text])
+        rows = (text_cache.encode([text]) if text_cache is not None else
+                family_of(bundle.model_type).encode_text(bundle, [text], encoder_device, None))
         pooled = rows.pooled
         return rows._replace(hidden=rows.hidden.to(dtype),
                              pooled=None if pooled is None else pooled.to(dtype))

@@ -9,7 +9,7 @@ from modules.data.dataset import ImageCaptionDataset
 from modules.data.progress import RateMeter
 from modules.data.latent_cache import CachedLatentDataset, LatentCache, cache_latents, vae_fingerprint
 from modules.events import TrainerCallbacks
-from modules.models.bundle import vae_latents
+from modules.models.families import family_of
 from modules.train.setup.prepare import PreparedRun
 
 
@@ -25,11 +25,12 @@ def cached_latent_dataset(dataset: ImageCaptionDataset, prepared: PreparedRun,
     """
     vae, device = prepared.bundle.vae, prepared.device
     cache = LatentCache(prepared.cache_dir / "latents", vae_fingerprint(vae))
+    normalise = family_of(prepared.bundle.model_type).vae_latents
 
     @torch.no_grad()
     def encode(pixels: torch.Tensor) -> torch.Tensor:
         posterior = vae.encode(pixels.to(device, vae.dtype)).latent_dist
-        return vae_latents(vae, posterior.mean).float().cpu()
+        return normalise(vae, posterior.mean).float().cpu()
 
     stats = cache_latents(dataset.items, encode, cache, dataset.resolution,
                           center_crop=dataset.center_crop, random_flip=dataset.random_flip,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from modules.config.loss import HuberSchedule, LossType
 from modules.config.problems import Problem
-from modules.config.schema import Config
+from modules.config.schema import Config, SaveFormat
 from modules.model_types import MODEL_TYPES
 from modules.models.families import family_of
 from modules.models.bundle import ModelBundle
@@ -44,6 +44,12 @@ def family_problems(config: Config) -> list[Problem]:
     if objective.zero_terminal_snr is None and config.model.zero_terminal_snr:
         problems.append(Problem("model.zero_terminal_snr", "false", "true",
                                 f"{label} models have no DDPM beta schedule to rescale"))
+    if family_of(config.model.type).files is None:  # no kohya or single-file layout (yet)
+        problems += [Problem(f"output.formats[{i}]", "DIFFUSERS", fmt.value,
+                             f"{label} has no {fmt.value} file layout yet; its weights are "
+                             "written as a diffusers folder / LoRA file")
+                     for i, fmt in enumerate(config.output.formats)
+                     if fmt in (SaveFormat.KOHYA, SaveFormat.SINGLE_FILE)]
     return problems
 
 

@@ -7,13 +7,12 @@ from __future__ import annotations
 import torch
 
 from modules.config.data import shapes_vary
-from modules.models.bundle import vae_latents
 from modules.train.recipe.compile_guard import COMPILE_DENOISER
 from modules.train.state.run import Run
 
 
 def encode_latents(run: Run, batch: dict, vae_eps: torch.Tensor | None) -> torch.Tensor:
-    """Latents as the denoiser sees them, (z - shift) × scale (`vae_latents`): from the cache,
+    """Latents as the denoiser sees them (the family's `vae_latents`): from the cache,
     or the VAE posterior with pre-drawn noise."""
     vae = run.bundle.vae
     if "latents" in batch:
@@ -23,7 +22,7 @@ def encode_latents(run: Run, batch: dict, vae_eps: torch.Tensor | None) -> torch
     posterior = vae.encode(pixels).latent_dist
     assert vae_eps is not None  # drawn for every batch without latents (draw_randomness)
     latents = posterior.mean + posterior.std * vae_eps.to(run.device, posterior.mean.dtype)
-    return vae_latents(vae, latents).to(run.compute_dtype)
+    return run.family.vae_latents(vae, latents).to(run.compute_dtype)
 
 
 def encode_captions(run: Run, batch: dict, captions: list[str]) -> dict:
