@@ -44,9 +44,8 @@ def installed_versions(names: tuple[str, ...] = LIBRARIES) -> dict[str, str | No
             found[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             found[name] = None
-    import torch  # the runner has it anyway; its own string has the build ("+cu130")
-    found.update(torch=torch.__version__, cuda=torch.version.cuda,
-                 python=sys.version.split()[0])
+    from modules.bench.report import torch_build  # its own string has the build ("+cu130")
+    found.update(torch_build(), python=sys.version.split()[0])
     return found
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+import importlib.util
 import json
 import os
 import platform
@@ -23,26 +24,40 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def torch_build() -> dict[str, str | None]:
+    """torch's version string (with its build, "+cu130") and CUDA version, read from its
+    ``torch/version.py`` without importing torch (seconds of a process's start)."""
+    spec = importlib.util.find_spec("torch")  # a top-level package: not imported by this
+    if spec is None or spec.origin is None:
+        return {"torch": None, "cuda": None}
+    version_file = importlib.util.spec_from_file_location(
+        "_tempera_torch_version", Path(spec.origin).parent / "version.py")
+    if version_file is None or version_file.loader is None:
+        return {"torch": None, "cuda": None}
+    module = importlib.util.module_from_spec(version_file)
+    version_file.loader.exec_module(module)
+    return {"torch": module.__version__, "cuda": module.cuda}
+
+
 def machine_info(ask_cuda: bool = True) -> dict[str, Any]:
     """What the numbers were measured on; the load average matters on a shared machine.
 
-    ``ask_cuda`` False leaves ``cuda_device`` None: asking for the GPU's name creates a CUDA
-    context, which a parent process that only starts and watches jobs must not hold (the GPU
-    validation reads the name in its env job instead)."""
-    import torch
-
-    info: dict[str, Any] = {
-        "cpu": cpu_model(),
-        "cpu_cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cuda_device": (torch.cuda.get_device_name(0) if ask_cuda and torch.cuda.is_available()
-                        else None),
-        "cuda_version": torch.version.cuda,
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-    }
+    ``ask_cuda`` False leaves ``cuda_device`` None and ``torch_threads`` out, and does not
+    import torch at all: asking for the GPU's name creates a CUDA context, which a parent
+    process that only starts and watches jobs must not hold, and importing torch costs it
+    seconds (the GPU validation's env job reads the name and the threads instead)."""
+    info: dict[str, Any] = {"cpu": cpu_model(), "cpu_cores": os.cpu_count()}
+    if ask_cuda:
+        import torch
+        info.update(torch_threads=torch.get_num_threads(), torch=torch.__version__,
+                    cuda_device=(torch.cuda.get_device_name(0) if torch.cuda.is_available()
+                                 else None),
+                    cuda_version=torch.version.cuda)
+    else:
+        build = torch_build()
+        info.update(torch=build["torch"], cuda_device=None, cuda_version=build["cuda"])
+    info.update(python=platform.python_version(), platform=platform.platform(),
+                date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
     if hasattr(os, "getloadavg"):
         info["load_average_start"] = [round(x, 2) for x in os.getloadavg()]
     return info

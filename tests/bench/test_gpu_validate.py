@@ -181,6 +181,24 @@ def test_child_processes_extend_pythonpath_instead_of_replacing_it(monkeypatch):
     assert env["TORCHINDUCTOR_COMPILE_THREADS"] == "3" and env["HF_HUB_OFFLINE"] == "1"
 
 
+def test_the_runner_reads_the_machine_and_versions_without_importing_torch():
+    """The runner starts once per phase (13 in the CPU rehearsal): torch's version and CUDA
+    build come from its version file, as torch itself reports them."""
+    import torch
+    code = ("import sys, json; from modules.bench.gpu_context import Context; "
+            "from pathlib import Path; c = Context(phase='1', device='cpu', tiny=True, "
+            "out=Path('o'), work=Path('w'), budget_s=1, parallel=1); "
+            "m, v = c.machine(), c.versions(); "
+            "print(json.dumps([m, v, 'torch' in sys.modules]))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=gpu_validate.REPO,
+                          capture_output=True, text=True, timeout=120)
+    machine, found, imported = json.loads(done.stdout.splitlines()[-1])
+    assert not imported, "the runner imported torch"
+    assert found["torch"] == machine["torch"] == torch.__version__
+    assert found["cuda"] == machine["cuda_version"] == torch.version.cuda
+    assert machine["cuda_device"] is None and "load_average_start" in machine
+
+
 def test_phases_are_found_by_number_name_or_key_and_fit_the_command_limit():
     assert find_phase("1").key == find_phase("sd15-headline").key == "1-sd15-headline"
     assert find_phase("2").key == find_phase("2-sd15-breadth").key == "2-sd15-breadth"
