@@ -61,7 +61,11 @@ def write_lora_diffusers(bundle: ModelBundle, config: Config, folder: Path,
         # Text encoder keys in the `text_model.` form every stack reads (transformers 5.6+
         # flattened CLIPTextModel's names; older loaders crash on the flattened ones).
         rename = clip_key_with_text_model if name.startswith("text_encoder") else str
-        layers = cast_for_saving(get_peft_model_state_dict(module), lora_save_dtype(config), name)
+        # save_embedding_layers=False: no adapter here resizes an embedding, and peft's "auto"
+        # asks the Hugging Face hub for the base model's config to find out (a network lookup
+        # at every save, which fails offline with a warning)
+        layers = cast_for_saving(get_peft_model_state_dict(module, save_embedding_layers=False),
+                                 lora_save_dtype(config), name)
         kwargs[f"{name}_lora_layers"] = {rename(k): v for k, v in layers.items()}
         kwargs[f"{name}_lora_adapter_metadata"] = {
             **adapter_config(module).to_dict(), "base_model_name_or_path": model_name}
