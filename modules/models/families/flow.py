@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from modules.config.loss import LossConfig, TimestepSampling
 from modules.models.bundle import ModelBundle
@@ -89,3 +91,32 @@ def flow_timesteps(bundle: ModelBundle, normal: torch.Tensor, loss: LossConfig,
 FLOW_MATCHING = Objective(train_timesteps=train_timesteps,
                           noisy_and_target=flow_noisy_and_target,
                           continuous_timesteps=flow_timesteps)
+
+
+def load_qwen_flow_folder(path: Path, model_type: Any, dtypes: Any, transformer_class: str,
+                          vae_class: str,
+                          prepare: Callable[[nn.Module], nn.Module] = lambda module: module
+                          ) -> ModelBundle:
+    """A diffusers folder of a flow-matching transformer conditioned on one Qwen3 encoder
+    (Z-Image, Flux.2 Klein): each component at its dtype, never the network. The encoder is
+    loaded as Qwen3Model, the causal LM without its head (the hidden states are the same; an
+    untied head would be weights never used). ``prepare``: what the family does to its
+    transformer once loaded."""
+    import diffusers
+    from transformers import AutoTokenizer, Qwen3Model
+
+    from modules.models.bundle import dtype_of
+
+    local = {"local_files_only": True}
+    transformer = getattr(diffusers, transformer_class).from_pretrained(
+        path, subfolder="transformer", torch_dtype=dtype_of(dtypes, "transformer"), **local)
+    vae = getattr(diffusers, vae_class).from_pretrained(
+        path, subfolder="vae", torch_dtype=dtype_of(dtypes, "vae"), **local)
+    text_encoder = Qwen3Model.from_pretrained(path, subfolder="text_encoder",
+                                              dtype=dtype_of(dtypes, "text_encoder"),
+                                              local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(path, subfolder="tokenizer", **local)
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler.from_pretrained(
+        path, subfolder="scheduler", **local)
+    return ModelBundle(model_type, Path(path), prepare(transformer), vae,
+                       {"text_encoder": text_encoder}, {"tokenizer": tokenizer}, scheduler)

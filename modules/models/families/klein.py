@@ -30,10 +30,10 @@ from torch import nn
 
 from modules.config.outputs import Sampler
 from modules.model_types import ModelType
-from modules.models.bundle import Dtypes, ModelBundle, dtype_of
+from modules.models.bundle import Dtypes, ModelBundle
 from modules.models.chat_text import ChatEncoding, chat_prompts
 from modules.models.families.base import ModelFamily, Objective, TextEmbeddings
-from modules.models.families.flow import flow_noisy_and_target, flow_timesteps, train_timesteps
+from modules.models.families.flow import load_qwen_flow_folder, flow_noisy_and_target, flow_timesteps, train_timesteps
 from modules.models.families.sd import text_encoders
 from modules.models.klein_files import STACKED_LAYERS
 
@@ -55,26 +55,10 @@ PATCH = 2  # the VAE's latents are packed in 2 x 2 patches
 
 
 def load_folder(path: Path, prediction_type: Any, dtypes: Dtypes) -> ModelBundle:
-    """A `Flux2KleinPipeline` diffusers folder, each component at its dtype; never the network.
-    The text encoder is loaded as Qwen3Model, the causal LM without its head (the hidden states
-    are the same; the 8B's untied head would be 1.2 GB never used)."""
-    from diffusers import (AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler,
-                           Flux2Transformer2DModel)
-    from transformers import AutoTokenizer, Qwen3Model
-
-    local = {"local_files_only": True}
-    transformer = Flux2Transformer2DModel.from_pretrained(
-        path, subfolder="transformer", torch_dtype=dtype_of(dtypes, "transformer"), **local)
-    vae = AutoencoderKLFlux2.from_pretrained(path, subfolder="vae",
-                                             torch_dtype=dtype_of(dtypes, "vae"), **local)
-    text_encoder = Qwen3Model.from_pretrained(path, subfolder="text_encoder",
-                                              dtype=dtype_of(dtypes, "text_encoder"),
-                                              local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(path, subfolder="tokenizer", **local)
-    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler",
-                                                                **local)
-    return ModelBundle(ModelType.KLEIN, Path(path), transformer, vae,
-                       {"text_encoder": text_encoder}, {"tokenizer": tokenizer}, scheduler)
+    """A `Flux2KleinPipeline` diffusers folder, each component at its dtype; never the network
+    (the text encoder as Qwen3Model: the 8B's untied head would be 1.2 GB never used)."""
+    return load_qwen_flow_folder(path, ModelType.KLEIN, dtypes, "Flux2Transformer2DModel",
+                                 "AutoencoderKLFlux2")
 
 
 def encode_klein(tokenizer: Any, encoder: nn.Module, captions: list[str], device: torch.device

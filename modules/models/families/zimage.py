@@ -18,10 +18,10 @@ from torch import nn
 
 from modules.config.outputs import Sampler
 from modules.model_types import ModelType
-from modules.models.bundle import Dtypes, ModelBundle, dtype_of
+from modules.models.bundle import Dtypes, ModelBundle
 from modules.models.chat_text import ChatEncoding, caption_list, encode_chat
 from modules.models.families.base import FileConventions, ModelFamily, RealSize, TextEmbeddings
-from modules.models.families.flow import FLOW_MATCHING
+from modules.models.families.flow import load_qwen_flow_folder, FLOW_MATCHING
 from modules.models.families.sd import text_encoders
 from modules.models.tiny_zimage import build_real_size, real_size_spec, transformer_parameters
 
@@ -85,23 +85,8 @@ def warm_rope_tables(transformer: nn.Module) -> nn.Module:
 
 def load_folder(path: Path, prediction_type: Any, dtypes: Dtypes) -> ModelBundle:
     """A `ZImagePipeline` diffusers folder, each component at its dtype; never the network."""
-    from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler,
-                           ZImageTransformer2DModel)
-    from transformers import AutoTokenizer, Qwen3Model
-
-    local = {"local_files_only": True}
-    transformer = ZImageTransformer2DModel.from_pretrained(
-        path, subfolder="transformer", torch_dtype=dtype_of(dtypes, "transformer"), **local)
-    vae = AutoencoderKL.from_pretrained(path, subfolder="vae",
-                                        torch_dtype=dtype_of(dtypes, "vae"), **local)
-    text_encoder = Qwen3Model.from_pretrained(path, subfolder="text_encoder",
-                                              dtype=dtype_of(dtypes, "text_encoder"),
-                                              local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(path, subfolder="tokenizer", **local)
-    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler",
-                                                                **local)
-    return ModelBundle(ModelType.ZIMAGE, Path(path), warm_rope_tables(transformer), vae,
-                       {"text_encoder": text_encoder}, {"tokenizer": tokenizer}, scheduler)
+    return load_qwen_flow_folder(path, ModelType.ZIMAGE, dtypes, "ZImageTransformer2DModel",
+                                 "AutoencoderKL", prepare=warm_rope_tables)
 
 
 def load_single_file(path: Path, model: Any, dtypes: Dtypes) -> ModelBundle:
