@@ -266,7 +266,7 @@ def test_builtin_model_that_does_not_match_model_type(tmp_path):
 def test_unknown_builtin_model(tmp_path):
     problem = _files_ok(tmp_path, "model.path=builtin:huge-sd15")["model.path"]
     assert problem.expected == ("one of builtin:tiny-sd15, builtin:tiny-sd2, builtin:tiny-sdxl, "
-                                "builtin:tiny-zimage")
+                                "builtin:tiny-zimage, builtin:tiny-klein")
 
 
 def test_missing_dataset_folder(tmp_path):

@@ -33,7 +33,7 @@ def _float8_as_bf16(plan) -> int:
     they take now."""
     extra = 0
     for what, size in plan.lines:
-        found = re.search(r"stored as float8 \(e4m3, ([\d,]+) values", what)
+        found = re.search(r"stored as float8 \(([\d,]+) values", what)
         if found:
             extra += int(found.group(1).replace(",", "")) * 2 - size
     return extra

@@ -116,7 +116,7 @@ def stored_line(name: str, stored: list[torch.Tensor]) -> str:
     found = stored_format(stored[0])
     assert found is not None  # only stored weights reach here
     return (f"{name} linear weights stored as {found.word} ({sum(t.numel() for t in stored):,} "
-            f"{found.layout})")
+            f"values: {found.layout})")
 
 
 # -------------------------------------------------------------- the plan on weightless copies
