@@ -8,6 +8,8 @@ nothing a run without W&B needs.
 """
 from __future__ import annotations
 
+import contextlib
+
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -98,6 +100,10 @@ def start_wandb(config: Config, run_record: dict, run_id: str) -> Any:
             config={"tempera": masked_config(config), "run": mask_tree(run_record)},
             allow_val_change=True, settings=settings)
     except Exception as error:  # wandb raises several types (CommError, UsageError, timeouts)
+        # the service process wandb.init started stays up after a failed start (a stray
+        # process per attempt in a window that stays open): ended here, as close() does
+        with contextlib.suppress(Exception):
+            wandb.teardown()
         raise WandbStartError(
             f"Weights & Biases could not start the run in project "
             f"'{logging.wandb_project}' ({logging.wandb_mode.value}): {error}. Check the "
