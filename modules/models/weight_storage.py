@@ -78,12 +78,6 @@ def is_stored(tensor: torch.Tensor) -> bool:
     return stored_format(tensor) is not None
 
 
-def is_float8(tensor: torch.Tensor) -> bool:
-    """A weight stored as float8 (a torchao Float8Tensor)."""
-    found = stored_format(tensor)
-    return found is not None and found.key == "FLOAT8"
-
-
 def _frozen_linear(module: nn.Module, _fqn: str) -> bool:
     return (type(module) is nn.Linear and not module.weight.requires_grad
             and not is_stored(module.weight))
@@ -99,11 +93,6 @@ def store_weights(module: nn.Module, storage: str) -> int:
     if count:
         quantize_(module, FORMATS[storage].config(), filter_fn=_frozen_linear)
     return count
-
-
-def store_float8(module: nn.Module) -> int:
-    """`store_weights` as float8 e4m3 with per-row scales."""
-    return store_weights(module, "FLOAT8")
 
 
 @contextmanager
@@ -130,11 +119,6 @@ def stored_bytes(tensor: torch.Tensor) -> int:
 def stored_weights(module: nn.Module) -> list[torch.Tensor]:
     """The weights of `module` stored in 8 bits."""
     return [p for p in module.parameters() if is_stored(p)]
-
-
-def float8_weights(module: nn.Module) -> list[torch.Tensor]:
-    """The weights of `module` stored as float8."""
-    return [p for p in module.parameters() if is_float8(p)]
 
 
 def storage_record(components: dict[str, nn.Module], storage: str) -> dict:

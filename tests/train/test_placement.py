@@ -253,12 +253,12 @@ def test_a_float8_stored_text_encoder_has_an_identity(tempera_cache):
     the bf16 encoder's (its embeddings differ)."""
     pytest.importorskip("torchao")
     from modules.models.tiny import ensure_builtin_model
-    from modules.models.weight_storage import store_float8
+    from modules.models.weight_storage import store_weights
     folder = ensure_builtin_model("builtin:tiny-sd15", tempera_cache)
     bundle = family_of(ModelType.SD15).load_folder(folder, PredictionType.AUTO, torch.bfloat16)
     encoder = bundle.text_encoders["text_encoder"]
     encoder.requires_grad_(False)
     plain = encoder_identity(bundle)
-    assert store_float8(encoder) > 0
+    assert store_weights(encoder, "FLOAT8") > 0
     assert encoder_identity(bundle) != plain
     assert encoder_identity(bundle) == encoder_identity(bundle)

@@ -23,7 +23,7 @@ from modules.config.validate import validate
 from modules.events import RecordingCallbacks
 from modules.models.loader import load_bundle
 from modules.models.tiny import ensure_builtin_model
-from modules.models.weight_storage import FORMATS, float8_weights, stored_bytes, stored_weights
+from modules.models.weight_storage import FORMATS, stored_bytes, stored_weights
 from modules.train.memory.memory_check import CardMemory
 from modules.train.memory.memory_plan import gib, plan_memory
 from modules.train.recipe.trainable import component_dtypes, prepare_trainable
@@ -118,7 +118,8 @@ def test_plan_counts_float8_weights_as_the_real_model_holds_them(tempera_cache, 
     folder = ensure_builtin_model(config.model.path, tempera_cache)
     bundle = load_bundle(folder, config.model, component_dtypes(config))
     prepare_trainable(bundle, config)
-    weights = float8_weights(bundle.denoiser)
+    weights = stored_weights(bundle.denoiser)
+    assert {type(w).__name__ for w in weights} == {"Float8Tensor"}
     held = sum(w.qdata.numel() * 1 + w.scale.numel() * 4 for w in weights)
     assert weights and held == sum(stored_bytes(w) for w in weights)
     plan = {what.split(" (")[0]: size for what, size in plan_memory(config, folder).lines}
