@@ -45,7 +45,8 @@ def test_a_measured_decision_is_stored_and_reused_without_measuring(tmp_path):
     first = resolve_auto(KEY, store, measure)
     assert (first.chosen, first.source) == ("FULL", "measured")
     assert first.measurements["FULL"] == {"step_seconds": 0.038, "first_step_seconds": 90}
-    assert "FULL 38.0 ms" in first.why and not first.problems
+    assert "FULL 38.0 ms (cold first step 90.0 s)" in first.why and not first.problems
+    assert "NONE 50.0 ms," in first.why  # eager compiles nothing: no cold cost to show
     again = resolve_auto(KEY, store, measure)
     assert (again.chosen, again.source) == ("FULL", "stored") and len(measure.calls) == 1
     other = resolve_auto("cuda | SD15 | DEFAULT | batch 2 at 64 px", store,
