@@ -104,6 +104,13 @@ def dataset_folder(config: Config, index: int) -> Path | None:
     return Path(path) if path.strip() else None
 
 
+def image_thumbnail(image: Path, mask: Path | None, size: int) -> Any:
+    """A `size`-pixel thumbnail of `image` (PIL) with the part its mask leaves out tinted, as
+    the dataset preview draws it (modules/data/preview.py). Raises for an unreadable file."""
+    from modules.data.preview import mask_overlay
+    return mask_overlay(image, mask, size)[0]
+
+
 def caption_listing(config: Config, index: int, progress: Any = None) -> Any:
     """The caption editor's list of dataset `index`'s images, captions and mask states
     (modules/data/caption_edit.py; imports torch: call it off the Tk thread)."""
@@ -226,5 +233,5 @@ __all__ = [  # noqa: F822 - the lazy names come from __getattr__ below
     "LoraToolError", "lora_tool",
     # the caption editor (modules/data/caption_edit.py, caption_replace.py)
     "CAPTION_STATES", "CaptionEditError", "FILTERS", "MASK_STATES", "apply_replace",
-    "caption_listing", "dataset_folder", "plan_replace", "save_caption", "undo_replace",
+    "caption_listing", "dataset_folder", "image_thumbnail", "plan_replace", "save_caption", "undo_replace",
 ]
