@@ -257,21 +257,24 @@ class CaptionEditor:
 
     @tk_thread_only
     def _poll(self) -> None:
-        """Take what the thread sent: progress, or its result (then it is over)."""
-        while True:
+        """Take what the thread sent: its latest progress, or its result (then it is over)."""
+        kind: str = ""
+        value: Any = None
+        while kind in ("", "progress"):
             try:
                 kind, value = self.results.get_nowait()
             except queue.Empty:
-                self.frame.after(POLL_MS, self._poll)
-                return
-            if kind == "progress":
+                break
+        if kind in ("", "progress"):
+            if kind:
                 self._say(f"Reading images: {value[0]} / {value[1]}")
-                continue
-            self.busy = False
-            {"listed": self._listed, "replaced": self._replaced, "undone": self._undone,
-             "refused": lambda text: self._refused(text),
-             "failed": lambda text: self._refused(f"Failed: {text}")}[kind](value)
+            self.frame.after(POLL_MS, self._poll)
             return
+        self.busy = False
+        done: dict[str, Callable[[Any], None]] = {
+            "listed": self._listed, "replaced": self._replaced, "undone": self._undone,
+            "refused": self._refused, "failed": lambda text: self._refused(f"Failed: {text}")}
+        done[kind](value)
 
     def _listed(self, listing: Any) -> None:
         self.listing, self.plan = listing, None

@@ -208,8 +208,12 @@ def list_captions(ds, folder: Path | None, caption_extension: str, recursive: bo
             listed = load_captions_file(Path(ds.captions_file))
         except CaptionsFileError as exc:
             listing.problems.append(f"{exc}; its captions are not shown")
+    # the scan's matching: the caption file's name compared case-insensitively
+    captions = {(f.parent, f.name.lower()): f for f in files
+                if f.suffix.lower() == extension.lower()}
     with ThreadPoolExecutor(max_workers=threads or min(8, os.cpu_count() or 1)) as pool:
-        for entry in pool.map(lambda image: _entry(ds, folder, image, masks, extension, listed),
+        for entry in pool.map(lambda image: _entry(ds, folder, image, masks, captions,
+                                                   extension, listed),
                               images):  # map keeps the scan's order
             listing.entries.append(entry)
             if progress is not None:
@@ -217,7 +221,8 @@ def list_captions(ds, folder: Path | None, caption_extension: str, recursive: bo
     return listing
 
 
-def _entry(ds, folder: Path, image: Path, masks: dict[tuple[Path, str], Path], extension: str,
+def _entry(ds, folder: Path, image: Path, masks: dict[tuple[Path, str], Path],
+           captions: dict[tuple[Path, str], Path], extension: str,
            listed: dict[str, str]) -> CaptionEntry:
     from modules.data.images import inspect_image
     check = inspect_image(image)
@@ -229,16 +234,16 @@ def _entry(ds, folder: Path, image: Path, masks: dict[tuple[Path, str], Path], e
     entry = CaptionEntry(image, relative, image.with_suffix(extension), "", "missing", mask,
                          state, f"unreadable: {check.reason}" if check.reason else "",
                          mask_problem)
-    return replace(entry, **_caption_of(ds, entry, listed))
+    path = captions.get((image.parent, (image.stem + extension).lower()))
+    return replace(entry, **_caption_of(ds, entry, path, listed))
 
 
-def _caption_of(ds, entry: CaptionEntry, listed: dict[str, str]) -> dict:
+def _caption_of(ds, entry: CaptionEntry, path: Path | None, listed: dict[str, str]) -> dict:
     """The fields of `entry` that say its caption, found as the scan finds it."""
     if entry.relative in listed or entry.image.name in listed:
         caption = listed.get(entry.relative, listed.get(entry.image.name, ""))
         return {"caption": caption, "caption_state": "listed",
                 "note": f"from the captions file {ds.captions_file}: edit it there"}
-    path = _caption_file(entry.image, entry.caption_file.suffix)
     if path is None:
         default = ds.class_caption.strip()
         return {"caption": default, "caption_state": "class" if default else "missing",
@@ -250,16 +255,6 @@ def _caption_of(ds, entry: CaptionEntry, listed: dict[str, str]) -> dict:
                 "note": f"{path.name} cannot be read ({exc}); training skips this image"}
     return {"caption": caption, "caption_state": "file" if caption else "empty",
             "caption_file": path, "digest": digest, "style": style, "note": note}
-
-
-def _caption_file(image: Path, extension: str) -> Path | None:
-    """The image's caption file (the extension matched case-insensitively, as the scan does)."""
-    wanted = (image.stem + extension).lower()
-    exact = image.with_suffix(extension)
-    if exact.is_file():
-        return exact
-    return next((p for p in image.parent.iterdir()
-                 if p.name.lower() == wanted and p.is_file()), None)
 
 
 def check_writable(folder: Path) -> None:

@@ -242,3 +242,13 @@ def test_the_frontend_lists_a_configured_dataset(folder):
     seen = []
     listing = frontend.caption_listing(config, 0, lambda done, total: seen.append((done, total)))
     assert len(listing.entries) == 7 and seen[-1] == (7, 7)
+
+
+def test_a_mask_that_cannot_be_used_is_listed_with_its_reason(tmp_path):
+    image(tmp_path / "a.png")
+    Image.new("L", (8, 8), 255).save(tmp_path / "a_mask.png")  # not the image's size
+    image(tmp_path / "b.png", (0, 0, 0, 0), mode="RGBA")  # fully transparent: keeps nothing
+    entries = by_name(listing_of(tmp_path))
+    assert entries["a.png"].mask_state == "unreadable"
+    assert "a_mask.png: 8x8 pixels, but its image is 16x16" in entries["a.png"].mask_problem
+    assert entries["b.png"].mask_state == "empty"
