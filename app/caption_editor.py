@@ -69,7 +69,7 @@ class CaptionEditor:
         self.open_button.pack(side="left", padx=(6, 0))
         self.top = top
         self.status = ctk.CTkLabel(self.frame, text="", anchor="w", justify="left",
-                                   wraplength=900)
+                                   wraplength=760)
         self.status.grid(row=1, column=0, columnspan=2, sticky="w", padx=8)
         self._say("Choose a dataset and press Open to edit its captions.")
 

@@ -118,16 +118,27 @@ def apply_replace(listing: CaptionListing, plan: ReplacePlan) -> ReplaceResult:
                                f"read: {', '.join(changed[:5])}{', …' if len(changed) > 5 else ''}"
                                "; reload the editor; nothing was written")
     assert listing.folder is not None  # a listing with entries has its folder
-    backup = _backup(listing.folder, [entry.caption_file for entry in entries])
-    written, after = [], {}
+    try:
+        backup = _backup(listing.folder, [entry.caption_file for entry in entries])
+    except OSError as exc:
+        raise CaptionEditError(f"the backup of the caption files could not be written ({exc}); "
+                               "nothing was replaced") from exc
+    written: list[Path] = []
+    after = {}
     for change, entry in zip(plan.changes, entries):
         data = encode_caption(change.after, entry.style)
-        atomic_write_bytes(entry.caption_file, data)
+        try:
+            atomic_write_bytes(entry.caption_file, data)
+        except OSError as exc:  # a full disk mid-way: the files written so far are put back
+            _put_back(listing.folder, backup, written)
+            raise CaptionEditError(f"{entry.caption_file} could not be written ({exc}); the "
+                                   "caption files are as they were") from exc
         written.append(entry.caption_file)
         after[entry.caption_file.relative_to(listing.folder).as_posix()] = digest_of(data)
+    for change, entry in zip(plan.changes, entries):
         listing.entries[change.index] = replace(
             entry, caption=change.after, caption_state="file" if change.after else "empty",
-            digest=digest_of(data))
+            digest=digest_of(encode_caption(change.after, entry.style)))
     _write_manifest(backup, {"folder": str(listing.folder), "find": plan.find,
                              "replacement": plan.replacement, "regex": plan.regex,
                              "after": after})
@@ -144,6 +155,11 @@ def _backup(folder: Path, files: list[Path]) -> Path:
         target.write_bytes(path.read_bytes())
     _write_manifest(backup, {"folder": str(folder), "after": {}})  # complete once rewritten
     return backup
+
+
+def _put_back(folder: Path, backup: Path, files: list[Path]) -> None:
+    for path in files:
+        atomic_write_bytes(path, (backup / path.relative_to(folder)).read_bytes())
 
 
 def _write_manifest(backup: Path, manifest: dict) -> None:

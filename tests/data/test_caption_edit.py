@@ -252,3 +252,21 @@ def test_a_mask_that_cannot_be_used_is_listed_with_its_reason(tmp_path):
     assert entries["a.png"].mask_state == "unreadable"
     assert "a_mask.png: 8x8 pixels, but its image is 16x16" in entries["a.png"].mask_problem
     assert entries["b.png"].mask_state == "empty"
+
+
+def test_a_replace_that_fails_mid_way_puts_back_what_it_wrote(folder, monkeypatch):
+    import modules.data.caption_replace as caption_replace
+    listing = listing_of(folder)
+    before = {p.name: p.read_bytes() for p in folder.glob("*.txt")}
+    real, calls = caption_replace.atomic_write_bytes, []
+
+    def disk_full_on_the_second(path, data):
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        real(path, data)
+    monkeypatch.setattr(caption_replace, "atomic_write_bytes", disk_full_on_the_second)
+    with pytest.raises(CaptionEditError, match="No space left.*as they were"):
+        apply_replace(listing, plan_replace(listing, "red", "blue"))
+    assert {p.name: p.read_bytes() for p in folder.glob("*.txt")} == before
+    assert listing.entries[0].caption == "sks dog, red, grass"  # the listing says so too
