@@ -4,9 +4,9 @@ and list the images with no caption or an empty mask (docs/gui.md, docs/datasets
 
 The engine decides everything (modules/data/caption_edit.py, caption_replace.py, through
 `modules.frontend`): what the captions are, what may be written, what a replace changes.
-Reading a folder (every image and mask decoded once) and writing a replace run in a thread;
-their results come back through a queue the Tk thread polls with `after()`. One caption's
-save and a replace's preview are quick and run on the Tk thread.
+Reading a folder (every image and mask decoded once), drawing an image's picture and writing
+a replace run in threads; their results come back through queues the Tk thread polls with
+`after()`. One caption's save and a replace's preview are quick and run on the Tk thread.
 """
 from __future__ import annotations
 
@@ -47,6 +47,7 @@ class CaptionEditor:
         self.plan: Any = None        # the previewed replace, until it is written or stale
         self.last_backup: Path | None = None
         self.results: "queue.Queue[tuple[str, Any]]" = queue.Queue()
+        self.pictures: "queue.Queue[tuple[tuple[int, int | None], Any]]" = queue.Queue()
         self.status_text = self.image_text = ""
         self.thumbnail: Any = None   # the PIL picture shown
         self._picture: Any = None    # its CTkImage (kept: the label does not hold it)
@@ -181,19 +182,46 @@ class CaptionEditor:
         return "\n".join(lines)
 
     def _show_picture(self, entry: Any) -> None:
-        """The image with its mask's left-out part tinted, or why it cannot be shown."""
-        self.thumbnail, why = None, "" if entry is None else "cannot be read"
-        if entry is not None and not entry.image_problem:
-            try:  # one thumbnail per step: quick enough for the Tk thread
-                self.thumbnail = frontend.image_thumbnail(entry.image, entry.mask, THUMBNAIL)
+        """The image with its mask's left-out part tinted (drawn in a thread: a large photo
+        takes a while), or why it cannot be shown."""
+        self.thumbnail = None
+        if entry is None or entry.image_problem:
+            self._set_picture(None, "" if entry is None else "cannot be read")
+            return
+        self._set_picture(None, "…")
+        key = (id(self.listing), self.current)
+
+        def draw() -> None:
+            try:
+                self.pictures.put((key, frontend.image_thumbnail(entry.image, entry.mask,
+                                                                 THUMBNAIL)))
             except Exception as exc:  # noqa: BLE001 - said where the picture would be
-                why = f"cannot be shown:\n{exc}"
+                self.pictures.put((key, f"cannot be shown:\n{exc}"))
+        threading.Thread(target=draw, name="tempera-caption-picture", daemon=True).start()
+        self.frame.after(POLL_MS, self._poll_picture)
+
+    @tk_thread_only
+    def _poll_picture(self) -> None:
+        """Show a drawn picture when it is still the current image's (one poll per drawing)."""
+        try:
+            key, drawn = self.pictures.get_nowait()
+        except queue.Empty:
+            self.frame.after(POLL_MS, self._poll_picture)
+            return
+        if key != (id(self.listing), self.current):
+            return  # the user stepped on: that image's own drawing follows
+        if isinstance(drawn, str):
+            self._set_picture(None, drawn)
+        else:
+            self.thumbnail = drawn
+            self._set_picture(drawn, "")
+
+    def _set_picture(self, image: Any, text: str) -> None:
         # customtkinter's label keeps showing a dropped image (a TclError later): a blank
         # picture replaces it instead of image=None
-        shown = self.thumbnail or Image.new("RGBA", (1, 1), (0, 0, 0, 0))
+        shown = image or Image.new("RGBA", (1, 1), (0, 0, 0, 0))
         self._picture = ctk.CTkImage(light_image=shown, dark_image=shown, size=shown.size)
-        self.picture.configure(image=self._picture, text="" if self.thumbnail else why,
-                               compound="center")
+        self.picture.configure(image=self._picture, text=text, compound="center")
 
     def _set_dirty(self, dirty: bool) -> None:
         self.dirty = dirty

@@ -32,7 +32,8 @@ def test_the_caption_editor_steps_edits_saves_filters_and_replaces(make_app, tmp
     editor.open_button.invoke()
     pump(app, until=lambda: editor.listing is not None and not editor.busy)
     assert "4 images" in editor.status_text and "1 empty mask" in editor.status_text
-    assert editor.image_text == "a.png" and editor.thumbnail is not None
+    assert editor.image_text == "a.png"
+    pump(app, until=lambda: editor.thumbnail is not None)  # drawn in a thread
     assert editor.previous.cget("state") == "disabled"
     assert editor.save_button.cget("state") == "disabled"  # nothing changed yet
 
