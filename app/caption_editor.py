@@ -20,6 +20,7 @@ import customtkinter as ctk
 from PIL import Image
 
 from app.binding import ConfigBinding
+from app.readable import readable
 from app.text_boxes import pass_wheel_at_ends, set_readonly_text
 from app.thread_guard import ThreadGuard, tk_thread_only
 from app.widgets import set_widget_enabled
@@ -307,7 +308,7 @@ class CaptionEditor:
     def _listed(self, listing: Any) -> None:
         self.listing, self.plan = listing, None
         if listing.note:
-            self._say(f"Nothing to edit: {listing.note}.", error=True)
+            self._say(f"Nothing to edit: {readable(listing.note)}.", error=True)
         else:
             counts = listing.counts()
             self._say(f"{counts['All images']} images in {listing.folder}: "
@@ -319,7 +320,7 @@ class CaptionEditor:
         self._apply_filter()
 
     def _refused(self, text: str) -> None:
-        self._say(f"Not done: {text}", error=True)
+        self._say(f"Not done: {readable(text)}", error=True)
         self._set_dirty(self.dirty)
 
     def _apply_filter(self) -> None:

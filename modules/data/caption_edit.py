@@ -190,8 +190,12 @@ def list_captions(ds, folder: Path | None, caption_extension: str, recursive: bo
                   ) -> CaptionListing:
     """Every image of the dataset `ds` (a DatasetConfig) in `folder`, with its caption and mask
     state, in the scan's order. `progress(done, total)` is told as each image is checked."""
+    from modules.data.errors import DatasetError
     from modules.data.folders import _list_files, normalize_caption_extension
-    extension = normalize_caption_extension(caption_extension)
+    try:
+        extension = normalize_caption_extension(caption_extension)
+    except DatasetError as exc:
+        return CaptionListing(folder, caption_extension, note=f"{exc} (data.caption_extension)")
     listing = CaptionListing(folder, extension, captions_file=ds.captions_file)
     if folder is None or not folder.is_dir():
         listing.note = f"no folder at {folder}" if folder else "choose a folder of images"

@@ -104,6 +104,8 @@ def test_the_class_caption_and_the_captions_file_are_shown_as_training_uses_them
 def test_a_listing_of_no_folder_or_no_image_says_why(tmp_path):
     assert "no folder" in listing_of(tmp_path / "missing").note
     assert "no image" in listing_of(tmp_path).note
+    empty = list_captions(DatasetConfig(path=str(tmp_path)), tmp_path, " ", False)
+    assert "caption extension is empty" in empty.note and not empty.entries
 
 
 def test_saving_keeps_the_files_encoding_line_ending_and_writes_atomically(folder):
