@@ -96,6 +96,7 @@ class CaptionEditor:
         self.text.grid(row=1, column=0, sticky="ew")
         pass_wheel_at_ends(self.text)
         self.text.bind("<KeyRelease>", lambda _: self._edited(), add="+")
+        self.text.bind("<ButtonRelease-2>", lambda _: self._edited(), add="+")  # X11's paste
         self.text.bind("<Control-s>", lambda _: (self.save(), "break")[1], add="+")
         self.state = ctk.CTkLabel(side, text="", anchor="w", justify="left", wraplength=600,
                                   font=ctk.CTkFont(size=12))
@@ -314,10 +315,17 @@ class CaptionEditor:
             self._say(f"{counts['All images']} images in {listing.folder}: "
                       + ", ".join(f"{counts[name]} {name.lower()}" for name in list(counts)[1:])
                       + "".join(f"\n{problem}" for problem in listing.problems))
-        self.filter.configure(values=[f"{name} ({count})"
-                                      for name, count in listing.counts().items()])
-        self.filter.set(f"{list(frontend.FILTERS)[0]} ({len(listing.entries)})")
+        self.filter.set(list(frontend.FILTERS)[0])
+        self._refresh_counts()
         self._apply_filter()
+
+    def _refresh_counts(self) -> None:
+        """Each filter's count in its menu (after a read, a save or a replace); the images
+        shown stay those the filter picked until it is chosen again."""
+        counts = self.listing.counts()
+        chosen = self.filter.get().rsplit(" (", 1)[0]
+        self.filter.configure(values=[f"{name} ({count})" for name, count in counts.items()])
+        self.filter.set(f"{chosen} ({counts[chosen]})")
 
     def _refused(self, text: str) -> None:
         self._say(f"Not done: {readable(text)}", error=True)
@@ -363,6 +371,7 @@ class CaptionEditor:
         self.plan = None
         entry = self.listing.entries[index]
         self._say(f"Saved {entry.caption_file.name}.")
+        self._refresh_counts()
         self.state.configure(text=self._describe(entry))
         self._set_dirty(False)
         return True
@@ -411,6 +420,7 @@ class CaptionEditor:
         set_readonly_text(self.report, f"Replaced in {len(result.written)} caption file(s). "
                                        f"The files as they were are in {result.backup}.")
         self._say(f"Replaced in {len(result.written)} caption file(s).")
+        self._refresh_counts()
         self._show_entry()
 
     def undo(self) -> None:

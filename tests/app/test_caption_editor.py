@@ -52,6 +52,11 @@ def test_the_caption_editor_steps_edits_saves_filters_and_replaces(make_app, tmp
     editor.filter.set(next(v for v in editor.filter.cget("values") if v.startswith("No caption")))
     editor._apply_filter()
     assert [editor.listing.entries[i].relative for i in editor.order] == ["c.png", "d.png"]
+    editor.text.insert("1.0", "a caption at last")
+    editor._edited()
+    assert editor.save()  # c.txt is made; the menu counts it
+    assert (folder / "c.txt").read_text(encoding="utf-8") == "a caption at last"
+    assert editor.filter.get() == "No caption file (1)"
     editor.step(1)
     assert editor.image_text == "d.png" and editor.thumbnail is None
     assert "unreadable" in editor.state.cget("text")
