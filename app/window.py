@@ -2,9 +2,10 @@
 the problems panel and the run controls.
 
 Each part owns its widgets and state (`presets_bar.py`, `problems_panel.py`, `window_size.py`,
-`run_panel.py`, `compile_panel.py`, `cloud_panel.py`, `benchmark_panel.py`); the window wires them
-with callbacks. It holds one Config (in `ConfigBinding`). Training runs in a worker thread
-(`app.runner`); its events arrive on a queue that `_poll` drains on the Tk thread via `after()`.
+`run_panel.py`, `compile_panel.py`, `cloud_panel.py`, `benchmark_panel.py`, the Data tab's
+`caption_editor.py`); the window wires them with callbacks. It holds one Config (in
+`ConfigBinding`). Training runs in a worker thread (`app.runner`); its events arrive on a
+queue that `_poll` drains on the Tk thread via `after()`.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import customtkinter as ctk
 
 from app.benchmark_panel import BenchFn, BenchmarkSection
 from app.binding import ConfigBinding
+from app.caption_editor import CaptionEditor
 from app.cloud_panel import TAB as CLOUD_TAB, CloudPanel
 from app.lora_tools_panel import TAB as LORA_TOOLS_TAB, LoraToolsPanel
 from app.compile_check import CompileCheck
@@ -62,6 +64,7 @@ class TemperaApp(ctk.CTk):
     # made in __init__ after the callbacks that use them (which run later)
     run_panel: RunPanel
     runs: RunControl
+    caption_editor: CaptionEditor  # made with the Data tab
 
     def __init__(self, settings_path: Path | None = None, builtin_presets_dir: Path | None = None,
                  train_fn: TrainFn | None = None, confirm: Callable[[str, str], bool] | None = None,
@@ -213,6 +216,10 @@ class TemperaApp(ctk.CTk):
             else:
                 more = build_fields(scroll, fields_of_group(group), self.binding, self.registry,
                                     title)
+            if group == "Data":  # below the dataset settings: their captions, image by image
+                self.caption_editor = CaptionEditor(scroll, self.binding, self.guard,
+                                                    lambda *ask: self.ask_unsaved(*ask))
+                self.caption_editor.frame.pack(fill="x", anchor="nw", padx=4, pady=(12, 4))
             if more is not None:  # a click that opens it shows what it opened
                 more.on_open = lambda scroll=scroll, button=more.button: reveal(scroll, button)
         self.schedule_preview = SchedulePreview(self.registry.find("training.lr_scheduler"),
@@ -384,7 +391,7 @@ class TemperaApp(ctk.CTk):
     def on_close(self) -> None:
         """Unsaved edits are saved, discarded or keep the window open, as the user answers;
         closing while training asks, requests stop and waits for the clean save first."""
-        if self.closing:
+        if self.closing or not self.caption_editor.leave():  # its unsaved caption first
             return
         presets = self.presets_bar
         if presets.dirty:

@@ -26,6 +26,10 @@ from typing import Any
 # (`only_values`): file-system or config only, re-exported.
 from modules.compile.backends import BACKENDS  # the backend rows: torch-free
 from modules.config import Config, Problem, validate
+# The caption editor's tables, saving and find-and-replace: torch-free.
+from modules.data.caption_edit import (CAPTION_STATES, FILTERS, MASK_STATES,
+                                       CaptionEditError, save_caption)
+from modules.data.caption_replace import apply_replace, plan_replace, undo_replace
 from modules.config.field_rules import RULED_PATHS, only_values, unused_fields
 from modules.events import TrainerCallbacks, TrainerCommands
 from modules.lora_tools.errors import LoraToolError  # torch-free: the LoRA tools tab's refusals
@@ -87,6 +91,33 @@ def dataset_preview(config: Config, index: int, draw: int = 0) -> Any:
                 if path == BUILTIN_SHAPES else None)
 
     return preview_dataset(config, index, draw, builtin_folder=builtin_folder)
+
+
+def dataset_folder(config: Config, index: int) -> Path | None:
+    """Dataset `index`'s folder: its path, or a built-in dataset's generated folder (None
+    until a run has generated it)."""
+    path = config.data.datasets[index].path
+    if path.startswith("builtin:"):
+        from modules.data.shapes import BUILTIN_SHAPES, shapes_dataset_dir
+        return (shapes_dataset_dir(cache_dir_for(config.general.cache_dir))
+                if path == BUILTIN_SHAPES else None)
+    return Path(path) if path.strip() else None
+
+
+def image_thumbnail(image: Path, mask: Path | None, size: int) -> Any:
+    """A `size`-pixel thumbnail of `image` (PIL) with the part its mask leaves out tinted, as
+    the dataset preview draws it (modules/data/preview.py). Raises for an unreadable file."""
+    from modules.data.preview import mask_overlay
+    return mask_overlay(image, mask, size)[0]
+
+
+def caption_listing(config: Config, index: int, progress: Any = None) -> Any:
+    """The caption editor's list of dataset `index`'s images, captions and mask states
+    (modules/data/caption_edit.py; imports torch: call it off the Tk thread)."""
+    from modules.data.caption_edit import list_captions
+    data = config.data
+    return list_captions(data.datasets[index], dataset_folder(config, index),
+                         data.caption_extension, data.recursive, progress)
 
 
 # --- check ----------------------------------------------------------------------------------
@@ -200,4 +231,7 @@ __all__ = [  # noqa: F822 - the lazy names come from __getattr__ below
     "read_run_status", "resume_offer", "schedule_curve",
     "silence_library_noise", "silence_torchvision_fallback_warnings", "train", "unused_fields",
     "LoraToolError", "lora_tool",
+    # the caption editor (modules/data/caption_edit.py, caption_replace.py)
+    "CAPTION_STATES", "CaptionEditError", "FILTERS", "MASK_STATES", "apply_replace",
+    "caption_listing", "dataset_folder", "image_thumbnail", "plan_replace", "save_caption", "undo_replace",
 ]

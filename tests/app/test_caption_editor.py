@@ -1,0 +1,93 @@
+"""The Data tab's caption editor, driven in a real window: open a dataset (read in a thread),
+step, edit (unsaved state), save, filter, refuse an edit made elsewhere, and find and replace
+with its preview and undo. The engine's own tests (tests/data/test_caption_edit.py) cover
+each rule; this checks the window wires them."""
+from __future__ import annotations
+
+from PIL import Image
+
+from tests.app.conftest import pump
+
+
+def dataset(tmp_path):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    for name in "abc":
+        Image.new("RGB", (24, 24), (30, 90, 200)).save(folder / f"{name}.png")
+    (folder / "a.txt").write_text("sks dog, red", encoding="utf-8")
+    (folder / "b.txt").write_text("sks cat, red", encoding="utf-8")
+    Image.new("L", (24, 24), 0).save(folder / "b_mask.png")  # empty: keeps no pixel
+    (folder / "d.png").write_bytes(b"not an image")
+    return folder
+
+
+def test_the_caption_editor_steps_edits_saves_filters_and_replaces(make_app, tmp_path):
+    answers = []  # what the unsaved-caption question answers, in turn
+    app = make_app(wait_for_engine=False, ask_unsaved=lambda title, message: answers.pop(0))
+    folder = dataset(tmp_path)
+    editor = app.caption_editor
+    app.tabview.set("Data")
+    app.binding.set_text("data.datasets[0].path", str(folder))
+    pump(app, until=lambda: editor.dataset.get().endswith(": data"))
+    editor.open_button.invoke()
+    pump(app, until=lambda: editor.listing is not None and not editor.busy)
+    assert "4 images" in editor.status_text and "1 empty mask" in editor.status_text
+    assert editor.image_text == "a.png"
+    pump(app, until=lambda: editor.thumbnail is not None)  # drawn in a thread
+    assert editor.previous.cget("state") == "disabled"
+    assert editor.save_button.cget("state") == "disabled"  # nothing changed yet
+
+    editor.text.insert("end", ", grass")
+    editor._edited()
+    assert editor.dirty and editor.unsaved.cget("text") == "● Unsaved changes"
+    answers.append(None)  # Next with unsaved edits: Cancel keeps the image
+    editor.next.invoke()
+    assert editor.image_text == "a.png" and editor.dirty
+    answers.append(True)  # ... and Yes saves it on the way
+    editor.next.invoke()
+    assert (folder / "a.txt").read_text(encoding="utf-8") == "sks dog, red, grass"
+    assert editor.image_text == "b.png" and not editor.dirty
+    assert "empty mask" in editor.state.cget("text")
+
+    editor.filter.set(next(v for v in editor.filter.cget("values") if v.startswith("No caption")))
+    editor._apply_filter()
+    assert [editor.listing.entries[i].relative for i in editor.order] == ["c.png", "d.png"]
+    editor.text.insert("1.0", "a caption at last")
+    editor._edited()
+    assert editor.save()  # c.txt is made; the menu counts it
+    assert (folder / "c.txt").read_text(encoding="utf-8") == "a caption at last"
+    assert editor.filter.get() == "No caption file (1)"
+    editor.step(1)
+    assert editor.image_text == "d.png" and editor.thumbnail is None
+    assert "unreadable" in editor.state.cget("text")
+    editor.filter.set(next(v for v in editor.filter.cget("values") if v.startswith("All")))
+    editor._apply_filter()
+
+    (folder / "a.txt").write_text("edited elsewhere", encoding="utf-8")  # behind its back
+    editor.text.insert("end", "!")
+    editor._edited()
+    assert not editor.save()
+    assert "changed on disk" in editor.status_text and editor.dirty
+    assert (folder / "a.txt").read_text(encoding="utf-8") == "edited elsewhere"
+    editor.revert_button.invoke()
+    assert not editor.dirty
+    editor.open_button.invoke()  # read again: the edit made elsewhere is shown
+    pump(app, until=lambda: not editor.busy and editor.text.get("1.0", "end-1c")
+         == "edited elsewhere")
+
+    editor.find.insert(0, "red")
+    editor.replacement.insert(0, "blue")
+    assert editor.replace_button.cget("state") == "disabled"  # preview first
+    editor.preview_button.invoke()
+    report = editor.report.get("1.0", "end")
+    assert "1 match(es) of 'red' in 1 caption file(s)" in report  # a.txt no longer says red
+    assert "b.png: sks cat, red → sks cat, blue" in report
+    assert (folder / "b.txt").read_text(encoding="utf-8") == "sks cat, red"  # only a preview
+    editor.replace_button.invoke()
+    pump(app, until=lambda: not editor.busy)
+    assert (folder / "b.txt").read_text(encoding="utf-8") == "sks cat, blue"
+    editor.undo_button.invoke()
+    pump(app, until=lambda: not editor.busy and editor.last_backup is None
+         and editor.listing.entries[1].caption == "sks cat, red")
+    assert (folder / "b.txt").read_text(encoding="utf-8") == "sks cat, red"
+    assert app.guard.violations == []
