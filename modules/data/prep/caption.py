@@ -250,8 +250,12 @@ def caption_folder(folder: Path, settings: CaptionSettings, hooks: JobHooks = Jo
         device = pick_device(settings.device)
         weights = model_folder(settings.model, hooks.status, offline=settings.offline,
                                cache_dir=cache_dir, allow_patterns=kind.files)
-        hooks.status(f"loading {kind.label} ({settings.model}) on the {device.upper()}")
-        return kind.make(weights, run_options(settings, device))
+        hooks.status(f"loading {kind.label} ({settings.model}) on the "
+                     f"{'GPU' if device == 'cuda' else 'CPU'}")
+        model = kind.make(weights, run_options(settings, device))
+        for note in getattr(model, "notes", ()):
+            hooks.status(note)
+        return model
 
     job = FolderJob(kind="caption", settings=job_settings(settings), load=load,
                     needs_work=writer.needs_work, write=writer.write,
