@@ -115,6 +115,15 @@ def test_the_tagger_writes_tags_over_their_thresholds_characters_first(models, t
     assert read_caption(folder / "img2.txt") == "1girl, simple background"
 
 
+def test_a_tagger_of_one_image_at_a_time_runs_a_batch_image_by_image(tmp_path):
+    model = build_tiny_wd_tagger(tmp_path / "one", batch=1)
+    folder = dataset(tmp_path)
+    report = caption_folder(folder, preset_settings(None, captioner="wd-tagger", model=str(model),
+                                                    device="cpu", batch_size=3))
+    assert report.status == "finished" and len(report.written) == 3
+    assert read_caption(folder / "img1.txt").startswith("hatsune miku, green theme")
+
+
 def test_tagger_thresholds_and_the_keep_separator(models, tmp_path):
     folder = dataset(tmp_path, colours=(GREEN,))
     caption_folder(folder, settings(models, "wd-tagger", general_threshold=0.6,

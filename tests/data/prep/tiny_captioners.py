@@ -136,9 +136,10 @@ def build_tiny_qwen_vl(dest: Path, template_beside: bool = True) -> Path:
     return dest
 
 
-def build_tiny_wd_tagger(dest: Path, size: int = 32) -> Path:
-    """model.onnx (NHWC BGR 0..255 in, one sigmoid score per tag out, any batch) and
-    selected_tags.csv, laid out as SmilingWolf's WD v3 taggers are."""
+def build_tiny_wd_tagger(dest: Path, size: int = 32, batch: int | str = "batch") -> Path:
+    """model.onnx (NHWC BGR 0..255 in, one sigmoid score per tag out; `batch` images at a time,
+    any number by default, or a fixed 1 as some exports have) and selected_tags.csv, laid out as
+    SmilingWolf's WD v3 taggers are."""
     import numpy as np
     import onnx
     from onnx import TensorProto, helper, numpy_helper
@@ -150,9 +151,9 @@ def build_tiny_wd_tagger(dest: Path, size: int = 32) -> Path:
          helper.make_node("Add", ["logits", "bias"], ["biased"]),
          helper.make_node("Sigmoid", ["biased"], ["output"])],
         "tiny_wd_tagger",
-        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", size, size, 3])],
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, [batch, size, size, 3])],
         [helper.make_tensor_value_info("output", TensorProto.FLOAT,
-                                       ["batch", len(TAGGER_TAGS)])],
+                                       [batch, len(TAGGER_TAGS)])],
         [numpy_helper.from_array(np.array([1, 2], dtype=np.int64), "axes"),
          numpy_helper.from_array(weights, "weights"), numpy_helper.from_array(bias, "bias")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
