@@ -19,6 +19,7 @@ loading the model only for the job and releasing it — is modules/data/prep/job
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -236,7 +237,8 @@ def with_prefix(prefix: str, text: str) -> str:
 
 
 def caption_folder(folder: Path, settings: CaptionSettings, hooks: JobHooks = JobHooks(),
-                   stop: Any = None, cache_dir: Path | None = None) -> JobReport:
+                   stop: threading.Event | None = None,
+                   cache_dir: Path | None = None) -> JobReport:
     """Caption `folder`'s images (see the module docstring). Raises JobRefused for bad
     settings, a folder it cannot work on, or a model it cannot get or load."""
     problems = validate(settings)

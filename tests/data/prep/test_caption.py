@@ -17,9 +17,8 @@ from modules.data.prep.caption import (BACKUP_FOLDER, CaptionSettings, caption_f
                                        preset_settings, read_caption, validate)
 from modules.data.prep.job import LOCK_NAME, JobHooks, JobRefused, journal_name
 
-from tests.data.prep.test_hub import put_in_cache
 from tests.data.prep.tiny_captioners import (build_tiny_florence2, build_tiny_qwen_vl,
-                                             build_tiny_wd_tagger)
+                                             build_tiny_wd_tagger, put_in_cache)
 
 pytest.importorskip("onnxruntime", reason="the `data` extra (onnxruntime) runs the WD taggers")
 

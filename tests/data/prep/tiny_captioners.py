@@ -4,6 +4,7 @@ and a Qwen3-VL of transformers' own classes with small tokenizers trained on the
 that scores each tag from the image's mean colour, with its selected_tags.csv.
 
 Each builds in well under a second or two; the tests share them through a module fixture.
+`put_in_cache` lays files out as the Hugging Face cache holds a downloaded repository.
 """
 from __future__ import annotations
 
@@ -166,3 +167,19 @@ def build_tiny_wd_tagger(dest: Path, size: int = 32, batch: int | str = "batch")
                                               enumerate(TAGGER_TAGS)]
     (dest / "selected_tags.csv").write_text("\n".join(lines) + "\n", encoding="utf-8")
     return dest
+
+
+# The commit a cached repository is laid out under (any 40 hex digits)
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def put_in_cache(cache: Path, repo: str, files: dict[str, str]) -> Path:
+    """Lay `files` out as huggingface_hub's cache holds a downloaded repository."""
+    root = cache / ("models--" + repo.replace("/", "--"))
+    snapshot = root / "snapshots" / COMMIT
+    snapshot.mkdir(parents=True)
+    for name, text in files.items():
+        (snapshot / name).write_text(text)
+    (root / "refs").mkdir()
+    (root / "refs" / "main").write_text(COMMIT)
+    return snapshot
