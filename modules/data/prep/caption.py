@@ -8,10 +8,12 @@
 An image that already has a caption is treated as `settings.existing` says: "skip" leaves it,
 "extend" adds the new caption after it (a tagger adds only tags not there yet), "replace" writes
 the new one. Whatever is changed is first copied, byte for byte, into the folder's
-`.tempera-caption-backup/<date-time of the job>/` (hidden, so no scan trains on it), so nothing
-is ever lost. Existing captions are read as the dataset scan reads them (UTF-8, a BOM allowed),
-and also as UTF-16 with a BOM (Windows Notepad's "Unicode"); a caption file in another encoding
-is never rewritten by "extend": its image is left alone and named in the report.
+`.tempera-caption-backup/<date-time of the job>-caption-job/` (hidden, so no scan trains on
+it; the caption editor's find-and-replace backs up into the same folder, each run its own
+subfolder), so nothing is ever lost. Existing captions are read as the dataset scan reads them
+(UTF-8, a BOM allowed), and also as UTF-16 or UTF-32 with a BOM (Windows Notepad's "Unicode");
+a caption file in another encoding is never rewritten by "extend": its image is left alone
+and named in the report. Captions are always written as UTF-8, which training reads.
 
 Everything else — batches, Stop, the re-run that continues, the lock, progress, bad images,
 loading the model only for the job and releasing it — is modules/data/prep/job.py's.
@@ -192,7 +194,10 @@ class CaptionWriter:
         self.folder, self.settings = folder, settings
         self.extension = normalize_caption_extension(settings.caption_extension)
         self.tags = CAPTIONERS[settings.captioner].tags
-        self.backup_root = folder / BACKUP_FOLDER / time.strftime("%Y%m%d-%H%M%S")
+        # one folder per job, never shared: two jobs started within a second must not back up
+        # into one folder (the second would overwrite the first's copy of the user's caption)
+        stamp = time.strftime("%Y%m%d-%H%M%S") + f"-{time.time_ns() % 1_000_000_000:09d}"
+        self.backup_root = folder / BACKUP_FOLDER / f"{stamp}-caption-job"
 
     def caption_path(self, image: Path) -> Path:
         return image.with_name(image.stem + self.extension)

@@ -153,6 +153,11 @@ def test_replace_keeps_the_old_file_byte_for_byte(models, tmp_path):
     assert read_caption(folder / "img0.txt").startswith("hakurei reimu")
     backups = list((folder / BACKUP_FOLDER).rglob("img0.txt"))
     assert len(backups) == 1 and backups[0].read_bytes() == old
+    # replaced again at once (the same second): the user's caption is still kept
+    first = (folder / "img0.txt").read_bytes()
+    caption_folder(folder, settings(models, "wd-tagger", existing="replace", prefix="again"))
+    kept = sorted(p.read_bytes() for p in (folder / BACKUP_FOLDER).rglob("img0.txt"))
+    assert kept == sorted([old, first])
 
 
 def test_extend_adds_only_new_tags_and_keeps_a_backup(models, tmp_path):
