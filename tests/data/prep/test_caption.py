@@ -70,10 +70,14 @@ def released(refs: list[weakref.ref]) -> bool:
 
 
 def test_florence2_captions_every_image_and_is_released_after(models, tmp_path, loaded_models):
+    """Over 10 s on a busy CPU only as the file's first test: its setup builds the three tiny
+    models (transformers' Florence-2 and Qwen3-VL modules imported for the first time), and its
+    first generate imports the generation code; the captioning itself takes about a second."""
     folder = dataset(tmp_path)
     (folder / "broken.png").write_bytes(b"")
     seen, said = [], []
-    report = caption_folder(folder, settings(models, "florence2", prefix="sks", batch_size=2),
+    report = caption_folder(folder, settings(models, "florence2", prefix="sks", batch_size=2,
+                                            max_tokens=8),
                             JobHooks(progress=seen.append, status=said.append))
     assert report.status == "finished" and [p.done for p in seen] == [1, 2, 3, 4], report.lines()
     for i in range(3):
