@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml requirements/constraints.txt
 	# torch first, so the rest does not pull a different (multi-GB CUDA) build.
 	$(PY) -m pip install --quiet --disable-pip-version-check $(TORCH)
 	$(PY) -m pip install --quiet --disable-pip-version-check \
-		-c requirements/constraints.txt -e ".[dev,memory,wandb]"
+		-c requirements/constraints.txt -e ".[dev,memory,wandb,data]"
 	touch $(STAMP)
 
 demo: $(STAMP)
