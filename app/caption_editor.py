@@ -38,8 +38,11 @@ class CaptionEditor:
     the filtered `order`) and whether its caption has unsaved edits (`dirty`)."""
 
     def __init__(self, parent: Any, binding: ConfigBinding, guard: ThreadGuard,
-                 ask_unsaved: AskUnsaved) -> None:
+                 ask_unsaved: AskUnsaved,
+                 busy_reason: Callable[[], str | None] = lambda: None) -> None:
         self.binding, self.guard, self.ask_unsaved = binding, guard, ask_unsaved
+        self.busy_reason = busy_reason  # why a preparation job may not start now (a run)
+        self.prep_windows: dict[str, Any] = {}  # the open preparation windows, by tool
         self.listing: Any = None
         self.order: list[int] = []   # the listing's indices the filter shows
         self.position = 0
@@ -69,6 +72,13 @@ class CaptionEditor:
         self.dataset.pack(side="left")
         self.open_button = ctk.CTkButton(top, text="Open", width=80, command=self.open)
         self.open_button.pack(side="left", padx=(6, 0))
+        # The preparation tools (captions, masks) for the chosen dataset's folder: a window each
+        self.prep_buttons = {
+            key: ctk.CTkButton(top, text=action, width=130,
+                               command=lambda key=key: self.open_prep(key))
+            for key, action in frontend.prep_actions().items()}
+        for button in self.prep_buttons.values():
+            button.pack(side="left", padx=(6, 0))
         self.top = top
         self.status = ctk.CTkLabel(self.frame, text="", anchor="w", justify="left",
                                    wraplength=760)
@@ -252,6 +262,28 @@ class CaptionEditor:
         self._set_dirty(typed.strip() != self.listing.entries[index].caption)
 
     # --- opening ------------------------------------------------------------------------------
+    def open_prep(self, key: str) -> None:
+        """The preparation tool `key`'s window for the chosen dataset's folder (raised if it is
+        open already); when a job there ends, an open listing is read again."""
+        window = self.prep_windows.get(key)
+        if window is not None and window.winfo_exists():
+            window.lift()
+            return
+        from app.prep_dialog import PrepDialog
+        names = self._dataset_names()
+        index = names.index(self.dataset.get()) if self.dataset.get() in names else 0
+        config = self.binding.config
+        folder = frontend.dataset_folder(config, index) \
+            if index < len(config.data.datasets) else None
+        window = PrepDialog(self.frame.winfo_toplevel(), frontend.prep_tool(key),
+                            str(folder or ""), self.busy_reason, on_done=self._prepared)
+        self.prep_windows[key] = window
+
+    def _prepared(self, report: Any) -> None:
+        """A preparation job wrote files: the listing shown is read again (not over edits)."""
+        if self.listing is not None and report.written and not self.dirty and not self.busy:
+            self.open()
+
     def open(self) -> None:
         """List the chosen dataset's images in a thread (a big folder takes a while)."""
         if self.busy or not self.leave():

@@ -218,7 +218,8 @@ class TemperaApp(ctk.CTk):
                                     title)
             if group == "Data":  # below the dataset settings: their captions, image by image
                 self.caption_editor = CaptionEditor(scroll, self.binding, self.guard,
-                                                    lambda *ask: self.ask_unsaved(*ask))
+                                                    lambda *ask: self.ask_unsaved(*ask),
+                                                    self.prep_busy)
                 self.caption_editor.frame.pack(fill="x", anchor="nw", padx=4, pady=(12, 4))
             if more is not None:  # a click that opens it shows what it opened
                 more.on_open = lambda scroll=scroll, button=more.button: reveal(scroll, button)
@@ -380,6 +381,16 @@ class TemperaApp(ctk.CTk):
             status = self.run_panel.status_text
             self.run_panel.set_status(self._idle_status() if status == LOADING_STATUS
                                       else self._status_before_engine)
+
+    def prep_busy(self) -> str | None:
+        """Why a caption or mask job may not start now: its model would share the device
+        with a training run or a benchmark (None: it may)."""
+        if self.runs.training:
+            return "a training run is running; a caption or mask model would share the " \
+                   "device with it: start the job when the run has ended"
+        if self.benchmark.running:
+            return "a benchmark is running; start the job when it has ended"
+        return None
 
     # --- closing -----------------------------------------------------------------------------
     def _save_settings(self) -> None:

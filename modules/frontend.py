@@ -30,6 +30,8 @@ from modules.config import Config, Problem, validate
 from modules.data.caption_edit import (CAPTION_STATES, FILTERS, MASK_STATES,
                                        CaptionEditError, save_caption)
 from modules.data.caption_replace import apply_replace, plan_replace, undo_replace
+# The Data tab's preparation tools (captions, masks): their buttons; a tool's row on first use.
+from modules.data.prep.tools import prep_actions, prep_tool
 from modules.config.field_rules import RULED_PATHS, only_values, unused_fields
 from modules.events import TrainerCallbacks, TrainerCommands
 from modules.lora_tools.errors import LoraToolError  # torch-free: the LoRA tools tab's refusals
@@ -234,4 +236,6 @@ __all__ = [  # noqa: F822 - the lazy names come from __getattr__ below
     # the caption editor (modules/data/caption_edit.py, caption_replace.py)
     "CAPTION_STATES", "CaptionEditError", "FILTERS", "MASK_STATES", "apply_replace",
     "caption_listing", "dataset_folder", "image_thumbnail", "plan_replace", "save_caption", "undo_replace",
+    # dataset preparation (modules/data/prep/tools.py)
+    "prep_actions", "prep_tool",
 ]

@@ -60,11 +60,9 @@ def caption_options(parser: argparse.ArgumentParser) -> None:
 def caption_settings(args: argparse.Namespace) -> Any:
     """CaptionSettings from the options: the preset's values, then each option given."""
     from modules.data.prep.caption import CaptionSettings, preset_settings
-    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(CaptionSettings)
-             if getattr(args, f.name) is not None}
-    if isinstance(given.get("exclude_tags"), str):
-        given["exclude_tags"] = tuple(t.strip() for t in given["exclude_tags"].split(",")
-                                      if t.strip())
+    from modules.data.prep.tools import parse_setting
+    given = {f.name: parse_setting(f, getattr(args, f.name))
+             for f in dataclasses.fields(CaptionSettings) if getattr(args, f.name) is not None}
     return preset_settings(args.preset, **given)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from PIL import Image
 
 from tests.app.conftest import pump
+from tests.data.prep.tiny_captioners import build_tiny_wd_tagger
 
 
 def dataset(tmp_path):
@@ -90,4 +91,40 @@ def test_the_caption_editor_steps_edits_saves_filters_and_replaces(make_app, tmp
     pump(app, until=lambda: not editor.busy and editor.last_backup is None
          and editor.listing.entries[1].caption == "sks cat, red")
     assert (folder / "b.txt").read_text(encoding="utf-8") == "sks cat, red"
+
+    # Caption images…: the tool's window for this dataset's folder, built from its settings
+    tagger = build_tiny_wd_tagger(tmp_path / "tagger")
+    editor.prep_buttons["caption"].invoke()
+    dialog = editor.prep_windows["caption"]
+    assert dialog.folder.get() == str(folder)
+    dialog.preset_menu.set("tags")
+    dialog.apply_preset("tags")  # the tagger, its model and thresholds
+    assert dialog.variables["captioner"].get() == "wd-tagger"
+    dialog.inputs["model"].delete(0, "end")
+    dialog.inputs["model"].insert(0, str(tagger))
+    dialog.variables["existing"].set("skip")
+    dialog.inputs["batch_size"].delete(0, "end")
+    dialog.inputs["batch_size"].insert(0, "two")
+    dialog.start_button.invoke()  # a setting that cannot be read is named, nothing runs
+    assert "Batch size: 'two' is not a whole number" in dialog.output.get("1.0", "end")
+    dialog.inputs["batch_size"].delete(0, "end")
+    dialog.inputs["batch_size"].insert(0, "2")
+    dialog.busy_reason = lambda: "a training run is running"
+    dialog.start_button.invoke()  # not beside a training run
+    assert "Not started: a training run is running" in dialog.output.get("1.0", "end")
+    dialog.busy_reason = lambda: None
+    dialog.start_button.invoke()
+    pump(app, until=lambda: dialog.report is not None)
+    assert dialog.report.status == "finished"
+    assert "1 girl" not in (folder / "c.txt").read_text(encoding="utf-8")  # had a caption
+    written = [p.name for p in dialog.report.written]
+    assert written == [], written  # every readable image had a caption: skip leaves them
+    assert "d.png" in dialog.output.get("1.0", "end")  # the unreadable image, named
+    (folder / "c.txt").unlink()
+    dialog.start_button.invoke()
+    pump(app, until=lambda: dialog.report is not None and dialog.report.written)
+    assert (folder / "c.txt").read_text(encoding="utf-8").startswith("1girl")
+    assert dialog.progress_text.cget("text").startswith("caption job finished")
+    dialog.close_button.invoke()
+    pump(app, until=lambda: not dialog.winfo_exists())
     assert app.guard.violations == []
