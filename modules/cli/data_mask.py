@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "--prompt watermark --invert)")
     parser.add_argument("--replace", action="store_true",
                         help="replace existing masks (each old one is moved into "
-                             ".tempera-replaced/ in the folder); without it they are kept")
+                             ".tempera-mask-backup/ in the folder); without it they are kept")
     parser.add_argument("--recursive", action="store_true",
                         help="the images of subfolders too (kohya's 10_name folders)")
     parser.add_argument("--batch-size", type=int, default=4)

@@ -6,7 +6,7 @@ the image's size after its EXIF rotation; white trains, black is left out), whic
 remover (segmenters.py), shaped by `MaskShape` (mask_ops.py).
 
 An image that has a mask already keeps it unless `existing="replace"`; a replaced mask is moved
-into `.tempera-replaced/masks-<time>/` in the dataset folder (hidden, so no scan reads it),
+into `.tempera-mask-backup/<date-time of the job>/` in the dataset folder (hidden, so no scan reads it),
 under its path in the folder, never deleted. The folder job (job.py) does the rest: one job per
 folder, Stop and continue, bad images named, progress, the model released at the end.
 """
@@ -33,7 +33,7 @@ from modules.util.atomic import atomic_file
 
 SEGMENTERS = ("clipseg", "background")
 EXISTING = ("skip", "replace")
-REPLACED_FOLDER = ".tempera-replaced"
+REPLACED_FOLDER = ".tempera-mask-backup"
 
 
 @dataclass(frozen=True)
@@ -110,14 +110,15 @@ def make_masks(folder: Path, settings: MaskSettings, hooks: JobHooks = JobHooks(
 
 def mask_job(folder: Path, settings: MaskSettings, hooks: JobHooks) -> FolderJob:
     """The folder job that makes `settings`' masks in `folder`."""
-    replaced_into = folder / REPLACED_FOLDER / f"masks-{time.strftime('%Y%m%d-%H%M%S')}"
+    replaced_into = folder / REPLACED_FOLDER / time.strftime("%Y%m%d-%H%M%S")
 
     def load() -> BatchModel:
         if settings.segmenter == "clipseg":
             return Sized(load_clipseg(settings.model_name(), settings.prompts, hooks.status,
                                       offline=settings.offline, device=settings.device))
         return Sized(load_background(settings.model_name(), hooks.status,
-                                     model_file=settings.model_file, offline=settings.offline))
+                                     model_file=settings.model_file, offline=settings.offline,
+                                     device=settings.device))
 
     def needs_work(image: Path) -> str | None:
         if settings.existing == "skip" and mask_path(image).exists():

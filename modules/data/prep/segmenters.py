@@ -138,9 +138,10 @@ def background_model(name: str) -> BackgroundModel:
 
 
 def load_background(name: str, status: Callable[[str], None], *, model_file: Path | None = None,
-                    offline: bool = False) -> BackgroundMasker:
+                    offline: bool = False, device: str | None = None) -> BackgroundMasker:
     """rembg's model `name` (downloaded into rembg's folder on first use), or the .onnx file
-    `model_file` of that kind. Raises JobRefused."""
+    `model_file` of that kind. On the GPU when onnxruntime has CUDA (the onnxruntime-gpu
+    package) unless `device` is "cpu". Raises JobRefused."""
     row = background_model(name)
     from rembg.sessions import sessions
 
@@ -159,11 +160,16 @@ def load_background(name: str, status: Callable[[str], None], *, model_file: Pat
 
         options = onnxruntime.SessionOptions()
         # rembg's constructor downloads when the file is missing; it is there by now.
-        return BackgroundMasker(session_class(row.name, options))
+        # rembg picks CUDA when onnxruntime offers it; a list of providers overrides that.
+        providers = {"providers": ["CPUExecutionProvider"]} if device == "cpu" else {}
+        session = session_class(row.name, options, **providers)
     except Exception as exc:  # noqa: BLE001 - onnxruntime's load errors are the file's
         raise JobRefused(f"cannot load the background model {source}: {describe_error(exc)}; "
                          "the file may be damaged or of another kind: delete it and run again "
                          "to download it anew, or name a good copy") from exc
+    on_gpu = "CUDAExecutionProvider" in session.inner_session.get_providers()
+    status(f"the background remover runs on {'the GPU' if on_gpu else 'the CPU'}")
+    return BackgroundMasker(session)
 
 
 def local_file_session(session_class: type, model_file: Path) -> type:
