@@ -48,7 +48,8 @@ def shape_mask(probabilities: np.ndarray, size: tuple[int, int], shape: MaskShap
     """A segmenter's (H, W) probabilities in [0, 1] as an 8-bit greyscale mask of `size`
     (width, height), shaped by `shape`."""
     values = torch.from_numpy(np.ascontiguousarray(probabilities, dtype=np.float32))
-    values = values.clamp(0.0, 1.0)[None, None]
+    # A model whose output is flat everywhere can give NaN (rembg divides by max - min).
+    values = torch.nan_to_num(values, nan=0.0).clamp(0.0, 1.0)[None, None]
     width, height = size
     if tuple(values.shape[-2:]) != (height, width):
         values = F.interpolate(values, size=(height, width), mode="bilinear",

@@ -74,3 +74,8 @@ def test_invert_leaves_out_what_was_found_after_growing_it():
 def test_bad_options_are_named(shape, field):
     problems = shape.problems()
     assert len(problems) == 1 and problems[0].startswith(field)
+
+
+def test_a_flat_output_that_gave_nan_makes_an_empty_mask():
+    probabilities = np.full((8, 8), np.nan, np.float32)
+    assert not np.asarray(shape_mask(probabilities, (8, 8), MaskShape(threshold=None))).any()

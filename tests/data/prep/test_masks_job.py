@@ -118,6 +118,13 @@ def test_background_remover_keeps_the_subject_and_the_options_apply(tiny_models,
     assert (inverted < 128).sum() > plain  # grown before inverting
     assert ((inverted > 0) & (inverted < 255)).any()  # blurred edge
 
+    shrunk = make_folder(tmp_path / "shrunk", 1)
+    statuses: list[str] = []
+    make_masks(shrunk, background(tiny_models, shape=MaskShape(dilate=-20)),
+               JobHooks(status=statuses.append))  # shrunk to nothing: a mask that keeps none
+    assert not np.asarray(Image.open(mask_path(shrunk / "img0.png"))).any()
+    assert [s for s in statuses if s.startswith("img0_mask.png: the mask keeps no pixel")]
+
 
 def test_existing_masks_are_kept_unless_replaced_and_a_replaced_one_is_never_lost(
         tiny_models, tmp_path):
