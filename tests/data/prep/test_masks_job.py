@@ -240,6 +240,22 @@ def test_a_background_model_not_downloaded_is_refused_offline(tmp_path, monkeypa
         make_masks(folder, MaskSettings(segmenter="background", model="u2netp", offline=True))
 
 
+def test_a_background_model_in_rembgs_folder_is_used_without_a_download(tiny_models, tmp_path,
+                                                                       monkeypatch):
+    home = tmp_path / "rembg-home"
+    monkeypatch.setenv("REMBG_HOME", str(home))
+    monkeypatch.delenv("U2NET_HOME", raising=False)
+    (home / "models" / "u2net").mkdir(parents=True)
+    shutil.copy(tiny_models["background"], home / "models" / "u2net" / "u2net.onnx")
+    folder = make_folder(tmp_path, 1)
+    statuses: list[str] = []
+    report = make_masks(folder, MaskSettings(segmenter="background", model="u2net",
+                                             offline=True), JobHooks(status=statuses.append))
+    assert [p.name for p in report.written] == ["img0_mask.png"]
+    assert any(str(home / "models" / "u2net" / "u2net.onnx") in s for s in statuses)
+    assert any("runs on the CPU" in s for s in statuses)
+
+
 @pytest.mark.parametrize("settings, problem", [
     (MaskSettings(segmenter="clipseg"), "needs at least one prompt"),
     (MaskSettings(segmenter="background", prompts=("dog",)), "takes no prompt"),
