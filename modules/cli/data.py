@@ -157,6 +157,11 @@ def main(argv: list[str] | None = None) -> int:
         terminal.close()
         print(f"tempera-data {args.command}: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # a second signal: the files written so far are whole
+        terminal.close()
+        print(f"tempera-data {args.command}: stopped at once; every file written is whole, and "
+              "the same command continues the job", file=sys.stderr)
+        return 128 + (received[-1] if received else signal.SIGINT)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -8,10 +8,12 @@
 An image that already has a caption is treated as `settings.existing` says: "skip" leaves it,
 "extend" adds the new caption after it (a tagger adds only tags not there yet), "replace" writes
 the new one. Whatever is changed is first copied, byte for byte, into the folder's
-`.tempera-caption-backup/<date-time of the job>/` (hidden, so no scan trains on it), so nothing
-is ever lost. Existing captions are read as the dataset scan reads them (UTF-8, a BOM allowed),
-and also as UTF-16 with a BOM (Windows Notepad's "Unicode"); a caption file in another encoding
-is never rewritten by "extend": its image is left alone and named in the report.
+`.tempera-caption-backup/<date-time of the job>-caption-job/` (hidden, so no scan trains on
+it; the caption editor's find-and-replace backs up into the same folder, each run its own
+subfolder), so nothing is ever lost. Existing captions are read as the dataset scan reads them
+(UTF-8, a BOM allowed), and also as UTF-16 or UTF-32 with a BOM (Windows Notepad's "Unicode");
+a caption file in another encoding is never rewritten by "extend": its image is left alone
+and named in the report. Captions are always written as UTF-8, which training reads.
 
 Everything else — batches, Stop, the re-run that continues, the lock, progress, bad images,
 loading the model only for the job and releasing it — is modules/data/prep/job.py's.
@@ -19,6 +21,7 @@ loading the model only for the job and releasing it — is modules/data/prep/job
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -191,7 +194,10 @@ class CaptionWriter:
         self.folder, self.settings = folder, settings
         self.extension = normalize_caption_extension(settings.caption_extension)
         self.tags = CAPTIONERS[settings.captioner].tags
-        self.backup_root = folder / BACKUP_FOLDER / time.strftime("%Y%m%d-%H%M%S")
+        # one folder per job, never shared: two jobs started within a second must not back up
+        # into one folder (the second would overwrite the first's copy of the user's caption)
+        stamp = time.strftime("%Y%m%d-%H%M%S") + f"-{time.time_ns() % 1_000_000_000:09d}"
+        self.backup_root = folder / BACKUP_FOLDER / f"{stamp}-caption-job"
 
     def caption_path(self, image: Path) -> Path:
         return image.with_name(image.stem + self.extension)
@@ -236,7 +242,8 @@ def with_prefix(prefix: str, text: str) -> str:
 
 
 def caption_folder(folder: Path, settings: CaptionSettings, hooks: JobHooks = JobHooks(),
-                   stop: Any = None, cache_dir: Path | None = None) -> JobReport:
+                   stop: threading.Event | None = None,
+                   cache_dir: Path | None = None) -> JobReport:
     """Caption `folder`'s images (see the module docstring). Raises JobRefused for bad
     settings, a folder it cannot work on, or a model it cannot get or load."""
     problems = validate(settings)
@@ -250,8 +257,12 @@ def caption_folder(folder: Path, settings: CaptionSettings, hooks: JobHooks = Jo
         device = pick_device(settings.device)
         weights = model_folder(settings.model, hooks.status, offline=settings.offline,
                                cache_dir=cache_dir, allow_patterns=kind.files)
-        hooks.status(f"loading {kind.label} ({settings.model}) on the {device.upper()}")
-        return kind.make(weights, run_options(settings, device))
+        hooks.status(f"loading {kind.label} ({settings.model}) on the "
+                     f"{'GPU' if device == 'cuda' else 'CPU'}")
+        model = kind.make(weights, run_options(settings, device))
+        for note in getattr(model, "notes", ()):
+            hooks.status(note)
+        return model
 
     job = FolderJob(kind="caption", settings=job_settings(settings), load=load,
                     needs_work=writer.needs_work, write=writer.write,

@@ -177,6 +177,12 @@ class WDTagger:
             raise JobRefused(f"the tagger's model file {model_file} is damaged or not an ONNX "
                              f"model ({describe_error(exc)}): delete it (or its cache folder) "
                              "and run again to download it again") from exc
+        # said to the user by the job (caption.py): a tagger asked for the GPU that runs on the
+        # CPU is a degradation, never silent
+        self.notes = ([] if options.device != "cuda"
+                      or "CUDAExecutionProvider" in self.session.get_providers() else
+                      ["the tagger runs on the CPU: this onnxruntime has no CUDA provider "
+                       "(install onnxruntime-gpu in place of onnxruntime for the GPU)"])
         shape = self.session.get_inputs()[0].shape  # [batch, height, width, 3]
         self.size = int(shape[1]) if isinstance(shape[1], int) else 448
         self.fixed_batch = shape[0] if isinstance(shape[0], int) else None

@@ -450,6 +450,10 @@ class FolderLock:
 
 
 def _process_alive(pid: int) -> bool:
+    """Whether process `pid` runs on this machine. On Windows signal 0 is CTRL_C_EVENT, which
+    os.kill would send: there a holder is taken to be alive (the refusal says how to free it)."""
+    if os.name == "nt":
+        return True
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -17,9 +17,8 @@ from modules.data.prep.caption import (BACKUP_FOLDER, CaptionSettings, caption_f
                                        preset_settings, read_caption, validate)
 from modules.data.prep.job import LOCK_NAME, JobHooks, JobRefused, journal_name
 
-from tests.data.prep.test_hub import put_in_cache
 from tests.data.prep.tiny_captioners import (build_tiny_florence2, build_tiny_qwen_vl,
-                                             build_tiny_wd_tagger)
+                                             build_tiny_wd_tagger, put_in_cache)
 
 pytest.importorskip("onnxruntime", reason="the `data` extra (onnxruntime) runs the WD taggers")
 
@@ -71,10 +70,14 @@ def released(refs: list[weakref.ref]) -> bool:
 
 
 def test_florence2_captions_every_image_and_is_released_after(models, tmp_path, loaded_models):
+    """Over 10 s on a busy CPU only as the file's first test: its setup builds the three tiny
+    models (transformers' Florence-2 and Qwen3-VL modules imported for the first time), and its
+    first generate imports the generation code; the captioning itself takes about a second."""
     folder = dataset(tmp_path)
     (folder / "broken.png").write_bytes(b"")
     seen, said = [], []
-    report = caption_folder(folder, settings(models, "florence2", prefix="sks", batch_size=2),
+    report = caption_folder(folder, settings(models, "florence2", prefix="sks", batch_size=2,
+                                            max_tokens=8),
                             JobHooks(progress=seen.append, status=said.append))
     assert report.status == "finished" and [p.done for p in seen] == [1, 2, 3, 4], report.lines()
     for i in range(3):
@@ -115,6 +118,15 @@ def test_the_tagger_writes_tags_over_their_thresholds_characters_first(models, t
     assert read_caption(folder / "img2.txt") == "1girl, simple background"
 
 
+def test_a_tagger_of_one_image_at_a_time_runs_a_batch_image_by_image(tmp_path):
+    model = build_tiny_wd_tagger(tmp_path / "one", batch=1)
+    folder = dataset(tmp_path)
+    report = caption_folder(folder, preset_settings(None, captioner="wd-tagger", model=str(model),
+                                                    device="cpu", batch_size=3))
+    assert report.status == "finished" and len(report.written) == 3
+    assert read_caption(folder / "img1.txt").startswith("hatsune miku, green theme")
+
+
 def test_tagger_thresholds_and_the_keep_separator(models, tmp_path):
     folder = dataset(tmp_path, colours=(GREEN,))
     caption_folder(folder, settings(models, "wd-tagger", general_threshold=0.6,
@@ -145,6 +157,11 @@ def test_replace_keeps_the_old_file_byte_for_byte(models, tmp_path):
     assert read_caption(folder / "img0.txt").startswith("hakurei reimu")
     backups = list((folder / BACKUP_FOLDER).rglob("img0.txt"))
     assert len(backups) == 1 and backups[0].read_bytes() == old
+    # replaced again at once (the same second): the user's caption is still kept
+    first = (folder / "img0.txt").read_bytes()
+    caption_folder(folder, settings(models, "wd-tagger", existing="replace", prefix="again"))
+    kept = sorted(p.read_bytes() for p in (folder / BACKUP_FOLDER).rglob("img0.txt"))
+    assert kept == sorted([old, first])
 
 
 def test_extend_adds_only_new_tags_and_keeps_a_backup(models, tmp_path):

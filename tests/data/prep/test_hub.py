@@ -1,26 +1,13 @@
 """Finding a preparation model's weights (modules/data/prep/hub.py), without any download."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
 from modules.data.prep.hub import download_bar, download_line, model_folder
 from modules.data.prep.job import JobRefused
 
-COMMIT = "0123456789abcdef0123456789abcdef01234567"
-
-
-def put_in_cache(cache: Path, repo: str, files: dict[str, str]) -> Path:
-    """Lay `files` out as huggingface_hub's cache holds a downloaded repository."""
-    root = cache / ("models--" + repo.replace("/", "--"))
-    snapshot = root / "snapshots" / COMMIT
-    snapshot.mkdir(parents=True)
-    for name, text in files.items():
-        (snapshot / name).write_text(text)
-    (root / "refs").mkdir()
-    (root / "refs" / "main").write_text(COMMIT)
-    return snapshot
+from tests.data.prep.tiny_captioners import put_in_cache
 
 
 def test_a_cached_repository_is_found_without_a_network(tmp_path):

@@ -4,6 +4,7 @@ and a Qwen3-VL of transformers' own classes with small tokenizers trained on the
 that scores each tag from the image's mean colour, with its selected_tags.csv.
 
 Each builds in well under a second or two; the tests share them through a module fixture.
+`put_in_cache` lays files out as the Hugging Face cache holds a downloaded repository.
 """
 from __future__ import annotations
 
@@ -136,9 +137,10 @@ def build_tiny_qwen_vl(dest: Path, template_beside: bool = True) -> Path:
     return dest
 
 
-def build_tiny_wd_tagger(dest: Path, size: int = 32) -> Path:
-    """model.onnx (NHWC BGR 0..255 in, one sigmoid score per tag out, any batch) and
-    selected_tags.csv, laid out as SmilingWolf's WD v3 taggers are."""
+def build_tiny_wd_tagger(dest: Path, size: int = 32, batch: int | str = "batch") -> Path:
+    """model.onnx (NHWC BGR 0..255 in, one sigmoid score per tag out; `batch` images at a time,
+    any number by default, or a fixed 1 as some exports have) and selected_tags.csv, laid out as
+    SmilingWolf's WD v3 taggers are."""
     import numpy as np
     import onnx
     from onnx import TensorProto, helper, numpy_helper
@@ -150,9 +152,9 @@ def build_tiny_wd_tagger(dest: Path, size: int = 32) -> Path:
          helper.make_node("Add", ["logits", "bias"], ["biased"]),
          helper.make_node("Sigmoid", ["biased"], ["output"])],
         "tiny_wd_tagger",
-        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", size, size, 3])],
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, [batch, size, size, 3])],
         [helper.make_tensor_value_info("output", TensorProto.FLOAT,
-                                       ["batch", len(TAGGER_TAGS)])],
+                                       [batch, len(TAGGER_TAGS)])],
         [numpy_helper.from_array(np.array([1, 2], dtype=np.int64), "axes"),
          numpy_helper.from_array(weights, "weights"), numpy_helper.from_array(bias, "bias")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
@@ -165,3 +167,19 @@ def build_tiny_wd_tagger(dest: Path, size: int = 32) -> Path:
                                               enumerate(TAGGER_TAGS)]
     (dest / "selected_tags.csv").write_text("\n".join(lines) + "\n", encoding="utf-8")
     return dest
+
+
+# The commit a cached repository is laid out under (any 40 hex digits)
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def put_in_cache(cache: Path, repo: str, files: dict[str, str]) -> Path:
+    """Lay `files` out as huggingface_hub's cache holds a downloaded repository."""
+    root = cache / ("models--" + repo.replace("/", "--"))
+    snapshot = root / "snapshots" / COMMIT
+    snapshot.mkdir(parents=True)
+    for name, text in files.items():
+        (snapshot / name).write_text(text)
+    (root / "refs").mkdir()
+    (root / "refs" / "main").write_text(COMMIT)
+    return snapshot
