@@ -2,6 +2,8 @@
 
     tempera-data caption FOLDER [--preset small-card|detailed|tags] [--existing skip|extend|replace]
                                 [--prefix "sks"] [--model REPO_OR_FOLDER] [--prompt ...] ...
+    tempera-data mask FOLDER (--prompt TEXT ... | --remove-background) [--threshold 0.5]
+                             [--dilate PIXELS] [--blur RADIUS] [--invert] [--replace] ...
 
 Each subcommand is one row of `COMMANDS` (its options, and the function that runs it), so a new
 kind of preparation is one more row. A caption option left out takes the preset's value, then

@@ -55,7 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              ".tempera-mask-backup/ in the folder); without it they are kept")
     parser.add_argument("--recursive", action="store_true",
                         help="the images of subfolders too (kohya's 10_name folders)")
-    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=4,
+                        help="images per forward pass of CLIPSeg (default 4)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: the GPU "
                                                        "when there is one)")
     parser.add_argument("--offline", action="store_true",

@@ -37,13 +37,13 @@ class BackgroundModel:
 # rembg's session names (rembg.sessions.sessions), with what each is good at. The first is the
 # default: a good general model of moderate size.
 BACKGROUND_MODELS: tuple[BackgroundModel, ...] = (
-    BackgroundModel("isnet-general-use", "any subject; sharp edges (the default)", 179),
+    BackgroundModel("isnet-general-use", "any subject; sharp edges; the default", 179),
     BackgroundModel("u2net", "any subject; the classic, softer edges", 176),
     BackgroundModel("u2netp", "any subject; small and fast, rougher", 5),
     BackgroundModel("u2net_human_seg", "people", 176),
     BackgroundModel("isnet-anime", "anime and illustrated characters", 176),
     BackgroundModel("birefnet-general", "any subject; the finest edges, slow", 973),
-    BackgroundModel("birefnet-portrait", "portraits (hair)", 973),
+    BackgroundModel("birefnet-portrait", "portraits, with hair", 973),
 )
 BACKGROUND_NAMES = tuple(model.name for model in BACKGROUND_MODELS)
 
