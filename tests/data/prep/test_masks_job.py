@@ -312,3 +312,17 @@ def read_only_folder(tmp_path):
 def test_a_folder_that_is_not_writable_is_refused(tiny_models, read_only_folder):
     with pytest.raises(JobRefused, match="is not writable"):
         make_masks(read_only_folder, background(tiny_models))
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_clipseg_on_the_gpu_makes_the_masks_the_cpu_makes(tiny_models, tmp_path):
+    """float16 on the GPU: the same thresholded masks as float32 on the CPU, but for a few
+    pixels at the threshold."""
+    masks = {}
+    for device in ("cpu", "cuda"):
+        folder = make_folder(tmp_path / device, 2)
+        settings = MaskSettings(prompts=("person",), model=str(tiny_models["clipseg"]),
+                                offline=True, device=device)
+        assert make_masks(folder, settings).status == "finished"
+        masks[device] = np.asarray(Image.open(mask_path(folder / "img1.png")))
+    assert (masks["cpu"] != masks["cuda"]).mean() < 0.02
