@@ -18,6 +18,9 @@ $(STAMP): pyproject.toml requirements/constraints.txt
 	$(PY) -m pip install --quiet --disable-pip-version-check $(TORCH)
 	$(PY) -m pip install --quiet --disable-pip-version-check \
 		-c requirements/constraints.txt -e ".[dev,memory,wandb,data]"
+	# rembg (the data extra) imports pymatting, whose numba kernels compile on the first import
+	# (about 85 s of one core) and are cached in the venv: pay it here, not in a test.
+	$(PY) -c "import rembg"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -2,6 +2,8 @@
 
     tempera-data caption FOLDER [--preset small-card|detailed|tags] [--existing skip|extend|replace]
                                 [--prefix "sks"] [--model REPO_OR_FOLDER] [--prompt ...] ...
+    tempera-data mask FOLDER (--prompt TEXT ... | --remove-background) [--threshold 0.5]
+                             [--dilate PIXELS] [--blur RADIUS] [--invert] [--replace] ...
 
 Each subcommand is one row of `COMMANDS` (its options, and the function that runs it), so a new
 kind of preparation is one more row. A caption option left out takes the preset's value, then
@@ -71,9 +73,21 @@ def run_caption(args: argparse.Namespace, hooks: Any, stop: threading.Event) -> 
     return caption_folder(Path(args.folder), caption_settings(args), hooks, stop)
 
 
+def mask_options(parser: argparse.ArgumentParser) -> None:
+    from modules.cli.data_mask import add_arguments
+    add_arguments(parser)
+
+
+def run_mask(args: argparse.Namespace, hooks: Any, stop: threading.Event) -> Any:
+    from modules.cli.data_mask import run
+    return run(args, hooks, stop)
+
+
 COMMANDS: dict[str, Command] = {
     "caption": Command("write a caption file for each image with a captioner or a tagger",
                        caption_options, run_caption),
+    "mask": Command("write a loss mask for each image: CLIPSeg with a prompt, or a background "
+                    "remover", mask_options, run_mask),
 }
 
 
