@@ -13,7 +13,6 @@ again to continue).
 from __future__ import annotations
 
 import argparse
-import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -89,9 +88,3 @@ def run(args: argparse.Namespace, hooks: Any, stop: threading.Event) -> Any:
         raise JobRefused("--model-file is the background remover's (.onnx); for CLIPSeg give "
                          "its folder with --model")
     return make_masks(Path(args.folder), settings_from(args), hooks, stop)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`tempera-data mask ...` with `argv` the options after `mask`."""
-    from modules.cli.data import main as data_main
-    return data_main(["mask", *(sys.argv[1:] if argv is None else argv)])

@@ -9,7 +9,7 @@ import pytest
 from PIL import Image
 
 from modules.cli import data as cli
-from modules.data.prep.tiny_mask_models import build_tiny_background, build_tiny_clipseg
+from tests.data.prep.tiny_mask_models import build_tiny_background, build_tiny_clipseg
 
 pytest.importorskip("rembg", reason="the `data` extra (rembg) removes backgrounds")
 

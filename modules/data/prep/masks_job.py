@@ -92,6 +92,63 @@ class MaskSettings:
                 "recursive": self.recursive}
 
 
+def _option(default: Any, help: str, **extra: Any) -> Any:  # noqa: A002 - every DSL says help
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass(frozen=True)
+class MaskForm:
+    """A mask job's settings as one flat form (the Data tab's *Make masks…* window is built from
+    these fields, their help and choices): `settings()` is the job's MaskSettings."""
+    segmenter: str = _option("clipseg", "clipseg: keep what the prompts name; background: keep "
+                             "the subject, remove the background (rembg)", choices=SEGMENTERS)
+    prompts: tuple[str, ...] = _option((), "CLIPSeg: what to keep, comma-separated (e.g. "
+                                       "person, the dog); each is kept")
+    model: str = _option("", "CLIPSeg: a Hugging Face repository id or a folder (empty: "
+                         f"{DEFAULT_CLIPSEG}); background: one of {', '.join(BACKGROUND_NAMES)}")
+    model_file: str = _option("", "background: the model's .onnx file on disk, instead of "
+                              "rembg's download")
+    threshold: float = _option(0.5, "a pixel at least this likely counts fully, the rest not "
+                               "at all")
+    soft: bool = _option(False, "no threshold: keep the model's probabilities as grey levels")
+    dilate: int = _option(0, "grow what is kept by this many pixels (negative: shrink it)")
+    blur: float = _option(0.0, "soften the mask's edge with a Gaussian blur of this radius")
+    invert: bool = _option(False, "leave out what was found and train on the rest (e.g. a "
+                           "watermark)")
+    existing: str = _option("skip", "an image that has a mask: keep it (skip) or replace it "
+                            f"(the old one is moved into {REPLACED_FOLDER}/)", choices=EXISTING)
+    recursive: bool = _option(False, "the images of subfolders too (kohya's 10_name folders)")
+    batch_size: int = _option(4, "images per forward pass of CLIPSeg")
+    device: str = _option("auto", "where the model runs (auto: the GPU when there is one)",
+                          choices=("auto", "cpu", "cuda"))
+    offline: bool = _option(False, "never download: a model that is not on disk is refused")
+
+    def settings(self) -> MaskSettings:
+        return MaskSettings(
+            segmenter=self.segmenter, prompts=self.prompts, model=self.model,
+            model_file=Path(self.model_file).expanduser() if self.model_file.strip() else None,
+            shape=MaskShape(threshold=None if self.soft else self.threshold,
+                            dilate=self.dilate, blur=self.blur, invert=self.invert),
+            existing=self.existing, batch_size=self.batch_size, recursive=self.recursive,
+            offline=self.offline, device=None if self.device == "auto" else self.device)
+
+
+# The window's presets: (one line on what it is for, the form's values)
+MASK_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
+    "person": ("CLIPSeg keeps the people; a little grown and softened at the edge",
+               {"segmenter": "clipseg", "prompts": ("person",), "dilate": 8, "blur": 2.0}),
+    "subject": (f"rembg's {BACKGROUND_NAMES[0]} keeps the subject of each photo and removes "
+                "the background", {"segmenter": "background", "model": BACKGROUND_NAMES[0]}),
+    "no watermark": ("CLIPSeg finds text and watermarks; the mask leaves them out",
+                     {"segmenter": "clipseg", "prompts": ("watermark", "text"), "dilate": 6,
+                      "invert": True}),
+}
+
+
+def mask_preset(name: str) -> MaskForm:
+    return MaskForm(**MASK_PRESETS[name][1])
+
+
 def mask_path(image: Path) -> Path:
     """Where an image's loss mask lies: `cat.jpg` -> `cat_mask.png` beside it."""
     return image.with_name(image.stem + MASK_SUFFIX)

@@ -106,10 +106,22 @@ def _caption_tool() -> PrepTool:
                     JobHooks, JobRefused)
 
 
+def _mask_tool() -> PrepTool:
+    from modules.data.prep.job import JobHooks, JobRefused
+    from modules.data.prep.masks_job import MASK_PRESETS, MaskForm, make_masks, mask_preset
+    return PrepTool("mask", "Make masks", MaskForm,
+                    {name: summary for name, (summary, _values) in MASK_PRESETS.items()},
+                    mask_preset,
+                    lambda folder, form, hooks, stop: make_masks(folder, form.settings(),
+                                                                 hooks, stop),
+                    JobHooks, JobRefused)
+
+
 # The tools in the order a window offers them: the button that opens each, and its row, built
 # on first use (the caption and mask modules import torch and the models' libraries).
 TOOL_ROWS: dict[str, tuple[str, Callable[[], PrepTool]]] = {
     "caption": ("Caption images…", _caption_tool),
+    "mask": ("Make masks…", _mask_tool),
 }
 
 

@@ -21,7 +21,7 @@ from modules.data.prep import masks_job
 from modules.data.prep.job import LOCK_NAME, JobHooks, JobRefused, journal_name
 from modules.data.prep.mask_ops import MaskShape
 from modules.data.prep.masks_job import REPLACED_FOLDER, MaskSettings, make_masks, mask_path
-from modules.data.prep.tiny_mask_models import build_tiny_background, build_tiny_clipseg
+from tests.data.prep.tiny_mask_models import build_tiny_background, build_tiny_clipseg
 
 pytest.importorskip("rembg")
 
