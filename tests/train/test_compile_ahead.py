@@ -1,0 +1,133 @@
+"""compile.ahead through the real trainer: the ahead process compiles the run's batch shapes
+while the data is cached and writes the compile bundle the run loads (step 1 compiles nothing,
+its losses are those of a run without it); a failed ahead process is reported and the run
+trains; a Stop during setup ends it; what validation refuses.
+
+As in test_compile_bundles.py the compiled component is the frozen text encoder, FULL: the
+cheapest real inductor compile a run makes. The three runs share one module-scoped fixture."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+
+import pytest
+
+from modules.config import apply_overrides
+from modules.config.schema import Config
+from modules.config.validate import validate
+from modules.events import NullCallbacks, TrainerCommands
+from modules.train.trainer import train
+
+COMPILED = ["compile.backend=INDUCTOR", "compile.scope=FULL", "compile.denoiser=false",
+            "compile.text_encoder=true", "training.max_steps=2"]
+AHEAD_PID = re.compile(r"compile ahead: compiling .* in process (\d+)")
+
+
+class OnAhead(NullCallbacks):
+    """Calls ``act(pid)`` when the run says it started its ahead process."""
+
+    def __init__(self, act) -> None:
+        self.act, self.pids, self.lines = act, [], []
+
+    def on_status(self, text: str) -> None:
+        self.lines.append(text)
+        if found := AHEAD_PID.search(text):
+            self.pids.append(int(found.group(1)))
+            self.act(int(found.group(1)))
+
+
+def _record(result) -> dict:
+    return json.loads((result.output_dir / "run.json").read_text())
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.fixture(scope="module")
+def runs(tempera_cache, tmp_path_factory):
+    """Three runs of the compiled settings, each 2 steps: (ahead) compile ahead into an empty
+    cache folder; (plain) no compile ahead, another empty cache folder (a cold step 1);
+    (failed) compile ahead in the plain run's folder without its bundle, the ahead process
+    killed as it starts (its step 1 is served by the local cache, so this costs no compile)."""
+    tmp = tmp_path_factory.mktemp("ahead")
+
+    def config(name: str, *more: str) -> Config:
+        return apply_overrides(Config(), [
+            f"general.cache_dir={tempera_cache}", f"output.dir={tmp / name}",
+            "data.resolution=64", "training.batch_size=2", "training.learning_rate=1e-3",
+            "sampling.prompts=[]", "logging.tensorboard=false", *COMPILED, *more])
+
+    ahead = train(config("ahead", "compile.ahead=true", f"compile.cache_dir={tmp / 'x'}"))
+    plain = train(config("plain", f"compile.cache_dir={tmp / 'y'}"))
+    shutil.rmtree(tmp / "y" / "bundles")
+    killer = OnAhead(lambda pid: os.kill(pid, 9))
+    failed = train(config("failed", "compile.ahead=true", f"compile.cache_dir={tmp / 'y'}"),
+                   killer)
+    return {"ahead": _record(ahead), "plain": _record(plain), "failed": _record(failed),
+            "failed_lines": killer.lines, "ahead_status": ahead.status}
+
+
+@pytest.mark.inductor
+def test_the_bundle_compiled_ahead_is_loaded_and_step_1_compiles_nothing(runs):
+    """Over 10 s (the module's runs): two cold inductor compiles of the text encoder, one in
+    the ahead process and one in the plain run, which nothing cheaper can stand in for."""
+    record = runs["ahead"]
+    assert runs["ahead_status"] == "finished"
+    ahead = record["compile_ahead"]
+    assert ahead["status"] == "done" and ahead["shapes"] == ["2x64x64"], ahead
+    bundle = record["compile_bundle"]
+    assert bundle["lookup"] == "hit" and bundle["from_ahead"], bundle
+    assert bundle["found"] == ahead["bundle"] and bundle["loaded_entries"] > 0
+    encoder = record["compile"]["text_encoder"]
+    assert encoder["bundle"].startswith("hit (compiled ahead"), encoder
+    # every graph of step 1 came from the bundle: none was compiled in the run
+    assert encoder["cache_misses"] == 0 and encoder["cache_hits"] > 0, encoder
+    assert encoder["compiled_code_ran"]
+    assert record["losses"] == runs["plain"]["losses"] and len(record["losses"]) == 2
+
+
+@pytest.mark.inductor
+def test_a_failed_ahead_process_is_reported_and_the_run_trains(runs):
+    record = runs["failed"]
+    assert record["status"] == "finished"
+    assert record["compile_ahead"]["status"] == "failed"
+    assert "signal 9" in record["compile_ahead"]["why"]
+    assert any("compile ahead failed" in line and "compiling at step 1" in line
+               for line in runs["failed_lines"])
+    assert record["compile_bundle"]["from_ahead"] is False
+    assert record["losses"] == runs["plain"]["losses"]
+
+
+def test_stop_during_setup_ends_the_ahead_process(tiny_config, tmp_path):
+    commands = TrainerCommands()
+    seen = OnAhead(lambda pid: commands.request_stop())
+    result = train(tiny_config(*COMPILED, "compile.ahead=true",
+                               f"compile.cache_dir={tmp_path / 'cache'}"), seen, commands)
+    assert result.status == "stopped"
+    record = _record(result)
+    assert record["status"] == "stopped"
+    assert record["stopped_during"] in ("latent caching", "compile ahead"), record
+    assert record["compile_ahead"]["status"] == "stopped"
+    assert seen.pids and gone(seen.pids[0])
+
+
+@pytest.mark.parametrize("settings, expected", [
+    (["compile.backend=NONE"], "nothing is compiled"),
+    (["compile.backend=AOT_EAGER"], "only inductor writes the cache artifacts"),
+    (["compile.backend=INDUCTOR", "compile.denoiser=false"], "are all off"),
+    (["compile.backend=INDUCTOR", "compile.bundles=false"], "turn compile.bundles on"),
+    (["compile.backend=INDUCTOR", "general.device=CUDA"], "second copy of the weights"),
+])
+def test_refusals(settings, expected):
+    config = apply_overrides(Config(), ["compile.ahead=true", *settings])
+    problems = [p for p in validate(config) if p.path == "compile.ahead"]
+    assert len(problems) == 1 and expected in str(problems[0]), problems
+    config.compile.ahead = False
+    assert not [p for p in validate(config) if p.path == "compile.ahead"]
