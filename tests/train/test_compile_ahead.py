@@ -131,3 +131,33 @@ def test_refusals(settings, expected):
     assert len(problems) == 1 and expected in str(problems[0]), problems
     config.compile.ahead = False
     assert not [p for p in validate(config) if p.path == "compile.ahead"]
+
+
+def test_one_batch_of_each_shape_the_epoch_meets():
+    """The ahead process's shapes are the run's batches': each bucket's full batch and its
+    short last one (5 items of 64x96 in batches of 2 make 2x64x96 and 1x64x96)."""
+    from types import SimpleNamespace
+
+    from modules.data.dataset import BucketBatchSampler
+    from modules.train.recipe.compile_ahead import shape_batches
+
+    sizes = [(64, 64)] * 4 + [(64, 96)] * 5
+    batches = BucketBatchSampler(sizes, batch_size=2, seed=3)
+    found = shape_batches(batches, SimpleNamespace(target_sizes=sizes))
+    assert sorted(shape for shape, _ in found) == ["1x64x96", "2x64x64", "2x64x96"]
+    for shape, keys in found:
+        count, height, width = map(int, shape.split("x"))
+        assert len(keys) == count and all(sizes[index] == (height, width)
+                                           for _, index in keys)
+
+
+def test_what_the_run_does_not_compile_ahead_for_is_said(tiny_config):
+    """Where validation cannot know (AUTO on a GPU machine; a launch of several processes) the
+    run says why it compiles at step 1 instead."""
+    import torch
+
+    from modules.train.recipe.compile_ahead import ahead_blocker
+
+    config = tiny_config(*COMPILED, "compile.ahead=true")
+    assert "second copy of the weights" in ahead_blocker(config, torch.device("cuda"), False)
+    assert "multi-process" in ahead_blocker(config, torch.device("cpu"), True)
