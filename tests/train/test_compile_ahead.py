@@ -161,3 +161,21 @@ def test_what_the_run_does_not_compile_ahead_for_is_said(tiny_config):
     config = tiny_config(*COMPILED, "compile.ahead=true")
     assert "second copy of the weights" in ahead_blocker(config, torch.device("cuda"), False)
     assert "multi-process" in ahead_blocker(config, torch.device("cpu"), True)
+
+
+@pytest.mark.parametrize("code, said", [
+    ("raise SystemExit('out of memory')", "exit 1: out of memory"),
+    ("print('finished but wrote nothing')", "no readable result: finished but wrote nothing"),
+])
+def test_an_ahead_process_that_fails_or_says_nothing_is_a_reported_failure(tmp_path, code, said):
+    import subprocess
+    import sys
+
+    from modules.train.recipe.compile_ahead import CompileAhead
+
+    log = open(tmp_path / "ahead.log", "w", encoding="utf-8")  # end() closes it
+    ahead = CompileAhead(subprocess.Popen([sys.executable, "-c", code], stdout=log,
+                                          stderr=subprocess.STDOUT), tmp_path, log)
+    outcome = ahead.wait(lambda: False)
+    ahead.end()
+    assert outcome.status == "failed" and outcome.why == said, outcome

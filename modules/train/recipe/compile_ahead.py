@@ -96,7 +96,7 @@ class CompileAhead:
         (inductor's CPU code is generated for it: part of the bundle's fingerprint)."""
         work = Path(tempfile.mkdtemp(prefix="tempera-ahead-"))
         save_config(config, work / "config.json")
-        log = open(work / "ahead.log", "w", encoding="utf-8")  # noqa: SIM115 - closed by end()
+        log = open(work / "ahead.log", "w", encoding="utf-8")  # closed by end()
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
         process = subprocess.Popen(
@@ -144,8 +144,8 @@ class CompileAhead:
         seconds = round(time.monotonic() - self.started, 1)
         result_file = self.work / "result.json"
         code = self.process.returncode
-        if code == 0 and result_file.is_file():
-            result = json.loads(result_file.read_text(encoding="utf-8"))
+        result = read_result(result_file) if code == 0 else None
+        if result is not None:
             return AheadRecord("done", pid=self.pid, seconds=seconds,
                                compile_seconds=result.get("compile_seconds"),
                                shapes=result.get("shapes", []), bundle=result.get("bundle"),
@@ -156,9 +156,19 @@ class CompileAhead:
         tail = next((line for line in reversed(lines.strip().splitlines()) if line.strip()),
                     "no output")
         how = (f"ended by signal {-code}" if code is not None and code < 0
-               else f"exit {code}")
+               else f"exit {code}" if code else "no readable result")
         return AheadRecord("failed", why=f"{how}: {tail.strip()}", pid=self.pid,
                            seconds=seconds)
+
+
+def read_result(path: Path) -> dict[str, Any] | None:
+    """What a finished ahead process wrote about itself; None when it wrote nothing readable
+    (the run then reports a failure, it does not fail)."""
+    try:
+        result = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return result if isinstance(result, dict) else None
 
 
 # ------------------------------------------------------------- the recipe's two setup steps
@@ -173,7 +183,13 @@ def start_compile_ahead(config: Config, device: torch.device, multi_process: boo
         callbacks.on_status(f"compile ahead: not started ({blocker})")
         record.write(compile_ahead=AheadRecord("not started", why=blocker).to_dict())
         return None
-    ahead = CompileAhead.start(config)
+    try:
+        ahead = CompileAhead.start(config)
+    except OSError as err:  # no temporary folder, no process: the run compiles at step 1
+        why = f"it could not be started ({err.strerror or err})"
+        callbacks.on_status(f"warning: compile ahead failed ({why}); compiling at step 1")
+        record.write(compile_ahead=AheadRecord("failed", why=why).to_dict())
+        return None
     callbacks.on_status(f"compile ahead: compiling the run's batch shapes in process "
                         f"{ahead.pid} while the data is cached")
     record.write(compile_ahead=AheadRecord("started", pid=ahead.pid).to_dict())
