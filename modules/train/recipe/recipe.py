@@ -141,7 +141,8 @@ class TrainingRecipe:
     def _build(self, undo: contextlib.ExitStack) -> Run:
         """`setup`'s body, in the order the run depends on: the record first, the captions
         and latents cached (each encoder alone on the device) before the rest of the weights
-        move there, compile before the DDP wrap, the state last. Each change made outside the
+        move there (compile.ahead: its process started before the caching and waited for
+        before compile), compile before the DDP wrap, the state last. Each change made outside the
         run's objects pushes its undo onto `undo` right after it is made."""
         prepared, callbacks, dist, commands = (self.prepared, self.callbacks, self.dist,
                                                self.commands)
