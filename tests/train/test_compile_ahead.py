@@ -14,7 +14,7 @@ import shutil
 
 import pytest
 
-from modules.config import apply_overrides
+from modules.config import apply_overrides, save_config
 from modules.config.schema import Config
 from modules.config.validate import validate
 from modules.events import NullCallbacks, TrainerCommands
@@ -50,28 +50,64 @@ def gone(pid: int) -> bool:
     return False
 
 
+def train_in_a_fresh_process(tempera_cache, tmp, name: str, *settings: str,
+                             kill_ahead: bool = False) -> tuple[dict, str]:
+    """A run of the compiled settings in a fresh process (as test_compile_bundles.py: what an
+    earlier test left in this process is no part of a bundle's fingerprint); with
+    ``kill_ahead``, its ahead process is killed once run.json names it. Its run.json and
+    output."""
+    import subprocess
+    import sys
+    import time
+
+    import torch
+
+    from tests.child_env import REPO, with_repo_on_pythonpath
+
+    config = apply_overrides(Config(), [
+        f"general.cache_dir={tempera_cache}", f"output.dir={tmp / name}",
+        "data.resolution=64", "training.batch_size=2", "training.learning_rate=1e-3",
+        "sampling.prompts=[]", "logging.tensorboard=false", *COMPILED, *settings])
+    save_config(config, tmp / f"{name}.json")
+    env = with_repo_on_pythonpath()
+    env["OMP_NUM_THREADS"] = str(torch.get_num_threads())  # CPU kernels are built for it
+    process = subprocess.Popen([sys.executable, str(REPO / "scripts" / "train.py"), "--config",
+                                str(tmp / f"{name}.json")], env=env, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    while kill_ahead and process.poll() is None:
+        started = _run_json(tmp / name).get("compile_ahead") or {}
+        if started.get("pid"):
+            os.kill(started["pid"], 9)
+            break
+        time.sleep(0.1)
+    output, _ = process.communicate(timeout=900)
+    assert process.returncode == 0, output[-3000:]
+    return _run_json(tmp / name), output
+
+
+def _run_json(folder) -> dict:
+    try:
+        return json.loads((folder / "run.json").read_text())
+    except (OSError, ValueError):  # not written yet
+        return {}
+
+
 @pytest.fixture(scope="module")
 def runs(tempera_cache, tmp_path_factory):
-    """Three runs of the compiled settings, each 2 steps: (ahead) compile ahead into an empty
-    cache folder; (plain) no compile ahead, another empty cache folder (a cold step 1);
-    (failed) compile ahead in the plain run's folder without its bundle, the ahead process
-    killed as it starts (its step 1 is served by the local cache, so this costs no compile)."""
+    """Three runs of the compiled settings, each 2 steps in a fresh process: (ahead) compile
+    ahead into an empty cache folder; (plain) no compile ahead, another empty cache folder (a
+    cold step 1); (failed) compile ahead in the plain run's folder without its bundle, the
+    ahead process killed as it starts (its step 1 is served by the local cache, so this costs
+    no compile)."""
     tmp = tmp_path_factory.mktemp("ahead")
-
-    def config(name: str, *more: str) -> Config:
-        return apply_overrides(Config(), [
-            f"general.cache_dir={tempera_cache}", f"output.dir={tmp / name}",
-            "data.resolution=64", "training.batch_size=2", "training.learning_rate=1e-3",
-            "sampling.prompts=[]", "logging.tensorboard=false", *COMPILED, *more])
-
-    ahead = train(config("ahead", "compile.ahead=true", f"compile.cache_dir={tmp / 'x'}"))
-    plain = train(config("plain", f"compile.cache_dir={tmp / 'y'}"))
+    ahead, _ = train_in_a_fresh_process(tempera_cache, tmp, "ahead", "compile.ahead=true",
+                                        f"compile.cache_dir={tmp / 'x'}")
+    plain, _ = train_in_a_fresh_process(tempera_cache, tmp, "plain",
+                                        f"compile.cache_dir={tmp / 'y'}")
     shutil.rmtree(tmp / "y" / "bundles")
-    killer = OnAhead(lambda pid: os.kill(pid, 9))
-    failed = train(config("failed", "compile.ahead=true", f"compile.cache_dir={tmp / 'y'}"),
-                   killer)
-    return {"ahead": _record(ahead), "plain": _record(plain), "failed": _record(failed),
-            "failed_lines": killer.lines, "ahead_status": ahead.status}
+    failed, said = train_in_a_fresh_process(tempera_cache, tmp, "failed", "compile.ahead=true",
+                                            f"compile.cache_dir={tmp / 'y'}", kill_ahead=True)
+    return {"ahead": ahead, "plain": plain, "failed": failed, "failed_output": said}
 
 
 @pytest.mark.inductor
@@ -79,7 +115,7 @@ def test_the_bundle_compiled_ahead_is_loaded_and_step_1_compiles_nothing(runs):
     """Over 10 s (the module's runs): two cold inductor compiles of the text encoder, one in
     the ahead process and one in the plain run, which nothing cheaper can stand in for."""
     record = runs["ahead"]
-    assert runs["ahead_status"] == "finished"
+    assert record["status"] == "finished"
     ahead = record["compile_ahead"]
     assert ahead["status"] == "done" and ahead["shapes"] == ["2x64x64"], ahead
     bundle = record["compile_bundle"]
@@ -99,8 +135,8 @@ def test_a_failed_ahead_process_is_reported_and_the_run_trains(runs):
     assert record["status"] == "finished"
     assert record["compile_ahead"]["status"] == "failed"
     assert "signal 9" in record["compile_ahead"]["why"]
-    assert any("compile ahead failed" in line and "compiling at step 1" in line
-               for line in runs["failed_lines"])
+    assert re.search(r"compile ahead failed \(ended by signal 9.*compiling at step 1",
+                     runs["failed_output"]), runs["failed_output"][-3000:]
     assert record["compile_bundle"]["from_ahead"] is False
     assert record["losses"] == runs["plain"]["losses"]
 
