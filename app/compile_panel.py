@@ -29,7 +29,8 @@ DESCRIPTION_INDENT = 10 + 208  # under the menu: the field label column and its 
 COMPONENT_TOGGLES = (("compile.denoiser", "UNet"), ("compile.text_encoder", "Text Encoder"),
                      ("compile.vae", "VAE"))
 DETAILS = ("compile.scope", "compile.mode", "compile.dynamic", "compile.fullgraph",
-           "compile.cache_dir", "compile.strict", "compile.bundles", "compile.bundle")
+           "compile.cache_dir", "compile.strict", "compile.bundles", "compile.ahead",
+           "compile.bundle")
 BUNDLE_FILES = ("Compile bundles", ("*.tcb",))
 PLACED = {"compile.backend", *(p for p, _ in COMPONENT_TOGGLES), *DETAILS}
 

@@ -1,5 +1,5 @@
 """How warm a fresh process starts: (a) empty cache, (b) local cache, (c) a bundle only, in
-another cache folder, home and checkout copy, (d) compile ahead (not built yet), for the tiny
+another cache folder, home and checkout copy, (d) compile ahead, for the tiny
 SD 1.5 and Z-Image models, REGIONAL and FULL, in one run:
 
     python scripts/measure_warm_start.py --out bench/warm-start

@@ -79,8 +79,9 @@ class PlanApplier:
         for skipped in lookup.skipped:
             self.reporter.bundle_event(f"compile bundle skipped: {skipped}", "warning")
         if lookup.status == "hit":
+            ahead = f", {lookup.why}" if self.bundles.from_ahead(lookup) else ""
             self.reporter.bundle_event(f"compile bundle loaded: {lookup.path} "
-                                       f"({self.bundles.loaded_entries} entries)", "done")
+                                       f"({self.bundles.loaded_entries} entries{ahead})", "done")
         elif lookup.status in ("mismatch", "damaged"):
             self.reporter.bundle_event(f"compile bundle {lookup.path} not used: "
                                        f"{lookup.describe()}; compiling cold", "warning")

@@ -29,6 +29,7 @@ from typing import Any
 from modules.util.atomic import atomic_file, atomic_write_bytes
 
 BUNDLE_SUFFIX = ".tcb"
+AHEAD_WHY = "compiled ahead while the data was cached"  # a hit on the compile-ahead bundle
 BUNDLE_FORMAT = 1
 HEADER = "header.json"
 ARTIFACTS = "artifacts.bin"
@@ -260,12 +261,14 @@ class BundleKeeper:
 
     ``places`` are where to look (a file or folder the user named, then the cache folder's
     ``bundles/``); ``folder`` is where this run writes; ``write`` is False on every process but
-    the main one of a multi-process run (one writer per run).
+    the main one of a multi-process run (one writer per run); ``ahead`` is the bundle this
+    run's compile-ahead process wrote (a hit on it says so).
     """
 
     def __init__(self, fingerprint: Fingerprint, places: Sequence[Path], folder: Path,
-                 write: bool = True):
+                 write: bool = True, ahead: Path | None = None):
         self.fingerprint = fingerprint
+        self.ahead = ahead
         self.places = list(places)
         self.folder = folder
         self.write = write
@@ -287,8 +290,15 @@ class BundleKeeper:
                 self.cold_seconds = float(cold) if isinstance(cold, (int, float)) else None
             except BundleError as err:
                 lookup = Lookup("damaged", lookup.path, str(err), lookup.skipped)
+        if lookup.status == "hit" and self.from_ahead(lookup):
+            lookup = Lookup("hit", lookup.path, AHEAD_WHY, lookup.skipped)
         self.lookup = lookup
         return lookup
+
+    def from_ahead(self, lookup: Lookup) -> bool:
+        """Whether ``lookup`` found the bundle this run's compile-ahead process wrote."""
+        return (self.ahead is not None and lookup.path is not None
+                and lookup.path.resolve() == self.ahead.resolve())
 
     def write_if_new(self, compiles_so_far: int, cache_dir: Path,
                      compile_seconds: float = 0.0, cold: bool = True) -> Path | None:
@@ -318,6 +328,7 @@ class BundleKeeper:
         return {"lookup": self.lookup.status, "why": self.lookup.why or None,
                 "cold_compile_seconds": self.cold_seconds, "seconds_saved": saved,
                 "found": str(self.lookup.path) if self.lookup.path else None,
+                "from_ahead": self.lookup.status == "hit" and self.from_ahead(self.lookup),
                 "loaded_entries": self.loaded_entries,
                 "skipped": list(self.lookup.skipped),
                 "written": str(self.written) if self.written else None,

@@ -524,6 +524,14 @@ class CompileConfig:
              "folder's bundles/ (e.g. one exported on another machine). One made for other "
              "settings, another torch or another GPU is not loaded; the run says which part "
              "differed.")
+    ahead: bool = setting(
+        False, label="Compile ahead", group="Advanced",
+        help="While the captions and latents are cached, compile the batch shapes the run "
+             "will meet in a process of its own and write the compile bundle the run then "
+             "loads, so the first step does not compile. On the CPU only (on a GPU it would "
+             "need a second copy of the weights there); needs an inductor backend and "
+             "compile.bundles. A failed compile ahead is reported and the run compiles at "
+             "step 1. docs/compilation.md says what it costs.")
     strict: bool = setting(False, label="Strict", group="Advanced",
                            help="Make any compile failure fatal instead of falling back to the "
                                 "next backend.")

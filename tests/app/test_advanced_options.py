@@ -77,11 +77,13 @@ def test_component_toggles_and_details_are_saved(app, tmp_path):
     views["compile.dynamic"].menu._dropdown_callback("STATIC")
     views["compile.fullgraph"].toggle.toggle()
     views["compile.strict"].toggle.toggle()
+    views["compile.ahead"].toggle.toggle()
     views["compile.cache_dir"].var.set(str(tmp_path / "cc"))
     saved = saved_compile(app, tmp_path / "b.json")
     assert saved == {"backend": "INDUCTOR", "denoiser": False, "text_encoder": True, "vae": True,
                      "scope": other_scope, "mode": "MAX_AUTOTUNE", "dynamic": "STATIC",
-                     "fullgraph": True, "strict": True, "cache_dir": "cc"}  # relative to preset
+                     "fullgraph": True, "strict": True, "ahead": True,
+                     "cache_dir": "cc"}  # relative to preset
     loaded = load_config(tmp_path / "b.json").compile
     assert (loaded.scope, loaded.mode) == (CompileScope(other_scope), CompileMode.MAX_AUTOTUNE)
     assert loaded.cache_dir == str(tmp_path / "cc")

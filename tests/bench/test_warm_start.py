@@ -53,9 +53,10 @@ def _setting(tmp_path, launch, checkout=None):
 
 
 def test_each_phase_starts_where_it_should(tmp_path):
-    launch = FakeLaunch({"eager": 10, "cold": 100, "cache": 9, "bundle": 10})
+    launch = FakeLaunch({"eager": 10, "cold": 100, "cache": 9, "bundle": 10, "ahead": 9.5})
     row = _setting(tmp_path, launch)
-    eager, cold, cache, bundle = (launch.calls[p] for p in ("eager", "cold", "cache", "bundle"))
+    eager, cold, cache, bundle, ahead = (launch.calls[p] for p in ("eager", "cold", "cache",
+                                                                    "bundle", "ahead"))
     assert eager[0].compile.backend.value == "NONE"
     assert cold[0].compile.backend.value == "DEFAULT" and cold[0].compile.scope.value == "REGIONAL"
     # (b) reads (a)'s cache folder with bundles off; (c) an empty one of its own and the copy
@@ -71,15 +72,21 @@ def test_each_phase_starts_where_it_should(tmp_path):
     assert cwd is not None and (cwd / "modules" / "engine.py").read_text() == "x = 1\n"
     assert cwd != tmp_path / "repo"
     assert [p["phase"] for p in row["phases"]] == ["eager", "cold", "cache", "bundle", "ahead"]
-    assert row["phases"][-1]["status"] == "not built"
+    # (d) compiles ahead into an empty cache folder of its own, nothing carried to it
+    assert ahead[0].compile.ahead and not cold[0].compile.ahead
+    assert ahead[0].compile.cache_dir not in (cold[0].compile.cache_dir,
+                                              bundle[0].compile.cache_dir)
+    assert not ahead[0].compile.bundle and ahead[1] == {} and ahead[2] is None
+    assert row["phases"][-1]["status"] == "ok"
     assert row["losses"] == {"identical": True, "steps_compared": 3,
-                             "phases": ["cold", "cache", "bundle"], "differ": []}
+                             "phases": ["cold", "cache", "bundle", "ahead"], "differ": []}
     assert row["targets"] == {"cache_over_cold": 0.09, "cache_target_met": True,
-                              "bundle_over_cache": 1.111, "bundle_target_met": True}
+                              "bundle_over_cache": 1.111, "bundle_target_met": True,
+                              "ahead_over_cache": 1.056, "ahead_target_met": True}
 
 
 def test_differing_losses_missed_targets_and_no_bundle_are_said(tmp_path):
-    launch = FakeLaunch({"eager": 10, "cold": 100, "cache": 20, "bundle": 30},
+    launch = FakeLaunch({"eager": 10, "cold": 100, "cache": 20, "bundle": 30, "ahead": 30},
                         losses={"cache": [0.5, 0.25, 0.126]}, write_bundle=False)
     row = _setting(tmp_path, launch)
     assert "bundle" not in launch.calls
@@ -91,13 +98,14 @@ def test_differing_losses_missed_targets_and_no_bundle_are_said(tmp_path):
 
 
 def test_the_script_writes_json_and_a_table_per_setting(tmp_path):
-    launch = FakeLaunch({"eager": 10, "cold": 100, "cache": 9, "bundle": 12})
+    launch = FakeLaunch({"eager": 10, "cold": 100, "cache": 9, "bundle": 12, "ahead": 9})
     result = measure_warm_start(tmp_path / "out", models=["builtin:tiny-sd15"],
                                 scopes=["FULL"], launch=launch, progress=lambda m: None)
     saved = json.loads((tmp_path / "out" / "warm_start.json").read_text())
     assert saved["settings"]["backend"] == "DEFAULT" and len(saved["rows"]) == 1
     table = (tmp_path / "out" / "warm_start.md").read_text()
-    assert "(c) bundle only, elsewhere" in table and "not built" in table
+    assert "(c) bundle only, elsewhere" in table and "(d) compile ahead" in table
     assert "(c)/(b) = 1.33× (target within 15%: missed)" in table
-    assert "identical in cold, cache, bundle" in table
+    assert "(d)/(b) = 1.00× (target within 15%: met)" in table
+    assert "identical in cold, cache, bundle, ahead" in table
     assert result.rows[0]["scope"] == "FULL"

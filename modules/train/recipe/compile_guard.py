@@ -135,12 +135,13 @@ def bundle_places(config: Config) -> list[Path]:
 
 
 def bundle_keeper(config: Config, facts: CompileFacts, device: torch.device | str,
-                  write: bool) -> BundleKeeper | None:
-    """The run's compile bundles (compile.bundles), written by the main process."""
+                  write: bool, ahead: Path | None = None) -> BundleKeeper | None:
+    """The run's compile bundles (compile.bundles), written by the main process; ``ahead``
+    is the bundle this run's compile-ahead process wrote (compile.ahead), if any."""
     if not config.compile.bundles:
         return None
     return BundleKeeper(compile_fingerprint(config, facts, device), bundle_places(config),
-                        bundle_folder(config), write=write)
+                        bundle_folder(config), write=write, ahead=ahead)
 
 
 def matching_bundle(config: Config, capabilities: Capabilities | None = None) -> Lookup | None:
@@ -159,10 +160,12 @@ def matching_bundle(config: Config, capabilities: Capabilities | None = None) ->
 
 def build_compile_guard(config: Config, bundle: ModelBundle, device: torch.device,
                         params: dict, trained: list[str],
-                        callbacks: TrainerCallbacks, writes_bundle: bool = True) -> CompileEngine:
+                        callbacks: TrainerCallbacks, writes_bundle: bool = True,
+                        ahead_bundle: Path | None = None) -> CompileEngine:
     """Compile the selected components in place and return the engine that guards each step.
     REGIONAL compiles the denoiser's repeated blocks that its family names. ``writes_bundle``:
-    this process writes the run's compile bundle (the main one of a multi-process run)."""
+    this process writes the run's compile bundle (the main one of a multi-process run);
+    ``ahead_bundle``: the one compiled ahead for this run (compile.ahead)."""
     # a run has decided AUTO before it gets here (recipe.py); any other caller compiles what
     # the plan shows: the stored decision, else REGIONAL
     config = planned_config(config, device)
@@ -176,7 +179,7 @@ def build_compile_guard(config: Config, bundle: ModelBundle, device: torch.devic
         callbacks=callbacks, device=device, capabilities=facts.capabilities,
         trainable_params=[p for plist in params.values() for p in plist],
         training=facts.training, cache_dir=cache_dir,
-        bundles=bundle_keeper(config, facts, device, writes_bundle))
+        bundles=bundle_keeper(config, facts, device, writes_bundle, ahead_bundle))
     try:
         engine.apply()
     except BaseException:  # what apply changed so far (cache folders, callbacks) put back

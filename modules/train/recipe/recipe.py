@@ -43,6 +43,8 @@ from modules.train.outputs.data_metadata import training_data_metadata
 from modules.train.recipe.compile_scope import resolve_compile_scope
 from modules.train.recipe.compile_guard import (build_compile_guard, component_blocks,
                                                 denoiser_compile_cost)
+from modules.train.recipe.compile_ahead import (finish_compile_ahead, start_compile_ahead,
+                                                stop_compile_ahead)
 from modules.train.recipe.distributed import Distributed, clip_sharded_gradients, launcher_record
 from modules.train.recipe.placement import borrowed, components_off_device, placement_record
 from modules.train.recipe.fused import FusedBackward, fused_record
@@ -139,7 +141,8 @@ class TrainingRecipe:
     def _build(self, undo: contextlib.ExitStack) -> Run:
         """`setup`'s body, in the order the run depends on: the record first, the captions
         and latents cached (each encoder alone on the device) before the rest of the weights
-        move there, compile before the DDP wrap, the state last. Each change made outside the
+        move there (compile.ahead: its process started before the caching and waited for
+        before compile), compile before the DDP wrap, the state last. Each change made outside the
         run's objects pushes its undo onto `undo` right after it is made."""
         prepared, callbacks, dist, commands = (self.prepared, self.callbacks, self.dist,
                                                self.commands)
@@ -159,6 +162,11 @@ class TrainingRecipe:
                 callbacks.on_status(f"warning: {problem}")
         if dist.enabled:  # what starts it again with its processes (the CLI's resume command)
             record.write(launcher=launcher_record())
+        # compile.ahead: the batch shapes compiled in a process of its own while the captions
+        # and latents are cached below; a Stop or failure in setup ends it (the undo)
+        ahead = start_compile_ahead(config, device, dist.enabled, callbacks, record)
+        if ahead is not None:
+            undo.callback(stop_compile_ahead, ahead, record)
 
         # the trained weights (LoRA init draws from the global generator)
         torch.manual_seed(config.training.seed)
@@ -234,8 +242,14 @@ class TrainingRecipe:
                   if config.training.mixed_precision == MixedPrecision.FP16 else None)
         restore_precision, precision = float32_precision(config, device)
         undo.callback(restore_precision)
+        try:  # the bundle compiled ahead, which the compile engine then loads
+            ahead_bundle = finish_compile_ahead(ahead, callbacks, record,
+                                                lambda: commands.stop_requested)
+        except StopRequested:
+            record.write(status="stopped", stopped_during="compile ahead")
+            raise
         guard = build_compile_guard(config, bundle, device, params, trained, callbacks,
-                                    writes_bundle=dist.is_main)
+                                    writes_bundle=dist.is_main, ahead_bundle=ahead_bundle)
         undo.callback(guard.close)  # the compiled modules eager again, dynamo's settings back
         record.write(compile_bundle=guard.bundle_record())
         if isinstance(optimizer, FusedBackward):  # weights stepped in backward: no replay

@@ -1,0 +1,328 @@
+"""``compile.ahead``: the run's batch shapes compiled in a process of its own while the main
+process caches the captions and latents, handed over as the compile bundle the run loads, so
+the first step does not compile.
+
+The ahead process is the run's own recipe on a copy of its config (`ahead_config`): the same
+model, trained components, adapters and compile settings, so the graphs it compiles are the
+run's, keyed the same in inductor's caches. It reads the images itself (no latent cache: the
+VAE encodes its few batches), takes one batch of each shape the run's epoch batches hold
+(`shape_batches`), trains one step on each in a throwaway output folder, and the compile engine
+writes the bundle into the cache folder's ``bundles/`` as a run's would. Then it exits and the
+main process's compile engine finds that bundle (run.json: ``compile_bundle.from_ahead``).
+
+Where torch allows it the ahead process would hold no weights at all: it does not. Under
+FakeTensorMode dynamo and inductor compile, but the compiled kernels then run on tensors without
+storage and the process crashes; on the meta device inductor generates no code (and code for
+meta is not what a CPU or GPU run looks up). So the ahead process loads its own copy of the
+weights, on the CPU, and compile ahead runs only where the run trains on the CPU: on a GPU it
+would need a second copy of the weights on the device (validation refuses general.device=CUDA;
+AUTO on a GPU machine says so and compiles at step 1).
+
+The main process's side: `start_compile_ahead` (a setup step of the recipe, before the caching)
+and `finish_compile_ahead` (before compile). A Stop while it runs ends it; its failure is
+reported, recorded in run.json's ``compile_ahead`` and the run compiles at step 1.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from modules.config import load_config, save_config
+from modules.config.schema import Config
+from modules.events import NullCallbacks, StopRequested, TrainerCallbacks
+from modules.train.outputs.record import RunRecord
+from modules.util.atomic import atomic_write_text
+
+AHEAD_MODULE = "modules.train.recipe.compile_ahead"
+POLL_SECONDS = 0.2
+TERMINATE_SECONDS = 10.0  # how long an ended ahead process may take to exit before SIGKILL
+REPO = Path(__file__).resolve().parents[3]
+
+
+@dataclass
+class AheadRecord:
+    """run.json's ``compile_ahead``: started, done, failed, stopped or not started (why)."""
+    status: str
+    why: str | None = None
+    pid: int | None = None
+    seconds: float | None = None          # from start to exit
+    compile_seconds: float | None = None  # the ahead run's own compile time
+    shapes: list[str] = field(default_factory=list)
+    bundle: str | None = None             # the bundle it wrote
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def ahead_blocker(config: Config, device: torch.device, multi_process: bool) -> str | None:
+    """Why this run does not compile ahead although compile.ahead is on (None: it does).
+    Validation has refused what the config alone rules out (docs/compilation.md)."""
+    from modules.train.recipe.compile_guard import matching_bundle
+
+    if device.type != "cpu":
+        return (f"the run trains on {device.type}: compiling ahead for it would need a second "
+                "copy of the weights on that device; compiling at step 1")
+    if multi_process:
+        return "a multi-process run does not compile ahead; compiling at step 1"
+    found = matching_bundle(config)
+    if found is not None and found.status == "hit":
+        return f"the compile bundle for these settings is there already ({found.path})"
+    return None
+
+
+class CompileAhead:
+    """The running ahead process, owned by the main process's setup: `end` always reaps it."""
+
+    def __init__(self, process: subprocess.Popen, work: Path, log: Any) -> None:
+        self.process, self.work, self._log = process, work, log
+        self.started = time.monotonic()
+
+    @classmethod
+    def start(cls, config: Config) -> "CompileAhead":
+        """Start the ahead process on ``config`` with this process's torch thread count
+        (inductor's CPU code is generated for it: part of the bundle's fingerprint)."""
+        work = Path(tempfile.mkdtemp(prefix="tempera-ahead-"))
+        save_config(config, work / "config.json")
+        log = open(work / "ahead.log", "w", encoding="utf-8")  # closed by end()
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+        process = subprocess.Popen(
+            [sys.executable, "-m", AHEAD_MODULE, "--config", str(work / "config.json"),
+             "--threads", str(torch.get_num_threads()), "--out", str(work / "result.json")],
+            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+            # its own process group: inductor's compile workers end with it (`end`)
+            start_new_session=True)
+        return cls(process, work, log)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def running(self) -> bool:
+        return self.process.poll() is None
+
+    def end(self) -> None:
+        """End the process (and its compile workers) if it still runs; remove its folder."""
+        if self.running():
+            self._signal(signal.SIGTERM)
+            try:
+                self.process.wait(TERMINATE_SECONDS)
+            except subprocess.TimeoutExpired:
+                self._signal(signal.SIGKILL)
+                self.process.wait()
+        if not self._log.closed:
+            self._log.close()
+        shutil.rmtree(self.work, ignore_errors=True)
+
+    def _signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.process.pid, sig)
+        except ProcessLookupError:  # it exited between the poll and the signal
+            pass
+
+    def wait(self, should_stop: Callable[[], bool]) -> AheadRecord:
+        """Wait for the process to finish: done (with what it wrote) or failed (why). Raises
+        StopRequested, with the process ended, when ``should_stop`` says so first."""
+        while self.running():
+            if should_stop():
+                self.end()
+                raise StopRequested("stopped while compiling ahead")
+            time.sleep(POLL_SECONDS)
+        seconds = round(time.monotonic() - self.started, 1)
+        result_file = self.work / "result.json"
+        code = self.process.returncode
+        result = read_result(result_file) if code == 0 else None
+        if result is not None:
+            return AheadRecord("done", pid=self.pid, seconds=seconds,
+                               compile_seconds=result.get("compile_seconds"),
+                               shapes=result.get("shapes", []), bundle=result.get("bundle"),
+                               why=None if result.get("bundle") else
+                               "it compiled nothing that a bundle carries")
+        self._log.flush()
+        lines = (self.work / "ahead.log").read_text(encoding="utf-8", errors="replace")
+        tail = next((line for line in reversed(lines.strip().splitlines()) if line.strip()),
+                    "no output")
+        how = (f"ended by signal {-code}" if code is not None and code < 0
+               else f"exit {code}" if code else "no readable result")
+        return AheadRecord("failed", why=f"{how}: {tail.strip()}", pid=self.pid,
+                           seconds=seconds)
+
+
+def read_result(path: Path) -> dict[str, Any] | None:
+    """What a finished ahead process wrote about itself; None when it wrote nothing readable
+    (the run then reports a failure, it does not fail)."""
+    try:
+        result = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return result if isinstance(result, dict) else None
+
+
+# ------------------------------------------------------------- the recipe's two setup steps
+def start_compile_ahead(config: Config, device: torch.device, multi_process: bool,
+                        callbacks: TrainerCallbacks, record: RunRecord) -> CompileAhead | None:
+    """Setup step: start compiling ahead (compile.ahead), before the captions and latents
+    are cached; None when off or when this run cannot (said and recorded)."""
+    if not config.compile.ahead:
+        return None
+    blocker = ahead_blocker(config, device, multi_process)
+    if blocker is not None:
+        callbacks.on_status(f"compile ahead: not started ({blocker})")
+        record.write(compile_ahead=AheadRecord("not started", why=blocker).to_dict())
+        return None
+    try:
+        ahead = CompileAhead.start(config)
+    except OSError as err:  # no temporary folder, no process: the run compiles at step 1
+        why = f"it could not be started ({err.strerror or err})"
+        callbacks.on_status(f"warning: compile ahead failed ({why}); compiling at step 1")
+        record.write(compile_ahead=AheadRecord("failed", why=why).to_dict())
+        return None
+    callbacks.on_status(f"compile ahead: compiling the run's batch shapes in process "
+                        f"{ahead.pid} while the data is cached")
+    record.write(compile_ahead=AheadRecord("started", pid=ahead.pid).to_dict())
+    return ahead
+
+
+def finish_compile_ahead(ahead: CompileAhead | None, callbacks: TrainerCallbacks,
+                         record: RunRecord, should_stop: Callable[[], bool]) -> Path | None:
+    """Setup step, before compile: wait for the ahead process; the bundle it wrote (the run
+    loads it), or None. A failure is said and recorded and the run compiles at step 1; a
+    Stop ends the process and raises StopRequested."""
+    if ahead is None:
+        return None
+    if ahead.running():
+        callbacks.on_status(f"compile ahead: waiting for process {ahead.pid} to finish")
+    try:
+        outcome = ahead.wait(should_stop)
+    except StopRequested:
+        record.write(compile_ahead=AheadRecord("stopped", why="Stop while it ran",
+                                               pid=ahead.pid).to_dict())
+        raise
+    finally:
+        ahead.end()
+    record.write(compile_ahead=outcome.to_dict())
+    if outcome.status == "failed":
+        callbacks.on_status(f"warning: compile ahead failed ({outcome.why}); compiling at "
+                            "step 1")
+        return None
+    shapes = ", ".join(outcome.shapes) or "no shape"
+    callbacks.on_status(f"compile ahead: done in {outcome.seconds} s ({shapes})"
+                        + (f"; bundle {outcome.bundle}" if outcome.bundle else
+                           f"; {outcome.why}"))
+    return Path(outcome.bundle) if outcome.bundle else None
+
+
+def stop_compile_ahead(ahead: CompileAhead, record: RunRecord) -> None:
+    """The setup's undo for a started ahead process: a Stop or a failure before
+    `finish_compile_ahead` ends it (and says so in run.json)."""
+    if ahead.running():
+        ahead.end()
+        record.write(compile_ahead=AheadRecord("stopped", why="the run's setup ended first",
+                                               pid=ahead.pid).to_dict())
+    else:
+        ahead.end()
+
+
+# ------------------------------------------------------------------- the ahead process itself
+def ahead_config(config: Config, output_dir: Path) -> Config:
+    """The config the ahead process runs: the run's, in a throwaway output folder, with
+    nothing written but the bundle (no samples, validation, logs) and the images read
+    directly (the main process caches the latents; two writers of one cache would race)."""
+    ahead = copy.deepcopy(config)
+    ahead.output.dir = str(output_dir)
+    ahead.training.resume_from = ""
+    ahead.sampling.prompts, ahead.sampling.prompts_file = [], ""
+    ahead.validation.every_steps = 0
+    ahead.logging.tensorboard = ahead.logging.wandb = False
+    ahead.data.cache_latents = False
+    ahead.compile.ahead, ahead.compile.bundle = False, ""
+    return ahead
+
+
+def shape_batches(batches: Any, dataset: Any) -> list[tuple[str, list]]:
+    """One batch of item keys per distinct batch shape ("2x64x64": batch, height, width) in
+    an epoch of the run's batches, in the order the epoch meets them."""
+    from modules.data.dataset import split_key
+
+    sizes = dataset.target_sizes
+    found: dict[str, list] = {}
+    for keys in batches:
+        height, width = sizes[split_key(keys[0])[1]]
+        found.setdefault(f"{len(keys)}x{height}x{width}", list(keys))
+    return list(found.items())
+
+
+def compile_ahead(config: Config, output_dir: Path) -> dict[str, Any]:
+    """Train one step on each batch shape of ``config``'s run (in ``output_dir``) so that its
+    compile engine compiles them and writes the run's compile bundle; what it did."""
+    from modules.data.dataset import collate_examples
+    from modules.events import TrainerCommands
+    from modules.train.recipe.distributed import Distributed
+    from modules.train.recipe.recipe import TrainingRecipe
+    from modules.train.setup.prepare import prepare_run
+
+    config = ahead_config(config, output_dir)
+    callbacks = PrintedStatus()
+    recipe = TrainingRecipe(prepare_run(config, callbacks), callbacks, Distributed(),
+                            TrainerCommands())
+    run = recipe.setup()
+    try:
+        shapes = shape_batches(run.batches, run.dataset)
+        for shape, keys in shapes:
+            callbacks.on_status(f"compiling for batch shape {shape}")
+            batch = collate_examples([run.dataset[key] for key in keys])
+            recipe.train_step(iter([(0, batch, True)]))
+            run.guard.after_step()  # writes the bundle when this shape compiled graphs
+        bundle = run.guard.bundle_record() or {}
+        seconds = sum(r.get("compile_seconds") or 0.0 for r in run.guard.report().values())
+        return {"shapes": [shape for shape, _ in shapes], "bundle": bundle.get("written"),
+                "compile_seconds": round(seconds, 1), "write_error": bundle.get("write_error")}
+    finally:
+        recipe.close()
+
+
+class PrintedStatus(NullCallbacks):
+    """The ahead process's status lines, on its output (the main process keeps the last line
+    of a failed one for its report)."""
+
+    def on_status(self, text: str) -> None:
+        print(text, flush=True)
+
+    def on_error(self, message: str) -> None:
+        print(message, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Compile a run's batch shapes ahead "
+                                                 "(compile.ahead); started by the run itself.")
+    parser.add_argument("--config", required=True, type=Path)
+    parser.add_argument("--threads", required=True, type=int)
+    parser.add_argument("--out", required=True, type=Path)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)  # the run's count: CPU kernels are built for it
+    with tempfile.TemporaryDirectory(prefix="run-", dir=args.out.parent) as output_dir:
+        result = compile_ahead(load_config(args.config), Path(output_dir))
+    if result["write_error"]:
+        print(f"the compile bundle was not written: {result['write_error']}", flush=True)
+        return 1
+    atomic_write_text(args.out, json.dumps(result) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""compile.ahead through the real trainer: the ahead process compiles the run's batch shapes
+while the data is cached and writes the compile bundle the run loads (step 1 compiles nothing,
+its losses are those of a run without it); a failed ahead process is reported and the run
+trains; a Stop during setup ends it; what validation refuses.
+
+As in test_compile_bundles.py the compiled component is the frozen text encoder, FULL: the
+cheapest real inductor compile a run makes. The three runs share one module-scoped fixture."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+
+import pytest
+
+from modules.config import apply_overrides, save_config
+from modules.config.schema import Config
+from modules.config.validate import validate
+from modules.events import NullCallbacks, TrainerCommands
+from modules.train.trainer import train
+
+COMPILED = ["compile.backend=INDUCTOR", "compile.scope=FULL", "compile.denoiser=false",
+            "compile.text_encoder=true", "training.max_steps=2"]
+AHEAD_PID = re.compile(r"compile ahead: compiling .* in process (\d+)")
+
+
+class OnAhead(NullCallbacks):
+    """Calls ``act(pid)`` when the run says it started its ahead process."""
+
+    def __init__(self, act) -> None:
+        self.act, self.pids, self.lines = act, [], []
+
+    def on_status(self, text: str) -> None:
+        self.lines.append(text)
+        if found := AHEAD_PID.search(text):
+            self.pids.append(int(found.group(1)))
+            self.act(int(found.group(1)))
+
+
+def _record(result) -> dict:
+    return json.loads((result.output_dir / "run.json").read_text())
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def train_in_a_fresh_process(tempera_cache, tmp, name: str, *settings: str,
+                             kill_ahead: bool = False) -> tuple[dict, str]:
+    """A run of the compiled settings in a fresh process (as test_compile_bundles.py: what an
+    earlier test left in this process is no part of a bundle's fingerprint); with
+    ``kill_ahead``, its ahead process is killed once run.json names it. Its run.json and
+    output."""
+    import subprocess
+    import sys
+    import time
+
+    import torch
+
+    from tests.child_env import REPO, with_repo_on_pythonpath
+
+    config = apply_overrides(Config(), [
+        f"general.cache_dir={tempera_cache}", f"output.dir={tmp / name}",
+        "data.resolution=64", "training.batch_size=2", "training.learning_rate=1e-3",
+        "sampling.prompts=[]", "logging.tensorboard=false", *COMPILED, *settings])
+    save_config(config, tmp / f"{name}.json")
+    env = with_repo_on_pythonpath()
+    env["OMP_NUM_THREADS"] = str(torch.get_num_threads())  # CPU kernels are built for it
+    process = subprocess.Popen([sys.executable, str(REPO / "scripts" / "train.py"), "--config",
+                                str(tmp / f"{name}.json")], env=env, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    while kill_ahead and process.poll() is None:
+        started = _run_json(tmp / name).get("compile_ahead") or {}
+        if started.get("pid"):
+            os.kill(started["pid"], 9)
+            break
+        time.sleep(0.1)
+    output, _ = process.communicate(timeout=900)
+    assert process.returncode == 0, output[-3000:]
+    return _run_json(tmp / name), output
+
+
+def _run_json(folder) -> dict:
+    try:
+        return json.loads((folder / "run.json").read_text())
+    except (OSError, ValueError):  # not written yet
+        return {}
+
+
+@pytest.fixture(scope="module")
+def runs(tempera_cache, tmp_path_factory):
+    """Three runs of the compiled settings, each 2 steps in a fresh process: (ahead) compile
+    ahead into an empty cache folder; (plain) no compile ahead, another empty cache folder (a
+    cold step 1); (failed) compile ahead in the plain run's folder without its bundle, the
+    ahead process killed as it starts (its step 1 is served by the local cache, so this costs
+    no compile)."""
+    tmp = tmp_path_factory.mktemp("ahead")
+    ahead, _ = train_in_a_fresh_process(tempera_cache, tmp, "ahead", "compile.ahead=true",
+                                        f"compile.cache_dir={tmp / 'x'}")
+    plain, _ = train_in_a_fresh_process(tempera_cache, tmp, "plain",
+                                        f"compile.cache_dir={tmp / 'y'}")
+    shutil.rmtree(tmp / "y" / "bundles")
+    failed, said = train_in_a_fresh_process(tempera_cache, tmp, "failed", "compile.ahead=true",
+                                            f"compile.cache_dir={tmp / 'y'}", kill_ahead=True)
+    return {"ahead": ahead, "plain": plain, "failed": failed, "failed_output": said}
+
+
+@pytest.mark.inductor
+def test_the_bundle_compiled_ahead_is_loaded_and_step_1_compiles_nothing(runs):
+    """Over 10 s (the module's runs): two cold inductor compiles of the text encoder, one in
+    the ahead process and one in the plain run, which nothing cheaper can stand in for."""
+    record = runs["ahead"]
+    assert record["status"] == "finished"
+    ahead = record["compile_ahead"]
+    assert ahead["status"] == "done" and ahead["shapes"] == ["2x64x64"], ahead
+    bundle = record["compile_bundle"]
+    assert bundle["lookup"] == "hit" and bundle["from_ahead"], bundle
+    assert bundle["found"] == ahead["bundle"] and bundle["loaded_entries"] > 0
+    encoder = record["compile"]["text_encoder"]
+    assert encoder["bundle"].startswith("hit (compiled ahead"), encoder
+    # every graph of step 1 came from the bundle: none was compiled in the run
+    assert encoder["cache_misses"] == 0 and encoder["cache_hits"] > 0, encoder
+    assert encoder["compiled_code_ran"]
+    assert record["losses"] == runs["plain"]["losses"] and len(record["losses"]) == 2
+
+
+@pytest.mark.inductor
+def test_a_failed_ahead_process_is_reported_and_the_run_trains(runs):
+    record = runs["failed"]
+    assert record["status"] == "finished"
+    assert record["compile_ahead"]["status"] == "failed"
+    assert "signal 9" in record["compile_ahead"]["why"]
+    assert re.search(r"compile ahead failed \(ended by signal 9.*compiling at step 1",
+                     runs["failed_output"]), runs["failed_output"][-3000:]
+    assert record["compile_bundle"]["from_ahead"] is False
+    assert record["losses"] == runs["plain"]["losses"]
+
+
+def test_stop_during_setup_ends_the_ahead_process(tiny_config, tmp_path):
+    commands = TrainerCommands()
+    seen = OnAhead(lambda pid: commands.request_stop())
+    result = train(tiny_config(*COMPILED, "compile.ahead=true",
+                               f"compile.cache_dir={tmp_path / 'cache'}"), seen, commands)
+    assert result.status == "stopped"
+    record = _record(result)
+    assert record["status"] == "stopped"
+    assert record["stopped_during"] in ("latent caching", "compile ahead"), record
+    assert record["compile_ahead"]["status"] == "stopped"
+    assert seen.pids and gone(seen.pids[0])
+
+
+@pytest.mark.parametrize("settings, expected", [
+    (["compile.backend=NONE"], "nothing is compiled"),
+    (["compile.backend=AOT_EAGER"], "only inductor writes the cache artifacts"),
+    (["compile.backend=INDUCTOR", "compile.denoiser=false"], "are all off"),
+    (["compile.backend=INDUCTOR", "compile.bundles=false"], "turn compile.bundles on"),
+    (["compile.backend=INDUCTOR", "general.device=CUDA"], "second copy of the weights"),
+])
+def test_refusals(settings, expected):
+    config = apply_overrides(Config(), ["compile.ahead=true", *settings])
+    problems = [p for p in validate(config) if p.path == "compile.ahead"]
+    assert len(problems) == 1 and expected in str(problems[0]), problems
+    config.compile.ahead = False
+    assert not [p for p in validate(config) if p.path == "compile.ahead"]
+
+
+def test_one_batch_of_each_shape_the_epoch_meets():
+    """The ahead process's shapes are the run's batches': each bucket's full batch and its
+    short last one (5 items of 64x96 in batches of 2 make 2x64x96 and 1x64x96)."""
+    from types import SimpleNamespace
+
+    from modules.data.dataset import BucketBatchSampler
+    from modules.train.recipe.compile_ahead import shape_batches
+
+    sizes = [(64, 64)] * 4 + [(64, 96)] * 5
+    batches = BucketBatchSampler(sizes, batch_size=2, seed=3)
+    found = shape_batches(batches, SimpleNamespace(target_sizes=sizes))
+    assert sorted(shape for shape, _ in found) == ["1x64x96", "2x64x64", "2x64x96"]
+    for shape, keys in found:
+        count, height, width = map(int, shape.split("x"))
+        assert len(keys) == count and all(sizes[index] == (height, width)
+                                           for _, index in keys)
+
+
+def test_what_the_run_does_not_compile_ahead_for_is_said(tiny_config):
+    """Where validation cannot know (AUTO on a GPU machine; a launch of several processes) the
+    run says why it compiles at step 1 instead."""
+    import torch
+
+    from modules.train.recipe.compile_ahead import ahead_blocker
+
+    config = tiny_config(*COMPILED, "compile.ahead=true")
+    assert "second copy of the weights" in ahead_blocker(config, torch.device("cuda"), False)
+    assert "multi-process" in ahead_blocker(config, torch.device("cpu"), True)
+
+
+@pytest.mark.parametrize("code, said", [
+    ("raise SystemExit('out of memory')", "exit 1: out of memory"),
+    ("print('finished but wrote nothing')", "no readable result: finished but wrote nothing"),
+])
+def test_an_ahead_process_that_fails_or_says_nothing_is_a_reported_failure(tmp_path, code, said):
+    import subprocess
+    import sys
+
+    from modules.train.recipe.compile_ahead import CompileAhead
+
+    log = open(tmp_path / "ahead.log", "w", encoding="utf-8")  # end() closes it
+    ahead = CompileAhead(subprocess.Popen([sys.executable, "-c", code], stdout=log,
+                                          stderr=subprocess.STDOUT), tmp_path, log)
+    outcome = ahead.wait(lambda: False)
+    ahead.end()
+    assert outcome.status == "failed" and outcome.why == said, outcome
