@@ -126,7 +126,8 @@ def caption_listing(config: Config, index: int, progress: Any = None) -> Any:
 def check(config: Config) -> list[Problem]:
     """Every problem a start finds before it loads anything: the config's combinations
     (`validate`) and the model, datasets and output folder on disk (`check_inputs`)."""
-    return validate(config) + check_inputs(config)
+    from modules.compile.ahead_rules import ahead_problems  # the backends' table: torch-free
+    return validate(config) + ahead_problems(config) + check_inputs(config)
 
 
 def check_run(config: Config, callbacks: TrainerCallbacks) -> Any:

@@ -16,7 +16,7 @@ import pytest
 
 from modules.config import apply_overrides, save_config
 from modules.config.schema import Config
-from modules.config.validate import validate
+from modules.compile.ahead_rules import ahead_problems
 from modules.events import NullCallbacks, TrainerCommands
 from modules.train.trainer import train
 
@@ -163,10 +163,10 @@ def test_stop_during_setup_ends_the_ahead_process(tiny_config, tmp_path):
 ])
 def test_refusals(settings, expected):
     config = apply_overrides(Config(), ["compile.ahead=true", *settings])
-    problems = [p for p in validate(config) if p.path == "compile.ahead"]
+    problems = [p for p in ahead_problems(config) if p.path == "compile.ahead"]
     assert len(problems) == 1 and expected in str(problems[0]), problems
     config.compile.ahead = False
-    assert not [p for p in validate(config) if p.path == "compile.ahead"]
+    assert not [p for p in ahead_problems(config) if p.path == "compile.ahead"]
 
 
 def test_one_batch_of_each_shape_the_epoch_meets():
@@ -175,7 +175,7 @@ def test_one_batch_of_each_shape_the_epoch_meets():
     from types import SimpleNamespace
 
     from modules.data.dataset import BucketBatchSampler
-    from modules.train.recipe.compile_ahead import shape_batches
+    from modules.train.recipe.ahead_process import shape_batches
 
     sizes = [(64, 64)] * 4 + [(64, 96)] * 5
     batches = BucketBatchSampler(sizes, batch_size=2, seed=3)

@@ -17,6 +17,7 @@ from modules.config.prompts import SamplePrompt, sample_prompts
 from modules.config.data import shapes_vary, trained_resolutions
 from modules.config.schema import BUILTIN_PREFIX, Config
 from modules.config.secret_settings import masked_config, secret_warnings
+from modules.compile.ahead_rules import ahead_problems
 from modules.config.validate import validate
 from modules.data.captions import CaptionsFileError, load_captions_file
 from modules.data.progress import RateMeter
@@ -82,7 +83,8 @@ def check_run(config: Config, callbacks: TrainerCallbacks) -> CheckedRun:
     (model files' headers, datasets, output folder), the dataset scan, the backup to resume,
     the device memory plan (train/memory/memory_check.py: a run that cannot fit the GPU is refused).
     `tempera-train --check` stops here; raises ConfigError with every problem found."""
-    problems = runtime_problems() + validate(config) + family_problems(config)
+    problems = (runtime_problems() + validate(config) + ahead_problems(config)
+                + family_problems(config))
     busy = busy_message(Path(config.output.dir)) if config.output.dir.strip() else None
     if busy:
         problems.append(Problem("output.dir", "a folder no other training is writing into",
