@@ -28,12 +28,15 @@ from modules.model_types import MODEL_TYPES
 from modules.models.bundle import ModelBundle
 from modules.models.families import family_of
 from modules.train.memory.offload import denoiser_blocks
+from modules.train.memory.ram_plan import (RamPlan, loading_lines, machine_ram, ram_plan_from,
+                                           ram_refusal)
 from modules.train.memory.memory_plan import (WARN_FRACTION, MemoryPlan, gib, plan_from,
-                                              plan_memory, weightless_trainable)
+                                              plan_memory, weightless_bundle,
+                                              weightless_trainable)
 from modules.train.memory.levers import (CPU, LEVERS, STORAGE_LEVERS, DeviceAbility, LeverState,
                                          device_ability, device_warnings, lever_override,
                                          not_on_device, picked_storage)
-from modules.train.recipe.trainable import trained_components
+from modules.train.recipe.trainable import prepare_trainable, trained_components
 from modules.util.errors import describe
 
 MAX_OPTIMIZER_FIXES = 3
@@ -52,17 +55,22 @@ class CardMemory:
 @dataclass
 class MemoryCheck:
     """The plan (None when it could not be computed: a warning says why), the card it was
-    compared with (None off CUDA) and the warnings it gave."""
+    compared with (None off CUDA) and the warnings it gave; the RAM plan (ram_plan.py) and the
+    machine's RAM it was checked against."""
     plan: MemoryPlan | None
     card: CardMemory | None
     warnings: list[str] = field(default_factory=list)
+    ram: RamPlan | None = None
+    ram_total: int = 0
 
     def record(self) -> dict:
         """run.json's `memory_plan`: the plan in bytes and the card it was checked against."""
         card = ({"name": self.card.name, "total_bytes": self.card.total_bytes}
                 if self.card else None)
         return {**(self.plan.record() if self.plan else {"total_bytes": None}), "card": card,
-                "warnings": list(self.warnings)}
+                "warnings": list(self.warnings),
+                "ram": ({**self.ram.record(), "machine_bytes": self.ram_total}
+                        if self.ram else None)}
 
     def summary(self) -> str:
         """One line for the run's log on a card (the GUI's Run tab, the CLI): what the plan
@@ -79,7 +87,9 @@ class MemoryCheck:
         head = (f"memory plan for {self.card.name} ({gib(self.card.total_bytes)}):"
                 if self.card else "memory plan (no CUDA device here to compare with):")
         lines = self.plan.describe() if self.plan else ["not computed"]
-        return [head, *(f"  {line}" for line in lines),
+        ram = ([f"RAM plan (this machine has {gib(self.ram_total)}):",
+                *(f"  {line}" for line in self.ram.describe())] if self.ram else [])
+        return [head, *(f"  {line}" for line in lines), *ram,
                 *(f"warning: {w}" for w in self.warnings)]
 
 
@@ -96,20 +106,28 @@ def card_memory(device: torch.device) -> CardMemory | None:
 
 
 def check_memory(config: Config, model_path: Path, device: torch.device,
-                 distributed: bool = False) -> MemoryCheck:
+                 distributed: bool = False, ram: int | None = None) -> MemoryCheck:
     """The run's memory plan, checked against the card: raises ConfigError when the lower
     bound is more than the card's memory; returns the plan with warnings otherwise. A plan
     that cannot be computed (a model whose config files this reading does not know) stops
     nothing: the loader reports a model it cannot load, and the run says the check was not
     made. A lever that is on although this device cannot run it (FLOAT8 on an RTX 30 card)
-    is a warning."""
+    is a warning. The RAM plan is checked against `ram` (default: this machine's) the same
+    way, on any device."""
     card, ability = card_memory(device), device_ability(device)
     try:
-        plan = plan_memory(config, model_path, distributed)
+        bundle = weightless_bundle(config, model_path)  # one weightless model for both plans
+        loading = loading_lines(bundle)
+        params = prepare_trainable(bundle, config)
+        plan = plan_from(config, bundle, params, distributed)
+        ram_plan = ram_plan_from(config, loading, bundle, params, device)
     except Exception as err:  # noqa: BLE001 - the check is advice; loading reports real errors
         return MemoryCheck(None, card, [f"the memory plan could not be computed "
                                         f"({describe(err)}): no up-front memory check"])
-    check = MemoryCheck(plan, card, device_warnings(config, ability))
+    ram = ram or machine_ram()
+    if ram_plan.peak.total > ram:
+        raise ConfigError([ram_refusal(config, model_path, device, ram_plan, ram)])
+    check = MemoryCheck(plan, card, device_warnings(config, ability), ram_plan, ram)
     if card is None:
         return check
     if plan.total > card.total_bytes:
