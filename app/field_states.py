@@ -13,7 +13,7 @@ from app.labels import enum_label
 from app.widgets import BoolView, EnumView, set_label_enabled
 from modules.config import Config
 from modules.frontend import (MODEL_TYPES, RULED_PATHS, cache_dir_for, compile_cache_folder,
-                              only_values, unused_fields)
+                              only_values, storage_summaries, unused_fields)
 
 
 def update_cache_hints(registry: FieldRegistry, config: Config) -> None:
@@ -25,6 +25,16 @@ def update_cache_hints(registry: FieldRegistry, config: Config) -> None:
     compile_view.set_hint("" if config.compile.cache_dir else
                           f"empty: {compile_cache_folder('', config.general.cache_dir)} "
                           "(inside General's cache folder)")
+
+
+LEVER_PATHS = (None, "general.device")  # what changes the storages' summaries
+
+
+def update_storage_hint(registry: FieldRegistry, config: Config) -> None:
+    """The 8-bit storages under *Frozen weights storage*, one line each (the hint line shows
+    them elided, its tooltip in full): what each saves and costs, or why this machine cannot
+    run it (FLOAT8 below sm_89). Needs the engine (torch): called once it is loaded."""
+    registry.view("model.weight_storage").set_hint(" | ".join(storage_summaries(config)))
 
 
 def update_component_states(registry: FieldRegistry, config: Config) -> None:

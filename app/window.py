@@ -27,7 +27,8 @@ from app.compile_check import CompileCheck
 from app.compile_panel import PLACED, CompilePanel
 from app.curtain import Curtain
 from app.engine_loader import EVENT as ENGINE_EVENT, LOADING, EngineLoader
-from app.field_states import (take_only_values, update_cache_hints, update_component_states,
+from app.field_states import (LEVER_PATHS, take_only_values, update_cache_hints,
+                              update_component_states, update_storage_hint,
                               update_unused_fields)
 from app.form import (FieldRegistry, build_fields, fields_of_group, groups_in_order, reveal,
                       scroll_to, tab_title)
@@ -249,6 +250,8 @@ class TemperaApp(ctk.CTk):
             self.runs.refresh_resume()
         if path is None or path.endswith("cache_dir"):
             update_cache_hints(self.registry, self.binding.config)
+        if path in LEVER_PATHS and self.engine_ready:
+            update_storage_hint(self.registry, self.binding.config)
 
     def _take_only_values(self) -> None:
         """The settings the new model type allows one value of take it, and the status line
@@ -377,6 +380,7 @@ class TemperaApp(ctk.CTk):
             return
         self.runs.block_start("engine", None)
         self.compile_panel.load_summaries(value)
+        update_storage_hint(self.registry, self.binding.config)
         if loading:  # nothing newer was said than what the load was added to
             status = self.run_panel.status_text
             self.run_panel.set_status(self._idle_status() if status == LOADING_STATUS

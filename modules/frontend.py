@@ -151,6 +151,14 @@ def train(config: Config, callbacks: TrainerCallbacks | None = None,
     return engine_train(config, callbacks, commands)
 
 
+def storage_summaries(config: Config) -> list[str]:
+    """The 8-bit storages' one-line summaries on the configured device (what each saves and
+    costs, or why this machine cannot run it); imports torch."""
+    from modules.train.memory.levers import device_ability, storage_summaries as summaries
+    from modules.train.recipe.builders import pick_device
+    return summaries(device_ability(pick_device(config.general.device)))
+
+
 # --- explain, the compile plan and expected compile time ------------------------------------
 def machine_capabilities(config: Config) -> Any:
     """What the configured device can compile with (imports torch and triton)."""

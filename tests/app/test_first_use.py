@@ -295,6 +295,13 @@ def test_the_two_cache_folders_say_where_empty_puts_them(app, tmp_path):
     assert str(tmp_path / "c" / "compile") in compile_cache.error_tip.text
     compile_cache.var.set(str(tmp_path / "cc"))
     assert compile_cache.error_tip.text == ""
+    # the other field hint: Frozen weights storage shows the 8-bit storages once the engine is
+    # loaded, one line each (what it saves and costs, or why this machine cannot run it)
+    from modules.frontend import storage_summaries
+    storage = app.registry.view("model.weight_storage")
+    lines = storage_summaries(app.binding.config)
+    assert storage.hint == " | ".join(lines) == storage.error_tip.text
+    assert lines[0].startswith("INT8: ") and lines[1].startswith("FLOAT8: ")
 
 
 def test_columns_stack_when_the_window_is_too_narrow_for_them(app):

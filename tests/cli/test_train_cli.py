@@ -133,7 +133,8 @@ def test_check_says_each_lever_is_on_off_or_not_for_this_run_and_why(small_confi
                  "--set", "data.datasets[0].shuffle_tags=true"]) == 0
     out = capsys.readouterr().out
     levers = dict(line.strip().split(": ", 1)
-                  for line in out.split("memory levers:\n", 1)[1].splitlines())
+                  for line in out.split("memory levers:\n", 1)[1].splitlines()
+                  if line.startswith("  "))
     cached = levers["text encoders and VAE off the GPU (their outputs cached)"]
     assert cached.startswith("not for this run: the text encoders stay on the GPU: "
                              "data.datasets[0] (")
@@ -141,7 +142,11 @@ def test_check_says_each_lever_is_on_off_or_not_for_this_run_and_why(small_confi
                            "cannot be cached; the VAE leaves it")
     assert levers["the fused backward pass (full fine-tunes)"] == (
         "not for this run: full fine-tunes only (a LoRA's gradients are small)")
-    assert len(levers) == 5 and all(state == "on" or state.startswith(("off", "not for this "
+    # this run is on the CPU, which runs both 8-bit storages; INT8 is the one the plan picks
+    assert levers["frozen linear weights stored as int8"].startswith("off; --set model.weight_st")
+    assert levers["frozen linear weights stored as float8"].startswith("off; --set model.weight")
+    assert "the 8-bit storage the plan picks on the CPU: INT8" in out
+    assert len(levers) == 6 and all(state == "on" or state.startswith(("off", "not for this "
                                                                        "run: "))
                                     for state in levers.values()), levers
 

@@ -3,7 +3,9 @@ sizes: each plan is built on the meta device from the shipped configs
 (modules/models/configs/), so nothing is loaded and no weights are needed. A preset for an
 N GB card keeps its plan within half of N GiB (docs/memory.md, "Presets for small cards"): the
 other half is for activations, the CUDA context and the compiler's workspaces. Each preset's
-float8 choice is checked too: on where the card needs it, off where the plan fits without it.
+8-bit storage is checked too: on where the card needs it, off where the plan fits without it,
+and the one the plan picks (levers.py's `picked_storage`: INT8, on an RTX 30 card and on a
+newer one alike).
 (Over 10 s: four real-size plans, the first paying for importing the model classes.)"""
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import pytest
 from modules.config.loader import load_config
 from modules.config.overrides import apply_overrides
 from modules.config.schema import WeightStorage
+from modules.train.memory.levers import DeviceAbility, picked_storage
 from modules.train.memory.memory_plan import GIB, plan_memory
 from modules.train.recipe.placement import components_off_device
 
@@ -23,17 +26,22 @@ PRESETS = REPO / "training_presets"
 DATA = 'data.datasets=[{"path": "builtin:shapes"}]'
 HEADROOM = 0.5  # the share of the card a preset's plan may take (docs/memory.md)
 
-# preset -> (the card it is for, in GiB; whether its frozen weights need float8 to fit)
+# preset -> (the card it is for, in GiB; whether its frozen weights need 8 bits to fit)
 CARDS = {"sd15/lora_6gb.json": (6, False), "sdxl/lora_12gb.json": (12, False),
          "sdxl/lora_8gb.json": (8, True), "zimage/lora_16gb.json": (16, True)}
 
 
-def _float8_as_bf16(plan) -> int:
-    """What the plan's float8-stored weights would take in bf16 (2 bytes a value) more than
-    they take now."""
+# the cards a preset of that size may meet: an RTX 30 (no float8) and an RTX 40
+CARD_ABILITIES = (DeviceAbility("RTX 3060 (sm_86)", (8, 6)),
+                  DeviceAbility("RTX 4060 (sm_89)", (8, 9)))
+
+
+def _eight_bit_as_bf16(plan) -> int:
+    """What the plan's 8-bit weights would take in bf16 (2 bytes a value) more than they
+    take now."""
     extra = 0
     for what, size in plan.lines:
-        found = re.search(r"stored as float8 \(([\d,]+) values", what)
+        found = re.search(r"stored as (?:float8|int8) \(([\d,]+) values", what)
         if found:
             extra += int(found.group(1).replace(",", "")) * 2 - size
     return extra
@@ -41,7 +49,7 @@ def _float8_as_bf16(plan) -> int:
 
 @pytest.mark.parametrize("preset", sorted(CARDS))
 def test_the_preset_fits_its_card_with_the_headroom(preset):
-    card, needs_float8 = CARDS[preset]
+    card, needs_8bit = CARDS[preset]
     config = apply_overrides(load_config(PRESETS / preset), [DATA])
     folder = REPO / "modules" / "models" / "configs" / preset.split("/")[0]
     plan = plan_memory(config, folder)
@@ -49,10 +57,11 @@ def test_the_preset_fits_its_card_with_the_headroom(preset):
     # the text encoders and the VAE are off the card (their outputs cached)
     assert set(components_off_device(config)) >= {"vae", "text_encoder"}
     assert config.training.gradient_checkpointing
-    float8 = config.model.weight_storage == WeightStorage.FLOAT8
-    assert float8 == needs_float8
-    if float8:  # without it the plan would not fit: the quality cost is paid for a reason
-        assert plan.total + _float8_as_bf16(plan) > HEADROOM * card * GIB
+    storage = config.model.weight_storage
+    assert storage.eight_bit == needs_8bit
+    if needs_8bit:  # without it the plan would not fit: the quality cost is paid for a reason
+        assert plan.total + _eight_bit_as_bf16(plan) > HEADROOM * card * GIB
+        assert {picked_storage(a) for a in CARD_ABILITIES} == {storage} == {WeightStorage.INT8}
     # the description names the card and the plan's total, as the plan computes it
     description = config.general.description
     assert f"{card} GB card" in description

@@ -216,7 +216,7 @@ def test_no_card_off_cuda(tiny_config):
 def test_a_plan_that_cannot_be_computed_stops_nothing_and_says_so(tiny_config, monkeypatch):
     def broken(*args, **kwargs):
         raise ValueError("no config.json for this denoiser")
-    monkeypatch.setattr(memory_check, "plan_memory", broken)
+    monkeypatch.setattr(memory_check, "weightless_bundle", broken)
     fake_card(monkeypatch, 1 * MIB)  # would refuse, had the plan been computed
     callbacks = RecordingCallbacks()
     checked = check_run(tiny_config(*FINE_TUNE), callbacks)

@@ -247,10 +247,11 @@ def test_the_refusal_and_check_offer_the_caching_lever(tiny_config, monkeypatch)
     assert f"--set {lever} saves {gib(saved)}" in str(caught.value)
 
 
-def test_a_float8_stored_text_encoder_has_an_identity(tempera_cache):
-    """The 8 GB and 16 GB presets cache captions of float8-stored encoders: the text store's
-    key reads a float8 weight's values and scales (it cannot be flattened), and differs from
-    the bf16 encoder's (its embeddings differ)."""
+@pytest.mark.parametrize("storage", ["INT8", "FLOAT8"])
+def test_an_8_bit_stored_text_encoder_has_an_identity(tempera_cache, storage):
+    """The 8 GB and 16 GB presets cache captions of int8-stored encoders (FLOAT8 before): the
+    text store's key reads a stored weight's values and scales (it cannot be flattened), and
+    differs from the bf16 encoder's (its embeddings differ)."""
     pytest.importorskip("torchao")
     from modules.models.tiny import ensure_builtin_model
     from modules.models.weight_storage import store_weights
@@ -259,6 +260,6 @@ def test_a_float8_stored_text_encoder_has_an_identity(tempera_cache):
     encoder = bundle.text_encoders["text_encoder"]
     encoder.requires_grad_(False)
     plain = encoder_identity(bundle)
-    assert store_weights(encoder, "FLOAT8") > 0
+    assert store_weights(encoder, storage) > 0
     assert encoder_identity(bundle) != plain
     assert encoder_identity(bundle) == encoder_identity(bundle)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,15 +23,20 @@ from modules.config.optimizers import OPTIMIZERS
 from modules.config.problems import ConfigError, Problem
 from modules.config.schema import (CompileScope, Config, DistributedStrategy, DType,
                                    TrainingMethod)
-from modules.config.validate import fsdp_problems, fused_backward_problems
+from modules.config.validate import fsdp_problems
 from modules.model_types import MODEL_TYPES
 from modules.models.bundle import ModelBundle
 from modules.models.families import family_of
 from modules.train.memory.offload import denoiser_blocks
+from modules.train.memory.ram_plan import (RamPlan, loading_lines, machine_ram, ram_plan_from,
+                                           ram_refusal)
 from modules.train.memory.memory_plan import (WARN_FRACTION, MemoryPlan, gib, plan_from,
-                                              plan_memory, weightless_trainable)
-from modules.train.recipe.text_cache import text_encoder_stays
-from modules.train.recipe.trainable import trained_components
+                                              plan_memory, weightless_bundle,
+                                              weightless_trainable)
+from modules.train.memory.levers import (CPU, LEVERS, STORAGE_LEVERS, DeviceAbility, LeverState,
+                                         device_ability, device_warnings, lever_override,
+                                         not_on_device, picked_storage)
+from modules.train.recipe.trainable import prepare_trainable, trained_components
 from modules.util.errors import describe
 
 MAX_OPTIMIZER_FIXES = 3
@@ -51,17 +55,22 @@ class CardMemory:
 @dataclass
 class MemoryCheck:
     """The plan (None when it could not be computed: a warning says why), the card it was
-    compared with (None off CUDA) and the warnings it gave."""
+    compared with (None off CUDA) and the warnings it gave; the RAM plan (ram_plan.py) and the
+    machine's RAM it was checked against."""
     plan: MemoryPlan | None
     card: CardMemory | None
     warnings: list[str] = field(default_factory=list)
+    ram: RamPlan | None = None
+    ram_total: int = 0
 
     def record(self) -> dict:
         """run.json's `memory_plan`: the plan in bytes and the card it was checked against."""
         card = ({"name": self.card.name, "total_bytes": self.card.total_bytes}
                 if self.card else None)
         return {**(self.plan.record() if self.plan else {"total_bytes": None}), "card": card,
-                "warnings": list(self.warnings)}
+                "warnings": list(self.warnings),
+                "ram": ({**self.ram.record(), "machine_bytes": self.ram_total}
+                        if self.ram else None)}
 
     def summary(self) -> str:
         """One line for the run's log on a card (the GUI's Run tab, the CLI): what the plan
@@ -78,7 +87,9 @@ class MemoryCheck:
         head = (f"memory plan for {self.card.name} ({gib(self.card.total_bytes)}):"
                 if self.card else "memory plan (no CUDA device here to compare with):")
         lines = self.plan.describe() if self.plan else ["not computed"]
-        return [head, *(f"  {line}" for line in lines),
+        ram = ([f"RAM plan (this machine has {gib(self.ram_total)}):",
+                *(f"  {line}" for line in self.ram.describe())] if self.ram else [])
+        return [head, *(f"  {line}" for line in lines), *ram,
                 *(f"warning: {w}" for w in self.warnings)]
 
 
@@ -95,29 +106,38 @@ def card_memory(device: torch.device) -> CardMemory | None:
 
 
 def check_memory(config: Config, model_path: Path, device: torch.device,
-                 distributed: bool = False) -> MemoryCheck:
+                 distributed: bool = False, ram: int | None = None) -> MemoryCheck:
     """The run's memory plan, checked against the card: raises ConfigError when the lower
     bound is more than the card's memory; returns the plan with warnings otherwise. A plan
     that cannot be computed (a model whose config files this reading does not know) stops
     nothing: the loader reports a model it cannot load, and the run says the check was not
-    made."""
-    card = card_memory(device)
+    made. A lever that is on although this device cannot run it (FLOAT8 on an RTX 30 card)
+    is a warning. The RAM plan is checked against `ram` (default: this machine's) the same
+    way, on any device."""
+    card, ability = card_memory(device), device_ability(device)
     try:
-        plan = plan_memory(config, model_path, distributed)
+        bundle = weightless_bundle(config, model_path)  # one weightless model for both plans
+        loading = loading_lines(bundle)
+        params = prepare_trainable(bundle, config)
+        plan = plan_from(config, bundle, params, distributed)
+        ram_plan = ram_plan_from(config, loading, bundle, params, device)
     except Exception as err:  # noqa: BLE001 - the check is advice; loading reports real errors
         return MemoryCheck(None, card, [f"the memory plan could not be computed "
                                         f"({describe(err)}): no up-front memory check"])
-    check = MemoryCheck(plan, card)
+    ram = ram or machine_ram()
+    if ram_plan.peak.total > ram:
+        raise ConfigError([ram_refusal(config, model_path, device, ram_plan, ram)])
+    check = MemoryCheck(plan, card, device_warnings(config, ability), ram_plan, ram)
     if card is None:
         return check
     if plan.total > card.total_bytes:
-        raise ConfigError([refusal(config, model_path, plan, card, distributed)])
+        raise ConfigError([refusal(config, model_path, plan, card, distributed, ability)])
     if plan.total > WARN_FRACTION * card.total_bytes:
         check.warnings.append(
             f"the weights, gradients and optimizer state alone need {gib(plan.total)} of "
             f"{card.name}'s {gib(card.total_bytes)} ({plan.total / card.total_bytes:.0%}): "
             "activations will likely not fit. "
-            + fixes_sentence(config, model_path, plan, distributed))
+            + fixes_sentence(config, model_path, plan, distributed, ability))
     elif plan.total > card.free_bytes:
         check.warnings.append(
             f"the run needs at least {gib(plan.total)}, and only {gib(card.free_bytes)} of "
@@ -126,7 +146,7 @@ def check_memory(config: Config, model_path: Path, device: torch.device,
 
 
 def refusal(config: Config, model_path: Path, plan: MemoryPlan, card: CardMemory,
-            distributed: bool) -> Problem:
+            distributed: bool, ability: DeviceAbility) -> Problem:
     """The problem a run that cannot fit reports: where, what it needs, on what, and how to
     make it fit."""
     t = config.training
@@ -136,113 +156,35 @@ def refusal(config: Config, model_path: Path, plan: MemoryPlan, card: CardMemory
                          f"{card.name}'s {gib(card.total_bytes)}",
                    f"{t.method.value} with {OPTIMIZERS[t.optimizer].label}, which needs at "
                    f"least {gib(plan.total)} before activations",
-                   f"it needs {items}. " + fixes_sentence(config, model_path, plan, distributed))
+                   f"it needs {items}. "
+                   + fixes_sentence(config, model_path, plan, distributed, ability))
 
 
-def fixes_sentence(config: Config, model_path: Path, plan: MemoryPlan,
-                   distributed: bool) -> str:
-    found = memory_fixes(config, model_path, plan, distributed)
+def fixes_sentence(config: Config, model_path: Path, plan: MemoryPlan, distributed: bool,
+                   ability: DeviceAbility) -> str:
+    """The fixes that lower the plan, each with what it saves (a lever's also with what it
+    costs), and the levers this device cannot run, each with why."""
+    found = memory_fixes(config, model_path, plan, distributed, ability)
+    costs = {lever_override(overrides): lever.costs for lever in LEVERS
+             for overrides in [lever.overrides(config, ability)] if overrides}
+    cannot = "".join(f" Not offered: --set {o}, as {why}." for o, why in
+                     not_on_device(config, ability))
     if not found:
-        return "No setting of this run saves memory before activations: use a larger GPU."
+        return ("No setting of this run saves memory before activations: use a larger GPU."
+                + cannot)
     return "What saves memory: " + "; ".join(
-        f"--set {o} saves {gib(saved)} (then {gib(plan.total - saved)})"
-        for o, saved in found) + "."
+        f"--set {o} saves {gib(saved)} (then {gib(plan.total - saved)}"
+        + (f"; costs: {costs[o]})" if o in costs else ")")
+        for o, saved in found) + "." + cannot
 
 
-@dataclass(frozen=True)
-class LeverState:
-    """Where a lever stands for one config: on; off, with the `--set` overrides that turn it
-    on (`overrides`); or not for this run, with why (`not_for`)."""
-    on: bool = False
-    overrides: list[str] | None = None
-    not_for: str = ""
-
-
-ON = LeverState(on=True)
-
-
-@dataclass(frozen=True)
-class Lever:
-    """A memory lever (issue 46): a way to make the same training fit a smaller card, at a
-    cost. `state(config)`: on, off (with the overrides that turn it on) or not for this run
-    (with why); what it saves is not written here: the plan of the config with the overrides
-    says it."""
-    name: str
-    state: Callable[[Config], LeverState]
-    costs: str
-
-    def overrides(self, config: Config) -> list[str] | None:
-        """The `--set` overrides that turn it on for this config; None when it is on or not
-        for this run."""
-        return self.state(config).overrides
-
-
-def _float8_storage(config: Config) -> LeverState:
-    """8-bit storage of the frozen linear weights: offered as FLOAT8; INT8 (the same bytes,
-    for cards without float8) counts as on."""
-    if config.model.weight_storage.eight_bit:
-        return ON
-    if config.training.method != TrainingMethod.LORA:
-        return LeverState(not_for="LoRA only (a trained weight is never stored in 8 bits)")
-    if importlib.util.find_spec("torchao") is None:  # its plan needs torchao
-        return LeverState(not_for="needs torchao, not installed here (pip install torchao)")
-    return LeverState(overrides=["model.weight_storage=FLOAT8"])
-
-
-def _cached_outputs(config: Config) -> LeverState:
-    """Cache latents and captions, so the VAE and text encoders stay on the CPU
-    (train/recipe/placement.py): offered when either cache is off; a cache that is on and
-    not applied (a trained component, captions that change every epoch) says why."""
-    d = config.data
-    wanted = ([] if d.cache_latents else ["data.cache_latents=true", "data.center_crop=true"]) \
-        + ([] if d.cache_text_encoder_outputs else ["data.cache_text_encoder_outputs=true"])
-    if wanted:
-        return LeverState(overrides=wanted)
-    stays = [f"the text encoders stay on the GPU: {why}"
-             for why in [text_encoder_stays(config)] if why]
-    if "vae" in trained_components(config):
-        stays.append("the VAE stays on the GPU: it is trained")
-    elif stays:
-        stays.append("the VAE leaves it")
-    return LeverState(not_for="; ".join(stays)) if stays else ON
-
-
-def _fused_backward(config: Config) -> LeverState:
-    """Step each weight in backward (train/recipe/fused.py): offered to a full fine-tune whose
-    other settings it combines with."""
-    t = config.training
-    if t.fused_backward:
-        return ON
-    if t.method != TrainingMethod.FINE_TUNE:
-        return LeverState(not_for="full fine-tunes only (a LoRA's gradients are small)")
-    problems = fused_backward_problems(apply_overrides(config, ["training.fused_backward=true"]))
-    if problems:
-        return LeverState(not_for="; ".join(p.message or p.detail() for p in problems))
-    return LeverState(overrides=["training.fused_backward=true"])
-
-
-# The levers, one row each; the refusal and `--check` offer each that lowers the plan. Block
-# offload joins as one row.
-LEVERS: tuple[Lever, ...] = (
-    Lever("frozen linear weights stored as float8", _float8_storage,
-          "a small quality cost, measured in docs/memory.md"),
-    Lever("text encoders and VAE off the GPU (their outputs cached)", _cached_outputs,
-          "no random crop; the VAE comes back to the GPU for each sampling pass"),
-    Lever("the fused backward pass (full fine-tunes)", _fused_backward,
-          "no gradient accumulation; gradients clipped per weight; one optimizer per weight"),
-)
-
-
-def lever_override(lever_overrides: list[str]) -> str:
-    """A lever's overrides as one `--set` argument list ("a=1 --set b=2")."""
-    return " --set ".join(lever_overrides)
-
-
-def fix_candidates(config: Config) -> list[str]:
+def fix_candidates(config: Config, ability: DeviceAbility | None = None) -> list[str]:
     """`--set` overrides that may lower this config's plan: LoRA instead of a full fine-tune,
     a leaner optimizer, not training a text encoder, no EMA, 16-bit weights, and each lever of
-    `LEVERS` that applies (several overrides of one lever joined by " --set ")."""
+    `LEVERS` that applies and this device runs (several overrides of one lever joined by
+    " --set "); `ability`: the device's (by default the CPU's, which runs every lever)."""
     t, spec = config.training, MODEL_TYPES[config.model.type]
+    ability = ability or CPU
     found = []
     if t.method == TrainingMethod.FINE_TUNE:
         found.append("training.method=LORA")
@@ -257,7 +199,7 @@ def fix_candidates(config: Config) -> list[str]:
     if t.method == TrainingMethod.FINE_TUNE and config.model.train_dtype == DType.FLOAT32:
         found.append("model.train_dtype=BFLOAT16")
     for lever in LEVERS:
-        overrides = lever.overrides(config)
+        overrides = lever.overrides(config, ability)
         if overrides:
             found.append(lever_override(overrides))
     return found
@@ -331,17 +273,17 @@ def fsdp_saving(config: Config, plan: MemoryPlan,
     return plan.total - plan_from(changed, bundle, params, True, processes).total
 
 
-def memory_fixes(config: Config, model_path: Path, plan: MemoryPlan,
-                 distributed: bool = False) -> list[tuple[str, int]]:
-    """(override, bytes it saves) for each candidate that lowers the plan, largest first;
-    of the optimizers only the best few. An optimizer that needs a package not installed
-    here says so."""
+def memory_fixes(config: Config, model_path: Path, plan: MemoryPlan, distributed: bool = False,
+                 ability: DeviceAbility | None = None) -> list[tuple[str, int]]:
+    """(override, bytes it saves) for each candidate that lowers the plan on this device
+    (`fix_candidates`), largest first; of the optimizers only the best few. An optimizer that
+    needs a package not installed here says so."""
     found: list[tuple[str, int]] = []
     seen_states = {OPTIMIZERS[config.training.optimizer].state}
     trainable = weightless_trainable(config, model_path)  # reused where the weights stay
     names = family_of(config.model.type).repeated_blocks
     blocks = len(denoiser_blocks(trainable[0].denoiser, names))
-    for override in fix_candidates(config) + offload_candidates(config, blocks):
+    for override in fix_candidates(config, ability) + offload_candidates(config, blocks):
         changed = apply_overrides(config, override.split(" --set "))
         state = OPTIMIZERS[changed.training.optimizer].state
         if override.startswith("training.optimizer="):
@@ -365,14 +307,22 @@ def memory_fixes(config: Config, model_path: Path, plan: MemoryPlan,
     return [f for f in found if f[0] not in dropped]
 
 
-def levers_report(config: Config, model_path: Path, plan: MemoryPlan,
-                  distributed: bool = False) -> list[str]:
+def run_ability(config: Config) -> DeviceAbility:
+    """The ability of the device `general.device` picks (the run's)."""
+    from modules.train.recipe.builders import pick_device
+    return device_ability(pick_device(config.general.device))
+
+
+def levers_report(config: Config, model_path: Path, plan: MemoryPlan, distributed: bool = False,
+                  ability: DeviceAbility | None = None) -> list[str]:
     """What `--check` prints after the plan: each lever of `LEVERS`, on already, not for this
-    run, or with what it saves and what it costs."""
-    saved = dict(memory_fixes(config, model_path, plan, distributed))
+    run (or this device), or with what it saves and what it costs; the 8-bit storage the plan
+    picks on this device is marked."""
+    ability = ability or run_ability(config)
+    saved = dict(memory_fixes(config, model_path, plan, distributed, ability))
     lines = ["memory levers:"]
     for lever in LEVERS:
-        state = lever_line(lever.state(config), lever.costs, saved, plan)
+        state = lever_line(lever.state_on(config, ability), lever.costs, saved, plan)
         lines.append(f"  {lever.name}: {state}")
     # block offload's override names the denoiser's block count, known from the model only
     offload = next((key for key in saved if key.startswith("model.offload_blocks=")), None)
@@ -382,6 +332,9 @@ def levers_report(config: Config, model_path: Path, plan: MemoryPlan,
                        OFFLOAD_COSTS, saved, plan)
     lines.append(f"  denoiser blocks streamed from CPU memory (block offload): {state}")
     lines.append(f"  {FSDP_LEVER}: {fsdp_state(config, model_path, plan, saved, distributed)}")
+    picked = picked_storage(ability)
+    lines.append(f"the 8-bit storage the plan picks on {ability.name}: {picked.value} "
+                 f"({STORAGE_LEVERS[picked].name})")
     return lines
 
 

@@ -1,0 +1,172 @@
+"""The system RAM plan (issue 58 item 4): the CPU memory a run needs at its three peaks, so a
+run the machine cannot hold is refused before anything is loaded, with the change that makes it
+fit, as the GPU plan (memory_plan.py) does for the card.
+
+The phases follow what the run does (train/recipe/recipe.py `_build`):
+- loading: every component is read into CPU memory at the dtype it is loaded at (diffusers'
+  and transformers' `from_pretrained` read one component's safetensors at a time, and the
+  components all stay on the CPU until the run moves them); a file stored at a wider dtype
+  than the component is loaded at holds its tensors once more while they are cast (not
+  counted: the plan reads configs, not files). Measured on the tiny SD 1.5 (2.63 MB of
+  weights in float32, its files in float32): the process's resident memory grew by 2.95 MB
+  over a second load_bundle (tests/train/test_ram_plan.py checks it stays above the plan);
+- caching: the components after 8-bit storage and adapters (`prepare_trainable`), on the CPU
+  but for the one encoder that borrows the device at a time (the largest counted as away);
+- training: what stays on the CPU: the components whose outputs are cached (placement.py), and
+  the blocks block offload streams (pinned memory on CUDA); on a CPU device the whole run.
+Not counted: the cached latents and captions (on disk, read per batch), the data loader's
+worker processes, Python and the libraries themselves (a few GiB with torch and CUDA), the
+compiler's memory. A lower bound, like the GPU plan.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from modules.config.overrides import apply_overrides
+from modules.config.problems import Problem
+from modules.config.schema import Config, DType, TrainingMethod
+from modules.models.bundle import ModelBundle
+from modules.models.families import family_of
+from modules.train.memory.memory_plan import (describe_tensors, gib, plan_from, tensor_bytes,
+                                              weightless_bundle)
+from modules.train.recipe.placement import components_off_device
+
+NOT_COUNTED = ("a lower bound: cached latents and captions (on disk), data loader workers, "
+               "Python, torch and CUDA themselves and the compiler are not counted")
+
+
+@dataclass(frozen=True)
+class RamPhase:
+    """One phase's CPU memory, as (what, bytes) lines."""
+    name: str
+    lines: tuple[tuple[str, int], ...]
+
+    @property
+    def total(self) -> int:
+        return sum(size for _, size in self.lines)
+
+
+@dataclass(frozen=True)
+class RamPlan:
+    """The CPU memory of each phase of a run; its peak is the largest phase."""
+    phases: tuple[RamPhase, ...]
+
+    @property
+    def peak(self) -> RamPhase:
+        return max(self.phases, key=lambda phase: phase.total)
+
+    def describe(self) -> list[str]:
+        """What `--check` prints: each phase's total and lines, then the peak."""
+        out = []
+        for phase in self.phases:
+            out.append(f"{phase.name}: {gib(phase.total)}")
+            out += [f"  {what}: {gib(size)}" for what, size in phase.lines]
+        return out + [f"peak: {gib(self.peak.total)} while {self.peak.name} ({NOT_COUNTED})"]
+
+    def record(self) -> dict:
+        """run.json's `ram_plan`, in bytes."""
+        return {"peak_bytes": self.peak.total, "peak_phase": self.peak.name,
+                "phases": {p.name: {"total_bytes": p.total,
+                                    "lines": [{"what": w, "bytes": b} for w, b in p.lines]}
+                           for p in self.phases},
+                "counts": NOT_COUNTED}
+
+
+def machine_ram() -> int:
+    """This machine's physical memory, in bytes (psutil, which accelerate already needs)."""
+    import psutil
+    return int(psutil.virtual_memory().total)
+
+
+def _weights(module: nn.Module) -> list[torch.Tensor]:
+    return [*module.parameters(), *module.buffers()]
+
+
+def plan_ram(config: Config, model_path: Path, device: torch.device) -> RamPlan:
+    """The RAM plan of `config` on the model at `model_path` for a run on `device`, computed on
+    weightless copies (nothing is loaded)."""
+    from modules.train.recipe.trainable import prepare_trainable
+    bundle = weightless_bundle(config, model_path)
+    loading = loading_lines(bundle)
+    return ram_plan_from(config, loading, bundle, prepare_trainable(bundle, config), device)
+
+
+def loading_lines(bundle: ModelBundle) -> list[tuple[str, int]]:
+    """The loading phase's lines: each component as loaded (a bundle not made trainable)."""
+    return [(f"{name} weights as loaded ({describe_tensors(_weights(m))})",
+             tensor_bytes(_weights(m))) for name, m in bundle.components().items()]
+
+
+def ram_plan_from(config: Config, loading: list[tuple[str, int]], bundle: ModelBundle,
+                  params: dict[str, list[nn.Parameter]], device: torch.device) -> RamPlan:
+    """The RAM plan from the loading phase's lines and the same bundle made trainable
+    (`params`: its trained parameters), so the check builds the weightless model once for
+    both plans."""
+    from modules.train.memory.offload import offload_saving
+    loaded = dict(zip(bundle.components(), (size for _, size in loading)))
+    held = {name: tensor_bytes(_weights(m)) for name, m in bundle.components().items()}
+    off = components_off_device(config)
+    # one cached component on the device at a time: the largest is counted as away
+    away = max(off, key=lambda name: held[name]) if off and device.type == "cuda" else None
+    caching = [(f"{name} weights" + (" and adapters" if params.get(name) else "")
+                + (", 8-bit storage applied" if loaded[name] > size else "")
+                + (f" (on the device while its outputs are cached: {gib(size)} there)"
+                   if name == away else ""), 0 if name == away else size)
+               for name, size in held.items()]
+    if device.type != "cuda":  # the device is this memory: the whole run lives in it
+        gpu = plan_from(config, bundle, params)
+        training = [("the run's weights, gradients and optimizer state (the device is the "
+                     "CPU: the memory plan's total)", gpu.total)]
+        training += [(f"{name} weights (kept off the device)", held[name]) for name in off]
+    else:
+        training = [(f"{name} weights (on the CPU: {why})", held[name])
+                    for name, (why, _) in off.items()]
+    if config.model.offload_blocks:
+        count, moved, _ = offload_saving(bundle.denoiser,
+                                         family_of(config.model.type).repeated_blocks,
+                                         config.model.offload_blocks)
+        training.append((f"{count} offloaded denoiser blocks' weights"
+                         + (" (pinned)" if device.type == "cuda" else ""), moved))
+    return RamPlan((RamPhase("loading", tuple(loading)), RamPhase("caching", tuple(caching)),
+                    RamPhase("training", tuple(training))))
+
+
+def ram_fix_candidates(config: Config) -> list[str]:
+    """Overrides that may lower the RAM peak: 16-bit frozen weights (the loading peak), 8-bit
+    storage of a LoRA's frozen weights (caching and training), fewer offloaded blocks
+    (training)."""
+    found = []
+    if config.model.weight_dtype == DType.FLOAT32:
+        found.append("model.weight_dtype=BFLOAT16")
+    if (config.training.method == TrainingMethod.LORA
+            and not config.model.weight_storage.eight_bit and not config.model.offload_blocks):
+        found.append("model.weight_storage=INT8")
+    if config.model.offload_blocks:
+        found.append("model.offload_blocks=0")
+    return found
+
+
+def ram_refusal(config: Config, model_path: Path, device: torch.device, plan: RamPlan,
+                ram: int) -> Problem:
+    """The problem a run whose RAM peak is more than the machine's: the peak, its phase, and
+    each change with the peak it leaves (those that fit first)."""
+    peak = plan.peak
+    fixes = []
+    for override in ram_fix_candidates(config):
+        changed = plan_ram(apply_overrides(config, [override]), model_path, device).peak
+        if changed.total < peak.total:
+            fits = "fits" if changed.total <= ram else "still too much"
+            fixes.append((changed.total > ram, f"--set {override} makes the peak "
+                                               f"{gib(changed.total)} ({fits})"))
+    said = "; ".join(text for _, text in sorted(fixes, key=lambda f: f[0]))
+    items = "; ".join(f"{what} {gib(size)}" for what, size in peak.lines)
+    return Problem("model.path", f"a run whose CPU memory peak fits this machine's "
+                                 f"{gib(ram)} of RAM",
+                   f"a peak of at least {gib(peak.total)} while {peak.name}",
+                   f"while {peak.name} it holds {items}. "
+                   + (f"What lowers it: {said}." if said else
+                      "No setting of this run lowers it: use a machine with more RAM."))
