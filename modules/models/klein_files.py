@@ -145,8 +145,6 @@ def part_of(keys: dict[str, tuple[int, ...]]) -> tuple[str | None, str]:
         return None, "a Stable Diffusion checkpoint"
     if any("lora_" in k or ".lokr_" in k or ".hada_" in k for k in keys):
         return None, "a LoRA, not a model"
-    if any(n.startswith(("layers.0.attention.", "cap_embedder.")) for n in names):
-        return None, "a Z-Image diffusion model"
     return None, f"none of Klein's parts (first key: {next(iter(keys), 'none')!r})"
 
 
