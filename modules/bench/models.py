@@ -16,15 +16,14 @@ from modules.model_types import BUILTIN_DEMO, BUILTIN_MODEL_TYPES, MODEL_TYPES, 
 from modules.util.atomic import publish_dir_once
 from modules.models.families import FAMILIES, RealSize, family_of
 from modules.models.shipped_configs import CONFIGS_DIR  # noqa: F401 - where the configs are
-from modules.models.tiny import (
+from modules.models.tiny import spec_fingerprint, tiny_spec
+from modules.models.tiny_sd import (
     TINY_SPECS,
     TINY_VAE,
     TextEncoderSpec,
     TinySpec,
     build_from_spec,
     real_component_config,  # noqa: F401 - the real architectures' configs, for tests
-    spec_fingerprint,
-    tiny_spec,
 )
 
 DEMO_TYPE = BUILTIN_MODEL_TYPES[BUILTIN_DEMO]

@@ -12,7 +12,7 @@ from typing import Any
 from torch import nn
 
 from modules.compile.plan import COMPONENT_LABELS, CompileFacts, build_plan
-from modules.compile.regions import compile_targets
+from modules.compile.regions import REPEATED_BLOCKS, compile_targets
 from modules.config.schema import CompileConfig
 
 # (args, kwargs) for one call of a component
@@ -73,11 +73,14 @@ def _block_inputs(root: nn.Module, blocks: list[nn.Module],
 
 
 def explain(config: CompileConfig, components: Mapping[str, tuple[nn.Module, ExampleInputs]],
-            facts: CompileFacts) -> dict[str, Any]:
+            facts: CompileFacts, blocks: Mapping[str, tuple[str, ...]] = REPEATED_BLOCKS
+            ) -> dict[str, Any]:
     """Per component: its plan under ``config`` with ``facts`` and what dynamo makes of it.
 
     ``components`` maps "unet" / "text_encoder" / "vae" to (module, (args, kwargs)). With
-    REGIONAL scope each distinct block class is explained with the inputs it saw in one call.
+    REGIONAL scope each distinct block class is explained with the inputs it saw in one call;
+    ``blocks``: the block classes REGIONAL compiles per component, as training is given them
+    (the denoiser's are its family's).
     """
     plans = build_plan(config, facts)
     out: dict[str, Any] = {}
@@ -89,7 +92,7 @@ def explain(config: CompileConfig, components: Mapping[str, tuple[nn.Module, Exa
                                  "cudagraphs": plan.cudagraphs,
                                  "torch_compile_kwargs": plan.torch_compile_kwargs, "regions": []}
         example = _split(example, None)
-        targets, note = compile_targets(name, [module], config.scope)
+        targets, note = compile_targets(name, [module], config.scope, blocks)
         entry["scope_note"] = note
         if targets == [module] or note:
             entry["regions"].append({"module": type(module).__name__,

@@ -6,11 +6,16 @@ such and refused unless `model.train_distilled` says otherwise.
 What marks a distilled Klein is data, read from the folder's `model_index.json`
 (`DISTILLED_MARKERS`): Flux2KleinPipeline registers `is_distilled` in its config, the released
 FLUX.2-klein-4B and -9B say `"is_distilled": true`, the base models leave it out (False).
-ComfyUI's split files are not read yet: a file is refused, naming what to give instead.
+ComfyUI's split files (the diffusion model, Qwen3 and the VAE, each its own `.safetensors`)
+are recognised by their keys (`part_of`, from the header alone): a missing, swapped or wrong
+file is refused naming the file, what it is and the field it belongs in, and a 9B diffusion
+model beside Qwen3-4B (or the reverse) naming both. Loading them is not supported yet, so three
+right files are refused too, saying to give the diffusers folder.
 """
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -78,11 +83,121 @@ def width_problems(folder: Path) -> list[Problem]:
     return []
 
 
+# what each of ComfyUI's three files is, and the field that names it
+PART_LABELS = {"transformer": "a Flux.2 Klein diffusion model (Flux2Transformer2DModel)",
+               "text_encoder": "a Qwen3 text encoder (Qwen3-4B for Klein 4B, Qwen3-8B for 9B)",
+               "vae": "Flux.2's 32-channel VAE (AutoencoderKLFlux2)"}
+FIELDS = {"transformer": "model.path", "text_encoder": "model.text_encoder_path",
+          "vae": "model.vae_path"}
+ORIGINAL_PREFIX = "model.diffusion_model."  # some diffusion-model files carry it
+# the Klein sizes by the caption width their diffusion model reads (3 x the encoder's width)
+SIZES = {7680: "Klein 4B (reads Qwen3-4B)", 12288: "Klein 9B (reads Qwen3-8B)"}
+ENCODERS = {2560: "Qwen3-4B", 4096: "Qwen3-8B"}
+DIFFUSERS_FOLDER = ("give the diffusers folder (model_index.json, transformer/, text_encoder/, "
+                    "tokenizer/, vae/, scheduler/): " + " or ".join(BASE_MODELS))
+
+
+def keys_of(path: Path) -> dict[str, tuple[int, ...]]:
+    """A .safetensors file's tensor names and shapes, read from its header only."""
+    from safetensors import safe_open
+    with safe_open(str(path), framework="pt") as f:
+        return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+
+
+def caption_width(keys: dict[str, tuple[int, ...]]) -> int | None:
+    """The caption width a Klein diffusion model's keys read (its `txt_in`, or diffusers'
+    `context_embedder`), or None."""
+    names = {k.removeprefix(ORIGINAL_PREFIX): shape for k, shape in keys.items()}
+    shape = names.get("txt_in.weight") or names.get("context_embedder.weight")
+    return shape[1] if shape and len(shape) == 2 else None
+
+
+def encoder_width(keys: dict[str, tuple[int, ...]]) -> int | None:
+    """A Qwen3 file's hidden size (its token embedding's width), or None."""
+    shape = keys.get("model.embed_tokens.weight") or keys.get("embed_tokens.weight")
+    return shape[1] if shape and len(shape) == 2 else None
+
+
+def part_of(keys: dict[str, tuple[int, ...]]) -> tuple[str | None, str]:
+    """(which Klein part the keys are, or None; what they are in words)."""
+    names = {k.removeprefix(ORIGINAL_PREFIX) for k in keys}
+    flux2 = {"double_stream_modulation_img.lin.weight", "double_stream_modulation_img.linear.weight"}
+    if names & flux2 and (any(n.startswith(("double_blocks.", "transformer_blocks."))
+                              for n in names)):
+        width = caption_width(keys)
+        if width == 15360:
+            return None, "Flux.2 dev's diffusion model (Mistral-conditioned), not Klein's"
+        return "transformer", SIZES.get(width or 0, f"{PART_LABELS['transformer']} reading "
+                                                    f"{width}-wide captions")
+    if "double_blocks.0.img_mod.lin.weight" in names:
+        return None, "a Flux.1 diffusion model, not Flux.2 Klein's"
+    if any(re.fullmatch(r"(model\.)?layers\.0\.self_attn\.q_norm\.weight", n) for n in names):
+        width = encoder_width(keys)
+        return "text_encoder", (f"{ENCODERS[width]}" if width in ENCODERS else
+                                f"{PART_LABELS['text_encoder']}, {width} wide")
+    conv_out = keys.get("encoder.conv_out.weight")
+    if conv_out is not None and "decoder.conv_in.weight" in keys:
+        if conv_out[0] == 64:  # mean and log-variance of 32 latent channels
+            return "vae", PART_LABELS["vae"]
+        return None, (f"a VAE of {conv_out[0] // 2} latent channels (Flux.1's or SD's), not "
+                      "Flux.2's 32")
+    if any(k.startswith("model.diffusion_model.input_blocks.") for k in keys):
+        return None, "a Stable Diffusion checkpoint"
+    if any("lora_" in k or ".lokr_" in k or ".hada_" in k for k in keys):
+        return None, "a LoRA, not a model"
+    return None, f"none of Klein's parts (first key: {next(iter(keys), 'none')!r})"
+
+
+def split_file_problems(model: Any) -> list[Problem]:
+    """ComfyUI's three files, each the part its field names, and the diffusion model of the
+    size the encoder fits; every problem at once, before anything is written. Three right files
+    are refused too: loading them is not supported yet."""
+    given = {"transformer": model.path, "text_encoder": model.text_encoder_path,
+             "vae": model.vae_path}
+    problems, widths = [], {}
+    for part, value in given.items():
+        field, expected = FIELDS[part], PART_LABELS[part]
+        if not value:
+            problems.append(Problem(field, f"the .safetensors file of {expected}", "''",
+                                    "a Klein diffusion-model file comes without its text "
+                                    "encoder and VAE: name each file (ComfyUI keeps them in "
+                                    "models/text_encoders and models/vae)"))
+            continue
+        path = Path(value)
+        if not path.is_file() or path.suffix.lower() != ".safetensors":
+            problems.append(Problem(field, f"the .safetensors file of {expected}", repr(value),
+                                    "no such file" if not path.exists() else "not a "
+                                    ".safetensors file"))
+            continue
+        try:
+            keys = keys_of(path)
+        except Exception as exc:  # safetensors raises its own error type for a bad header
+            problems.append(Problem(field, expected, repr(value), f"not a readable "
+                                    f".safetensors file ({exc}); the download may be "
+                                    "incomplete"))
+            continue
+        found, what = part_of(keys)
+        if found != part:
+            hint = f"; it belongs in {FIELDS[found]}" if found else ""
+            problems.append(Problem(field, expected, repr(value), f"{path.name} is {what}{hint}"))
+        widths[part] = caption_width(keys) if part == "transformer" else encoder_width(keys)
+    takes, hidden = widths.get("transformer"), widths.get("text_encoder")
+    if takes and hidden and takes != len(STACKED_LAYERS) * hidden:
+        problems.append(Problem(
+            "model.text_encoder_path", "the text encoder the diffusion model was trained with",
+            repr(model.text_encoder_path),
+            f"{Path(model.path).name} reads captions {takes} wide = {len(STACKED_LAYERS)} "
+            f"layers x {takes // len(STACKED_LAYERS)}, but {Path(model.text_encoder_path).name} "
+            f"is {hidden} wide (Klein 4B reads Qwen3-4B, 2560; 9B reads Qwen3-8B, 4096)"))
+    if not problems:
+        problems.append(Problem("model.path", "a Flux2KleinPipeline diffusers folder",
+                                repr(model.path), "the three files are Klein's, but loading "
+                                "ComfyUI's split files is not supported yet: " + DIFFUSERS_FOLDER))
+    return problems
+
+
 def input_problems(model: Any, single_file: bool) -> list[Problem]:
     """What is wrong with Klein's files beyond the shared folder checks."""
     if single_file:
-        return [Problem("model.path", "a Flux2KleinPipeline diffusers folder", repr(model.path),
-                        "Flux.2 Klein from ComfyUI's single files is not supported yet: give "
-                        "the diffusers folder (model_index.json, transformer/, text_encoder/, "
-                        "tokenizer/, vae/, scheduler/)")]
+        return split_file_problems(model)
     return width_problems(Path(model.path)) + distilled_problems(model)

@@ -1,6 +1,6 @@
 """Small tokenizers trained here, so tiny models need no download: the byte-pair-encoding loop
 they share and the Qwen-style byte-level tokenizer (with its chat template) that the tiny
-Qwen3 text encoders read. CLIP's tokenizer (modules/models/tiny.py) uses the same loop.
+Qwen3 text encoders read. CLIP's tokenizer (modules/models/tiny_sd.py) uses the same loop.
 
 The loop is deterministic: ties between equally frequent pairs go to the alphabetically first
 (tokenizers' own BpeTrainer breaks them differently from one process to the next), so a tiny

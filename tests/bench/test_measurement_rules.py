@@ -173,7 +173,7 @@ def test_a_benchmark_config_validates_for_every_family(model_type):
 
 
 def test_a_tiny_unet_counts_as_the_benchmark_model_of_the_same_shape(tmp_path, tempera_cache):
-    from modules.models.tiny import TINY_SPECS
+    from modules.models.tiny_sd import TINY_SPECS
     config = apply_overrides(Config(), [f"general.cache_dir={tempera_cache}"])
     assert denoiser_parameters(config)[0] == unet_parameter_count("tiny")
     folder = tmp_path / "model"

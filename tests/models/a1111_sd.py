@@ -103,7 +103,7 @@ def _tempera_components(model_type: ModelType) -> dict[str, nn.Module]:
     """Tempera's full-size diffusers UNet and transformers text encoders, weightless."""
     import diffusers
     import transformers
-    from modules.models.tiny import TINY_SPECS
+    from modules.models.tiny_sd import TINY_SPECS
     family = FAMILY[model_type]
     with torch.device("meta"):
         out: dict[str, nn.Module] = {

@@ -5,8 +5,8 @@ N GB card keeps its plan within half of N GiB (docs/memory.md, "Presets for smal
 other half is for activations, the CUDA context and the compiler's workspaces. Each preset's
 8-bit storage is checked too: on where the card needs it, off where the plan fits without it,
 and the one the plan picks (levers.py's `picked_storage`: INT8, on an RTX 30 card and on a
-newer one alike).
-(Over 10 s: four real-size plans, the first paying for importing the model classes.)"""
+newer one alike). Klein's presets are planned on the 4B's or the 9B's configs (`CONFIGS`).
+(Over 10 s: eleven real-size plans, the first paying for importing the model classes.)"""
 from __future__ import annotations
 
 import re
@@ -28,7 +28,22 @@ HEADROOM = 0.5  # the share of the card a preset's plan may take (docs/memory.md
 
 # preset -> (the card it is for, in GiB; whether its frozen weights need 8 bits to fit)
 CARDS = {"sd15/lora_6gb.json": (6, False), "sdxl/lora_12gb.json": (12, False),
-         "sdxl/lora_8gb.json": (8, True), "zimage/lora_16gb.json": (16, True)}
+         "sdxl/lora_8gb.json": (8, True), "zimage/lora_16gb.json": (16, True),
+         "klein/lora_4b_12gb.json": (12, True), "klein/lora_4b_16gb.json": (16, False),
+         "klein/lora_4b_24gb.json": (24, False), "klein/lora_9b_16gb.json": (16, False),
+         "klein/lora_9b_24gb.json": (24, True), "klein/fine_tune_4b_48gb.json": (48, False),
+         "klein/fine_tune_4b_80gb.json": (80, False)}
+# the shipped configs a preset's plan is computed on, where the folder is not its family's
+# (one family, two sizes)
+CONFIGS = {"klein/lora_4b_12gb.json": "klein4b", "klein/lora_4b_16gb.json": "klein4b",
+           "klein/lora_4b_24gb.json": "klein4b", "klein/lora_9b_16gb.json": "klein9b",
+           "klein/lora_9b_24gb.json": "klein9b", "klein/fine_tune_4b_48gb.json": "klein4b",
+           "klein/fine_tune_4b_80gb.json": "klein4b"}
+# a lever other than 8-bit storage a preset pulls, and the overrides that undo it: without it
+# the plan would not fit (9B on 16 GB: not with 8-bit storage instead either)
+LEVERS = {"klein/lora_9b_16gb.json": [["model.offload_blocks=0"],
+                                       ["model.offload_blocks=0", "model.weight_storage=INT8"]],
+          "klein/fine_tune_4b_48gb.json": [["training.optimizer=ADAMW"]]}
 
 
 # the cards a preset of that size may meet: an RTX 30 (no float8) and an RTX 40
@@ -51,7 +66,8 @@ def _eight_bit_as_bf16(plan) -> int:
 def test_the_preset_fits_its_card_with_the_headroom(preset):
     card, needs_8bit = CARDS[preset]
     config = apply_overrides(load_config(PRESETS / preset), [DATA])
-    folder = REPO / "modules" / "models" / "configs" / preset.split("/")[0]
+    folder = REPO / "modules" / "models" / "configs" / CONFIGS.get(preset,
+                                                                   preset.split("/")[0])
     plan = plan_memory(config, folder)
     assert plan.total <= HEADROOM * card * GIB, plan.describe()
     # the text encoders and the VAE are off the card (their outputs cached)
@@ -62,6 +78,9 @@ def test_the_preset_fits_its_card_with_the_headroom(preset):
     if needs_8bit:  # without it the plan would not fit: the quality cost is paid for a reason
         assert plan.total + _eight_bit_as_bf16(plan) > HEADROOM * card * GIB
         assert {picked_storage(a) for a in CARD_ABILITIES} == {storage} == {WeightStorage.INT8}
+    for undo in LEVERS.get(preset, []):  # each other lever is pulled for a reason too
+        without = plan_memory(apply_overrides(config, undo), folder)
+        assert without.total > HEADROOM * card * GIB, (undo, without.total / GIB)
     # the description names the card and the plan's total, as the plan computes it
     description = config.general.description
     assert f"{card} GB card" in description

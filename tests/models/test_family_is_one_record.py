@@ -43,14 +43,8 @@ OWN = {
     "modules/models/sd_folder.py": SD_FAMILIES,
     "modules/models/single_file.py": SD_FAMILIES,
     "modules/models/kohya.py": SD_FAMILIES,
-    "modules/models/tiny.py": SD_FAMILIES,
+    "modules/models/tiny_sd.py": SD_FAMILIES,
 }
-# Left to do (issue 56 item 8): tiny.py picks the transformer families' tiny builders and specs
-# from a table keyed by model type (OWN_BUILDERS), because the family records cannot be asked from there: families/sd.py
-# builds its tiny model with tiny.py's SD builder, so tiny.py importing the family table is an
-# import circle (tests/test_layers.py). Asking `family_of(t).build_tiny` needs tiny.py's SD
-# half moved into a tiny_sd.py first.
-TINY_BRANCHES = {"modules/models/tiny.py": {ModelType.ZIMAGE, ModelType.KLEIN}}
 # What else must name a family, and why. Keep it short: a new entry needs a reason that says
 # why the knowledge cannot be a field of the family's record.
 ALLOWED = {
@@ -129,7 +123,7 @@ def test_a_family_is_named_only_by_its_record_its_files_and_the_allow_list():
     stray = [f"{path}:{lines[0]}: names {model_type.value} ({len(lines)} lines)"
              for path, families in found.items() for model_type, lines in families.items()
              if model_type not in TABLES.get(path, set()) | OWN.get(path, set())
-             | ALLOWED.get(path, set()) | TINY_BRANCHES.get(path, set())]
+             | ALLOWED.get(path, set())]
     assert not stray, ("a family's name outside its record (move the knowledge to a field of "
                        "its record, or allow it with a reason):\n" + "\n".join(stray))
 
@@ -156,3 +150,19 @@ def test_the_check_sees_each_spelling():
     assert sdxl.search("SDXL_EMBEDDING_KEYS") and sdxl.search("sdxl")
     for text in ("sd_family", "families/sd.py", "zimages_of_cats", "imagezimage"):
         assert not (zimage.search(text) or sd15.search(text)), text
+
+
+def test_the_record_says_which_pipelines_take_the_negative_prompt_encoded_only():
+    """Sampling reads `negative_prompt_encoded_only` from the record instead of inspecting the
+    pipeline's signature: each record says what its pipeline's `__call__` takes."""
+    import inspect
+
+    import diffusers
+
+    from modules.models.families import FAMILIES
+    for model_type, family in FAMILIES.items():
+        pipeline = getattr(diffusers, MODEL_TYPES[model_type].pipeline_class)
+        takes_text = "negative_prompt" in inspect.signature(pipeline.__call__).parameters
+        assert family.negative_prompt_encoded_only is not takes_text, model_type
+        if family.negative_prompt_encoded_only:
+            assert family.pipeline_text_arguments is not None, model_type

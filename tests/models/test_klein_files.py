@@ -1,13 +1,15 @@
 """Flux.2 Klein's folders checked before anything is written (no weights loaded): the tiny
 model's folder passes; another family's folder, a folder missing a component, a transformer
 with the other size's text encoder and a step-distilled Klein are each refused, naming the
-file and what to do; the file layouts Klein has no writer for yet are refused up front."""
+file and what to do; ComfyUI's split files are recognised by their keys, a swapped, wrong or
+missing one named; the file layouts Klein has no writer for yet are refused up front."""
 from __future__ import annotations
 
 import json
 import shutil
 
 import pytest
+import torch
 
 from modules.config import Config, apply_overrides
 from modules.model_types import MODEL_TYPES, ModelType
@@ -77,11 +79,90 @@ def test_a_distilled_klein_is_refused_with_what_to_train_instead(copy):
     assert _model_problems(copy, "model.train_distilled=true") == {}
 
 
-def test_a_single_file_is_refused_until_klein_reads_them(tmp_path):
-    path = tmp_path / "flux-2-klein-base-4b.safetensors"
-    path.write_bytes(b"")
-    problems = _model_problems(path)
+# ComfyUI's three files, as their headers read: the diffusion model in BFL's original layout
+# (fused qkv, the global modulations), Qwen3 as transformers saves it, the VAE as diffusers
+# does; small tensors of the real layouts' names, the widths set per test
+def _diffusion_model(path, caption_width):
+    from safetensors.torch import save_file
+    save_file({"double_blocks.0.img_attn.qkv.weight": torch.zeros(6, 2),
+               "single_blocks.0.linear1.weight": torch.zeros(4, 2),
+               "double_stream_modulation_img.lin.weight": torch.zeros(4, 2),
+               "txt_in.weight": torch.zeros(2, caption_width)}, str(path))
+    return path
+
+
+def _qwen3(path, width):
+    from safetensors.torch import save_file
+    save_file({"model.embed_tokens.weight": torch.zeros(4, width),
+               "model.layers.0.self_attn.q_norm.weight": torch.zeros(2)}, str(path))
+    return path
+
+
+def _vae(path, latent_channels):
+    from safetensors.torch import save_file
+    save_file({"encoder.conv_out.weight": torch.zeros(2 * latent_channels, 1, 1, 1),
+               "decoder.conv_in.weight": torch.zeros(1, latent_channels, 1, 1)}, str(path))
+    return path
+
+
+@pytest.fixture
+def split(tmp_path):
+    """The 4B's three files (flux-2-klein-base-4b, qwen_3_4b, flux2-vae), by field."""
+    return {"model.path": _diffusion_model(tmp_path / "flux-2-klein-base-4b.safetensors", 7680),
+            "model.text_encoder_path": _qwen3(tmp_path / "qwen_3_4b.safetensors", 2560),
+            "model.vae_path": _vae(tmp_path / "flux2-vae.safetensors", 32)}
+
+
+def _split_problems(files: dict) -> dict[str, str]:
+    from modules.models.klein_files import split_file_problems
+    model = apply_overrides(Config(), ["model.type=KLEIN", *[f"{field}={path}" for field, path
+                                                            in files.items()]]).model
+    return {p.path: str(p) for p in split_file_problems(model)}
+
+
+def test_three_right_files_are_recognised_then_refused_until_klein_loads_them(split):
+    from modules.models.klein_files import keys_of, part_of
+    assert [part_of(keys_of(split[f]))[0] for f in split] == ["transformer", "text_encoder",
+                                                                "vae"]
+    assert part_of(keys_of(split["model.path"]))[1].startswith("Klein 4B")
+    problems = _split_problems(split)
     assert problems.keys() == {"model.path"} and "not supported yet" in problems["model.path"]
+    assert "FLUX.2-klein-base-4B" in problems["model.path"]
+    # through the run's own input checks too (the files are Klein's own settings)
+    config_problems = _model_problems(split["model.path"],
+                                      *[f"{f}={p}" for f, p in split.items() if f != "model.path"])
+    assert config_problems.keys() == {"model.path"}, config_problems
+
+
+def test_swapped_wrong_and_missing_files_are_each_named(split, tmp_path):
+    swapped = _split_problems({**split, "model.text_encoder_path": split["model.vae_path"],
+                               "model.vae_path": split["model.text_encoder_path"]})
+    assert set(swapped) == {"model.text_encoder_path", "model.vae_path"}
+    assert "flux2-vae.safetensors is Flux.2's 32-channel VAE" in swapped[
+        "model.text_encoder_path"] and "belongs in model.vae_path" in swapped[
+        "model.text_encoder_path"]
+    assert "qwen_3_4b.safetensors is Qwen3-4B" in swapped["model.vae_path"]
+    flux1_vae = _split_problems({**split, "model.vae_path": _vae(tmp_path / "ae.safetensors",
+                                                                  16)})
+    assert set(flux1_vae) == {"model.vae_path"} and "16 latent channels" in flux1_vae[
+        "model.vae_path"]
+    missing = _split_problems({**split, "model.vae_path": ""})
+    assert set(missing) == {"model.vae_path"} and "models/vae" in missing["model.vae_path"]
+    lora = tmp_path / "lora.safetensors"
+    from safetensors.torch import save_file
+    save_file({"diffusion_model.double_blocks.0.img_attn.qkv.lora_down.weight":
+               torch.zeros(2, 2)}, str(lora))
+    wrong = _split_problems({**split, "model.path": lora})
+    assert set(wrong) == {"model.path"} and "a LoRA" in wrong["model.path"]
+
+
+def test_a_9b_diffusion_model_beside_qwen3_4b_is_refused_naming_both(split, tmp_path):
+    nine = _diffusion_model(tmp_path / "flux-2-klein-base-9b.safetensors", 12288)
+    problems = _split_problems({**split, "model.path": nine})
+    assert set(problems) == {"model.text_encoder_path"}, problems
+    message = problems["model.text_encoder_path"]
+    assert "flux-2-klein-base-9b.safetensors reads captions 12288 wide" in message
+    assert "qwen_3_4b.safetensors is 2560 wide" in message
 
 
 @pytest.mark.parametrize("method,fmt", [("LORA", "KOHYA"), ("FINE_TUNE", "SINGLE_FILE")])

@@ -16,7 +16,8 @@ from transformers import (AutoTokenizer, CLIPTextModel, CLIPTextModelWithProject
 
 from modules.config.schema import ModelType
 from modules.data.shapes import BACKGROUND_COLORS, FOREGROUND_COLORS, SHAPES
-from modules.models import tiny
+from modules.models import tiny, tiny_sd
+from modules.models.families import family_of
 
 CAPTION = "a red circle on a blue background"
 
@@ -25,7 +26,7 @@ CAPTION = "a red circle on a blue background"
 def built(tmp_path_factory) -> dict[ModelType, Path]:
     """Each model type built once for the whole module (about a second in all)."""
     root = tmp_path_factory.mktemp("tiny")
-    return {mt: tiny.build_tiny_pipeline(mt, root / mt.value) for mt in tiny.TINY_SPECS}
+    return {mt: tiny_sd.build_tiny_pipeline(mt, root / mt.value) for mt in tiny_sd.TINY_SPECS}
 
 
 def _tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -45,13 +46,13 @@ def test_tokenizer_round_trip_and_special_tokens(built):
     assert (built[ModelType.SD15] / "tokenizer" / "vocab.json").is_file()
     assert (built[ModelType.SD15] / "tokenizer" / "merges.txt").is_file()
     ids = tok(CAPTION).input_ids
-    assert ids[0] == tok.bos_token_id == tok.convert_tokens_to_ids(tiny.BOS_TOKEN)
-    assert ids[-1] == tok.eos_token_id == tok.convert_tokens_to_ids(tiny.EOS_TOKEN)
+    assert ids[0] == tok.bos_token_id == tok.convert_tokens_to_ids(tiny_sd.BOS_TOKEN)
+    assert ids[-1] == tok.eos_token_id == tok.convert_tokens_to_ids(tiny_sd.EOS_TOKEN)
     assert tok.unk_token_id not in ids[1:-1]
     assert tok.decode(ids, skip_special_tokens=True) == CAPTION
     # CLIP convention: the end token has the highest id (CLIPTextModel pools there).
     assert tok.eos_token_id == len(tok) - 1
-    assert len(tok) <= tiny.TINY_SPECS[ModelType.SD15].tokenizer_vocab_size
+    assert len(tok) <= tiny_sd.TINY_SPECS[ModelType.SD15].tokenizer_vocab_size
     padded = tok([CAPTION, "a square"], padding="max_length", max_length=tok.model_max_length,
                  truncation=True, return_tensors="pt").input_ids
     assert tok.model_max_length == 77 and padded.shape == (2, 77)
@@ -60,7 +61,7 @@ def test_tokenizer_round_trip_and_special_tokens(built):
 
 def test_classic_vocab_and_merges_files_load_the_same_tokenizer(built, tmp_path):
     saved = built[ModelType.SD15] / "tokenizer"
-    for name in tiny.TOKENIZER_FILES:
+    for name in tiny_sd.TOKENIZER_FILES:
         (tmp_path / name).write_bytes((saved / name).read_bytes())
     classic = CLIPTokenizer.from_pretrained(tmp_path, model_max_length=77)
     full = AutoTokenizer.from_pretrained(saved)
@@ -72,11 +73,11 @@ def test_classic_vocab_and_merges_files_load_the_same_tokenizer(built, tmp_path)
 def test_every_shapes_caption_word_is_one_token(built):
     tok = AutoTokenizer.from_pretrained(built[ModelType.SD15] / "tokenizer")
     for word in (*SHAPES, *FOREGROUND_COLORS, *BACKGROUND_COLORS, "a", "on", "background"):
-        assert tok.tokenize(word) == [word + tiny.END_OF_WORD], word
+        assert tok.tokenize(word) == [word + tiny_sd.END_OF_WORD], word
 
 
 def test_build_is_deterministic(tmp_path, built):
-    again = tiny.build_tiny_pipeline(ModelType.SD15, tmp_path / "again")
+    again = tiny_sd.build_tiny_pipeline(ModelType.SD15, tmp_path / "again")
     first, second = _tensors(built[ModelType.SD15]), _tensors(again)
     assert first.keys() == second.keys()
     assert all(torch.equal(first[k], second[k]) for k in first)
@@ -84,18 +85,18 @@ def test_build_is_deterministic(tmp_path, built):
     assert _file_bytes(again) == _file_bytes(built[ModelType.SD15])
     config = (again / "tokenizer" / "tokenizer_config.json").read_text()
     assert "local_files_only" not in config and "is_local" not in config
-    other = _tensors(tiny.build_tiny_pipeline(ModelType.SD15, tmp_path / "seed1", seed=1))
+    other = _tensors(tiny_sd.build_tiny_pipeline(ModelType.SD15, tmp_path / "seed1", seed=1))
     assert not all(torch.equal(first[k], other[k]) for k in first)
 
 
 def test_tokenizer_merges_are_the_same_in_another_process():
     """tokenizers' own BPE trainer broke ties differently per process; ours must not."""
-    code = ("from modules.models.tiny import CORPUS_PATH, train_clip_merges; "
+    code = ("from modules.models.tiny_sd import CORPUS_PATH, train_clip_merges; "
             "print(repr(train_clip_merges(CORPUS_PATH.read_text('utf-8').splitlines(), 10_000)))")
-    root = Path(tiny.__file__).resolve().parents[2]
+    root = Path(tiny_sd.__file__).resolve().parents[2]
     other = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
                            env={**os.environ, "PYTHONHASHSEED": "12345"}, check=True)
-    here = tiny.train_clip_merges(tiny.CORPUS_PATH.read_text("utf-8").splitlines(), 10_000)
+    here = tiny_sd.train_clip_merges(tiny_sd.CORPUS_PATH.read_text("utf-8").splitlines(), 10_000)
     assert len(here) > 300
     assert other.stdout.strip() == repr(here)
 
@@ -104,13 +105,13 @@ def test_build_leaves_global_rng_alone(tmp_path):
     torch.manual_seed(123)
     expected = torch.rand(3)
     torch.manual_seed(123)
-    tiny.build_tiny_pipeline(ModelType.SD2, tmp_path / "m")
+    tiny_sd.build_tiny_pipeline(ModelType.SD2, tmp_path / "m")
     assert torch.equal(torch.rand(3), expected)
 
 
-@pytest.mark.parametrize("model_type", list(tiny.TINY_SPECS))
+@pytest.mark.parametrize("model_type", list(tiny_sd.TINY_SPECS))
 def test_pipeline_loads_and_generates(built, model_type):
-    spec = tiny.TINY_SPECS[model_type]
+    spec = tiny_sd.TINY_SPECS[model_type]
     pipe_class = getattr(diffusers, spec.pipeline_class)
     pipe = pipe_class.from_pretrained(built[model_type], local_files_only=True)
     assert type(pipe) is pipe_class
@@ -162,13 +163,13 @@ def test_sdxl_two_encoders_and_added_conditioning(built):
 
 
 def test_check_spec_rejects_inconsistent_sdxl_dims():
-    spec = tiny.TINY_SPECS[ModelType.SDXL]
+    spec = tiny_sd.TINY_SPECS[ModelType.SDXL]
     bad = dataclasses.replace(spec, unet={**spec.unet, "projection_class_embeddings_input_dim": 81})
     with pytest.raises(ValueError, match="projection_class_embeddings_input_dim"):
-        tiny.check_spec(bad)
+        tiny_sd.check_spec(bad)
     bad = dataclasses.replace(spec, unet={**spec.unet, "cross_attention_dim": 32})
     with pytest.raises(ValueError, match="cross_attention_dim"):
-        tiny.check_spec(bad)
+        tiny_sd.check_spec(bad)
 
 
 def test_ensure_builds_once_then_reuses(tmp_path, monkeypatch):
@@ -181,19 +182,19 @@ def test_ensure_builds_once_then_reuses(tmp_path, monkeypatch):
     def no_rebuild(*args, **kwargs):
         raise AssertionError("the cached model was rebuilt")
 
-    monkeypatch.setattr(tiny, "build_tiny_pipeline", no_rebuild)
+    monkeypatch.setattr(tiny_sd, "build_tiny_pipeline", no_rebuild)
     assert tiny.ensure_builtin_model("builtin:tiny-sd15", tmp_path) == folder
     assert weights.stat().st_mtime_ns == mtime
     assert [p.name for p in (tmp_path / "models").iterdir()] == [folder.name]
 
 
 def test_fingerprint_follows_the_spec(tmp_path, monkeypatch):
-    spec = tiny.TINY_SPECS[ModelType.SD15]
+    spec = tiny_sd.TINY_SPECS[ModelType.SD15]
     changed = dataclasses.replace(spec, unet={**spec.unet, "layers_per_block": 2})
     assert tiny.spec_fingerprint(spec) == tiny.spec_fingerprint(dataclasses.replace(spec))
     assert tiny.spec_fingerprint(changed) != tiny.spec_fingerprint(spec)
     before = tiny.builtin_model_dir("builtin:tiny-sd15", tmp_path)
-    monkeypatch.setitem(tiny.TINY_SPECS, ModelType.SD15, changed)
+    monkeypatch.setitem(tiny_sd.TINY_SPECS, ModelType.SD15, changed)
     assert tiny.builtin_model_dir("builtin:tiny-sd15", tmp_path) != before
     version_a = tiny.spec_fingerprint(spec)
     monkeypatch.setattr(tiny, "BUILDER_VERSION", tiny.BUILDER_VERSION + 1)
@@ -202,17 +203,17 @@ def test_fingerprint_follows_the_spec(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("error", [RuntimeError("disk on fire"), KeyboardInterrupt()])
 def test_interrupted_build_leaves_no_finished_folder(tmp_path, monkeypatch, error):
-    real_build = tiny.build_tiny_pipeline
+    real_build = tiny_sd.build_tiny_pipeline
 
     def build_then_fail(model_type, dest, seed=0):
         real_build(model_type, dest, seed)  # every file written...
         raise error  # ...but interrupted before the folder is published
 
-    monkeypatch.setattr(tiny, "build_tiny_pipeline", build_then_fail)
+    monkeypatch.setattr(tiny_sd, "build_tiny_pipeline", build_then_fail)
     with pytest.raises(type(error)):
         tiny.ensure_builtin_model("builtin:tiny-sd2", tmp_path)
     assert list((tmp_path / "models").iterdir()) == []  # no target, no leftover temp folder
-    monkeypatch.setattr(tiny, "build_tiny_pipeline", real_build)
+    monkeypatch.setattr(tiny_sd, "build_tiny_pipeline", real_build)
     folder = tiny.ensure_builtin_model("builtin:tiny-sd2", tmp_path)
     assert (folder / "model_index.json").is_file()
 
@@ -226,11 +227,14 @@ def test_unknown_builtin_name_lists_the_known_ones(tmp_path):
     assert not (tmp_path / "models").exists()
 
 
-def test_builtin_models_cover_every_spec():
-    # the UNet families from the spec table, the transformer families from their own
-    # builders (tiny_zimage.py, tiny_klein.py)
-    assert set(tiny.BUILTIN_MODELS.values()) == {*tiny.TINY_SPECS, *tiny.OWN_BUILDERS} == set(
-        ModelType)
+def test_every_family_record_says_what_its_builtin_model_is(tmp_path):
+    """The cache asks each family's record for its tiny model's spec (no table of its own):
+    every model type has a built-in model, each with its own fingerprint."""
+    assert set(tiny.BUILTIN_MODELS.values()) == set(ModelType)
+    for name, model_type in tiny.BUILTIN_MODELS.items():
+        assert tiny.tiny_spec(name) == family_of(model_type).tiny_spec()
+    folders = {tiny.builtin_model_dir(name, tmp_path).name for name in tiny.BUILTIN_MODELS}
+    assert len(folders) == len(tiny.BUILTIN_MODELS)
 
 
 @pytest.mark.parametrize("source", ["builtin", "bench"])

@@ -161,6 +161,9 @@ class ModelFamily:
       it encoded prompts (`prompt_embeds`, ...), so samples need no text encoder on the GPU;
       a family that has it lets its text encoder leave the GPU once every caption is cached
       (None: the encoder stays);
+    - `negative_prompt_encoded_only`: the pipeline takes no negative prompt as text (only
+      encoded: Flux2KleinPipeline), so samples hand it both prompts encoded by the family even
+      when no caption is cached;
     - `varying_lengths(conditioning)`: the conditioning tensors whose first dimension is a
       caption's own length (Z-Image's `cap_feats`), marked dynamic up front for a compiled
       denoiser; none for a family that pads every caption to one length;
@@ -173,7 +176,8 @@ class ModelFamily:
       main blocks of a transformer whose refiner blocks keep their weights), None: anywhere;
     - `objective`: noise, target and loss weights (`Objective`);
     - `build_tiny(dest, seed)`: a tiny randomly initialised model folder, for tests and demos
-      (its `builtin:` name is the model-type table's);
+      (its `builtin:` name is the model-type table's); `tiny_spec()`: what decides that
+      model's weights and layout, whose fingerprint names its cached folder (models/tiny.py);
     - `enable_gradient_checkpointing(module)` on the denoiser;
     - `fp16_vae_overflows`: the VAE's activations overflow in float16 (kept at float32 then);
     - `identify_folder(folder)`: (model type, why) of a diffusers folder whose pipeline class
@@ -198,6 +202,7 @@ class ModelFamily:
                                  tuple[tuple, dict[str, Any]]]
     objective: Objective
     build_tiny: Callable[[Path, int], Path]
+    tiny_spec: Callable[[], Any]
     enable_gradient_checkpointing: Callable[[ModelMixin], None] = (
         lambda module: module.enable_gradient_checkpointing())
     fp16_vae_overflows: bool = False
@@ -207,6 +212,7 @@ class ModelFamily:
     lora_scope: str | None = None
     samplers: Mapping[Any, tuple[str, dict]] | None = None
     pipeline_text_arguments: Callable[[TextEmbeddings, TextEmbeddings], dict[str, Any]] | None = None
+    negative_prompt_encoded_only: bool = False
     varying_lengths: Callable[[dict[str, Any]], list[torch.Tensor]] = lambda conditioning: []
     input_problems: Callable[[Any, bool], list[Any]] | None = None
     write_single_file: Callable[..., Path] | None = None

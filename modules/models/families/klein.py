@@ -36,6 +36,7 @@ from modules.models.families.base import ModelFamily, Objective, TextEmbeddings
 from modules.models.families.flow import load_qwen_flow_folder, flow_noisy_and_target, flow_timesteps, train_timesteps
 from modules.models.families.sd import text_encoders
 from modules.models.klein_files import STACKED_LAYERS
+from modules.models.tiny_klein import TINY_KLEIN
 
 # The blocks REGIONAL compiles: both classes diffusers declares repeated
 # (Flux2Transformer2DModel._repeated_blocks)
@@ -205,10 +206,12 @@ KLEIN = ModelFamily(
     denoiser_arguments=transformer_arguments,
     objective=KLEIN_FLOW,
     build_tiny=build_tiny,
+    tiny_spec=lambda: TINY_KLEIN,
     lora_scope=BLOCKS_SCOPE,
     samplers=SAMPLERS,
     input_problems=input_problems,
     pipeline_text_arguments=pipeline_text_arguments,
+    negative_prompt_encoded_only=True,
     vae_latents=normalised_latents,
     unpack_prediction=unpack_prediction,
 )

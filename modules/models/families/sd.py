@@ -137,23 +137,29 @@ def detect_folder_type(folder: Path) -> tuple[ModelType, str]:
 
 
 def build_tiny(model_type: ModelType, dest: Path, seed: int = 0) -> Path:
-    from modules.models.tiny import build_tiny_pipeline
+    from modules.models.tiny_sd import build_tiny_pipeline
     return build_tiny_pipeline(model_type, dest, seed)
 
 
+def tiny_spec(model_type: ModelType) -> Any:
+    """The tiny model's row of the SD spec table (read at call time: tests change it)."""
+    from modules.models.tiny_sd import TINY_SPECS
+    return TINY_SPECS[model_type]
+
+
 def real_size(model_type: ModelType, files: FileConventions, description: str) -> RealSize:
-    """The benchmark's random-weight SD model of the real size (models/tiny.py builds it from
+    """The benchmark's random-weight SD model of the real size (models/tiny_sd.py builds it from
     the configs shipped for `files`)."""
     def spec() -> Any:
-        from modules.models.tiny import real_size_spec
+        from modules.models.tiny_sd import real_size_spec
         return real_size_spec(model_type, files.single_file_configs)
 
     def build(spec: Any, dest: Path) -> Path:
-        from modules.models.tiny import build_from_spec
+        from modules.models.tiny_sd import build_from_spec
         return build_from_spec(spec, dest, half=True)
 
     def denoiser_parameters(spec: Any) -> int:
-        from modules.models.tiny import unet_parameters
+        from modules.models.tiny_sd import unet_parameters
         return unet_parameters(spec)
     return RealSize(description, spec, build, denoiser_parameters)
 
@@ -201,6 +207,7 @@ def sd_family(model_type: ModelType) -> ModelFamily:
         denoiser_arguments=unet_arguments,
         objective=DDPM,
         build_tiny=functools.partial(build_tiny, model_type),
+        tiny_spec=functools.partial(tiny_spec, model_type),
         identify_folder=detect_folder_type,
         files=SD_FILES[model_type],
         pipeline_text_arguments=pipeline_text_arguments,

@@ -101,6 +101,7 @@ SDXL = ModelFamily(
     identify_folder=sd.detect_folder_type,
     objective=sd.DDPM,
     build_tiny=functools.partial(sd.build_tiny, ModelType.SDXL),
+    tiny_spec=functools.partial(sd.tiny_spec, ModelType.SDXL),
     files=SDXL_FILES,
     pipeline_text_arguments=pipeline_text_arguments,
     real_size=sd.real_size(ModelType.SDXL, SDXL_FILES, "SDXL base architecture, random weights"),

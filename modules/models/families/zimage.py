@@ -23,7 +23,8 @@ from modules.models.chat_text import ChatEncoding, caption_list, encode_chat
 from modules.models.families.base import FileConventions, ModelFamily, RealSize, TextEmbeddings
 from modules.models.families.flow import load_qwen_flow_folder, FLOW_MATCHING
 from modules.models.families.sd import text_encoders
-from modules.models.tiny_zimage import build_real_size, real_size_spec, transformer_parameters
+from modules.models.tiny_zimage import (TINY_ZIMAGE, build_real_size, real_size_spec,
+                                        transformer_parameters)
 
 # The blocks REGIONAL compiles: the class diffusers declares repeated
 # (ZImageTransformer2DModel._repeated_blocks); the refiners are blocks of the same class.
@@ -173,6 +174,7 @@ ZIMAGE = ModelFamily(
     denoiser_arguments=transformer_arguments,
     objective=FLOW_MATCHING,
     build_tiny=build_tiny,
+    tiny_spec=lambda: TINY_ZIMAGE,
     read_prediction=read_prediction,
     lora_scope=MAIN_BLOCKS,
     samplers=SAMPLERS,

@@ -1,7 +1,6 @@
 """Sample images from the model being trained, with fixed prompts and seeds."""
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from pathlib import Path
 
@@ -94,9 +93,9 @@ def _draw(pipeline, bundle: ModelBundle, prompts: list[SamplePrompt], folder: Pa
           ) -> list[tuple[Path, str, Image.Image]]:
     """Each prompt's image, written into `folder` (when `write`), until `should_stop`."""
     zeros = bool(pipeline.config.get("force_zeros_for_empty_prompt", False))
-    # a pipeline that takes no negative prompt as text (Flux2KleinPipeline: encoded only) gets
-    # both prompts encoded here, by the family, as it would encode them
-    encode_here = "negative_prompt" not in inspect.signature(pipeline.__call__).parameters
+    # a pipeline that takes no negative prompt as text gets both prompts encoded here, by the
+    # family, as it would encode them
+    encode_here = family_of(bundle.model_type).negative_prompt_encoded_only
     rows = []
     for i, prompt in enumerate(prompts):
         if should_stop():

@@ -14,6 +14,7 @@ import torch
 
 from modules.compile import detect_capabilities
 from modules.compile.explain import explain, format_explanation
+from modules.compile.regions import REPEATED_BLOCKS
 from modules.config.data import shapes_vary
 from modules.train.recipe.compile_scope import planned_config
 from modules.train.recipe.compile_guard import compile_facts, denoiser_compile_cost
@@ -77,7 +78,10 @@ def explain_config(config: Config) -> dict[str, Any]:
     wanted = {COMPILE_DENOISER: config.compile.denoiser,
               "text_encoder": config.compile.text_encoder, "vae": config.compile.vae}
     selected = {name: example for name, example in examples.items() if wanted[name]}
-    return explain(config.compile, selected, compile_facts(config, detect_capabilities(device)))
+    # REGIONAL explains the blocks training compiles: the family's for the denoiser
+    blocks = {**REPEATED_BLOCKS, COMPILE_DENOISER: family_of(bundle.model_type).repeated_blocks}
+    return explain(config.compile, selected, compile_facts(config, detect_capabilities(device)),
+                   blocks)
 
 
 def explain_text(config: Config) -> str:
