@@ -178,31 +178,6 @@ def test_a_folder_that_cannot_be_worked_on_is_refused(tmp_path, problem):
         run_job(target, colour_job([]))
 
 
-@pytest.fixture
-def read_only_folder(tmp_path):
-    """A folder of images nobody may write to: chmod for a normal user; for root (whom
-    permissions do not stop) a tmpfs remounted read-only (skipped without mount rights)."""
-    folder = tmp_path / "images"
-    folder.mkdir()
-    if os.geteuid() != 0:
-        make_folder(folder.parent / "src", 2)
-        for image in (folder.parent / "src" / "images").iterdir():
-            (folder / image.name).write_bytes(image.read_bytes())
-        folder.chmod(0o555)
-        yield folder
-        folder.chmod(0o755)
-        return
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("a read-only folder for root needs mount rights")
-    try:
-        Image.new("RGB", (8, 8)).save(folder / "a.png")
-        subprocess.run(["mount", "-o", "remount,ro", str(folder)], check=True)
-        yield folder
-    finally:
-        subprocess.run(["umount", "-l", str(folder)], check=False)
-
-
 def test_a_folder_that_is_not_writable_is_refused(read_only_folder):
     with pytest.raises(JobRefused, match="is not writable"):
         run_job(read_only_folder, colour_job([]))

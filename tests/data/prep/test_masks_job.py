@@ -4,7 +4,6 @@ checked the way a training run reads them (modules/data/masks.py)."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import socket
 import subprocess
@@ -284,29 +283,6 @@ def test_a_second_job_on_the_folder_is_refused(tiny_models, tmp_path):
         sleeper.kill()
         sleeper.wait()
     assert not (folder / "img0_mask.png").exists()
-
-
-@pytest.fixture
-def read_only_folder(tmp_path):
-    """A folder of images nobody may write to: chmod for a normal user; for root (whom
-    permissions do not stop) a tmpfs remounted read-only (skipped without mount rights)."""
-    folder = tmp_path / "images"
-    folder.mkdir()
-    if os.geteuid() != 0:
-        red_square().save(folder / "a.png")
-        folder.chmod(0o555)
-        yield folder
-        folder.chmod(0o755)
-        return
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("a read-only folder for root needs mount rights")
-    try:
-        red_square().save(folder / "a.png")
-        subprocess.run(["mount", "-o", "remount,ro", str(folder)], check=True)
-        yield folder
-    finally:
-        subprocess.run(["umount", "-l", str(folder)], check=False)
 
 
 def test_a_folder_that_is_not_writable_is_refused(tiny_models, read_only_folder):

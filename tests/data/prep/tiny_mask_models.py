@@ -19,7 +19,7 @@ def build_tiny_clipseg(dest: Path, seed: int = 0) -> Path:
     from transformers import (CLIPSegConfig, CLIPSegForImageSegmentation, CLIPSegProcessor,
                               ViTImageProcessor)
 
-    from modules.models.tiny import build_clip_tokenizer
+    from modules.models.tiny_sd import build_clip_tokenizer
 
     tokenizer = build_clip_tokenizer(dest, vocab_size=600)
     text = dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
