@@ -16,19 +16,22 @@ prints: when it shows a long unit starting late, add it here.
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# Units (test files) measured at over ~2 minutes on one worker (seconds, serial, this machine):
-# started first, longest first. A unit not collected in a run is ignored.
+# Units (test files) with tests or fixtures of over a minute each, started first, longest first
+# (the slow parts' seconds measured serially on an idle 2-core machine, November 2026). A unit
+# not collected in a run is ignored.
 SLOW_FIRST = [
-    "tests/bench/test_gpu_rehearsal.py",
-    "tests/train/test_weight_storage.py",
-    "tests/app/test_resume_offer.py",
-    "tests/train/test_fsdp.py",
-    "tests/models/test_zimage_compile.py",
-    "tests/compile/test_inductor.py",
-    "tests/train/test_fused_backward.py",
+    "tests/bench/test_gpu_rehearsal.py",     # the phases 192 + the compiled cells 219 (before
+                                             # they trained one shape)
+    "tests/train/test_weight_storage.py",    # its runs, FLOAT8 and INT8: 2 x ~120
+    "tests/train/test_fsdp.py",              # two FSDP setups, ~75 each
+    "tests/models/test_zimage_compile.py",   # two compiled tests, 74 + 61
+    "tests/compile/test_inductor.py",        # two inductor tests, 72 + 64
+    "tests/app/test_resume_offer.py",        # one window journey, 131
+    "tests/train/test_fused_backward.py",    # its runs, 77
 ]
 
 
@@ -37,12 +40,12 @@ def work_unit(nodeid: str) -> str:
     return nodeid.split("::")[0]
 
 
-def slow_first(queue: dict, slow: list[str] = SLOW_FIRST) -> None:
-    """Move the units of ``slow`` that ``queue`` (an OrderedDict of units) holds to its front,
+def slow_first(queue: OrderedDict, slow: list[str] = SLOW_FIRST) -> None:
+    """Move the units of ``slow`` that ``queue`` (xdist's queue of units) holds to its front,
     in the order ``slow`` gives."""
     for unit in reversed(slow):
         if unit in queue:
-            queue.move_to_end(unit, last=False)  # type: ignore[attr-defined]
+            queue.move_to_end(unit, last=False)
 
 
 @dataclass
