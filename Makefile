@@ -26,11 +26,12 @@ $(STAMP): pyproject.toml requirements/constraints.txt
 demo: $(STAMP)
 	$(PY) scripts/train.py --config training_presets/demo.json
 
-# On every core (pytest-xdist, at most 4 workers): a test file is one unit of work, and the
-# window tests are one unit (tests/conftest.py). --durations shows the slowest tests.
+# On every core (pytest-xdist, at most 4 workers): a test file is one unit of work, the known-long
+# ones first (tests/work_units.py). --durations shows the slowest tests; the end of the run lists
+# the slowest units and the critical path, all of them in test-times.json.
 test: $(STAMP) lint
 	bash scripts/ensure_xvfb.sh
-	$(PY) -m pytest -n auto --maxprocesses=4
+	$(PY) -m pytest -n auto --maxprocesses=4 --work-unit-times=test-times.json
 
 # ruff's small bug-finding rule set, then mypy over modules/ and app/ (both configured in
 # pyproject.toml; docs/contributing.md), run first by `make test` and CI.

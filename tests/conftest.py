@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 
@@ -45,17 +46,11 @@ def same_torch_threads():
         f"{torch.get_num_threads()}; set it in a subprocess, never in the test process")
 
 
-# How `make test` spreads the tests over its xdist workers (this hook is the only place). A work
-# unit is a whole test file, so the tests of a file that share a module-scoped fixture (one
-# training run read by several tests) are not split and the fixture is built once; all the
-# window tests are one unit (one Xvfb, real pointer input, waits that a second window test on a
-# busy core would stretch), run one after another on one worker. xdist's own `loadgroup` cannot
-# do this with pytest 9.2 (it renames items through `_nodeid`, which pytest 9.2 no longer reads).
-WINDOW_TESTS = "tests/app/"
-
-
-def work_unit(nodeid: str) -> str:
-    return WINDOW_TESTS if nodeid.startswith(WINDOW_TESTS) else nodeid.split("::")[0]
+# How `make test` spreads the tests over its xdist workers (the hooks below are the only place):
+# a work unit is a test file, the known-long ones first (tests/work_units.py). xdist's own
+# `loadgroup` cannot do this with pytest 9.2 (it renames items through `_nodeid`, which pytest
+# 9.2 no longer reads).
+from tests.work_units import UnitClock, slow_first, work_unit  # noqa: E402
 
 
 def _child_processes() -> set[int]:
@@ -100,14 +95,49 @@ def pytest_runtest_call(item):
 def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
 
-    class ByFileWindowsTogether(LoadScopeScheduling):
+    class ByFileSlowFirst(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return work_unit(nodeid)
 
-    return ByFileWindowsTogether(config, log)
+        def _assign_work_unit(self, node) -> None:
+            if not getattr(self, "slow_put_first", False):
+                slow_first(self.workqueue)
+                self.slow_put_first = True
+            super()._assign_work_unit(node)
+
+    return ByFileSlowFirst(config, log)
+
+
+# Each work unit's wall time and worker, printed at the end of a run of more than one unit and
+# written as JSON by --work-unit-times=PATH (`make test` writes test-times.json): the units on
+# the critical path are what to cut next (docs/contributing.md "Tests and CI time").
+_UNIT_CLOCK = UnitClock()
+
+
+def pytest_runtest_logreport(report):
+    if getattr(report, "start", None) is None:
+        return
+    node = getattr(report, "node", None)   # on xdist's controller: the worker that sent it
+    worker = node.gateway.id if node is not None else "main"
+    _UNIT_CLOCK.add(report.nodeid, worker, report.start, report.stop, report.duration)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if hasattr(config, "workerinput"):   # an xdist worker: the controller reports
+        return
+    path = config.getoption("--work-unit-times")
+    if path:
+        _UNIT_CLOCK.write(Path(path))
+    if len(_UNIT_CLOCK.units) > 1:
+        terminalreporter.write_sep("=", "work units by wall time (tests/work_units.py)")
+        for line in _UNIT_CLOCK.lines():
+            terminalreporter.write_line(line)
 
 
 def pytest_addoption(parser):
+    parser.addoption("--work-unit-times", default="", metavar="PATH",
+                     help="write each work unit's (test file's) wall time and worker, and the "
+                          "critical path, to PATH as JSON")
     parser.addoption("--comfyui", default="", metavar="PATH",
                      help="a ComfyUI checkout: the tests that run ComfyUI's own loading code "
                           "(tests/models/comfyui_harness.py) are skipped without it")
@@ -119,8 +149,6 @@ def pytest_addoption(parser):
 
 def opt_in_folder(request, option: str, what: str, see: str = ""):
     """The folder the opt-in `option` names, or skip saying how to give one."""
-    from pathlib import Path
-
     path = request.config.getoption(option)
     if not path:
         pytest.skip(f"no {what} given (pytest {option}=PATH{'; ' + see if see else ''})")

@@ -53,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
                                                      if j.strip()),
                    help="comma list of job names: run only these, say to rerun one after a "
                         "fix (what they need must be among them; others: not started)")
+    p.add_argument("--set", dest="overrides", action="append", default=[],
+                   metavar="KEY=VALUE",
+                   help="a config override for every train and cell run of the phase, after "
+                        "the phase's own (repeatable; the summary records it): the CPU "
+                        "rehearsal's inductor test trains one image shape with "
+                        "data.aspect_buckets=false")
     p.add_argument("--commit",
                    help="the commit the source is at, recorded in the summary (the copy on a "
                         "lent GPU machine has no .git: --list prints the command with it); "
@@ -172,6 +178,12 @@ def run(args: argparse.Namespace) -> int:
         if not torch.cuda.is_available():
             print("error: no CUDA GPU here; rehearse with --device cpu --tiny", file=sys.stderr)
             return 2
+    from modules.config import Config, ConfigError, apply_overrides
+    try:
+        apply_overrides(Config(), args.overrides)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     jobs = phase_jobs(phase, args.tiny)
     unknown = sorted(set(args.jobs or ()) - {job.name for job in jobs})
     if unknown:
@@ -183,7 +195,8 @@ def run(args: argparse.Namespace) -> int:
         parallel = min(parallel, phase.max_parallel)
     ctx = Context(phase=phase.key, device=args.device, tiny=args.tiny, out=args.out,
                   work=args.work, budget_s=args.budget, parallel=parallel,
-                  backends=args.backends, jobs=args.jobs, commit=source_commit(args.commit))
+                  backends=args.backends, jobs=args.jobs, commit=source_commit(args.commit),
+                  overrides=tuple(args.overrides))
     print(f"phase {phase.key}: {phase.answers} (budget {args.budget:.0f} s, commit "
           f"{ctx.commit or 'unknown'})", flush=True)
     code = 0

@@ -31,6 +31,7 @@ class Context:
     backends: tuple[str, ...] | None = None   # only jobs of these backends (None: all)
     jobs: tuple[str, ...] | None = None       # only these jobs, by name (None: all)
     commit: str | None = None        # the source's commit: the GPU machine's copy has no .git
+    overrides: tuple[str, ...] = ()  # --set: config overrides for every train and cell run
     started: float = field(default_factory=time.monotonic)
     rows: list[dict[str, Any]] = field(default_factory=list)
     order: list[str] = field(default_factory=list)   # job names, as the phase lists them

@@ -80,7 +80,8 @@ def buckets_dataset(folder: Path, resolution: int) -> Path:
 
 def run_config(job: Job, ctx: Context, folder: Path, compile_cache: Path):
     """The training config of a train or cell job: the presets' choices (LoRA, REGIONAL,
-    gradient checkpointing, AUTO dynamic shapes), two buckets, bf16 on CUDA."""
+    gradient checkpointing, AUTO dynamic shapes), two buckets, bf16 on CUDA; then the job's
+    own overrides and the phase's --set."""
     from modules.config import Config, apply_overrides
 
     key = job.spec["size"]
@@ -109,7 +110,7 @@ def run_config(job: Job, ctx: Context, folder: Path, compile_cache: Path):
         "logging.tensorboard=false",
     ]
     return apply_overrides(Config(), overrides + list(size.overrides)
-                           + list(job.spec.get("overrides", [])))
+                           + list(job.spec.get("overrides", [])) + list(ctx.overrides))
 
 
 def _fresh(folder: Path) -> Path:

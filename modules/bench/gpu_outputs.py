@@ -33,6 +33,7 @@ def summary_data(ctx: Context, final: bool) -> dict[str, Any]:
     machine = {**ctx.machine(), "cuda_device": (env.get("gpu") or {}).get("name")}
     return {"phase": ctx.phase, "device": ctx.device, "tiny": ctx.tiny, "complete": final,
             "commit": ctx.commit, "budget_seconds": ctx.budget_s, "parallel": ctx.parallel,
+            "overrides": list(ctx.overrides),
             "elapsed_seconds": round(time.monotonic() - ctx.started, 1),
             "machine": machine, "versions": ctx.versions(), "jobs": rows}
 

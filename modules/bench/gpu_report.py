@@ -217,8 +217,9 @@ def phase_markdown(data: dict[str, Any], heading: str = "##") -> str:
     lines = [f"{heading} Phase {data['phase']}" + (" (tiny rehearsal)" if data.get("tiny")
                                                     else ""),
              "", f"{device_line(data)}. {state}; {data['elapsed_seconds']:.0f} s of a "
-             f"{data['budget_seconds']:.0f} s budget; up to {data['parallel']} runs side by side.",
-             ""]
+             f"{data['budget_seconds']:.0f} s budget; up to {data['parallel']} runs side by side."
+             + (" Every run with --set " + ", ".join(f"`{o}`" for o in data["overrides"]) + "."
+                if data.get("overrides") else ""), ""]
     trains = [r for r in jobs if r["kind"] == "train"]
     cells = [r for r in jobs if r["kind"] == "cell"]
     others = [r for r in jobs if r["kind"] not in ("train", "cell")]

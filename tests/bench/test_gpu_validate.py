@@ -425,6 +425,27 @@ def test_jobs_runs_only_the_named_jobs_and_refuses_a_name_the_phase_lacks(tmp_pa
     assert not (tmp_path / "o").exists()
 
 
+def test_set_overrides_every_run_and_refuses_a_field_that_does_not_exist(tmp_path, capsys):
+    from modules.bench.gpu_jobs import run_config
+    from modules.bench.gpu_outputs import summary_data
+    from modules.bench.gpu_report import phase_markdown
+    ctx = context(tmp_path, overrides=("data.aspect_buckets=false", "training.seed=7"))
+    ctx.rows.append({"job": "build-sd15", "kind": "build", "status": "ok",
+                     "path": str(tmp_path / "model")})
+    [job] = [j for j in phase_jobs(find_phase("2"), tiny=True) if j.name == "train-sd15-none"]
+    config = run_config(job, ctx, tmp_path / "run", tmp_path / "cache")
+    assert not config.data.aspect_buckets and config.training.seed == 7
+    assert config.training.method.value == "LORA"     # the phase's own settings stay
+    assert "Every run with --set `data.aspect_buckets=false`, `training.seed=7`." in \
+        phase_markdown(summary_data(ctx, final=True))
+    code = cli_main(["2", "--device", "cpu", "--tiny", "--set", "data.aspect_bucketz=false",
+                     "--out", str(tmp_path / "o"), "--work", str(tmp_path / "w")])
+    err = capsys.readouterr().err
+    assert code == 2 and "data.aspect_bucketz" in err and "did you mean 'data.aspect_buckets'" \
+        in err
+    assert not (tmp_path / "o").exists()
+
+
 def test_list_names_every_phase_and_which_have_results(tmp_path, capsys):
     docs = docs_copy(tmp_path)
     assert cli_main(["--list", "--docs", str(docs)]) == 0
