@@ -43,6 +43,7 @@ from modules.config import save_config
 from modules.config.schema import Config
 from modules.events import StopRequested, TrainerCallbacks
 from modules.train.outputs.record import RunRecord
+from modules.util.process import with_repo_on_pythonpath
 
 AHEAD_MODULE = "modules.train.recipe.ahead_process"  # the process's own module
 POLL_SECONDS = 0.2
@@ -95,8 +96,7 @@ class CompileAhead:
         work = Path(tempfile.mkdtemp(prefix="tempera-ahead-"))
         save_config(config, work / "config.json")
         log = open(work / "ahead.log", "w", encoding="utf-8")  # closed by end()
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+        env = with_repo_on_pythonpath()
         process = subprocess.Popen(
             [sys.executable, "-m", AHEAD_MODULE, "--config", str(work / "config.json"),
              "--threads", str(torch.get_num_threads()), "--out", str(work / "result.json")],
