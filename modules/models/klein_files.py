@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from modules.config.problems import Problem
+from modules.models.split_files import check_parts
 
 # model_index.json key -> the value that marks a step-distilled model
 DISTILLED_MARKERS: dict[str, Any] = {"is_distilled": True}
@@ -87,21 +88,12 @@ def width_problems(folder: Path) -> list[Problem]:
 PART_LABELS = {"transformer": "a Flux.2 Klein diffusion model (Flux2Transformer2DModel)",
                "text_encoder": "a Qwen3 text encoder (Qwen3-4B for Klein 4B, Qwen3-8B for 9B)",
                "vae": "Flux.2's 32-channel VAE (AutoencoderKLFlux2)"}
-FIELDS = {"transformer": "model.path", "text_encoder": "model.text_encoder_path",
-          "vae": "model.vae_path"}
 ORIGINAL_PREFIX = "model.diffusion_model."  # some diffusion-model files carry it
 # the Klein sizes by the caption width their diffusion model reads (3 x the encoder's width)
 SIZES = {7680: "Klein 4B (reads Qwen3-4B)", 12288: "Klein 9B (reads Qwen3-8B)"}
 ENCODERS = {2560: "Qwen3-4B", 4096: "Qwen3-8B"}
 DIFFUSERS_FOLDER = ("give the diffusers folder (model_index.json, transformer/, text_encoder/, "
                     "tokenizer/, vae/, scheduler/): " + " or ".join(BASE_MODELS))
-
-
-def keys_of(path: Path) -> dict[str, tuple[int, ...]]:
-    """A .safetensors file's tensor names and shapes, read from its header only."""
-    from safetensors import safe_open
-    with safe_open(str(path), framework="pt") as f:
-        return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
 
 
 def caption_width(keys: dict[str, tuple[int, ...]]) -> int | None:
@@ -152,35 +144,9 @@ def split_file_problems(model: Any) -> list[Problem]:
     """ComfyUI's three files, each the part its field names, and the diffusion model of the
     size the encoder fits; every problem at once, before anything is written. Three right files
     are refused too: loading them is not supported yet."""
-    given = {"transformer": model.path, "text_encoder": model.text_encoder_path,
-             "vae": model.vae_path}
-    problems, widths = [], {}
-    for part, value in given.items():
-        field, expected = FIELDS[part], PART_LABELS[part]
-        if not value:
-            problems.append(Problem(field, f"the .safetensors file of {expected}", "''",
-                                    "a Klein diffusion-model file comes without its text "
-                                    "encoder and VAE: name each file (ComfyUI keeps them in "
-                                    "models/text_encoders and models/vae)"))
-            continue
-        path = Path(value)
-        if not path.is_file() or path.suffix.lower() != ".safetensors":
-            problems.append(Problem(field, f"the .safetensors file of {expected}", repr(value),
-                                    "no such file" if not path.exists() else "not a "
-                                    ".safetensors file"))
-            continue
-        try:
-            keys = keys_of(path)
-        except Exception as exc:  # safetensors raises its own error type for a bad header
-            problems.append(Problem(field, expected, repr(value), f"not a readable "
-                                    f".safetensors file ({exc}); the download may be "
-                                    "incomplete"))
-            continue
-        found, what = part_of(keys)
-        if found != part:
-            hint = f"; it belongs in {FIELDS[found]}" if found else ""
-            problems.append(Problem(field, expected, repr(value), f"{path.name} is {what}{hint}"))
-        widths[part] = caption_width(keys) if part == "transformer" else encoder_width(keys)
+    problems, read = check_parts(model, "Klein", PART_LABELS, part_of)
+    widths = {part: caption_width(keys) if part == "transformer" else encoder_width(keys)
+              for part, keys in read.items()}
     takes, hidden = widths.get("transformer"), widths.get("text_encoder")
     if takes and hidden and takes != len(STACKED_LAYERS) * hidden:
         problems.append(Problem(

@@ -19,6 +19,7 @@ import torch
 
 from modules.config.problems import Problem
 from modules.config.schema import ModelConfig
+from modules.models.split_files import check_parts, keys_of
 
 ORIGINAL_PREFIX = "model.diffusion_model."  # some files carry it; ComfyUI's split ones do not
 # diffusers name -> original name, for the parts that are a rename
@@ -30,8 +31,6 @@ RENAMES = (("all_final_layer.2-1.", "final_layer."), ("all_x_embedder.2-1.", "x_
 PART_LABELS = {"transformer": "a Z-Image diffusion model (ZImageTransformer2DModel)",
                "text_encoder": "a Qwen3 text encoder (Qwen3-4B for Z-Image)",
                "vae": "a 16-channel VAE (Flux.1's ae.safetensors, which Z-Image uses)"}
-FIELDS = {"transformer": "model.path", "text_encoder": "model.text_encoder_path",
-          "vae": "model.vae_path"}
 # Z-Image-Turbo is the step-distilled model; "de-turbo" names the de-distilled ones
 TURBO_NAME = re.compile(r"turbo", re.IGNORECASE)
 DE_DISTILLED_NAME = re.compile(r"de[-_ ]?turbo|de[-_ ]?distill", re.IGNORECASE)
@@ -73,13 +72,6 @@ def is_transformer_file(path: Path) -> bool:
     return part_of(keys_of(path))[0] == "transformer"
 
 
-def keys_of(path: Path) -> dict[str, tuple[int, ...]]:
-    """A .safetensors file's tensor names and shapes, read from its header only."""
-    from safetensors import safe_open
-    with safe_open(str(path), framework="pt") as f:
-        return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-
-
 def part_of(keys: dict[str, tuple[int, ...]]) -> tuple[str | None, str]:
     """(which Z-Image part the keys are, or None; what they are in words)."""
     names = {k.removeprefix(ORIGINAL_PREFIX) for k in keys}
@@ -105,33 +97,7 @@ def part_of(keys: dict[str, tuple[int, ...]]) -> tuple[str | None, str]:
 def split_file_problems(model: ModelConfig) -> list[Problem]:
     """Each of the three files there and the part its field names; every problem at once,
     each naming its file and what was expected, before anything is written."""
-    given = {"transformer": model.path, "text_encoder": model.text_encoder_path,
-             "vae": model.vae_path}
-    problems = []
-    for part, value in given.items():
-        field, expected = FIELDS[part], PART_LABELS[part]
-        if not value:
-            problems.append(Problem(field, f"the .safetensors file of {expected}", "''",
-                                    "a Z-Image diffusion-model file comes without its text "
-                                    "encoder and VAE: name each file (ComfyUI keeps them in "
-                                    "models/text_encoders and models/vae)"))
-            continue
-        path = Path(value)
-        if not path.is_file() or path.suffix.lower() != ".safetensors":
-            problems.append(Problem(field, f"the .safetensors file of {expected}", repr(value),
-                                    "no such file" if not path.exists() else "not a "
-                                    ".safetensors file"))
-            continue
-        try:
-            found, what = part_of(keys_of(path))
-        except Exception as exc:  # safetensors raises its own error type for a bad header
-            problems.append(Problem(field, expected, repr(value), f"not a readable "
-                                    f".safetensors file ({exc}); the download may be "
-                                    "incomplete"))
-            continue
-        if found != part:
-            hint = f"; it belongs in {FIELDS[found]}" if found else ""
-            problems.append(Problem(field, expected, repr(value), f"{path.name} is {what}{hint}"))
+    problems, _read = check_parts(model, "Z-Image", PART_LABELS, part_of)
     if model.path and not (model.tokenizer_path or model.config_path):
         problems.append(Problem("model.tokenizer_path", "a folder with Qwen3's tokenizer",
                                 "''", "the files hold no tokenizer: name a Z-Image diffusers "

@@ -105,7 +105,7 @@ def test_the_settings_only_zimage_reads_are_unused_for_the_other_types():
     """Issue 54 item 4: Z-Image's files and distillation guard stayed enabled on SD presets.
     The model-type table says which type reads them; its ComfyUI-files loader agrees."""
     from modules.model_types import MODEL_TYPES, ModelType
-    from modules.models.zimage_files import FIELDS
+    from modules.models.split_files import FIELDS
     own = MODEL_TYPES[ModelType.ZIMAGE].own_settings
     assert set(FIELDS.values()) - {"model.path"} <= set(own)
     assert "model.train_distilled" in own

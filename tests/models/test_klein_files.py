@@ -121,7 +121,8 @@ def _split_problems(files: dict) -> dict[str, str]:
 
 
 def test_three_right_files_are_recognised_then_refused_until_klein_loads_them(split):
-    from modules.models.klein_files import keys_of, part_of
+    from modules.models.klein_files import part_of
+    from modules.models.split_files import keys_of
     assert [part_of(keys_of(split[f]))[0] for f in split] == ["transformer", "text_encoder",
                                                                 "vae"]
     assert part_of(keys_of(split["model.path"]))[1].startswith("Klein 4B")
