@@ -25,24 +25,13 @@ from typing import Any
 import customtkinter as ctk
 
 from app.dialogs import ask_directory
+from app.text_boxes import set_readonly_text
 from app.tooltip import Tooltip
 from app.widgets import set_widget_enabled
+from modules.frontend import format_duration
 
 POLL_MS = 100
 NO_PRESET = "(none: the settings below)"
-
-
-def _duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "estimating the time left"
-    seconds = round(seconds)
-    if seconds < 60:
-        return f"about {seconds} s left"
-    minutes, seconds = divmod(seconds, 60)
-    if minutes < 60:
-        return f"about {minutes} min {seconds:02d} s left"
-    hours, minutes = divmod(minutes, 60)
-    return f"about {hours} h {minutes:02d} min left"
 
 
 def progress_line(progress: Any) -> str:
@@ -53,7 +42,8 @@ def progress_line(progress: Any) -> str:
     if extra:
         line += f" ({', '.join(extra)})"
     if progress.done < progress.total:
-        line += f" · {_duration(progress.eta_seconds)}"
+        line += (" · estimating the time left" if progress.eta_seconds is None
+                 else f" · {format_duration(progress.eta_seconds)} left")
     return line
 
 
@@ -188,10 +178,7 @@ class PrepDialog(ctk.CTkToplevel):
         return self.thread is not None and self.thread.is_alive()
 
     def say(self, text: str) -> None:
-        self.output.configure(state="normal")
-        self.output.delete("1.0", "end")
-        self.output.insert("1.0", text)
-        self.output.configure(state="disabled")
+        set_readonly_text(self.output, text)
 
     def add_line(self, text: str) -> None:
         self.output.configure(state="normal")

@@ -138,9 +138,12 @@ def digest_of(data: bytes) -> str:
 
 def decode_caption(data: bytes) -> tuple[str, TextStyle]:
     """The text of a caption file's bytes (not yet stripped) and how it is written. Raises
-    UnicodeDecodeError for text that is neither UTF-8 nor UTF-16 with a byte-order mark."""
+    UnicodeDecodeError for text that is neither UTF-8 nor UTF-16 / UTF-32 with a byte-order
+    mark (UTF-32's little-endian mark begins with UTF-16's, so it is tried first)."""
     if data.startswith(codecs.BOM_UTF8):
         encoding = "utf-8-sig"
+    elif data.startswith((codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE)):
+        encoding = "utf-32"
     elif data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
         encoding = "utf-16"
     else:
@@ -163,8 +166,8 @@ def read_caption_file(path: Path) -> tuple[str, str, TextStyle, str]:
     caption file. Raises OSError or UnicodeDecodeError."""
     data = path.read_bytes()
     text, style = decode_caption(data)
-    note = ("UTF-16 text: training reads UTF-8 only and skips this image; re-save it as UTF-8"
-            if style.encoding == "utf-16" else "")
+    note = (f"{style.encoding.upper()} text: training reads UTF-8 only and skips this image; "
+            "re-save it as UTF-8" if style.encoding in ("utf-16", "utf-32") else "")
     return text.strip(), digest_of(data), style, note
 
 

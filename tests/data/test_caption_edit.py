@@ -12,7 +12,8 @@ from PIL import Image
 
 from modules.config import Config
 from modules.config.data import DatasetConfig
-from modules.data.caption_edit import (CaptionEditError, list_captions, save_caption)
+from modules.data.caption_edit import (CaptionEditError, decode_caption, encode_caption,
+                                       list_captions, save_caption)
 from modules.data.caption_replace import (BACKUP_FOLDER, apply_replace, plan_replace,
                                           undo_replace)
 from modules.data.folders import DatasetSource, scan_datasets
@@ -272,3 +273,12 @@ def test_a_replace_that_fails_mid_way_puts_back_what_it_wrote(folder, monkeypatc
         apply_replace(listing, plan_replace(listing, "red", "blue"))
     assert {p.name: p.read_bytes() for p in folder.glob("*.txt")} == before
     assert listing.entries[0].caption == "sks dog, red, grass"  # the listing says so too
+
+
+def test_utf32_captions_are_read_and_written_as_utf32():
+    """The editor and the captioning job read captions through one decoder: UTF-32's
+    little-endian mark begins with UTF-16's, and must not be read as UTF-16 (NULs in the text)."""
+    for data in ("cat, red".encode("utf-32"), codecs.BOM_UTF32_BE + "cat, red".encode("utf-32-be")):
+        text, style = decode_caption(data)
+        assert (text, style.encoding) == ("cat, red", "utf-32")
+        assert encode_caption("cat, blue", style).decode("utf-32") == "cat, blue"

@@ -24,16 +24,18 @@ import dataclasses
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from modules.data.caption_edit import decode_caption
 from modules.data.captions import split_tags
 from modules.data.errors import DatasetError
 from modules.data.folders import normalize_caption_extension
 from modules.data.prep.captioners import (FLORENCE_CAPTION_TASKS, Caption, Florence2Captioner,
                                           QwenVLCaptioner, RunOptions, WDTagger)
 from modules.data.prep.hub import model_folder
+from modules.data.prep.fields import option
 from modules.data.prep.job import (BatchModel, FolderJob, JobHooks, JobRefused, JobReport,
                                    run_job)
 from modules.util.atomic import atomic_write_bytes, atomic_write_text
@@ -64,35 +66,31 @@ QWEN_PROMPT = ("Describe this image in one detailed paragraph for training an im
                "composition and the style or medium. Write only the description.")
 
 
-def _option(default: Any, help: str, **extra: Any) -> Any:  # noqa: A002 - every DSL says help
-    return field(default=default, metadata={"help": help, **extra})
-
-
 @dataclass(frozen=True)
 class CaptionSettings:
     """Everything a caption job does; each field's help is the command line's and the window's."""
-    captioner: str = _option("florence2", "which kind of captioner", choices=tuple(CAPTIONERS))
-    model: str = _option("florence-community/Florence-2-base",
+    captioner: str = option("florence2", "which kind of captioner", choices=tuple(CAPTIONERS))
+    model: str = option("florence-community/Florence-2-base",
                          "a Hugging Face repository id or a folder of weights")
-    prompt: str = _option("<DETAILED_CAPTION>", "Florence-2: a caption task token "
+    prompt: str = option("<DETAILED_CAPTION>", "Florence-2: a caption task token "
                           f"({', '.join(FLORENCE_CAPTION_TASKS)}); Qwen-VL: the instruction")
-    max_tokens: int = _option(160, "the longest caption, in tokens (natural-language captioners)")
-    prefix: str = _option("", "a trigger word or prefix written before every caption")
-    existing: str = _option("skip", "an image that has a caption: skip it, extend the caption, "
+    max_tokens: int = option(160, "the longest caption, in tokens (natural-language captioners)")
+    prefix: str = option("", "a trigger word or prefix written before every caption")
+    existing: str = option("skip", "an image that has a caption: skip it, extend the caption, "
                             "or replace it (the old file is kept in .tempera-caption-backup/)",
                             choices=EXISTING_CHOICES)
-    caption_extension: str = _option(".txt", "the caption files' extension (the dataset's "
+    caption_extension: str = option(".txt", "the caption files' extension (the dataset's "
                                      "data.caption_extension)")
-    batch_size: int = _option(4, "images per batch")
-    device: str = _option("auto", "where the model runs (auto: the GPU when there is one)",
+    batch_size: int = option(4, "images per batch")
+    device: str = option("auto", "where the model runs (auto: the GPU when there is one)",
                           choices=DEVICE_CHOICES)
-    general_threshold: float = _option(0.35, "tagger: the score a general tag needs")
-    character_threshold: float = _option(0.85, "tagger: the score a character tag needs")
-    exclude_tags: tuple[str, ...] = _option((), "tagger: tags never written (comma-separated)")
-    keep_separator: bool = _option(False, "tagger: write 'characters ||| general tags' so tag "
+    general_threshold: float = option(0.35, "tagger: the score a general tag needs")
+    character_threshold: float = option(0.85, "tagger: the score a character tag needs")
+    exclude_tags: tuple[str, ...] = option((), "tagger: tags never written (comma-separated)")
+    keep_separator: bool = option(False, "tagger: write 'characters ||| general tags' so tag "
                                    "shuffling keeps the characters first (docs/datasets.md)")
-    recursive: bool = _option(False, "caption the images in subfolders too")
-    offline: bool = _option(False, "never download: use only the Hugging Face cache or a folder")
+    recursive: bool = option(False, "caption the images in subfolders too")
+    offline: bool = option(False, "never download: use only the Hugging Face cache or a folder")
 
 
 @dataclass(frozen=True)
@@ -167,12 +165,7 @@ def pick_device(device: str) -> str:
 def read_caption(path: Path) -> str:
     """A caption file's text as the dataset scan reads it (UTF-8, a BOM allowed), or UTF-16 /
     UTF-32 with a BOM; raises UnicodeDecodeError for any other encoding."""
-    data = path.read_bytes()
-    if data.startswith((b"\xff\xfe\x00\x00", b"\x00\x00\xfe\xff")):
-        return data.decode("utf-32").strip()
-    if data.startswith((b"\xff\xfe", b"\xfe\xff")):
-        return data.decode("utf-16").strip()
-    return data.decode("utf-8-sig").strip()
+    return decode_caption(path.read_bytes())[0].strip()
 
 
 def extended(old: str, new: Caption, tags: bool) -> str:

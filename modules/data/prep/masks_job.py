@@ -26,6 +26,7 @@ from PIL import Image
 from modules.data.file_kinds import MASK_SUFFIX
 from modules.data.prep.job import (BatchModel, FolderJob, JobHooks, JobRefused, JobReport,
                                    run_job)
+from modules.data.prep.fields import option
 from modules.data.prep.mask_ops import MaskShape, shape_mask
 from modules.data.prep.segmenters import (BACKGROUND_NAMES, DEFAULT_CLIPSEG, load_background,
                                           load_clipseg)
@@ -92,36 +93,32 @@ class MaskSettings:
                 "recursive": self.recursive}
 
 
-def _option(default: Any, help: str, **extra: Any) -> Any:  # noqa: A002 - every DSL says help
-    return field(default=default, metadata={"help": help, **extra})
-
-
 @dataclass(frozen=True)
 class MaskForm:
     """A mask job's settings as one flat form (the Data tab's *Make masks…* window is built from
     these fields, their help and choices): `settings()` is the job's MaskSettings."""
-    segmenter: str = _option("clipseg", "clipseg: keep what the prompts name; background: keep "
+    segmenter: str = option("clipseg", "clipseg: keep what the prompts name; background: keep "
                              "the subject, remove the background (rembg)", choices=SEGMENTERS)
-    prompts: tuple[str, ...] = _option((), "CLIPSeg: what to keep, comma-separated (e.g. "
+    prompts: tuple[str, ...] = option((), "CLIPSeg: what to keep, comma-separated (e.g. "
                                        "person, the dog); each is kept")
-    model: str = _option("", "CLIPSeg: a Hugging Face repository id or a folder (empty: "
+    model: str = option("", "CLIPSeg: a Hugging Face repository id or a folder (empty: "
                          f"{DEFAULT_CLIPSEG}); background: one of {', '.join(BACKGROUND_NAMES)}")
-    model_file: str = _option("", "background: the model's .onnx file on disk, instead of "
+    model_file: str = option("", "background: the model's .onnx file on disk, instead of "
                               "rembg's download")
-    threshold: float = _option(0.5, "a pixel at least this likely counts fully, the rest not "
+    threshold: float = option(0.5, "a pixel at least this likely counts fully, the rest not "
                                "at all")
-    soft: bool = _option(False, "no threshold: keep the model's probabilities as grey levels")
-    dilate: int = _option(0, "grow what is kept by this many pixels (negative: shrink it)")
-    blur: float = _option(0.0, "soften the mask's edge with a Gaussian blur of this radius")
-    invert: bool = _option(False, "leave out what was found and train on the rest (e.g. a "
+    soft: bool = option(False, "no threshold: keep the model's probabilities as grey levels")
+    dilate: int = option(0, "grow what is kept by this many pixels (negative: shrink it)")
+    blur: float = option(0.0, "soften the mask's edge with a Gaussian blur of this radius")
+    invert: bool = option(False, "leave out what was found and train on the rest (e.g. a "
                            "watermark)")
-    existing: str = _option("skip", "an image that has a mask: keep it (skip) or replace it "
+    existing: str = option("skip", "an image that has a mask: keep it (skip) or replace it "
                             f"(the old one is moved into {REPLACED_FOLDER}/)", choices=EXISTING)
-    recursive: bool = _option(False, "the images of subfolders too (kohya's 10_name folders)")
-    batch_size: int = _option(4, "images per forward pass of CLIPSeg")
-    device: str = _option("auto", "where the model runs (auto: the GPU when there is one)",
+    recursive: bool = option(False, "the images of subfolders too (kohya's 10_name folders)")
+    batch_size: int = option(4, "images per forward pass of CLIPSeg")
+    device: str = option("auto", "where the model runs (auto: the GPU when there is one)",
                           choices=("auto", "cpu", "cuda"))
-    offline: bool = _option(False, "never download: a model that is not on disk is refused")
+    offline: bool = option(False, "never download: a model that is not on disk is refused")
 
     def settings(self) -> MaskSettings:
         return MaskSettings(
