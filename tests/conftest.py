@@ -200,6 +200,17 @@ def zimage_folder(tempera_cache):
 
 
 @pytest.fixture
+def fresh_dynamo():
+    """No compiled frames from earlier tests, before or after (dynamo's caches are
+    process-global): for tests that count recompiles. tests/compile and tests/gpu use their own
+    autouse one."""
+    import torch._dynamo
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
 def tiny_config(tempera_cache, tmp_path):
     """A config that trains the tiny SD 1.5 model on the shapes dataset in a few seconds."""
     def make(*overrides: str) -> Config:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from PIL import Image
 
 from modules.events import RecordingCallbacks
@@ -22,14 +21,6 @@ CAPTIONS = ["a cat", "a very long caption about a noisy picture, with many words
             "past thirty-two tokens and then past sixty-four of them, for sure, yes indeed "
             "it does, on and on and on", "dog", "a noisy picture number three",
             "a picture of noise, bright and busy, red and blue dots over a grey field", "x"]
-
-
-@pytest.fixture
-def fresh_dynamo():
-    """No compiled frames from earlier tests: these tests count recompiles."""
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 # FULL trains one image per bucket at batch size 1 (see its test): the long caption, the
