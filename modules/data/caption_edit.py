@@ -194,7 +194,7 @@ def list_captions(ds, folder: Path | None, caption_extension: str, recursive: bo
     """Every image of the dataset `ds` (a DatasetConfig) in `folder`, with its caption and mask
     state, in the scan's order. `progress(done, total)` is told as each image is checked."""
     from modules.data.errors import DatasetError
-    from modules.data.folders import _list_files, normalize_caption_extension
+    from modules.data.folders import list_folder_files, normalize_caption_extension
     try:
         extension = normalize_caption_extension(caption_extension)
     except DatasetError as exc:
@@ -203,7 +203,7 @@ def list_captions(ds, folder: Path | None, caption_extension: str, recursive: bo
     if folder is None or not folder.is_dir():
         listing.note = f"no folder at {folder}" if folder else "choose a folder of images"
         return listing
-    files, _hidden, _broken = _list_files(folder, recursive)
+    files, _hidden, _broken = list_folder_files(folder, recursive)
     images, masks = split_masks(files, [p for p in files
                                         if p.suffix.lower() in IMAGE_EXTENSIONS])
     if not images:

@@ -223,7 +223,7 @@ def _scan_folder(folder: Path, source_index: int, caption_extension: str, recurs
                  progress: ProgressCallback | None = None, default_caption: str = "") -> None:
     """Append this folder's usable images to `result.items`, its bad files to `skipped`; an
     image without a caption gets `default_caption` when one is given."""
-    files, hidden, broken = _list_files(folder, recursive)
+    files, hidden, broken = list_folder_files(folder, recursive)
     result.hidden_ignored += hidden
     if broken:
         result.warnings.append(f"{len(broken)} symbolic link(s) point to nothing and were "
@@ -281,7 +281,7 @@ def _scan_folder(folder: Path, source_index: int, caption_extension: str, recurs
         result.unmatched_captions[source_index] = sorted(set(listed) - matched)
 
 
-def _list_files(folder: Path, recursive: bool) -> tuple[list[Path], int, list[Path]]:
+def list_folder_files(folder: Path, recursive: bool) -> tuple[list[Path], int, list[Path]]:
     """Visible files under `folder` sorted by relative path, the number of hidden ones, and the
     symbolic links that point to nothing."""
     candidates = folder.rglob("*") if recursive else folder.iterdir()

@@ -226,3 +226,10 @@ def test_a_plan_that_cannot_be_computed_stops_nothing_and_says_so(tiny_config, m
                for s in callbacks.statuses), callbacks.statuses
     assert checked.memory.record()["total_bytes"] is None
     assert checked.memory.describe()[1] == "  not computed"
+
+
+def test_gib_reads_sizes_by_their_magnitude_below_zero_too():
+    assert gib(3 * 2 ** 30 // 2) == "1.50 GiB"
+    assert gib(-3 * 2 ** 30 // 2) == "-1.50 GiB"  # a difference: not "-1,572,864.0 KiB"
+    assert gib(-5 * 2 ** 20) == "-5.00 MiB"
+    assert gib(512) == "0.5 KiB"

@@ -70,9 +70,10 @@ class MemoryPlan:
 
 
 def gib(size: int) -> str:
-    """A size for people: GiB with two decimals, MiB or KiB below one GiB."""
+    """A size for people: GiB with two decimals, MiB or KiB below one GiB (the unit by the
+    magnitude: a difference below zero reads -1.50 GiB, not millions of KiB)."""
     for unit, scale in (("GiB", GIB), ("MiB", 2 ** 20)):
-        if size >= scale:
+        if abs(size) >= scale:
             return f"{size / scale:,.2f} {unit}"
     return f"{size / 2 ** 10:,.1f} KiB"
 
