@@ -1,12 +1,15 @@
-"""Run by tests/train/test_fsdp.py under torchrun (2 gloo processes): a module sharded block by
-block as `Distributed.shard_trained` shards one, against an unsharded copy given the same
-input on every rank (gradient norm and clipping), and the tiny UNet's two REGIONAL block
-classes compiled (AOT_EAGER) sharded and unsharded (graphs, graph breaks, recompiles). Prints
-one JSON line from rank 0."""
+"""Run by tests/train/test_fsdp.py as each of 2 gloo processes: a module sharded block by block
+as `Distributed.shard_trained` shards one, against an unsharded copy given the same input on
+every rank (gradient norm and clipping), and the tiny UNet's two REGIONAL block classes
+compiled (AOT_EAGER) sharded and unsharded (graphs, graph breaks, recompiles). Rank 0 prints
+one line, `sharding checks: ` and JSON. Given scripts/train.py's arguments, each rank then
+trains in the same process group (Accelerate joins a group already initialized), so one
+launch of the two processes serves these checks and a training run."""
 from __future__ import annotations
 
 import copy
 import json
+import sys
 
 import torch
 import torch.distributed as dist
@@ -66,9 +69,9 @@ class Block(nn.Module):
         return x + self.outer(torch.tanh(self.inner(x)))
 
 
-def main() -> None:
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+def sharding_checks(rank: int, world: int) -> dict:
+    """What rank 0 reports: the sharded module's clipping against the whole one's, and the
+    blocks' compiles sharded and unsharded (every rank runs the same collectives)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 6), Block(), Block(), nn.Linear(6, 3))  # 3 rows: uneven
     whole = copy.deepcopy(model)
@@ -88,16 +91,25 @@ def main() -> None:
     unet_blocks = Blocks()
     unsharded = compile_counts(copy.deepcopy(unet_blocks), None)
     sharded_counts = compile_counts(unet_blocks, sharded)
+    return {"norm": float(norm), "reference": float(reference),
+            "max_clipped_difference": clipped, "local_bytes": local,
+            "whole_bytes": sum(p.numel() * p.element_size() for p in whole.parameters()),
+            "sharded_blocks": sum(type(m).__name__ == "FSDPBlock" for m in model.modules()),
+            "compile_unsharded": unsharded, "compile_sharded": sharded_counts}
+
+
+def main(train_args: list[str]) -> int:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    found = sharding_checks(rank, dist.get_world_size())
     if rank == 0:
-        print(json.dumps({"norm": float(norm), "reference": float(reference),
-                          "max_clipped_difference": clipped, "local_bytes": local,
-                          "whole_bytes": sum(p.numel() * p.element_size()
-                                             for p in whole.parameters()),
-                          "sharded_blocks": sum(type(m).__name__ == "FSDPBlock"
-                                                for m in model.modules()),
-                          "compile_unsharded": unsharded, "compile_sharded": sharded_counts}))
-    dist.destroy_process_group()
+        print("sharding checks:", json.dumps(found), flush=True)
+    if not train_args:
+        dist.destroy_process_group()
+        return 0
+    from modules.cli.train import main as train  # closes the process group when it ends
+    return train(train_args)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(sys.argv[1:]))

@@ -227,10 +227,11 @@ def test_fsdp_backups_hold_the_whole_state_and_resume_exactly(fsdp_run, fsdp_res
 
 def launch_two_ranks(folder: Path, settings: dict, port: int, timeout: float
                      ) -> list[subprocess.CompletedProcess]:
-    """scripts/train.py as ranks 0 and 1 of one gloo group, each started on its own with the
-    variables torchrun would give it, not under torchrun: torchrun ends every rank as soon as
-    one fails, which would hide a rank left waiting in a collective. A rank still running
-    after `timeout` seconds is killed (its return code then says so)."""
+    """tests/train/fsdp_worker.py then scripts/train.py's main as ranks 0 and 1 of one gloo
+    group, each started on its own with the variables torchrun would give it, not under
+    torchrun: torchrun ends every rank as soon as one fails, which would hide a rank left
+    waiting in a collective. A rank still running after `timeout` seconds is killed (its
+    return code then says so)."""
     config = folder / "settings.json"
     config.write_text(json.dumps(settings))
     processes = []
@@ -239,9 +240,9 @@ def launch_two_ranks(folder: Path, settings: dict, port: int, timeout: float
                "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
         processes.append(subprocess.Popen(
-            [sys.executable, str(REPO / "scripts" / "train.py"), "--config", str(config),
-             "--quiet"], cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True))
+            [sys.executable, str(REPO / "tests" / "train" / "fsdp_worker.py"), "--config",
+             str(config), "--quiet"], cwd=folder, env=env, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True))
     deadline = time.monotonic() + timeout
     finished = []
     for rank, process in enumerate(processes):
@@ -254,16 +255,17 @@ def launch_two_ranks(folder: Path, settings: dict, port: int, timeout: float
     return finished
 
 
-@pytest.mark.timeout(400)
-def test_a_write_rank_0_cannot_make_stops_every_rank_with_its_message(tmp_path,
-                                                                      tempera_cache):
-    """A sample rank 0 cannot write (a folder stands where its file must go) stops both ranks
-    at once with the same error naming the file and the cause, where before rank 0 stopped
-    alone and rank 1 waited in the next step's collective until the process group's timeout.
-    The checkpoint and the backup of step 1 stay whole. The one 2-process run of this check:
-    23 s measured with the 2 cores otherwise idle, 49 s beside another test run, the cost of
-    two processes loading the tiny model (no compile) and training 2 steps."""
-    out = tmp_path / "out"
+@pytest.fixture(scope="module")
+def failing_ranks(tmp_path_factory, tempera_cache):
+    """One launch of 2 processes, each running tests/train/fsdp_worker.py's checks (rank 0
+    prints them) and then an FSDP run whose sample of step 2 rank 0 cannot write (a folder
+    stands where its file must go). Returns the ranks' results and the run's folder. 23 s
+    measured with the 2 cores otherwise idle for the run alone, 49 s beside another test run
+    (two processes loading the tiny model, no compile, training 2 steps), and about 20 s more
+    for the checks (compiling two blocks twice); one launch instead of two saves the second
+    pair of processes importing torch and diffusers."""
+    folder = tmp_path_factory.mktemp("fsdp-failing")
+    out = folder / "out"
     blocker = out / "samples" / "step-000002-0.png"
     (blocker / "inside").mkdir(parents=True)  # the sample of step 2 cannot be put there
     settings = {
@@ -277,8 +279,18 @@ def test_a_write_rank_0_cannot_make_stops_every_rank_with_its_message(tmp_path,
         "output": {"dir": str(out), "save_every_steps": 1, "backup_every_steps": 1},
     }
     started = time.monotonic()
-    ranks = launch_two_ranks(tmp_path, settings, port=29545, timeout=240)
-    seconds = time.monotonic() - started
+    ranks = launch_two_ranks(folder, settings, port=29545, timeout=400)
+    return ranks, out, time.monotonic() - started
+
+
+@pytest.mark.timeout(600)
+def test_a_write_rank_0_cannot_make_stops_every_rank_with_its_message(failing_ranks):
+    """A sample rank 0 cannot write stops both ranks at once with the same error naming the
+    file and the cause, where before rank 0 stopped alone and rank 1 waited in the next step's
+    collective until the process group's timeout. The checkpoint and the backup of step 1
+    stay whole."""
+    ranks, out, seconds = failing_ranks
+    blocker = out / "samples" / "step-000002-0.png"
     errors = [[line for line in rank.stderr.splitlines() if line.startswith("error:")]
               for rank in ranks]
     assert [rank.returncode for rank in ranks] == [1, 1], (seconds, ranks[0].stderr[-2000:],
@@ -353,22 +365,18 @@ def test_memory_plan_divides_what_fsdp_shards(fsdp_run, monkeypatch):
     assert whole["gradients of the trained weights"] > 1.9 * shard
 
 
-@pytest.mark.timeout(300)
-def test_sharded_gradients_and_compile_equal_one_process(tmp_path):
-    """tests/train/fsdp_worker.py on 2 ranks: clip_sharded_gradients over DTensor shards gives
-    the norm and the clipped gradients of the unsharded module, and the tiny UNet's two REGIONAL
-    block classes compiled after sharding make the same graphs as unsharded, with no graph
-    break and nothing new on the second pass. About 20 s: 2 processes importing torch and
-    diffusers and compiling two blocks twice."""
-    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
-    assert torchrun
-    result = subprocess.run(
-        [torchrun, "--nproc_per_node", "2", "--master_port", "29542",
-         str(REPO / "tests" / "train" / "fsdp_worker.py")],
-        cwd=tmp_path, env={**with_repo_on_pythonpath(), "OMP_NUM_THREADS": "1"},
-        capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stderr[-3000:]
-    found = json.loads(result.stdout.strip().splitlines()[-1])
+@pytest.mark.timeout(600)
+def test_sharded_gradients_and_compile_equal_one_process(failing_ranks):
+    """tests/train/fsdp_worker.py on 2 ranks (before the failing run of `failing_ranks`, in
+    the same processes): clip_sharded_gradients over DTensor shards gives the norm and the
+    clipped gradients of the unsharded module, and the tiny UNet's two REGIONAL block classes
+    compiled after sharding make the same graphs as unsharded, with no graph break and nothing
+    new on the second pass."""
+    ranks, _, _ = failing_ranks
+    lines = [line for line in ranks[0].stdout.splitlines()
+             if line.startswith("sharding checks: ")]
+    assert len(lines) == 1, ranks[0].stderr[-3000:]
+    found = json.loads(lines[0].removeprefix("sharding checks: "))
     assert found["norm"] == pytest.approx(found["reference"], rel=1e-6)
     assert found["norm"] > 0.01  # so the clipping scaled every gradient
     assert found["max_clipped_difference"] <= 1e-7
