@@ -10,6 +10,7 @@ import signal
 from modules.train.state.backup_files import list_backups
 from tests.cli.test_damaged_backup_cli import train_process
 from tests.cli.test_resume_cli import wait_for
+from tests.util.test_library_noise import assert_no_library_noise
 from tests.util.test_secrets import HF
 
 
@@ -28,8 +29,9 @@ def test_a_token_in_a_prompt_is_warned_about_and_never_written(tmp_path, tempera
     proc = train_process(config)
     assert wait_for(lambda: len(list_backups(output)) >= 1), proc.communicate()
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=240)
+    out, err = proc.communicate(timeout=240)
     assert proc.returncode == 143, err
+    assert_no_library_noise(out + err)  # transformers' torchvision warnings, torchao's noise
     assert "warning: sampling.prompts[1] looks like it holds a Hugging Face token" in err, err
     assert HF not in err
     written = [p for p in output.rglob("*") if p.is_file()]
@@ -44,8 +46,11 @@ def test_a_token_in_a_prompt_is_warned_about_and_never_written(tmp_path, tempera
 
     resumed = train_process(config, "--resume", "latest", "--quiet", "--set",
                             "training.max_steps=" + str(list_backups(output)[-1][0] + 1))
-    _, err = resumed.communicate(timeout=240)
+    out, err = resumed.communicate(timeout=240)
     assert resumed.returncode == 0, err
+    assert_no_library_noise(out + err)
+    finished_at = json.loads((output / "run.json").read_text())["steps_done"]
+    assert (output / "samples" / f"step-{finished_at:06d}-0.png").is_file()  # it did sample
     record = json.loads((output / "run.json").read_text())
     assert not [c for c in record["resume_changed"] if c.startswith("sampling.prompts")]
     assert [str(p) for p in output.rglob("*") if p.is_file() and HF.encode() in p.read_bytes()

@@ -129,8 +129,9 @@ def _name_of(names, prefix, path, saved):
     return name
 
 
-def test_diffusers_loads_the_kohya_file_and_renders_what_the_peft_layout_renders(
-        saved, tempera_cache):
+def test_diffusers_loads_the_kohya_file_renders_what_the_peft_layout_renders_and_reads_alpha(
+        saved, tempera_cache, tmp_path):
+    """One test, so the pipeline that loaded the kohya file is the one whose alpha is read."""
     assert not torch.allclose(saved["base"], saved["adapted"], atol=1e-3)
     peft_pipe = _pipeline(saved["type"], tempera_cache)
     peft_pipe.load_lora_weights(saved["folder"], weight_name="peft.safetensors")
@@ -142,15 +143,15 @@ def test_diffusers_loads_the_kohya_file_and_renders_what_the_peft_layout_renders
     from_peft, from_kohya = _image(peft_pipe), _image(kohya_pipe)
     assert torch.allclose(from_peft, saved["adapted"], atol=1e-4)
     assert torch.allclose(from_kohya, from_peft, atol=1e-4)
+    assert_alpha_is_honoured(saved, kohya_pipe, tempera_cache, tmp_path)
 
 
-def test_alpha_is_honoured(saved, tempera_cache, tmp_path):
-    """The same file with alpha = rank renders differently: the alpha really is read."""
+def assert_alpha_is_honoured(saved, pipe, tempera_cache, tmp_path):
+    """The alpha is written as kohya writes it and read: `pipe` (the kohya file loaded)
+    scales by alpha / rank, and the same file with alpha = rank renders differently."""
     tensors = load_file(saved["path"])
     assert all(float(v) == ALPHA for k, v in tensors.items() if k.endswith(".alpha"))
     assert all(v.ndim == 0 for k, v in tensors.items() if k.endswith(".alpha"))
-    pipe = _pipeline(saved["type"], tempera_cache)
-    pipe.load_lora_weights(saved["folder"], weight_name=saved["path"].name)
     layer = next(m for m in pipe.unet.modules() if hasattr(m, "scaling") and m.scaling)
     assert next(iter(layer.scaling.values())) == pytest.approx(ALPHA / RANK)
     save_file({k: (torch.tensor(float(RANK)) if k.endswith(".alpha") else v)

@@ -3,6 +3,7 @@ loss for loss and bit for bit; and the faults that end long runs leave a resumab
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ from modules.train.state.resume_offer import saved_step
 from modules.train.trainer import TrainingError, train
 from tests.train.test_bucketed_training import RESOLUTION, SQUARE, TALL, WIDE, make_images
 
-STEPS = 6
+STEPS = 4
 
 
 class StopAt(RecordingCallbacks):
@@ -117,10 +118,21 @@ def test_resume_with_aspect_buckets_continues_mid_epoch(tiny_config, tmp_path):
     assert run_json(tmp_path / "parts")["losses"] == run_json(tmp_path / "whole")["losses"]
 
 
-def test_backups_rotate_and_hold_no_pickle(tiny_config):
+def test_a_busy_output_folder_is_refused_then_backups_rotate_and_hold_no_pickle(tiny_config):
+    """One run for two properties: a second run on a folder another run is writing into is
+    refused; once that lock is released, the run takes it and its backups rotate."""
+    from modules.train.setup.output_lock import OutputLock
     config = tiny_config("training.max_steps=5", "output.backup_every_steps=1",
                          "output.keep_backups=2", "training.ema=true")
-    result = train(config)
+    lock = OutputLock(Path(config.output.dir)).acquire()
+    try:
+        with pytest.raises(ConfigError) as err:
+            train(config)
+        assert "another training is writing into it" in str(err.value)
+    finally:
+        lock.release()
+    result = train(config)  # a released (or dead owner's) lock is taken
+    assert result.status == "finished"
     found = list_backups(result.output_dir)
     # steps 1-4 by schedule and 5 at the run's end (a continue starts there), two kept
     assert [step for step, _ in found] == [4, 5]
@@ -147,12 +159,47 @@ def test_flatten_round_trips_optimizer_like_state():
     assert list(back["state"]) == [0]
 
 
-def test_resume_with_a_config_that_changes_the_math_is_refused_and_writes_nothing(tiny_config):
-    config = tiny_config("training.max_steps=4")
+# The run the resume tests below start from: 4 steps at a constant learning rate, a backup
+# every step, stopped after step 2. Trained once for the module; each test resumes a copy.
+STOPPED = ("training.max_steps=4", "output.backup_every_steps=1",
+           "training.lr_scheduler=CONSTANT", "training.lr_warmup_steps=0")
+
+
+def module_run(cache: Path, folder: Path, settings: tuple[str, ...],
+               stop_at: int | None = None) -> Path:
+    """The output folder of one run of the tiny model (tiny_config's settings, then
+    `settings`) in `folder`, stopped after step `stop_at` if given: a module-scoped fixture's
+    run that several tests copy (`copy_of`) and go on from."""
+    from modules.config import Config, apply_overrides
+    output = folder / "out"
+    config = apply_overrides(Config(), [
+        f"general.cache_dir={cache}", f"output.dir={output}", "data.resolution=64",
+        "training.max_steps=3", "training.batch_size=2", "training.learning_rate=1e-3",
+        "sampling.prompts=[]", "logging.tensorboard=false", *settings])
     commands = TrainerCommands()
-    train(config, StopAt(commands, 2), commands)
+    callbacks = RecordingCallbacks() if stop_at is None else StopAt(commands, stop_at)
+    result = train(config, callbacks, commands)
+    assert result.steps == (stop_at or config.training.max_steps)
+    return output
+
+
+@pytest.fixture(scope="module")
+def stopped_run(tempera_cache, tmp_path_factory) -> Path:
+    """The output folder of the STOPPED run (read only: tests resume a copy, `copy_of`)."""
+    return module_run(tempera_cache, tmp_path_factory.mktemp("stopped"), STOPPED, stop_at=2)
+
+
+def copy_of(run: Path, config) -> Path:
+    """`run` copied into `config`'s output folder, as if that config's run had been stopped."""
+    return Path(shutil.copytree(run, config.output.dir))
+
+
+def test_resume_with_a_config_that_changes_the_math_is_refused_and_writes_nothing(tiny_config,
+                                                                                  stopped_run):
+    config = tiny_config(*STOPPED)
+    copy_of(stopped_run, config)
     before = {p: p.stat().st_mtime_ns for p in Path(config.output.dir).rglob("*")}
-    changed = tiny_config("training.max_steps=4", "training.lora_rank=4",
+    changed = tiny_config(*STOPPED, "training.lora_rank=4",
                           "training.optimizer=ADAMW_8BIT", "training.resume_from=latest")
     changed.training.optimizer = config.training.optimizer  # bitsandbytes may be absent
     with pytest.raises(ConfigError) as err:
@@ -161,11 +208,9 @@ def test_resume_with_a_config_that_changes_the_math_is_refused_and_writes_nothin
     assert {p: p.stat().st_mtime_ns for p in Path(config.output.dir).rglob("*")} == before
 
 
-def test_resume_may_change_the_step_budget_and_records_it(tiny_config):
-    config = tiny_config("training.max_steps=4")
-    commands = TrainerCommands()
-    train(config, StopAt(commands, 2), commands)
-    longer = tiny_config("training.max_steps=5", "training.resume_from=latest")
+def test_resume_may_change_the_step_budget_and_records_it(tiny_config, stopped_run):
+    copy_of(stopped_run, tiny_config(*STOPPED))
+    longer = tiny_config(*STOPPED, "training.max_steps=5", "training.resume_from=latest")
     result = train(longer)
     record = run_json(result.output_dir)
     assert result.steps == 5 and len(record["losses"]) == 5
@@ -207,19 +252,6 @@ def test_non_finite_loss_is_skipped_then_stops_with_no_nan_saved(tiny_config, mo
         for value in load_file(str(path)).values():
             if value.is_floating_point():
                 assert torch.isfinite(value).all(), path
-
-
-def test_second_run_on_a_busy_output_folder_is_refused(tiny_config):
-    from modules.train.setup.output_lock import OutputLock
-    config = tiny_config()
-    lock = OutputLock(Path(config.output.dir)).acquire()
-    try:
-        with pytest.raises(ConfigError) as err:
-            train(config)
-        assert "another training is writing into it" in str(err.value)
-    finally:
-        lock.release()
-    assert train(config).status == "finished"  # a released (or dead owner's) lock is taken
 
 
 def test_disk_full_during_a_backup_keeps_the_previous_one(tiny_config, monkeypatch):
@@ -284,12 +316,10 @@ def test_a_really_full_disk_during_a_backup_keeps_the_previous_one(tiny_config, 
     assert info["step"] == 1 and states["parameters"]
 
 
-def test_a_new_learning_rate_applies_from_the_resumed_step(tiny_config):
-    constant = ("training.lr_scheduler=CONSTANT", "training.lr_warmup_steps=0")
-    commands = TrainerCommands()
-    train(tiny_config("training.max_steps=4", *constant), StopAt(commands, 2), commands)
+def test_a_new_learning_rate_applies_from_the_resumed_step(tiny_config, stopped_run):
+    copy_of(stopped_run, tiny_config(*STOPPED))
     callbacks = RecordingCallbacks()
-    result = train(tiny_config("training.max_steps=4", *constant, "training.learning_rate=5e-4",
+    result = train(tiny_config(*STOPPED, "training.learning_rate=5e-4",
                                "training.resume_from=latest"), callbacks)
     assert [p.lr for p in callbacks.progress] == [5e-4, 5e-4]
     assert "training.learning_rate: 0.001 -> 0.0005" in run_json(result.output_dir)[

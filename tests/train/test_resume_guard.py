@@ -15,7 +15,21 @@ from modules.data.shapes import builtin_dataset_identity, shapes_dataset_dir
 from modules.train.state.backup_files import list_backups
 from modules.train.state.resume_offer import SAVED_STEP_FILE, resume_offer, saved_step
 from modules.train.trainer import train
-from tests.train.test_resume import StopAt, run_json
+from tests.train.test_resume import StopAt, copy_of, module_run, run_json
+
+FOUR_STEPS = ("training.max_steps=4", "output.backup_every_steps=1")
+
+
+@pytest.fixture(scope="module")
+def finished_run(tempera_cache, tmp_path_factory) -> Path:
+    """A run of FOUR_STEPS that finished (read only: tests go on from a copy)."""
+    return module_run(tempera_cache, tmp_path_factory.mktemp("finished"), FOUR_STEPS)
+
+
+@pytest.fixture(scope="module")
+def stopped_run(tempera_cache, tmp_path_factory) -> Path:
+    """A run of FOUR_STEPS stopped after step 2 (read only: tests resume a copy)."""
+    return module_run(tempera_cache, tmp_path_factory.mktemp("stopped"), FOUR_STEPS, stop_at=2)
 
 
 def snapshot(folder: Path) -> dict[str, tuple[int, bytes]]:
@@ -24,10 +38,10 @@ def snapshot(folder: Path) -> dict[str, tuple[int, bytes]]:
             for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-def test_resuming_a_finished_run_is_refused_and_writes_nothing(tiny_config):
-    config = tiny_config("training.max_steps=4", "output.backup_every_steps=1")
-    assert train(config).status == "finished"
-    output = Path(config.output.dir)
+def test_resuming_a_finished_run_is_refused_and_writes_nothing(tiny_config, finished_run):
+    config = tiny_config(*FOUR_STEPS)
+    output = copy_of(finished_run, config)
+    assert run_json(output)["status"] == "finished"
     assert saved_step(output / "final") == 4
     before = snapshot(output)
     with pytest.raises(ConfigError) as err:
@@ -40,10 +54,9 @@ def test_resuming_a_finished_run_is_refused_and_writes_nothing(tiny_config):
     assert "continues from its end (its backup at step 4)" in message
 
 
-def test_a_raised_max_steps_continues_a_finished_run_to_the_new_maximum(tiny_config):
-    config = tiny_config("training.max_steps=4", "output.backup_every_steps=1")
-    train(config)
-    output = Path(config.output.dir)
+def test_a_raised_max_steps_continues_a_finished_run_to_the_new_maximum(tiny_config,
+                                                                        finished_run):
+    output = copy_of(finished_run, tiny_config(*FOUR_STEPS))
     newest = list_backups(output)[-1][0]
     result = train(tiny_config("training.max_steps=6", "output.backup_every_steps=1",
                                "training.resume_from=latest"))
@@ -126,10 +139,8 @@ def test_resume_with_overwrite_on_continues_and_says_overwrite_was_not_applied(t
     assert any("output.overwrite is not applied" in s for s in callbacks.statuses)
 
 
-def test_a_builtin_model_resumes_with_another_cache_folder(tiny_config, tmp_path):
-    config = tiny_config("training.max_steps=4", "output.backup_every_steps=1")
-    commands = TrainerCommands()
-    train(config, StopAt(commands, 2), commands)
+def test_a_builtin_model_resumes_with_another_cache_folder(tiny_config, tmp_path, stopped_run):
+    copy_of(stopped_run, tiny_config(*FOUR_STEPS))
     other_cache = tmp_path / "another-cache"
     result = train(tiny_config("training.max_steps=4", "output.backup_every_steps=1",
                                f"general.cache_dir={other_cache}",
@@ -141,10 +152,9 @@ def test_a_builtin_model_resumes_with_another_cache_folder(tiny_config, tmp_path
     assert not any(line.startswith(("model.", "data.")) for line in record["resume_changed"])
 
 
-def test_a_builtin_model_built_differently_is_still_refused(tiny_config):
-    config = tiny_config("training.max_steps=4", "output.backup_every_steps=1")
-    commands = TrainerCommands()
-    train(config, StopAt(commands, 2), commands)
+def test_a_builtin_model_built_differently_is_still_refused(tiny_config, stopped_run):
+    config = tiny_config(*FOUR_STEPS)
+    copy_of(stopped_run, config)
     info_path = list_backups(Path(config.output.dir))[-1][1] / "backup.json"
     info = json.loads(info_path.read_text())
     info["config"]["model"]["path"] = str(Path(info["config"]["model"]["path"]).parent
