@@ -61,6 +61,17 @@ def rows_by_job(ctx: Context) -> dict[str, dict]:
     return {r["job"]: r for r in ctx.rows}
 
 
+def datasets_made(work: Path) -> None:
+    """Mark the full-size runs' datasets as made (`buckets_dataset` makes each once per
+    resolution): these tests read the commands and configs, and encoding the noise PNGs at
+    1024 px costs about a minute of CPU. The rehearsal trains on the images themselves."""
+    from modules.bench.gpu_phases import FULL_SIZES
+    for key, size in FULL_SIZES.items():
+        folder = work / "data" / f"{key}-{size.resolution}"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "done").write_text("", encoding="utf-8")
+
+
 def test_a_job_past_its_limit_is_a_timeout_row_and_the_rest_still_runs(tmp_path):
     ctx = context(tmp_path)
     jobs = [Job("slow", "script", 2, {"code": "import time; time.sleep(60)"}),
@@ -254,6 +265,7 @@ def test_every_job_of_every_phase_builds_its_command_at_full_size(tmp_path):
     # The CPU rehearsal runs one job per property; every job's command and config are still
     # built here, on CUDA at full size: an override that no longer exists fails now, not on
     # the GPU machine.
+    datasets_made(tmp_path / "work")
     for phase in PHASES:
         ctx = Context(phase=phase.key, device="cuda", tiny=False, out=tmp_path / "out",
                       work=tmp_path / "work", budget_s=540, parallel=6,
@@ -289,6 +301,7 @@ def test_the_bundle_phase_starts_its_last_cell_from_the_bundle_alone(tmp_path):
     ctx = Context(phase=phase.key, device="cuda", tiny=False, out=tmp_path / "out",
                   work=tmp_path / "work", budget_s=540, parallel=1,
                   rows=[{"job": "build-sd15", "path": "/models/sd15"}])
+    datasets_made(ctx.work)
     written = ctx.compile_cache() / "cell-sd15-default" / "bundles"
     written.mkdir(parents=True)
     (written / "sd15-x.tcb").write_bytes(b"a bundle")
@@ -575,12 +588,15 @@ def test_a_failure_in_the_runner_kills_the_jobs_it_started(tmp_path):
 
 def test_a_pytest_job_is_interrupted_before_it_is_killed_and_keeps_its_results(tmp_path):
     # At its limit pytest gets SIGINT: it writes its junit file (and -v lines) before SIGKILL.
+    # test_0 passes at once (pytest's start on a loaded machine takes seconds), the rest
+    # sleep well past the SIGINT
     tests = tmp_path / "slow_tests"
     tests.mkdir()
     (tests / "test_slow.py").write_text(
-        "import time\n" + "".join(f"def test_{i}():\n    time.sleep(3)\n" for i in range(8)))
+        "import time\ndef test_0():\n    pass\n"
+        + "".join(f"def test_{i}():\n    time.sleep(30)\n" for i in range(1, 4)))
     ctx = context(tmp_path)
-    limit = KINDS["pytest"].interrupt_s + 6     # SIGINT after ~6 s, while tests still run
+    limit = KINDS["pytest"].interrupt_s + 8     # SIGINT after ~8 s, while test_1 still runs
     run_phase(ctx, [Job("tests", "pytest", limit, {"paths": [str(tests)], "per_test": 300})],
               KINDS, print_line=lambda line: None)
     row = rows_by_job(ctx)["tests"]
