@@ -116,7 +116,7 @@ def iter_fields(cls: type, prefix: str = "", defaults: Any = None) -> Iterator[F
     `list_dataclass` field, call `iter_fields(info.item_type, f"{info.dotted_path}[]")`.
     """
     defaults = cls() if defaults is None else defaults
-    hints = typing.get_type_hints(cls)
+    hints = type_hints(cls)
     for f in dataclasses.fields(cls):
         path = f"{prefix}.{f.name}" if prefix else f.name
         tp = hints[f.name]
@@ -131,7 +131,7 @@ def iter_fields(cls: type, prefix: str = "", defaults: Any = None) -> Iterator[F
 
 def container_labels(cls: type, prefix: str = "") -> dict[str, str]:
     """Dotted path of each nested dataclass field -> its label ("components.denoiser" -> "UNet")."""
-    hints = typing.get_type_hints(cls)
+    hints = type_hints(cls)
     labels: dict[str, str] = {}
     for f in dataclasses.fields(cls):
         tp = hints[f.name]

@@ -16,16 +16,13 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from modules.config.introspect import type_hints
 from modules.config.migrations import migrate
 from modules.config.problems import ConfigError, Problem
 from modules.config.schema import BUILTIN_PREFIX, Config
 from modules.config.wandb_settings import wandb_key_problems
 from modules.util.atomic import atomic_write_text
 from modules.util.secrets import SECRET_NAME
-
-
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
 
 
 def _describe(value: Any) -> str:
@@ -143,7 +140,7 @@ def closest_key(key: str, known: list[str]) -> str | None:
 
 
 def _build(cls: type, data: dict, prefix: str, problems: list[Problem]) -> Any:
-    hints = _hints(cls)
+    hints = type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in data.items():

@@ -18,6 +18,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from modules.config.introspect import type_hints
 from modules.config.loader import (closest_key, from_dict, path_fields, resolve_path_value,
                                    to_dict)
 from modules.config.migrations import renamed_key
@@ -61,7 +62,7 @@ def _field_at(parts: list[str | int]) -> tuple[Any, dict] | None:
         fields = {f.name: f for f in dataclasses.fields(tp)}
         if part not in fields:
             return None
-        tp, meta = typing.get_type_hints(tp)[part], dict(fields[part].metadata)
+        tp, meta = type_hints(tp)[part], dict(fields[part].metadata)
     return tp, meta
 
 
@@ -129,7 +130,7 @@ def _dotted(parts: list[str | int]) -> str:
 def _all_keys(cls: Any = Config, prefix: str = "") -> list[str]:
     """Every dotted key `--set` accepts (list items as `name[0]`), for did-you-mean hints."""
     keys = []
-    hints = typing.get_type_hints(cls)
+    hints = type_hints(cls)
     for f in dataclasses.fields(cls):
         dotted = f"{prefix}.{f.name}" if prefix else f.name
         keys.append(dotted)
