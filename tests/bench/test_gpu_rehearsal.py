@@ -65,7 +65,7 @@ REHEARSED: dict[str, str | None] = {
     # that torchao is there for them is test_the_packages_the_phases_need_are_installed_here's
     "12-float8": "",
     # DEFAULT cells: the cold one writes a compile bundle, the other starts from it alone
-    # (the bundle round trip on the CPU is tests/train/test_compile_bundles.py's; the bundle
+    # (the bundle round trip on the CPU is tests/train/test_compile_ahead.py's; the bundle
     # cell's config is test_gpu_validate.py's)
     "13-bundle": "",
 }

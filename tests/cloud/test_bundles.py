@@ -3,7 +3,7 @@ run wrote comes back (fetch, add-bundle) and the next run starts warm from it; s
 each run started. The trainer is a stand-in that looks for its bundle with the real lookup
 (find_bundle) and writes run.json's compile_bundle with the real BundleKeeper record; loading
 and writing real compiled code is tests/compile/test_bundle.py's and
-tests/train/test_compile_bundles.py's."""
+tests/train/test_compile_ahead.py's."""
 from __future__ import annotations
 
 import dataclasses

@@ -140,3 +140,34 @@ def make_unet() -> Callable[..., torch.nn.Module]:
 @pytest.fixture
 def train() -> Callable[..., list[float]]:
     return train_losses
+
+
+def build_one_level_unet(lora: bool = False, checkpointing: bool = False) -> torch.nn.Module:
+    """The tiny UNet with one level, so no down- or upsampling: a cross-attention down block,
+    the mid block and a cross-attention up block, every block at 32 channels (a regional
+    compile makes one graph per block class and resolution) and any latent size welcome. Its
+    compile costs about a quarter less than build_tiny_unet's; for the engine's and the guard's
+    tests, whose properties are not the UNet's layout (the layout's own limits, e.g.
+    test_inductor.py's symbolic height and width, keep build_tiny_unet)."""
+    from diffusers import UNet2DConditionModel
+
+    torch.manual_seed(0)
+    unet = UNet2DConditionModel(
+        block_out_channels=(32,), layers_per_block=1, cross_attention_dim=32,
+        norm_num_groups=8, sample_size=8, attention_head_dim=4,
+        down_block_types=("CrossAttnDownBlock2D",), up_block_types=("CrossAttnUpBlock2D",))
+    if lora:
+        from peft import LoraConfig
+
+        unet.requires_grad_(False)
+        unet.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian",
+                                    target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
+    if checkpointing:
+        unet.enable_gradient_checkpointing()
+    unet.train()
+    return unet
+
+
+@pytest.fixture
+def make_one_level_unet() -> Callable[..., torch.nn.Module]:
+    return build_one_level_unet

@@ -1,7 +1,7 @@
 """Compile bundles' file handling: found by fingerprint, refused with the part that differs,
 damaged or unreadable ones named and skipped, written whole by concurrent writers. The real
 torch round trip (a bundle from one process warming another cache folder) is
-tests/train/test_compile_bundles.py's."""
+tests/train/test_compile_ahead.py's."""
 from __future__ import annotations
 
 import dataclasses

@@ -25,9 +25,9 @@ def failing_table(fail_compile: str, fail_backward: str):
             CompileBackend.DEFAULT: BackendRow("aot_eager", inductor=False)}
 
 
-def test_compiled_lora_training_matches_eager(make_unet, train):
-    eager = train(make_unet(lora=True))
-    unet = make_unet(lora=True)
+def test_compiled_lora_training_matches_eager(make_one_level_unet, train):
+    eager = train(make_one_level_unet(lora=True))
+    unet = make_one_level_unet(lora=True)
     keys = list(unet.state_dict())
     callbacks = RecordingCallbacks()
     engine = CompileEngine(aot_eager(), {"unet": unet}, callbacks=callbacks, capabilities=GPU)
@@ -48,9 +48,10 @@ def test_compiled_lora_training_matches_eager(make_unet, train):
     assert unet._compiled_call_impl is None
 
 
-def test_fallback_through_compile_and_backward_failures(make_unet, train, failing_backends):
-    eager = train(make_unet())
-    unet = make_unet()
+def test_fallback_through_compile_and_backward_failures(make_one_level_unet, train,
+                                                        failing_backends):
+    eager = train(make_one_level_unet())
+    unet = make_one_level_unet()
     callbacks = RecordingCallbacks()
     engine = CompileEngine(CompileConfig(backend=CompileBackend.TRITON,
                                          dynamic=DynamicShapes.STATIC),
@@ -69,11 +70,11 @@ def test_fallback_through_compile_and_backward_failures(make_unet, train, failin
 
 
 def test_regional_lora_checkpointing_backward_fallback_restores_grads(
-        make_unet, train, failing_backends):
+        make_one_level_unet, train, failing_backends):
     # Regional: blocks nearer the output run their backward (and fill grads) before a failing
     # compiled block raises, so the retry is only equal to eager if those grads were restored.
-    eager = train(make_unet(lora=True, checkpointing=True), accumulation=2)
-    unet = make_unet(lora=True, checkpointing=True)
+    eager = train(make_one_level_unet(lora=True, checkpointing=True), accumulation=2)
+    unet = make_one_level_unet(lora=True, checkpointing=True)
     keys = list(unet.state_dict())
     engine = CompileEngine(
         CompileConfig(backend=CompileBackend.INDUCTOR, scope=CompileScope.REGIONAL,
@@ -153,8 +154,8 @@ def test_compiled_code_that_never_runs_is_detected(step):
                for e in callbacks.compile_events)
 
 
-def test_three_resolutions_do_not_recompile_after_warm_up(make_unet, train):
-    unet = make_unet()
+def test_three_resolutions_do_not_recompile_after_warm_up(make_one_level_unet, train):
+    unet = make_one_level_unet()
     engine = CompileEngine(aot_eager(scope=CompileScope.REGIONAL, dynamic=DynamicShapes.DYNAMIC),
                            {"unet": unet}, capabilities=GPU, probation_steps=1)
     engine.apply()

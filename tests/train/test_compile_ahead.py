@@ -1,10 +1,19 @@
-"""compile.ahead through the real trainer: the ahead process compiles the run's batch shapes
-while the data is cached and writes the compile bundle the run loads (step 1 compiles nothing,
-its losses are those of a run without it); a failed ahead process is reported and the run
-trains; a Stop during setup ends it; what validation refuses.
+"""compile.ahead and compile bundles through the real trainer.
 
-As in test_compile_bundles.py the compiled component is the frozen text encoder, FULL: the
-cheapest real inductor compile a run makes. The three runs share one module-scoped fixture."""
+compile.ahead: the ahead process compiles the run's batch shapes while the data is cached and
+writes the compile bundle the run loads (step 1 compiles nothing, its losses are those of a run
+without it); a failed ahead process is reported and the run trains; a Stop during setup ends
+it; what validation refuses.
+
+Compile bundles: the first run writes one, a second process with another cache folder and home
+starts from it alone (inductor's cache hits, not misses) and trains the same numbers, and a
+damaged bundle is named and passed over without stopping a run. The bundle file format's
+refusals are tests/compile/test_bundle.py's.
+
+The compiled component is the frozen text encoder, FULL: its forward-only graph is the
+cheapest real inductor compile a run makes (the UNet's forward and backward take minutes). The
+runs share one module-scoped fixture, so the run without compile ahead is also the bundle's
+first run: two cold compiles in all."""
 from __future__ import annotations
 
 import json
@@ -20,7 +29,7 @@ from modules.compile.ahead_rules import ahead_problems
 from modules.events import NullCallbacks, TrainerCommands
 from modules.train.trainer import train
 
-COMPILED = ["compile.backend=INDUCTOR", "compile.scope=FULL", "compile.denoiser=false",
+COMPILED = ["compile.backend=DEFAULT", "compile.scope=FULL", "compile.denoiser=false",
             "compile.text_encoder=true", "training.max_steps=2"]
 AHEAD_PID = re.compile(r"compile ahead: compiling .* in process (\d+)")
 
@@ -52,10 +61,11 @@ def gone(pid: int) -> bool:
 
 def train_in_a_fresh_process(tempera_cache, tmp, name: str, *settings: str,
                              kill_ahead: bool = False) -> tuple[dict, str]:
-    """A run of the compiled settings in a fresh process (as test_compile_bundles.py: what an
-    earlier test left in this process is no part of a bundle's fingerprint); with
-    ``kill_ahead``, its ahead process is killed once run.json names it. Its run.json and
-    output."""
+    """A run of the compiled settings in a fresh process with its own home (what another
+    machine is). The test process's own global state (what earlier tests in it left) is no part
+    of a bundle's fingerprint, so bundles are made in fresh processes; CPU kernels are built for
+    a thread count, which the child gets from this process. With ``kill_ahead``, its ahead
+    process is killed once run.json names it. Its run.json and output."""
     import subprocess
     import sys
     import time
@@ -70,6 +80,7 @@ def train_in_a_fresh_process(tempera_cache, tmp, name: str, *settings: str,
         "sampling.prompts=[]", "logging.tensorboard=false", *COMPILED, *settings])
     save_config(config, tmp / f"{name}.json")
     env = with_repo_on_pythonpath()
+    env["HOME"] = str(tmp / f"home-{name}")
     env["OMP_NUM_THREADS"] = str(torch.get_num_threads())  # CPU kernels are built for it
     process = subprocess.Popen([sys.executable, str(REPO / "scripts" / "train.py"), "--config",
                                 str(tmp / f"{name}.json")], env=env, text=True,
@@ -94,20 +105,49 @@ def _run_json(folder) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tempera_cache, tmp_path_factory):
-    """Three runs of the compiled settings, each 2 steps in a fresh process: (ahead) compile
+    """Two runs of the compiled settings, each 2 steps in a fresh process: (ahead) compile
     ahead into an empty cache folder; (plain) no compile ahead, another empty cache folder (a
-    cold step 1); (failed) compile ahead in the plain run's folder without its bundle, the
-    ahead process killed as it starts (its step 1 is served by the local cache, so this costs
-    no compile)."""
+    cold step 1, which writes the bundle). The runs are built in three module fixtures, each
+    paid by the first test that reads it, so no test's setup waits for all of them."""
     tmp = tmp_path_factory.mktemp("ahead")
     ahead, _ = train_in_a_fresh_process(tempera_cache, tmp, "ahead", "compile.ahead=true",
                                         f"compile.cache_dir={tmp / 'x'}")
     plain, _ = train_in_a_fresh_process(tempera_cache, tmp, "plain",
                                         f"compile.cache_dir={tmp / 'y'}")
+    return {"tmp": tmp, "tempera_cache": tempera_cache, "ahead": ahead, "plain": plain}
+
+
+@pytest.fixture(scope="module")
+def bundle_runs(runs):
+    """(elsewhere) a fresh process with a third empty cache folder and home, told to start
+    from plain's bundle; (damaged) in this process, in plain's cache folder, told to start
+    from a truncated bundle."""
+    tmp, tempera_cache = runs["tmp"], runs["tempera_cache"]
+    written = runs["plain"]["compile_bundle"]["written"]
+    elsewhere, _ = train_in_a_fresh_process(tempera_cache, tmp, "elsewhere",
+                                            f"compile.cache_dir={tmp / 'z'}",
+                                            f"compile.bundle={written}")
+    cut = tmp / "cut.tcb"
+    cut.write_bytes((tmp / "y" / "bundles" / written.rsplit("/", 1)[1]).read_bytes()[:100])
+    damaged = train(apply_overrides(Config(), [
+        f"general.cache_dir={tempera_cache}", f"output.dir={tmp / 'damaged'}",
+        "data.resolution=64", "training.batch_size=2", "training.learning_rate=1e-3",
+        "sampling.prompts=[]", "logging.tensorboard=false", *COMPILED,
+        f"compile.cache_dir={tmp / 'y'}", f"compile.bundle={cut}"]))
+    return {**runs, "elsewhere": elsewhere, "damaged": damaged, "cut": cut}
+
+
+@pytest.fixture(scope="module")
+def failed_run(bundle_runs):
+    """(failed) compile ahead in plain's folder without its bundle (after the bundle runs,
+    which read it), a fresh process, the ahead process killed as it starts (its step 1 is
+    served by the local cache, so this costs no compile)."""
+    tmp = bundle_runs["tmp"]
     shutil.rmtree(tmp / "y" / "bundles")
-    failed, said = train_in_a_fresh_process(tempera_cache, tmp, "failed", "compile.ahead=true",
+    failed, said = train_in_a_fresh_process(bundle_runs["tempera_cache"], tmp, "failed",
+                                            "compile.ahead=true",
                                             f"compile.cache_dir={tmp / 'y'}", kill_ahead=True)
-    return {"ahead": ahead, "plain": plain, "failed": failed, "failed_output": said}
+    return {**bundle_runs, "failed": failed, "failed_output": said}
 
 
 @pytest.mark.inductor
@@ -130,15 +170,57 @@ def test_the_bundle_compiled_ahead_is_loaded_and_step_1_compiles_nothing(runs):
 
 
 @pytest.mark.inductor
-def test_a_failed_ahead_process_is_reported_and_the_run_trains(runs):
-    record = runs["failed"]
+def test_a_bundle_warms_a_fresh_cache_folder_in_another_process_and_changes_no_number(
+        bundle_runs):
+    """Over 10 s (the module's runs): plain's cold inductor compile of the text encoder wrote
+    a bundle, and another process with another cache folder and home must not compile it cold
+    (it loads the bundle): what a new machine or a cloud run meets."""
+    record = bundle_runs["plain"]
+    written = record["compile_bundle"]["written"]
+    assert record["compile_bundle"]["lookup"] == "miss" and written, record["compile_bundle"]
+    assert record["compile"]["text_encoder"]["cache"] == "miss"
+    assert record["compile"]["text_encoder"]["bundle"].startswith("miss")
+    assert record["compile"]["unet"]["bundle"] == "off"  # not compiled
+
+    second = bundle_runs["elsewhere"]
+    assert second["compile_bundle"]["lookup"] == "hit", second["compile_bundle"]
+    assert second["compile_bundle"]["found"] == written
+    assert second["compile_bundle"]["loaded_entries"] > 0
+    cold = record["compile"]["text_encoder"]["compile_seconds"]
+    assert second["compile_bundle"]["cold_compile_seconds"] == pytest.approx(cold, abs=0.1)
+    assert second["compile_bundle"]["seconds_saved"] == pytest.approx(
+        cold - second["compile"]["text_encoder"]["compile_seconds"], abs=0.2)
+    encoder = second["compile"]["text_encoder"]
+    # every graph the first run compiled cold came from the bundle, none compiled again
+    compiled_cold = record["compile"]["text_encoder"]["cache_misses"]
+    assert compiled_cold > 0 and encoder["cache_hits"] == compiled_cold, encoder
+    assert encoder["bundle"] == "hit" and encoder["cache"] == "hit", encoder
+    assert encoder["compiled_code_ran"]
+    assert second["losses"] == record["losses"]
+
+
+@pytest.mark.inductor
+def test_a_damaged_bundle_is_named_and_passed_over(bundle_runs):
+    """A run in the first cache folder, told to start from a truncated bundle, finds the cache
+    folder's own and names the damaged one."""
+    damaged = bundle_runs["damaged"]
+    bundle = _record(damaged)["compile_bundle"]
+    assert damaged.status == "finished"
+    written = bundle_runs["plain"]["compile_bundle"]["written"]
+    assert bundle["lookup"] == "hit" and bundle["found"] == written
+    assert len(bundle["skipped"]) == 1 and str(bundle_runs["cut"]) in bundle["skipped"][0]
+
+
+@pytest.mark.inductor
+def test_a_failed_ahead_process_is_reported_and_the_run_trains(failed_run):
+    record = failed_run["failed"]
     assert record["status"] == "finished"
     assert record["compile_ahead"]["status"] == "failed"
     assert "signal 9" in record["compile_ahead"]["why"]
     assert re.search(r"compile ahead failed \(ended by signal 9.*compiling at step 1",
-                     runs["failed_output"]), runs["failed_output"][-3000:]
+                     failed_run["failed_output"]), failed_run["failed_output"][-3000:]
     assert record["compile_bundle"]["from_ahead"] is False
-    assert record["losses"] == runs["plain"]["losses"]
+    assert record["losses"] == failed_run["plain"]["losses"]
 
 
 def test_stop_during_setup_ends_the_ahead_process(tiny_config, tmp_path):

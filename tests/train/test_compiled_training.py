@@ -15,9 +15,9 @@ def _record(result) -> dict:
 
 
 def test_aot_eager_training_matches_eager_and_saves_the_same_keys(tiny_config, tmp_path):
-    eager = train(tiny_config(f"output.dir={tmp_path / 'eager'}", "training.max_steps=4"))
+    eager = train(tiny_config(f"output.dir={tmp_path / 'eager'}", "training.max_steps=2"))
     callbacks = RecordingCallbacks()
-    compiled = train(tiny_config(f"output.dir={tmp_path / 'compiled'}", "training.max_steps=4",
+    compiled = train(tiny_config(f"output.dir={tmp_path / 'compiled'}", "training.max_steps=2",
                                  "compile.backend=AOT_EAGER", "compile.denoiser=true",
                                  "compile.text_encoder=true"), callbacks)
     assert _record(compiled)["losses"] == pytest.approx(_record(eager)["losses"], rel=1e-4)
