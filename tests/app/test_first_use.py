@@ -9,12 +9,20 @@ import stat
 import threading
 from types import SimpleNamespace
 
+import pytest
+
 from app.fields import iter_fields
 from app.labels import ENUM_LABELS, enum_label
 from app.widgets import DISABLED_TEXT, EnumView, MultiEnumView, ReadOnlyView
 from modules.config import Config
 from modules.config.schema import CompileBackend
 from tests.app.conftest import pump
+
+
+@pytest.fixture
+def app(shared_app):
+    """The file's one window, reset to a fresh one's state before each test (conftest)."""
+    return shared_app
 
 
 def settled(app):
@@ -68,9 +76,7 @@ def test_the_problem_list_follows_the_edits_and_closes_when_all_are_fixed(app):
     assert app.run_panel.status_text == "Every listed problem is fixed."
 
 
-def test_a_problem_click_scrolls_its_field_into_view(make_app, tmp_path):
-    from pathlib import Path
-    app = make_app(builtin_presets_dir=Path("/nonexistent-presets"))
+def test_a_problem_click_scrolls_its_field_into_view(app):
     app.geometry("1024x700")
     settled(app)
     app.registry.find("sampling.seed").var.set("x")                   # low on a long tab
@@ -129,15 +135,14 @@ def test_compile_details_look_disabled_under_backend_none(app):
     assert cache.entry.cget("text_color") != DISABLED_TEXT
 
 
-def test_start_is_greyed_while_a_benchmark_runs(make_app, tmp_path):
-    from pathlib import Path
+def test_start_is_greyed_while_a_benchmark_runs(app, tmp_path):
     release = threading.Event()
 
     def bench(config, **kwargs):
         release.wait(30)
         raise RuntimeError("this test's benchmark ends here")
 
-    app = make_app(builtin_presets_dir=Path("/nonexistent-presets"), bench_fn=bench)
+    app.benchmark.bench_fn = bench
     app.registry.find("output.dir").var.set(str(tmp_path / "out"))
     assert app.benchmark.start()
     start = app.run_panel.buttons["start"]
@@ -178,9 +183,7 @@ def test_tensorboard_shows_its_address_on_its_button(app, monkeypatch):
     app.runs.tensorboard = None
 
 
-def test_the_wheel_over_a_read_only_box_scrolls_the_page(make_app):
-    from pathlib import Path
-    app = make_app(builtin_presets_dir=Path("/nonexistent-presets"))
+def test_the_wheel_over_a_read_only_box_scrolls_the_page(app):
     app.geometry("1024x700")
     app.tabview.set("Advanced Options")
     settled(app)
@@ -221,13 +224,13 @@ def test_the_form_is_built_under_a_curtain_that_says_what_it_builds(display, tmp
         app._finish_close()
 
 
-def test_a_ui_scale_change_happens_under_the_curtain(app):
+def test_a_ui_scale_change_happens_under_the_curtain(app, monkeypatch):
     """customtkinter redraws every widget on a scale change, in Python, seconds on a loaded
     machine, with buttons drawn before their labels: the window is covered meanwhile."""
     during = []
     fit = app.sizing.fit_columns
-    app.sizing.fit_columns = lambda: (during.append((app.curtain.text, curtain_on_top(app))),
-                                      fit())
+    monkeypatch.setattr(app.sizing, "fit_columns", lambda: (
+        during.append((app.curtain.text, curtain_on_top(app))), fit()))
     app.sizing.scale_menu._dropdown_callback("150%")
     assert during == [("Changing the UI scale to 150%…", True)]
     assert not app.curtain.shown and app.sizing.scale_menu.winfo_viewable()
