@@ -21,6 +21,12 @@ BACKEND_MAPPING = {
 }
 
 
+@pytest.fixture
+def app(shared_app):
+    """The file's one window, reset to a fresh one's state before each test (conftest)."""
+    return shared_app
+
+
 def saved_compile(app, path) -> dict:
     assert app.presets_bar.save_as(path) == path
     return json.loads(path.read_text()).get("compile", {})

@@ -8,6 +8,12 @@ from modules.config.schema import CompileBackend
 from tests.app.conftest import pump
 
 
+@pytest.fixture
+def app(shared_app):
+    """The file's one window, reset to a fresh one's state before each test (conftest)."""
+    return shared_app
+
+
 def _tiny_settings(app, tempera_cache, tmp_path) -> None:
     for path, text in (("general.cache_dir", str(tempera_cache)),
                        ("output.dir", str(tmp_path / "out")), ("data.resolution", "64"),

@@ -9,12 +9,20 @@ import stat
 import threading
 from types import SimpleNamespace
 
+import pytest
+
 from app.fields import iter_fields
 from app.labels import ENUM_LABELS, enum_label
 from app.widgets import DISABLED_TEXT, EnumView, MultiEnumView, ReadOnlyView
 from modules.config import Config
 from modules.config.schema import CompileBackend
 from tests.app.conftest import pump
+
+
+@pytest.fixture
+def app(shared_app):
+    """The file's one window, reset to a fresh one's state before each test (conftest)."""
+    return shared_app
 
 
 def settled(app):
@@ -68,9 +76,7 @@ def test_the_problem_list_follows_the_edits_and_closes_when_all_are_fixed(app):
     assert app.run_panel.status_text == "Every listed problem is fixed."
 
 
-def test_a_problem_click_scrolls_its_field_into_view(make_app, tmp_path):
-    from pathlib import Path
-    app = make_app(builtin_presets_dir=Path("/nonexistent-presets"))
+def test_a_problem_click_scrolls_its_field_into_view(app):
     app.geometry("1024x700")
     settled(app)
     app.registry.find("sampling.seed").var.set("x")                   # low on a long tab
@@ -129,15 +135,14 @@ def test_compile_details_look_disabled_under_backend_none(app):
     assert cache.entry.cget("text_color") != DISABLED_TEXT
 
 
-def test_start_is_greyed_while_a_benchmark_runs(make_app, tmp_path):
-    from pathlib import Path
+def test_start_is_greyed_while_a_benchmark_runs(app, tmp_path):
     release = threading.Event()
 
     def bench(config, **kwargs):
         release.wait(30)
         raise RuntimeError("this test's benchmark ends here")
 
-    app = make_app(builtin_presets_dir=Path("/nonexistent-presets"), bench_fn=bench)
+    app.benchmark.bench_fn = bench
     app.registry.find("output.dir").var.set(str(tmp_path / "out"))
     assert app.benchmark.start()
     start = app.run_panel.buttons["start"]
@@ -178,9 +183,7 @@ def test_tensorboard_shows_its_address_on_its_button(app, monkeypatch):
     app.runs.tensorboard = None
 
 
-def test_the_wheel_over_a_read_only_box_scrolls_the_page(make_app):
-    from pathlib import Path
-    app = make_app(builtin_presets_dir=Path("/nonexistent-presets"))
+def test_the_wheel_over_a_read_only_box_scrolls_the_page(app):
     app.geometry("1024x700")
     app.tabview.set("Advanced Options")
     settled(app)
@@ -219,19 +222,6 @@ def test_the_form_is_built_under_a_curtain_that_says_what_it_builds(display, tmp
         assert app.run_panel.buttons["start"].winfo_viewable()
     finally:
         app._finish_close()
-
-
-def test_a_ui_scale_change_happens_under_the_curtain(app):
-    """customtkinter redraws every widget on a scale change, in Python, seconds on a loaded
-    machine, with buttons drawn before their labels: the window is covered meanwhile."""
-    during = []
-    fit = app.sizing.fit_columns
-    app.sizing.fit_columns = lambda: (during.append((app.curtain.text, curtain_on_top(app))),
-                                      fit())
-    app.sizing.scale_menu._dropdown_callback("150%")
-    assert during == [("Changing the UI scale to 150%…", True)]
-    assert not app.curtain.shown and app.sizing.scale_menu.winfo_viewable()
-    app.sizing.scale_menu._dropdown_callback("100%")
 
 
 def test_save_as_uses_the_desktop_chooser_when_there_is_one(app, tmp_path, monkeypatch):
@@ -304,7 +294,21 @@ def test_the_two_cache_folders_say_where_empty_puts_them(app, tmp_path):
     assert lines[0].startswith("INT8: ") and lines[1].startswith("FLOAT8: ")
 
 
-def test_columns_stack_when_the_window_is_too_narrow_for_them(app):
+def test_a_ui_scale_change_happens_under_the_curtain_stacks_columns_and_invents_no_errors(
+        app, monkeypatch):
+    """One change to 150 % and back (each redraws every widget: seconds), three checks.
+    customtkinter redraws every widget on a scale change, in Python, seconds on a loaded
+    machine, with buttons drawn before their labels: the window is covered meanwhile. The
+    same window with larger widgets stacks the columns that no longer fit. A problem list the
+    user closed stays closed, and no error is invented."""
+    app.registry.find("data.resolution").var.set("100")
+    assert not app.runs.start()
+    app.problems_panel.hide()                                         # the user closed the list
+    app.registry.find("data.resolution").var.set("128")
+    more = app.registry.more_of["general.cache_dir"]
+    more.expand()
+    more.collapse()
+
     seed = app.registry.find("training.seed")
     app.tabview.set("General")
     app.geometry("1280x860")
@@ -313,32 +317,32 @@ def test_columns_stack_when_the_window_is_too_narrow_for_them(app):
     settled(app)
     assert not app.registry.layouts[0].stacked
     side_by_side_y = seed.frame.winfo_rooty()
-    app.sizing.scale_menu._dropdown_callback("150%")                 # the same window, larger widgets
-    settled(app)
-    right_edge = app.winfo_rootx() + app.winfo_width()
-    assert seed.frame.winfo_rootx() + seed.frame.winfo_width() <= right_edge
-    assert seed.frame.winfo_rooty() > side_by_side_y          # below the left column now
-    app.sizing.scale_menu._dropdown_callback("100%")
-    settled(app)
-    assert seed.frame.winfo_rooty() == side_by_side_y
 
-
-def test_a_scale_change_keeps_a_closed_problem_list_closed_and_invents_no_errors(app):
-    app.registry.find("data.resolution").var.set("100")
-    assert not app.runs.start()
-    app.problems_panel.hide()                                         # the user closed the list
-    app.registry.find("data.resolution").var.set("128")
-    more = app.registry.more_of["general.cache_dir"]
-    more.expand()
-    more.collapse()
-    for scale in ("150%", "100%"):
-        app.sizing.scale_menu._dropdown_callback(scale)
+    def closed_list_and_no_errors():
         settled(app)
         wait(app)          # past the problem list's re-check delay
         assert app.problems_panel.frame.winfo_manager() == ""
         assert not more.expanded and all(b.winfo_manager() == "" for b in more.bodies)
         assert app.binding.errors == {}
         assert [v.path for v in app.registry.all_views() if v.error] == []
+
+    during = []
+    fit = app.sizing.fit_columns
+    monkeypatch.setattr(app.sizing, "fit_columns", lambda: (
+        during.append((app.curtain.text, curtain_on_top(app))), fit()))
+    app.sizing.scale_menu._dropdown_callback("150%")                 # the same window, larger widgets
+    assert during == [("Changing the UI scale to 150%…", True)]
+    assert not app.curtain.shown and app.sizing.scale_menu.winfo_viewable()
+    settled(app)
+    right_edge = app.winfo_rootx() + app.winfo_width()
+    assert seed.frame.winfo_rootx() + seed.frame.winfo_width() <= right_edge
+    assert seed.frame.winfo_rooty() > side_by_side_y          # below the left column now
+    closed_list_and_no_errors()
+
+    app.sizing.scale_menu._dropdown_callback("100%")
+    settled(app)
+    assert seed.frame.winfo_rooty() == side_by_side_y
+    closed_list_and_no_errors()
 
 
 def wait(app, seconds: float = 0.6) -> None:

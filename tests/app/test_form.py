@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from app.binding import leaf_paths
 from app.fields import iter_fields
 from app.form import READ_ONLY
@@ -17,6 +19,12 @@ EXPECTED_VIEW = {"bool": BoolView, "int": EntryView, "float": EntryView,
                  "optional_float": EntryView, "str": EntryView, "path": PathView,
                  "enum": EnumView, "list_enum": MultiEnumView, "list_dataclass": ListView,
                  "list_int": EntryView}
+
+
+@pytest.fixture
+def app(shared_app):
+    """The file's one window, reset to a fresh one's state before each test (conftest)."""
+    return shared_app
 
 
 def view(app, path):
@@ -169,15 +177,14 @@ def test_base_model_can_be_chosen_as_a_folder_or_a_single_checkpoint(app, monkey
     assert app.binding.config.model.path == str(tmp_path)
 
 
-def test_add_dataset_on_the_sdxl_preset_starts_with_an_empty_folder(make_app, display):
+def test_add_dataset_on_the_sdxl_preset_starts_with_an_empty_folder(app):
     """Issue 44 item 7: the new row held the toy set builtin:shapes, which cleared the "no
     dataset" problem and trained SDXL on 64 px shapes. Clicked with the pointer."""
     from tests.app import xdo
     from tests.app.conftest import REPO
     if not xdo.available():
-        import pytest
         pytest.skip("real input needs xdotool (bash scripts/ensure_xvfb.sh)")
-    app = make_app(initial_preset=REPO / "training_presets" / "sdxl" / "lora.json")
+    assert app.presets_bar.load(REPO / "training_presets" / "sdxl" / "lora.json")
     assert app.binding.config.data.datasets == []
     app.geometry("1200x800+0+0")
     xdo.click(app, app.tabview._segmented_button._buttons_dict["Data"])

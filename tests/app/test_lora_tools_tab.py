@@ -13,6 +13,33 @@ from tests.app.conftest import pump
 from tests.lora_tools.random_lora import random_unet_lora
 
 
+_FRESH: dict[int, dict] = {}  # the tab's fields as the shared window opened with them
+
+
+@pytest.fixture
+def app(shared_app):
+    """The file's one window (conftest's `shared_app`), its LoRA tools tab as a fresh one's."""
+    from app.text_boxes import set_readonly_text
+    panel = shared_app.lora_tools
+    fresh = _FRESH.setdefault(id(shared_app), {
+        "entries": {name: entry.get() for name, entry in panel.entries.items()},
+        "menus": {menu: menu.get() for menu in (panel.tool, panel.layout, panel.model_type)},
+        "report": panel.report.get("1.0", "end-1c"), "tool_fn": panel.tool_fn})
+    assert not panel.busy, "a test left a tool running"
+    for name, entry in panel.entries.items():
+        entry.delete(0, "end")
+        if fresh["entries"][name]:
+            entry.insert(0, fresh["entries"][name])
+    panel.loras.delete("1.0", "end")
+    for menu, value in fresh["menus"].items():
+        menu.set(value)
+    panel.tool_fn, panel.ok = fresh["tool_fn"], None
+    set_readonly_text(panel.report, fresh["report"])
+    panel._show_fields()
+    shared_app.update()
+    return shared_app
+
+
 @pytest.fixture
 def kohya_lora(tempera_cache, tmp_path):
     """A random LoRA on the tiny SD 1.5 UNet's attention, in the kohya layout."""

@@ -13,7 +13,13 @@ from modules.train.state.resume_offer import saved_step
 from tests.app import xdo
 from tests.app.conftest import pump
 from tests.app.test_run_state import fake_backup
-from tests.app.test_training import RUN_TIMEOUT, gui_demo_settings
+from tests.app.test_training import RUN_TIMEOUT, gui_demo_settings, on_the_demo
+
+
+@pytest.fixture
+def app(shared_app):
+    """The file's one window, reset to a fresh one's state before each test (conftest)."""
+    return shared_app
 
 
 def run_json(output: Path) -> dict:
@@ -26,14 +32,13 @@ RAISED = 12
 
 
 @pytest.mark.engine
-def test_a_finished_run_is_continued_stopped_and_resumed_with_its_history_whole(make_app,
-                                                                                tmp_path,
+def test_a_finished_run_is_continued_stopped_and_resumed_with_its_history_whole(app, tmp_path,
                                                                                 real_input):
     """The journey of issue 44 item 1 through the window, clicked with the pointer: finish
     at 2, no Resume; raise Max steps to RAISED (12), Continue, Stop a step in, Resume, finish at RAISED. The
     loss curve is run.json's, each step once. About 60 s on 2 loaded cores: three real segments of the tiny
     model (the Continue and Stop are what is tested; each segment loads the model)."""
-    app = make_app()
+    on_the_demo(app)
     assert app.presets_bar.current.name == "demo.json" and app.binding.config.output.overwrite
     out = tmp_path / "run"
     gui_demo_settings(app, out, max_steps=2)

@@ -15,6 +15,12 @@ from modules.events import CompileEvent
 from tests.app.conftest import pump
 
 
+@pytest.fixture
+def app(shared_app):
+    """The file's one window, reset to a fresh one's state before each test (conftest)."""
+    return shared_app
+
+
 def fake_backup(output: Path, step: int) -> None:
     folder = output / "backups" / f"step-{step:06d}"
     folder.mkdir(parents=True)
@@ -138,9 +144,15 @@ def test_a_toggle_the_compile_plan_depends_on_writes_the_config_and_outdates_a_c
     assert panel.report_text().startswith("OUTDATED")
 
 
-def test_unsaved_edits_are_marked_and_loading_another_preset_asks(make_app, tmp_path):
+def test_unsaved_edits_are_marked_and_loading_another_preset_asks(app, tmp_path, monkeypatch):
     asked = []
-    app = make_app(confirm=lambda title, message: asked.append(title) or False)
+    monkeypatch.setattr(app.presets_bar, "confirm",
+                        lambda title, message: asked.append(title) or False)
+    app.settings.user_presets_dir = str(tmp_path / "presets")  # another preset to pick
+    other = tmp_path / "presets" / "other.json"
+    other.parent.mkdir()
+    other.write_text(json.dumps({"config_version": 1, "training": {"max_steps": 5}}))
+    app.presets_bar.refresh()
     preset = tmp_path / "mine.json"
     preset.write_text(json.dumps({"config_version": 1, "training": {"max_steps": 7}}))
     assert app.presets_bar.load(preset)

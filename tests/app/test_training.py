@@ -21,6 +21,20 @@ RUN_TIMEOUT = 240
 
 
 @pytest.fixture
+def app(shared_app):
+    """The file's one window, reset to a fresh one's state before each test (conftest)."""
+    return shared_app
+
+
+def on_the_demo(app):
+    """The shared window with the demo preset loaded, as a window opens on it
+    (test_presets_and_settings.py checks that it does: the remembered last preset)."""
+    from tests.app.conftest import REPO
+    assert app.presets_bar.load(REPO / "training_presets" / "demo.json")
+    return app
+
+
+@pytest.fixture
 def off_thread_tk_calls(monkeypatch):
     """Every widget configure / canvas draw made off the main thread (should stay empty)."""
     calls: list[str] = []
@@ -153,9 +167,8 @@ def gui_demo_settings(app, out: Path, max_steps: int) -> None:
 
 @pytest.mark.engine
 def test_a_real_run_reaches_100_percent_with_sample_and_loss_curve(
-        make_app, tmp_path, off_thread_tk_calls):
-    app = make_app()
-    assert app.presets_bar.current.name == "demo.json"
+        app, tmp_path, off_thread_tk_calls):
+    on_the_demo(app)
     out = tmp_path / "run"
     gui_demo_settings(app, out, max_steps=4)
     assert app.runs.start(), [str(p) for p in app.binding.problems()]
@@ -174,8 +187,8 @@ def test_a_real_run_reaches_100_percent_with_sample_and_loss_curve(
 
 
 @pytest.mark.engine
-def test_stop_mid_run_saves_a_final_checkpoint(make_app, tmp_path):
-    app = make_app()
+def test_stop_mid_run_saves_a_final_checkpoint(app, tmp_path):
+    on_the_demo(app)
     out = tmp_path / "stopped"
     gui_demo_settings(app, out, max_steps=500)
     assert app.runs.start()
@@ -189,9 +202,9 @@ def test_stop_mid_run_saves_a_final_checkpoint(make_app, tmp_path):
 
 
 @pytest.mark.engine
-def test_what_the_gui_saves_is_what_the_cli_trains(make_app, tmp_path):
+def test_what_the_gui_saves_is_what_the_cli_trains(app, tmp_path):
     from modules.cli.train import main
-    app = make_app()
+    on_the_demo(app)
     find = app.registry.find
     find("training.lora_rank").var.set("4")
     find("training.learning_rate").var.set("0.0005")

@@ -12,6 +12,12 @@ from tests.app import xdo
 from tests.app.conftest import pump, shown
 
 
+@pytest.fixture
+def app(shared_app):
+    """The file's one window, reset to a fresh one's state before each test (conftest)."""
+    return shared_app
+
+
 def write_preset(path, max_steps: int):
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"config_version": 1, "training": {"max_steps": max_steps}}))
@@ -61,9 +67,9 @@ def test_a_clean_window_closes_without_asking(make_app):
     assert app.closed and asked == []
 
 
-def test_declining_to_discard_keeps_the_loaded_preset_in_the_menu(make_app, tmp_path,
-                                                                   real_input):
-    app = make_app(confirm=lambda title, message: False)
+def test_declining_to_discard_keeps_the_loaded_preset_in_the_menu(app, tmp_path, real_input,
+                                                                   monkeypatch):
+    monkeypatch.setattr(app.presets_bar, "confirm", lambda title, message: False)
     app.settings.user_presets_dir = str(tmp_path / "presets")
     write_preset(tmp_path / "presets" / "a.json", 7)
     write_preset(tmp_path / "presets" / "b.json", 8)
@@ -182,34 +188,28 @@ def test_resuming_shows_the_earlier_loss_curve_and_the_latest_samples(app, tmp_p
         frontend.check_inputs = original
 
 
-@pytest.mark.parametrize("scale, width", [(1.5, 1024), (1.0, 1024), (1.5, 1400)])
-def test_the_backend_description_wraps_inside_the_window(app, scale, width):
+def test_the_backend_description_wraps_inside_the_window(app):
+    """At 100 % and 150 %, in a 1024-pixel window and a wider one (each scale set once: a
+    change redraws every widget, seconds)."""
     panel = app.compile_panel
-    app.sizing.scale_chosen(f"{int(scale * 100)}%")
-    app.geometry(f"{int(width / scale)}x{int(680 / scale)}+0+0")
     app.tabview.set("Advanced Options")
     panel._load_summaries()
     panel.backend.menu._dropdown_callback("INDUCTOR")  # the longest: its torch.compile(...) line
-    xdo.settle(app, 0.6)
-    label = panel.description._label                  # the tk label inside the CTkLabel
-    assert "torch.compile(" in label.cget("text")
-    box_right = panel.box.winfo_rootx() + panel.box.winfo_width()
-    assert label.winfo_rootx() + label.winfo_width() <= box_right
-    assert label.winfo_reqwidth() <= label.winfo_width() + 2   # nothing cut off at the edge
+    for scale, width in ((1.0, 1024), (1.5, 1024), (1.5, 1400)):
+        if app.settings.scaling != scale:
+            app.sizing.scale_chosen(f"{int(scale * 100)}%")
+        app.geometry(f"{int(width / scale)}x{int(680 / scale)}+0+0")
+        xdo.settle(app, 0.6)
+        label = panel.description._label                  # the tk label inside the CTkLabel
+        assert "torch.compile(" in label.cget("text"), (scale, width)
+        box_right = panel.box.winfo_rootx() + panel.box.winfo_width()
+        assert label.winfo_rootx() + label.winfo_width() <= box_right, (scale, width)
+        assert label.winfo_reqwidth() <= label.winfo_width() + 2, (scale, width)  # not cut off
     app.sizing.scale_chosen("100%")
 
 
-def test_the_window_stays_responsive_while_torch_is_imported(display, tmp_path):
-    """A fresh process, as at launch (about 10 s: the window is built and torch is imported
-    for real): torch is imported in a thread once the window is on screen, and the Tk loop
-    never waits for the whole import (it froze for all of it when torch was imported on the
-    Tk thread: 12 s of grey window under load)."""
-    import subprocess
-    import sys
-
-    from tests.app.conftest import REPO
-    script = f"""
-import sys, threading, time
+LAUNCH = """
+import subprocess, sys, threading, time
 from pathlib import Path
 importers = []
 class Watch:  # torch's import: from which thread, and when it began
@@ -217,8 +217,9 @@ class Watch:  # torch's import: from which thread, and when it began
         if name == "torch":
             importers.append((threading.current_thread().name, time.monotonic()))
 sys.meta_path.insert(0, Watch())
+from app.main import run_window
 from app.window import TemperaApp
-app = TemperaApp(settings_path=Path({str(tmp_path / 'ui.json')!r}))
+app = TemperaApp(settings_path=Path(sys.argv[1]))
 mapped = [time.monotonic()] if app.winfo_viewable() else []  # deiconify waits for the map
 last, gaps = time.monotonic(), []
 deadline = last + 120
@@ -234,13 +235,60 @@ print("importers", [name for name, _ in importers], flush=True)
 print("mapped_before_import", bool(mapped) and mapped[0] < began)
 print("import_s", round(last - began, 2), "longest_pause_s", round(max(gaps or [0]), 2))
 print("engine", app.engine_ready, app.run_panel.status_text)
-print("description", app.compile_panel._summaries)
-app._finish_close()
+print("description", app.compile_panel._summaries, flush=True)
+if sys.argv[2] != "close":
+    app._finish_close()
+    sys.exit(0)
+app.registry.find("training.max_steps").var.set("9")  # an unsaved edit: closing asks
+
+def answer_no():  # runs inside the dialog's own event loop
+    if not app.winfo_exists() or not int(app.tk.call("winfo", "exists", ".__tk__messagebox.no")):
+        app.after(100, answer_no)
+        return
+    app.update_idletasks()
+    # Tk's own dialog (msgbox.tcl): its buttons are Tcl widgets, read through winfo
+    x, y, w, h = (int(app.tk.call("winfo", what, ".__tk__messagebox.no"))
+                  for what in ("rootx", "rooty", "width", "height"))
+    subprocess.run(["xdotool", "mousemove", "--sync", str(x + w // 2), str(y + h // 2)],
+                   check=True)
+    subprocess.run(["xdotool", "click", "1"], check=True)
+    print("answered", time.time(), flush=True)
+
+app.after(200, answer_no)
+app.after(100, lambda: app.tk.eval(app.protocol("WM_DELETE_WINDOW")))  # the close button
+run_window(app)
+import gc
+print("frozen", gc.get_freeze_count(), flush=True)
+print("closed", app.closed, time.time(), flush=True)
 """
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=300, cwd=REPO, env=with_repo_on_pythonpath())
-    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines() if " " in line)
+
+
+@pytest.fixture(scope="module")
+def launched(display, tmp_path_factory):
+    """One fresh process, as at launch (about 15 s: the window is built and torch is imported
+    for real), read by the two tests below: how it loaded torch, then (with xdotool) how it
+    closed after *No* to "Save your changes?", answered with the pointer in the real dialog.
+    Returns its printed lines and when it had ended, as this process saw it."""
+    import subprocess
+    import sys
+    import time
+
+    from tests.app.conftest import REPO
+    settings = tmp_path_factory.mktemp("launch") / "ui.json"
+    done = subprocess.run([sys.executable, "-c", LAUNCH, str(settings),
+                           "close" if xdo.available() else "load"],
+                          capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env=with_repo_on_pythonpath())
+    ended = time.time()
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+    return dict(line.split(" ", 1) for line in done.stdout.splitlines() if " " in line), ended
+
+
+def test_the_window_stays_responsive_while_torch_is_imported(launched):
+    """Torch is imported in a thread once the window is on screen, and the Tk loop never
+    waits for the whole import (it froze for all of it when torch was imported on the Tk
+    thread: 12 s of grey window under load)."""
+    lines, _ = launched
     assert lines["importers"] == "['tempera-engine']"           # not the Tk (main) thread
     assert lines["mapped_before_import"] == "True"
     words = lines["import_s"].split()
@@ -305,52 +353,11 @@ def test_the_window_is_drawn_and_takes_edits_while_the_engine_loads(make_app, re
         "eager" in app.compile_panel.description.cget("text")
 
 
-def test_closing_with_no_leaves_promptly(display, tmp_path, real_input):
+def test_closing_with_no_leaves_promptly(launched, real_input):
     """Issue 44 item 7: after *No* to "Save your changes?" the process took 9 s to end (Python
-    collecting every object torch made at exit). A fresh process with torch loaded, the real
-    dialog, its No clicked with the pointer (about 12 s: the window and torch load for real)."""
-    import subprocess
-    import sys
-    import time
-
-    from tests.app.conftest import REPO
-    script = f"""
-import subprocess, sys, time
-from pathlib import Path
-from app.main import run_window
-from app.window import TemperaApp
-app = TemperaApp(settings_path=Path({str(tmp_path / 'ui.json')!r}))
-deadline = time.monotonic() + 120
-while not app.engine.done and time.monotonic() < deadline:
-    app.update()
-    time.sleep(0.02)
-app.registry.find("training.max_steps").var.set("9")  # an unsaved edit: closing asks
-
-def answer_no():  # runs inside the dialog's own event loop
-    if not app.winfo_exists() or not int(app.tk.call("winfo", "exists", ".__tk__messagebox.no")):
-        app.after(100, answer_no)
-        return
-    app.update_idletasks()
-    # Tk's own dialog (msgbox.tcl): its buttons are Tcl widgets, read through winfo
-    x, y, w, h = (int(app.tk.call("winfo", what, ".__tk__messagebox.no"))
-                  for what in ("rootx", "rooty", "width", "height"))
-    subprocess.run(["xdotool", "mousemove", "--sync", str(x + w // 2), str(y + h // 2)],
-                   check=True)
-    subprocess.run(["xdotool", "click", "1"], check=True)
-    print("answered", time.time(), flush=True)
-
-app.after(200, answer_no)
-app.after(100, lambda: app.tk.eval(app.protocol("WM_DELETE_WINDOW")))  # the close button
-run_window(app)
-import gc
-print("frozen", gc.get_freeze_count(), flush=True)
-print("closed", app.closed, time.time(), flush=True)
-"""
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=180, cwd=REPO, env=with_repo_on_pythonpath())
-    ended = time.time()
-    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines() if " " in line)
-    assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+    collecting every object torch made at exit). The launched process (`launched`), torch
+    loaded, the real dialog, its No clicked with the pointer."""
+    lines, ended = launched
     closed, returned = lines["closed"].split()
     assert closed == "True"
     # the cause of the slow exit is handled: what torch made is left to the exit, uncollected
