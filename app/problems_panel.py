@@ -53,9 +53,8 @@ class ProblemsPanel:
         preset file's problems); `source` makes the list follow the edits."""
         for button in self.buttons:
             button.destroy()
-        for view in self._marks:
-            view.show_own_error()
-        self.buttons, self._marks = [], []
+        self._unmark()
+        self.buttons = []
         self.problems, self._source = list(problems), source
         self._heading, self._keys = title, keys  # kept for the re-check
         self.title.configure(text=title or f"Cannot start: {len(problems)} problem(s). Click "
@@ -116,6 +115,12 @@ class ProblemsPanel:
     def hide(self) -> None:
         grid_hide(self.frame)
         self._source = None
+        self._unmark()
+
+    def _unmark(self) -> None:
+        """Each field the list marked back to its own error; a field whose widgets are gone
+        (a dataset row removed, or rebuilt by a preset load) has nothing left to unmark."""
         for view in self._marks:
-            view.show_own_error()
+            if view.frame.winfo_exists():
+                view.show_own_error()
         self._marks = []

@@ -197,6 +197,12 @@ def test_add_dataset_on_the_sdxl_preset_starts_with_an_empty_folder(app):
     assert app.runs.start() is False                  # Start names the empty folder
     assert any("Data › Datasets › row 1 › Folder" in b.cget("text")
                for b in app.problems_panel.buttons)
+    # another preset rebuilds the rows the list marked: it loads whole (it raised TclError on
+    # the removed row's field, and the status line was never updated)
+    other = REPO / "training_presets" / "sd15" / "lora.json"
+    assert app.presets_bar.load(other)
+    assert not app.problems_panel.is_open and app.problems_panel._marks == []
+    assert app.run_panel.status_text == f"Loaded {other}."
 
 
 def test_weights_and_biases_fields_write_the_config_and_say_where_the_key_comes_from(app):
