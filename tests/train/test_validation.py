@@ -140,8 +140,13 @@ def test_run_json_tensorboard_and_the_status_name_the_best_step(tiny_config):
 
 
 def test_a_resumed_run_keeps_the_history_and_continues_it_identically(tiny_config, tmp_path):
+    """The uninterrupted run's progress reports count the validation passes still to come in
+    the ETA, too."""
     settings = (*SPLIT, "training.max_steps=4", "training.ema=true")
-    train(tiny_config(*settings, f"output.dir={tmp_path / 'whole'}"))
+    whole_config = tiny_config(*settings, f"output.dir={tmp_path / 'whole'}")
+    progress = RecordingCallbacks()
+    train(whole_config, progress)
+    assert_the_eta_counts_the_validation_passes_still_to_come(whole_config, progress)
     parts = tiny_config(*settings, f"output.dir={tmp_path / 'parts'}")
     commands = TrainerCommands()
     first = train(parts, StopAt(commands, 3), commands)
@@ -263,11 +268,10 @@ def test_fixed_timesteps_and_the_best_point():
     assert best_point([[2, None]]) == (None, None)
 
 
-def test_the_eta_counts_the_validation_passes_still_to_come(tiny_config):
+def assert_the_eta_counts_the_validation_passes_still_to_come(config, callbacks) -> None:
+    """`config` ran 4 steps validating every 2: each progress report's ETA holds the passes
+    still to come."""
     from modules.train.recipe.eta import estimated_validation_seconds
-    config = tiny_config(*SPLIT, "training.max_steps=4")
-    callbacks = RecordingCallbacks()
-    train(config, callbacks)
     first, *_, last = callbacks.progress
     # before any pass: the passes at steps 2 and 4, each estimated from the step time
     estimate = estimated_validation_seconds(config, 12, first.seconds_per_step)
