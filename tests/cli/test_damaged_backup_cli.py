@@ -40,23 +40,13 @@ def stopped_run(tmp_path: Path, cache: Path) -> tuple[Path, Path]:
     return config, output
 
 
-def test_resume_latest_passes_over_a_truncated_backup(tmp_path, tempera_cache):
+def test_a_damaged_newest_backup_named_exits_2_and_latest_passes_over_it(tmp_path,
+                                                                       tempera_cache):
+    """One stopped run, its newest backup truncated: named explicitly, the command exits 2
+    naming the file and touches nothing; then `--resume latest` passes over it to the older,
+    intact one and says which and why."""
     config, output = stopped_run(tmp_path, tempera_cache)
     (older_step, older), (_, newest) = list_backups(output)[-2:]
-    truncate(newest)
-    proc = train_process(config, "--resume", "latest", "--set", "training.max_steps=" +
-                         str(older_step + 2))
-    _, err = proc.communicate(timeout=240)
-    assert proc.returncode == 0, err
-    assert "skipped a damaged backup" in err and str(newest / TENSORS) in err, err
-    record = json.loads((output / "run.json").read_text())
-    assert record["status"] == "finished" and record["resumed_from"] == str(older)
-    assert str(newest / TENSORS) in record["resume_skipped_backups"][0]
-
-
-def test_a_damaged_backup_named_explicitly_exits_2_and_writes_nothing(tmp_path, tempera_cache):
-    config, output = stopped_run(tmp_path, tempera_cache)
-    _, newest = list_backups(output)[-1]
     truncate(newest)
     before = fingerprint(output)
     proc = train_process(config, "--resume", str(newest))
@@ -65,3 +55,12 @@ def test_a_damaged_backup_named_explicitly_exits_2_and_writes_nothing(tmp_path, 
     assert str(newest / TENSORS) in err and "cannot be read" in err, err
     assert fingerprint(output) == before
     assert json.loads((output / "run.json").read_text())["status"] == "stopped"
+
+    proc = train_process(config, "--resume", "latest", "--set", "training.max_steps=" +
+                         str(older_step + 2))
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err
+    assert "skipped a damaged backup" in err and str(newest / TENSORS) in err, err
+    record = json.loads((output / "run.json").read_text())
+    assert record["status"] == "finished" and record["resumed_from"] == str(older)
+    assert str(newest / TENSORS) in record["resume_skipped_backups"][0]

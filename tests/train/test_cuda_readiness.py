@@ -41,7 +41,8 @@ def test_sampling_every_few_steps_does_not_recompile_the_compiled_unet(tiny_conf
     assert record["sampling"].startswith("eager")
 
 
-def test_the_loss_is_read_from_the_device_once_per_optimizer_step(tiny_config, monkeypatch):
+def test_the_loss_is_read_once_per_optimizer_step_and_tf32_is_not_touched_on_the_cpu(
+        tiny_config, monkeypatch):
     reads = {"count": 0}
     train_code = str(Path(trainer_module.__file__).parent)
 
@@ -53,6 +54,7 @@ def test_the_loss_is_read_from_the_device_once_per_optimizer_step(tiny_config, m
         return read
 
     config = tiny_config("training.max_steps=3", "training.gradient_accumulation=2")
+    precision_before = torch.get_float32_matmul_precision()
     monkeypatch.setattr(torch.Tensor, "item", counting(torch.Tensor.item))
     monkeypatch.setattr(torch.Tensor, "tolist", counting(torch.Tensor.tolist))
     result = train(config)
@@ -60,6 +62,9 @@ def test_the_loss_is_read_from_the_device_once_per_optimizer_step(tiny_config, m
     # once per optimizer step (loss and gradient norm together, not per micro-step: 6), plus
     # the end-of-run weight checksum
     assert result.steps == 3 and reads["count"] == 3 + 1
+    # and TF32 is not touched on the CPU, which the run records (the same run: one run less)
+    assert torch.get_float32_matmul_precision() == precision_before
+    assert _record(result)["precision"]["applied"] is False
 
 
 def test_persistent_gradients_train_exactly_like_freed_ones(tiny_config, tmp_path, monkeypatch):
@@ -107,13 +112,6 @@ def test_tf32_is_set_on_cuda_and_put_back(tiny_config, allow, precision):
                       "float32_matmul_precision": precision, "cudnn_allow_tf32": allow}
     restore()
     assert (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32) == before
-
-
-def test_tf32_is_not_touched_on_the_cpu_and_the_run_records_it(tiny_config):
-    before = torch.get_float32_matmul_precision()
-    result = train(tiny_config("training.max_steps=1"))
-    assert torch.get_float32_matmul_precision() == before
-    assert _record(result)["precision"]["applied"] is False
 
 
 def test_out_of_memory_stops_the_run_with_advice_and_no_fallback(tiny_config, monkeypatch):

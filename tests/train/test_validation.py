@@ -25,7 +25,9 @@ from modules.train.validation.validation_set import Validator, build_validator
 from tests.train.test_bucketed_training import RESOLUTION, SQUARE, TALL, WIDE, make_images
 from tests.train.test_resume import StopAt, run_json
 
-SPLIT = ("validation.every_steps=2", "validation.split_ratio=0.25")  # 12 of the 48 shapes
+# 3 of the 48 shapes held out: a pass is 2 batches at 4 timesteps (a quarter, 12 images, made
+# each pass cost as much as 8 training steps)
+SPLIT = ("validation.every_steps=2", "validation.split_ratio=0.0625")
 
 
 def problems_of(config) -> dict[str, str]:
@@ -76,7 +78,7 @@ def test_held_out_images_are_not_trained_and_the_score_is_fixed_until_training_m
     try:
         trained = {str(item.path) for item in run.dataset.items}
         held = {str(item.path) for item in run.validator.images.items}
-        assert len(held) == 12 and len(trained) == 36 and trained.isdisjoint(held)
+        assert len(held) == 3 and len(trained) == 45 and trained.isdisjoint(held)
         seen = {path for batch in run.loader_for_epoch(0) for path in batch["path"]}
         assert seen == trained  # what the loader hands the training step
 
@@ -121,10 +123,10 @@ def test_run_json_tensorboard_and_the_status_name_the_best_step(tiny_config):
     assert [step for step, _ in history] == [2, 4, 5]  # every 2 steps, and at the end
     best_step, best_loss = min(history, key=lambda point: point[1])
     assert section["best"] == {"step": best_step, "loss": best_loss}
-    assert section["images"] == 12 and section["every_steps"] == 2
+    assert section["images"] == 3 and section["every_steps"] == 2
     assert section["timesteps"] == [125, 375, 625, 875]
     assert section["compile"].startswith("eager")
-    assert result.record["dataset"]["images"] == 36
+    assert result.record["dataset"]["images"] == 45
 
     assert [(s.step, s.loss) for s in callbacks.validations] == [tuple(p) for p in history]
     assert (callbacks.validations[-1].best_step, callbacks.validations[-1].best_loss) == (
@@ -140,8 +142,13 @@ def test_run_json_tensorboard_and_the_status_name_the_best_step(tiny_config):
 
 
 def test_a_resumed_run_keeps_the_history_and_continues_it_identically(tiny_config, tmp_path):
+    """The uninterrupted run's progress reports count the validation passes still to come in
+    the ETA, too."""
     settings = (*SPLIT, "training.max_steps=4", "training.ema=true")
-    train(tiny_config(*settings, f"output.dir={tmp_path / 'whole'}"))
+    whole_config = tiny_config(*settings, f"output.dir={tmp_path / 'whole'}")
+    progress = RecordingCallbacks()
+    train(whole_config, progress)
+    assert_the_eta_counts_the_validation_passes_still_to_come(whole_config, progress)
     parts = tiny_config(*settings, f"output.dir={tmp_path / 'parts'}")
     commands = TrainerCommands()
     first = train(parts, StopAt(commands, 3), commands)
@@ -174,7 +181,7 @@ def test_a_run_stopped_before_its_validation_resumes_with_fewer_timesteps(tiny_c
     with pytest.raises(ConfigError) as refused:
         train(tiny_config(*SPLIT, "validation.every_steps=0", "validation.split_ratio=0",
                           "training.resume_from=latest"))
-    assert "validation.split_ratio: 0.25 -> 0.0" in str(refused.value)
+    assert "validation.split_ratio: 0.0625 -> 0.0" in str(refused.value)
 
     callbacks = RecordingCallbacks()
     train(tiny_config(*SPLIT, "validation.timesteps=2", "training.resume_from=latest"),
@@ -182,7 +189,7 @@ def test_a_run_stopped_before_its_validation_resumes_with_fewer_timesteps(tiny_c
     record = run_json(first.output_dir)
     assert record["resume_changed"] == ["validation.timesteps: 4 -> 2"]
     assert "changed since the backup: validation.timesteps: 4 -> 2" in callbacks.statuses
-    assert "validating at step 2 (12 images at 2 timesteps)" in callbacks.statuses
+    assert "validating at step 2 (3 images at 2 timesteps)" in callbacks.statuses
     assert [step for step, _ in record["validation"]["history"]] == [2, 3]
     assert len(record["validation"]["timesteps"]) == 2
 
@@ -263,14 +270,13 @@ def test_fixed_timesteps_and_the_best_point():
     assert best_point([[2, None]]) == (None, None)
 
 
-def test_the_eta_counts_the_validation_passes_still_to_come(tiny_config):
+def assert_the_eta_counts_the_validation_passes_still_to_come(config, callbacks) -> None:
+    """`config` ran 4 steps validating every 2: each progress report's ETA holds the passes
+    still to come."""
     from modules.train.recipe.eta import estimated_validation_seconds
-    config = tiny_config(*SPLIT, "training.max_steps=4")
-    callbacks = RecordingCallbacks()
-    train(config, callbacks)
     first, *_, last = callbacks.progress
     # before any pass: the passes at steps 2 and 4, each estimated from the step time
-    estimate = estimated_validation_seconds(config, 12, first.seconds_per_step)
+    estimate = estimated_validation_seconds(config, 3, first.seconds_per_step)
     assert first.validation_eta_seconds == pytest.approx(2 * estimate) and estimate > 0
     assert last.step == 4 and last.validation_eta_seconds > 0  # step 4's pass is still to come
     for p in callbacks.progress:
