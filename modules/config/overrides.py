@@ -57,7 +57,7 @@ def _field_at(parts: list[str | int]) -> tuple[Any, dict] | None:
             tp = typing.get_args(tp)[0]
             meta = {}
             continue
-        if not dataclasses.is_dataclass(tp):
+        if not (isinstance(tp, type) and dataclasses.is_dataclass(tp)):
             return None
         fields = {f.name: f for f in dataclasses.fields(tp)}
         if part not in fields:
