@@ -24,9 +24,10 @@ from pathlib import Path
 # (the slow parts' seconds measured serially on an idle 2-core machine, November 2026). A unit
 # not collected in a run is ignored.
 SLOW_FIRST = [
-    "tests/train/test_typed_presets.py",     # every shipped preset trains 2 steps: ~25 each
+    "tests/train/test_typed_presets.py",     # 17 distinct preset runs, 2 steps each
     "tests/models/test_klein_compile.py",    # REGIONAL and FULL over 3 buckets, and inductor
-    "tests/train/test_compile_ahead.py",     # its runs: two cold inductor compiles
+    "tests/train/test_compile_ahead.py",     # its runs: cold DEFAULT compiles, ahead and
+                                             # plain (the bundle tests read the plain one)
     "tests/bench/test_gpu_rehearsal.py",     # the phases 192 + the compiled cells 219 (before
                                              # they trained one shape)
     "tests/train/test_weight_storage.py",    # its runs, FLOAT8 and INT8: 2 x ~120
