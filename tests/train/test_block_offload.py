@@ -7,6 +7,7 @@ no recompile; refused for a full fine-tune and a FULL compile. Speed, overlap an
 are a GPU measurement (docs/gpu.md)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -24,9 +25,10 @@ from modules.train.memory.offload import (block_bytes, build_streamer, choose_bl
                                           stream_schedule)
 from modules.train.recipe.trainable import component_dtypes, prepare_trainable
 from modules.train.trainer import train
-from tests.train.lever_runs import (REGIONAL_AOT_EAGER, LeverRuns, lever_runs, make_config,
+from tests.train.lever_runs import (REGIONAL_AOT_EAGER, LeverRuns, make_config,
                                     train_counting_dynamo)
-from tests.train.test_resume import assert_resumed_as, final_tensors, run_json
+from tests.train.test_resume import (assert_resumed_as, final_tensors, run_json,
+                                     stop_then_resume)
 
 OFFLOAD = "model.offload_blocks=3"
 
@@ -220,14 +222,50 @@ def test_a_pass_aside_streams_alone_and_keeps_the_training_order(unet_parts):
 
 
 # ------------------------------------------------------------------ training with it
+# the compiled run also samples and validates after each of its 2 steps
+PASSES = ('sampling.prompts=["a red circle"]', "sampling.every_steps=1", "sampling.steps=2",
+          "validation.every_steps=1", "validation.split_ratio=0.25", "validation.timesteps=2")
+
+
+Ended = list[tuple[list, list[int], set[int], set[int]]]
+
+
+@dataclass
+class OffloadRuns(LeverRuns):
+    """The lever's runs, and what each block streamer did when it ended (its log, its call
+    order, its backward blocks and the blocks it left resident or pending), per run."""
+    ended: dict[str, Ended]
+
+
 @pytest.fixture(scope="module")
-def runs(tempera_cache, tmp_path_factory) -> LeverRuns:
-    """The shared runs (2 steps each on the tiny model, tests/train/lever_runs.py): "plain"
-    without offload, 3 blocks offloaded stopped at step 1 and resumed (equal to the first:
-    offload changes nothing and resumes exactly), and under REGIONAL AOT_EAGER with gradient
-    checkpointing. Over 10 s: four short trainings, one compiled."""
-    return lever_runs(tempera_cache, tmp_path_factory.mktemp("block-offload"), (OFFLOAD,),
-                      compiled=("training.gradient_checkpointing=true",))
+def runs(tempera_cache, tmp_path_factory) -> OffloadRuns:
+    """The shared runs (2 steps each on the tiny model, as tests/train/lever_runs.py builds
+    them): "plain" without offload, 3 blocks offloaded stopped at step 1 and resumed (equal to
+    the first: offload changes nothing and resumes exactly), and under REGIONAL AOT_EAGER with
+    gradient checkpointing, sampling and validating after each step; the streamers' ends of the
+    last two recorded. Over 10 s: four short trainings, one compiled, 2 samples, 2 validation
+    passes."""
+    from modules.train.memory import offload
+
+    root = tmp_path_factory.mktemp("block-offload")
+    out = {name: root / name for name in ("plain", "resumed", "compiled")}
+    ended: dict[str, Ended] = {"resumed": [], "compiled": []}
+    real_end = offload.BlockStreamer.end
+    recording = ended["resumed"]
+
+    def end(self):  # what the step or pass did, in the order it prefetched in
+        order, backward = list(self.order), set(self.backward_blocks)
+        real_end(self)
+        recording.append((list(self.log), order, backward, self.resident() | set(self._pending)))
+    train(make_config(tempera_cache, out["plain"]), RecordingCallbacks())
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(offload.BlockStreamer, "end", end)
+        stop_then_resume(make_config(tempera_cache, out["resumed"], OFFLOAD), at=1)
+        recording = ended["compiled"]
+        breaks, recompiles = train_counting_dynamo(make_config(
+            tempera_cache, out["compiled"], OFFLOAD, *REGIONAL_AOT_EAGER,
+            "training.gradient_checkpointing=true", *PASSES))
+    return OffloadRuns(out, breaks, recompiles, ended)
 
 
 def test_offloaded_run_resumes_to_the_run_without(runs):
@@ -256,42 +294,33 @@ def test_offload_keeps_regional_compile_without_graph_breaks(runs):
     assert report["late_recompiles"] == 0, report
 
 
-def test_sampling_and_validation_passes_leave_each_step_its_schedule(tempera_cache, tmp_path,
-                                                                     monkeypatch):
-    """A run that samples and validates after each of its 2 steps: every pass streams the
+def test_sampling_and_validation_passes_leave_each_step_its_schedule(runs):
+    """The compiled run samples and validates after each of its 2 steps: every pass streams the
     offloaded blocks as a forward schedule of its own (one per denoiser call) and leaves none on
-    the device, and each training step's log is the schedule of training's order, the same
-    order before and after the passes. Over 10 s: 2 steps, 2 samples, 2 validation passes."""
-    from modules.train.memory import offload
-
-    ended: list[tuple[list, list[int], set[int], set[int]]] = []
-    real_end = offload.BlockStreamer.end
-
-    def end(self):  # what the step or pass did, in the order it prefetched in
-        order, backward = list(self.order), set(self.backward_blocks)
-        real_end(self)
-        ended.append((list(self.log), order, backward, self.resident() | set(self._pending)))
-    monkeypatch.setattr(offload.BlockStreamer, "end", end)
-    result = train(make_config(tempera_cache, tmp_path / "out", OFFLOAD,
-                               'sampling.prompts=["a red circle"]', "sampling.every_steps=1",
-                               "sampling.steps=2", "validation.every_steps=1",
-                               "validation.split_ratio=0.25", "validation.timesteps=2"),
-                   RecordingCallbacks())
-    assert result.status == "finished" and run_json(tmp_path / "out")["validation"]
-    offloaded = sorted(int(name.split(":")[0])
-                       for name in run_json(tmp_path / "out")["block_offload"]["offloaded"])
-    steps = [e for e in ended if any(ev.phase == "backward" for ev in e[0])]
-    passes = [e for e in ended if e not in steps]
-    assert len(steps) == 2 and len(passes) >= 4  # a sample and a validation pass per step
-    training_order = steps[0][1]
-    for log, order, backward, left in steps:
-        assert order == training_order and left == set()
-        assert log == stream_schedule(order, offloaded, backward)
-    one_forward = stream_schedule(training_order, offloaded, backward=())
-    for log, order, _, left in passes:
-        assert order == training_order and left == set()
-        calls = len(log) // len(one_forward)
-        assert calls >= 1 and log == one_forward * calls
+    the device, and each training step's log is the schedule of training's order (gradient
+    checkpointing's re-run forwards included), the same order before and after the passes. The
+    offloaded eager run's steps (no checkpointing, stopped and resumed) follow it too."""
+    out = runs.out["compiled"]
+    assert run_json(out)["validation"] and list((out / "samples").rglob("*.png"))
+    for name, ended in runs.ended.items():
+        offloaded = sorted(int(block.split(":")[0])
+                           for block in run_json(runs.out[name])["block_offload"]["offloaded"])
+        steps = [e for e in ended if any(ev.phase == "backward" for ev in e[0])]
+        passes = [e for e in ended if e not in steps]
+        assert len(steps) == 2, name
+        training_order = steps[0][1]
+        for log, order, backward, left in steps:
+            assert order == training_order and left == set(), name
+            assert log == stream_schedule(order, offloaded, backward), name
+        if name == "resumed":
+            assert passes == []
+            continue
+        assert len(passes) >= 4  # a sample and a validation pass per step
+        one_forward = stream_schedule(training_order, offloaded, backward=())
+        for log, order, _, left in passes:
+            assert order == training_order and left == set()
+            calls = len(log) // len(one_forward)
+            assert calls >= 1 and log == one_forward * calls
 
 
 def test_zimage_lora_trains_with_offload_as_without(zimage_folder, tempera_cache, tmp_path,

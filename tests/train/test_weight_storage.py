@@ -123,10 +123,11 @@ def test_plan_counts_float8_weights_as_the_real_model_holds_them(tempera_cache, 
     assert {type(w).__name__ for w in weights} == {"Float8Tensor"}
     held = sum(w.qdata.numel() * 1 + w.scale.numel() * 4 for w in weights)
     assert weights and held == sum(stored_bytes(w) for w in weights)
-    plan = {what.split(" (")[0]: size for what, size in plan_memory(config, folder).lines}
+    stored = plan_memory(config, folder)
+    plan = {what.split(" (")[0]: size for what, size in stored.lines}
     assert plan["unet linear weights stored as float8"] == held
     full = plan_memory(make_config(tempera_cache, tmp_path / "out"), folder)
-    assert full.total > plan_memory(config, folder).total
+    assert full.total > stored.total
 
 
 def test_plan_counts_int8_weights_as_the_real_model_holds_them(tempera_cache, tmp_path):
@@ -141,12 +142,13 @@ def test_plan_counts_int8_weights_as_the_real_model_holds_them(tempera_cache, tm
     assert weights and {type(w).__name__ for w in weights} == {"Int8Tensor"}
     held = sum(w.qdata.numel() + w.scale.numel() * 4 + w.zero_point.numel() for w in weights)
     assert held == sum(stored_bytes(w) for w in weights)
-    plan = {what.split(" (")[0]: size for what, size in plan_memory(config, folder).lines}
+    stored = plan_memory(config, folder)
+    plan = {what.split(" (")[0]: size for what, size in stored.lines}
     assert plan["unet linear weights stored as int8"] == held
     float8 = plan_memory(make_config(tempera_cache, tmp_path / "out", FLOAT8), folder)
     full = plan_memory(make_config(tempera_cache, tmp_path / "out"), folder)
-    assert full.total > plan_memory(config, folder).total
-    assert abs(plan_memory(config, folder).total - float8.total) < 0.02 * float8.total
+    assert full.total > stored.total
+    assert abs(stored.total - float8.total) < 0.02 * float8.total
 
 
 def test_int8_is_refused_for_a_full_fine_tune_and_greys_nothing_else():
