@@ -21,7 +21,9 @@ import torch.distributed
 sys.path.insert(0, {repo!r})
 from modules.cli.train import main
 code = main(sys.argv[1:])
-print("process group still initialized:", torch.distributed.is_initialized())
+# one write per rank: torchrun's ranks share the pipe unbuffered, and print's separate
+# arguments were written apart and interleaved with the other rank's
+print("process group still initialized: " + str(torch.distributed.is_initialized()))
 sys.exit(code)
 """
 
