@@ -11,15 +11,9 @@ FAIL_COMPILE = "tempera_test_fail_compile"
 FAIL_BACKWARD = "tempera_test_fail_backward"
 
 
-def build_tiny_unet(lora: bool = False, checkpointing: bool = False) -> torch.nn.Module:
-    from diffusers import UNet2DConditionModel
-
-    torch.manual_seed(0)
-    unet = UNet2DConditionModel(
-        block_out_channels=(32, 64), layers_per_block=1, cross_attention_dim=32,
-        norm_num_groups=8, sample_size=8, attention_head_dim=4,
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"))
+def for_training(unet: torch.nn.Module, lora: bool, checkpointing: bool) -> torch.nn.Module:
+    """``unet`` in training mode, with a LoRA on its attention projections (the base frozen)
+    and gradient checkpointing as asked."""
     if lora:
         from peft import LoraConfig
 
@@ -30,6 +24,18 @@ def build_tiny_unet(lora: bool = False, checkpointing: bool = False) -> torch.nn
         unet.enable_gradient_checkpointing()
     unet.train()
     return unet
+
+
+def build_tiny_unet(lora: bool = False, checkpointing: bool = False) -> torch.nn.Module:
+    from diffusers import UNet2DConditionModel
+
+    torch.manual_seed(0)
+    unet = UNet2DConditionModel(
+        block_out_channels=(32, 64), layers_per_block=1, cross_attention_dim=32,
+        norm_num_groups=8, sample_size=8, attention_head_dim=4,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"))
+    return for_training(unet, lora, checkpointing)
 
 
 def train_losses(unet: torch.nn.Module, engine=None, steps: int = 3,
@@ -156,16 +162,7 @@ def build_one_level_unet(lora: bool = False, checkpointing: bool = False) -> tor
         block_out_channels=(32,), layers_per_block=1, cross_attention_dim=32,
         norm_num_groups=8, sample_size=8, attention_head_dim=4,
         down_block_types=("CrossAttnDownBlock2D",), up_block_types=("CrossAttnUpBlock2D",))
-    if lora:
-        from peft import LoraConfig
-
-        unet.requires_grad_(False)
-        unet.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian",
-                                    target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
-    if checkpointing:
-        unet.enable_gradient_checkpointing()
-    unet.train()
-    return unet
+    return for_training(unet, lora, checkpointing)
 
 
 @pytest.fixture
