@@ -21,6 +21,7 @@ from typing import Any
 from modules.bench.cell import step_cap
 from modules.bench.matrix import Cell, cell_config, expand_matrix
 from modules.bench.timeouts import cell_timeout_seconds, denoiser_parameters
+from modules.compile.bundle import BUNDLE_SUFFIX
 from modules.config import Config, to_dict
 from modules.model_types import MODEL_TYPES
 from modules.paths import triton_cache_folder
@@ -84,7 +85,8 @@ def run_benchmark(config: Config, *, backends: Sequence[str] = ("NONE", "AOT_EAG
                   warm_start: bool = True, cell_timeout: float | None = None,
                   out_dir: Path | str | None = None, progress: ProgressFn | None = None,
                   should_stop: Callable[[], bool] | None = None,
-                  extra_settings: dict[str, Any] | None = None) -> BenchmarkResult:
+                  extra_settings: dict[str, Any] | None = None,
+                  keep_bundles: Path | None = None) -> BenchmarkResult:
     """Benchmark ``config`` under each backend of the matrix; never raises for a failing cell.
 
     ``components``/``scopes``/``dynamic`` default to the config's own compile settings, so the
@@ -94,7 +96,10 @@ def run_benchmark(config: Config, *, backends: Sequence[str] = ("NONE", "AOT_EAG
     seconds each cell process may run; None scales it with the UNet's size and the backend
     (`modules.bench.timeouts`). ``out_dir`` keeps per-cell logs and run records (a temporary
     folder when None). ``should_stop`` is polled while cells run; when it returns True the
-    running cell is killed and the rest are marked skipped.
+    running cell is killed and the rest are marked skipped. ``keep_bundles``: a folder where
+    each compiled cell's compile bundles are kept (``<folder>/<cell id>/``, listed in the
+    row's ``bundles``) before its cache is deleted, for a run that wants to start from the
+    winner's (compile.scope AUTO); None: deleted with the cache.
     """
     if steps < 1 or warmup < 1:
         raise ValueError(f"need steps >= 1 and warmup >= 1 (the first step compiles), "
@@ -134,6 +139,8 @@ def run_benchmark(config: Config, *, backends: Sequence[str] = ("NONE", "AOT_EAG
             else:
                 row.update(_run_cell(config, cell, work / "cells" / cell.cell_id, steps=steps,
                                      warmup=warmup, warm_start=warm_start, timeout=(timeout, why),
+                                     keep_bundles=(keep_bundles / cell.cell_id
+                                                   if keep_bundles is not None else None),
                                      notify=lambda phase, msg: notify(  # called while it runs
                                          BenchProgress(index, len(cells), cell.label, phase,
                                                        msg)),
@@ -184,8 +191,9 @@ def add_speedups(result: BenchmarkResult) -> None:
 
 def _run_cell(base: Config, cell: Cell, folder: Path, *, steps: int, warmup: int,
               warm_start: bool, timeout: tuple[float, str], notify: Callable[[str, str], None],
-              stop: Callable[[], bool]) -> dict[str, Any]:
-    """The cold run and (for compiled cells) the warm run, each in a fresh subprocess."""
+              stop: Callable[[], bool], keep_bundles: Path | None = None) -> dict[str, Any]:
+    """The cold run and (for compiled cells) the warm run, each in a fresh subprocess; the
+    compile bundles the cold run wrote are copied to ``keep_bundles`` when it is given."""
     folder.mkdir(parents=True, exist_ok=True)
     compile_cache = folder / "compile-cache"
     if compile_cache.exists():
@@ -207,8 +215,19 @@ def _run_cell(base: Config, cell: Cell, folder: Path, *, steps: int, warmup: int
         row["warm"] = {key: warm.get(key) for key in (
             "status", "error", "compile_seconds", "first_step_overhead_seconds",
             "first_step_seconds", "median_step_seconds", "cache", "recompiles")}
+    if keep_bundles is not None and row["status"] == "ok":
+        row["bundles"] = [str(path) for path in keep_cell_bundles(compile_cache, keep_bundles)]
     shutil.rmtree(compile_cache, ignore_errors=True)  # inductor caches are large; we made it
     return row
+
+
+def keep_cell_bundles(compile_cache: Path, keep: Path) -> list[Path]:
+    """Copy the compile bundles a cell's run wrote (its cache folder's ``bundles/``) into
+    ``keep``; the copies, none when it wrote none (an eager cell, bundles off)."""
+    written = sorted((compile_cache / "bundles").glob(f"*{BUNDLE_SUFFIX}"))
+    if written:
+        keep.mkdir(parents=True, exist_ok=True)
+    return [Path(shutil.copy2(path, keep / path.name)) for path in written]
 
 
 def run_cell_process(config: Config, folder: Path, phase: str, steps: int, warmup: int,

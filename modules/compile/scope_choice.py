@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from modules.events import StopRequested
 from modules.util.atomic import atomic_write_text
 
 DECISIONS_FILE = "scope_decisions.json"
@@ -137,6 +138,8 @@ def resolve_auto(key: str, store: Path, measure: Measure | None,
                            {}, problems)
     try:
         measured = dict(measure(allowed))
+    except StopRequested:  # the user's Stop is not a failed measurement: the run ends
+        raise
     except Exception as err:  # a measurement that breaks never stops the run: REGIONAL, said
         return ScopeChoice(key, FALLBACK, "fallback", f"the measurement failed: {err}", {},
                            problems)

@@ -30,7 +30,7 @@ from modules.models.bundle import ModelBundle
 from modules.train.recipe.builders import pick_device
 from modules.train.recipe.trainable import trained_components
 from modules.models.families import family_of
-from modules.train.recipe.compile_scope import planned_config
+from modules.train.recipe.compile_scope import bundle_folder, planned_config
 
 # The compile engine's (and run.json's) name for the denoiser, whatever its family calls it:
 # `compile.denoiser` selects it.
@@ -119,12 +119,6 @@ def compile_fingerprint(config: Config, facts: CompileFacts,
               f"{config.training.mixed_precision.value}",
         shapes=tuple(sorted({"x".join(map(str, s)) for listed in shapes.values()
                              for s in listed})))
-
-
-def bundle_folder(config: Config) -> Path:
-    """Where runs write their compile bundles: the compile cache folder's bundles/."""
-    cache = compile_cache_folder(config.compile.cache_dir, config.general.cache_dir)
-    return cache.expanduser().resolve() / "bundles"
 
 
 def bundle_places(config: Config) -> list[Path]:

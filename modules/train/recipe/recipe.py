@@ -152,8 +152,9 @@ class TrainingRecipe:
         start_record(record, prepared, device)
         # compile.scope=AUTO: decided now, before the weights move to the device (its
         # measurement runs in processes of its own); every later step sees the chosen scope
-        config, scope_choice = resolve_compile_scope(config, device,
-                                                     multi_process=dist.enabled)
+        config, scope_choice = resolve_compile_scope(
+            config, device, multi_process=dist.enabled, notify=callbacks.on_status,
+            should_stop=lambda: commands.stop_requested)
         if scope_choice is not None:
             self.prepared = prepared = dataclasses.replace(prepared, config=config)
             record.write(compile_scope=scope_choice.record())
