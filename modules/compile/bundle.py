@@ -136,6 +136,15 @@ def loaded_kernel_names() -> list[str]:
     return list(cache) if isinstance(cache, dict) else []
 
 
+def compiled_cold(hits: int, misses: int) -> bool:
+    """Whether a run's compile was a cold one (its time is what the code costs to compile
+    from nothing, the figure a bundle carries for a later run's "saved"): most of its graphs
+    missed the cache. Not "no hit at all": a cold REGIONAL run hits the cache for the odd
+    graph it compiled once already (two blocks alike), and a warm run that meets a new shape
+    misses for that shape's graphs alone."""
+    return misses > hits
+
+
 def write_bundle(folder: Path, fingerprint: Fingerprint, cache_dir: Path,
                  cold_seconds: float | None = None) -> Path | None:
     """Write this process's compiled code as ``folder/<fingerprint's file name>``, atomically

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from modules.compile.applier import PlanApplier
-from modules.compile.bundle import BundleKeeper
+from modules.compile.bundle import BundleKeeper, compiled_cold
 from modules.compile.backends import BACKENDS, BackendRow, check_table
 from modules.compile.capabilities import Capabilities, detect_capabilities
 from modules.compile.dynamic_dims import input_dims, mark_input
@@ -154,7 +154,8 @@ class CompileEngine:
         written = bundles.write_if_new(sum(s.compiles for s in stats),
                                        Path(self.cache_dir).expanduser().resolve(),
                                        self._compile_seconds(),
-                                       cold=not any(s.cache_hits for s in stats))
+                                       cold=compiled_cold(sum(s.cache_hits for s in stats),
+                                                          sum(s.cache_misses for s in stats)))
         if written is not None:
             self.reporter.bundle_event(f"compile bundle written: {written}", "done")
         elif bundles.write_error and bundles.write_error != error:

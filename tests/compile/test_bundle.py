@@ -157,3 +157,16 @@ def test_a_failed_write_is_kept_for_the_report_and_written_again_only_after_new_
     assert keeper.write_error is None
     quiet = BundleKeeper(PRINT, [], tmp_path / "other", write=False)  # not the main process
     assert quiet.write_if_new(5, tmp_path) is None and not (tmp_path / "other").exists()
+
+
+def test_a_cold_regional_compile_with_a_repeated_graph_is_still_cold():
+    """A bundle carries its cold compile time for a later run's "saved" only if the run
+    that wrote it knows it compiled cold. The tiny SD 1.5 UNet compiled REGIONAL from an empty
+    cache reported 1 cache hit (a graph two blocks share) and 19 misses: cold. A run warm from
+    a cache or a bundle that meets one new shape is not."""
+    from modules.compile.bundle import compiled_cold
+    assert compiled_cold(hits=1, misses=19)
+    assert compiled_cold(hits=0, misses=4)
+    assert not compiled_cold(hits=19, misses=0)
+    assert not compiled_cold(hits=20, misses=5)
+    assert not compiled_cold(hits=0, misses=0)  # nothing compiled
