@@ -18,7 +18,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--weight-dtype", default="BFLOAT16", choices=["BFLOAT16", "FLOAT32"])
-    parser.add_argument("--storage", default="FLOAT8", choices=["FLOAT8", "INT8"])
+    parser.add_argument("--storage", default="FLOAT8", choices=["FLOAT8", "INT8", "W8A8"])
     parser.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "tempera")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="tempera-float8-") as work:
