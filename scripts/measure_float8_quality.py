@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """What 8-bit weight storage costs in quality on the tiny model (docs/memory.md): a LoRA
-trained on the float8- (or int8-) stored base against one on the unquantized base, same seed
+trained on the float8- (or int8-, or W8A8-) stored base against one on the unquantized base, same seed
 and data: `python scripts/measure_float8_quality.py [--steps 60] [--weight-dtype BFLOAT16]
-[--storage INT8]`."""
+[--storage INT8|W8A8]`."""
 import argparse
 import json
 import sys
