@@ -63,7 +63,8 @@ ENUM_LABELS: dict[type[Enum], dict[Enum, str]] = {
                 WandbMode.OFFLINE: "Offline (sync later with wandb sync)"},
     WeightStorage: {WeightStorage.WEIGHT_DTYPE: "As the weight dtype",
                     WeightStorage.FLOAT8: "float8 (linear layers)",
-                    WeightStorage.INT8: "int8 (linear layers)"},
+                    WeightStorage.INT8: "int8 (linear layers)",
+                    WeightStorage.W8A8: "int8 matmuls, W8A8 (denoiser linear layers)"},
 }
 
 

@@ -1,6 +1,6 @@
 """What 8-bit weight storage costs in quality (docs/memory.md), measured, not assumed: the same
 LoRA trained on the tiny model twice, on the base at `model.weight_dtype` and on the base stored
-in 8 bits (`model.weight_storage=FLOAT8` or `INT8`), same seed and data; then each saved LoRA
+in 8 bits (`model.weight_storage=FLOAT8`, `INT8` or `W8A8`), same seed and data; then each saved LoRA
 applied to the unquantized base, and its effect on the denoiser's prediction compared.
 
 `scripts/measure_float8_quality.py` is the command line; tests/train/test_weight_storage.py runs

@@ -41,7 +41,7 @@ def config_packages(overrides: Sequence[str]) -> list[str]:
 
     config = apply_overrides(Config(), list(overrides))
     needed = {OPTIMIZERS[config.training.optimizer].package}
-    if config.model.weight_storage.eight_bit or (
+    if config.model.weight_storage.torchao or (
             config.training.fused_backward and config.model.train_dtype == DType.BFLOAT16):
         needed.add("torchao")
     return sorted(name for name in needed if name)

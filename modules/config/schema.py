@@ -48,11 +48,17 @@ class WeightStorage(str, Enum):
     WEIGHT_DTYPE = "WEIGHT_DTYPE"
     FLOAT8 = "FLOAT8"
     INT8 = "INT8"
+    W8A8 = "W8A8"
 
     @property
     def eight_bit(self) -> bool:
-        """Stored in 8 bits through torchao (modules/models/weight_storage.py's FORMATS)."""
+        """Stored in 8 bits (modules/models/weight_storage.py's FORMATS)."""
         return self != WeightStorage.WEIGHT_DTYPE
+
+    @property
+    def torchao(self) -> bool:
+        """Stored through torchao (FLOAT8, INT8); W8A8 is Tempera's own (models/int8_matmul.py)."""
+        return self in (WeightStorage.FLOAT8, WeightStorage.INT8)
 
 
 class DistributedStrategy(str, Enum):
@@ -176,6 +182,11 @@ class ModelConfig:
              "block's graph): about half the bytes of bfloat16, at a small cost in quality. "
              "INT8: the same with int8 values, one scale and zero point per row: the same "
              "saving, for cards without float8 (RTX 30 series and older). "
+             "W8A8: the denoiser's linear layers stored as INT8 stores them (one scale per "
+             "row, no zero point) and multiplied in int8: each layer's input quantized to "
+             "int8 per token, int8 x int8 matmuls (torch._int_mm), for speed on cards with "
+             "int8 tensor cores (sm_80 or newer: RTX 30, A100; refused on a device without "
+             "int8 kernels); the text encoders stay at model.weight_dtype; not with DORA. "
              "LoRA only (trained weights are never stored in 8 bits); convolutions, norms, "
              "embeddings and the VAE stay at model.weight_dtype. docs/memory.md has what it "
              "saves and costs.")

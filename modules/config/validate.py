@@ -16,6 +16,7 @@ from modules.config.problems import Problem
 from modules.config.prompts import sample_prompts
 from modules.config.wandb_settings import check_wandb
 from modules.config.schema import (
+    Adapter,
     BUILTIN_PREFIX,
     BUILTIN_SHAPES,
     CompileScope,
@@ -151,19 +152,33 @@ def _check_objective_options(config: Config) -> list[Problem]:
 
 
 def _check_weight_storage(config: Config) -> list[Problem]:
-    """8-bit storage (FLOAT8, INT8) holds frozen weights only, through torchao
-    (docs/memory.md)."""
+    """8-bit storage (FLOAT8, INT8 through torchao; W8A8's int8 matmuls) holds frozen weights
+    only (docs/memory.md). Whether the device multiplies int8 is the memory check's question
+    (train/memory/levers.py: validation opens no device)."""
     storage = config.model.weight_storage
     if not storage.eight_bit:
         return []
     if config.training.method == TrainingMethod.FINE_TUNE:
         why = ("its 3-bit mantissa" if storage == WeightStorage.FLOAT8
                else "its 256 levels a row")
+        if storage == WeightStorage.W8A8:
+            return [Problem("model.weight_storage", "WEIGHT_DTYPE with FINE_TUNE", storage.value,
+                            "a full fine-tune trains the denoiser's linear layers themselves, "
+                            "and W8A8 multiplies frozen int8 copies of them (a trained weight is "
+                            "never stored in 8 bits: its 256 levels a row would swallow the "
+                            "updates, and the int8 matmul gives no weight gradient); use "
+                            "training.method=LORA, or WEIGHT_DTYPE")]
         return [Problem("model.weight_storage", "WEIGHT_DTYPE with FINE_TUNE", storage.value,
                         "a full fine-tune trains the weights themselves, and trained weights "
                         f"are never stored in 8 bits ({why} would swallow the updates); use "
                         "training.method=LORA, or model.weight_dtype=BFLOAT16")]
-    if importlib.util.find_spec("torchao") is None:
+    if storage == WeightStorage.W8A8 and config.training.adapter == Adapter.DORA:
+        return [Problem("model.weight_storage", "WEIGHT_DTYPE with training.adapter=DORA",
+                        storage.value, "DoRA normalizes the base weight plus the adapter per "
+                        "row, and peft reads the int8 values as the weight (it knows torchao's "
+                        "and bitsandbytes' weights, not W8A8's); use LORA, LOCON, LOHA or "
+                        "LOKR, or model.weight_storage=INT8")]
+    if storage.torchao and importlib.util.find_spec("torchao") is None:
         return [Problem("model.weight_storage", "WEIGHT_DTYPE (torchao is not installed)",
                         storage.value, "pip install torchao (or tempera[memory]), or use "
                         "WEIGHT_DTYPE")]
@@ -282,7 +297,7 @@ def _check_block_offload(config: Config) -> list[Problem]:
         storage = config.model.weight_storage.value
         return [Problem("model.offload_blocks", f"0 with model.weight_storage={storage}",
                         str(config.model.offload_blocks),
-                        f"streaming torchao's {storage.lower()} weights is not tested yet; use "
+                        f"streaming {storage.lower()} weights is not tested yet; use "
                         "one of the two levers")]
     if config.compile.denoiser and config.compile.scope == CompileScope.FULL:
         return [Problem("model.offload_blocks", "0 with compile.scope=FULL",

@@ -292,6 +292,7 @@ def test_the_two_cache_folders_say_where_empty_puts_them(app, tmp_path):
     lines = storage_summaries(app.binding.config)
     assert storage.hint == " | ".join(lines) == storage.error_tip.text
     assert lines[0].startswith("INT8: ") and lines[1].startswith("FLOAT8: ")
+    assert lines[2].startswith("W8A8: ")  # int8 matmuls: this CPU runs them
 
 
 def test_a_ui_scale_change_happens_under_the_curtain_stacks_columns_and_invents_no_errors(

@@ -229,6 +229,7 @@ def test_every_package_a_phase_needs_is_on_the_gpu_image_or_carried():
 def test_float8_storage_needs_torchao_and_its_wheel_is_named():
     assert "torchao" not in gpu_packages.GPU_IMAGE and "torchao" not in gpu_packages.CARRIED
     assert gpu_packages.config_packages(["model.weight_storage=FLOAT8"]) == ["torchao"]
+    assert gpu_packages.config_packages(["model.weight_storage=W8A8"]) == []  # torch alone
     assert gpu_packages.config_packages(["training.optimizer=PRODIGY"]) == ["pytorch-optimizer"]
     assert gpu_packages.config_packages(["model.offload_blocks=1000"]) == []
     float8 = find_phase("12")

@@ -1,8 +1,10 @@
-"""Why W8A8 (int8 matmuls) is not offered for LoRA training (docs/memory.md, issue 58 item 2):
-with torchao's `Int8DynamicActivationInt8WeightConfig` a frozen layer's output does not carry
-the gradient back to its input, so every layer before it would train on the LoRA branches'
-gradient alone, silently; the INT8 weight-only storage Tempera offers does carry it. When a
-torchao release fixes this, this test fails: then W8A8 can be built on torchao's config."""
+"""Why W8A8 (int8 matmuls) is Tempera's own autograd function (modules/models/int8_matmul.py,
+docs/memory.md, issue 58 item 2) and not torchao's config: with torchao's
+`Int8DynamicActivationInt8WeightConfig` a frozen layer's output does not carry the gradient back
+to its input, so every layer before it would train on the LoRA branches' gradient alone,
+silently; the INT8 weight-only storage does carry it, and so does Tempera's W8A8
+(tests/models/test_int8_matmul.py). When a torchao release fixes this, this test fails: then
+torchao's config could replace Tempera's function."""
 from __future__ import annotations
 
 import pytest

@@ -45,7 +45,9 @@ def full_run(tempera_cache, tmp_path_factory) -> Path:
     return out
 
 
-@pytest.fixture(scope="module", params=sorted(FORMATS))
+# W8A8 (int8 matmuls, not torchao's) has its own runs: tests/train/test_w8a8.py
+@pytest.fixture(scope="module",
+                params=sorted(k for k in FORMATS if WeightStorage(k).torchao))
 def runs(request, full_run, tempera_cache, tmp_path_factory) -> tuple[dict[str, Path], dict]:
     """The shared runs of one 8-bit storage (2 steps each on the tiny model,
     tests/train/lever_runs.py): the stored base ("fp8"), stopped at step 1 and resumed, and

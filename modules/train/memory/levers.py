@@ -9,7 +9,15 @@ The 8-bit storages of the frozen linear weights are one row per format, in the o
 picks them (`picked_storage`): INT8 first, because it runs on every device torchao does and
 measured the smaller quality cost on the tiny model (docs/memory.md); FLOAT8 second, because
 inductor's GPU code generator (Triton) cannot convert float8 e4m3 values below sm_89, so on an
-RTX 30 card or older a compiled block that dequantizes it fails to compile.
+RTX 30 card or older a compiled block that dequantizes it fails to compile. W8A8 (int8
+matmuls, issue 58 item 2) third: it stores the denoiser's layers only, and is a lever for speed
+where the card multiplies int8, refused where it does not (`DeviceNeed.refused`).
+
+How "the device multiplies int8" is decided (`INT8_MATMUL_NEED`): on CUDA, by the compute
+capability, sm_80 or newer (Ampere: RTX 30, A100, and everything after; an sm_75 card is not
+checked, so not offered: docs/memory.md); off CUDA, by running one small `torch._int_mm` on the
+device and checking its product (models/int8_matmul.py's `int_mm_problem`: torch 2.13's CPU has
+the kernel).
 """
 from __future__ import annotations
 
@@ -20,7 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from modules.config.overrides import apply_overrides
-from modules.config.schema import Config, TrainingMethod, WeightStorage
+from modules.config.problems import Problem
+from modules.config.schema import Adapter, Config, TrainingMethod, WeightStorage
 from modules.config.validate import fused_backward_problems
 from modules.train.recipe.text_cache import text_encoder_stays
 from modules.train.recipe.trainable import trained_components
@@ -32,6 +41,7 @@ class DeviceAbility:
     CUDA's compute capability (None off CUDA: the CPU runs every lever torchao runs)."""
     name: str
     capability: tuple[int, int] | None = None
+    int_mm_problem: str = ""  # off CUDA: why torch._int_mm cannot run there ("" when it can)
 
 
 CPU = DeviceAbility("the CPU")
@@ -40,22 +50,36 @@ CPU = DeviceAbility("the CPU")
 def device_ability(device: torch.device) -> DeviceAbility:
     """The ability of `device` (the run's, from `general.device`)."""
     if device.type != "cuda":
-        return DeviceAbility(f"the {device.type.upper()}")
+        from modules.models.int8_matmul import int_mm_problem
+        return DeviceAbility(f"the {device.type.upper()}", None, int_mm_problem(device))
     index = device.index if device.index is not None else torch.cuda.current_device()
     props = torch.cuda.get_device_properties(index)
     return DeviceAbility(f"{props.name} (sm_{props.major}{props.minor})",
                          (props.major, props.minor))
 
 
+INT8_INSTEAD = "use model.weight_storage=INT8 (the same int8 weights, 16-bit matmuls)"
+
+
 @dataclass(frozen=True)
 class DeviceNeed:
-    """What a lever needs of a CUDA card: a compute capability, and why."""
+    """What a lever needs of a CUDA card: a compute capability, and why; `int_mm`: also that a
+    device other than CUDA multiplies int8 (`DeviceAbility.int_mm_problem`); `refused`: a run
+    with the lever on is refused on a device without it (else only warned: FLOAT8 runs, slower
+    or failing to compile)."""
     capability: tuple[int, int]
     why: str
+    int_mm: bool = False
+    refused: bool = False
 
     def unmet(self, ability: DeviceAbility) -> str:
         """Why `ability`'s device cannot run the lever, or "" when it can."""
-        if ability.capability is None or ability.capability >= self.capability:
+        if ability.capability is None:
+            if self.int_mm and ability.int_mm_problem:
+                return (f"{ability.name} cannot multiply int8 matrices: "
+                        f"{ability.int_mm_problem}; {INT8_INSTEAD}")
+            return ""
+        if ability.capability >= self.capability:
             return ""
         major, minor = self.capability
         return f"{ability.name} is older than sm_{major}{minor}: {self.why}"
@@ -114,7 +138,10 @@ def _storage(storage: WeightStorage) -> Callable[[Config], LeverState]:
                                       "at a time; both keep a byte a value)")
         if config.training.method != TrainingMethod.LORA:
             return LeverState(not_for="LoRA only (a trained weight is never stored in 8 bits)")
-        if importlib.util.find_spec("torchao") is None:  # its plan needs torchao
+        if storage == WeightStorage.W8A8 and config.training.adapter == Adapter.DORA:
+            return LeverState(not_for="not with DoRA (peft's DoRA reads int8 values as the "
+                                      "weight)")
+        if storage.torchao and importlib.util.find_spec("torchao") is None:  # its plan needs it
             return LeverState(not_for="needs torchao, not installed here (pip install torchao)")
         return LeverState(overrides=[f"model.weight_storage={storage.value}"])
     return state
@@ -162,6 +189,16 @@ FLOAT8_NEED = DeviceNeed((8, 9), "inductor's GPU code (Triton) cannot convert fl
                                  "values before sm_89 (RTX 40, L4, H100), so a compiled block "
                                  "that dequantizes float8 fails to compile; INT8 stores the "
                                  "same bytes on any card")
+INT8_MATMUL_NEED = DeviceNeed((8, 0), "W8A8 multiplies int8 matrices with torch._int_mm, whose "
+                                      "int8 tensor-core kernels (cuBLASLt) Tempera runs from "
+                                      f"sm_80 (RTX 30, A100) on; {INT8_INSTEAD}",
+                              int_mm=True, refused=True)
+W8A8_COSTS = ("quality: each layer's input rounded to 256 levels per token besides the "
+              "weight's per row (measured on the tiny model: docs/memory.md); speed: a "
+              "quantization of each input per forward, fused into the compiled block, then int8 "
+              "x int8 matmuls (the speed-up on a GPU is measured in a later GPU phase, not "
+              "claimed); backward multiplies the gradient by the dequantized weight at 16 "
+              "bits; the text encoders are not stored; not with DoRA")
 
 # The levers, one row each; the refusal and `--check` offer each that lowers the plan, the
 # 8-bit storages in the order the plan picks them (`picked_storage`). Block offload and FSDP
@@ -179,6 +216,14 @@ LEVERS: tuple[Lever, ...] = (
           f"(docs/memory.md); speed: {DEQUANTIZE_COSTS}", FLOAT8_NEED,
           short="FLOAT8: the same bytes as INT8; quality -4.7 % (tiny model); the same "
                 "dequantize; RTX 40 / sm_89 or newer"),
+    Lever("the denoiser's linear layers as int8 with int8 matmuls (W8A8)",
+          _storage(WeightStorage.W8A8),
+          "the frozen linear layers of the denoiser at one byte a value (about half of bf16), "
+          "with a scale per row; the text encoders, convolutions, norms and the VAE stay",
+          W8A8_COSTS, INT8_MATMUL_NEED,
+          short="W8A8: the denoiser's linear layers as INT8 stores them, multiplied in int8 "
+                "(speed on a GPU not yet measured); activations rounded per token; sm_80 "
+                "(RTX 30) or newer"),
     Lever("text encoders and VAE off the GPU (their outputs cached)", _cached_outputs,
           "the text encoders' and the VAE's weights while training",
           "no random crop; the VAE comes back to the GPU for each sampling pass"),
@@ -186,7 +231,8 @@ LEVERS: tuple[Lever, ...] = (
           "the gradients, but one weight's at a time",
           "no gradient accumulation; gradients clipped per weight; one optimizer per weight"),
 )
-STORAGE_LEVERS = {WeightStorage.INT8: LEVERS[0], WeightStorage.FLOAT8: LEVERS[1]}
+STORAGE_LEVERS = {WeightStorage.INT8: LEVERS[0], WeightStorage.FLOAT8: LEVERS[1],
+                  WeightStorage.W8A8: LEVERS[2]}
 
 
 def picked_storage(ability: DeviceAbility) -> WeightStorage:
@@ -224,10 +270,23 @@ def not_on_device(config: Config, ability: DeviceAbility) -> list[tuple[str, str
 
 def device_warnings(config: Config, ability: DeviceAbility) -> list[str]:
     """A warning for each lever that is on although this device cannot run it (a FLOAT8
-    preset on an RTX 30 card, say)."""
+    preset on an RTX 30 card, say), of those the device is not refused for."""
     found = []
     for lever in LEVERS:
         why = lever.needs.unmet(ability) if lever.needs else ""
-        if why and lever.state(config).on:
+        if why and lever.state(config).on and not (lever.needs and lever.needs.refused):
             found.append(f"{lever.name} is on, and {why}")
+    return found
+
+
+def device_refusals(config: Config, ability: DeviceAbility) -> list[Problem]:
+    """A problem for each lever that is on and this device cannot run at all (W8A8 where
+    there are no int8 kernels): the run is refused before anything is loaded."""
+    found = []
+    for lever in LEVERS:
+        why = lever.needs.unmet(ability) if lever.needs and lever.needs.refused else ""
+        if why and lever.state(config).on:
+            found.append(Problem("model.weight_storage", f"a storage {ability.name} runs",
+                                 config.model.weight_storage.value,
+                                 f"{lever.name} is on, and {why}"))
     return found

@@ -34,7 +34,8 @@ from modules.train.memory.memory_plan import (WARN_FRACTION, MemoryPlan, gib, pl
                                               plan_memory, weightless_bundle,
                                               weightless_trainable)
 from modules.train.memory.levers import (CPU, LEVERS, STORAGE_LEVERS, DeviceAbility, LeverState,
-                                         device_ability, device_warnings, lever_override,
+                                         device_ability, device_refusals, device_warnings,
+                                         lever_override,
                                          not_on_device, picked_storage)
 from modules.train.recipe.trainable import prepare_trainable, trained_components
 from modules.util.errors import describe
@@ -112,9 +113,12 @@ def check_memory(config: Config, model_path: Path, device: torch.device,
     that cannot be computed (a model whose config files this reading does not know) stops
     nothing: the loader reports a model it cannot load, and the run says the check was not
     made. A lever that is on although this device cannot run it (FLOAT8 on an RTX 30 card)
-    is a warning. The RAM plan is checked against `ram` (default: this machine's) the same
+    is a warning, or refused when it cannot run at all (W8A8 without int8 kernels). The RAM plan is checked against `ram` (default: this machine's) the same
     way, on any device."""
     card, ability = card_memory(device), device_ability(device)
+    refused = device_refusals(config, ability)
+    if refused:  # W8A8 on a device without int8 kernels: nothing to plan
+        raise ConfigError(refused)
     try:
         bundle = weightless_bundle(config, model_path)  # one weightless model for both plans
         loading = loading_lines(bundle)

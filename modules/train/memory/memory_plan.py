@@ -36,7 +36,7 @@ from modules.model_types import MODEL_TYPES
 from modules.models.bundle import ModelBundle
 from modules.models.families import family_of
 from modules.models.sd_folder import component_classes
-from modules.models.weight_storage import stored_bytes, stored_format
+from modules.models.weight_storage import stored_bytes, stored_format, stored_tensors
 from modules.train.recipe.placement import components_off_device
 
 GIB = 2 ** 30
@@ -114,9 +114,10 @@ def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 def stored_line(name: str, stored: list[torch.Tensor]) -> str:
     """The plan's line for a component's weights stored in 8 bits (`model.weight_storage`)."""
-    found = stored_format(stored[0])
+    weights = [t for t in stored if stored_format(t)]  # not W8A8's scales, held beside them
+    found = stored_format(weights[0])
     assert found is not None  # only stored weights reach here
-    return (f"{name} linear weights stored as {found.word} ({sum(t.numel() for t in stored):,} "
+    return (f"{name} linear weights stored as {found.word} ({sum(t.numel() for t in weights):,} "
             f"values: {found.layout})")
 
 
@@ -195,8 +196,9 @@ def plan_from(config: Config, bundle: ModelBundle, params: dict[str, list[nn.Par
     off = components_off_device(config)
     for name, module in bundle.components().items():
         frozen = [t for t in [*module.parameters(), *module.buffers()] if id(t) not in trained_ids]
-        stored = [t for t in frozen if stored_format(t)]
-        frozen = [t for t in frozen if not stored_format(t)]
+        held = {id(t) for t in stored_tensors(module)}
+        stored = [t for t in frozen if id(t) in held]
+        frozen = [t for t in frozen if id(t) not in held]
         if (frozen or stored) and name in off:
             # kept on the CPU (train/recipe/placement.py): on the device only while its
             # outputs are cached, before training, and for the passes that borrow it
@@ -207,7 +209,7 @@ def plan_from(config: Config, bundle: ModelBundle, params: dict[str, list[nn.Par
             stored = []
         elif frozen:
             lines.append((f"{name} weights ({describe_tensors(frozen)})", tensor_bytes(frozen)))
-        if stored:  # model.weight_storage FLOAT8 or INT8
+        if stored:  # model.weight_storage FLOAT8, INT8 or W8A8
             lines.append((stored_line(name, stored), tensor_bytes(stored)))
         if name == bundle.denoiser_name and config.model.offload_blocks:
             lines.append(offload_line(config, module))

@@ -49,11 +49,15 @@ def component_dtypes(config: Config) -> dict[str, torch.dtype]:
 def stored_components(config: Config) -> list[str]:
     """The components whose frozen linear weights `model.weight_storage` (FLOAT8, INT8) stores
     in 8 bits: the denoiser and the text encoders (the VAE stays at `model.weight_dtype`: it is
-    small and mostly convolutions). None for a full fine-tune (validation refuses it)."""
+    small and mostly convolutions); W8A8's int8 matmuls the denoiser only (issue 58 item 2: the
+    text encoders run once a caption, or not at all with cached captions). None for a full
+    fine-tune (validation refuses it)."""
     if (not config.model.weight_storage.eight_bit
             or config.training.method != TrainingMethod.LORA):
         return []
     spec = MODEL_TYPES[config.model.type]
+    if config.model.weight_storage == WeightStorage.W8A8:
+        return [spec.denoiser]
     return [spec.denoiser, *spec.text_encoders]
 
 

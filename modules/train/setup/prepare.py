@@ -153,8 +153,8 @@ def check_run(config: Config, callbacks: TrainerCallbacks) -> CheckedRun:
         raise ConfigError([Problem(
             "model.weight_storage", "WEIGHT_DTYPE with several processes", storage,
             f"{storage.lower()} weight storage is not tested with DistributedDataParallel yet "
-            f"(its broadcast of every weight at the start meets torchao's {storage.lower()} "
-            "tensors); train in one process, or use WEIGHT_DTYPE")])
+            f"(its broadcast of every weight at the start meets the {storage.lower()} "
+            "weights); train in one process, or use WEIGHT_DTYPE")])
     if resolved.model.offload_blocks and launched_distributed():
         raise ConfigError([Problem(
             "model.offload_blocks", "0 with several processes", str(resolved.model.offload_blocks),
