@@ -44,6 +44,11 @@ def load_text_part(model_path: Path, model: ModelConfig, dtypes: Dtypes
     return _text_first(model).load_text(Path(model_path), model, dtypes)
 
 
+def load_tokenizers(model_path: Path, model: ModelConfig) -> dict[str, Any]:
+    """The tokenizers of `model.type`'s folder alone (its family's `text_first`)."""
+    return _text_first(model).load_tokenizers(Path(model_path), model)
+
+
 def load_without_text_encoders(model_path: Path, model: ModelConfig, dtypes: Dtypes,
                                tokenizers: dict[str, Any]) -> ModelBundle:
     """`load_bundle` but for the text encoders (`text_encoders` empty; `tokenizers` as

@@ -110,8 +110,9 @@ def runs(tempera_cache, tmp_path_factory):
         run("klein-today", "KLEIN", today=True)
         run("klein-resumed", "KLEIN", "output.backup_every_steps=1", stop_at=2)
         run("klein-uncached", "KLEIN", "data.cache_text_encoder_outputs=false")
-        run("zimage", "ZIMAGE")
-        run("zimage-today", "ZIMAGE", today=True)
+        # Z-Image's with 8-bit storage: the encoder stored as prepare_trainable stores it
+        run("zimage", "ZIMAGE", "model.weight_storage=INT8")
+        run("zimage-today", "ZIMAGE", "model.weight_storage=INT8", today=True)
     return done
 
 
@@ -146,11 +147,10 @@ def test_samples_are_drawn_from_the_cached_prompts(runs, name):
     assert Image.open(samples[0]).tobytes() == Image.open(today[0]).tobytes()
 
 
-def test_a_resumed_run_encodes_nothing_and_continues_the_run(runs):
+def test_a_resumed_run_does_not_load_the_encoder_and_continues_the_run(runs):
     out, callbacks, loads = runs["klein-resumed"]
-    assert loads == [("encoder", 0), ("transformer", 0)]
-    [said] = [s for s in callbacks.statuses if "released before the model loads" in s]
-    assert "(0 encoded now" in said, said
+    assert loads == [("transformer", 0)]  # every caption on disk: the encoder never loads
+    assert any("the text encoder is not loaded" in s for s in callbacks.statuses)
     record, whole = run_json(out), run_json(runs["klein"][0])
     assert record["resume_count"] == 1 and record["losses"] == whole["losses"]
 
@@ -164,3 +164,35 @@ def test_a_run_without_the_cache_loads_the_model_at_once_and_trains(runs):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(run_json(runs["klein"][0])[
         "losses"]), rtol=1e-4, atol=1e-5)
     assert len(sorted((out / "samples").glob("*.png"))) == 1
+
+
+def test_a_caption_not_cached_before_the_encoder_was_released_is_refused_by_name():
+    from modules.model_types import ModelType
+    from modules.models.bundle import ModelBundle
+    from modules.train.recipe.text_cache import TextEncoderCache
+    cache = TextEncoderCache(ModelBundle(ModelType.KLEIN, Path("."), None, None, {}, {}, None),
+                             torch.device("cpu"))
+    assert cache.encoders_left()  # released: samples take the cached prompts
+    with pytest.raises(ValueError, match="'a blue square'.*data.cache_text_encoder_outputs"):
+        cache.encode(["a blue square"])
+
+
+def test_the_encoder_files_key_follows_the_files_and_a_damaged_note_is_a_miss(tmp_path):
+    from modules.train.recipe.text_store import (encoder_files_key, known_identity,
+                                                 remember_identity)
+    (tmp_path / "text_encoder").mkdir()
+    (tmp_path / "tokenizer").mkdir()
+    (tmp_path / "text_encoder" / "config.json").write_text('{"layers": 2}')
+    (tmp_path / "tokenizer" / "tokenizer.json").write_text("{}")
+    names, load = ["text_encoder", "tokenizer"], {"model_type": "KLEIN"}
+    key = encoder_files_key(tmp_path, names, load)
+    assert key == encoder_files_key(tmp_path, names, load)
+    assert key != encoder_files_key(tmp_path, names, {"model_type": "ZIMAGE"})
+    (tmp_path / "text_encoder" / "config.json").write_text('{"layers": 3}')
+    assert encoder_files_key(tmp_path, names, load) != key
+    root = tmp_path / "cache"
+    assert known_identity(root, key) is None
+    remember_identity(root, key, "abc")
+    assert known_identity(root, key) == "abc"
+    (root / "by-files" / f"{key}.json").write_text("not json")
+    assert known_identity(root, key) is None  # the encoder is loaded and its identity computed

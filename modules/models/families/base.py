@@ -146,9 +146,12 @@ class TextFirst:
     - `load_text(path, model config, dtypes)`: (text encoders, tokenizers) by the pipeline's
       names, nothing else read;
     - `load_rest(path, model config, dtypes, tokenizers)`: the `ModelBundle` without its text
-      encoders (`text_encoders` empty), the tokenizers handed in."""
+      encoders (`text_encoders` empty), the tokenizers handed in;
+    - `load_tokenizers(path, model config)`: the tokenizers alone, for a run whose captions
+      are all cached already (the encoder is then not loaded at all)."""
     load_text: Callable[[Path, Any, Any], tuple[dict[str, Any], dict[str, Any]]]
     load_rest: Callable[[Path, Any, Any, dict[str, Any]], ModelBundle]
+    load_tokenizers: Callable[[Path, Any], dict[str, Any]]
 
 
 @dataclass(frozen=True)

@@ -98,14 +98,20 @@ def load_qwen_text(path: Path, dtypes: Any) -> tuple[dict[str, Any], dict[str, A
     ({"text_encoder": ...}, {"tokenizer": ...}). The encoder is loaded as Qwen3Model, the
     causal LM without its head (the hidden states are the same; an untied head would be
     weights never used)."""
-    from transformers import AutoTokenizer, Qwen3Model
+    from transformers import Qwen3Model
 
     from modules.models.bundle import dtype_of
     text_encoder = Qwen3Model.from_pretrained(path, subfolder="text_encoder",
                                               dtype=dtype_of(dtypes, "text_encoder"),
                                               local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(path, subfolder="tokenizer", local_files_only=True)
-    return {"text_encoder": text_encoder}, {"tokenizer": tokenizer}
+    return {"text_encoder": text_encoder}, load_qwen_tokenizer(path)
+
+
+def load_qwen_tokenizer(path: Path) -> dict[str, Any]:
+    """The folder's Qwen3 tokenizer, as {"tokenizer": ...}."""
+    from transformers import AutoTokenizer
+    return {"tokenizer": AutoTokenizer.from_pretrained(path, subfolder="tokenizer",
+                                                       local_files_only=True)}
 
 
 def load_qwen_flow_rest(path: Path, model_type: Any, dtypes: Any, transformer_class: str,

@@ -34,8 +34,9 @@ from modules.models.bundle import Dtypes, ModelBundle
 from modules.models.chat_text import ChatEncoding, chat_prompts
 from modules.models.families.base import ModelFamily, Objective, TextEmbeddings, TextFirst
 from modules.models.families.flow import (load_qwen_flow_folder, load_qwen_flow_rest,
-                                          load_qwen_text, flow_noisy_and_target,
-                                          flow_timesteps, train_timesteps)
+                                          load_qwen_text, load_qwen_tokenizer,
+                                          flow_noisy_and_target, flow_timesteps,
+                                          train_timesteps)
 from modules.models.families.sd import text_encoders
 from modules.models.klein_files import STACKED_LAYERS
 from modules.models.tiny_klein import TINY_KLEIN
@@ -69,7 +70,8 @@ KLEIN_TEXT_FIRST = TextFirst(
     load_text=lambda path, model, dtypes: load_qwen_text(path, dtypes),
     load_rest=lambda path, model, dtypes, tokenizers: load_qwen_flow_rest(
         path, ModelType.KLEIN, dtypes, "Flux2Transformer2DModel", "AutoencoderKLFlux2",
-        tokenizers))
+        tokenizers),
+    load_tokenizers=lambda path, model: load_qwen_tokenizer(path))
 
 
 def encode_klein(tokenizer: Any, encoder: nn.Module, captions: list[str], device: torch.device

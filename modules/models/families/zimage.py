@@ -23,7 +23,7 @@ from modules.models.chat_text import ChatEncoding, caption_list, encode_chat
 from modules.models.families.base import (FileConventions, ModelFamily, RealSize, TextEmbeddings,
                                           TextFirst)
 from modules.models.families.flow import (load_qwen_flow_folder, load_qwen_flow_rest,
-                                          load_qwen_text, FLOW_MATCHING)
+                                          load_qwen_text, load_qwen_tokenizer, FLOW_MATCHING)
 from modules.models.families.sd import text_encoders
 from modules.models.tiny_zimage import (TINY_ZIMAGE, build_real_size, real_size_spec,
                                         transformer_parameters)
@@ -98,7 +98,8 @@ ZIMAGE_TEXT_FIRST = TextFirst(
     load_text=lambda path, model, dtypes: load_qwen_text(path, dtypes),
     load_rest=lambda path, model, dtypes, tokenizers: load_qwen_flow_rest(
         path, ModelType.ZIMAGE, dtypes, "ZImageTransformer2DModel", "AutoencoderKL",
-        tokenizers, prepare=warm_rope_tables))
+        tokenizers, prepare=warm_rope_tables),
+    load_tokenizers=lambda path, model: load_qwen_tokenizer(path))
 
 
 def load_single_file(path: Path, model: Any, dtypes: Dtypes) -> ModelBundle:

@@ -150,18 +150,25 @@ class TextEncoderCache:
         self.encoded += len(captions)
         return rows
 
-    @torch.no_grad()
-    def precache(self, captions: list[str], batch_size: int = 8) -> int:
-        """Encode every caption of `captions` the store does not hold yet, in batches; returns
-        how many were encoded (the rest were read from disk)."""
-        wanted = [c for c in dict.fromkeys(captions) if c not in self.entries]
+    def read_stored(self, captions: list[str]) -> list[str]:
+        """Read each caption of `captions` the store holds into memory; return the others
+        (once each, in order)."""
         missing = []
-        for caption in wanted:
+        for caption in dict.fromkeys(captions):
+            if caption in self.entries:
+                continue
             row = self.store.load(caption) if self.store is not None else None
             if row is None:
                 missing.append(caption)
             else:
                 self.entries[caption] = row
+        return missing
+
+    @torch.no_grad()
+    def precache(self, captions: list[str], batch_size: int = 8) -> int:
+        """Encode every caption of `captions` the store does not hold yet, in batches; returns
+        how many were encoded (the rest were read from disk)."""
+        missing = self.read_stored(captions)
         for start in range(0, len(missing), batch_size):
             for caption, row in self._encode_rows(missing[start:start + batch_size]).items():
                 self.entries[caption] = row

@@ -8,7 +8,9 @@ plan, train/memory/ram_plan.py, plans it so).
 `text_encoder_first` (train/recipe/text_cache.py) says when it applies; otherwise the whole
 model loads at once, as before. The cache this builds is the run's (`PreparedRun.text_cache`):
 setup finds every caption in it and the samples take the cached prompts, so the run never
-needs the encoder again.
+needs the encoder again. A run whose captions were all cached by an earlier one (a resumed
+run) does not load the encoder at all: the encoder's files, read without loading them, name
+the cache folder the encoder they hold had (`text_store.encoder_files_key`).
 """
 from __future__ import annotations
 
@@ -19,35 +21,86 @@ from typing import TYPE_CHECKING
 import torch
 
 from modules.events import TrainerCallbacks
-from modules.models.bundle import ModelBundle
-from modules.models.loader import load_text_part, load_without_text_encoders
+from modules.model_types import MODEL_TYPES
+from modules.models.bundle import ModelBundle, dtype_of
+from modules.models.loader import load_text_part, load_tokenizers, load_without_text_encoders
 from modules.train.recipe.builders import pick_device
 from modules.train.recipe.text_cache import TextEncoderCache
-from modules.train.recipe.text_store import TextEmbeddingStore, encoder_identity
-from modules.train.recipe.trainable import component_dtypes
+from modules.train.recipe.text_store import (TextEmbeddingStore, encoder_files_key,
+                                             encoder_identity, known_identity,
+                                             remember_identity)
+from modules.models.weight_storage import store_weights
+from modules.train.recipe.trainable import component_dtypes, stored_components
 
 if TYPE_CHECKING:
     from modules.train.setup.prepare import CheckedRun
 
 
 def encode_text_first(checked: CheckedRun, callbacks: TrainerCallbacks) -> TextEncoderCache:
-    """Load the text encoder alone, cache every caption the run will read (on disk, keyed by
-    the encoder as `text_encoder_cache` keys it), release the encoder and return the cache,
-    its bundle holding the tokenizers only (`load_model_after_text` puts the model in)."""
+    """Cache every caption the run will read (on disk, keyed by the encoder as
+    `text_encoder_cache` keys it) and return the cache, its bundle holding the tokenizers only
+    (`load_model_after_text` puts the model in). When the encoder's files were seen before
+    (`known_identity`) and every caption is cached already (a resumed run, a second run on the
+    same data), the encoder is not loaded at all; otherwise it is loaded alone, encodes what is
+    missing and is released."""
     from modules.train.setup.start import known_captions
+    config = checked.config
+    root = checked.cache_dir / "text-embeddings"
+    files = encoder_files(checked)
+    captions = known_captions(checked)
+    identity = known_identity(root, files)
+    if identity is not None:
+        tokenizers = load_tokenizers(checked.model_path, config.model)
+        cache = TextEncoderCache(text_only_bundle(checked, {}, tokenizers),
+                                 pick_device(config.general.device),
+                                 TextEmbeddingStore(root, identity))
+        if not cache.read_stored(captions):
+            callbacks.on_status(f"text encoder outputs: all {len(captions)} captions read from "
+                                f"{root / identity}; the text encoder is not loaded")
+            return cache
+    cache = encode_with_encoder_alone(checked, captions, callbacks)
+    remember_identity(root, files, cache.store.folder.name if cache.store else "")
+    return cache
+
+
+def encoder_files(checked: CheckedRun) -> str:
+    """`encoder_files_key` of the run's text encoders and tokenizers, as they will load."""
+    config = checked.config
+    spec = MODEL_TYPES[config.model.type]
+    dtypes = component_dtypes(config)
+    stored = stored_components(config)
+    load = {"model_type": config.model.type.value,
+            **{name: str(dtype_of(dtypes, name)) for name in spec.text_encoders},
+            **{f"{name} storage": config.model.weight_storage.value
+               for name in spec.text_encoders if name in stored}}
+    return encoder_files_key(checked.model_path, [*spec.text_encoders, *spec.tokenizers], load)
+
+
+def text_only_bundle(checked: CheckedRun, encoders: dict, tokenizers: dict) -> ModelBundle:
+    """A bundle of the text encoders and tokenizers only, for encoding before the model
+    loads."""
+    return ModelBundle(checked.config.model.type, checked.model_path, None, None, encoders,
+                       tokenizers, None)
+
+
+def encode_with_encoder_alone(checked: CheckedRun, captions: list[str],
+                              callbacks: TrainerCallbacks) -> TextEncoderCache:
+    """Load the text encoder alone, cache `captions` (those not on disk yet), release it."""
     config = checked.config
     device = pick_device(config.general.device)
     callbacks.on_status("loading the text encoder alone: every caption is cached before the "
                         "model loads, and the encoder is released first")
     encoders, tokenizers = load_text_part(checked.model_path, config.model,
                                           component_dtypes(config))
-    text_only = ModelBundle(config.model.type, checked.model_path, None, None, encoders,
-                            tokenizers, None)
-    store = TextEmbeddingStore(checked.cache_dir / "text-embeddings", encoder_identity(text_only))
+    for name in stored_components(config):  # as prepare_trainable stores them: the same rows
+        if name in encoders:
+            store_weights(encoders[name].requires_grad_(False), config.model.weight_storage.value)
+    text_only = text_only_bundle(checked, encoders, tokenizers)
+    store = TextEmbeddingStore(checked.cache_dir / "text-embeddings",
+                               encoder_identity(text_only))
     cache = TextEncoderCache(text_only, device, store)
     for module in encoders.values():
         module.to(device)
-    captions = known_captions(checked)
     encoded = cache.precache(captions)
     release_text_encoders(cache, device)
     del encoders, text_only
