@@ -21,7 +21,7 @@ from modules.events import RecordingCallbacks, TrainerCommands
 from modules.train.trainer import train
 from tests.train.test_resume import StopAt, run_json
 
-STEPS = 4
+STEPS = 2
 
 
 class LoadSpy:
@@ -108,7 +108,7 @@ def runs(tempera_cache, tmp_path_factory):
 
         run("klein", "KLEIN")
         run("klein-today", "KLEIN", today=True)
-        run("klein-resumed", "KLEIN", "output.backup_every_steps=1", stop_at=2)
+        run("klein-resumed", "KLEIN", "output.backup_every_steps=1", stop_at=1)
         run("klein-uncached", "KLEIN", "data.cache_text_encoder_outputs=false")
         # Z-Image's with 8-bit storage: the encoder stored as prepare_trainable stores it
         run("zimage", "ZIMAGE", "model.weight_storage=INT8")
