@@ -58,8 +58,8 @@ def encode_text_first(checked: CheckedRun, callbacks: TrainerCallbacks) -> TextE
             callbacks.on_status(f"text encoder outputs: all {len(captions)} captions read from "
                                 f"{root / identity}; the text encoder is not loaded")
             return cache
-    cache = encode_with_encoder_alone(checked, captions, callbacks)
-    remember_identity(root, files, cache.store.folder.name if cache.store else "")
+    cache, identity = encode_with_encoder_alone(checked, captions, callbacks)
+    remember_identity(root, files, identity)
     return cache
 
 
@@ -84,8 +84,9 @@ def text_only_bundle(checked: CheckedRun, encoders: dict, tokenizers: dict) -> M
 
 
 def encode_with_encoder_alone(checked: CheckedRun, captions: list[str],
-                              callbacks: TrainerCallbacks) -> TextEncoderCache:
-    """Load the text encoder alone, cache `captions` (those not on disk yet), release it."""
+                              callbacks: TrainerCallbacks) -> tuple[TextEncoderCache, str]:
+    """Load the text encoder alone, cache `captions` (those not on disk yet), release it;
+    return the cache and the encoder's identity (`encoder_identity`)."""
     config = checked.config
     device = pick_device(config.general.device)
     callbacks.on_status("loading the text encoder alone: every caption is cached before the "
@@ -96,8 +97,8 @@ def encode_with_encoder_alone(checked: CheckedRun, captions: list[str],
         if name in encoders:
             store_weights(encoders[name].requires_grad_(False), config.model.weight_storage.value)
     text_only = text_only_bundle(checked, encoders, tokenizers)
-    store = TextEmbeddingStore(checked.cache_dir / "text-embeddings",
-                               encoder_identity(text_only))
+    identity = encoder_identity(text_only)
+    store = TextEmbeddingStore(checked.cache_dir / "text-embeddings", identity)
     cache = TextEncoderCache(text_only, device, store)
     for module in encoders.values():
         module.to(device)
@@ -109,7 +110,7 @@ def encode_with_encoder_alone(checked: CheckedRun, captions: list[str],
                         f"({encoded} encoded now, {len(captions) - encoded} read from "
                         f"{store.folder}); the text encoder is released before the model "
                         "loads")
-    return cache
+    return cache, identity
 
 
 def release_text_encoders(cache: TextEncoderCache, device: torch.device) -> None:
