@@ -72,3 +72,31 @@ def test_a_run_over_the_machines_ram_is_refused_with_the_fix(tempera_cache, tmp_
     check = memory_check.check_memory(config, folder, device, ram=fp32.total)
     assert check.ram is not None and check.record()["ram"]["peak_bytes"] == fp32.total
     assert any(line.startswith("RAM plan (this machine has") for line in check.describe())
+
+
+def test_klein_9b_loads_its_text_encoder_first_and_peaks_at_the_larger_phase():
+    """The 9B LoRA preset for 16 GB at real size (weightless): with its captions cached, Qwen3-8B
+    loads alone and is released before the transformer (train/setup/text_first.py), so the
+    loading peak is the larger of the two loads, not their sum (31.16 GiB); with the cache off
+    the whole model loads at once, and the plan says why."""
+    config = apply_overrides(load_config(REPO / "training_presets/klein/lora_9b_16gb.json"),
+                             [DATA])
+    folder = REPO / "modules/models/configs/klein9b"
+    plan = plan_ram(config, folder, torch.device("cuda"))
+    phases = {p.name: p for p in plan.phases}
+    assert list(phases) == ["loading the text encoder", "loading", "caching", "training"]
+    [(encoder, encoder_bytes)] = phases["loading the text encoder"].lines
+    assert encoder.startswith("text_encoder weights as loaded (bf16, 7,568,405,632 values")
+    later = [what for name in ("loading", "caching", "training")
+             for what, _ in phases[name].lines]
+    assert not any(what.startswith("text_encoder") for what in later), later
+    assert plan.peak.name == "loading" and plan.peak.total < 17.5 * GIB  # 17.07 GiB
+    assert plan.peak.total == max(p.total for p in plan.phases)
+    assert "loaded first and alone" in plan.record()["text_encoder_order"]
+    together = plan_ram(apply_overrides(config, ["data.cache_text_encoder_outputs=false"]),
+                        folder, torch.device("cuda"))
+    assert [p.name for p in together.phases] == ["loading", "caching", "training"]
+    assert together.peak.total == plan.peak.total + encoder_bytes  # 31.16 GiB
+    assert together.peak.total > 31 * GIB
+    assert ("text encoder: loaded with the rest (its outputs are not cached "
+            "(data.cache_text_encoder_outputs is off))") in together.describe()

@@ -139,6 +139,22 @@ class RealSize:
 
 
 @dataclass(frozen=True)
+class TextFirst:
+    """How a family loads its text encoder apart from the rest, so that a run whose captions
+    are all cached up front encodes them, releases the encoder and only then loads the denoiser
+    (the text encoder and the denoiser are never in RAM together; train/setup/text_first.py):
+    - `load_text(path, model config, dtypes)`: (text encoders, tokenizers) by the pipeline's
+      names, nothing else read;
+    - `load_rest(path, model config, dtypes, tokenizers)`: the `ModelBundle` without its text
+      encoders (`text_encoders` empty), the tokenizers handed in;
+    - `load_tokenizers(path, model config)`: the tokenizers alone, for a run whose captions
+      are all cached already (the encoder is then not loaded at all)."""
+    load_text: Callable[[Path, Any, Any], tuple[dict[str, Any], dict[str, Any]]]
+    load_rest: Callable[[Path, Any, Any, dict[str, Any]], ModelBundle]
+    load_tokenizers: Callable[[Path, Any], dict[str, Any]]
+
+
+@dataclass(frozen=True)
 class ModelFamily:
     """Everything that differs between model families, as data and functions.
 
@@ -190,6 +206,9 @@ class ModelFamily:
     - `unpack_prediction(prediction, noisy)`: the prediction back in the noisy latents'
       layout, for a denoiser that takes them packed into tokens (Flux.2: (B, tokens, C) to
       (B, C, h, w)); None: `read_prediction` gives that layout already.
+    - `text_first`: loading the text encoder apart from the rest (`TextFirst`), for a family
+      whose encoder is as large as its denoiser's share of RAM (the Qwen3 families); None: the
+      whole bundle loads at once.
     """
     model_type: ModelType
     repeated_blocks: tuple[str, ...]
@@ -219,6 +238,7 @@ class ModelFamily:
     real_size: RealSize | None = None
     vae_latents: Callable[[Any, torch.Tensor], torch.Tensor] = vae_latents
     unpack_prediction: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    text_first: TextFirst | None = None
 
     @property
     def spec(self) -> ModelTypeSpec:

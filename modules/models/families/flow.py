@@ -93,17 +93,35 @@ FLOW_MATCHING = Objective(train_timesteps=train_timesteps,
                           continuous_timesteps=flow_timesteps)
 
 
-def load_qwen_flow_folder(path: Path, model_type: Any, dtypes: Any, transformer_class: str,
-                          vae_class: str,
-                          prepare: Callable[[nn.Module], nn.Module] = lambda module: module
-                          ) -> ModelBundle:
-    """A diffusers folder of a flow-matching transformer conditioned on one Qwen3 encoder
-    (Z-Image, Flux.2 Klein): each component at its dtype, never the network. The encoder is
-    loaded as Qwen3Model, the causal LM without its head (the hidden states are the same; an
-    untied head would be weights never used). ``prepare``: what the family does to its
+def load_qwen_text(path: Path, dtypes: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The Qwen3 encoder and its tokenizer of a diffusers folder (Z-Image, Flux.2 Klein), as
+    ({"text_encoder": ...}, {"tokenizer": ...}). The encoder is loaded as Qwen3Model, the
+    causal LM without its head (the hidden states are the same; an untied head would be
+    weights never used)."""
+    from transformers import Qwen3Model
+
+    from modules.models.bundle import dtype_of
+    text_encoder = Qwen3Model.from_pretrained(path, subfolder="text_encoder",
+                                              dtype=dtype_of(dtypes, "text_encoder"),
+                                              local_files_only=True)
+    return {"text_encoder": text_encoder}, load_qwen_tokenizer(path)
+
+
+def load_qwen_tokenizer(path: Path) -> dict[str, Any]:
+    """The folder's Qwen3 tokenizer, as {"tokenizer": ...}."""
+    from transformers import AutoTokenizer
+    return {"tokenizer": AutoTokenizer.from_pretrained(path, subfolder="tokenizer",
+                                                       local_files_only=True)}
+
+
+def load_qwen_flow_rest(path: Path, model_type: Any, dtypes: Any, transformer_class: str,
+                        vae_class: str, tokenizers: dict[str, Any],
+                        prepare: Callable[[nn.Module], nn.Module] = lambda module: module
+                        ) -> ModelBundle:
+    """The folder's transformer, VAE and scheduler, each at its dtype, as a bundle without
+    text encoders (`tokenizers` handed in). ``prepare``: what the family does to its
     transformer once loaded."""
     import diffusers
-    from transformers import AutoTokenizer, Qwen3Model
 
     from modules.models.bundle import dtype_of
 
@@ -112,11 +130,21 @@ def load_qwen_flow_folder(path: Path, model_type: Any, dtypes: Any, transformer_
         path, subfolder="transformer", torch_dtype=dtype_of(dtypes, "transformer"), **local)
     vae = getattr(diffusers, vae_class).from_pretrained(
         path, subfolder="vae", torch_dtype=dtype_of(dtypes, "vae"), **local)
-    text_encoder = Qwen3Model.from_pretrained(path, subfolder="text_encoder",
-                                              dtype=dtype_of(dtypes, "text_encoder"),
-                                              local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(path, subfolder="tokenizer", **local)
     scheduler = diffusers.FlowMatchEulerDiscreteScheduler.from_pretrained(
         path, subfolder="scheduler", **local)
-    return ModelBundle(model_type, Path(path), prepare(transformer), vae,
-                       {"text_encoder": text_encoder}, {"tokenizer": tokenizer}, scheduler)
+    return ModelBundle(model_type, Path(path), prepare(transformer), vae, {}, dict(tokenizers),
+                       scheduler)
+
+
+def load_qwen_flow_folder(path: Path, model_type: Any, dtypes: Any, transformer_class: str,
+                          vae_class: str,
+                          prepare: Callable[[nn.Module], nn.Module] = lambda module: module
+                          ) -> ModelBundle:
+    """A diffusers folder of a flow-matching transformer conditioned on one Qwen3 encoder
+    (Z-Image, Flux.2 Klein): each component at its dtype, never the network; the transformer
+    and VAE first, then the encoder (`load_qwen_text`), all held at once (a run that caches
+    its captions up front loads the two parts apart instead: `ModelFamily.text_first`)."""
+    bundle = load_qwen_flow_rest(path, model_type, dtypes, transformer_class, vae_class, {},
+                                 prepare)
+    bundle.text_encoders, bundle.tokenizers = load_qwen_text(path, dtypes)
+    return bundle

@@ -32,8 +32,11 @@ from modules.config.outputs import Sampler
 from modules.model_types import ModelType
 from modules.models.bundle import Dtypes, ModelBundle
 from modules.models.chat_text import ChatEncoding, chat_prompts
-from modules.models.families.base import ModelFamily, Objective, TextEmbeddings
-from modules.models.families.flow import load_qwen_flow_folder, flow_noisy_and_target, flow_timesteps, train_timesteps
+from modules.models.families.base import ModelFamily, Objective, TextEmbeddings, TextFirst
+from modules.models.families.flow import (load_qwen_flow_folder, load_qwen_flow_rest,
+                                          load_qwen_text, load_qwen_tokenizer,
+                                          flow_noisy_and_target, flow_timesteps,
+                                          train_timesteps)
 from modules.models.families.sd import text_encoders
 from modules.models.klein_files import STACKED_LAYERS
 from modules.models.tiny_klein import TINY_KLEIN
@@ -60,6 +63,15 @@ def load_folder(path: Path, prediction_type: Any, dtypes: Dtypes) -> ModelBundle
     (the text encoder as Qwen3Model: the 8B's untied head would be 1.2 GB never used)."""
     return load_qwen_flow_folder(path, ModelType.KLEIN, dtypes, "Flux2Transformer2DModel",
                                  "AutoencoderKLFlux2")
+
+
+# Qwen3 first, alone, for a run that caches every caption up front; then the rest
+KLEIN_TEXT_FIRST = TextFirst(
+    load_text=lambda path, model, dtypes: load_qwen_text(path, dtypes),
+    load_rest=lambda path, model, dtypes, tokenizers: load_qwen_flow_rest(
+        path, ModelType.KLEIN, dtypes, "Flux2Transformer2DModel", "AutoencoderKLFlux2",
+        tokenizers),
+    load_tokenizers=lambda path, model: load_qwen_tokenizer(path))
 
 
 def encode_klein(tokenizer: Any, encoder: nn.Module, captions: list[str], device: torch.device
@@ -214,4 +226,5 @@ KLEIN = ModelFamily(
     negative_prompt_encoded_only=True,
     vae_latents=normalised_latents,
     unpack_prediction=unpack_prediction,
+    text_first=KLEIN_TEXT_FIRST,
 )

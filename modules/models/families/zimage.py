@@ -20,8 +20,10 @@ from modules.config.outputs import Sampler
 from modules.model_types import ModelType
 from modules.models.bundle import Dtypes, ModelBundle
 from modules.models.chat_text import ChatEncoding, caption_list, encode_chat
-from modules.models.families.base import FileConventions, ModelFamily, RealSize, TextEmbeddings
-from modules.models.families.flow import load_qwen_flow_folder, FLOW_MATCHING
+from modules.models.families.base import (FileConventions, ModelFamily, RealSize, TextEmbeddings,
+                                          TextFirst)
+from modules.models.families.flow import (load_qwen_flow_folder, load_qwen_flow_rest,
+                                          load_qwen_text, load_qwen_tokenizer, FLOW_MATCHING)
 from modules.models.families.sd import text_encoders
 from modules.models.tiny_zimage import (TINY_ZIMAGE, build_real_size, real_size_spec,
                                         transformer_parameters)
@@ -88,6 +90,16 @@ def load_folder(path: Path, prediction_type: Any, dtypes: Dtypes) -> ModelBundle
     """A `ZImagePipeline` diffusers folder, each component at its dtype; never the network."""
     return load_qwen_flow_folder(path, ModelType.ZIMAGE, dtypes, "ZImageTransformer2DModel",
                                  "AutoencoderKL", prepare=warm_rope_tables)
+
+
+# Qwen3 first, alone, for a run that caches every caption up front; then the rest (a
+# diffusers folder: ComfyUI's three files load together, train/setup/text_first.py)
+ZIMAGE_TEXT_FIRST = TextFirst(
+    load_text=lambda path, model, dtypes: load_qwen_text(path, dtypes),
+    load_rest=lambda path, model, dtypes, tokenizers: load_qwen_flow_rest(
+        path, ModelType.ZIMAGE, dtypes, "ZImageTransformer2DModel", "AutoencoderKL",
+        tokenizers, prepare=warm_rope_tables),
+    load_tokenizers=lambda path, model: load_qwen_tokenizer(path))
 
 
 def load_single_file(path: Path, model: Any, dtypes: Dtypes) -> ModelBundle:
@@ -183,6 +195,7 @@ ZIMAGE = ModelFamily(
     input_problems=input_problems,
     write_single_file=write_single_file,
     pipeline_text_arguments=pipeline_text_arguments,
+    text_first=ZIMAGE_TEXT_FIRST,
     real_size=RealSize("Z-Image architecture (6 B transformer, Qwen3-4B), random weights",
                        real_size_spec, build_real_size, transformer_parameters),
 )

@@ -5,7 +5,10 @@ fit, as the GPU plan (memory_plan.py) does for the card.
 The phases follow what the run does (train/recipe/recipe.py `_build`):
 - loading: every component is read into CPU memory at the dtype it is loaded at (diffusers'
   and transformers' `from_pretrained` read one component's safetensors at a time, and the
-  components all stay on the CPU until the run moves them); a file stored at a wider dtype
+  components all stay on the CPU until the run moves them). A run that loads its text encoder
+  first (train/setup/text_first.py: captions cached, a family with `text_first`) has two
+  loading phases instead, the text encoder alone, then the rest without it; the encoder is
+  counted in no later phase (released); a file stored at a wider dtype
   than the component is loaded at holds its tensors once more while they are cast (not
   counted: the plan reads configs, not files). Measured on the tiny SD 1.5 (2.63 MB of
   weights in float32, its files in float32): the process's resident memory grew by 2.95 MB
@@ -52,8 +55,10 @@ class RamPhase:
 
 @dataclass(frozen=True)
 class RamPlan:
-    """The CPU memory of each phase of a run; its peak is the largest phase."""
+    """The CPU memory of each phase of a run; its peak is the largest phase. `text_order`:
+    how the text encoder loads (first and alone, or with the rest and why)."""
     phases: tuple[RamPhase, ...]
+    text_order: str = ""
 
     @property
     def peak(self) -> RamPhase:
@@ -65,7 +70,8 @@ class RamPlan:
         for phase in self.phases:
             out.append(f"{phase.name}: {gib(phase.total)}")
             out += [f"  {what}: {gib(size)}" for what, size in phase.lines]
-        return out + [f"peak: {gib(self.peak.total)} while {self.peak.name} ({NOT_COUNTED})"]
+        return out + ([self.text_order] if self.text_order else []) + [
+            f"peak: {gib(self.peak.total)} while {self.peak.name} ({NOT_COUNTED})"]
 
     def record(self) -> dict:
         """run.json's `ram_plan`, in bytes."""
@@ -73,7 +79,7 @@ class RamPlan:
                 "phases": {p.name: {"total_bytes": p.total,
                                     "lines": [{"what": w, "bytes": b} for w, b in p.lines]}
                            for p in self.phases},
-                "counts": NOT_COUNTED}
+                "text_encoder_order": self.text_order, "counts": NOT_COUNTED}
 
 
 def machine_ram() -> int:
@@ -110,6 +116,15 @@ def ram_plan_from(config: Config, loading: list[tuple[str, int]], bundle: ModelB
     loaded = dict(zip(bundle.components(), (size for _, size in loading)))
     held = {name: tensor_bytes(_weights(m)) for name, m in bundle.components().items()}
     off = components_off_device(config)
+    first, order = text_order(config, bundle)
+    loading_phases: tuple[RamPhase, ...] = (RamPhase("loading", tuple(loading)),)
+    if first:  # the text encoders are gone before the rest loads, and for the whole run
+        lines = dict(zip(bundle.components(), loading))
+        loading_phases = (
+            RamPhase("loading the text encoder", tuple(lines[n] for n in first)),
+            RamPhase("loading", tuple(line for n, line in lines.items() if n not in first)))
+        held = {name: size for name, size in held.items() if name not in first}
+        off = {name: why for name, why in off.items() if name not in first}
     # one cached component on the device at a time: the largest is counted as away
     away = max(off, key=lambda name: held[name]) if off and device.type == "cuda" else None
     caching = [(f"{name} weights" + (" and adapters" if params.get(name) else "")
@@ -131,8 +146,22 @@ def ram_plan_from(config: Config, loading: list[tuple[str, int]], bundle: ModelB
                                          config.model.offload_blocks)
         training.append((f"{count} offloaded denoiser blocks' weights"
                          + (" (pinned)" if device.type == "cuda" else ""), moved))
-    return RamPlan((RamPhase("loading", tuple(loading)), RamPhase("caching", tuple(caching)),
-                    RamPhase("training", tuple(training))))
+    return RamPlan((*loading_phases, RamPhase("caching", tuple(caching)),
+                    RamPhase("training", tuple(training))), order)
+
+
+def text_order(config: Config, bundle: ModelBundle) -> tuple[tuple[str, ...], str]:
+    """(the text encoders loaded first and released before the rest loads, or none; what the
+    plan says of it): the order train/setup/text_first.py follows (`text_encoder_first`)."""
+    from modules.train.recipe.text_cache import text_encoder_first
+    encoders = tuple(name for name in bundle.components() if name in bundle.text_encoders)
+    why_not = text_encoder_first(config)
+    if not why_not:
+        return encoders, ("text encoder: loaded first and alone, every caption cached, then "
+                          "released before the rest loads (never in RAM with the denoiser)")
+    if family_of(config.model.type).text_first is None:
+        return (), ""  # the family loads every component at once: nothing to choose
+    return (), f"text encoder: loaded with the rest ({why_not})"
 
 
 def ram_fix_candidates(config: Config) -> list[str]:

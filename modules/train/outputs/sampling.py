@@ -137,11 +137,13 @@ def prompt_texts(bundle: ModelBundle, prompt: SamplePrompt, text_cache=None,
         raise ValueError(f"{bundle.model_type.value}: its pipeline takes no encoded prompts, "
                          "so its samples cannot use cached text embeddings")
     dtype = bundle.denoiser.dtype  # the cached rows are at the text encoder's dtype
-    encoder_device = next(next(iter(bundle.text_encoders.values())).parameters()).device
 
     def encoded(text: str):
+        # the encoder's device asked only without a cache (with one it may be released)
         rows = (text_cache.encode([text]) if text_cache is not None else
-                family_of(bundle.model_type).encode_text(bundle, [text], encoder_device, None))
+                family_of(bundle.model_type).encode_text(
+                    bundle, [text],
+                    next(next(iter(bundle.text_encoders.values())).parameters()).device, None))
         pooled = rows.pooled
         return rows._replace(hidden=rows.hidden.to(dtype),
                              pooled=None if pooled is None else pooled.to(dtype))

@@ -9,6 +9,8 @@ batch's output alive for one caption.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -60,6 +62,35 @@ def text_encoder_stays(config: Config) -> str:
     return ""
 
 
+def text_encoder_first(config: Config) -> str:
+    """Why the run loads its text encoder together with the rest of the model, or "" when it
+    loads it first, alone: every caption and sample prompt encoded and cached, the encoder
+    released, and only then the VAE and the denoiser loaded (train/setup/text_first.py), so the
+    two are never in RAM together. That needs the outputs cached and the encoder off the device
+    (`text_encoder_leaves_device`), a family that loads its encoder apart
+    (`ModelFamily.text_first`) from a diffusers folder, a run that never writes the encoder
+    (a fine-tune saved as a diffusers folder writes every component) and one process."""
+    from modules.config.outputs import SaveFormat
+    from modules.config.schema import TrainingMethod
+    from modules.models.single_file import is_single_file
+    from modules.train.recipe.distributed import launched_distributed
+    if not config.data.cache_text_encoder_outputs:
+        return "its outputs are not cached (data.cache_text_encoder_outputs is off)"
+    stays = text_encoder_stays(config)
+    if stays:
+        return f"it stays on the device: {stays}"
+    if family_of(config.model.type).text_first is None:
+        return f"{MODEL_TYPES[config.model.type].label} models load it with the rest"
+    if is_single_file(Path(config.model.path)):
+        return "the model's single files are read together"
+    if (config.training.method == TrainingMethod.FINE_TUNE
+            and SaveFormat.DIFFUSERS in config.output.formats):
+        return "a fine-tune saved as a diffusers folder (output.formats) writes it too"
+    if launched_distributed():
+        return "several processes each load the model"
+    return ""
+
+
 def module_device(module: nn.Module) -> torch.device:
     """Where a module's weights are (its first parameter's device)."""
     return next(module.parameters()).device
@@ -94,11 +125,19 @@ class TextEncoderCache:
 
     def encoders_left(self) -> bool:
         """Whether the text encoders are off the run's device (samples then take the cached
-        prompts)."""
-        return not is_on(next(iter(self.bundle.text_encoders.values())), self.device)
+        prompts): on the CPU, or released after every caption was cached
+        (`text_encoder_first`)."""
+        encoders = list(self.bundle.text_encoders.values())
+        return not encoders or not is_on(encoders[0], self.device)
 
     def _encode_rows(self, captions: list[str]) -> dict[str, Row]:
         """Run `captions` through the text encoder(s), wherever they are."""
+        if not self.bundle.text_encoders:
+            raise ValueError(
+                f"{len(captions)} caption(s) were not cached before the text encoder was "
+                f"released (e.g. {captions[0]!r}): every caption and prompt is encoded "
+                "before the model loads; turn data.cache_text_encoder_outputs off to encode "
+                "captions during the run")
         encoded = family_of(self.bundle.model_type).encode_text(self.bundle, captions,
                                                                self.encoder_device(), None)
         rows: dict[str, Row] = {}
@@ -111,18 +150,25 @@ class TextEncoderCache:
         self.encoded += len(captions)
         return rows
 
-    @torch.no_grad()
-    def precache(self, captions: list[str], batch_size: int = 8) -> int:
-        """Encode every caption of `captions` the store does not hold yet, in batches; returns
-        how many were encoded (the rest were read from disk)."""
-        wanted = [c for c in dict.fromkeys(captions) if c not in self.entries]
+    def read_stored(self, captions: list[str]) -> list[str]:
+        """Read each caption of `captions` the store holds into memory; return the others
+        (once each, in order)."""
         missing = []
-        for caption in wanted:
+        for caption in dict.fromkeys(captions):
+            if caption in self.entries:
+                continue
             row = self.store.load(caption) if self.store is not None else None
             if row is None:
                 missing.append(caption)
             else:
                 self.entries[caption] = row
+        return missing
+
+    @torch.no_grad()
+    def precache(self, captions: list[str], batch_size: int = 8) -> int:
+        """Encode every caption of `captions` the store does not hold yet, in batches; returns
+        how many were encoded (the rest were read from disk)."""
+        missing = self.read_stored(captions)
         for start in range(0, len(missing), batch_size):
             for caption, row in self._encode_rows(missing[start:start + batch_size]).items():
                 self.entries[caption] = row

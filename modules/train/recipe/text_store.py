@@ -89,3 +89,52 @@ class TextEmbeddingStore:
         with atomic_file(self.path(caption)) as tmp:
             save_file(tensors, str(tmp), metadata={"caption": caption})
         self.written += 1
+
+
+def encoder_files_key(folder: Path, subfolders: list[str], load: dict[str, str]) -> str:
+    """A short hash of the files a folder's text encoders and tokenizers load from, read
+    without loading them: each file's path in the folder and size, a `.safetensors` file's
+    header (names, shapes, dtypes, offsets) and modification time, every other file's bytes
+    (configs, vocabularies, chat templates), and `load` (the model type, the load dtypes).
+    `remember_identity` maps it to the `encoder_identity` the loaded encoder had, so a run
+    whose captions are all cached can find them without loading the encoder."""
+    digest = hashlib.sha256(json.dumps(load, sort_keys=True).encode())
+    for name in sorted(subfolders):
+        for path in sorted(p for p in (folder / name).rglob("*") if p.is_file()):
+            stat = path.stat()
+            digest.update(f"{path.relative_to(folder).as_posix()}:{stat.st_size}".encode())
+            if path.suffix == ".safetensors":
+                digest.update(f":{stat.st_mtime_ns}".encode() + _safetensors_header(path))
+            else:
+                digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _safetensors_header(path: Path) -> bytes:
+    """A safetensors file's JSON header (its first 8 bytes give its length)."""
+    with open(path, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        return f.read(min(length, 100 * 2**20))
+
+
+def _identity_file(root: Path, files_key: str) -> Path:
+    return Path(root) / "by-files" / f"{files_key}.json"
+
+
+def remember_identity(root: Path, files_key: str, identity: str) -> None:
+    """Note that the encoder loaded from the files of `files_key` has `identity`."""
+    path = _identity_file(root, files_key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_file(path) as tmp:
+        Path(tmp).write_text(json.dumps({"identity": identity}), encoding="utf-8")
+
+
+def known_identity(root: Path, files_key: str) -> str | None:
+    """The identity `remember_identity` noted for `files_key`, or None (never noted, or a
+    file that cannot be read: the encoder is then loaded and its identity computed)."""
+    path = _identity_file(root, files_key)
+    try:
+        identity = json.loads(path.read_text(encoding="utf-8")).get("identity")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return identity if isinstance(identity, str) else None

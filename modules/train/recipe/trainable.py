@@ -77,7 +77,10 @@ def weight_storage_record(bundle: ModelBundle, config: Config) -> dict:
     if not stored:
         return {"storage": WeightStorage.WEIGHT_DTYPE.value,
                 "dtype": config.model.weight_dtype.value}
-    return storage_record({name: bundle.component(name) for name in stored},
+    # a text encoder released once its captions were cached (train/setup/text_first.py) is
+    # no longer there to describe
+    present = bundle.components()
+    return storage_record({name: present[name] for name in stored if name in present},
                           config.model.weight_storage.value)
 
 

@@ -38,6 +38,8 @@ from modules.train.setup.output_lock import busy_message
 from modules.train.validation.validation_set import ValidationImages, choose_validation
 from modules.util.errors import first_line
 from modules.train.recipe.trainable import component_dtypes, stored_components
+from modules.train.recipe.text_cache import TextEncoderCache, text_encoder_first
+from modules.train.setup.text_first import encode_text_first, load_model_after_text
 
 
 @dataclass
@@ -53,6 +55,9 @@ class PreparedRun:
     # the sample prompts, read once by `check_run` (setup samples these; it never reads the
     # prompts file again, so a file changed or gone since cannot silently leave none)
     prompts: list[SamplePrompt] = field(default_factory=list)
+    # every caption cached before the model loaded, the text encoder released
+    # (train/setup/text_first.py); None: the text encoder loaded with the rest
+    text_cache: TextEncoderCache | None = None
 
 
 def resolve_dataset_path(path: str, cache_dir: Path) -> Path:
@@ -237,11 +242,17 @@ def _few(names: list[str], limit: int = 3) -> str:
 
 
 def prepare_run(config: Config, callbacks: TrainerCallbacks) -> PreparedRun:
-    """Check everything (`check_run`), then load the model; raise ConfigError on any problem."""
+    """Check everything (`check_run`), then load the model, its text encoder first and alone
+    when the run caches every caption up front (`text_encoder_first`); raise ConfigError on
+    any problem."""
     checked = check_run(config, callbacks)
-    callbacks.on_status("loading model")
+    text_cache = None
     try:
-        bundle = load_bundle(checked.model_path, config.model, component_dtypes(config))
+        if not text_encoder_first(checked.config):
+            text_cache = encode_text_first(checked, callbacks)
+        callbacks.on_status("loading model")
+        bundle = (load_model_after_text(checked, text_cache) if text_cache is not None else
+                  load_bundle(checked.model_path, config.model, component_dtypes(config)))
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         raise ConfigError([Problem("model.path", "a loadable diffusers model folder",
                                    repr(str(checked.model_path)), first_line(exc))]) from exc
@@ -250,7 +261,7 @@ def prepare_run(config: Config, callbacks: TrainerCallbacks) -> PreparedRun:
         raise ConfigError(problems)
     return PreparedRun(checked.config, pick_device(config.general.device), checked.cache_dir,
                        bundle, checked.scan, checked.resume, checked.validation, checked.memory,
-                       checked.prompts)
+                       checked.prompts, text_cache)
 
 
 def check_resume(resolved: Config, callbacks: TrainerCallbacks) -> ResumePoint | None:

@@ -30,7 +30,7 @@ from modules.train.state.backup import ResumePoint, backups_folder
 from modules.train.state.backup_files import list_backups
 from modules.train.recipe.objectives import noise_schedule_record
 from modules.train.setup.output_lock import OutputBusy, OutputLock, describe_owner
-from modules.train.setup.prepare import PreparedRun
+from modules.train.setup.prepare import CheckedRun, PreparedRun
 from modules.train.outputs.record import RunRecord, device_description, library_versions
 from modules.train.state.run import Run
 from modules.paths import cache_dir_for
@@ -312,12 +312,16 @@ def text_encoder_cache(prepared: PreparedRun, bundle, device: torch.device,
     under <cache folder>/text-embeddings (keyed by caption and encoder identity). Called before
     the model moves to the device: when the encoder can leave it (`text_encoder_leaves_device`)
     every caption the run will read is encoded first, with the encoder alone on the device,
-    and the encoder then stays on the CPU for the whole run. Datasets whose captions change
+    and the encoder then stays on the CPU for the whole run; a run that loaded the encoder
+    first (train/setup/text_first.py) has its cache built and the encoder released already. Datasets whose captions change
     every epoch are named up front: their captions are encoded at each step and the encoder
     stays on the device."""
     config = prepared.config
     if not config.data.cache_text_encoder_outputs:
         return None
+    if prepared.text_cache is not None:  # every caption cached, the encoder released already
+        prepared.text_cache.device = device
+        return prepared.text_cache
     store = TextEmbeddingStore(cache_dir_for(config.general.cache_dir) / "text-embeddings",
                                encoder_identity(bundle))
     cache = TextEncoderCache(bundle, device, store)
@@ -341,7 +345,7 @@ def text_encoder_cache(prepared: PreparedRun, bundle, device: torch.device,
     return cache
 
 
-def known_captions(prepared: PreparedRun) -> list[str]:
+def known_captions(prepared: PreparedRun | CheckedRun) -> list[str]:
     """Every caption a run whose captions do not vary will read: each training image's (its
     dataset's prefix and suffix applied), "" when captions may be dropped, the validation
     images', and the sample prompts and negative prompts."""
