@@ -32,11 +32,12 @@ from modules.config.outputs import Sampler
 from modules.model_types import ModelType
 from modules.models.bundle import Dtypes, ModelBundle
 from modules.models.chat_text import ChatEncoding, chat_prompts
-from modules.models.families.base import ModelFamily, Objective, TextEmbeddings
+from modules.models.families.base import ModelFamily, Objective, RealSize, TextEmbeddings
 from modules.models.families.flow import load_qwen_flow_folder, flow_noisy_and_target, flow_timesteps, train_timesteps
 from modules.models.families.sd import text_encoders
 from modules.models.klein_files import STACKED_LAYERS
-from modules.models.tiny_klein import TINY_KLEIN
+from modules.models.tiny_klein import (TINY_KLEIN, build_real_size, real_size_spec,
+                                       transformer_parameters)
 
 # The blocks REGIONAL compiles: both classes diffusers declares repeated
 # (Flux2Transformer2DModel._repeated_blocks)
@@ -214,4 +215,6 @@ KLEIN = ModelFamily(
     negative_prompt_encoded_only=True,
     vae_latents=normalised_latents,
     unpack_prediction=unpack_prediction,
+    real_size=RealSize("Flux.2 Klein 4B architecture (4 B transformer, Qwen3-4B), random "
+                       "weights", real_size_spec, build_real_size, transformer_parameters),
 )
