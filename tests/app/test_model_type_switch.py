@@ -66,6 +66,8 @@ def test_klein_names_its_parts_and_greys_what_it_does_not_read_with_why(app):
     cfg = app.binding.config
     view(app, "model.type").pick(ModelType.KLEIN)
     assert cfg.model.type == ModelType.KLEIN
+    assert view(app, "model.type").menu.get() == "Flux.2 Klein"
+    assert view(app, "sampling.sampler").menu.cget("values") == [enum_label(Sampler.EULER)]
     assert cfg.sampling.sampler == Sampler.EULER
     assert "Flux.2 Klein allows one value of these, now set: Sampling › Sampler: Euler" in (
         app.run_panel.status_text)
