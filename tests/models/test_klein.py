@@ -333,3 +333,26 @@ def test_a_distilled_models_samples_are_its_pipelines_own_without_cfg(klein_fold
     image = own(prompt=prompt.text, height=32, width=32, num_inference_steps=4,
                 guidance_scale=4.0, generator=torch.Generator().manual_seed(3)).images[0]
     assert np.array_equal(np.asarray(ours), np.asarray(image))
+
+
+def test_every_preset_samples_at_the_pipelines_own_defaults():
+    """A prompt added to any Klein preset samples as Flux2KleinPipeline does by default (its
+    `__call__`'s steps and guidance) with its one sampler: the presets left DDIM, the config's
+    default, which a run with a prompt then refused."""
+    import inspect
+    from pathlib import Path
+
+    from diffusers import Flux2KleinPipeline
+    from modules.config import apply_overrides, load_config
+    from modules.config.validate import validate
+    defaults = inspect.signature(Flux2KleinPipeline.__call__).parameters
+    presets = sorted((Path(__file__).resolve().parents[2] / "training_presets" / "klein").glob(
+        "*.json"))
+    assert len(presets) >= 9
+    for path in presets:
+        sampling = load_config(path).sampling
+        assert (sampling.sampler.value, sampling.steps, sampling.guidance_scale) == (
+            "EULER", defaults["num_inference_steps"].default,
+            defaults["guidance_scale"].default), path
+        config = apply_overrides(load_config(path), ['sampling.prompts=["a red circle"]'])
+        assert not [p for p in validate(config) if p.path.startswith("sampling.")], path
