@@ -70,21 +70,27 @@ class ModelTypeSpec:
 
 
 _SD_LORA_KIN = "Stable Diffusion (1.x, 2.x or XL)"
+# what loading an SD checkpoint file reads beside it (its tokenizer, its configs) and lets it be
+# (a pickle); Z-Image's files read the first two, Klein's none
+_SINGLE_FILE_SETTINGS = ("model.tokenizer_path", "model.config_path")
+_SD_OWN = (*_SINGLE_FILE_SETTINGS, "model.allow_pickle")
 MODEL_TYPES: dict[ModelType, ModelTypeSpec] = {
     ModelType.SD15: ModelTypeSpec("Stable Diffusion 1.x", "SD 1.x", "StableDiffusionPipeline",
                                   ("text_encoder",), ("tokenizer",), 512, "builtin:tiny-sd15",
-                                  lora_kin=_SD_LORA_KIN),
+                                  own_settings=_SD_OWN, lora_kin=_SD_LORA_KIN),
     ModelType.SD2: ModelTypeSpec("Stable Diffusion 2.x", "SD 2.x", "StableDiffusionPipeline",
                                  ("text_encoder",), ("tokenizer",), 768, "builtin:tiny-sd2",
-                                 lora_kin=_SD_LORA_KIN),
+                                 own_settings=_SD_OWN, lora_kin=_SD_LORA_KIN),
     ModelType.SDXL: ModelTypeSpec("Stable Diffusion XL", "SDXL", "StableDiffusionXLPipeline",
                                   ("text_encoder", "text_encoder_2"), ("tokenizer", "tokenizer_2"),
-                                  1024, "builtin:tiny-sdxl", lora_kin=_SD_LORA_KIN),
+                                  1024, "builtin:tiny-sdxl", own_settings=_SD_OWN,
+                                  lora_kin=_SD_LORA_KIN),
     ModelType.ZIMAGE: ModelTypeSpec("Z-Image", "Z-Image", "ZImagePipeline", ("text_encoder",),
                                     ("tokenizer",), 1024, "builtin:tiny-zimage",
                                     denoiser="transformer", denoiser_label="Transformer",
                                     flow_matching=True, samplers=("EULER",),
-                                    own_settings=("model.text_encoder_path", "model.vae_path",
+                                    own_settings=(*_SINGLE_FILE_SETTINGS,
+                                                  "model.text_encoder_path", "model.vae_path",
                                                   "model.train_distilled")),
     # Flux.2 Klein, base 4B (Qwen3-4B) and 9B (Qwen3-8B): one type, the folder's configs say
     # which; the step-distilled Klein models are refused unless model.train_distilled says so

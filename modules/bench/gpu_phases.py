@@ -3,7 +3,7 @@
 A session lent the GPU machine has about 15 minutes of it, a start included, and a machine
 starts bare: so each phase is one command of at most 9 minutes that needs nothing from an
 earlier one (no compile cache, no model), and a lent session runs the earliest phase without
-results. Phases 1, 8, 9 and 12 bring back their ratio first (`_ratio_first`): eager alone,
+results. Phases 1, 8, 9, 12 and 14 bring back their ratio first (`_ratio_first`): eager alone,
 then one compiled backend cold and alone with whatever the budget has left (less the checks
 after it); a cell cut short by that limit stops itself and reports the median of the clean
 steps it has. What does not fit behind that is a later phase (10, 11). Phases 2, 5 and 10
@@ -46,11 +46,19 @@ class Size:
 # Z-Image samples with the flow-matching Euler scheduler only, and its 4 B text encoder
 # leaves the GPU once the captions are cached (as its presets run it).
 ZIMAGE_RUNS = ("sampling.sampler=EULER", "data.cache_text_encoder_outputs=true")
+# Klein 4B as its LoRA preset trains it (training_presets/klein/lora.json): the same two, LoRA
+# on both block types (the single-stream blocks' fused input projection too), and its LoRA
+# written in the diffusers layout only (the runs' KOHYA file is refused for Klein until it has
+# a ComfyUI layout: the rehearsal's cell failed on it)
+KLEIN_RUNS = (*ZIMAGE_RUNS, 'training.lora_target_modules=["to_q", "to_k", "to_v", "to_out.0", '
+              '"add_q_proj", "add_k_proj", "add_v_proj", "to_add_out", "linear_in", '
+              '"linear_out", "to_qkv_mlp_proj"]', 'output.formats=["DIFFUSERS"]')
 FULL_SIZES = {
     "sd15": Size("sd15", "SD15", 512, 2, 20, 10, 8, 10, cell_steps=15),
     "sdxl": Size("sdxl", "SDXL", 1024, 2, 12, 6, 6, 6, cell_steps=10),
     "zimage": Size("zimage", "ZIMAGE", 1024, 1, 8, 4, 4, 8, cell_steps=6,
                    overrides=ZIMAGE_RUNS),
+    "klein": Size("klein", "KLEIN", 1024, 1, 8, 4, 4, 8, cell_steps=6, overrides=KLEIN_RUNS),
 }
 # 192 px: the smallest resolution with a bucket besides the square one (sides are multiples
 # of 64), so the rehearsal goes through two buckets too.
@@ -59,6 +67,8 @@ TINY_SIZES = {
     "sdxl": Size("builtin:tiny-sdxl", "SDXL", 192, 2, 4, 2, 2, 2, cell_steps=3),
     "zimage": Size("builtin:tiny-zimage", "ZIMAGE", 192, 2, 4, 2, 2, 4, cell_steps=3,
                    overrides=ZIMAGE_RUNS),
+    "klein": Size("builtin:tiny-klein", "KLEIN", 192, 2, 4, 2, 2, 4, cell_steps=3,
+                  overrides=KLEIN_RUNS),
 }
 
 # The breadth phase's runs: the backends as the presets run them (REGIONAL, gradient
@@ -305,6 +315,24 @@ def phase_zimage(sizes: dict[str, Size]) -> list[Job]:
                            "with what is left: cold start, steady step against eager, memory"))]
 
 
+KLEIN_EAGER_SECONDS = 150    # the 8 GB transformer's load, the captions cached, 6 steps
+
+
+def phase_klein(sizes: dict[str, Size]) -> list[Job]:
+    """Flux.2 Klein 4B LoRA at 1024 px, built on the GPU: its ratio first, eager alone, then
+    REGIONAL DEFAULT (inductor over both block types) cold and alone with what is left (a
+    partial window's median if its cold start runs long). Its measured cold compile is what
+    the ETA's compile share for Klein waits for."""
+    size = sizes["klein"]
+    return [_env(), _build("klein", size),
+            *_ratio_first("klein", size, ("none", [], KLEIN_EAGER_SECONDS,
+                                          "eager's steady Klein 4B step and memory, alone: "
+                                          "the baseline"),
+                          (COMPILED_NAME, COMPILED, [], f"REGIONAL {COMPILED} over both block "
+                           "types, cold and alone with what is left: cold start, steady step "
+                           "against eager, memory"))]
+
+
 def phase_zimage_train(sizes: dict[str, Size]) -> list[Job]:
     """Z-Image through train.py as a user runs it: eager and REGIONAL DEFAULT side by side,
     cold, each with what the budget has left (compile seconds, recompiles after the first
@@ -469,6 +497,9 @@ PHASES: list[Phase] = [
     Phase("13-bundle", 9, "SD 1.5 LoRA, REGIONAL DEFAULT: the first step cold, then in a "
           "fresh process and cache folder from the compile bundle alone, against eager's",
           "compile bundles", phase_bundle),
+    Phase("14-klein", 9, "Flux.2 Klein 4B LoRA at 1024 px: eager alone, then REGIONAL DEFAULT "
+          "over both block types cold and alone with what is left: its speed-up and memory",
+          "Flux.2 Klein", phase_klein),
 ]
 
 

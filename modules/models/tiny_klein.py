@@ -68,29 +68,63 @@ def _with_latent_statistics(vae: torch.nn.Module, seed: int) -> torch.nn.Module:
     return vae
 
 
-def build_tiny_klein(dest: Path, seed: int = 0, spec: dict[str, Any] | None = None) -> Path:
-    """Build the tiny Klein (or a random-weight one of another `spec` laid out as TINY_KLEIN)
-    and save it as a `Flux2KleinPipeline` folder in `dest`, its text encoder a
-    Qwen3ForCausalLM as in the released folders."""
+def build_tiny_klein(dest: Path, seed: int = 0, spec: dict[str, Any] | None = None,
+                     dtype: torch.dtype | None = None) -> Path:
+    """Build the tiny Klein (or a random-weight one of another `spec` laid out as TINY_KLEIN:
+    the GPU validation's real-size one) and save it as a `Flux2KleinPipeline` folder in `dest`,
+    its text encoder a Qwen3ForCausalLM as in the released folders; `dtype`: each component
+    cast to it as soon as it is built (the 4B's transformer is 16 GB in float32)."""
     import diffusers
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from modules.models.tiny_text import CORPUS_PATH, build_qwen_tokenizer
 
     spec = spec or TINY_KLEIN
+
+    def built(seed: int, build) -> torch.nn.Module:
+        module = _seeded(seed, build)
+        return module.to(dtype) if dtype is not None else module
     with tempfile.TemporaryDirectory(prefix="tempera-qwen-tokenizer-") as work:
         tokenizer = build_qwen_tokenizer(Path(work) / "tokenizer",
                                          spec["tokenizer_vocab_size"], CORPUS_PATH)
         text_config = Qwen3Config(**spec["text_encoder"], vocab_size=len(tokenizer),
                                   pad_token_id=tokenizer.pad_token_id,
                                   eos_token_id=tokenizer.eos_token_id)
-        vae = _seeded(seed + 1, lambda: diffusers.AutoencoderKLFlux2(**spec["vae"]))
+        # the statistics set in float32, then cast with the rest
+        vae = _with_latent_statistics(
+            _seeded(seed + 1, lambda: diffusers.AutoencoderKLFlux2(**spec["vae"])), seed + 3)
         pipeline = diffusers.Flux2KleinPipeline(
-            transformer=_seeded(seed, lambda: diffusers.Flux2Transformer2DModel(
+            transformer=built(seed, lambda: diffusers.Flux2Transformer2DModel(
                 **spec["transformer"])),
-            vae=_with_latent_statistics(vae, seed + 3),
-            text_encoder=_seeded(seed + 2, lambda: Qwen3ForCausalLM(text_config)),
+            vae=vae.to(dtype) if dtype is not None else vae,
+            text_encoder=built(seed + 2, lambda: Qwen3ForCausalLM(text_config)),
             tokenizer=tokenizer,
             scheduler=diffusers.FlowMatchEulerDiscreteScheduler(**spec["scheduler"]))
         pipeline.save_pretrained(dest, safe_serialization=True)
     return Path(dest)
+
+
+def real_size_spec() -> dict[str, Any]:
+    """Klein 4B at its real size from the shipped configs (modules/models/configs/klein4b), in
+    the layout of the tiny one: the 4 B transformer (5 double- and 20 single-stream blocks),
+    Qwen3-4B, Flux.2's VAE. The tokenizer is trained here as for the tiny model (600 tokens,
+    not Qwen's 151,936: the embedding table is 0.7 GiB smaller in bf16; the encoder leaves the
+    GPU once the captions are cached)."""
+    from modules.models.shipped_configs import real_component_config, shipped_scheduler
+    spec: dict[str, Any] = {part: real_component_config("klein4b", part)[0]
+                            for part in ("transformer", "text_encoder", "vae")}
+    spec["scheduler"] = shipped_scheduler("klein4b")
+    return {**spec, "tokenizer_vocab_size": TINY_KLEIN["tokenizer_vocab_size"]}
+
+
+def build_real_size(spec: dict[str, Any], dest: Path) -> Path:
+    """A random-weight Klein of `spec`, saved in bf16 as Klein is released."""
+    return build_tiny_klein(dest, spec=spec, dtype=torch.bfloat16)
+
+
+def transformer_parameters(spec: dict[str, Any]) -> int:
+    """Parameters of the spec's transformer (built on the meta device)."""
+    import diffusers
+    with torch.device("meta"):
+        transformer = diffusers.Flux2Transformer2DModel(**spec["transformer"])
+    return sum(p.numel() for p in transformer.parameters())

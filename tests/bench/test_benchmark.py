@@ -173,10 +173,10 @@ def test_the_command_line_says_how_to_give_a_timed_out_cell_more_time(tmp_path, 
 
 
 @pytest.mark.parametrize("name,millions", [("sd15", 859.5), ("sdxl", 2567.5),
-                                           ("zimage", 6154.9)])
+                                           ("zimage", 6154.9), ("klein", 3875.5)])
 def test_real_size_shapes_have_the_real_parameter_counts(name, millions):
-    # The GPU benchmark's SD 1.5 / SDXL UNets and Z-Image's transformer, built on the meta
-    # device (no memory, no time).
+    # The GPU benchmark's SD 1.5 / SDXL UNets and Z-Image's and Klein 4B's transformers, built
+    # on the meta device (no memory, no time).
     assert unet_parameter_count(name) / 1e6 == pytest.approx(millions, abs=0.5)
 
 
@@ -195,3 +195,42 @@ def test_the_real_size_zimage_builds_its_encoder_and_vae_from_the_shipped_config
     layers = sum(p.numel() for n, p in encoder.named_parameters() if n.startswith("layers."))
     assert encoder.config.num_hidden_layers == 36 and layers / 1e9 == pytest.approx(3.63, abs=0.01)
     assert vae.config.latent_channels == 16 and vae.config.shift_factor == 0.1159
+
+
+def test_the_real_size_klein_is_4b_from_the_shipped_configs_and_builds_in_bf16(tmp_path,
+                                                                              capsys):
+    """`--model klein` (scripts/benchmark_compile.py's choices come from the family table):
+    Klein 4B's 5 + 20 blocks, Qwen3-4B's 36 layers (a 600-token vocabulary) and Flux.2's
+    32-channel VAE, on the meta device; its builder, given the tiny spec, writes a
+    Flux2KleinPipeline folder in bf16 (as Klein is released) that the family loads."""
+    import diffusers
+    import torch
+    from transformers import Qwen3Config, Qwen3Model
+
+    from modules.bench.cli import build_parser
+    from modules.bench.models import bench_spec
+    from modules.model_types import ModelType
+    from modules.models.families import family_of
+    from modules.models.tiny_klein import TINY_KLEIN
+    assert build_parser().parse_args(["--model", "klein", "--out", "x"]).model == "klein"
+    spec = bench_spec("klein")
+    assert (spec["transformer"]["num_layers"], spec["transformer"]["num_single_layers"]) == (5, 20)
+    with torch.device("meta"):
+        encoder = Qwen3Model(Qwen3Config(**spec["text_encoder"], vocab_size=600))
+        vae = diffusers.AutoencoderKLFlux2(**spec["vae"])
+    layers = sum(p.numel() for n, p in encoder.named_parameters() if n.startswith("layers."))
+    assert encoder.config.num_hidden_layers == 36 and layers / 1e9 == pytest.approx(3.63, abs=0.01)
+    assert vae.config.latent_channels == 32
+    assert spec["transformer"]["joint_attention_dim"] == 3 * spec["text_encoder"]["hidden_size"]
+    family = family_of(ModelType.KLEIN)
+    assert family.real_size is not None
+    from safetensors import safe_open
+    folder = family.real_size.build(TINY_KLEIN, tmp_path / "klein")
+    files = sorted(folder.rglob("*.safetensors"))
+    assert {p.parent.name for p in files} == {"transformer", "text_encoder", "vae"}
+    for path in files:
+        with safe_open(str(path), "pt") as f:
+            # every float in bf16 (the batch norm counts its updates in int64)
+            assert {f.get_slice(k).get_dtype() for k in f.keys()} - {"I64"} == {"BF16"}, path
+    bundle = family.load_folder(folder, None, torch.bfloat16)
+    assert not torch.equal(bundle.vae.bn.running_var, torch.ones_like(bundle.vae.bn.running_var))

@@ -46,6 +46,7 @@ def first_ratio(jobs: dict[str, Job]) -> tuple[Job, Job]:
 @pytest.mark.parametrize("key,eager,compiled", [
     ("1", "cell-sd15-none", "cell-sd15-default"),
     ("8", "cell-zimage-none", "cell-zimage-default"),
+    ("14", "cell-klein-none", "cell-klein-default"),
     ("9", "cell-sdxl-offload-base-none", "cell-sdxl-offload-none"),
     ("12", "cell-sdxl-float8-base-none", "cell-sdxl-float8-none"),
 ])
@@ -62,6 +63,7 @@ def test_a_phase_that_times_a_backend_measures_its_ratio_first(key, eager, compi
 @pytest.mark.parametrize("key,compiled,eager", [
     ("1", "cell-sd15-default", "cell-sd15-none"),
     ("8", "cell-zimage-default", "cell-zimage-none"),
+    ("14", "cell-klein-default", "cell-klein-none"),
     ("9", "cell-sdxl-offload-default", "cell-sdxl-offload-none"),
     ("12", "cell-sdxl-float8-default", "cell-sdxl-float8-none"),
 ])

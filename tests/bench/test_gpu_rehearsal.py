@@ -68,6 +68,10 @@ REHEARSED: dict[str, str | None] = {
     # (the bundle round trip on the CPU is tests/train/test_compile_ahead.py's; the bundle
     # cell's config is test_gpu_validate.py's)
     "13-bundle": "",
+    # its eager cell is phase 8's flow-matching transformer cell on another family (the same
+    # run_config and cell; tiny Klein trains, compiled and not, in tests/models); its every
+    # config passes the start's checks in test_gpu_validate.py; DEFAULT: the GPU's
+    "14-klein": "",
 }
 
 

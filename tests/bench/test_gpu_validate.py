@@ -18,11 +18,13 @@ import pytest
 from modules.bench import gpu_validate
 from modules.bench.gpu_cli import gpu_command, source_commit
 from modules.bench.gpu_cli import main as cli_main
-from modules.bench.gpu_jobs import KINDS, on_gpu_else_cpu, train_collect
+from modules.bench.gpu_jobs import KINDS, on_gpu_else_cpu, run_config, train_collect
 from modules.bench.gpu_phases import LORA_SECONDS, PHASES, find_phase, phase_jobs
 from modules.bench.gpu_report import BEGIN, END, merge_results, summary_markdown, train_rows
 from modules.bench.gpu_machine import versions
 from modules.bench.gpu_context import Context
+from modules.config.validate import validate
+from modules.train.recipe.loss_checks import family_problems
 from modules.bench.gpu_validate import (
     REST,
     Job,
@@ -270,7 +272,7 @@ def test_every_job_of_every_phase_builds_its_command_at_full_size(tmp_path):
         ctx = Context(phase=phase.key, device="cuda", tiny=False, out=tmp_path / "out",
                       work=tmp_path / "work", budget_s=540, parallel=6,
                       rows=[{"job": f"build-{key}", "path": f"/models/{key}"}
-                            for key in ("sd15", "sdxl", "zimage")])
+                            for key in ("sd15", "sdxl", "zimage", "klein")])
         for job in phase_jobs(phase, tiny=False):
             folder = ctx.job_dir(job.name)
             folder.mkdir(parents=True)
@@ -285,6 +287,13 @@ def test_every_job_of_every_phase_builds_its_command_at_full_size(tmp_path):
                 spec = json.loads((folder / "cell-spec.json").read_text())
                 assert spec["config"]["compile"]["backend"] == job.spec["backend"]
                 assert spec["config"]["general"]["device"] == "CUDA"
+            if job.kind in ("train", "cell"):
+                # what a start checks short of the files: a setting the family refuses (Klein
+                # had the runs' KOHYA output) fails here, not minutes into a lent GPU
+                config = run_config(job, ctx, folder, tmp_path / "compile")
+                problems = [p for p in validate(config) + family_problems(config)
+                            if p.path != "general.device"]  # CUDA: the GPU machine's
+                assert not problems, (phase.key, job.name, problems)
 
 
 def test_the_bundle_phase_starts_its_last_cell_from_the_bundle_alone(tmp_path):

@@ -259,3 +259,100 @@ def test_a_sample_is_drawn_with_the_flow_matching_euler_scheduler_and_cfg(lora_r
     assert len(samples) == 1, samples
     from PIL import Image
     assert Image.open(samples[0]).size == (64, 64)
+
+
+def test_samples_from_cached_prompts_are_the_pipelines_own_pixel_for_pixel(pipeline, klein_folder,
+                                                                           tmp_path):
+    """Tempera's samples (`sample_images`: its pipeline over the live components, its
+    scheduler, its seeded generator) at the base model's defaults, 50 steps and CFG 4, from
+    the cached prompts with the text encoder gone from the run (on the meta device: any use
+    of it would fail), are Flux2KleinPipeline's own images for the same seed, prompt, steps
+    and guidance, every pixel (both run the same float32 operations in the same order on the
+    CPU, so nothing is left to bound). The pipeline's own negative prompt is always empty (it takes
+    another encoded only), so a prompt without one is compared as is and one with one is
+    handed the pipeline's own encoding of it."""
+    from modules.config import Config, apply_overrides
+    from modules.config.prompts import SamplePrompt
+    from modules.train.outputs.sampling import sample_images
+    from modules.train.recipe.text_cache import TextEncoderCache
+    from modules.train.recipe.text_store import TextEmbeddingStore, encoder_identity
+    bundle = KLEIN.load_folder(klein_folder, None, torch.float32)
+    cache = TextEncoderCache(bundle, torch.device("cpu"),
+                             TextEmbeddingStore(tmp_path / "text", encoder_identity(bundle)))
+    prompts = [SamplePrompt("a red circle", "", 32, 48, 42, 50, 4.0),
+               SamplePrompt("a blue square", "a red circle", 48, 32, 7, 6, 3.5)]
+    cache.precache(["a red circle", "a blue square", ""])
+    bundle.text_encoders["text_encoder"].to("meta")  # left the run: only the cache answers
+    assert cache.encoders_left()
+    config = apply_overrides(Config(), ["model.type=KLEIN", "model.path=builtin:tiny-klein",
+                                        "sampling.sampler=EULER"])
+    ours = sample_images(bundle, config, prompts, torch.device("cpu"), 0, tmp_path,
+                         text_cache=cache)
+    assert [path.name for path, _, _ in ours] == ["step-000000-0.png", "step-000000-1.png"]
+    for (path, _, image), prompt in zip(ours, prompts):
+        negative = {}
+        if prompt.negative:
+            with torch.no_grad():
+                negative["negative_prompt_embeds"] = pipeline.encode_prompt(prompt.negative)[0]
+        own = pipeline(prompt=prompt.text, height=prompt.height, width=prompt.width,
+                       num_inference_steps=prompt.steps, guidance_scale=prompt.guidance_scale,
+                       generator=torch.Generator().manual_seed(prompt.seed), **negative).images[0]
+        assert image.size == own.size == (prompt.width, prompt.height)
+        from PIL import Image
+        written = np.asarray(Image.open(path))
+        assert np.array_equal(np.asarray(image), np.asarray(own)), prompt
+        assert np.array_equal(written, np.asarray(own))
+        assert np.asarray(own).std() > 0  # an image, not a blank
+
+
+def test_a_distilled_models_samples_are_its_pipelines_own_without_cfg(klein_folder, tmp_path):
+    """A step-distilled Klein trained anyway (model.train_distilled) samples as its pipeline
+    does: the folder's `is_distilled` reaches Tempera's pipeline, which then skips CFG at any
+    guidance (a pipeline built without it drew a CFG image the model was not made for)."""
+    import json
+    import shutil
+    from diffusers import Flux2KleinPipeline
+    from modules.config import Config, apply_overrides
+    from modules.config.prompts import SamplePrompt
+    from modules.train.outputs.saving import build_pipeline
+    from modules.train.outputs.sampling import sample_images
+    folder = tmp_path / "FLUX.2-klein-tiny"
+    shutil.copytree(klein_folder, folder)
+    index = folder / "model_index.json"
+    index.write_text(json.dumps({**json.loads(index.read_text()), "is_distilled": True}))
+    bundle = KLEIN.load_folder(folder, None, torch.float32)
+    config = apply_overrides(Config(), ["model.type=KLEIN", f"model.path={folder}",
+                                        "model.train_distilled=true", "sampling.sampler=EULER"])
+    assert build_pipeline(bundle, config).config.is_distilled
+    assert not build_pipeline(KLEIN.load_folder(klein_folder, None, torch.float32),
+                              config).config.is_distilled
+    prompt = SamplePrompt("a red circle", "", 32, 32, 3, 4, 4.0)
+    [(_, _, ours)] = sample_images(bundle, config, [prompt], torch.device("cpu"), 0, tmp_path)
+    own = Flux2KleinPipeline.from_pretrained(folder, local_files_only=True)
+    own.set_progress_bar_config(disable=True)
+    image = own(prompt=prompt.text, height=32, width=32, num_inference_steps=4,
+                guidance_scale=4.0, generator=torch.Generator().manual_seed(3)).images[0]
+    assert np.array_equal(np.asarray(ours), np.asarray(image))
+
+
+def test_every_preset_samples_at_the_pipelines_own_defaults():
+    """A prompt added to any Klein preset samples as Flux2KleinPipeline does by default (its
+    `__call__`'s steps and guidance) with its one sampler: the presets left DDIM, the config's
+    default, which a run with a prompt then refused."""
+    import inspect
+    from pathlib import Path
+
+    from diffusers import Flux2KleinPipeline
+    from modules.config import apply_overrides, load_config
+    from modules.config.validate import validate
+    defaults = inspect.signature(Flux2KleinPipeline.__call__).parameters
+    presets = sorted((Path(__file__).resolve().parents[2] / "training_presets" / "klein").glob(
+        "*.json"))
+    assert len(presets) >= 9
+    for path in presets:
+        sampling = load_config(path).sampling
+        assert (sampling.sampler.value, sampling.steps, sampling.guidance_scale) == (
+            "EULER", defaults["num_inference_steps"].default,
+            defaults["guidance_scale"].default), path
+        config = apply_overrides(load_config(path), ['sampling.prompts=["a red circle"]'])
+        assert not [p for p in validate(config) if p.path.startswith("sampling.")], path

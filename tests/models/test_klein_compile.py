@@ -2,7 +2,8 @@
 declares repeated (Flux2TransformerBlock, the double-stream blocks; Flux2SingleTransformerBlock,
 the single-stream ones), FULL as the alternative, each with no recompile after the first pass
 over three aspect-ratio buckets and captions of many lengths, samples drawn on the way; Check
-compilation explains a region of each class; and one run through the real inductor."""
+compilation explains a region of each class; a run killed with kill -9 mid-run and resumed
+equal to an unbroken one; and one run through the real inductor."""
 from __future__ import annotations
 
 import json
@@ -11,8 +12,11 @@ import pytest
 from PIL import Image
 
 from modules.events import RecordingCallbacks
+from modules.train.state.backup_files import list_backups
 from modules.train.trainer import train
-from tests.train.test_resume import run_json
+from tests.cli.test_resume_cli import latest_backup, wait_for
+from tests.child_env import REPO, with_repo_on_pythonpath
+from tests.train.test_resume import assert_resumed_as, run_json
 
 # three buckets at resolution 192 (128x256, 192x192, 256x128), two images each; captions from
 # one word to past 64 tokens (Klein pads every one to 512 tokens: their lengths must not reach
@@ -74,6 +78,43 @@ def test_check_compilation_explains_a_region_of_each_block_class(tiny_config, fr
     unet = explain_config(config)["unet"]
     assert {region["module"] for region in unet["regions"]} == BLOCK_CLASSES, unet["regions"]
     assert all(region["graphs"] >= 1 for region in unet["regions"]), unet["regions"]
+
+
+def test_a_run_killed_with_kill_9_and_resumed_is_the_unbroken_one(tiny_config, tmp_path):
+    """`tempera-train` killed with SIGKILL once its backup of step 2 is on disk (in step 3, or
+    writing its backup: wherever the kill lands) leaves a run whose resume has the unbroken
+    run's losses, step by step, and its final LoRA, bit for bit: the model, optimizer,
+    schedule, RNG, the data order and Klein's caption cache (written before step 1) all come
+    back. One child process (seconds of imports), the rest in this process."""
+    import subprocess
+    import sys
+    settings = ("model.type=KLEIN", "model.path=builtin:tiny-klein", "training.max_steps=6",
+                "training.lr_scheduler=COSINE", "loss.timestep_sampling=LOGIT_NORMAL",
+                "loss.dynamic_shift=true", "data.cache_text_encoder_outputs=true",
+                "output.backup_every_steps=1", "output.keep_backups=2")
+    train(tiny_config(*settings, f"output.dir={tmp_path / 'whole'}"), RecordingCallbacks())
+    parts = tiny_config(*settings, f"output.dir={tmp_path / 'parts'}")
+    config = tmp_path / "parts.json"
+    config.write_text("{}")
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "scripts" / "train.py"), "--config", str(config), "--quiet",
+         *(f"--set={s}" for s in (*settings, f"general.cache_dir={parts.general.cache_dir}",
+                                  f"output.dir={tmp_path / 'parts'}", "data.resolution=64",
+                                  "training.batch_size=2", "training.learning_rate=1e-3",
+                                  "sampling.prompts=[]", "logging.tensorboard=false"))],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=with_repo_on_pythonpath())
+    try:
+        assert wait_for(lambda: latest_backup(tmp_path / "parts") >= 2 or proc.poll() is not None)
+        assert proc.poll() is None, proc.communicate()  # killed before the end, not finished
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert run_json(tmp_path / "parts")["status"] == "running"  # what kill -9 leaves
+    assert 2 <= list_backups(tmp_path / "parts")[-1][0] < 6
+    parts.training.resume_from = "latest"
+    assert train(parts, RecordingCallbacks()).steps == 6
+    assert_resumed_as(tmp_path / "whole", tmp_path / "parts")
 
 
 @pytest.mark.inductor

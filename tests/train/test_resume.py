@@ -118,9 +118,25 @@ def test_resume_with_aspect_buckets_continues_mid_epoch(tiny_config, tmp_path):
     assert run_json(tmp_path / "parts")["losses"] == run_json(tmp_path / "whole")["losses"]
 
 
+class LossesAtBackups(RecordingCallbacks):
+    """Reads run.json's losses as each backup starts being written."""
+
+    def __init__(self, output: Path) -> None:
+        super().__init__()
+        self.output, self.seen = output, []
+
+    def on_status(self, text: str) -> None:
+        super().on_status(text)
+        if text.startswith("writing a backup at step "):
+            step = int(text.removeprefix("writing a backup at step ").split()[0])
+            self.seen.append((step, len(run_json(self.output)["losses"])))
+
+
 def test_a_busy_output_folder_is_refused_then_backups_rotate_and_hold_no_pickle(tiny_config):
-    """One run for two properties: a second run on a folder another run is writing into is
-    refused; once that lock is released, the run takes it and its backups rotate."""
+    """One run for three properties: a second run on a folder another run is writing into is
+    refused; once that lock is released, the run takes it and its backups rotate; and run.json
+    holds each backup's losses before the backup exists (a kill -9 right after its rename
+    would otherwise resume with the losses a step short: the curve shifted)."""
     from modules.train.setup.output_lock import OutputLock
     config = tiny_config("training.max_steps=5", "output.backup_every_steps=1",
                          "output.keep_backups=2", "training.ema=true")
@@ -131,8 +147,10 @@ def test_a_busy_output_folder_is_refused_then_backups_rotate_and_hold_no_pickle(
         assert "another training is writing into it" in str(err.value)
     finally:
         lock.release()
-    result = train(config)  # a released (or dead owner's) lock is taken
+    callbacks = LossesAtBackups(Path(config.output.dir))
+    result = train(config, callbacks)  # a released (or dead owner's) lock is taken
     assert result.status == "finished"
+    assert callbacks.seen == [(step, step) for step in range(1, 6)]
     found = list_backups(result.output_dir)
     # steps 1-4 by schedule and 5 at the run's end (a continue starts there), two kept
     assert [step for step, _ in found] == [4, 5]

@@ -32,14 +32,16 @@ from modules.config.outputs import Sampler
 from modules.model_types import ModelType
 from modules.models.bundle import Dtypes, ModelBundle
 from modules.models.chat_text import ChatEncoding, chat_prompts
-from modules.models.families.base import ModelFamily, Objective, TextEmbeddings, TextFirst
+from modules.models.families.base import (ModelFamily, Objective, RealSize, TextEmbeddings,
+                                          TextFirst)
 from modules.models.families.flow import (load_qwen_flow_folder, load_qwen_flow_rest,
                                           load_qwen_text, load_qwen_tokenizer,
                                           flow_noisy_and_target, flow_timesteps,
                                           train_timesteps)
 from modules.models.families.sd import text_encoders
 from modules.models.klein_files import STACKED_LAYERS
-from modules.models.tiny_klein import TINY_KLEIN
+from modules.models.tiny_klein import (TINY_KLEIN, build_real_size, real_size_spec,
+                                       transformer_parameters)
 
 # The blocks REGIONAL compiles: both classes diffusers declares repeated
 # (Flux2Transformer2DModel._repeated_blocks)
@@ -227,4 +229,6 @@ KLEIN = ModelFamily(
     vae_latents=normalised_latents,
     unpack_prediction=unpack_prediction,
     text_first=KLEIN_TEXT_FIRST,
+    real_size=RealSize("Flux.2 Klein 4B architecture (4 B transformer, Qwen3-4B), random "
+                       "weights", real_size_spec, build_real_size, transformer_parameters),
 )

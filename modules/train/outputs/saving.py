@@ -265,8 +265,8 @@ def build_pipeline(bundle: ModelBundle, config: Config, scheduler=None,
 
     spec = MODEL_TYPES[config.model.type]
     cls = getattr(diffusers, spec.pipeline_class)
-    parts = {**bundle.components(), "scheduler": scheduler or bundle.noise_scheduler,
-             **bundle.tokenizers}
+    parts = {**folder_pipeline_settings(bundle.path), **bundle.components(),
+             "scheduler": scheduler or bundle.noise_scheduler, **bundle.tokenizers}
     if without_text_encoders:
         parts.update({name: None for name in spec.text_encoders})
     # the optional parts a pipeline may take and a training run never has (SD's safety checker,
@@ -276,3 +276,18 @@ def build_pipeline(bundle: ModelBundle, config: Config, scheduler=None,
     known = set(inspect.signature(cls.__init__).parameters)
     return cls(**{k: v for k, v in parts.items() if k in known})
 
+
+
+def folder_pipeline_settings(path: Path) -> dict:
+    """The pipeline's own settings that the model folder's model_index.json holds (Flux.2
+    Klein's `is_distilled`, which turns its pipeline's CFG off; SDXL's
+    `force_zeros_for_empty_prompt`), so that samples and a saved folder behave as the
+    pipeline loaded from that folder does. Components (a [library, class] pair) and
+    diffusers' own bookkeeping ("_class_name", "_diffusers_version") are not settings. A
+    single file or a folder without model_index.json has none."""
+    index = Path(path) / "model_index.json"
+    if not index.is_file():
+        return {}
+    data = json.loads(index.read_text(encoding="utf-8"))
+    return {key: value for key, value in data.items()
+            if not key.startswith("_") and not isinstance(value, list)}

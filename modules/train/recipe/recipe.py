@@ -439,6 +439,11 @@ class TrainingRecipe:
     def _write_backup(self, states: dict, step: int, reason: str) -> Path | None:
         """Rank 0's part of `save_backup`: the folder, or None when refused (NaN or inf)."""
         run = self.built_run
+        # run.json's losses reach this step before the backup exists: a kill -9 between the
+        # backup's rename and the record's write below left them a step or more short, and the
+        # resumed run's curve shifted against its steps (RunRecord.continue_from keeps the
+        # losses up to the backup's step, never more)
+        run.record.write()
         run.callbacks.on_status(f"writing a backup at step {step} ({reason})")
         try:
             folder = guarded_write(lambda: save_backup(states, run.config, run.output_dir,
