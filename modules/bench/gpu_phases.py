@@ -407,6 +407,24 @@ def _lever_ratio_first(sizes: dict[str, Size], lever: str, extra: list[str],
                            "pay with it"), eager_against=f"cell-sdxl-{lever}-base-none")]
 
 
+# The 8-bit levers of the cards most users own (RTX 30 / 40: int8 tensor cores, no float8 before
+# sm_89): int8 frozen weights (torchao, carried) and W8A8's int8 matmuls (torch alone)
+INT8 = ["model.weight_storage=INT8", "model.weight_dtype=BFLOAT16"]
+W8A8 = ["model.weight_storage=W8A8", "model.weight_dtype=BFLOAT16"]
+
+
+def phase_int8(sizes: dict[str, Size]) -> list[Job]:
+    """INT8 storage and W8A8 at SDXL size, each cell alone, eager first: bf16 frozen weights,
+    INT8, W8A8 (the peak memory each saves, the step time each costs or gains: W8A8's int8
+    matmuls are for speed); then REGIONAL DEFAULT with W8A8, cold and alone with what is
+    left, against eager with it (do its int8 kernels still pay inside compiled blocks)."""
+    base, *rest = _lever_ratio_first(sizes, "w8a8", W8A8, "int8 matmuls (W8A8)")[2:]
+    int8 = _cell("sdxl", sizes["sdxl"], "int8-none", "NONE", INT8, LEVER_EAGER_SECONDS, None,
+                 "eager with int8 frozen weights (INT8 storage): step time and peak memory "
+                 "against the same run without", compare_with="cell-sdxl-w8a8-base-none")
+    return [_env(), _build("sdxl", sizes["sdxl"]), base, int8, *rest]
+
+
 def phase_offload(sizes: dict[str, Size]) -> list[Job]:
     """Block offload: what only a GPU shows is the step time it costs where the copies do not
     hide behind compute, and the peak memory it saves. DEFAULT with against without offload
@@ -500,6 +518,9 @@ PHASES: list[Phase] = [
     Phase("14-klein", 9, "Flux.2 Klein 4B LoRA at 1024 px: eager alone, then REGIONAL DEFAULT "
           "over both block types cold and alone with what is left: its speed-up and memory",
           "Flux.2 Klein", phase_klein),
+    Phase("15-int8", 9, "SDXL LoRA with int8 frozen weights (INT8) and int8 matmuls (W8A8) vs "
+          "bf16, eager, each alone (step time and peak memory); then REGIONAL DEFAULT with W8A8, "
+          "cold and alone with what is left", "memory levers", phase_int8),
 ]
 
 

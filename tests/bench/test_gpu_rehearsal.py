@@ -72,6 +72,9 @@ REHEARSED: dict[str, str | None] = {
     # run_config and cell; tiny Klein trains, compiled and not, in tests/models); its every
     # config passes the start's checks in test_gpu_validate.py; DEFAULT: the GPU's
     "14-klein": "",
+    # eager cells with an override (INT8 training is tests/train/test_weight_storage.py's, W8A8's
+    # tests/train/test_w8a8.py's) and a DEFAULT cell: the GPU's
+    "15-int8": "",
 }
 
 
