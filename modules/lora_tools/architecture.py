@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from modules.config.schema import ModelType
 from modules.lora_tools.errors import LoraToolError, input_error
@@ -35,6 +38,13 @@ class Location:
     file: Path
     key: str
     rows: tuple[int, int] | None = None
+    # the file's values rearranged (its own inverse: Flux's final modulation, halves swapped)
+    stored: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def read(self, stored: torch.Tensor) -> torch.Tensor:
+        """The layer's weight, as diffusers holds it, from the stored tensor."""
+        weight = stored[slice(*self.rows) if self.rows else slice(None)]
+        return self.stored(weight) if self.stored else weight
 
 
 @dataclass
@@ -281,7 +291,8 @@ def _single_file_location(layout: ModelLayout, key: LayerKey) -> Location:
                         "{config_folder} (a diffusers folder of it)", path=layout.path,
                         tensor=candidate, shape=shape, configs=layout.configs,
                         layer=module_path, expected=expected)
-                return Location(layout.path, candidate, rows)
+                return Location(layout.path, candidate, rows,
+                                files.denoiser_file_stored(module_path + ".weight"))
         raise LoraToolError(f"{layout.path}: has no weight {key_name} (for {module_path})")
     if component == "unet":
         return Location(layout.path, LDM_UNET_PREFIX

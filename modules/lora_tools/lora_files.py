@@ -120,10 +120,20 @@ def _families_of(tensors: dict[str, torch.Tensor]) -> list[ModelType]:
             continue
         prefixes = tuple(family.files.kohya_prefixes.values())
         components = tuple(f"{c}." for c in family.files.kohya_prefixes)
-        if any(k.startswith(prefixes) or (".lora_A." in k and k.startswith(components))
-               for k in tensors):
+        names = re.compile(family.files.lora_layer_names or "")
+        if any(_layer_name(k, prefixes, components, names) for k in tensors):
             found.append(model_type)
     return found
+
+
+def _layer_name(key: str, prefixes: tuple[str, ...], components: tuple[str, ...],
+                names: re.Pattern[str]) -> bool:
+    """Whether a tensor's key names a layer as a family's files do: its kohya prefix or (a
+    diffusers-layout tensor) a component, then a layer name the family's pattern starts."""
+    for start in prefixes + (components if ".lora_A." in key else ()):
+        if key.startswith(start) and names.match(key, len(start)):
+            return True
+    return False
 
 
 def _check_family(path: Path, tensors: dict[str, torch.Tensor], layout: ModelLayout) -> None:
@@ -251,6 +261,9 @@ def write_lora(layers: dict[LayerKey, AdapterLayer], path: Path, file_layout: st
         kinds = sorted({layer.kind for layer in layers.values()} - {"lora"})
         raise LoraToolError(f"{path}: {', '.join(kinds)} layers are not written by these tools")
     meta = {"tempera.tool": "tempera-lora", **(metadata or {})}
+    if file_layout == KOHYA and not family_files(layout.model_type).kohya_layout:
+        raise LoraToolError(f"{path}: {MODEL_TYPES[layout.model_type].label} has no kohya / "
+                            "ComfyUI LoRA layout yet; write the diffusers layout")
     if file_layout == KOHYA:
         tensors = {}
         for key, layer in layers.items():

@@ -167,3 +167,115 @@ def input_problems(model: Any, single_file: bool) -> list[Problem]:
     if single_file:
         return split_file_problems(model)
     return width_problems(Path(model.path)) + distilled_problems(model)
+
+
+# --- ComfyUI's diffusion-model file: the BFL original layout --------------------------------
+# diffusers name -> BFL name, for the parts that are a rename (diffusers'
+# `convert_flux2_transformer_checkpoint_to_diffusers` reads the file; this is its inverse). A
+# pattern's groups are the block index; RMS norms are `.scale` there, `.weight` here.
+_DOUBLE = r"transformer_blocks\.(\d+)\."
+_SINGLE = r"single_transformer_blocks\.(\d+)\."
+BFL_RENAMES: tuple[tuple[str, str], ...] = (
+    (r"time_guidance_embed\.timestep_embedder\.linear_1\.", "time_in.in_layer."),
+    (r"time_guidance_embed\.timestep_embedder\.linear_2\.", "time_in.out_layer."),
+    (r"time_guidance_embed\.guidance_embedder\.linear_1\.", "guidance_in.in_layer."),
+    (r"time_guidance_embed\.guidance_embedder\.linear_2\.", "guidance_in.out_layer."),
+    (r"(double_stream_modulation_img|double_stream_modulation_txt|single_stream_modulation)"
+     r"\.linear\.", r"\1.lin."),
+    (r"x_embedder\.", "img_in."), (r"context_embedder\.", "txt_in."),
+    (r"proj_out\.", "final_layer.linear."),
+    (r"norm_out\.linear\.", "final_layer.adaLN_modulation.1."),
+    (_DOUBLE + r"attn\.norm_q\.weight", r"double_blocks.\1.img_attn.norm.query_norm.scale"),
+    (_DOUBLE + r"attn\.norm_k\.weight", r"double_blocks.\1.img_attn.norm.key_norm.scale"),
+    (_DOUBLE + r"attn\.norm_added_q\.weight", r"double_blocks.\1.txt_attn.norm.query_norm.scale"),
+    (_DOUBLE + r"attn\.norm_added_k\.weight", r"double_blocks.\1.txt_attn.norm.key_norm.scale"),
+    (_DOUBLE + r"attn\.to_out\.0\.", r"double_blocks.\1.img_attn.proj."),
+    (_DOUBLE + r"attn\.to_add_out\.", r"double_blocks.\1.txt_attn.proj."),
+    (_DOUBLE + r"ff\.linear_in\.", r"double_blocks.\1.img_mlp.0."),
+    (_DOUBLE + r"ff\.linear_out\.", r"double_blocks.\1.img_mlp.2."),
+    (_DOUBLE + r"ff_context\.linear_in\.", r"double_blocks.\1.txt_mlp.0."),
+    (_DOUBLE + r"ff_context\.linear_out\.", r"double_blocks.\1.txt_mlp.2."),
+    (_SINGLE + r"attn\.to_qkv_mlp_proj\.", r"single_blocks.\1.linear1."),
+    (_SINGLE + r"attn\.to_out\.", r"single_blocks.\1.linear2."),
+    (_SINGLE + r"attn\.norm_q\.weight", r"single_blocks.\1.norm.query_norm.scale"),
+    (_SINGLE + r"attn\.norm_k\.weight", r"single_blocks.\1.norm.key_norm.scale"),
+)
+# q, k and v of each stream, fused in that order into one `qkv` projection in the BFL layout
+BFL_FUSED = re.compile(_DOUBLE + r"attn\.(to_q|to_k|to_v|add_q_proj|add_k_proj|add_v_proj)\.")
+# the final layer's modulation is (shift, scale) in the BFL layout, (scale, shift) in diffusers'
+HALVES_SWAPPED = "norm_out.linear."
+
+
+def swap_halves(tensor: Any) -> Any:
+    """The tensor with its two halves (dim 0) swapped: BFL's (shift, scale) to diffusers'
+    (scale, shift) and back (its own inverse)."""
+    import torch
+    first, second = tensor.chunk(2, dim=0)
+    return torch.cat([second, first], dim=0)
+
+
+def original_key(key: str, rows: int) -> tuple[str, tuple[int, int] | None]:
+    """Where a diffusers Flux2Transformer2DModel tensor is in the BFL layout: its key and, for
+    q / k / v (fused into the stream's `qkv`, in that order), the rows of the fused tensor that
+    are its own (`rows`: its own count). `norm_out.linear` is stored with its halves swapped
+    (`denoiser_file_swapped`)."""
+    if m := BFL_FUSED.match(key):
+        text = m[2].startswith("add_")
+        start = "qkv".index(m[2][4] if text else m[2][-1]) * rows
+        stream = "txt" if text else "img"
+        rest = key[m.end():]
+        return f"double_blocks.{m[1]}.{stream}_attn.qkv.{rest}", (start, start + rows)
+    for pattern, replacement in BFL_RENAMES:
+        renamed, count = re.subn("^" + pattern, replacement, key)
+        if count:
+            return renamed, None
+    return key, None
+
+
+def stored_as(key: str) -> Any:
+    """How a diffusers tensor's values are stored in the BFL file (None: as they are): the
+    final modulation's halves swapped. Its own inverse."""
+    return swap_halves if key.startswith(HALVES_SWAPPED) else None
+
+
+def to_original_names(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """A diffusers Flux2Transformer2DModel's weights in the BFL layout ComfyUI's diffusion-model
+    files use: q / k / v fused into each stream's `qkv`, the final modulation's halves swapped,
+    the rest renamed (`original_key`)."""
+    import torch
+    fused: dict[str, list[tuple[int, Any]]] = {}
+    out: dict[str, Any] = {}
+    for key, value in state_dict.items():
+        name, rows = original_key(key, value.shape[0])
+        swap = stored_as(key)
+        value = swap(value) if swap else value
+        if rows is None:
+            out[name] = value
+        else:
+            fused.setdefault(name, []).append((rows[0], value))
+    for name, parts in fused.items():
+        out[name] = torch.cat([value for _, value in sorted(parts, key=lambda p: p[0])], dim=0)
+    return out
+
+
+def is_transformer_file(path: Path) -> bool:
+    """Whether a .safetensors file is a lone Klein diffusion model (ComfyUI's kind)."""
+    from modules.models.split_files import keys_of
+    return part_of(keys_of(path))[0] == "transformer"
+
+
+def save_transformer_file(transformer: Any, path: Path, metadata: dict[str, str] | None = None,
+                          dtype: Any = None) -> Path:
+    """The (fine-tuned) transformer as one diffusion-model file in the BFL layout, ComfyUI's
+    `diffusion_models/` kind (what `Flux2Transformer2DModel.from_single_file` reads), written
+    atomically."""
+    from safetensors.torch import save_file
+
+    from modules.models.precision import cast_for_saving
+    from modules.models.single_file import _plain_state_dict
+    from modules.util.atomic import atomic_file
+    tensors = to_original_names(_plain_state_dict(transformer, "transformer"))
+    tensors = cast_for_saving({k: v.contiguous() for k, v in tensors.items()}, dtype, str(path))
+    with atomic_file(path) as tmp:
+        save_file(tensors, str(tmp), metadata=dict(metadata or {}))
+    return path

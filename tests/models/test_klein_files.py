@@ -166,9 +166,73 @@ def test_a_9b_diffusion_model_beside_qwen3_4b_is_refused_naming_both(split, tmp_
     assert "qwen_3_4b.safetensors is 2560 wide" in message
 
 
-@pytest.mark.parametrize("method,fmt", [("LORA", "KOHYA"), ("FINE_TUNE", "SINGLE_FILE")])
-def test_the_layouts_klein_has_no_writer_for_are_refused_up_front(method, fmt):
-    config = apply_overrides(Config(), ["model.type=KLEIN", f"training.method={method}",
-                                        f'output.formats=["DIFFUSERS", "{fmt}"]'])
+def test_the_layout_klein_has_no_writer_for_is_refused_up_front():
+    config = apply_overrides(Config(), ["model.type=KLEIN", "training.method=LORA",
+                                        'output.formats=["DIFFUSERS", "KOHYA"]'])
     problems = {p.path: str(p) for p in family_problems(config)}
     assert problems.keys() == {"output.formats[1]"} and "Flux.2 Klein" in str(problems)
+    fine_tune = apply_overrides(Config(), ["model.type=KLEIN", "training.method=FINE_TUNE",
+                                           'output.formats=["DIFFUSERS", "SINGLE_FILE"]'])
+    assert family_problems(fine_tune) == []
+
+
+def _random_transformer(klein_folder):
+    """The tiny transformer with every weight random (norm scales and biases too), so a
+    misplaced or unswapped tensor shows."""
+    from diffusers import Flux2Transformer2DModel
+    transformer = Flux2Transformer2DModel.from_pretrained(klein_folder, subfolder="transformer",
+                                                          local_files_only=True)
+    generator = torch.Generator().manual_seed(5)
+    for param in transformer.parameters():
+        param.data = torch.randn(param.shape, generator=generator)
+    return transformer
+
+
+def test_the_bfl_file_is_what_diffusers_single_file_reader_reads_back_exactly(klein_folder,
+                                                                               tmp_path):
+    """ComfyUI's diffusion-model file (BFL's layout: q/k/v fused into `qkv`, the final
+    modulation's halves swapped, norms as `.scale`): diffusers' own
+    Flux2Transformer2DModel.from_single_file reproduces every weight bit for bit, and the
+    file is recognised as a Klein diffusion model by its keys."""
+    from diffusers import Flux2Transformer2DModel
+    from safetensors.torch import load_file
+
+    from modules.models.klein_files import is_transformer_file, save_transformer_file
+    transformer = _random_transformer(klein_folder)
+    path = save_transformer_file(transformer, tmp_path / "klein.safetensors")
+    saved = load_file(str(path))
+    assert "double_blocks.0.img_attn.qkv.weight" in saved
+    assert "single_blocks.1.linear1.weight" in saved and "final_layer.linear.weight" in saved
+    assert not any(k.startswith(("transformer_blocks.", "single_transformer_blocks."))
+                   for k in saved)
+    assert is_transformer_file(path)
+    back = Flux2Transformer2DModel.from_single_file(str(path), config=str(klein_folder),
+                                                    subfolder="transformer",
+                                                    local_files_only=True,
+                                                    torch_dtype=torch.float32)
+    want, got = transformer.state_dict(), back.state_dict()
+    assert want.keys() == got.keys()
+    for key in want:
+        assert torch.equal(want[key], got[key]), key
+
+
+def test_a_full_fine_tune_saves_a_diffusers_folder_and_comfyuis_file(tiny_config, klein_folder):
+    """2 steps of FINE_TUNE with SINGLE_FILE: final/model.safetensors read by diffusers'
+    from_single_file is final/'s trained transformer exactly."""
+    from diffusers import Flux2KleinPipeline, Flux2Transformer2DModel
+
+    from modules.train.trainer import train
+    result = train(tiny_config("model.type=KLEIN", "model.path=builtin:tiny-klein",
+                               "training.method=FINE_TUNE", "training.max_steps=2",
+                               "sampling.sampler=EULER",
+                               'output.formats=["DIFFUSERS", "SINGLE_FILE"]'))
+    final = result.output_dir / "final"
+    pipe = Flux2KleinPipeline.from_pretrained(final, local_files_only=True)
+    single = Flux2Transformer2DModel.from_single_file(
+        str(final / "model.safetensors"), config=str(klein_folder), subfolder="transformer",
+        local_files_only=True, torch_dtype=torch.float32)
+    want, got = pipe.transformer.state_dict(), single.state_dict()
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    base = Flux2Transformer2DModel.from_pretrained(klein_folder, subfolder="transformer")
+    key = "transformer_blocks.0.attn.to_q.weight"
+    assert not torch.equal(base.state_dict()[key], want[key])  # it trained

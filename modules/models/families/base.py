@@ -103,7 +103,16 @@ class FileConventions:
       (ComfyUI's `diffusion_models/` kind), None where the family has no such file;
     - `denoiser_file_key(tensor key, rows)`: where a diffusers denoiser tensor (of `rows`
       rows) sits in that file: its key and, for a projection fused with others there, its
-      rows of the fused tensor (None: all of it).
+      rows of the fused tensor (None: all of it);
+    - `denoiser_file_stored(tensor key)`: for a tensor whose values that file stores
+      rearranged, the function that rearranges them, which is its own inverse (Flux's final
+      modulation, (shift, scale) there and (scale, shift) in diffusers); None: as they are;
+    - `lora_layer_names`: a regular expression a denoiser layer's name in the family's LoRA
+      files (after the kohya prefix or the diffusers component) starts with, which tells
+      apart families whose files share a prefix (Z-Image's `layers.`, Klein's blocks); None:
+      any name;
+    - `kohya_layout`: whether the family has a kohya / ComfyUI LoRA layout; a family without
+      one still has its single file and the LoRA tools in the diffusers layout.
     """
     kohya_prefixes: Mapping[str, str]
     kohya_denoiser_naming: str
@@ -120,6 +129,10 @@ class FileConventions:
     denoiser_class: str = "UNet2DConditionModel"
     denoiser_file: Callable[[Path], bool] | None = None
     denoiser_file_key: Callable[[str, int], tuple[str, tuple[int, int] | None]] | None = None
+    denoiser_file_stored: Callable[[str], Callable[[torch.Tensor], torch.Tensor] | None] = (
+        lambda key: None)
+    lora_layer_names: str | None = None
+    kohya_layout: bool = True
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from modules.config.outputs import Sampler
 from modules.model_types import ModelType
 from modules.models.bundle import Dtypes, ModelBundle
 from modules.models.chat_text import ChatEncoding, chat_prompts
-from modules.models.families.base import ModelFamily, Objective, TextEmbeddings
+from modules.models.families.base import FileConventions, ModelFamily, Objective, TextEmbeddings
 from modules.models.families.flow import load_qwen_flow_folder, flow_noisy_and_target, flow_timesteps, train_timesteps
 from modules.models.families.sd import text_encoders
 from modules.models.klein_files import STACKED_LAYERS
@@ -180,6 +180,48 @@ def pipeline_text_arguments(prompt: TextEmbeddings, negative: TextEmbeddings
     return {"prompt_embeds": prompt.hidden, "negative_prompt_embeds": negative.hidden}
 
 
+# ComfyUI's diffusion-model file is the BFL original layout (`double_blocks.N.img_attn.qkv`, ...),
+# which diffusers' Flux2Transformer2DModel.from_single_file reads (klein_files.to_original_names
+# writes it). The LoRA tools read the same record: the transformer's layers (no LoRA file names
+# the Qwen3 encoder), its architecture from the 4B's shipped configs unless a folder is named.
+def _denoiser_file(path: Path) -> bool:
+    from modules.models.klein_files import is_transformer_file
+    return is_transformer_file(path)
+
+
+def _denoiser_file_key(key: str, rows: int) -> tuple[str, tuple[int, int] | None]:
+    from modules.models.klein_files import original_key
+    return original_key(key, rows)
+
+
+def _denoiser_file_stored(key: str) -> Any:
+    from modules.models.klein_files import stored_as
+    return stored_as(key)
+
+
+KLEIN_FILES = FileConventions(
+    kohya_prefixes={"transformer": "diffusion_model."}, kohya_denoiser_naming="diffusers",
+    kohya_separator=".", base_model_version="flux2_klein",
+    modelspec_architecture=lambda v_prediction: "flux-2-klein",
+    # flow matching: neither of modelspec's prediction types (epsilon, v)
+    modelspec_implementation="https://github.com/black-forest-labs/flux2",
+    modelspec_prediction_type=lambda v_prediction: None,
+    single_file_configs="klein4b", single_file_text_encoders={},
+    denoiser_class="Flux2Transformer2DModel", denoiser_file=_denoiser_file,
+    denoiser_file_key=_denoiser_file_key, denoiser_file_stored=_denoiser_file_stored,
+    # the blocks, by diffusers' names or BFL's, which Z-Image's files (same prefix) never use
+    lora_layer_names=r"(?:single_transformer_blocks|transformer_blocks|double_blocks|"
+                     r"single_blocks)\.\d+\.",
+    kohya_layout=False)
+
+
+def write_single_file(bundle: ModelBundle, path: Path, metadata: dict, dtype: Any) -> Path:
+    """The fine-tuned transformer as ComfyUI's diffusion-model file, BFL's layout (the text
+    encoder and VAE are not trained: the user's files of them still serve)."""
+    from modules.models.klein_files import save_transformer_file
+    return save_transformer_file(bundle.denoiser, path, metadata, dtype)
+
+
 def input_problems(model: Any, single_file: bool) -> list:
     from modules.models.klein_files import input_problems as klein_problems
     return klein_problems(model, single_file)
@@ -210,6 +252,8 @@ KLEIN = ModelFamily(
     lora_scope=BLOCKS_SCOPE,
     samplers=SAMPLERS,
     input_problems=input_problems,
+    files=KLEIN_FILES,
+    write_single_file=write_single_file,
     pipeline_text_arguments=pipeline_text_arguments,
     negative_prompt_encoded_only=True,
     vae_latents=normalised_latents,

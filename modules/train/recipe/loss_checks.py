@@ -44,12 +44,14 @@ def family_problems(config: Config) -> list[Problem]:
     if objective.zero_terminal_snr is None and config.model.zero_terminal_snr:
         problems.append(Problem("model.zero_terminal_snr", "false", "true",
                                 f"{label} models have no DDPM beta schedule to rescale"))
-    if family_of(config.model.type).files is None:  # no kohya or single-file layout (yet)
-        problems += [Problem(f"output.formats[{i}]", "DIFFUSERS", fmt.value,
-                             f"{label} has no {fmt.value} file layout yet; its weights are "
-                             "written as a diffusers folder / LoRA file")
-                     for i, fmt in enumerate(config.output.formats)
-                     if fmt in (SaveFormat.KOHYA, SaveFormat.SINGLE_FILE)]
+    files = family_of(config.model.type).files
+    lacking = (() if files is not None and files.kohya_layout
+               else (SaveFormat.KOHYA,) if files is not None
+               else (SaveFormat.KOHYA, SaveFormat.SINGLE_FILE))  # no such layout (yet)
+    problems += [Problem(f"output.formats[{i}]", "DIFFUSERS", fmt.value,
+                         f"{label} has no {fmt.value} file layout yet; its weights are "
+                         "written as a diffusers folder / LoRA file")
+                 for i, fmt in enumerate(config.output.formats) if fmt in lacking]
     return problems
 
 
