@@ -230,9 +230,9 @@ def test_resize_klein_lora_reports_the_svd_error(files, tmp_path):
 
 
 def test_mixing_families_is_refused_naming_both(files, tempera_cache, tmp_path, capsys):
-    """A Klein LoRA given to Z-Image and to SDXL, and a Z-Image LoRA given to Klein (the two
-    share the diffusers layout's `transformer.` and ComfyUI's `diffusion_model.`): each refused
-    with exit 2 naming both families, nothing written."""
+    """A Klein LoRA given to Z-Image and to SDXL, a Z-Image LoRA given to Klein (the two share
+    the diffusers layout's `transformer.`) and an SD one (kohya's `lora_unet_` too): each
+    refused with exit 2 naming both families, nothing written."""
     zimage = ensure_builtin_model(MODEL_TYPES[ModelType.ZIMAGE].builtin, tempera_cache)
     sdxl = ensure_builtin_model(MODEL_TYPES[ModelType.SDXL].builtin, tempera_cache)
     out = tmp_path / "out"
@@ -251,12 +251,28 @@ def test_mixing_families_is_refused_naming_both(files, tempera_cache, tmp_path, 
         error = capsys.readouterr().err
         assert "is a Z-Image LoRA" in error and "Flux.2 Klein (KLEIN)" in error, error
         lora.unlink()
+    sd_lora = tmp_path / "sd_lora.safetensors"
+    name = "lora_unet_down_blocks_0_attentions_0_proj_in"
+    save_file({f"{name}.lora_down.weight": torch.zeros(2, 8),
+               f"{name}.lora_up.weight": torch.zeros(8, 2)}, str(sd_lora))
+    assert main(["convert", "--base", str(files["base"]), "--lora", str(sd_lora),
+                 "--layout", "diffusers", "-o", str(out)]) == 2
+    error = capsys.readouterr().err
+    assert "Stable Diffusion" in error and "Flux.2 Klein (KLEIN)" in error, error
     assert not out.exists()
 
 
-def test_the_kohya_layout_is_refused_for_klein_naming_the_one_to_use(files, tmp_path, capsys):
-    out = tmp_path / "kohya.safetensors"
-    assert main(["convert", "--base", str(files["base"]), "--lora", str(files["a"]),
-                 "--layout", "kohya", "-o", str(out)]) == 2
-    assert "write the diffusers layout" in capsys.readouterr().err
+def test_a_lokr_on_comfyuis_fused_qkv_is_refused_naming_it(files, tmp_path, capsys):
+    """ComfyUI's layout fuses q, k and v: the tools split a LoRA there into the three exactly
+    (tests/models/test_klein_comfyui_lora.py), but a LoKr of the fused weight has no such split:
+    refused naming the layer, nothing written."""
+    name = "lora_unet_double_blocks_0_img_attn_qkv"
+    lokr = tmp_path / "lokr.safetensors"
+    save_file({f"{name}.lokr_w1": torch.randn(4, 4), f"{name}.lokr_w2": torch.randn(24, 8),
+               f"{name}.alpha": torch.tensor(1.0)}, str(lokr))
+    out = tmp_path / "out.safetensors"
+    assert main(["convert", "--base", str(files["base"]), "--lora", str(lokr),
+                 "--layout", "diffusers", "-o", str(out)]) == 2
+    error = capsys.readouterr().err
+    assert name in error and "a lokr layer on a fused weight" in error, error
     assert not out.exists()

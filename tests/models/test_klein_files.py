@@ -166,14 +166,11 @@ def test_a_9b_diffusion_model_beside_qwen3_4b_is_refused_naming_both(split, tmp_
     assert "qwen_3_4b.safetensors is 2560 wide" in message
 
 
-def test_the_layout_klein_has_no_writer_for_is_refused_up_front():
-    config = apply_overrides(Config(), ["model.type=KLEIN", "training.method=LORA",
-                                        'output.formats=["DIFFUSERS", "KOHYA"]'])
-    problems = {p.path: str(p) for p in family_problems(config)}
-    assert problems.keys() == {"output.formats[1]"} and "Flux.2 Klein" in str(problems)
-    fine_tune = apply_overrides(Config(), ["model.type=KLEIN", "training.method=FINE_TUNE",
-                                           'output.formats=["DIFFUSERS", "SINGLE_FILE"]'])
-    assert family_problems(fine_tune) == []
+def test_every_layout_is_accepted_for_klein():
+    for method, fmt in (("LORA", "KOHYA"), ("FINE_TUNE", "SINGLE_FILE")):
+        config = apply_overrides(Config(), ["model.type=KLEIN", f"training.method={method}",
+                                            f'output.formats=["DIFFUSERS", "{fmt}"]'])
+        assert family_problems(config) == []
 
 
 def _random_transformer(klein_folder):

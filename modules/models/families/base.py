@@ -81,7 +81,11 @@ class FileConventions:
     models/metadata.py and models/single_file.py.
 
     - `kohya_prefixes`: component -> kohya name prefix ("lora_unet_", "lora_te1_", …);
-    - `kohya_denoiser_naming`: "diffusers" module paths or the original "ldm" names;
+    - `kohya_denoiser_naming`: "diffusers" module paths, the original "ldm" names, or the
+      names of the family's lone denoiser file ("original": `denoiser_file_key`, whose fused
+      layers, Klein's q / k / v, are written as one LoRA of the fused weight);
+    - `kohya_fuses`: what that file fuses, in words, for a family whose kohya layout fuses
+      layers ("" none): LoHa / LoKr / DoRA layers have no fused form, so are refused there;
     - `base_model_version`: kohya's `ss_base_model_version`; `kohya_v2`: its `ss_v2`;
     - `a1111_sd_version`: the "sd version" A1111's LoRA card metadata (`<lora>.json`) names;
     - `modelspec_architecture(v_prediction)`: the modelspec architecture id (no /lora);
@@ -110,9 +114,7 @@ class FileConventions:
     - `lora_layer_names`: a regular expression a denoiser layer's name in the family's LoRA
       files (after the kohya prefix or the diffusers component) starts with, which tells
       apart families whose files share a prefix (Z-Image's `layers.`, Klein's blocks); None:
-      any name;
-    - `kohya_layout`: whether the family has a kohya / ComfyUI LoRA layout; a family without
-      one still has its single file and the LoRA tools in the diffusers layout.
+      any name.
     """
     kohya_prefixes: Mapping[str, str]
     kohya_denoiser_naming: str
@@ -132,7 +134,7 @@ class FileConventions:
     denoiser_file_stored: Callable[[str], Callable[[torch.Tensor], torch.Tensor] | None] = (
         lambda key: None)
     lora_layer_names: str | None = None
-    kohya_layout: bool = True
+    kohya_fuses: str = ""
 
 
 @dataclass(frozen=True)

@@ -180,6 +180,14 @@ def pipeline_text_arguments(prompt: TextEmbeddings, negative: TextEmbeddings
     return {"prompt_embeds": prompt.hidden, "negative_prompt_embeds": negative.hidden}
 
 
+# Klein's LoRA file in ComfyUI's layout (KOHYA output): kohya's sd-scripts names for Flux,
+# `lora_unet_` + the BFL name with "_" (`lora_unet_double_blocks_0_img_attn_qkv`), LyCORIS's
+# tensor names and an alpha per layer. ComfyUI maps that form for every model it loads
+# (comfy/lora.py `model_lora_keys_unet`: `lora_unet_<key>` for each `diffusion_model.<key>` of
+# its own state dict), and diffusers' Flux2LoraLoaderMixin reads it too
+# (`_convert_kohya_flux2_lora_to_diffusers`, alpha / rank applied); ComfyUI's diffusers-name
+# map for Flux (`flux_to_diffusers`) was written for Flux.1's blocks. The q / k / v LoRAs of a
+# block are written as one LoRA of its fused `qkv` (kohya.fuse_lora).
 # ComfyUI's diffusion-model file is the BFL original layout (`double_blocks.N.img_attn.qkv`, ...),
 # which diffusers' Flux2Transformer2DModel.from_single_file reads (klein_files.to_original_names
 # writes it). The LoRA tools read the same record: the transformer's layers (no LoRA file names
@@ -200,8 +208,9 @@ def _denoiser_file_stored(key: str) -> Any:
 
 
 KLEIN_FILES = FileConventions(
-    kohya_prefixes={"transformer": "diffusion_model."}, kohya_denoiser_naming="diffusers",
-    kohya_separator=".", base_model_version="flux2_klein",
+    kohya_prefixes={"transformer": "lora_unet_"}, kohya_denoiser_naming="original",
+    kohya_fuses="q, k and v of each attention into one qkv projection",
+    base_model_version="flux2_klein",
     modelspec_architecture=lambda v_prediction: "flux-2-klein",
     # flow matching: neither of modelspec's prediction types (epsilon, v)
     modelspec_implementation="https://github.com/black-forest-labs/flux2",
@@ -209,10 +218,10 @@ KLEIN_FILES = FileConventions(
     single_file_configs="klein4b", single_file_text_encoders={},
     denoiser_class="Flux2Transformer2DModel", denoiser_file=_denoiser_file,
     denoiser_file_key=_denoiser_file_key, denoiser_file_stored=_denoiser_file_stored,
-    # the blocks, by diffusers' names or BFL's, which Z-Image's files (same prefix) never use
+    # the blocks, by diffusers' names or BFL's, which neither Z-Image's files (`transformer.`
+    # too) nor SD's (`lora_unet_` too) use
     lora_layer_names=r"(?:single_transformer_blocks|transformer_blocks|double_blocks|"
-                     r"single_blocks)\.\d+\.",
-    kohya_layout=False)
+                     r"single_blocks)[._]\d+[._]")
 
 
 def write_single_file(bundle: ModelBundle, path: Path, metadata: dict, dtype: Any) -> Path:
