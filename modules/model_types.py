@@ -52,6 +52,9 @@ class ModelTypeSpec:
     # (kohya names SD 1.x, 2.x and XL layers with the same prefixes): families sharing it are
     # told apart layer by layer (modules/lora_tools/lora_files.py); None: the label
     lora_kin: str | None = None
+    # adapters beyond those with a diffusers layout everywhere (modules/config/adapters.py)
+    # whose diffusers-layout file this type's pipeline loads (`load_lora_weights`), by name
+    diffusers_adapters: tuple[str, ...] = ()
 
     @property
     def components(self) -> tuple[str, ...]:
@@ -92,7 +95,10 @@ MODEL_TYPES: dict[ModelType, ModelTypeSpec] = {
                                    ("text_encoder",), ("tokenizer",), 1024, "builtin:tiny-klein",
                                    denoiser="transformer", denoiser_label="Transformer",
                                    flow_matching=True, samplers=("EULER",),
-                                   own_settings=("model.train_distilled",)),
+                                   own_settings=("model.train_distilled",),
+                                   # Flux2KleinPipeline.load_lora_weights reads peft's LoKr
+                                   # file (diffusers 0.42.1's Flux2LoraLoaderMixin)
+                                   diffusers_adapters=("LOKR",)),
 }
 # builtin: name -> its model type
 BUILTIN_MODEL_TYPES: dict[str, ModelType] = {spec.builtin: t for t, spec in MODEL_TYPES.items()}

@@ -3,8 +3,9 @@ layer with "_", q / k / v of each stream written as one LoRA of the fused `qkv`.
 against the diffusers layout: the update each BFL tensor gets, applied to the BFL weights by
 the key map ComfyUI builds for such names (`lora_unet_<key with _>` -> that key's weight),
 read back by diffusers' own BFL reader (Flux2Transformer2DModel.from_single_file), is the
-trained LoRA merged by peft; diffusers' Flux2 LoRA loader reads the file as the diffusers one. ComfyUI's own loading code needs a ComfyUI checkout (`pytest --comfyui`),
-which this repository never holds: not run here."""
+trained LoRA merged by peft; diffusers' Flux2 LoRA loader reads the file as the diffusers one.
+ComfyUI's own loading code needs a ComfyUI checkout (`pytest --comfyui`), which this
+repository never holds: not run here."""
 from __future__ import annotations
 
 import pytest
@@ -109,8 +110,9 @@ def test_each_fused_update_is_the_diffusers_layouts_updates_stacked(saved):
         want = torch.cat([peft_update(f"transformer_blocks.{block}.attn.to_{p}") for p in "qkv"])
         torch.testing.assert_close(img, want, rtol=1e-6, atol=1e-7)
         txt = updates[f"lora_unet_double_blocks_{block}_txt_attn_qkv"]
-        torch.testing.assert_close(txt[:32], peft_update(f"transformer_blocks.{block}.attn.add_q_proj"),
-                                   rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(
+            txt[:32], peft_update(f"transformer_blocks.{block}.attn.add_q_proj"),
+            rtol=1e-6, atol=1e-7)
         assert torch.equal(txt[64:], torch.zeros(32, 32))
         torch.testing.assert_close(
             updates[f"lora_unet_single_blocks_{block}_linear1"],
@@ -243,7 +245,8 @@ def test_diffusers_flux2_loader_reads_the_comfyui_file_as_the_diffusers_one(save
     transformer, path = saved
     Flux2KleinPipeline.save_lora_weights(
         save_directory=tmp_path, weight_name="peft.safetensors", safe_serialization=True,
-        transformer_lora_layers=get_peft_model_state_dict(transformer),
+        transformer_lora_layers=get_peft_model_state_dict(transformer,
+                                                           save_embedding_layers=False),
         transformer_lora_adapter_metadata=adapter_config(transformer).to_dict())
     outputs = []
     for file in (tmp_path / "peft.safetensors", path):

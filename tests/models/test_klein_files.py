@@ -233,3 +233,43 @@ def test_a_full_fine_tune_saves_a_diffusers_folder_and_comfyuis_file(tiny_config
     base = Flux2Transformer2DModel.from_pretrained(klein_folder, subfolder="transformer")
     key = "transformer_blocks.0.attn.to_q.weight"
     assert not torch.equal(base.state_dict()[key], want[key])  # it trained
+
+
+def test_lokr_is_written_in_the_diffusers_layout_klein_pipeline_loads(tiny_config, klein_folder):
+    """LoKr with DIFFUSERS output is accepted for Klein (refused for Z-Image, whose pipeline
+    has no such loader); 2 LoKr steps: Flux2KleinPipeline.load_lora_weights builds a LoKr
+    adapter with the run's alpha and rank and loads every saved factor bit for bit, and the
+    transformer's output changes."""
+    from diffusers import Flux2KleinPipeline
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    from modules.config.validate import validate
+    from modules.train.trainer import train
+    settings = ["training.adapter=LOKR", "training.lora_rank=4", "training.lora_alpha=8",
+                'output.formats=["DIFFUSERS"]', "sampling.sampler=EULER"]
+    zimage = apply_overrides(Config(), ["model.type=ZIMAGE", "model.path=builtin:tiny-zimage",
+                                        *settings])
+    assert [p.path for p in validate(zimage)] == ["output.formats[0]"]
+    config = tiny_config("model.type=KLEIN", "model.path=builtin:tiny-klein",
+                         "training.max_steps=2", *settings)
+    assert validate(config) == [] and family_problems(config) == []
+    final = train(config).output_dir / "final"
+    saved = {k.removeprefix("transformer."): v
+             for k, v in load_file(final / "pytorch_lora_weights.safetensors").items()}
+    assert saved and all(".lokr_" in k for k in saved)
+    pipe = Flux2KleinPipeline.from_pretrained(klein_folder, local_files_only=True)
+    plain = _forward_klein(pipe.transformer)
+    pipe.load_lora_weights(str(final), weight_name="pytorch_lora_weights.safetensors")
+    (adapter,) = pipe.transformer.peft_config.values()
+    assert type(adapter).__name__ == "LoKrConfig" and (adapter.r, adapter.alpha) == (4, 8)
+    loaded = get_peft_model_state_dict(pipe.transformer, save_embedding_layers=False,
+                                       adapter_name=next(iter(pipe.transformer.peft_config)))
+    assert loaded.keys() == saved.keys()
+    assert all(torch.equal(loaded[k], saved[k]) for k in saved)
+    assert not torch.allclose(_forward_klein(pipe.transformer), plain, atol=1e-5)
+
+
+def _forward_klein(transformer) -> torch.Tensor:
+    from tests.lora_tools.test_klein_lora_tools import _forward
+    return _forward(transformer)
