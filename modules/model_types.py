@@ -95,7 +95,8 @@ MODEL_TYPES: dict[ModelType, ModelTypeSpec] = {
                                    ("text_encoder",), ("tokenizer",), 1024, "builtin:tiny-klein",
                                    denoiser="transformer", denoiser_label="Transformer",
                                    flow_matching=True, samplers=("EULER",),
-                                   own_settings=("model.train_distilled",),
+                                   own_settings=("model.text_encoder_path", "model.vae_path",
+                                                 "model.train_distilled"),
                                    # Flux2KleinPipeline.load_lora_weights reads peft's LoKr
                                    # file (diffusers 0.42.1's Flux2LoraLoaderMixin)
                                    diffusers_adapters=("LOKR",)),

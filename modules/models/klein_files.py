@@ -9,8 +9,8 @@ FLUX.2-klein-4B and -9B say `"is_distilled": true`, the base models leave it out
 ComfyUI's split files (the diffusion model, Qwen3 and the VAE, each its own `.safetensors`)
 are recognised by their keys (`part_of`, from the header alone): a missing, swapped or wrong
 file is refused naming the file, what it is and the field it belongs in, and a 9B diffusion
-model beside Qwen3-4B (or the reverse) naming both. Loading them is not supported yet, so three
-right files are refused too, saying to give the diffusers folder.
+model beside Qwen3-4B (or the reverse) naming both. Three right files load (`load_split_files`),
+each component from the configs of the diffusion model's size.
 """
 from __future__ import annotations
 
@@ -141,9 +141,9 @@ def part_of(keys: dict[str, tuple[int, ...]]) -> tuple[str | None, str]:
 
 
 def split_file_problems(model: Any) -> list[Problem]:
-    """ComfyUI's three files, each the part its field names, and the diffusion model of the
-    size the encoder fits; every problem at once, before anything is written. Three right files
-    are refused too: loading them is not supported yet."""
+    """ComfyUI's three files, each the part its field names, the diffusion model of the size
+    the encoder fits, and a tokenizer named; every problem at once, before anything is
+    written."""
     problems, read = check_parts(model, "Klein", PART_LABELS, part_of)
     widths = {part: caption_width(keys) if part == "transformer" else encoder_width(keys)
               for part, keys in read.items()}
@@ -155,10 +155,10 @@ def split_file_problems(model: Any) -> list[Problem]:
             f"{Path(model.path).name} reads captions {takes} wide = {len(STACKED_LAYERS)} "
             f"layers x {takes // len(STACKED_LAYERS)}, but {Path(model.text_encoder_path).name} "
             f"is {hidden} wide (Klein 4B reads Qwen3-4B, 2560; 9B reads Qwen3-8B, 4096)"))
-    if not problems:
-        problems.append(Problem("model.path", "a Flux2KleinPipeline diffusers folder",
-                                repr(model.path), "the three files are Klein's, but loading "
-                                "ComfyUI's split files is not supported yet: " + DIFFUSERS_FOLDER))
+    if model.path and not (model.tokenizer_path or model.config_path):
+        problems.append(Problem("model.tokenizer_path", "a folder with Qwen3's tokenizer",
+                                "''", "the files hold no tokenizer: name a Klein diffusers "
+                                "folder (its tokenizer/) or a Qwen3 tokenizer folder"))
     return problems
 
 
@@ -279,3 +279,93 @@ def save_transformer_file(transformer: Any, path: Path, metadata: dict[str, str]
     with atomic_file(path) as tmp:
         save_file(tensors, str(tmp), metadata=dict(metadata or {}))
     return path
+
+
+# --- ComfyUI's split files loaded -------------------------------------------------------------
+# the configs shipped for each size (modules/models/configs), by the caption width the
+# diffusion model reads
+SIZE_CONFIGS = {7680: "klein4b", 12288: "klein9b"}
+# Flux.2's VAE file (BFL's ae.safetensors): the ldm VAE names diffusers' AutoencoderKL maps
+# (`single_file.vae_key_to_ldm`), its quant convs inside the encoder and decoder, and the
+# batch norm of the latent statistics as it is
+VAE_MOVED = (("quant_conv.", "encoder.quant_conv."), ("post_quant_conv.", "decoder.post_quant_conv."))
+
+
+def vae_original_key(key: str, num_up_blocks: int) -> str:
+    """Where an AutoencoderKLFlux2 tensor is in BFL's VAE file."""
+    from modules.models.single_file import vae_key_to_ldm
+    for ours, theirs in VAE_MOVED:
+        if key.startswith(ours):
+            return theirs + key[len(ours):]
+    return vae_key_to_ldm(key, num_up_blocks)
+
+
+def vae_to_original(vae: Any) -> dict[str, Any]:
+    """An AutoencoderKLFlux2's tensors in BFL's layout (the mid attention's projections as
+    1 x 1 convolutions, as the ldm layout holds them)."""
+    num_up = len(vae.config.up_block_types)
+    out = {}
+    for key, value in vae.state_dict().items():
+        name = vae_original_key(key, num_up)
+        out[name] = value[:, :, None, None] if ".mid.attn_1." in name and value.ndim == 2 \
+            else value
+    return out
+
+
+def vae_from_original(vae: Any, tensors: dict[str, Any], path: str) -> Any:
+    """`vae` (an AutoencoderKLFlux2 built from its config) with BFL's VAE file's tensors;
+    SingleFileError naming the first tensor the file lacks or holds in another shape. The
+    batch norm's step count, which inference never reads, keeps its value when absent."""
+    from modules.models.single_file import SingleFileError
+    num_up = len(vae.config.up_block_types)
+    state = vae.state_dict()
+    loaded = {}
+    for key, value in state.items():
+        name = vae_original_key(key, num_up)
+        if name not in tensors:
+            if key.endswith("num_batches_tracked"):
+                continue
+            raise SingleFileError(f"{path}: has no {name} (the VAE's {key}): not Flux.2's "
+                                  "VAE in BFL's layout")
+        tensor = tensors[name]
+        if tensor.numel() != value.numel():
+            raise SingleFileError(f"{path}: {name} is {tuple(tensor.shape)}, but the VAE config "
+                                  f"makes {key} {tuple(value.shape)}")
+        loaded[key] = tensor.reshape(value.shape)
+    vae.load_state_dict(loaded, strict=False)
+    return vae
+
+
+def config_folder_of(model: Any) -> Path:
+    """model.config_path, else the shipped configs of the diffusion model's size (by the
+    caption width it reads; 4B's when it is neither)."""
+    from modules.models.single_file import CONFIGS_DIR
+    from modules.models.split_files import keys_of
+    if model.config_path:
+        return Path(model.config_path)
+    width = caption_width(keys_of(Path(model.path)))
+    return CONFIGS_DIR / SIZE_CONFIGS.get(width or 0, "klein4b")
+
+
+def load_split_files(model: Any, config_folder: Path, dtypes: Any) -> dict[str, Any]:
+    """The components from ComfyUI's three files, each built from `config_folder`'s configs:
+    the diffusion model by diffusers' own BFL reader (Flux2Transformer2DModel.from_single_file),
+    Qwen3 as Z-Image's, the VAE by `vae_from_original`; the tokenizer from
+    model.tokenizer_path (or the config folder)."""
+    from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
+    from safetensors.torch import load_file
+
+    from modules.models.bundle import dtype_of
+    from modules.models.split_files import load_qwen3, load_tokenizer
+    transformer = Flux2Transformer2DModel.from_single_file(
+        model.path, config=str(config_folder), subfolder="transformer",
+        torch_dtype=dtype_of(dtypes, "transformer"), local_files_only=True)
+    vae = AutoencoderKLFlux2.from_config(
+        AutoencoderKLFlux2.load_config(config_folder / "vae", local_files_only=True))
+    # eval(), as from_pretrained leaves a model: a batch norm in train mode would move the
+    # latent statistics at every encode
+    vae = vae_from_original(vae, load_file(model.vae_path), model.vae_path).to(
+        dtype_of(dtypes, "vae")).eval()
+    encoder = load_qwen3(model.text_encoder_path, config_folder, dtype_of(dtypes, "text_encoder"))
+    return {"transformer": transformer, "vae": vae, "text_encoder": encoder,
+            "tokenizer": load_tokenizer(model, config_folder)}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -113,26 +114,94 @@ def split(tmp_path):
             "model.vae_path": _vae(tmp_path / "flux2-vae.safetensors", 32)}
 
 
-def _split_problems(files: dict) -> dict[str, str]:
+def _split_problems(files: dict, tokenizer: bool = True) -> dict[str, str]:
+    """The split files' problems, a tokenizer folder named unless `tokenizer` is False."""
     from modules.models.klein_files import split_file_problems
+    named = {"model.tokenizer_path": Path(str(files["model.text_encoder_path"])).parent,
+             **files} if tokenizer else files
     model = apply_overrides(Config(), ["model.type=KLEIN", *[f"{field}={path}" for field, path
-                                                            in files.items()]]).model
+                                                            in named.items()]]).model
     return {p.path: str(p) for p in split_file_problems(model)}
 
 
-def test_three_right_files_are_recognised_then_refused_until_klein_loads_them(split):
+def test_three_right_files_are_recognised_and_need_a_tokenizer(split, klein_folder):
     from modules.models.klein_files import part_of
     from modules.models.split_files import keys_of
     assert [part_of(keys_of(split[f]))[0] for f in split] == ["transformer", "text_encoder",
                                                                 "vae"]
     assert part_of(keys_of(split["model.path"]))[1].startswith("Klein 4B")
-    problems = _split_problems(split)
-    assert problems.keys() == {"model.path"} and "not supported yet" in problems["model.path"]
-    assert "FLUX.2-klein-base-4B" in problems["model.path"]
+    problems = _split_problems(split, tokenizer=False)
+    assert problems.keys() == {"model.tokenizer_path"} and "tokenizer" in str(problems)
+    assert _split_problems({**split, "model.tokenizer_path": klein_folder}) == {}
     # through the run's own input checks too (the files are Klein's own settings)
     config_problems = _model_problems(split["model.path"],
-                                      *[f"{f}={p}" for f, p in split.items() if f != "model.path"])
-    assert config_problems.keys() == {"model.path"}, config_problems
+                                      *[f"{f}={p}" for f, p in split.items() if f != "model.path"],
+                                      f"model.tokenizer_path={klein_folder}")
+    assert config_problems == {}, config_problems
+
+
+@pytest.fixture(scope="module")
+def comfyui_files(klein_folder, tmp_path_factory):
+    """The tiny Klein as ComfyUI's three files: the diffusion model in BFL's layout, Qwen3
+    under `model.` (with its tied head, as the released file has it), the VAE in BFL's
+    ae.safetensors layout; and the folder's own bundle to compare with."""
+    from safetensors.torch import save_file
+    from transformers import Qwen3ForCausalLM
+
+    from modules.models.families import family_of
+    from modules.models.klein_files import to_original_names, vae_to_original
+    bundle = family_of(ModelType.KLEIN).load_folder(klein_folder, None, torch.float32)
+    root = tmp_path_factory.mktemp("klein-comfyui-files")
+    paths = {"model.path": root / "flux-2-klein-base-tiny.safetensors",
+             "model.text_encoder_path": root / "qwen_3_tiny.safetensors",
+             "model.vae_path": root / "flux2-vae.safetensors"}
+    save_file({k: v.contiguous() for k, v in to_original_names(
+        bundle.denoiser.state_dict()).items()}, str(paths["model.path"]))
+    causal = Qwen3ForCausalLM.from_pretrained(klein_folder, subfolder="text_encoder",
+                                              local_files_only=True)
+    save_file({k: v.contiguous().clone() for k, v in causal.state_dict().items()},
+              str(paths["model.text_encoder_path"]))
+    save_file({k: v.contiguous() for k, v in vae_to_original(bundle.vae).items()},
+              str(paths["model.vae_path"]))
+    return bundle, paths
+
+
+def test_the_three_files_load_as_the_model_they_came_from(comfyui_files, klein_folder):
+    """Each component loaded from ComfyUI's files (the diffusion model by diffusers'
+    from_single_file, Qwen3, the VAE by Tempera's BFL conversion, in eval mode) equals the
+    folder's bit for bit, and the tokenizer encodes a caption alike."""
+    from modules.models.families import family_of
+    bundle, paths = comfyui_files
+    model = apply_overrides(Config(), ["model.type=KLEIN", f"model.config_path={klein_folder}",
+                                       f"model.tokenizer_path={klein_folder}",
+                                       *[f"{f}={p}" for f, p in paths.items()]]).model
+    loaded = family_of(ModelType.KLEIN).load_single_file(paths["model.path"], model,
+                                                         torch.float32)
+    for name, module in bundle.components().items():
+        want, got = module.state_dict(), loaded.component(name).state_dict()
+        assert want.keys() == got.keys(), name
+        for key in want:
+            assert torch.equal(want[key], got[key]), f"{name}: {key}"
+    assert not loaded.vae.training and not loaded.text_encoders["text_encoder"].training
+    caption = "a red circle"
+    assert (loaded.tokenizers["tokenizer"](caption).input_ids
+            == bundle.tokenizers["tokenizer"](caption).input_ids)
+
+
+def test_a_vae_file_of_another_layout_is_refused_naming_the_tensor(comfyui_files, tmp_path):
+    from diffusers import AutoencoderKLFlux2
+    from safetensors.torch import load_file, save_file
+
+    from modules.models.klein_files import vae_from_original
+    from modules.models.single_file import SingleFileError
+    bundle, paths = comfyui_files
+    tensors = load_file(str(paths["model.vae_path"]))
+    del tensors["bn.running_var"]
+    broken = tmp_path / "broken.safetensors"
+    save_file(tensors, str(broken))
+    vae = AutoencoderKLFlux2.from_config(bundle.vae.config)
+    with pytest.raises(SingleFileError, match="has no bn.running_var"):
+        vae_from_original(vae, load_file(str(broken)), str(broken))
 
 
 def test_swapped_wrong_and_missing_files_are_each_named(split, tmp_path):
@@ -273,3 +342,18 @@ def test_lokr_is_written_in_the_diffusers_layout_klein_pipeline_loads(tiny_confi
 def _forward_klein(transformer) -> torch.Tensor:
     from tests.lora_tools.test_klein_lora_tools import _forward
     return _forward(transformer)
+
+
+def test_a_lora_trains_from_comfyuis_three_files(comfyui_files, klein_folder, tiny_config):
+    """2 LoRA steps from the three files (the loader's single-file path, the family's
+    `load_single_file`): the run saves a LoRA whose factors moved."""
+    from safetensors.torch import load_file
+
+    from modules.train.trainer import train
+    _, paths = comfyui_files
+    result = train(tiny_config("model.type=KLEIN", "training.max_steps=2",
+                               "sampling.sampler=EULER", f"model.config_path={klein_folder}",
+                               f"model.tokenizer_path={klein_folder}",
+                               *[f"{f}={p}" for f, p in paths.items()]))
+    saved = load_file(result.output_dir / "final" / "pytorch_lora_weights.safetensors")
+    assert any(v.abs().sum() > 0 for k, v in saved.items() if "lora_B" in k)

@@ -231,6 +231,22 @@ def write_single_file(bundle: ModelBundle, path: Path, metadata: dict, dtype: An
     return save_transformer_file(bundle.denoiser, path, metadata, dtype)
 
 
+def load_single_file(path: Path, model: Any, dtypes: Dtypes) -> ModelBundle:
+    """ComfyUI's three files (model.path, model.text_encoder_path, model.vae_path), built from
+    the shipped configs of the diffusion model's size (or model.config_path), the tokenizer
+    from model.tokenizer_path."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from modules.models.klein_files import config_folder_of, load_split_files
+    folder = config_folder_of(model)
+    parts = load_split_files(model, folder, dtypes)
+    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(folder, subfolder="scheduler",
+                                                                local_files_only=True)
+    return ModelBundle(ModelType.KLEIN, Path(path), parts["transformer"], parts["vae"],
+                       {"text_encoder": parts["text_encoder"]},
+                       {"tokenizer": parts["tokenizer"]}, scheduler)
+
+
 def input_problems(model: Any, single_file: bool) -> list:
     from modules.models.klein_files import input_problems as klein_problems
     return klein_problems(model, single_file)
@@ -251,7 +267,7 @@ KLEIN = ModelFamily(
     model_type=ModelType.KLEIN,
     repeated_blocks=KLEIN_BLOCKS,
     load_folder=load_folder,
-    load_single_file=None,
+    load_single_file=load_single_file,
     encode_text=encode_text,
     conditioning=conditioning,
     denoiser_arguments=transformer_arguments,
