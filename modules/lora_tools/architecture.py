@@ -190,7 +190,8 @@ def model_layout(path: str | Path | None = None, model_type: ModelType | None = 
             found = detect_model_type(path, expected=model_type)
         except SingleFileError as error:
             raise LoraToolError(str(error)) from None
-    configs = Path(config_folder) if config_folder else config_folder_for(family_files(found))
+    configs = (Path(config_folder) if config_folder
+               else config_folder_for(family_files(found), path))
     return _layout(found, configs, path, source)
 
 

@@ -336,15 +336,11 @@ def vae_from_original(vae: Any, tensors: dict[str, Any], path: str) -> Any:
     return vae
 
 
-def config_folder_of(model: Any) -> Path:
-    """model.config_path, else the shipped configs of the diffusion model's size (by the
-    caption width it reads; 4B's when it is neither)."""
-    from modules.models.single_file import CONFIGS_DIR
+def size_configs(path: Path) -> str | None:
+    """The shipped configs (under modules/models/configs) of a Klein diffusion-model file's
+    size, by the caption width it reads; None for a file of neither size."""
     from modules.models.split_files import keys_of
-    if model.config_path:
-        return Path(model.config_path)
-    width = caption_width(keys_of(Path(model.path)))
-    return CONFIGS_DIR / SIZE_CONFIGS.get(width or 0, "klein4b")
+    return SIZE_CONFIGS.get(caption_width(keys_of(path)) or 0)
 
 
 def load_split_files(model: Any, config_folder: Path, dtypes: Any) -> dict[str, Any]:

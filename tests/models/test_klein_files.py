@@ -357,3 +357,17 @@ def test_a_lora_trains_from_comfyuis_three_files(comfyui_files, klein_folder, ti
                                *[f"{f}={p}" for f, p in paths.items()]))
     saved = load_file(result.output_dir / "final" / "pytorch_lora_weights.safetensors")
     assert any(v.abs().sum() > 0 for k, v in saved.items() if "lora_B" in k)
+
+
+def test_a_single_files_configs_are_those_of_its_size(split, tmp_path):
+    """The loader, the memory plan and the LoRA tools read a Klein file's architecture from
+    the shipped configs of its size (the caption width its diffusion model reads)."""
+    from modules.models.families import family_files
+    from modules.models.single_file import config_folder_for
+    from modules.train.memory.memory_plan import config_folders
+    nine = _diffusion_model(tmp_path / "flux-2-klein-base-9b.safetensors", 12288)
+    files = family_files(ModelType.KLEIN)
+    assert config_folder_for(files, split["model.path"]).name == "klein4b"
+    assert config_folder_for(files, nine).name == "klein9b"
+    config = apply_overrides(Config(), ["model.type=KLEIN", f"model.path={nine}"])
+    assert config_folders(config, nine).name == "klein9b"

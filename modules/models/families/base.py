@@ -96,6 +96,8 @@ class FileConventions:
       left out, as kohya's writer does for Flux, rather than naming a wrong one;
     - `predicts_v_by_default`: what prediction type AUTO means for the family's base models;
     - `single_file_configs`: the folder under models/configs/ with its architecture configs;
+      `single_file_sizes(path)`: for a family of several sizes, the one a single file is of
+      (Klein's 4B or 9B, by its diffusion model's header), None: `single_file_configs`;
     - `single_file_text_encoders`: text encoder -> (key prefix in an ldm file, "hf" or
       "open_clip" layout);
     - `kohya_separator`: what joins a module path's parts in a LoRA name: "_" as kohya writes
@@ -135,6 +137,7 @@ class FileConventions:
         lambda key: None)
     lora_layer_names: str | None = None
     kohya_fuses: str = ""
+    single_file_sizes: Callable[[Path], str | None] | None = None
 
 
 @dataclass(frozen=True)

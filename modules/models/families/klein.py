@@ -202,6 +202,11 @@ def _denoiser_file_key(key: str, rows: int) -> tuple[str, tuple[int, int] | None
     return original_key(key, rows)
 
 
+def _single_file_sizes(path: Path) -> str | None:
+    from modules.models.klein_files import size_configs
+    return size_configs(path)
+
+
 def _denoiser_file_stored(key: str) -> Any:
     from modules.models.klein_files import stored_as
     return stored_as(key)
@@ -215,7 +220,8 @@ KLEIN_FILES = FileConventions(
     # flow matching: neither of modelspec's prediction types (epsilon, v)
     modelspec_implementation="https://github.com/black-forest-labs/flux2",
     modelspec_prediction_type=lambda v_prediction: None,
-    single_file_configs="klein4b", single_file_text_encoders={},
+    single_file_configs="klein4b", single_file_sizes=_single_file_sizes,
+    single_file_text_encoders={},
     denoiser_class="Flux2Transformer2DModel", denoiser_file=_denoiser_file,
     denoiser_file_key=_denoiser_file_key, denoiser_file_stored=_denoiser_file_stored,
     # the blocks, by diffusers' names or BFL's, which neither Z-Image's files (`transformer.`
@@ -237,8 +243,10 @@ def load_single_file(path: Path, model: Any, dtypes: Dtypes) -> ModelBundle:
     from model.tokenizer_path."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    from modules.models.klein_files import config_folder_of, load_split_files
-    folder = config_folder_of(model)
+    from modules.models.klein_files import load_split_files
+    from modules.models.single_file import config_folder_for
+    folder = Path(model.config_path) if model.config_path else config_folder_for(KLEIN_FILES,
+                                                                               model.path)
     parts = load_split_files(model, folder, dtypes)
     scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(folder, subfolder="scheduler",
                                                                 local_files_only=True)
