@@ -256,3 +256,39 @@ def test_diffusers_flux2_loader_reads_the_comfyui_file_as_the_diffusers_one(save
     plain = Flux2KleinPipeline.from_pretrained(klein_folder, local_files_only=True)
     assert not torch.allclose(_forward(plain.transformer), outputs[0], atol=1e-4)
     torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-5, atol=1e-6)
+
+
+def test_comfyuis_own_loading_maps_every_key_and_applies_the_update(saved, comfyui, caplog):
+    """ComfyUI's own code (skipped without `pytest --comfyui=PATH`): comfy.lora's
+    model_lora_keys_unet on a Flux.2 model (its class, the tiny Klein's BFL weight names under
+    `diffusion_model.`), load_lora and calculate_weight map every tensor of the file and add
+    to each weight the update computed here (each fused `qkv` the q, k and v updates stacked,
+    checked above against peft's). Written for a checkout: where it was written there was
+    none to run it on."""
+    import logging
+    from types import SimpleNamespace
+
+    from modules.models.klein_files import to_original_names
+    transformer, path = saved
+    config = transformer.config
+    model = comfyui.model_base.Flux2.__new__(comfyui.model_base.Flux2)
+    torch.nn.Module.__init__(model)
+    model.model_config = SimpleNamespace(unet_config={
+        "image_model": "flux2", "depth": config.num_layers,
+        "depth_single_blocks": config.num_single_layers, "mlp_ratio": config.mlp_ratio,
+        "hidden_size": config.num_attention_heads * config.attention_head_dim})
+    base = {k.replace(".base_layer", ""): v for k, v in transformer.state_dict().items()
+            if "lora_" not in k}
+    weights = {"diffusion_model." + k: v for k, v in to_original_names(base).items()}
+    model.state_dict = lambda: {k: None for k in weights}
+    key_map = comfyui.lora.model_lora_keys_unet(model, {})
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        patches = comfyui.lora.load_lora(load_file(str(path)), key_map)
+    assert not [r for r in caplog.records if "not loaded" in r.getMessage()]
+    expected = {key_map[name]: update for name, update in _updates(path).items()}
+    assert set(patches) == set(expected)
+    for key, update in expected.items():
+        applied = comfyui.lora.calculate_weight([(1.0, patches[key], 1.0, None, None)],
+                                                torch.zeros(weights[key].shape), key)
+        torch.testing.assert_close(applied, update, rtol=1e-5, atol=1e-6, msg=key)
