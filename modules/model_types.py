@@ -52,6 +52,9 @@ class ModelTypeSpec:
     # (kohya names SD 1.x, 2.x and XL layers with the same prefixes): families sharing it are
     # told apart layer by layer (modules/lora_tools/lora_files.py); None: the label
     lora_kin: str | None = None
+    # adapters beyond those with a diffusers layout everywhere (modules/config/adapters.py)
+    # whose diffusers-layout file this type's pipeline loads (`load_lora_weights`), by name
+    diffusers_adapters: tuple[str, ...] = ()
 
     @property
     def components(self) -> tuple[str, ...]:
@@ -71,7 +74,7 @@ class ModelTypeSpec:
 
 _SD_LORA_KIN = "Stable Diffusion (1.x, 2.x or XL)"
 # what loading an SD checkpoint file reads beside it (its tokenizer, its configs) and lets it be
-# (a pickle); Z-Image's files read the first two, Klein's none
+# (a pickle); Z-Image's and Klein's files read the first two
 _SINGLE_FILE_SETTINGS = ("model.tokenizer_path", "model.config_path")
 _SD_OWN = (*_SINGLE_FILE_SETTINGS, "model.allow_pickle")
 MODEL_TYPES: dict[ModelType, ModelTypeSpec] = {
@@ -98,7 +101,12 @@ MODEL_TYPES: dict[ModelType, ModelTypeSpec] = {
                                    ("text_encoder",), ("tokenizer",), 1024, "builtin:tiny-klein",
                                    denoiser="transformer", denoiser_label="Transformer",
                                    flow_matching=True, samplers=("EULER",),
-                                   own_settings=("model.train_distilled",)),
+                                   own_settings=(*_SINGLE_FILE_SETTINGS,
+                                                 "model.text_encoder_path", "model.vae_path",
+                                                 "model.train_distilled"),
+                                   # Flux2KleinPipeline.load_lora_weights reads peft's LoKr
+                                   # file (diffusers 0.42.1's Flux2LoraLoaderMixin)
+                                   diffusers_adapters=("LOKR",)),
 }
 # builtin: name -> its model type
 BUILTIN_MODEL_TYPES: dict[str, ModelType] = {spec.builtin: t for t, spec in MODEL_TYPES.items()}

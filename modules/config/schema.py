@@ -218,16 +218,16 @@ class ModelConfig:
     text_encoder_path: str = setting(
         "", label="Text encoder file", group="Model", path=True, files=("*.safetensors",),
         advanced=True,
-        help="Z-Image from ComfyUI's files: the Qwen3 text encoder's .safetensors "
-             "(models/text_encoders/qwen_3_4b.safetensors), with model.path the diffusion "
-             "model's and model.vae_path the VAE's. Empty for a diffusers folder. Flux.2 "
-             "Klein's three files are recognised and checked, not loaded yet.")
+        help="Z-Image or Flux.2 Klein from ComfyUI's files: the Qwen3 text encoder's "
+             ".safetensors (models/text_encoders/qwen_3_4b.safetensors; Klein 9B reads "
+             "Qwen3-8B), with model.path the diffusion model's and model.vae_path the VAE's. "
+             "Empty for a diffusers folder.")
     vae_path: str = setting(
         "", label="VAE file", group="Model", path=True, files=("*.safetensors",),
         advanced=True,
-        help="Z-Image from ComfyUI's files: the VAE's .safetensors (Flux.1's 16-channel "
-             "ae.safetensors, models/vae). Empty for a diffusers folder. Flux.2 Klein's "
-             "(its 32-channel VAE) is recognised and checked, not loaded yet.")
+        help="Z-Image or Flux.2 Klein from ComfyUI's files: the VAE's .safetensors "
+             "(models/vae: Flux.1's 16-channel ae.safetensors for Z-Image, Flux.2's "
+             "32-channel VAE for Klein). Empty for a diffusers folder.")
     train_distilled: bool = setting(
         False, label="Train a distilled model", group="Model", advanced=True,
         help="Z-Image-Turbo and the Flux.2 Klein 4B and 9B (not base) models are "

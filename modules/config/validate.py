@@ -441,10 +441,13 @@ def _check_adapter(config: Config) -> list[Problem]:
         problems.append(Problem("training.conv_rank", f"at least 1 with {name} (4 to 16 is "
                                 "usual)", "0", f"{row.label} without convolutions is LORA "
                                 "with more training.lora_target_modules"))
+    formats = set(row.formats)
+    if name in MODEL_TYPES[config.model.type].diffusers_adapters:
+        formats.add(SaveFormat.DIFFUSERS)  # this type's pipeline loads its diffusers file
     for i, fmt in enumerate(config.output.formats):
-        if fmt in SUPPORTED_FORMATS[t.method] and fmt not in row.formats:
+        if fmt in SUPPORTED_FORMATS[t.method] and fmt not in formats:
             problems.append(Problem(f"output.formats[{i}]", " or ".join(
-                sorted(f.value for f in row.formats)), fmt.value,
+                sorted(f.value for f in formats)), fmt.value,
                 f"diffusers cannot load {row.label} files; use KOHYA (ComfyUI, A1111 / Forge "
                 "and LyCORIS read it)"))
     return problems

@@ -11,16 +11,19 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from modules.config.schema import ModelType
 from modules.lora_tools.errors import LoraToolError, input_error
 from modules.model_types import BUILTIN_PREFIX, MODEL_TYPES
 from modules.models.families import family_files, family_of
 from modules.models.folder import SAFETENSORS_SUFFIX
-from modules.models.kohya import KohyaError, kohya_module_name
+from modules.models.kohya import KohyaError, fused_rows, kohya_module_name, original_layer
 from modules.models.single_file import (
     LDM_UNET_PREFIX, OPEN_CLIP_LAYER_PARTS, SingleFileError, _rename_head, clip_key_with_text_model,
     config_folder_for, detect_model_type, unet_key_to_ldm)
@@ -35,6 +38,13 @@ class Location:
     file: Path
     key: str
     rows: tuple[int, int] | None = None
+    # the file's values rearranged (its own inverse: Flux's final modulation, halves swapped)
+    stored: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def read(self, stored: torch.Tensor) -> torch.Tensor:
+        """The layer's weight, as diffusers holds it, from the stored tensor."""
+        weight = stored[slice(*self.rows) if self.rows else slice(None)]
+        return self.stored(weight) if self.stored else weight
 
 
 @dataclass
@@ -47,6 +57,10 @@ class ModelLayout:
     path: Path | None = None  # the base's folder or single file; None: the shipped configs
     configs: Path | None = None  # the folder its architecture was read from
     kohya_names: dict[str, LayerKey] = field(default_factory=dict)
+    # a layout that fuses layers (Klein's q / k / v into `qkv`): the fused kohya names with
+    # their weight's rows, and each fused layer's rows in it
+    fused_rows: dict[str, int] = field(default_factory=dict)
+    fused_parts: dict[LayerKey, tuple[int, int]] = field(default_factory=dict)
     _file_shapes: dict[str, tuple[int, ...]] | None = field(default=None, repr=False)
 
     def kohya_name(self, key: LayerKey) -> str:
@@ -176,7 +190,8 @@ def model_layout(path: str | Path | None = None, model_type: ModelType | None = 
             found = detect_model_type(path, expected=model_type)
         except SingleFileError as error:
             raise LoraToolError(str(error)) from None
-    configs = Path(config_folder) if config_folder else config_folder_for(family_files(found))
+    configs = (Path(config_folder) if config_folder
+               else config_folder_for(family_files(found), path))
     return _layout(found, configs, path, source)
 
 
@@ -213,11 +228,19 @@ def _layout(model_type: ModelType, configs: Path, path: Path | None, source: str
             if isinstance(layer, (nn.Linear, nn.Conv2d)):
                 shapes[(component, rename(name))] = tuple(layer.weight.shape)
     layout = ModelLayout(model_type, source, shapes, unet_config, path, configs)
+    layout.fused_rows = fused_rows(model_type, denoiser, {
+        p: shape[0] for (c, p), shape in shapes.items() if c == denoiser})
     for key in shapes:
         try:
-            layout.kohya_names[layout.kohya_name(key)] = key
+            name = layout.kohya_name(key)
         except (KohyaError, SingleFileError):
             continue  # a layer with no ldm name (e.g. SDXL's add_embedding) has no kohya name
+        if name in layout.fused_rows:
+            part = original_layer(files, key[1], shapes[key][0])[1]
+            assert part is not None
+            layout.fused_parts[key] = part
+        else:
+            layout.kohya_names[name] = key
     return layout
 
 
@@ -281,7 +304,8 @@ def _single_file_location(layout: ModelLayout, key: LayerKey) -> Location:
                         "{config_folder} (a diffusers folder of it)", path=layout.path,
                         tensor=candidate, shape=shape, configs=layout.configs,
                         layer=module_path, expected=expected)
-                return Location(layout.path, candidate, rows)
+                return Location(layout.path, candidate, rows,
+                                files.denoiser_file_stored(module_path + ".weight"))
         raise LoraToolError(f"{layout.path}: has no weight {key_name} (for {module_path})")
     if component == "unet":
         return Location(layout.path, LDM_UNET_PREFIX

@@ -21,7 +21,8 @@ import torch
 from modules.lora_tools.architecture import LayerKey, ModelLayout
 from modules.lora_tools.errors import LoraToolError
 from modules.model_types import MODEL_TYPES, ModelType
-from modules.models.families import FAMILIES, family_files
+from modules.models.families import FAMILIES, FileConventions, family_files
+from modules.models.kohya import fuse_lora
 from modules.models.single_file import clip_key_with_text_model
 from modules.util.atomic import atomic_file
 
@@ -114,16 +115,26 @@ def _families_of(tensors: dict[str, torch.Tensor]) -> list[ModelType]:
     """The families whose LoRA files name layers as these tensors do: by the kohya prefixes
     of each family's record, or the diffusers layout's component names (its denoiser's and
     text encoders')."""
-    found = []
-    for model_type, family in FAMILIES.items():
-        if family.files is None:
-            continue
-        prefixes = tuple(family.files.kohya_prefixes.values())
-        components = tuple(f"{c}." for c in family.files.kohya_prefixes)
-        if any(k.startswith(prefixes) or (".lora_A." in k and k.startswith(components))
-               for k in tensors):
-            found.append(model_type)
-    return found
+    found: set[ModelType] = set()
+    for key in tensors:
+        # families whose prefix the key has; of those, the ones whose layer names
+        # (`lora_layer_names`) it has, if any do, else the ones that name no pattern
+        prefixed = {t: f.files for t, f in FAMILIES.items() if f.files is not None
+                    and _start(key, f.files) is not None}
+        named = {t for t, files in prefixed.items() if files.lora_layer_names
+                 and re.match(files.lora_layer_names, key[_start(key, files) or 0:])}
+        found |= named or {t for t, files in prefixed.items() if not files.lora_layer_names}
+    return [t for t in FAMILIES if t in found]
+
+
+def _start(key: str, files: FileConventions) -> int | None:
+    """Where the layer name starts in a tensor key of the family's files (after its kohya
+    prefix or, in the diffusers layout, its component), None: not a key of its files."""
+    components = tuple(f"{c}." for c in files.kohya_prefixes) if ".lora_A." in key else ()
+    for start in (*files.kohya_prefixes.values(), *components):
+        if key.startswith(start):
+            return len(start)
+    return None
 
 
 def _check_family(path: Path, tensors: dict[str, torch.Tensor], layout: ModelLayout) -> None:
@@ -170,7 +181,8 @@ def _read_kohya(path: Path, tensors: dict[str, torch.Tensor],
         name, suffix = _split_kohya(key)
         groups.setdefault(name, {})[suffix] = value
     layers = {}
-    unknown = sorted(name for name in groups if name not in layout.kohya_names)
+    unknown = sorted(name for name in groups
+                     if name not in layout.kohya_names and name not in layout.fused_rows)
     if unknown:
         raise LoraToolError(
             f"{path}: {len(unknown)} layer(s) are not in the base ({layout.source}, "
@@ -185,8 +197,32 @@ def _read_kohya(path: Path, tensors: dict[str, torch.Tensor],
                                 "these tools read (LoRA, LoCon, DoRA, LoHa, LoKr)")
         layer = AdapterLayer(kind, group, 0.0)
         layer.alpha = float(alpha_t) if alpha_t is not None else float(layer.rank or 1)
-        layers[layout.kohya_names[name]] = layer
+        if name in layout.fused_rows:
+            layers.update(_split_fused(path, name, layer, layout))
+        else:
+            layers[layout.kohya_names[name]] = layer
     return layers
+
+
+def _split_fused(path: Path, name: str, layer: AdapterLayer,
+                 layout: ModelLayout) -> dict[LayerKey, AdapterLayer]:
+    """A LoRA of a fused weight (Klein's `qkv`) as the LoRAs of the layers fused there, exactly:
+    each takes its rows of up and the whole down (a layer whose rows are all zero is left
+    out: its update is zero)."""
+    if layer.kind != "lora":
+        raise LoraToolError(f"{path}: {name}: a {layer.kind} layer on a fused weight: these "
+                            "tools split only a LoRA into the layers fused there")
+    up, rows = layer.tensors["lora_up.weight"], layout.fused_rows[name]
+    if up.shape[0] != rows:
+        raise LoraToolError(f"{path}: {name}: its up has {up.shape[0]} rows, but the base's "
+                            f"fused weight has {rows} ({layout.source}): it was trained on "
+                            "another model")
+    out = {}
+    for key, (start, stop) in layout.fused_parts.items():
+        if layout.kohya_name(key) == name and bool(up[start:stop].any()):
+            out[key] = lora(layer.tensors["lora_down.weight"].clone(), up[start:stop].clone(),
+                            layer.alpha)
+    return out
 
 
 def _read_diffusers(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str],
@@ -253,11 +289,20 @@ def write_lora(layers: dict[LayerKey, AdapterLayer], path: Path, file_layout: st
     meta = {"tempera.tool": "tempera-lora", **(metadata or {})}
     if file_layout == KOHYA:
         tensors = {}
+        fused: dict[str, list[tuple[tuple[int, int], dict[str, torch.Tensor]]]] = {}
         for key, layer in layers.items():
             name = layout.kohya_name(key)
-            tensors[f"{name}.lora_down.weight"] = layer.tensors["lora_down.weight"].contiguous()
-            tensors[f"{name}.lora_up.weight"] = layer.tensors["lora_up.weight"].contiguous()
-            tensors[f"{name}.alpha"] = torch.tensor(float(layer.alpha), dtype=torch.float32)
+            own = {"lora_down.weight": layer.tensors["lora_down.weight"].contiguous(),
+                   "lora_up.weight": layer.tensors["lora_up.weight"].contiguous(),
+                   "alpha": torch.tensor(float(layer.alpha), dtype=torch.float32)}
+            if key in layout.fused_parts:
+                fused.setdefault(name, []).append((layout.fused_parts[key], own))
+                continue
+            tensors.update({f"{name}.{suffix}": t for suffix, t in own.items()})
+        for name, parts in fused.items():
+            whole = fuse_lora(name, sorted(parts, key=lambda p: p[0][0]),
+                              layout.fused_rows[name])
+            tensors.update({f"{name}.{suffix}": t.contiguous() for suffix, t in whole.items()})
         ranks = Counter(layer.rank for layer in layers.values())
         meta.update({"ss_network_module": "networks.lora",
                      "ss_network_dim": str(ranks.most_common(1)[0][0] if ranks else 0)})

@@ -150,11 +150,11 @@ def _change(parts: list[tuple[Location, LayerKey]],
         merged = weight.float()
         for location, key in parts:
             rows = slice(*location.rows) if location.rows else slice(None)
-            base = merged[rows]
+            base = location.read(merged)
             update = torch.zeros_like(base)
             for layer, w in updates[key]:
                 update += w * delta(layer, base).reshape(base.shape)
-            merged[rows] = base + update
+            merged[rows] = location.stored(base + update) if location.stored else base + update
         return merged
     return apply
 
@@ -316,8 +316,7 @@ def extract(layout: ModelLayout, tuned: ModelLayout, output: Path, rank: int,
 def _read(location: Location, safe_open) -> torch.Tensor:
     with safe_open(str(location.file), "pt") as f:
         weight = f.get_tensor(location.key)
-    rows = slice(*location.rows) if location.rows else slice(None)
-    return weight[rows].float()
+    return location.read(weight).float()
 
 
 # --- convert -------------------------------------------------------------------------------

@@ -74,9 +74,11 @@ def denoiser_file_entries(layout: ModelLayout,
                           changes: dict[Path, dict[str, Change]]) -> list[Entry]:
     """The entries of a family's lone denoiser file (Z-Image's ComfyUI diffusion model): each
     denoiser tensor of the folder under the name the family's `denoiser_file_key` gives,
-    those it fuses (q, k, v) read together and stacked in their rows' order."""
+    those it fuses (q, k, v) read together and stacked in their rows' order, those it stores
+    rearranged (`denoiser_file_stored`) rearranged."""
     assert layout.path is not None
-    key_of = family_files(layout.model_type).denoiser_file_key
+    files = family_files(layout.model_type)
+    key_of, stored = files.denoiser_file_key, files.denoiser_file_stored
     assert key_of is not None
     groups: dict[str, list[tuple[int, Source]]] = {}
     for file in component_files(layout.path / layout.denoiser):
@@ -86,8 +88,13 @@ def denoiser_file_entries(layout: ModelLayout,
                 name, rows = key_of(key, info["shape"][0])
                 groups.setdefault(name, []).append(((rows or (0, 0))[0], (file, key)))
 
+    def as_stored(key: str, value: torch.Tensor) -> torch.Tensor:
+        rearrange = stored(key)
+        return rearrange(value) if rearrange else value
+
     def fused(name: str, keys: list[str]) -> Convert:
-        return lambda d: {name: torch.cat([d[k] for k in keys]) if len(keys) > 1 else d[keys[0]]}
+        return lambda d: {name: torch.cat([d[k] for k in keys]) if len(keys) > 1
+                          else as_stored(keys[0], d[keys[0]])}
     entries = []
     for name, parts in groups.items():
         ordered = [source for _, source in sorted(parts)]

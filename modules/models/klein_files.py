@@ -9,8 +9,8 @@ FLUX.2-klein-4B and -9B say `"is_distilled": true`, the base models leave it out
 ComfyUI's split files (the diffusion model, Qwen3 and the VAE, each its own `.safetensors`)
 are recognised by their keys (`part_of`, from the header alone): a missing, swapped or wrong
 file is refused naming the file, what it is and the field it belongs in, and a 9B diffusion
-model beside Qwen3-4B (or the reverse) naming both. Loading them is not supported yet, so three
-right files are refused too, saying to give the diffusers folder.
+model beside Qwen3-4B (or the reverse) naming both. Three right files load (`load_split_files`),
+each component from the configs of the diffusion model's size.
 """
 from __future__ import annotations
 
@@ -141,9 +141,9 @@ def part_of(keys: dict[str, tuple[int, ...]]) -> tuple[str | None, str]:
 
 
 def split_file_problems(model: Any) -> list[Problem]:
-    """ComfyUI's three files, each the part its field names, and the diffusion model of the
-    size the encoder fits; every problem at once, before anything is written. Three right files
-    are refused too: loading them is not supported yet."""
+    """ComfyUI's three files, each the part its field names, the diffusion model of the size
+    the encoder fits, and a tokenizer named; every problem at once, before anything is
+    written."""
     problems, read = check_parts(model, "Klein", PART_LABELS, part_of)
     widths = {part: caption_width(keys) if part == "transformer" else encoder_width(keys)
               for part, keys in read.items()}
@@ -155,10 +155,10 @@ def split_file_problems(model: Any) -> list[Problem]:
             f"{Path(model.path).name} reads captions {takes} wide = {len(STACKED_LAYERS)} "
             f"layers x {takes // len(STACKED_LAYERS)}, but {Path(model.text_encoder_path).name} "
             f"is {hidden} wide (Klein 4B reads Qwen3-4B, 2560; 9B reads Qwen3-8B, 4096)"))
-    if not problems:
-        problems.append(Problem("model.path", "a Flux2KleinPipeline diffusers folder",
-                                repr(model.path), "the three files are Klein's, but loading "
-                                "ComfyUI's split files is not supported yet: " + DIFFUSERS_FOLDER))
+    if model.path and not (model.tokenizer_path or model.config_path):
+        problems.append(Problem("model.tokenizer_path", "a folder with Qwen3's tokenizer",
+                                "''", "the files hold no tokenizer: name a Klein diffusers "
+                                "folder (its tokenizer/) or a Qwen3 tokenizer folder"))
     return problems
 
 
@@ -167,3 +167,201 @@ def input_problems(model: Any, single_file: bool) -> list[Problem]:
     if single_file:
         return split_file_problems(model)
     return width_problems(Path(model.path)) + distilled_problems(model)
+
+
+# --- ComfyUI's diffusion-model file: the BFL original layout --------------------------------
+# diffusers name -> BFL name, for the parts that are a rename (diffusers'
+# `convert_flux2_transformer_checkpoint_to_diffusers` reads the file; this is its inverse). A
+# pattern's groups are the block index; RMS norms are `.scale` there, `.weight` here.
+_DOUBLE = r"transformer_blocks\.(\d+)\."
+_SINGLE = r"single_transformer_blocks\.(\d+)\."
+BFL_RENAMES: tuple[tuple[str, str], ...] = (
+    (r"time_guidance_embed\.timestep_embedder\.linear_1\.", "time_in.in_layer."),
+    (r"time_guidance_embed\.timestep_embedder\.linear_2\.", "time_in.out_layer."),
+    (r"time_guidance_embed\.guidance_embedder\.linear_1\.", "guidance_in.in_layer."),
+    (r"time_guidance_embed\.guidance_embedder\.linear_2\.", "guidance_in.out_layer."),
+    (r"(double_stream_modulation_img|double_stream_modulation_txt|single_stream_modulation)"
+     r"\.linear\.", r"\1.lin."),
+    (r"x_embedder\.", "img_in."), (r"context_embedder\.", "txt_in."),
+    (r"proj_out\.", "final_layer.linear."),
+    (r"norm_out\.linear\.", "final_layer.adaLN_modulation.1."),
+    (_DOUBLE + r"attn\.norm_q\.weight", r"double_blocks.\1.img_attn.norm.query_norm.scale"),
+    (_DOUBLE + r"attn\.norm_k\.weight", r"double_blocks.\1.img_attn.norm.key_norm.scale"),
+    (_DOUBLE + r"attn\.norm_added_q\.weight", r"double_blocks.\1.txt_attn.norm.query_norm.scale"),
+    (_DOUBLE + r"attn\.norm_added_k\.weight", r"double_blocks.\1.txt_attn.norm.key_norm.scale"),
+    (_DOUBLE + r"attn\.to_out\.0\.", r"double_blocks.\1.img_attn.proj."),
+    (_DOUBLE + r"attn\.to_add_out\.", r"double_blocks.\1.txt_attn.proj."),
+    (_DOUBLE + r"ff\.linear_in\.", r"double_blocks.\1.img_mlp.0."),
+    (_DOUBLE + r"ff\.linear_out\.", r"double_blocks.\1.img_mlp.2."),
+    (_DOUBLE + r"ff_context\.linear_in\.", r"double_blocks.\1.txt_mlp.0."),
+    (_DOUBLE + r"ff_context\.linear_out\.", r"double_blocks.\1.txt_mlp.2."),
+    (_SINGLE + r"attn\.to_qkv_mlp_proj\.", r"single_blocks.\1.linear1."),
+    (_SINGLE + r"attn\.to_out\.", r"single_blocks.\1.linear2."),
+    (_SINGLE + r"attn\.norm_q\.weight", r"single_blocks.\1.norm.query_norm.scale"),
+    (_SINGLE + r"attn\.norm_k\.weight", r"single_blocks.\1.norm.key_norm.scale"),
+)
+# q, k and v of each stream, fused in that order into one `qkv` projection in the BFL layout
+BFL_FUSED = re.compile(_DOUBLE + r"attn\.(to_q|to_k|to_v|add_q_proj|add_k_proj|add_v_proj)\.")
+# the final layer's modulation is (shift, scale) in the BFL layout, (scale, shift) in diffusers'
+HALVES_SWAPPED = "norm_out.linear."
+
+
+def swap_halves(tensor: Any) -> Any:
+    """The tensor with its two halves (dim 0) swapped: BFL's (shift, scale) to diffusers'
+    (scale, shift) and back (its own inverse)."""
+    import torch
+    first, second = tensor.chunk(2, dim=0)
+    return torch.cat([second, first], dim=0)
+
+
+def original_key(key: str, rows: int) -> tuple[str, tuple[int, int] | None]:
+    """Where a diffusers Flux2Transformer2DModel tensor is in the BFL layout: its key and, for
+    q / k / v (fused into the stream's `qkv`, in that order), the rows of the fused tensor that
+    are its own (`rows`: its own count). `norm_out.linear` is stored with its halves swapped
+    (`denoiser_file_swapped`)."""
+    if m := BFL_FUSED.match(key):
+        text = m[2].startswith("add_")
+        start = "qkv".index(m[2][4] if text else m[2][-1]) * rows
+        stream = "txt" if text else "img"
+        rest = key[m.end():]
+        return f"double_blocks.{m[1]}.{stream}_attn.qkv.{rest}", (start, start + rows)
+    for pattern, replacement in BFL_RENAMES:
+        renamed, count = re.subn("^" + pattern, replacement, key)
+        if count:
+            return renamed, None
+    return key, None
+
+
+def stored_as(key: str) -> Any:
+    """How a diffusers tensor's values are stored in the BFL file (None: as they are): the
+    final modulation's halves swapped. Its own inverse."""
+    return swap_halves if key.startswith(HALVES_SWAPPED) else None
+
+
+def to_original_names(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """A diffusers Flux2Transformer2DModel's weights in the BFL layout ComfyUI's diffusion-model
+    files use: q / k / v fused into each stream's `qkv`, the final modulation's halves swapped,
+    the rest renamed (`original_key`)."""
+    import torch
+    fused: dict[str, list[tuple[int, Any]]] = {}
+    out: dict[str, Any] = {}
+    for key, value in state_dict.items():
+        name, rows = original_key(key, value.shape[0])
+        swap = stored_as(key)
+        value = swap(value) if swap else value
+        if rows is None:
+            out[name] = value
+        else:
+            fused.setdefault(name, []).append((rows[0], value))
+    for name, parts in fused.items():
+        out[name] = torch.cat([value for _, value in sorted(parts, key=lambda p: p[0])], dim=0)
+    return out
+
+
+def is_transformer_file(path: Path) -> bool:
+    """Whether a .safetensors file is a lone Klein diffusion model (ComfyUI's kind)."""
+    from modules.models.split_files import keys_of
+    return part_of(keys_of(path))[0] == "transformer"
+
+
+def save_transformer_file(transformer: Any, path: Path, metadata: dict[str, str] | None = None,
+                          dtype: Any = None) -> Path:
+    """The (fine-tuned) transformer as one diffusion-model file in the BFL layout, ComfyUI's
+    `diffusion_models/` kind (what `Flux2Transformer2DModel.from_single_file` reads), written
+    atomically."""
+    from safetensors.torch import save_file
+
+    from modules.models.precision import cast_for_saving
+    from modules.models.single_file import _plain_state_dict
+    from modules.util.atomic import atomic_file
+    tensors = to_original_names(_plain_state_dict(transformer, "transformer"))
+    tensors = cast_for_saving({k: v.contiguous() for k, v in tensors.items()}, dtype, str(path))
+    with atomic_file(path) as tmp:
+        save_file(tensors, str(tmp), metadata=dict(metadata or {}))
+    return path
+
+
+# --- ComfyUI's split files loaded -------------------------------------------------------------
+# the configs shipped for each size (modules/models/configs), by the caption width the
+# diffusion model reads
+SIZE_CONFIGS = {7680: "klein4b", 12288: "klein9b"}
+# Flux.2's VAE file (BFL's ae.safetensors): the ldm VAE names diffusers' AutoencoderKL maps
+# (`single_file.vae_key_to_ldm`), its quant convs inside the encoder and decoder, and the
+# batch norm of the latent statistics as it is
+VAE_MOVED = (("quant_conv.", "encoder.quant_conv."), ("post_quant_conv.", "decoder.post_quant_conv."))
+
+
+def vae_original_key(key: str, num_up_blocks: int) -> str:
+    """Where an AutoencoderKLFlux2 tensor is in BFL's VAE file."""
+    from modules.models.single_file import vae_key_to_ldm
+    for ours, theirs in VAE_MOVED:
+        if key.startswith(ours):
+            return theirs + key[len(ours):]
+    return vae_key_to_ldm(key, num_up_blocks)
+
+
+def vae_to_original(vae: Any) -> dict[str, Any]:
+    """An AutoencoderKLFlux2's tensors in BFL's layout (the mid attention's projections as
+    1 x 1 convolutions, as the ldm layout holds them)."""
+    num_up = len(vae.config.up_block_types)
+    out = {}
+    for key, value in vae.state_dict().items():
+        name = vae_original_key(key, num_up)
+        out[name] = value[:, :, None, None] if ".mid.attn_1." in name and value.ndim == 2 \
+            else value
+    return out
+
+
+def vae_from_original(vae: Any, tensors: dict[str, Any], path: str) -> Any:
+    """`vae` (an AutoencoderKLFlux2 built from its config) with BFL's VAE file's tensors;
+    SingleFileError naming the first tensor the file lacks or holds in another shape. The
+    batch norm's step count, which inference never reads, keeps its value when absent."""
+    from modules.models.single_file import SingleFileError
+    num_up = len(vae.config.up_block_types)
+    state = vae.state_dict()
+    loaded = {}
+    for key, value in state.items():
+        name = vae_original_key(key, num_up)
+        if name not in tensors:
+            if key.endswith("num_batches_tracked"):
+                continue
+            raise SingleFileError(f"{path}: has no {name} (the VAE's {key}): not Flux.2's "
+                                  "VAE in BFL's layout")
+        tensor = tensors[name]
+        if tensor.numel() != value.numel():
+            raise SingleFileError(f"{path}: {name} is {tuple(tensor.shape)}, but the VAE config "
+                                  f"makes {key} {tuple(value.shape)}")
+        loaded[key] = tensor.reshape(value.shape)
+    vae.load_state_dict(loaded, strict=False)
+    return vae
+
+
+def size_configs(path: Path) -> str | None:
+    """The shipped configs (under modules/models/configs) of a Klein diffusion-model file's
+    size, by the caption width it reads; None for a file of neither size."""
+    from modules.models.split_files import keys_of
+    return SIZE_CONFIGS.get(caption_width(keys_of(path)) or 0)
+
+
+def load_split_files(model: Any, config_folder: Path, dtypes: Any) -> dict[str, Any]:
+    """The components from ComfyUI's three files, each built from `config_folder`'s configs:
+    the diffusion model by diffusers' own BFL reader (Flux2Transformer2DModel.from_single_file),
+    Qwen3 as Z-Image's, the VAE by `vae_from_original`; the tokenizer from
+    model.tokenizer_path (or the config folder)."""
+    from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
+    from safetensors.torch import load_file
+
+    from modules.models.bundle import dtype_of
+    from modules.models.split_files import load_qwen3, load_tokenizer
+    transformer = Flux2Transformer2DModel.from_single_file(
+        model.path, config=str(config_folder), subfolder="transformer",
+        torch_dtype=dtype_of(dtypes, "transformer"), local_files_only=True)
+    vae = AutoencoderKLFlux2.from_config(
+        AutoencoderKLFlux2.load_config(config_folder / "vae", local_files_only=True))
+    # eval(), as from_pretrained leaves a model: a batch norm in train mode would move the
+    # latent statistics at every encode
+    vae = vae_from_original(vae, load_file(model.vae_path), model.vae_path).to(
+        dtype_of(dtypes, "vae")).eval()
+    encoder = load_qwen3(model.text_encoder_path, config_folder, dtype_of(dtypes, "text_encoder"))
+    return {"transformer": transformer, "vae": vae, "text_encoder": encoder,
+            "tokenizer": load_tokenizer(model, config_folder)}

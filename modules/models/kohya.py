@@ -53,7 +53,11 @@ def kohya_module_name(component: str, module_path: str, model_type: ModelType,
         raise KohyaError(f"{model_type.value} has no component {component!r} in the kohya layout "
                          f"(known: {', '.join(prefixes)})")
     if component == MODEL_TYPES[model_type].denoiser:
-        # "diffusers": module paths as in diffusers' denoiser; "ldm": SD's own
+        # "diffusers": module paths as in diffusers' denoiser; "ldm": SD's own; "original":
+        # the names of the family's lone denoiser file (Klein's BFL layout)
+        if files.kohya_denoiser_naming == "original":
+            name = original_layer(files, module_path, 0)[0]
+            return prefixes[component] + name.replace(".", files.kohya_separator)
         if files.kohya_denoiser_naming == "ldm":
             if unet_config is None:
                 raise KohyaError(f"{model_type.value} LoRAs use ldm UNet names, which need the "
@@ -64,27 +68,99 @@ def kohya_module_name(component: str, module_path: str, model_type: ModelType,
     return prefixes[component] + module_path.replace(".", files.kohya_separator)
 
 
+def original_layer(files: Any, module_path: str, rows: int) -> tuple[str, tuple[int, int] | None]:
+    """A denoiser layer's name in the family's lone file (no `.weight`) and, for a layer fused
+    there with others (Klein's q, k, v in `qkv`), its `rows` rows of the fused weight."""
+    assert files.denoiser_file_key is not None
+    key, part = files.denoiser_file_key(module_path + ".weight", rows)
+    return key.removesuffix(".weight"), part
+
+
+def fused_rows(model_type: ModelType, component: str, rows: dict[str, int]) -> dict[str, int]:
+    """{kohya name: rows of the fused weight} of the layers a family's kohya layout fuses
+    (Klein's q, k, v into `qkv`), from every layer of the component ({module path: rows})."""
+    files = family_of(model_type).files
+    if (files is None or files.kohya_denoiser_naming != "original"
+            or component != MODEL_TYPES[model_type].denoiser):
+        return {}
+    out: dict[str, int] = {}
+    for module_path, count in rows.items():
+        name, part = original_layer(files, module_path, count)
+        if part is not None:
+            key = files.kohya_prefixes[component] + name.replace(".", files.kohya_separator)
+            out[key] = max(out.get(key, 0), part[1])
+    return out
+
+
+def fuse_lora(name: str, parts: list[tuple[tuple[int, int], dict[str, torch.Tensor]]],
+              rows: int) -> dict[str, torch.Tensor]:
+    """LoRAs of the projections a layout fuses (each (its rows, its tensors with alpha)) as one
+    LoRA of the fused weight (`rows` rows), exactly: the downs stacked, each up placed at its
+    rows and its ranks' columns (zeros elsewhere: a projection without a LoRA is unchanged).
+    One alpha serves when every part has the same alpha / rank (the trainer's case: the update
+    is then computed from the same numbers); otherwise each part's scale is folded into its up
+    and the alpha is the total rank."""
+    for _, tensors in parts:
+        if set(tensors) != {"lora_down.weight", "lora_up.weight", "alpha"}:
+            kinds = sorted(set(tensors) - {"alpha"})
+            raise KohyaError(f"{name}: {', '.join(kinds)}: only LoRA layers can be fused into "
+                             "the one projection this layout holds (q, k and v together); "
+                             "LoHa, LoKr and DoRA have no fused form")
+    ranks = [int(t["lora_down.weight"].shape[0]) for _, t in parts]
+    scales = [float(t["alpha"]) / r for (_, t), r in zip(parts, ranks)]
+    same = all(scale == scales[0] for scale in scales)
+    down = torch.cat([t["lora_down.weight"] for _, t in parts], dim=0)
+    first_up = parts[0][1]["lora_up.weight"]
+    up = torch.zeros(rows, sum(ranks), dtype=first_up.dtype)
+    column = 0
+    for ((start, stop), tensors), rank, scale in zip(parts, ranks, scales):
+        block = tensors["lora_up.weight"].reshape(stop - start, rank)
+        up[start:stop, column:column + rank] = block if same else (block.float() * scale).to(
+            block.dtype)
+        column += rank
+    alpha = scales[0] * sum(ranks) if same else float(sum(ranks))
+    return {"lora_down.weight": down, "lora_up.weight": up,
+            "alpha": torch.tensor(alpha, dtype=torch.float32)}
+
+
 def to_kohya(layers: dict[str, dict[str, BaseTunerLayer]], model_type: ModelType,
-             unet_config: Any = None, dtype: torch.dtype | None = torch.float32
-             ) -> dict[str, torch.Tensor]:
+             unet_config: Any = None, dtype: torch.dtype | None = torch.float32,
+             fused: dict[str, int] | None = None) -> dict[str, torch.Tensor]:
     """peft adapter layers ({component: {module path: layer}}) as kohya / LyCORIS tensors,
     the weights at `dtype` (None: as trained; a float16 overflow is refused) and each alpha a
-    float32 scalar. `unet_config` is needed for SDXL's ldm names.
+    float32 scalar. `unet_config` is needed for SDXL's ldm names; `fused` ({kohya name: rows},
+    `fused_rows`) names the layers the family's layout fuses (Klein's q, k, v: `fuse_lora`).
     """
-    out: dict[str, torch.Tensor] = {}
+    named: dict[str, dict[str, torch.Tensor]] = {}
+    parts: dict[str, list[tuple[tuple[int, int], dict[str, torch.Tensor]]]] = {}
     for component, by_path in layers.items():
         for module_path, layer in by_path.items():
             name = kohya_module_name(component, module_path, model_type, unet_config)
-            if any(k.startswith(name + ".") for k in out):
-                raise KohyaError(f"two layers map to the kohya name {name}")
             try:
                 tensors = layer_tensors(layer)
             except KohyaError as error:
                 raise KohyaError(f"{component}: {module_path}: {error}") from None
-            alpha = tensors.pop("alpha")
-            weights = cast_for_saving(tensors, dtype, f"{component}: {module_path}")
-            out.update({f"{name}.{suffix}": t for suffix, t in weights.items()})
-            out[f"{name}.alpha"] = alpha
+            if fused and name in fused:
+                files = family_of(model_type).files
+                rows = int(tensors["lora_up.weight"].shape[0]) if "lora_up.weight" in tensors \
+                    else int(_weight(layer.get_base_layer()).shape[0])
+                part = original_layer(files, module_path, rows)[1]
+                assert part is not None
+                parts.setdefault(name, []).append((part, tensors))
+                continue
+            if name in named:
+                raise KohyaError(f"two layers map to the kohya name {name}")
+            named[name] = tensors
+    for name, group in parts.items():
+        assert fused is not None
+        named[name] = fuse_lora(name, sorted(group, key=lambda p: p[0][0]), fused[name])
+    out: dict[str, torch.Tensor] = {}
+    for name, tensors in named.items():
+        tensors = dict(tensors)
+        alpha = tensors.pop("alpha")
+        weights = cast_for_saving(tensors, dtype, name)
+        out.update({f"{name}.{suffix}": t for suffix, t in weights.items()})
+        out[f"{name}.alpha"] = alpha
     return out
 
 
@@ -160,6 +236,20 @@ def _lokr_tensors(layer: LoKrLayer, adapter: str) -> dict[str, torch.Tensor]:
     return out
 
 
+def _plain_linears(module: nn.Module) -> dict[str, nn.Module]:
+    """{module path: the Linear layer} of a module, a LoRA-wrapped layer by its own path (its
+    base layer's weight), peft's own Linear layers (lora_A, lora_B) left out."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    out: dict[str, nn.Module] = {}
+    for path, layer in module.named_modules():
+        if isinstance(layer, BaseTunerLayer):
+            out[path] = layer.get_base_layer()
+        elif (isinstance(layer, nn.Linear) and ".lora_" not in path
+              and not path.endswith(".base_layer")):
+            out[path] = layer
+    return out
+
+
 def _weight(layer: nn.Module) -> torch.Tensor:
     """`layer.weight`, checked to be a tensor (nn.Module's attributes are Tensor | Module)."""
     weight = layer.weight
@@ -205,7 +295,11 @@ def save_kohya_lora(modules: dict[str, nn.Module], path: str | Path, alpha: floa
                              f"lora_alpha={configured}")
         layers[name] = adapter_layers(module)
     unet_config = modules["unet"].config if "unet" in modules else None
-    tensors = to_kohya(layers, model_type, unet_config, dtype)
+    fused: dict[str, int] = {}
+    for name, module in modules.items():
+        rows = {path: int(_weight(m).shape[0]) for path, m in _plain_linears(module).items()}
+        fused.update(fused_rows(model_type, name, rows))
+    tensors = to_kohya(layers, model_type, unet_config, dtype, fused)
     path = Path(path)
     with atomic_file(path) as tmp:
         save_file(tensors, str(tmp), metadata=dict(metadata or {}))

@@ -61,9 +61,12 @@ class SingleFileError(ValueError):
 
 
 # --- detection and loading --------------------------------------------------------------
-def config_folder_for(files: FileConventions) -> Path:
-    """The diffusers config folder shipped with Tempera for a family's ldm layout (no weights)."""
-    return CONFIGS_DIR / files.single_file_configs
+def config_folder_for(files: FileConventions, path: str | Path | None = None) -> Path:
+    """The diffusers config folder shipped with Tempera for a family's single files (no
+    weights); for a family of several sizes, the size of the single file at `path`."""
+    size = (files.single_file_sizes(Path(path)) if files.single_file_sizes and path
+            and Path(path).is_file() else None)
+    return CONFIGS_DIR / (size or files.single_file_configs)
 
 
 def is_single_file(path: str | Path) -> bool:

@@ -62,3 +62,34 @@ def check_parts(model: Any, family: str, labels: Mapping[str, str],
             problems.append(Problem(field, expected, repr(value), f"{path.name} is {what}{hint}"))
         read[part] = keys
     return problems, read
+
+
+def load_qwen3(path: str, config_folder: Path, dtype: Any) -> Any:
+    """A Qwen3 text encoder file (ComfyUI's `text_encoders/` kind: the causal LM's weights,
+    under `model.` or not) as a Qwen3Model built from `config_folder`'s text_encoder config;
+    SingleFileError when its weights do not fit that config."""
+    from safetensors.torch import load_file
+    from transformers import Qwen3Config, Qwen3Model
+
+    from modules.models.single_file import SingleFileError
+    encoder = Qwen3Model(Qwen3Config.from_pretrained(config_folder / "text_encoder",
+                                                     local_files_only=True))
+    weights = {k.removeprefix("model."): v for k, v in load_file(path).items()
+               if k != "lm_head.weight"}  # the head is never read (tied in Qwen3-4B)
+    missing, unexpected = encoder.load_state_dict(weights, strict=False)
+    if missing or unexpected:
+        raise SingleFileError(f"{path}: does not fit the Qwen3 config of "
+                              f"{config_folder / 'text_encoder'} ({len(missing)} weights "
+                              f"missing, e.g. {missing[:1]}; {len(unexpected)} unexpected, e.g. "
+                              f"{unexpected[:1]})")
+    encoder.to(dtype)
+    return encoder.eval()  # as from_pretrained leaves a model
+
+
+def load_tokenizer(model: Any, config_folder: Path) -> Any:
+    """The tokenizer of model.tokenizer_path (a diffusers folder's tokenizer/, or a tokenizer
+    folder), else of `config_folder`."""
+    from transformers import AutoTokenizer
+    folder = Path(model.tokenizer_path or config_folder)
+    tokenizer_folder = folder / "tokenizer" if (folder / "tokenizer").is_dir() else folder
+    return AutoTokenizer.from_pretrained(tokenizer_folder, local_files_only=True)

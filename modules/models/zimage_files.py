@@ -140,11 +140,9 @@ def load_split_files(model: ModelConfig, config_folder: Path, dtypes) -> dict:
     """The components from the three files, each built from `config_folder`'s configs (the
     shipped ones, or model.config_path), and the tokenizer from model.tokenizer_path."""
     from diffusers import AutoencoderKL, ZImageTransformer2DModel
-    from safetensors.torch import load_file
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3Model
 
     from modules.models.bundle import dtype_of
-    from modules.models.single_file import SingleFileError
+    from modules.models.split_files import load_qwen3, load_tokenizer
     local = {"local_files_only": True}
     transformer = ZImageTransformer2DModel.from_single_file(
         model.path, config=str(config_folder), subfolder="transformer",
@@ -152,23 +150,10 @@ def load_split_files(model: ModelConfig, config_folder: Path, dtypes) -> dict:
     vae = AutoencoderKL.from_single_file(model.vae_path, config=str(config_folder),
                                          subfolder="vae", torch_dtype=dtype_of(dtypes, "vae"),
                                          **local)
-    encoder = Qwen3Model(Qwen3Config.from_pretrained(config_folder / "text_encoder",
-                                                     local_files_only=True))
-    weights = {k.removeprefix("model."): v for k, v in load_file(model.text_encoder_path).items()
-               if k != "lm_head.weight"}  # tied to the embeddings in Qwen3-4B
-    missing, unexpected = encoder.load_state_dict(weights, strict=False)
-    if missing or unexpected:
-        raise SingleFileError(f"{model.text_encoder_path}: does not fit the Qwen3 config of "
-                              f"{config_folder / 'text_encoder'} ({len(missing)} weights "
-                              f"missing, e.g. {missing[:1]}; {len(unexpected)} unexpected, e.g. "
-                              f"{unexpected[:1]})")
-    # transformers' PreTrainedModel.to is @wraps(nn.Module.to): mypy reads the dtype as `self`
-    encoder.to(dtype_of(dtypes, "text_encoder"))  # type: ignore[arg-type]  # see above
-    folder = Path(model.tokenizer_path or config_folder)
-    tokenizer_folder = folder / "tokenizer" if (folder / "tokenizer").is_dir() else folder
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder, **local)
+    encoder = load_qwen3(model.text_encoder_path, config_folder,
+                         dtype_of(dtypes, "text_encoder"))
     return {"transformer": transformer, "vae": vae, "text_encoder": encoder,
-            "tokenizer": tokenizer}
+            "tokenizer": load_tokenizer(model, config_folder)}
 
 
 def save_transformer_file(transformer: torch.nn.Module, path: Path,

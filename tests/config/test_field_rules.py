@@ -116,10 +116,10 @@ def test_the_settings_only_zimage_reads_are_unused_for_the_other_types():
         config = Config()
         config.model.type = model_type
         label = MODEL_TYPES[model_type].label
-        # the distillation guard is Klein's too
+        # the distillation guard and the split files are Klein's too
         having = {path: " / ".join(s.label for s in MODEL_TYPES.values()
                                    if path in s.own_settings) for path in own}
-        assert having["model.text_encoder_path"] == "Z-Image"
+        assert having["model.text_encoder_path"] == "Z-Image / Flux.2 Klein"
         assert having["model.train_distilled"] == "Z-Image / Flux.2 Klein"
         # a single file's tokenizer and configs SD's checkpoints read too
         shared = set(own) & set(MODEL_TYPES[model_type].own_settings)

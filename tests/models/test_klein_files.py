@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -113,26 +114,94 @@ def split(tmp_path):
             "model.vae_path": _vae(tmp_path / "flux2-vae.safetensors", 32)}
 
 
-def _split_problems(files: dict) -> dict[str, str]:
+def _split_problems(files: dict, tokenizer: bool = True) -> dict[str, str]:
+    """The split files' problems, a tokenizer folder named unless `tokenizer` is False."""
     from modules.models.klein_files import split_file_problems
+    named = {"model.tokenizer_path": Path(str(files["model.text_encoder_path"])).parent,
+             **files} if tokenizer else files
     model = apply_overrides(Config(), ["model.type=KLEIN", *[f"{field}={path}" for field, path
-                                                            in files.items()]]).model
+                                                            in named.items()]]).model
     return {p.path: str(p) for p in split_file_problems(model)}
 
 
-def test_three_right_files_are_recognised_then_refused_until_klein_loads_them(split):
+def test_three_right_files_are_recognised_and_need_a_tokenizer(split, klein_folder):
     from modules.models.klein_files import part_of
     from modules.models.split_files import keys_of
     assert [part_of(keys_of(split[f]))[0] for f in split] == ["transformer", "text_encoder",
                                                                 "vae"]
     assert part_of(keys_of(split["model.path"]))[1].startswith("Klein 4B")
-    problems = _split_problems(split)
-    assert problems.keys() == {"model.path"} and "not supported yet" in problems["model.path"]
-    assert "FLUX.2-klein-base-4B" in problems["model.path"]
+    problems = _split_problems(split, tokenizer=False)
+    assert problems.keys() == {"model.tokenizer_path"} and "tokenizer" in str(problems)
+    assert _split_problems({**split, "model.tokenizer_path": klein_folder}) == {}
     # through the run's own input checks too (the files are Klein's own settings)
     config_problems = _model_problems(split["model.path"],
-                                      *[f"{f}={p}" for f, p in split.items() if f != "model.path"])
-    assert config_problems.keys() == {"model.path"}, config_problems
+                                      *[f"{f}={p}" for f, p in split.items() if f != "model.path"],
+                                      f"model.tokenizer_path={klein_folder}")
+    assert config_problems == {}, config_problems
+
+
+@pytest.fixture(scope="module")
+def comfyui_files(klein_folder, tmp_path_factory):
+    """The tiny Klein as ComfyUI's three files: the diffusion model in BFL's layout, Qwen3
+    under `model.` (with its tied head, as the released file has it), the VAE in BFL's
+    ae.safetensors layout; and the folder's own bundle to compare with."""
+    from safetensors.torch import save_file
+    from transformers import Qwen3ForCausalLM
+
+    from modules.models.families import family_of
+    from modules.models.klein_files import to_original_names, vae_to_original
+    bundle = family_of(ModelType.KLEIN).load_folder(klein_folder, None, torch.float32)
+    root = tmp_path_factory.mktemp("klein-comfyui-files")
+    paths = {"model.path": root / "flux-2-klein-base-tiny.safetensors",
+             "model.text_encoder_path": root / "qwen_3_tiny.safetensors",
+             "model.vae_path": root / "flux2-vae.safetensors"}
+    save_file({k: v.contiguous() for k, v in to_original_names(
+        bundle.denoiser.state_dict()).items()}, str(paths["model.path"]))
+    causal = Qwen3ForCausalLM.from_pretrained(klein_folder, subfolder="text_encoder",
+                                              local_files_only=True)
+    save_file({k: v.contiguous().clone() for k, v in causal.state_dict().items()},
+              str(paths["model.text_encoder_path"]))
+    save_file({k: v.contiguous() for k, v in vae_to_original(bundle.vae).items()},
+              str(paths["model.vae_path"]))
+    return bundle, paths
+
+
+def test_the_three_files_load_as_the_model_they_came_from(comfyui_files, klein_folder):
+    """Each component loaded from ComfyUI's files (the diffusion model by diffusers'
+    from_single_file, Qwen3, the VAE by Tempera's BFL conversion, in eval mode) equals the
+    folder's bit for bit, and the tokenizer encodes a caption alike."""
+    from modules.models.families import family_of
+    bundle, paths = comfyui_files
+    model = apply_overrides(Config(), ["model.type=KLEIN", f"model.config_path={klein_folder}",
+                                       f"model.tokenizer_path={klein_folder}",
+                                       *[f"{f}={p}" for f, p in paths.items()]]).model
+    loaded = family_of(ModelType.KLEIN).load_single_file(paths["model.path"], model,
+                                                         torch.float32)
+    for name, module in bundle.components().items():
+        want, got = module.state_dict(), loaded.component(name).state_dict()
+        assert want.keys() == got.keys(), name
+        for key in want:
+            assert torch.equal(want[key], got[key]), f"{name}: {key}"
+    assert not loaded.vae.training and not loaded.text_encoders["text_encoder"].training
+    caption = "a red circle"
+    assert (loaded.tokenizers["tokenizer"](caption).input_ids
+            == bundle.tokenizers["tokenizer"](caption).input_ids)
+
+
+def test_a_vae_file_of_another_layout_is_refused_naming_the_tensor(comfyui_files, tmp_path):
+    from diffusers import AutoencoderKLFlux2
+    from safetensors.torch import load_file, save_file
+
+    from modules.models.klein_files import vae_from_original
+    from modules.models.single_file import SingleFileError
+    bundle, paths = comfyui_files
+    tensors = load_file(str(paths["model.vae_path"]))
+    del tensors["bn.running_var"]
+    broken = tmp_path / "broken.safetensors"
+    save_file(tensors, str(broken))
+    vae = AutoencoderKLFlux2.from_config(bundle.vae.config)
+    with pytest.raises(SingleFileError, match="has no bn.running_var"):
+        vae_from_original(vae, load_file(str(broken)), str(broken))
 
 
 def test_swapped_wrong_and_missing_files_are_each_named(split, tmp_path):
@@ -166,9 +235,139 @@ def test_a_9b_diffusion_model_beside_qwen3_4b_is_refused_naming_both(split, tmp_
     assert "qwen_3_4b.safetensors is 2560 wide" in message
 
 
-@pytest.mark.parametrize("method,fmt", [("LORA", "KOHYA"), ("FINE_TUNE", "SINGLE_FILE")])
-def test_the_layouts_klein_has_no_writer_for_are_refused_up_front(method, fmt):
-    config = apply_overrides(Config(), ["model.type=KLEIN", f"training.method={method}",
-                                        f'output.formats=["DIFFUSERS", "{fmt}"]'])
-    problems = {p.path: str(p) for p in family_problems(config)}
-    assert problems.keys() == {"output.formats[1]"} and "Flux.2 Klein" in str(problems)
+def test_every_layout_is_accepted_for_klein():
+    for method, fmt in (("LORA", "KOHYA"), ("FINE_TUNE", "SINGLE_FILE")):
+        config = apply_overrides(Config(), ["model.type=KLEIN", f"training.method={method}",
+                                            f'output.formats=["DIFFUSERS", "{fmt}"]'])
+        assert family_problems(config) == []
+
+
+def _random_transformer(klein_folder):
+    """The tiny transformer with every weight random (norm scales and biases too), so a
+    misplaced or unswapped tensor shows."""
+    from diffusers import Flux2Transformer2DModel
+    transformer = Flux2Transformer2DModel.from_pretrained(klein_folder, subfolder="transformer",
+                                                          local_files_only=True)
+    generator = torch.Generator().manual_seed(5)
+    for param in transformer.parameters():
+        param.data = torch.randn(param.shape, generator=generator)
+    return transformer
+
+
+def test_the_bfl_file_is_what_diffusers_single_file_reader_reads_back_exactly(klein_folder,
+                                                                               tmp_path):
+    """ComfyUI's diffusion-model file (BFL's layout: q/k/v fused into `qkv`, the final
+    modulation's halves swapped, norms as `.scale`): diffusers' own
+    Flux2Transformer2DModel.from_single_file reproduces every weight bit for bit, and the
+    file is recognised as a Klein diffusion model by its keys."""
+    from diffusers import Flux2Transformer2DModel
+    from safetensors.torch import load_file
+
+    from modules.models.klein_files import is_transformer_file, save_transformer_file
+    transformer = _random_transformer(klein_folder)
+    path = save_transformer_file(transformer, tmp_path / "klein.safetensors")
+    saved = load_file(str(path))
+    assert "double_blocks.0.img_attn.qkv.weight" in saved
+    assert "single_blocks.1.linear1.weight" in saved and "final_layer.linear.weight" in saved
+    assert not any(k.startswith(("transformer_blocks.", "single_transformer_blocks."))
+                   for k in saved)
+    assert is_transformer_file(path)
+    back = Flux2Transformer2DModel.from_single_file(str(path), config=str(klein_folder),
+                                                    subfolder="transformer",
+                                                    local_files_only=True,
+                                                    torch_dtype=torch.float32)
+    want, got = transformer.state_dict(), back.state_dict()
+    assert want.keys() == got.keys()
+    for key in want:
+        assert torch.equal(want[key], got[key]), key
+
+
+def test_a_full_fine_tune_saves_a_diffusers_folder_and_comfyuis_file(tiny_config, klein_folder):
+    """2 steps of FINE_TUNE with SINGLE_FILE: final/model.safetensors read by diffusers'
+    from_single_file is final/'s trained transformer exactly."""
+    from diffusers import Flux2KleinPipeline, Flux2Transformer2DModel
+
+    from modules.train.trainer import train
+    result = train(tiny_config("model.type=KLEIN", "model.path=builtin:tiny-klein",
+                               "training.method=FINE_TUNE", "training.max_steps=2",
+                               "sampling.sampler=EULER",
+                               'output.formats=["DIFFUSERS", "SINGLE_FILE"]'))
+    final = result.output_dir / "final"
+    pipe = Flux2KleinPipeline.from_pretrained(final, local_files_only=True)
+    single = Flux2Transformer2DModel.from_single_file(
+        str(final / "model.safetensors"), config=str(klein_folder), subfolder="transformer",
+        local_files_only=True, torch_dtype=torch.float32)
+    want, got = pipe.transformer.state_dict(), single.state_dict()
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    base = Flux2Transformer2DModel.from_pretrained(klein_folder, subfolder="transformer")
+    key = "transformer_blocks.0.attn.to_q.weight"
+    assert not torch.equal(base.state_dict()[key], want[key])  # it trained
+
+
+def test_lokr_is_written_in_the_diffusers_layout_klein_pipeline_loads(tiny_config, klein_folder):
+    """LoKr with DIFFUSERS output is accepted for Klein (refused for Z-Image, whose pipeline
+    has no such loader); 2 LoKr steps: Flux2KleinPipeline.load_lora_weights builds a LoKr
+    adapter with the run's alpha and rank and loads every saved factor bit for bit, and the
+    transformer's output changes."""
+    from diffusers import Flux2KleinPipeline
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    from modules.config.validate import validate
+    from modules.train.trainer import train
+    settings = ["training.adapter=LOKR", "training.lora_rank=4", "training.lora_alpha=8",
+                'output.formats=["DIFFUSERS"]', "sampling.sampler=EULER"]
+    zimage = apply_overrides(Config(), ["model.type=ZIMAGE", "model.path=builtin:tiny-zimage",
+                                        *settings])
+    assert [p.path for p in validate(zimage)] == ["output.formats[0]"]
+    config = tiny_config("model.type=KLEIN", "model.path=builtin:tiny-klein",
+                         "training.max_steps=2", *settings)
+    assert validate(config) == [] and family_problems(config) == []
+    final = train(config).output_dir / "final"
+    saved = {k.removeprefix("transformer."): v
+             for k, v in load_file(final / "pytorch_lora_weights.safetensors").items()}
+    assert saved and all(".lokr_" in k for k in saved)
+    pipe = Flux2KleinPipeline.from_pretrained(klein_folder, local_files_only=True)
+    plain = _forward_klein(pipe.transformer)
+    pipe.load_lora_weights(str(final), weight_name="pytorch_lora_weights.safetensors")
+    (adapter,) = pipe.transformer.peft_config.values()
+    assert type(adapter).__name__ == "LoKrConfig" and (adapter.r, adapter.alpha) == (4, 8)
+    loaded = get_peft_model_state_dict(pipe.transformer, save_embedding_layers=False,
+                                       adapter_name=next(iter(pipe.transformer.peft_config)))
+    assert loaded.keys() == saved.keys()
+    assert all(torch.equal(loaded[k], saved[k]) for k in saved)
+    assert not torch.allclose(_forward_klein(pipe.transformer), plain, atol=1e-5)
+
+
+def _forward_klein(transformer) -> torch.Tensor:
+    from tests.lora_tools.test_klein_lora_tools import _forward
+    return _forward(transformer)
+
+
+def test_a_lora_trains_from_comfyuis_three_files(comfyui_files, klein_folder, tiny_config):
+    """2 LoRA steps from the three files (the loader's single-file path, the family's
+    `load_single_file`): the run saves a LoRA whose factors moved."""
+    from safetensors.torch import load_file
+
+    from modules.train.trainer import train
+    _, paths = comfyui_files
+    result = train(tiny_config("model.type=KLEIN", "training.max_steps=2",
+                               "sampling.sampler=EULER", f"model.config_path={klein_folder}",
+                               f"model.tokenizer_path={klein_folder}",
+                               *[f"{f}={p}" for f, p in paths.items()]))
+    saved = load_file(result.output_dir / "final" / "pytorch_lora_weights.safetensors")
+    assert any(v.abs().sum() > 0 for k, v in saved.items() if "lora_B" in k)
+
+
+def test_a_single_files_configs_are_those_of_its_size(split, tmp_path):
+    """The loader, the memory plan and the LoRA tools read a Klein file's architecture from
+    the shipped configs of its size (the caption width its diffusion model reads)."""
+    from modules.models.families import family_files
+    from modules.models.single_file import config_folder_for
+    from modules.train.memory.memory_plan import config_folders
+    nine = _diffusion_model(tmp_path / "flux-2-klein-base-9b.safetensors", 12288)
+    files = family_files(ModelType.KLEIN)
+    assert config_folder_for(files, split["model.path"]).name == "klein4b"
+    assert config_folder_for(files, nine).name == "klein9b"
+    config = apply_overrides(Config(), ["model.type=KLEIN", f"model.path={nine}"])
+    assert config_folders(config, nine).name == "klein9b"

@@ -81,7 +81,11 @@ class FileConventions:
     models/metadata.py and models/single_file.py.
 
     - `kohya_prefixes`: component -> kohya name prefix ("lora_unet_", "lora_te1_", …);
-    - `kohya_denoiser_naming`: "diffusers" module paths or the original "ldm" names;
+    - `kohya_denoiser_naming`: "diffusers" module paths, the original "ldm" names, or the
+      names of the family's lone denoiser file ("original": `denoiser_file_key`, whose fused
+      layers, Klein's q / k / v, are written as one LoRA of the fused weight);
+    - `kohya_fuses`: what that file fuses, in words, for a family whose kohya layout fuses
+      layers ("" none): LoHa / LoKr / DoRA layers have no fused form, so are refused there;
     - `base_model_version`: kohya's `ss_base_model_version`; `kohya_v2`: its `ss_v2`;
     - `a1111_sd_version`: the "sd version" A1111's LoRA card metadata (`<lora>.json`) names;
     - `modelspec_architecture(v_prediction)`: the modelspec architecture id (no /lora);
@@ -92,6 +96,8 @@ class FileConventions:
       left out, as kohya's writer does for Flux, rather than naming a wrong one;
     - `predicts_v_by_default`: what prediction type AUTO means for the family's base models;
     - `single_file_configs`: the folder under models/configs/ with its architecture configs;
+      `single_file_sizes(path)`: for a family of several sizes, the one a single file is of
+      (Klein's 4B or 9B, by its diffusion model's header), None: `single_file_configs`;
     - `single_file_text_encoders`: text encoder -> (key prefix in an ldm file, "hf" or
       "open_clip" layout);
     - `kohya_separator`: what joins a module path's parts in a LoRA name: "_" as kohya writes
@@ -103,7 +109,14 @@ class FileConventions:
       (ComfyUI's `diffusion_models/` kind), None where the family has no such file;
     - `denoiser_file_key(tensor key, rows)`: where a diffusers denoiser tensor (of `rows`
       rows) sits in that file: its key and, for a projection fused with others there, its
-      rows of the fused tensor (None: all of it).
+      rows of the fused tensor (None: all of it);
+    - `denoiser_file_stored(tensor key)`: for a tensor whose values that file stores
+      rearranged, the function that rearranges them, which is its own inverse (Flux's final
+      modulation, (shift, scale) there and (scale, shift) in diffusers); None: as they are;
+    - `lora_layer_names`: a regular expression a denoiser layer's name in the family's LoRA
+      files (after the kohya prefix or the diffusers component) starts with, which tells
+      apart families whose files share a prefix (Z-Image's `layers.`, Klein's blocks); None:
+      any name.
     """
     kohya_prefixes: Mapping[str, str]
     kohya_denoiser_naming: str
@@ -120,6 +133,11 @@ class FileConventions:
     denoiser_class: str = "UNet2DConditionModel"
     denoiser_file: Callable[[Path], bool] | None = None
     denoiser_file_key: Callable[[str, int], tuple[str, tuple[int, int] | None]] | None = None
+    denoiser_file_stored: Callable[[str], Callable[[torch.Tensor], torch.Tensor] | None] = (
+        lambda key: None)
+    lora_layer_names: str | None = None
+    kohya_fuses: str = ""
+    single_file_sizes: Callable[[Path], str | None] | None = None
 
 
 @dataclass(frozen=True)

@@ -32,8 +32,8 @@ from modules.config.outputs import Sampler
 from modules.model_types import ModelType
 from modules.models.bundle import Dtypes, ModelBundle
 from modules.models.chat_text import ChatEncoding, chat_prompts
-from modules.models.families.base import (ModelFamily, Objective, RealSize, TextEmbeddings,
-                                          TextFirst)
+from modules.models.families.base import (FileConventions, ModelFamily, Objective, RealSize,
+                                          TextEmbeddings, TextFirst)
 from modules.models.families.flow import (load_qwen_flow_folder, load_qwen_flow_rest,
                                           load_qwen_text, load_qwen_tokenizer,
                                           flow_noisy_and_target, flow_timesteps,
@@ -194,6 +194,81 @@ def pipeline_text_arguments(prompt: TextEmbeddings, negative: TextEmbeddings
     return {"prompt_embeds": prompt.hidden, "negative_prompt_embeds": negative.hidden}
 
 
+# Klein's LoRA file in ComfyUI's layout (KOHYA output): kohya's sd-scripts names for Flux,
+# `lora_unet_` + the BFL name with "_" (`lora_unet_double_blocks_0_img_attn_qkv`), LyCORIS's
+# tensor names and an alpha per layer. ComfyUI maps that form for every model it loads
+# (comfy/lora.py `model_lora_keys_unet`: `lora_unet_<key>` for each `diffusion_model.<key>` of
+# its own state dict), and diffusers' Flux2LoraLoaderMixin reads it too
+# (`_convert_kohya_flux2_lora_to_diffusers`, alpha / rank applied); ComfyUI's diffusers-name
+# map for Flux (`flux_to_diffusers`) was written for Flux.1's blocks. The q / k / v LoRAs of a
+# block are written as one LoRA of its fused `qkv` (kohya.fuse_lora).
+# ComfyUI's diffusion-model file is the BFL original layout (`double_blocks.N.img_attn.qkv`, ...),
+# which diffusers' Flux2Transformer2DModel.from_single_file reads (klein_files.to_original_names
+# writes it). The LoRA tools read the same record: the transformer's layers (no LoRA file names
+# the Qwen3 encoder), its architecture from the 4B's shipped configs unless a folder is named.
+def _denoiser_file(path: Path) -> bool:
+    from modules.models.klein_files import is_transformer_file
+    return is_transformer_file(path)
+
+
+def _denoiser_file_key(key: str, rows: int) -> tuple[str, tuple[int, int] | None]:
+    from modules.models.klein_files import original_key
+    return original_key(key, rows)
+
+
+def _single_file_sizes(path: Path) -> str | None:
+    from modules.models.klein_files import size_configs
+    return size_configs(path)
+
+
+def _denoiser_file_stored(key: str) -> Any:
+    from modules.models.klein_files import stored_as
+    return stored_as(key)
+
+
+KLEIN_FILES = FileConventions(
+    kohya_prefixes={"transformer": "lora_unet_"}, kohya_denoiser_naming="original",
+    kohya_fuses="q, k and v of each attention into one qkv projection",
+    base_model_version="flux2_klein",
+    modelspec_architecture=lambda v_prediction: "flux-2-klein",
+    # flow matching: neither of modelspec's prediction types (epsilon, v)
+    modelspec_implementation="https://github.com/black-forest-labs/flux2",
+    modelspec_prediction_type=lambda v_prediction: None,
+    single_file_configs="klein4b", single_file_sizes=_single_file_sizes,
+    single_file_text_encoders={},
+    denoiser_class="Flux2Transformer2DModel", denoiser_file=_denoiser_file,
+    denoiser_file_key=_denoiser_file_key, denoiser_file_stored=_denoiser_file_stored,
+    # the blocks, by diffusers' names or BFL's, which neither Z-Image's files (`transformer.`
+    # too) nor SD's (`lora_unet_` too) use
+    lora_layer_names=r"(?:single_transformer_blocks|transformer_blocks|double_blocks|"
+                     r"single_blocks)[._]\d+[._]")
+
+
+def write_single_file(bundle: ModelBundle, path: Path, metadata: dict, dtype: Any) -> Path:
+    """The fine-tuned transformer as ComfyUI's diffusion-model file, BFL's layout (the text
+    encoder and VAE are not trained: the user's files of them still serve)."""
+    from modules.models.klein_files import save_transformer_file
+    return save_transformer_file(bundle.denoiser, path, metadata, dtype)
+
+
+def load_single_file(path: Path, model: Any, dtypes: Dtypes) -> ModelBundle:
+    """ComfyUI's three files (model.path, model.text_encoder_path, model.vae_path), built from
+    the shipped configs of the diffusion model's size (or model.config_path), the tokenizer
+    from model.tokenizer_path."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from modules.models.klein_files import load_split_files
+    from modules.models.single_file import config_folder_for
+    folder = Path(model.config_path) if model.config_path else config_folder_for(KLEIN_FILES,
+                                                                               model.path)
+    parts = load_split_files(model, folder, dtypes)
+    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(folder, subfolder="scheduler",
+                                                                local_files_only=True)
+    return ModelBundle(ModelType.KLEIN, Path(path), parts["transformer"], parts["vae"],
+                       {"text_encoder": parts["text_encoder"]},
+                       {"tokenizer": parts["tokenizer"]}, scheduler)
+
+
 def input_problems(model: Any, single_file: bool) -> list:
     from modules.models.klein_files import input_problems as klein_problems
     return klein_problems(model, single_file)
@@ -214,7 +289,7 @@ KLEIN = ModelFamily(
     model_type=ModelType.KLEIN,
     repeated_blocks=KLEIN_BLOCKS,
     load_folder=load_folder,
-    load_single_file=None,
+    load_single_file=load_single_file,
     encode_text=encode_text,
     conditioning=conditioning,
     denoiser_arguments=transformer_arguments,
@@ -224,6 +299,8 @@ KLEIN = ModelFamily(
     lora_scope=BLOCKS_SCOPE,
     samplers=SAMPLERS,
     input_problems=input_problems,
+    files=KLEIN_FILES,
+    write_single_file=write_single_file,
     pipeline_text_arguments=pipeline_text_arguments,
     negative_prompt_encoded_only=True,
     vae_latents=normalised_latents,

@@ -70,7 +70,10 @@ ZIMAGE_FILES = FileConventions(
     modelspec_prediction_type=lambda v_prediction: None,
     single_file_configs="zimage", single_file_text_encoders={},
     denoiser_class="ZImageTransformer2DModel", denoiser_file=_denoiser_file,
-    denoiser_file_key=_denoiser_file_key)
+    denoiser_file_key=_denoiser_file_key,
+    # its layers' names, which Klein's files (under the same prefix) never start with
+    lora_layer_names=r"(?:layers|noise_refiner|context_refiner)\.\d+\.|(?:cap_embedder|"
+                     r"all_x_embedder|all_final_layer|t_embedder)\.")
 
 
 def warm_rope_tables(transformer: nn.Module) -> nn.Module:

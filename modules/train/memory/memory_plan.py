@@ -131,7 +131,7 @@ def config_folders(config: Config, model_path: Path) -> Path:
     if not is_single_file(model_path):
         return Path(model_path)
     return Path(config.model.config_path) if config.model.config_path \
-        else config_folder_for(family_files(config.model.type))
+        else config_folder_for(family_files(config.model.type), model_path)
 
 
 def component_class(folder: Path, name: str, model_type: ModelType) -> Any:

@@ -10,13 +10,17 @@ from __future__ import annotations
 
 from modules.config.loss import HuberSchedule, LossType
 from modules.config.problems import Problem
-from modules.config.schema import Config, SaveFormat
+from modules.config.schema import Adapter, Config, SaveFormat, TrainingMethod
 from modules.model_types import MODEL_TYPES
 from modules.models.families import family_of
 from modules.models.bundle import ModelBundle
 from modules.models.single_file import schedule_markers
 from modules.train.recipe.textual_inversion import (is_textual_inversion, token_problems,
                                                     tokenizers_by_encoder)
+
+
+# the adapters whose layers cannot be fused into one LoRA of a fused weight
+UNFUSABLE = (Adapter.LOHA, Adapter.LOKR, Adapter.DORA)
 
 
 def snr_options(config: Config) -> list[tuple[str, str, str]]:
@@ -44,12 +48,20 @@ def family_problems(config: Config) -> list[Problem]:
     if objective.zero_terminal_snr is None and config.model.zero_terminal_snr:
         problems.append(Problem("model.zero_terminal_snr", "false", "true",
                                 f"{label} models have no DDPM beta schedule to rescale"))
-    if family_of(config.model.type).files is None:  # no kohya or single-file layout (yet)
+    files = family_of(config.model.type).files
+    if files is None:  # no kohya or single-file layout (yet)
         problems += [Problem(f"output.formats[{i}]", "DIFFUSERS", fmt.value,
                              f"{label} has no {fmt.value} file layout yet; its weights are "
                              "written as a diffusers folder / LoRA file")
                      for i, fmt in enumerate(config.output.formats)
                      if fmt in (SaveFormat.KOHYA, SaveFormat.SINGLE_FILE)]
+    adapter = config.training.adapter
+    if (files is not None and files.kohya_fuses and SaveFormat.KOHYA in config.output.formats
+            and config.training.method == TrainingMethod.LORA and adapter in UNFUSABLE):
+        problems.append(Problem(
+            "training.adapter", "LORA (or output.formats without KOHYA)", adapter.value,
+            f"{label}'s ComfyUI LoRA layout fuses {files.kohya_fuses}, and a "
+            f"{adapter.value} layer has no fused form (only a LoRA's does)"))
     return problems
 
 
