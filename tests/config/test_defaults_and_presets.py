@@ -73,6 +73,10 @@ def test_typed_preset_asks_only_for_the_model_and_the_data(preset):
     config.model.path = MODEL_TYPES[config.model.type].builtin
     config.data.datasets = [DatasetConfig(path="builtin:shapes")]
     assert all_problems(config) == []
+    # a prompt added to any preset samples with a sampler its family's pipeline takes (the
+    # Z-Image and Klein presets kept the config's DDIM, and a run with a prompt was refused)
+    config.sampling.prompts = ["a red circle"]
+    assert all_problems(config) == []
     assert config.output.dir == str((preset.parent / "../../output").resolve()
                                     / Path(config.output.dir).name)
 
