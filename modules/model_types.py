@@ -76,7 +76,9 @@ _SD_LORA_KIN = "Stable Diffusion (1.x, 2.x or XL)"
 # what loading an SD checkpoint file reads beside it (its tokenizer, its configs) and lets it be
 # (a pickle); Z-Image's and Klein's files read the first two
 _SINGLE_FILE_SETTINGS = ("model.tokenizer_path", "model.config_path")
-_SD_OWN = (*_SINGLE_FILE_SETTINGS, "model.allow_pickle")
+# channels-last memory layout speeds a UNet's convolutions; a transformer's linear layers have
+# no such layout (its input is packed into tokens), so it does nothing there
+_SD_OWN = (*_SINGLE_FILE_SETTINGS, "model.allow_pickle", "training.channels_last")
 MODEL_TYPES: dict[ModelType, ModelTypeSpec] = {
     ModelType.SD15: ModelTypeSpec("Stable Diffusion 1.x", "SD 1.x", "StableDiffusionPipeline",
                                   ("text_encoder",), ("tokenizer",), 512, "builtin:tiny-sd15",

@@ -14,10 +14,10 @@ from modules.model_types import MODEL_TYPES, ModelType
 from tests.app.test_unused_fields import greyed, view
 
 ZIMAGE_ONLY = ("model.text_encoder_path", "model.vae_path", "model.train_distilled")
-SD_SINGLE_FILE = "Stable Diffusion 1.x / Stable Diffusion 2.x / Stable Diffusion XL"
+SD_TYPES = "Stable Diffusion 1.x / Stable Diffusion 2.x / Stable Diffusion XL"
 # what Flux.2 Klein does not read, and who does: an SD checkpoint file's companions, Z-Image's
 # ComfyUI files (Klein's are recognised and refused, not loaded yet: docs/klein.md)
-KLEIN_UNREAD = {"model.allow_pickle": SD_SINGLE_FILE}
+KLEIN_UNREAD = {"model.allow_pickle": SD_TYPES, "training.channels_last": SD_TYPES}
 DDPM_SETTINGS = ("model.prediction_type", "model.zero_terminal_snr", "training.min_snr_gamma",
                  "loss.debiased_estimation")
 FLOW_SETTINGS = ("loss.timestep_sampling", "loss.timestep_shift", "loss.dynamic_shift")
