@@ -85,19 +85,18 @@ def fresh_dynamo():
 
 
 @pytest.mark.parametrize("adapter", [Adapter.LOHA])
-def test_lycoris_layers_trace_without_graph_breaks(adapter, tiny_config, tempera_cache,
-                                                   fresh_dynamo):
+def test_lycoris_layers_trace_without_graph_breaks(adapter, tiny_config, fresh_dynamo):
     """peft's own LoHa / LoKr forward breaks the graph at every layer (a Python branch on a
     random tensor); Tempera's forward keeps it whole, dropouts on. LoKr's, with the same
     dropouts: test_lokr_compiles_with_aot_eager_and_never_recompiles (one forward and one
     backward graph in training, where a break would compile more)."""
     import torch._dynamo
-    from diffusers import UNet2DConditionModel
-    from modules.models.tiny import ensure_builtin_model
     from modules.train.recipe.adapters import add_adapter
+    from tests.compile.conftest import build_one_level_unet
 
-    folder = ensure_builtin_model("builtin:tiny-sd15", tempera_cache)
-    unet = UNet2DConditionModel.from_pretrained(folder, subfolder="unet")
+    # the tiny UNet with one level: every layer kind an adapter wraps (attention projections,
+    # resnet convolutions, the time embedding), in half the tracing time
+    unet = build_one_level_unet()
     unet.requires_grad_(False)
     add_adapter(unet, tiny_config(f"training.adapter={adapter.value}", *METHODS[adapter],
                                   "training.module_dropout=0.2"), denoiser=True)
@@ -201,17 +200,16 @@ def test_options_a_method_lacks_are_refused_with_the_fix():
 
 
 @pytest.mark.parametrize("adapter", [Adapter.LORA, Adapter.LOCON, Adapter.DORA])
-def test_lora_family_layers_trace_without_graph_breaks(adapter, tiny_config, tempera_cache,
-                                                       fresh_dynamo):
+def test_lora_family_layers_trace_without_graph_breaks(adapter, tiny_config, fresh_dynamo):
     """LoRA, LoCon (convolutions too) and DoRA through peft's own forward, with their
     options on (rsLoRA, dropout): one graph, so compiling them costs no extra graphs."""
     import torch._dynamo
-    from diffusers import UNet2DConditionModel
-    from modules.models.tiny import ensure_builtin_model
     from modules.train.recipe.adapters import add_adapter
+    from tests.compile.conftest import build_one_level_unet
 
-    folder = ensure_builtin_model("builtin:tiny-sd15", tempera_cache)
-    unet = UNet2DConditionModel.from_pretrained(folder, subfolder="unet")
+    # the tiny UNet with one level: every layer kind an adapter wraps (attention projections,
+    # resnet convolutions, the time embedding), in half the tracing time
+    unet = build_one_level_unet()
     unet.requires_grad_(False)
     add_adapter(unet, tiny_config(f"training.adapter={adapter.value}", *METHODS[adapter]),
                 denoiser=True)
