@@ -77,6 +77,23 @@ class TextEmbeddingStore:
         self.read += 1
         return hidden, pooled, None if length is None else int(length)
 
+    def holds(self, caption: str) -> bool:
+        """Whether the store has a readable row of `caption`, read from the file's header only
+        (no tensor is loaded): safetensors refuses a file its header does not cover, so a
+        truncated or damaged file is a miss here, as in `load`."""
+        from safetensors import safe_open
+        path = self.path(caption)
+        if not path.is_file():
+            return False
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                return ((f.metadata() or {}).get("caption") == caption
+                        and "hidden" in f.keys())
+        except Exception as exc:  # safetensors raises its own error type for a damaged file
+            logger.warning("text embedding cache file %s is unreadable (%s); encoding again",
+                           path, exc)
+            return False
+
     def save(self, caption: str, row: Row) -> None:
         from safetensors.torch import save_file
         hidden, pooled, length = row

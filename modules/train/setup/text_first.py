@@ -54,7 +54,7 @@ def encode_text_first(checked: CheckedRun, callbacks: TrainerCallbacks) -> TextE
         cache = TextEncoderCache(text_only_bundle(checked, {}, tokenizers),
                                  pick_device(config.general.device),
                                  TextEmbeddingStore(root, identity))
-        if not cache.read_stored(captions):
+        if not cache.missing(captions):
             callbacks.on_status(f"text encoder outputs: all {len(captions)} captions read from "
                                 f"{root / identity}; the text encoder is not loaded")
             return cache
