@@ -71,7 +71,8 @@ def text_encoder_first(config: Config) -> str:
     released, and only then the VAE and the denoiser loaded (train/setup/text_first.py), so the
     two are never in RAM together. That needs the outputs cached and the encoder off the device
     (`text_encoder_leaves_device`), a family that loads its encoder apart
-    (`ModelFamily.text_first`) from a diffusers folder, a run that never writes the encoder
+    (`ModelFamily.text_first`) from a diffusers folder or ComfyUI's split files (its
+    `split_config_folder`), a run that never writes the encoder
     (a fine-tune saved as a diffusers folder writes every component) and one process."""
     from modules.config.outputs import SaveFormat
     from modules.config.schema import TrainingMethod
@@ -82,9 +83,10 @@ def text_encoder_first(config: Config) -> str:
     stays = text_encoder_stays(config)
     if stays:
         return f"it stays on the device: {stays}"
-    if family_of(config.model.type).text_first is None:
+    text_first = family_of(config.model.type).text_first
+    if text_first is None:
         return f"{MODEL_TYPES[config.model.type].label} models load it with the rest"
-    if is_single_file(Path(config.model.path)):
+    if is_single_file(Path(config.model.path)) and text_first.split_config_folder is None:
         return "the model's single files are read together"
     if (config.training.method == TrainingMethod.FINE_TUNE
             and SaveFormat.DIFFUSERS in config.output.formats):
