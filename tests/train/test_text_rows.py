@@ -71,7 +71,9 @@ def test_a_run_holds_no_more_rows_than_the_bound(runs):
     held, bounded = run_json(runs["held"])["text_cache"], run_json(runs["bounded"])["text_cache"]
     row = runs["row"]
     # every caption, "" (caption dropout) and both sample prompts were cached by the first run
-    assert held["encoded"] > 4 and held["resident_rows_peak"] == held["encoded"]
+    # (the prompts perhaps by another test's run: then read from disk) and all held
+    assert held["encoded"] > 4
+    assert held["resident_rows_peak"] == held["encoded"] + held["read_from_disk"]
     assert bounded["encoded"] == 0 and bounded["resident_bound_bytes"] == 2 * row
     assert bounded["resident_rows_peak"] == 2 and bounded["resident_bytes_peak"] <= 2 * row
     # the batches and the sample read more rows than the bound holds, from disk
