@@ -345,14 +345,21 @@ def size_configs(path: Path) -> str | None:
 
 def load_split_files(model: Any, config_folder: Path, dtypes: Any) -> dict[str, Any]:
     """The components from ComfyUI's three files, each built from `config_folder`'s configs:
-    the diffusion model by diffusers' own BFL reader (Flux2Transformer2DModel.from_single_file),
-    Qwen3 as Z-Image's, the VAE by `vae_from_original`; the tokenizer from
+    `load_split_rest`'s diffusion model and VAE, Qwen3 as Z-Image's; the tokenizer from
     model.tokenizer_path (or the config folder)."""
+    from modules.models.split_files import load_split_text
+    transformer, vae = load_split_rest(model, config_folder, dtypes)
+    encoders, tokenizers = load_split_text(model, config_folder, dtypes)
+    return {"transformer": transformer, "vae": vae, **encoders, **tokenizers}
+
+
+def load_split_rest(model: Any, config_folder: Path, dtypes: Any) -> tuple[Any, Any]:
+    """(diffusion model, VAE) of the split files: the diffusion model by diffusers' own BFL
+    reader (Flux2Transformer2DModel.from_single_file), the VAE by `vae_from_original`."""
     from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
     from safetensors.torch import load_file
 
     from modules.models.bundle import dtype_of
-    from modules.models.split_files import load_qwen3, load_tokenizer
     transformer = Flux2Transformer2DModel.from_single_file(
         model.path, config=str(config_folder), subfolder="transformer",
         torch_dtype=dtype_of(dtypes, "transformer"), local_files_only=True)
@@ -362,6 +369,4 @@ def load_split_files(model: Any, config_folder: Path, dtypes: Any) -> dict[str, 
     # latent statistics at every encode
     vae = vae_from_original(vae, load_file(model.vae_path), model.vae_path).to(
         dtype_of(dtypes, "vae")).eval()
-    encoder = load_qwen3(model.text_encoder_path, config_folder, dtype_of(dtypes, "text_encoder"))
-    return {"transformer": transformer, "vae": vae, "text_encoder": encoder,
-            "tokenizer": load_tokenizer(model, config_folder)}
+    return transformer, vae

@@ -86,10 +86,25 @@ def load_qwen3(path: str, config_folder: Path, dtype: Any) -> Any:
     return encoder.eval()  # as from_pretrained leaves a model
 
 
-def load_tokenizer(model: Any, config_folder: Path) -> Any:
-    """The tokenizer of model.tokenizer_path (a diffusers folder's tokenizer/, or a tokenizer
-    folder), else of `config_folder`."""
-    from transformers import AutoTokenizer
+def tokenizer_folder(model: Any, config_folder: Path) -> Path:
+    """The folder the tokenizer loads from: model.tokenizer_path (a diffusers folder's
+    tokenizer/, or a tokenizer folder), else `config_folder`'s."""
     folder = Path(model.tokenizer_path or config_folder)
-    tokenizer_folder = folder / "tokenizer" if (folder / "tokenizer").is_dir() else folder
-    return AutoTokenizer.from_pretrained(tokenizer_folder, local_files_only=True)
+    return folder / "tokenizer" if (folder / "tokenizer").is_dir() else folder
+
+
+def load_tokenizer(model: Any, config_folder: Path) -> Any:
+    """The tokenizer of `tokenizer_folder`."""
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(tokenizer_folder(model, config_folder),
+                                         local_files_only=True)
+
+
+def load_split_text(model: Any, config_folder: Path, dtypes: Any
+                    ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Qwen3 from model.text_encoder_path alone and the tokenizer, as ({"text_encoder": ...},
+    {"tokenizer": ...}): the text part of the split files, for a run that caches its captions
+    before the diffusion model and VAE load (train/setup/text_first.py)."""
+    from modules.models.bundle import dtype_of
+    encoder = load_qwen3(model.text_encoder_path, config_folder, dtype_of(dtypes, "text_encoder"))
+    return {"text_encoder": encoder}, {"tokenizer": load_tokenizer(model, config_folder)}

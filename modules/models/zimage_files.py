@@ -139,10 +139,17 @@ def distilled_problems(model: ModelConfig) -> list[Problem]:
 def load_split_files(model: ModelConfig, config_folder: Path, dtypes) -> dict:
     """The components from the three files, each built from `config_folder`'s configs (the
     shipped ones, or model.config_path), and the tokenizer from model.tokenizer_path."""
+    from modules.models.split_files import load_split_text
+    transformer, vae = load_split_rest(model, config_folder, dtypes)
+    encoders, tokenizers = load_split_text(model, config_folder, dtypes)
+    return {"transformer": transformer, "vae": vae, **encoders, **tokenizers}
+
+
+def load_split_rest(model: ModelConfig, config_folder: Path, dtypes) -> tuple:
+    """(diffusion model, VAE) of the three files, by diffusers' own single-file readers."""
     from diffusers import AutoencoderKL, ZImageTransformer2DModel
 
     from modules.models.bundle import dtype_of
-    from modules.models.split_files import load_qwen3, load_tokenizer
     local = {"local_files_only": True}
     transformer = ZImageTransformer2DModel.from_single_file(
         model.path, config=str(config_folder), subfolder="transformer",
@@ -150,10 +157,7 @@ def load_split_files(model: ModelConfig, config_folder: Path, dtypes) -> dict:
     vae = AutoencoderKL.from_single_file(model.vae_path, config=str(config_folder),
                                          subfolder="vae", torch_dtype=dtype_of(dtypes, "vae"),
                                          **local)
-    encoder = load_qwen3(model.text_encoder_path, config_folder,
-                         dtype_of(dtypes, "text_encoder"))
-    return {"transformer": transformer, "vae": vae, "text_encoder": encoder,
-            "tokenizer": load_tokenizer(model, config_folder)}
+    return transformer, vae
 
 
 def save_transformer_file(transformer: torch.nn.Module, path: Path,

@@ -166,10 +166,15 @@ class TextFirst:
     - `load_rest(path, model config, dtypes, tokenizers)`: the `ModelBundle` without its text
       encoders (`text_encoders` empty), the tokenizers handed in;
     - `load_tokenizers(path, model config)`: the tokenizers alone, for a run whose captions
-      are all cached already (the encoder is then not loaded at all)."""
+      are all cached already (the encoder is then not loaded at all);
+    - `split_config_folder(model config)`: for a family whose ComfyUI split files load text
+      first too (the three functions above then take `path`, the diffusion-model file, and
+      read model.text_encoder_path etc.), the config folder the files are built from; None:
+      single files load together."""
     load_text: Callable[[Path, Any, Any], tuple[dict[str, Any], dict[str, Any]]]
     load_rest: Callable[[Path, Any, Any, dict[str, Any]], ModelBundle]
     load_tokenizers: Callable[[Path, Any], dict[str, Any]]
+    split_config_folder: Callable[[Any], Path] | None = None
 
 
 @dataclass(frozen=True)

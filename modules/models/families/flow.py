@@ -19,7 +19,7 @@ from torch import nn
 
 from modules.config.loss import LossConfig, TimestepSampling
 from modules.models.bundle import ModelBundle
-from modules.models.families.base import Objective
+from modules.models.families.base import Objective, TextFirst
 
 
 def train_timesteps(bundle: ModelBundle) -> int:
@@ -134,6 +134,43 @@ def load_qwen_flow_rest(path: Path, model_type: Any, dtypes: Any, transformer_cl
         path, subfolder="scheduler", **local)
     return ModelBundle(model_type, Path(path), prepare(transformer), vae, {}, dict(tokenizers),
                        scheduler)
+
+
+def qwen_text_first(model_type: Any, transformer_class: str, vae_class: str,
+                    split_folder: Callable[[Any], Path],
+                    split_rest: Callable[[Any, Path, Any], tuple[nn.Module, nn.Module]],
+                    prepare: Callable[[nn.Module], nn.Module] = lambda module: module
+                    ) -> TextFirst:
+    """How a Qwen3 flow family (Z-Image, Klein) loads Qwen3 first, alone: from a diffusers
+    folder, or from ComfyUI's split files (`path` the diffusion-model file, Qwen3 from
+    model.text_encoder_path, built from `split_folder(model)`'s configs); then the rest
+    (`split_rest`: the family's diffusion model and VAE from their files)."""
+    from modules.models.single_file import is_single_file
+    from modules.models.split_files import load_split_text, load_tokenizer
+
+    def load_text(path: Path, model: Any, dtypes: Any) -> tuple[dict, dict]:
+        if is_single_file(path):
+            return load_split_text(model, split_folder(model), dtypes)
+        return load_qwen_text(path, dtypes)
+
+    def load_rest(path: Path, model: Any, dtypes: Any, tokenizers: dict) -> ModelBundle:
+        if not is_single_file(path):
+            return load_qwen_flow_rest(path, model_type, dtypes, transformer_class, vae_class,
+                                       tokenizers, prepare=prepare)
+        import diffusers
+        folder = split_folder(model)
+        transformer, vae = split_rest(model, folder, dtypes)
+        scheduler = diffusers.FlowMatchEulerDiscreteScheduler.from_pretrained(
+            folder, subfolder="scheduler", local_files_only=True)
+        return ModelBundle(model_type, Path(path), prepare(transformer), vae, {},
+                           dict(tokenizers), scheduler)
+
+    def load_tokenizers(path: Path, model: Any) -> dict:
+        if is_single_file(path):
+            return {"tokenizer": load_tokenizer(model, split_folder(model))}
+        return load_qwen_tokenizer(path)
+
+    return TextFirst(load_text, load_rest, load_tokenizers, split_config_folder=split_folder)
 
 
 def load_qwen_flow_folder(path: Path, model_type: Any, dtypes: Any, transformer_class: str,

@@ -33,9 +33,8 @@ from modules.model_types import ModelType
 from modules.models.bundle import Dtypes, ModelBundle
 from modules.models.chat_text import ChatEncoding, chat_prompts
 from modules.models.families.base import (FileConventions, ModelFamily, Objective, RealSize,
-                                          TextEmbeddings, TextFirst)
-from modules.models.families.flow import (load_qwen_flow_folder, load_qwen_flow_rest,
-                                          load_qwen_text, load_qwen_tokenizer,
+                                          TextEmbeddings)
+from modules.models.families.flow import (load_qwen_flow_folder, qwen_text_first,
                                           flow_noisy_and_target, flow_timesteps,
                                           train_timesteps)
 from modules.models.families.sd import text_encoders
@@ -68,12 +67,21 @@ def load_folder(path: Path, prediction_type: Any, dtypes: Dtypes) -> ModelBundle
 
 
 # Qwen3 first, alone, for a run that caches every caption up front; then the rest
-KLEIN_TEXT_FIRST = TextFirst(
-    load_text=lambda path, model, dtypes: load_qwen_text(path, dtypes),
-    load_rest=lambda path, model, dtypes, tokenizers: load_qwen_flow_rest(
-        path, ModelType.KLEIN, dtypes, "Flux2Transformer2DModel", "AutoencoderKLFlux2",
-        tokenizers),
-    load_tokenizers=lambda path, model: load_qwen_tokenizer(path))
+def split_config_folder(model: Any) -> Path:
+    """The config folder ComfyUI's split files are built from: model.config_path, else the
+    shipped one of the diffusion model's size."""
+    from modules.models.single_file import config_folder_for
+    return Path(model.config_path) if model.config_path else config_folder_for(KLEIN_FILES,
+                                                                               model.path)
+
+
+def load_split_rest(model: Any, folder: Path, dtypes: Dtypes) -> tuple[nn.Module, nn.Module]:
+    from modules.models.klein_files import load_split_rest as load_rest
+    return load_rest(model, folder, dtypes)
+
+
+KLEIN_TEXT_FIRST = qwen_text_first(ModelType.KLEIN, "Flux2Transformer2DModel",
+                                   "AutoencoderKLFlux2", split_config_folder, load_split_rest)
 
 
 def encode_klein(tokenizer: Any, encoder: nn.Module, captions: list[str], device: torch.device
@@ -258,9 +266,7 @@ def load_single_file(path: Path, model: Any, dtypes: Dtypes) -> ModelBundle:
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     from modules.models.klein_files import load_split_files
-    from modules.models.single_file import config_folder_for
-    folder = Path(model.config_path) if model.config_path else config_folder_for(KLEIN_FILES,
-                                                                               model.path)
+    folder = split_config_folder(model)
     parts = load_split_files(model, folder, dtypes)
     scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(folder, subfolder="scheduler",
                                                                 local_files_only=True)

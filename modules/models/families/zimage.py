@@ -20,10 +20,8 @@ from modules.config.outputs import Sampler
 from modules.model_types import ModelType
 from modules.models.bundle import Dtypes, ModelBundle
 from modules.models.chat_text import ChatEncoding, caption_list, encode_chat
-from modules.models.families.base import (FileConventions, ModelFamily, RealSize, TextEmbeddings,
-                                          TextFirst)
-from modules.models.families.flow import (load_qwen_flow_folder, load_qwen_flow_rest,
-                                          load_qwen_text, load_qwen_tokenizer, FLOW_MATCHING)
+from modules.models.families.base import FileConventions, ModelFamily, RealSize, TextEmbeddings
+from modules.models.families.flow import FLOW_MATCHING, load_qwen_flow_folder, qwen_text_first
 from modules.models.families.sd import text_encoders
 from modules.models.tiny_zimage import (TINY_ZIMAGE, build_real_size, real_size_spec,
                                         transformer_parameters)
@@ -95,14 +93,23 @@ def load_folder(path: Path, prediction_type: Any, dtypes: Dtypes) -> ModelBundle
                                  "AutoencoderKL", prepare=warm_rope_tables)
 
 
-# Qwen3 first, alone, for a run that caches every caption up front; then the rest (a
-# diffusers folder: ComfyUI's three files load together, train/setup/text_first.py)
-ZIMAGE_TEXT_FIRST = TextFirst(
-    load_text=lambda path, model, dtypes: load_qwen_text(path, dtypes),
-    load_rest=lambda path, model, dtypes, tokenizers: load_qwen_flow_rest(
-        path, ModelType.ZIMAGE, dtypes, "ZImageTransformer2DModel", "AutoencoderKL",
-        tokenizers, prepare=warm_rope_tables),
-    load_tokenizers=lambda path, model: load_qwen_tokenizer(path))
+def split_config_folder(model: Any) -> Path:
+    """The config folder ComfyUI's three files are built from: model.config_path, else the
+    shipped one."""
+    from modules.models.single_file import config_folder_for
+    return Path(model.config_path) if model.config_path else config_folder_for(ZIMAGE_FILES)
+
+
+def load_split_rest(model: Any, folder: Path, dtypes: Dtypes) -> tuple[nn.Module, nn.Module]:
+    from modules.models.zimage_files import load_split_rest as load_rest
+    return load_rest(model, folder, dtypes)
+
+
+# Qwen3 first, alone, for a run that caches every caption up front (a diffusers folder or
+# ComfyUI's three files); then the rest (train/setup/text_first.py)
+ZIMAGE_TEXT_FIRST = qwen_text_first(ModelType.ZIMAGE, "ZImageTransformer2DModel",
+                                    "AutoencoderKL", split_config_folder, load_split_rest,
+                                    prepare=warm_rope_tables)
 
 
 def load_single_file(path: Path, model: Any, dtypes: Dtypes) -> ModelBundle:
@@ -111,9 +118,8 @@ def load_single_file(path: Path, model: Any, dtypes: Dtypes) -> ModelBundle:
     model.tokenizer_path."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    from modules.models.single_file import config_folder_for
     from modules.models.zimage_files import load_split_files
-    folder = Path(model.config_path) if model.config_path else config_folder_for(ZIMAGE_FILES)
+    folder = split_config_folder(model)
     parts = load_split_files(model, folder, dtypes)
     scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(folder, subfolder="scheduler",
                                                                 local_files_only=True)

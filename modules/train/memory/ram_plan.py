@@ -17,9 +17,14 @@ The phases follow what the run does (train/recipe/recipe.py `_build`):
   but for the one encoder that borrows the device at a time (the largest counted as away);
 - training: what stays on the CPU: the components whose outputs are cached (placement.py), and
   the blocks block offload streams (pinned memory on CUDA); on a CPU device the whole run.
-Not counted: the cached latents and captions (on disk, read per batch), the data loader's
-worker processes, Python and the libraries themselves (a few GiB with torch and CUDA), the
-compiler's memory. A lower bound, like the GPU plan.
+With its text encoder outputs cached, every phase from the one that caches the captions on
+holds the caption rows the cache keeps in memory: the most recent, at most
+`RESIDENT_ROW_BYTES` (train/recipe/text_cache.py); every other row stays on disk and is read
+for each batch, so a dataset's captions never fill the RAM (2,000 Klein 9B captions would be
+25 GB). Counted at the bound, which a dataset of a large encoder fills (5 Klein 9B captions).
+Not counted: the cached latents (on disk, read per batch), the data loader's worker processes,
+Python and the libraries themselves (a few GiB with torch and CUDA), the compiler's memory. A
+lower bound, like the GPU plan.
 """
 from __future__ import annotations
 
@@ -38,7 +43,7 @@ from modules.train.memory.memory_plan import (describe_tensors, gib, plan_from, 
                                               weightless_bundle)
 from modules.train.recipe.placement import components_off_device
 
-NOT_COUNTED = ("a lower bound: cached latents and captions (on disk), data loader workers, "
+NOT_COUNTED = ("a lower bound: cached latents (on disk), data loader workers, "
                "Python, torch and CUDA themselves and the compiler are not counted")
 
 
@@ -146,8 +151,24 @@ def ram_plan_from(config: Config, loading: list[tuple[str, int]], bundle: ModelB
                                          config.model.offload_blocks)
         training.append((f"{count} offloaded denoiser blocks' weights"
                          + (" (pinned)" if device.type == "cuda" else ""), moved))
-    return RamPlan((*loading_phases, RamPhase("caching", tuple(caching)),
-                    RamPhase("training", tuple(training))), order)
+    phases = (*loading_phases, RamPhase("caching", tuple(caching)),
+              RamPhase("training", tuple(training)))
+    return RamPlan(with_caption_rows(config, phases, bool(first)), order)
+
+
+def with_caption_rows(config: Config, phases: tuple[RamPhase, ...],
+                      text_first: bool) -> tuple[RamPhase, ...]:
+    """`phases` with the caption rows a text cache holds in memory (`RESIDENT_ROW_BYTES`, the
+    others on disk) added to each phase the cache lives through: every phase when the text
+    encoder loads first (it caches them before the rest loads), the caching and training
+    phases otherwise."""
+    from modules.train.recipe.text_cache import RESIDENT_ROW_BYTES
+    if not config.data.cache_text_encoder_outputs:
+        return phases
+    line = (f"caption rows in memory (the most recent, at most {gib(RESIDENT_ROW_BYTES)}; "
+            "every other cached caption is read from disk for each batch)", RESIDENT_ROW_BYTES)
+    return tuple(RamPhase(p.name, (*p.lines, line))
+                 if text_first or p.name in ("caching", "training") else p for p in phases)
 
 
 def text_order(config: Config, bundle: ModelBundle) -> tuple[tuple[str, ...], str]:

@@ -403,7 +403,8 @@ class TrainingRecipe:
                          skipped_steps=state.skipped_steps,
                          batch_shapes=run.shape_log.report(run.recompiles()),
                          distributed=distributed_summary(run),
-                         memory=peak_memory(run.device.type == "cuda"))
+                         memory=peak_memory(run.device.type == "cuda"),
+                         text_cache=None if run.text_cache is None else run.text_cache.record())
         hint = resume_hint(run.output_dir) if status == "stopped" else ""
         callbacks.on_status(f"{status}: {run.step} steps, outputs in {run.output_dir}{hint}")
         return RunResult(status, run.step, run.output_dir, dict(run.record.data))

@@ -1,6 +1,8 @@
-"""Cache of frozen text encoder outputs, one entry per distinct caption: in memory, and with a
-`TextEmbeddingStore` on disk too (text_store.py), where a run can encode every caption before
-training and let the text encoder leave the GPU (`precache`).
+"""Cache of frozen text encoder outputs, one row per distinct caption, in a `TextEmbeddingStore`
+on disk (text_store.py), where a run can encode every caption before training and let the text
+encoder leave the GPU (`precache`). Rows are read back from disk for each batch; only the most
+recent stay in memory, up to `RESIDENT_ROW_BYTES` (issue 56 item 2, issue 58 item 4: 2,000
+Klein 9B captions are 25 GB).
 
 Entries are copies, never views of the encoder's output: a compiled encoder under CUDA graphs
 returns tensors in the graph's memory pool, which the next replay overwrites, so a cached view
@@ -9,6 +11,7 @@ batch's output alive for one caption.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from pathlib import Path
 
 import torch
@@ -68,7 +71,8 @@ def text_encoder_first(config: Config) -> str:
     released, and only then the VAE and the denoiser loaded (train/setup/text_first.py), so the
     two are never in RAM together. That needs the outputs cached and the encoder off the device
     (`text_encoder_leaves_device`), a family that loads its encoder apart
-    (`ModelFamily.text_first`) from a diffusers folder, a run that never writes the encoder
+    (`ModelFamily.text_first`) from a diffusers folder or ComfyUI's split files (its
+    `split_config_folder`), a run that never writes the encoder
     (a fine-tune saved as a diffusers folder writes every component) and one process."""
     from modules.config.outputs import SaveFormat
     from modules.config.schema import TrainingMethod
@@ -79,9 +83,10 @@ def text_encoder_first(config: Config) -> str:
     stays = text_encoder_stays(config)
     if stays:
         return f"it stays on the device: {stays}"
-    if family_of(config.model.type).text_first is None:
+    text_first = family_of(config.model.type).text_first
+    if text_first is None:
         return f"{MODEL_TYPES[config.model.type].label} models load it with the rest"
-    if is_single_file(Path(config.model.path)):
+    if is_single_file(Path(config.model.path)) and text_first.split_config_folder is None:
         return "the model's single files are read together"
     if (config.training.method == TrainingMethod.FINE_TUNE
             and SaveFormat.DIFFUSERS in config.output.formats):
@@ -104,18 +109,39 @@ def is_on(module: nn.Module, device: torch.device) -> bool:
     return module_device(module) == device
 
 
+# The most recent rows a cache with an on-disk store keeps in memory (the repeated captions:
+# the empty caption of caption dropout, the sample prompts); every other row is read from its
+# file for each batch. A Klein 9B row is 512 x 12,288 bf16 values (12 MiB): 5 of them fit.
+RESIDENT_ROW_BYTES = 64 * 2 ** 20
+
+
+def row_bytes(row: Row) -> int:
+    """The bytes of one cached row's tensors."""
+    hidden, pooled, _ = row
+    return sum(t.numel() * t.element_size() for t in (hidden, pooled) if t is not None)
+
+
 class TextEncoderCache:
     """Encodes each caption once; later batches reuse the stored hidden states (and pooled).
-    With a `store`, rows are read from and written to disk, and kept in memory on the CPU
-    (a 4 B encoder's rows are megabytes each; a batch's go to the device when read)."""
+    With a `store`, rows are written to disk and read back for each batch, on the CPU (a
+    batch's go to the device when read): only the most recent `resident_bytes` of rows stay
+    in memory (`RESIDENT_ROW_BYTES`), so a dataset of thousands of captions of a large encoder
+    (a Klein 9B caption is 12 MiB) never fills the RAM. Without a store (tests only: every run
+    that caches captions has one) every row stays in memory, on the run's device."""
 
     def __init__(self, bundle: ModelBundle, device: torch.device,
-                 store: TextEmbeddingStore | None = None) -> None:
+                 store: TextEmbeddingStore | None = None,
+                 resident_bytes: int | None = None) -> None:
         self.bundle, self.device, self.store = bundle, device, store
-        # caption -> (hidden, pooled, length): a caption of its own length (chat encoders)
-        # keeps its real tokens only, padded again to each batch's length when read
-        self.entries: dict[str, Row] = {}
+        # caption -> (hidden, pooled, length), least recently used first: a caption of its own
+        # length (chat encoders) keeps its real tokens only, padded again to each batch's
+        # length when read
+        self.entries: OrderedDict[str, Row] = OrderedDict()
         self.keep_on = torch.device("cpu") if store is not None else device
+        self.bound = (None if store is None else
+                      RESIDENT_ROW_BYTES if resident_bytes is None else resident_bytes)
+        self.resident = 0  # bytes of the rows in `entries`
+        self.peak_rows = self.peak_bytes = 0  # the most rows (and bytes) ever in `entries`
         self.encoded = 0  # captions actually run through the text encoder(s)
 
     def encoder_device(self) -> torch.device:
@@ -150,30 +176,48 @@ class TextEncoderCache:
         self.encoded += len(captions)
         return rows
 
-    def read_stored(self, captions: list[str]) -> list[str]:
-        """Read each caption of `captions` the store holds into memory; return the others
-        (once each, in order)."""
-        missing = []
-        for caption in dict.fromkeys(captions):
-            if caption in self.entries:
-                continue
-            row = self.store.load(caption) if self.store is not None else None
-            if row is None:
-                missing.append(caption)
-            else:
-                self.entries[caption] = row
-        return missing
+    def _keep(self, caption: str, row: Row) -> None:
+        """Hold `row` in memory as the most recent; with a store, drop the least recent rows
+        until the held rows are within the bound (they are on disk)."""
+        if caption not in self.entries:
+            self.resident += row_bytes(row)
+        self.entries[caption] = row
+        self.entries.move_to_end(caption)
+        while self.bound is not None and self.entries and self.resident > self.bound:
+            _, dropped = self.entries.popitem(last=False)
+            self.resident -= row_bytes(dropped)
+        self.peak_rows = max(self.peak_rows, len(self.entries))
+        self.peak_bytes = max(self.peak_bytes, self.resident)
+
+    def _row(self, caption: str) -> Row | None:
+        """The cached row of `caption`: in memory, else read from the store (and then held as
+        the most recent), else None."""
+        row = self.entries.get(caption)
+        if row is not None:
+            self.entries.move_to_end(caption)
+            return row
+        row = self.store.load(caption) if self.store is not None else None
+        if row is not None:
+            self._keep(caption, row)
+        return row
+
+    def missing(self, captions: list[str]) -> list[str]:
+        """The captions of `captions` neither in memory nor in the store (once each, in order),
+        asked of each file's header: no row is read."""
+        return [caption for caption in dict.fromkeys(captions)
+                if caption not in self.entries
+                and not (self.store is not None and self.store.holds(caption))]
 
     @torch.no_grad()
     def precache(self, captions: list[str], batch_size: int = 8) -> int:
         """Encode every caption of `captions` the store does not hold yet, in batches; returns
-        how many were encoded (the rest were read from disk)."""
-        missing = self.read_stored(captions)
+        how many were encoded (the others are on disk already)."""
+        missing = self.missing(captions)
         for start in range(0, len(missing), batch_size):
             for caption, row in self._encode_rows(missing[start:start + batch_size]).items():
-                self.entries[caption] = row
                 if self.store is not None:
                     self.store.save(caption, row)
+                self._keep(caption, row)
         return len(missing)
 
     @torch.no_grad()
@@ -182,15 +226,20 @@ class TextEncoderCache:
         dropped tags: another text next epoch) is encoded each time and not stored, so the
         cache holds only captions that come back, and never grows with every shuffle."""
         varies = varies or [False] * len(captions)
-        missing = list(dict.fromkeys(c for c in captions if c not in self.entries))
+        rows: dict[str, Row] = {}
+        for caption in dict.fromkeys(captions):
+            row = self._row(caption)
+            if row is not None:
+                rows[caption] = row
+        missing = [caption for caption in dict.fromkeys(captions) if caption not in rows]
         fresh = self._encode_rows(missing) if missing else {}
         for caption, changes in zip(captions, varies):
-            if caption in fresh and not changes:
-                self.entries[caption] = fresh[caption]
+            if caption in fresh and not changes and caption not in self.entries:
                 if self.store is not None:
                     self.store.save(caption, fresh[caption])
-        rows = [self.entries.get(c) or fresh[c] for c in captions]
-        embeddings = stack_rows(rows)
+                self._keep(caption, fresh[caption])
+        rows.update(fresh)
+        embeddings = stack_rows([rows[c] for c in captions])
         if self.keep_on == self.device:
             return embeddings
         pooled = embeddings.pooled
@@ -198,6 +247,15 @@ class TextEncoderCache:
             hidden=embeddings.hidden.to(self.device, non_blocking=True),
             pooled=None if pooled is None else pooled.to(self.device, non_blocking=True),
             lengths=embeddings.lengths)  # on the CPU: caption_list reads them there
+
+    def record(self) -> dict:
+        """run.json's `text_cache`: the rows encoded, read from and written to disk, and the
+        most rows held in memory at once against their bound (None: no store, all held)."""
+        return {"encoded": self.encoded,
+                "read_from_disk": self.store.read if self.store is not None else 0,
+                "written_to_disk": self.store.written if self.store is not None else 0,
+                "resident_bound_bytes": self.bound, "resident_rows_peak": self.peak_rows,
+                "resident_bytes_peak": self.peak_bytes}
 
 
 def stack_rows(rows: list[Row]) -> TextEmbeddings:

@@ -77,6 +77,23 @@ class TextEmbeddingStore:
         self.read += 1
         return hidden, pooled, None if length is None else int(length)
 
+    def holds(self, caption: str) -> bool:
+        """Whether the store has a readable row of `caption`, read from the file's header only
+        (no tensor is loaded): safetensors refuses a file its header does not cover, so a
+        truncated or damaged file is a miss here, as in `load`."""
+        from safetensors import safe_open
+        path = self.path(caption)
+        if not path.is_file():
+            return False
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                return ((f.metadata() or {}).get("caption") == caption
+                        and "hidden" in f.keys())
+        except Exception as exc:  # safetensors raises its own error type for a damaged file
+            logger.warning("text embedding cache file %s is unreadable (%s); encoding again",
+                           path, exc)
+            return False
+
     def save(self, caption: str, row: Row) -> None:
         from safetensors.torch import save_file
         hidden, pooled, length = row
@@ -91,23 +108,36 @@ class TextEmbeddingStore:
         self.written += 1
 
 
-def encoder_files_key(folder: Path, subfolders: list[str], load: dict[str, str]) -> str:
+def encoder_files_key(folder: Path, subfolders: list[str], load: dict[str, str],
+                      others: tuple[Path, ...] = ()) -> str:
     """A short hash of the files a folder's text encoders and tokenizers load from, read
     without loading them: each file's path in the folder and size, a `.safetensors` file's
     header (names, shapes, dtypes, offsets) and modification time, every other file's bytes
     (configs, vocabularies, chat templates), and `load` (the model type, the load dtypes).
     `remember_identity` maps it to the `encoder_identity` the loaded encoder had, so a run
-    whose captions are all cached can find them without loading the encoder."""
+    whose captions are all cached can find them without loading the encoder. `others`: files
+    or folders outside `folder` read the same way, named by their absolute path (ComfyUI's
+    text encoder file and tokenizer folder)."""
     digest = hashlib.sha256(json.dumps(load, sort_keys=True).encode())
     for name in sorted(subfolders):
         for path in sorted(p for p in (folder / name).rglob("*") if p.is_file()):
-            stat = path.stat()
-            digest.update(f"{path.relative_to(folder).as_posix()}:{stat.st_size}".encode())
-            if path.suffix == ".safetensors":
-                digest.update(f":{stat.st_mtime_ns}".encode() + _safetensors_header(path))
-            else:
-                digest.update(path.read_bytes())
+            _add_file(digest, path, path.relative_to(folder).as_posix())
+    for other in others:
+        paths = sorted(p for p in other.rglob("*") if p.is_file()) if other.is_dir() else [other]
+        for path in paths:
+            _add_file(digest, path, path.resolve().as_posix())
     return digest.hexdigest()[:16]
+
+
+def _add_file(digest, path: Path, name: str) -> None:
+    """One file into `encoder_files_key`'s digest: its name and size, a `.safetensors` file's
+    header and modification time, any other file's bytes."""
+    stat = path.stat()
+    digest.update(f"{name}:{stat.st_size}".encode())
+    if path.suffix == ".safetensors":
+        digest.update(f":{stat.st_mtime_ns}".encode() + _safetensors_header(path))
+    else:
+        digest.update(path.read_bytes())
 
 
 def _safetensors_header(path: Path) -> bytes:

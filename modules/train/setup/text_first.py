@@ -8,18 +8,22 @@ plan, train/memory/ram_plan.py, plans it so).
 `text_encoder_first` (train/recipe/text_cache.py) says when it applies; otherwise the whole
 model loads at once, as before. The cache this builds is the run's (`PreparedRun.text_cache`):
 setup finds every caption in it and the samples take the cached prompts, so the run never
-needs the encoder again. A run whose captions were all cached by an earlier one (a resumed
-run) does not load the encoder at all: the encoder's files, read without loading them, name
-the cache folder the encoder they hold had (`text_store.encoder_files_key`).
+needs the encoder again. ComfyUI's split files take the same order (a family whose
+`TextFirst` has a `split_config_folder`): the text encoder from model.text_encoder_path alone,
+then the diffusion model and VAE files. A run whose captions were all cached by an earlier one
+(a resumed run) does not load the encoder at all: the encoder's files, read without loading
+them, name the cache folder the encoder they hold had (`text_store.encoder_files_key`).
 """
 from __future__ import annotations
 
 import dataclasses
 import gc
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
+from modules.config.schema import Config
 from modules.events import TrainerCallbacks
 from modules.model_types import MODEL_TYPES
 from modules.models.bundle import ModelBundle, dtype_of
@@ -54,7 +58,7 @@ def encode_text_first(checked: CheckedRun, callbacks: TrainerCallbacks) -> TextE
         cache = TextEncoderCache(text_only_bundle(checked, {}, tokenizers),
                                  pick_device(config.general.device),
                                  TextEmbeddingStore(root, identity))
-        if not cache.read_stored(captions):
+        if not cache.missing(captions):
             callbacks.on_status(f"text encoder outputs: all {len(captions)} captions read from "
                                 f"{root / identity}; the text encoder is not loaded")
             return cache
@@ -73,7 +77,27 @@ def encoder_files(checked: CheckedRun) -> str:
             **{name: str(dtype_of(dtypes, name)) for name in spec.text_encoders},
             **{f"{name} storage": config.model.weight_storage.value
                for name in spec.text_encoders if name in stored}}
-    return encoder_files_key(checked.model_path, [*spec.text_encoders, *spec.tokenizers], load)
+    folder = split_config_folder(config)
+    if folder is None:
+        return encoder_files_key(checked.model_path, [*spec.text_encoders, *spec.tokenizers],
+                                 load)
+    # ComfyUI's split files: the encoder's file, its config and the tokenizer's folder
+    from modules.models.split_files import tokenizer_folder
+    return encoder_files_key(folder, list(spec.text_encoders), load,
+                             (Path(config.model.text_encoder_path),
+                              tokenizer_folder(config.model, folder)))
+
+
+def split_config_folder(config: Config) -> Path | None:
+    """The config folder ComfyUI's split files are built from, or None for a diffusers
+    folder."""
+    from modules.models.families import family_of
+    from modules.models.single_file import is_single_file
+    text_first = family_of(config.model.type).text_first
+    if not is_single_file(config.model.path) or text_first is None \
+            or text_first.split_config_folder is None:
+        return None
+    return text_first.split_config_folder(config.model)
 
 
 def text_only_bundle(checked: CheckedRun, encoders: dict, tokenizers: dict) -> ModelBundle:
