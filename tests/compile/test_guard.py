@@ -22,6 +22,13 @@ OOM_WHILE_COMPILING = "tempera_test_oom_while_compiling"
 RECORDS_PER_SHAPE = "tempera_test_records_per_shape"
 
 
+@pytest.fixture
+def make_unet(make_one_level_unet):
+    """The guard's properties are the step's, not the UNet's layout: the one-level tiny UNet
+    (tests/compile/conftest.py), which dynamo traces in about half the time."""
+    return make_one_level_unet
+
+
 @pytest.fixture(scope="module")
 def late_failing_backends():
     """A backend whose first compile works (eager kernels) and every later one fails, and one
