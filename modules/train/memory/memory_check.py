@@ -217,8 +217,6 @@ def offload_not_for(config: Config) -> str:
     """Why block offload cannot serve this run (validate's `_check_block_offload`), or ""."""
     if config.training.method != TrainingMethod.LORA:
         return "LoRA only (a trained weight stays on the GPU)"
-    if config.model.weight_storage.eight_bit:
-        return f"cannot combine with model.weight_storage={config.model.weight_storage.value}"
     if config.compile.denoiser and config.compile.scope == CompileScope.FULL:
         return "needs REGIONAL compile of the denoiser (compile.scope is FULL)"
     return ""
