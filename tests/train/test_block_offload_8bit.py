@@ -159,3 +159,44 @@ def test_plan_counts_offloaded_blocks_at_their_stored_bytes(storage, tempera_cac
     plan = plan_memory(config, ensure_builtin_model(config.model.path, tempera_cache))
     [(what, size)] = [line for line in plan.lines if "blocks offloaded" in line[0]]
     assert size == held[-1] + held[-2] - sum(held) < 0, what
+
+
+def test_refusal_and_check_offer_int8_and_offload_together(tempera_cache, tmp_path, monkeypatch):
+    """A LoRA with neither lever on is offered the 8-bit storage the plan picks (INT8, on an
+    RTX 30 card) with every block offloaded, as one `--set` list, with what the two save
+    together (more than either alone) and what both cost; `--check` has a line for it. Over
+    5 s: the tiny model planned about ten times."""
+    import modules.train.memory.memory_check as memory_check
+    from modules.config import ConfigError
+    from modules.train.memory.levers import DeviceAbility
+    from modules.train.memory.memory_check import CardMemory
+    from modules.train.memory.memory_plan import gib, plan_memory
+
+    rtx_3060 = DeviceAbility("RTX 3060 (sm_86)", (8, 6))
+    config = make_config(tempera_cache, tmp_path)
+    folder = ensure_builtin_model(config.model.path, tempera_cache)
+    plan = plan_memory(config, folder)
+    blocks = 12  # the tiny UNet's repeated blocks
+    both = f"model.weight_storage=INT8 --set model.offload_blocks={blocks}"
+    # the other candidates are tests/train/test_memory_plan.py's: only these are planned here
+    monkeypatch.setattr(memory_check, "fix_candidates",
+                        lambda config, ability: ["model.weight_storage=INT8"])
+    fixes = dict(memory_check.memory_fixes(config, folder, plan, ability=rtx_3060))
+    with_both = make_config(tempera_cache, tmp_path, "model.weight_storage=INT8",
+                            f"model.offload_blocks={blocks}")
+    together = plan_memory(with_both, folder)
+    assert fixes[both] == plan.total - together.total
+    assert fixes[both] > max(fixes["model.weight_storage=INT8"],
+                             fixes[f"model.offload_blocks={blocks}"])
+    report = memory_check.levers_report(config, folder, plan, ability=rtx_3060)
+    [line] = [x for x in report if x.strip().startswith(memory_check.BOTH_LEVERS)]
+    assert f"--set {both} saves {gib(fixes[both])}" in line and "block offload's" in line
+    # neither is offered where one of them is on already
+    assert memory_check.both_candidates(with_both, blocks, rtx_3060) == []
+    monkeypatch.setattr(memory_check, "card_memory",
+                        lambda device: CardMemory("Test GPU 1", 2 ** 20, 2 ** 20))
+    monkeypatch.setattr(memory_check, "device_ability", lambda device: rtx_3060)
+    with pytest.raises(ConfigError) as caught:
+        memory_check.check_memory(config, folder, torch.device("cpu"))
+    assert (f"--set {both} saves {gib(fixes[both])} (then {gib(together.total)}; costs: "
+            "quality: a 2.3 % gap") in str(caught.value)
