@@ -146,7 +146,10 @@ def test_check_says_each_lever_is_on_off_or_not_for_this_run_and_why(small_confi
     assert levers["frozen linear weights stored as int8"].startswith("off; --set model.weight_st")
     assert levers["frozen linear weights stored as float8"].startswith("off; --set model.weight")
     assert "the 8-bit storage the plan picks on the CPU: INT8" in out
-    assert len(levers) == 6 and all(state == "on" or state.startswith(("off", "not for this "
+    # and INT8 with every block offloaded, the two levers together (offload.py)
+    assert levers["8-bit storage and block offload together"].startswith(
+        "off; --set model.weight_storage=INT8 --set model.offload_blocks=")
+    assert len(levers) == 8 and all(state == "on" or state.startswith(("off", "not for this "
                                                                        "run: "))
                                     for state in levers.values()), levers
 

@@ -47,12 +47,14 @@ NO_INT_MM = DeviceAbility("the MPS", None, "torch._int_mm has no kernel there (â
 def runs(tempera_cache, tmp_path_factory) -> tuple[dict[str, Path], dict]:
     """The shared runs (2 steps each at 64 px, tests/train/lever_runs.py), all at bf16: the
     bf16 base ("bf16"); W8A8 unbroken ("w8a8"), stopped at step 1 and resumed, and under
-    REGIONAL AOT_EAGER, sampling too; with that run's graph breaks. Over 10 s: five short trainings, one
+    REGIONAL AOT_EAGER with every block offloaded (tests/train/test_block_offload_8bit.py),
+    sampling too; with that run's graph breaks. Over 10 s: five short trainings, one
     compiled: what the lever must do in a real run (train, resume, compile, save) needs them."""
     root = tmp_path_factory.mktemp("w8a8")
     train(make_config(tempera_cache, root / "bf16", BF16), RecordingCallbacks())
     stored = lever_runs(tempera_cache, root, (W8A8, BF16), plain=(W8A8, BF16),
-                        compiled=('sampling.prompts=["a red square"]', "sampling.steps=2"))
+                        compiled=('sampling.prompts=["a red square"]', "sampling.steps=2",
+                                  "model.offload_blocks=100"))
     return {"bf16": root / "bf16", "w8a8": stored.out["plain"],
             "resumed": stored.out["resumed"], "compiled": stored.out["compiled"]}, \
         stored.graph_breaks
@@ -103,7 +105,10 @@ def test_compiles_regional_aot_eager_without_graph_breaks(runs):
     assert report["effective"] == "AOT_EAGER" and report["scope"] == "REGIONAL", report
     assert report["compiled_code_ran"] and not report["degraded"], report
     assert breaks == {}, breaks
+    assert report["late_recompiles"] == 0, report
     assert list((out["compiled"] / "samples").rglob("*.png"))  # sampling on the int8 layers
+    offload = run_json(out["compiled"])["block_offload"]  # every block streamed
+    assert offload["blocks"] == offload["of"] > 3, offload
     assert run_json(out["compiled"])["losses"] == pytest.approx(
         run_json(out["w8a8"])["losses"], rel=1e-3)
 

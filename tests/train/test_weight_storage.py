@@ -35,6 +35,8 @@ from tests.train.test_resume import assert_resumed_as, run_json
 pytest.importorskip("torchao")
 
 FLOAT8 = "model.weight_storage=FLOAT8"
+# the compiled run streams every block too (tests/train/test_block_offload_8bit.py)
+EVERY_BLOCK = "model.offload_blocks=100"
 
 
 @pytest.fixture(scope="module")
@@ -51,12 +53,13 @@ def full_run(tempera_cache, tmp_path_factory) -> Path:
 def runs(request, full_run, tempera_cache, tmp_path_factory) -> tuple[dict[str, Path], dict]:
     """The shared runs of one 8-bit storage (2 steps each on the tiny model,
     tests/train/lever_runs.py): the stored base ("fp8"), stopped at step 1 and resumed, and
-    under REGIONAL AOT_EAGER (it also samples); with that run's graph breaks, beside the
+    under REGIONAL AOT_EAGER with every block offloaded (it also samples); with that run's graph breaks, beside the
     float32 run ("full"). Over 10 s in all: three short trainings per format, one compiled."""
     storage = f"model.weight_storage={request.param}"
     root = tmp_path_factory.mktemp(f"weight-storage-{request.param.lower()}")
     stored = lever_runs(tempera_cache, root, (storage,), plain=(storage,),
-                        compiled=('sampling.prompts=["a red square"]', "sampling.steps=2"))
+                        compiled=('sampling.prompts=["a red square"]', "sampling.steps=2",
+                                  EVERY_BLOCK))
     return {"full": full_run, "fp8": stored.out["plain"], "fp8_resumed": stored.out["resumed"],
             "fp8_compiled": stored.out["compiled"], "storage": request.param}, \
         stored.graph_breaks
@@ -100,7 +103,10 @@ def test_stored_weights_compile_regional_aot_eager_without_graph_breaks(runs):
     assert report["effective"] == "AOT_EAGER" and report["scope"] == "REGIONAL", report
     assert report["compiled_code_ran"] and not report["degraded"], report
     assert breaks == {}, breaks
+    assert report["late_recompiles"] == 0, report
     assert list((out["fp8_compiled"] / "samples").rglob("*.png"))  # sampling on the stored base
+    offload = run_json(out["fp8_compiled"])["block_offload"]  # every block streamed
+    assert offload["blocks"] == offload["of"] > 3, offload
 
 
 def test_quality_cost_against_the_full_precision_base(runs, tempera_cache):
@@ -159,9 +165,10 @@ def test_int8_is_refused_for_a_full_fine_tune_and_greys_nothing_else():
                                            'output.formats=["diffusers"]'])
     [problem] = [p for p in validate(fine_tune) if p.path == "model.weight_storage"]
     assert "never stored in 8 bits (its 256 levels a row" in problem.message
+    # with block offload it combines (tests/train/test_block_offload_8bit.py)
     offload = apply_overrides(Config(), ["model.weight_storage=INT8", "model.offload_blocks=2"])
-    [problem] = [p for p in validate(offload) if p.path == "model.offload_blocks"]
-    assert "0 with model.weight_storage=INT8" in str(problem)
+    assert not [p for p in validate(offload) if p.path in ("model.offload_blocks",
+                                                            "model.weight_storage")]
 
 
 RTX_3090 = DeviceAbility("RTX 3090 (sm_86)", (8, 6))

@@ -169,8 +169,9 @@ def fixes_sentence(config: Config, model_path: Path, plan: MemoryPlan, distribut
     """The fixes that lower the plan, each with what it saves (a lever's also with what it
     costs), and the levers this device cannot run, each with why."""
     found = memory_fixes(config, model_path, plan, distributed, ability)
-    costs = {lever_override(overrides): lever.costs for lever in LEVERS
-             for overrides in [lever.overrides(config, ability)] if overrides}
+    offload = next((o.split(" --set ")[-1] for o, _ in found if "model.offload_blocks=" in o),
+                   None)  # alone or with 8-bit storage: its override names the block count
+    costs = lever_costs(config, ability, offload)
     cannot = "".join(f" Not offered: --set {o}, as {why}." for o, why in
                      not_on_device(config, ability))
     if not found:
@@ -217,8 +218,6 @@ def offload_not_for(config: Config) -> str:
     """Why block offload cannot serve this run (validate's `_check_block_offload`), or ""."""
     if config.training.method != TrainingMethod.LORA:
         return "LoRA only (a trained weight stays on the GPU)"
-    if config.model.weight_storage.eight_bit:
-        return f"cannot combine with model.weight_storage={config.model.weight_storage.value}"
     if config.compile.denoiser and config.compile.scope == CompileScope.FULL:
         return "needs REGIONAL compile of the denoiser (compile.scope is FULL)"
     return ""
@@ -230,6 +229,36 @@ def offload_candidates(config: Config, blocks: int) -> list[str]:
     if config.model.offload_blocks or not blocks or offload_not_for(config):
         return []
     return [f"model.offload_blocks={blocks}"]
+
+
+BOTH_LEVERS = "8-bit storage and block offload together"
+
+
+def both_candidates(config: Config, blocks: int, ability: DeviceAbility | None) -> list[str]:
+    """The 8-bit storage the plan picks on this device and block offload of every block, in
+    one override list, for a LoRA that has neither on yet and can take both (a model whose
+    weights fit with neither lever alone may fit with the two)."""
+    ability = ability or CPU
+    storage = STORAGE_LEVERS[picked_storage(ability)].overrides(config, ability)
+    offload = offload_candidates(config, blocks)
+    return [lever_override(storage + offload)] if storage and offload else []
+
+
+def lever_costs(config: Config, ability: DeviceAbility, blocks_override: str | None
+                ) -> dict[str, str]:
+    """What each lever's override costs, keyed by the override (a `--set` argument list):
+    `LEVERS`' rows, block offload's (``blocks_override``: its override for this model, when
+    offered) and the two together."""
+    costs = {lever_override(overrides): lever.costs for lever in LEVERS
+             for overrides in [lever.overrides(config, ability)] if overrides}
+    if blocks_override:
+        costs[blocks_override] = OFFLOAD_COSTS
+        picked = STORAGE_LEVERS[picked_storage(ability)]
+        storage = picked.overrides(config, ability)
+        if storage:
+            costs[lever_override([*storage, blocks_override])] = (
+                f"{picked.costs}; and block offload's: {OFFLOAD_COSTS}")
+    return costs
 
 
 FSDP_OVERRIDE = "training.distributed_strategy=FSDP"
@@ -287,7 +316,8 @@ def memory_fixes(config: Config, model_path: Path, plan: MemoryPlan, distributed
     trainable = weightless_trainable(config, model_path)  # reused where the weights stay
     names = family_of(config.model.type).repeated_blocks
     blocks = len(denoiser_blocks(trainable[0].denoiser, names))
-    for override in fix_candidates(config, ability) + offload_candidates(config, blocks):
+    for override in (fix_candidates(config, ability) + offload_candidates(config, blocks)
+                     + both_candidates(config, blocks, ability)):
         changed = apply_overrides(config, override.split(" --set "))
         state = OPTIMIZERS[changed.training.optimizer].state
         if override.startswith("training.optimizer="):
@@ -335,6 +365,11 @@ def levers_report(config: Config, model_path: Path, plan: MemoryPlan, distribute
                                   overrides=[offload] if offload else None),
                        OFFLOAD_COSTS, saved, plan)
     lines.append(f"  denoiser blocks streamed from CPU memory (block offload): {state}")
+    both = next((key for key in saved if "--set model.offload_blocks=" in key), None)
+    if both:
+        lines.append(f"  {BOTH_LEVERS}: " + lever_line(
+            LeverState(overrides=both.split(" --set ")),
+            lever_costs(config, ability, both.split(" --set ")[-1])[both], saved, plan))
     lines.append(f"  {FSDP_LEVER}: {fsdp_state(config, model_path, plan, saved, distributed)}")
     picked = picked_storage(ability)
     lines.append(f"the 8-bit storage the plan picks on {ability.name}: {picked.value} "

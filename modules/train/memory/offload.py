@@ -16,21 +16,27 @@ Two parts:
   (and prefetches the next one backward) and evicts the block whose backward came before.
   With gradient checkpointing the re-run forward happens inside that window, block resident.
 
-Only frozen parameters move: a LoRA's trainable weights inside a block stay on the device. The
-device is a parameter: on the CPU the "transfer" is a copy into new storage, so the swap is
+Only frozen parameters move: a LoRA's trainable weights inside a block stay on the device, and
+so do buffers (W8A8's `weight_scale`, 4 bytes an output row, is one). A frozen weight stored in 8
+bits (`model.weight_storage`) moves as stored: W8A8's int8 values are a plain tensor, torchao's
+INT8 / FLOAT8 weights are tensor subclasses whose values and scales are inner tensors (`_remap`,
+`_put`: `.data =` alone would swap only the subclass's empty wrapper). The device is a
+parameter: on the CPU the "transfer" is a copy into new storage, so the swap is
 observable (the weights' data_ptr changes) and a run is bit-for-bit the run without offload.
 What only a GPU shows (the overlap of copies with compute, the speed, the peak memory) is the
 GPU validation phase's measurement (docs/gpu.md).
 """
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from modules.compile.outer import OuterCall, install_outer_call, remove_outer_call
 from modules.compile.regions import regional_targets
@@ -91,6 +97,41 @@ def _phase(events: list[StreamEvent], phase: str, blocks: list[int], evict_after
             events.append(StreamEvent(phase, "before", block, "prefetch", blocks[k + 1]))
         if evict_after:
             events.append(StreamEvent(phase, "after", block, "evict", block))
+
+
+def _remap(tensor: torch.Tensor, change: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``tensor`` with ``change`` applied to what holds its values: the tensor itself, or each
+    inner tensor of a tensor subclass (torchao's INT8 / FLOAT8 weights: qdata, scale, zero
+    point), rebuilt as the same subclass. torchao implements no `pin_memory` for its tensors,
+    and its `.to` / `clone` would be one call per subclass anyway."""
+    if not is_traceable_wrapper_subclass(tensor):
+        return change(tensor)
+    names, context = tensor.__tensor_flatten__()
+    inner = {name: _remap(getattr(tensor, name), change) for name in names}
+    return type(tensor).__tensor_unflatten__(inner, context, tensor.size(), tensor.stride())
+
+
+def _inner(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors that hold ``tensor``'s values (itself, or a subclass's inner ones)."""
+    if not is_traceable_wrapper_subclass(tensor):
+        return [tensor]
+    return [t for name in tensor.__tensor_flatten__()[0] for t in _inner(getattr(tensor, name))]
+
+
+def storage_pointers(tensor: torch.Tensor) -> list[int]:
+    """Where ``tensor``'s values are (a subclass's `data_ptr` is 0: its inner tensors' are)."""
+    return [t.data_ptr() for t in _inner(tensor)]
+
+
+def _put(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Make ``param`` hold ``value``'s values (same shape and kind), keeping the parameter
+    object that modules, autograd and compiled code know. For a tensor subclass, `.data =`
+    swaps only the wrapper (its device, shape, dtype) and the values are the inner tensors,
+    plain Python attributes of the parameter: those are set too."""
+    param.data = value
+    if is_traceable_wrapper_subclass(param):
+        for name in param.__tensor_flatten__()[0]:
+            setattr(param, name, getattr(value, name))
 
 
 def block_bytes(block: nn.Module) -> int:
@@ -154,8 +195,8 @@ class BlockStreamer:
     def _host_copy(self, tensor: torch.Tensor) -> torch.Tensor:
         if tensor.device.type == "cpu" and not self.cuda:
             return tensor  # already the host copy
-        host = tensor.detach().to("cpu")
-        return host.pin_memory() if self.cuda else host
+        host = _remap(tensor.detach(), lambda t: t.to("cpu"))
+        return _remap(host, torch.Tensor.pin_memory) if self.cuda else host
 
     def host_tensors(self, i: int) -> list[torch.Tensor]:
         """Block ``i``'s host copies (their storage is what an offloaded block points at)."""
@@ -168,15 +209,16 @@ class BlockStreamer:
     def _drop_all(self) -> None:
         for i in self.offloaded:
             for param, host in self._host[i]:
-                param.data = host
+                _put(param, host)
         self._resident.clear()
         self._pending.clear()
 
     # ------------------------------------------------------------------ transfers
     def _copy(self, i: int) -> list[torch.Tensor]:
         if self.cuda:
-            return [host.to(self.device, non_blocking=True) for _, host in self._host[i]]
-        return [host.clone() for _, host in self._host[i]]  # new storage: the swap shows
+            return [_remap(host, lambda t: t.to(self.device, non_blocking=True))
+                    for _, host in self._host[i]]
+        return [_remap(host, torch.clone) for _, host in self._host[i]]  # new storage: it shows
 
     def _prefetch(self, i: int, phase: str, point: str, at: int) -> None:
         if i in self._resident or i in self._pending:
@@ -205,15 +247,16 @@ class BlockStreamer:
             current = torch.cuda.current_stream(self.device)
             current.wait_event(done)
             for copy in copies:
-                copy.record_stream(current)  # made on the side stream, used on compute
+                for held in _inner(copy):
+                    held.record_stream(current)  # made on the side stream, used on compute
         for (param, _), copy in zip(self._host[i], copies):
-            param.data = copy
+            _put(param, copy)
         self._resident.add(i)
 
     def _evict(self, i: int, phase: str, point: str, at: int) -> None:
         self.log.append(StreamEvent(phase, point, at, "evict", i))
         for param, host in self._host[i]:
-            param.data = host  # frozen: dropping the device copy is all
+            _put(param, host)  # frozen: dropping the device copy is all
         self._resident.discard(i)
 
     def _next(self, sequence: list[int], i: int) -> int | None:
@@ -289,7 +332,7 @@ class BlockStreamer:
         """Every block's weights back on the device and its call as it was."""
         for i in self.offloaded:
             for param, host in self._host[i]:
-                param.data = host.to(self.device)
+                _put(param, _remap(host, lambda t: t.to(self.device)))
             remove_outer_call(self.blocks[i])
         self._host.clear()
 
@@ -332,13 +375,13 @@ def held_on_host(choice: OffloadChoice | None) -> Iterator[None]:
         return
     kept = [(p, p.data) for i in choice.chosen for p in choice.blocks[i].parameters()
             if not p.requires_grad]
-    for param, data in kept:
-        param.data = torch.empty(0, dtype=data.dtype, device=data.device)
+    for param, data in kept:  # a subclass's stand-in is one of its kind with empty inner tensors
+        _put(param, _remap(data, lambda t: t.new_empty((0,) * t.dim())))
     try:
         yield
     finally:
         for param, data in kept:
-            param.data = data
+            _put(param, data)
 
 
 def build_streamer(choice: OffloadChoice | None, device: torch.device) -> BlockStreamer | None:
