@@ -430,7 +430,14 @@ def phase_offload(sizes: dict[str, Size]) -> list[Job]:
     hide behind compute, and the peak memory it saves. DEFAULT with against without offload
     is a later phase's (`phase_offload_inductor`): two SDXL cold compiles do not fit one
     command."""
-    return _lever_ratio_first(sizes, "offload", OFFLOAD, "every block offloaded")
+    *first, compiled = _lever_ratio_first(sizes, "offload", OFFLOAD, "every block offloaded")
+    # the two levers together (the Klein 9B 16 GB preset's): int8 blocks streamed, eager
+    both = _cell("sdxl", sizes["sdxl"], "offload-int8-none", "NONE",
+                 [*OFFLOAD, "model.weight_storage=INT8"], LEVER_EAGER_SECONDS, None,
+                 "eager with every block offloaded and stored in int8: step time and peak "
+                 "memory against bf16 frozen weights (the torchao tensors' streaming on CUDA)",
+                 compare_with="cell-sdxl-offload-base-none")
+    return [*first, both, compiled]
 
 
 def phase_offload_inductor(sizes: dict[str, Size]) -> list[Job]:
@@ -499,8 +506,8 @@ PHASES: list[Phase] = [
           "alone with what is left: its speed-up and memory", "Z-Image", phase_zimage),
     # A memory lever, not a headline number.
     Phase("9-offload", 9, "SDXL LoRA with every UNet block offloaded vs not, eager, each alone "
-          "(step time and peak memory); then REGIONAL DEFAULT offloaded, cold and alone with "
-          "what is left", "memory levers", phase_offload),
+          "(step time and peak memory); offloaded int8 blocks, eager; then REGIONAL DEFAULT "
+          "offloaded, cold and alone with what is left", "memory levers", phase_offload),
     # Two runs of a 6 B transformer at 1024 px side by side (12 GB of bf16 weights each, the
     # text encoder's 8 GB only while captions are cached) fit 80 GB.
     Phase("10-zimage-train", 9, "Z-Image at 1024 px through train.py, eager and REGIONAL "
