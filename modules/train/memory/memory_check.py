@@ -210,13 +210,18 @@ def fix_candidates(config: Config, ability: DeviceAbility | None = None) -> list
 
 
 OFFLOAD_COSTS = ("a copy of each offloaded block per step, overlapped with compute on a GPU; "
-                 "LoRA and REGIONAL compile only")
+                 "a full fine-tune also copies each of their gradients to CPU memory and "
+                 "steps their optimizer there (CPU time every step); REGIONAL compile only")
 
 
 def offload_not_for(config: Config) -> str:
     """Why block offload cannot serve this run (validate's `_check_block_offload`), or ""."""
-    if config.training.method != TrainingMethod.LORA:
-        return "LoRA only (a trained weight stays on the GPU)"
+    method = config.training.method
+    if method == TrainingMethod.FINE_TUNE and not config.training.fused_backward:
+        return ("a full fine-tune offloads with training.fused_backward=true only (its "
+                "weights step on the host inside backward)")
+    if method not in (TrainingMethod.LORA, TrainingMethod.FINE_TUNE):
+        return "LoRA and fused full fine-tunes only"
     if config.model.weight_storage.eight_bit:
         return f"cannot combine with model.weight_storage={config.model.weight_storage.value}"
     if config.compile.denoiser and config.compile.scope == CompileScope.FULL:

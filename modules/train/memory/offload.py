@@ -16,8 +16,10 @@ Two parts:
   (and prefetches the next one backward) and evicts the block whose backward came before.
   With gradient checkpointing the re-run forward happens inside that window, block resident.
 
-Only frozen parameters move: a LoRA's trainable weights inside a block stay on the device. The
-device is a parameter: on the CPU the "transfer" is a copy into new storage, so the swap is
+For a LoRA only frozen parameters move: its trainable weights inside a block stay on the
+device. A full fine-tune's offload (``trained``, issue 58 item 3) moves the trained weights too:
+the fused backward pass steps them on their host copies (offload_trained.py), so dropping the
+device copy at eviction is still all there is to do. The device is a parameter: on the CPU the "transfer" is a copy into new storage, so the swap is
 observable (the weights' data_ptr changes) and a run is bit-for-bit the run without offload.
 What only a GPU shows (the overlap of copies with compute, the speed, the peak memory) is the
 GPU validation phase's measurement (docs/gpu.md).
@@ -93,9 +95,16 @@ def _phase(events: list[StreamEvent], phase: str, blocks: list[int], evict_after
             events.append(StreamEvent(phase, "after", block, "evict", block))
 
 
-def block_bytes(block: nn.Module) -> int:
-    """Bytes of a block's frozen parameters (what offloading it moves off the device)."""
-    return sum(stored_bytes(p) for p in block.parameters() if not p.requires_grad)
+def block_bytes(block: nn.Module, trained: bool = False) -> int:
+    """Bytes of what offloading a block moves off the device: its frozen parameters, and with
+    ``trained`` (a full fine-tune's offload, offload_trained.py) its trained ones too."""
+    return sum(stored_bytes(p) for p in moved_parameters(block, trained))
+
+
+def moved_parameters(block: nn.Module, trained: bool) -> list[nn.Parameter]:
+    """The parameters offload keeps on the host: the frozen ones (a LoRA's adapters stay on the
+    device), every one with ``trained``."""
+    return [p for p in block.parameters() if trained or not p.requires_grad]
 
 
 def denoiser_blocks(denoiser: nn.Module, names: tuple[str, ...]) -> list[nn.Module]:
@@ -103,11 +112,11 @@ def denoiser_blocks(denoiser: nn.Module, names: tuple[str, ...]) -> list[nn.Modu
     return regional_targets("denoiser", [denoiser], {"denoiser": names})
 
 
-def offload_saving(denoiser: nn.Module, names: tuple[str, ...], count: int
-                   ) -> tuple[int, int, int]:
+def offload_saving(denoiser: nn.Module, names: tuple[str, ...], count: int,
+                   trained: bool = False) -> tuple[int, int, int]:
     """(blocks offloaded, their bytes, the in-flight bytes) for ``count`` on ``denoiser``: the
     memory plan's figures, from the same choice the streamer makes (meta tensors do)."""
-    sizes = [block_bytes(b) for b in denoiser_blocks(denoiser, names)]
+    sizes = [block_bytes(b, trained) for b in denoiser_blocks(denoiser, names)]
     chosen = choose_blocks(sizes, min(count, len(sizes)))
     return len(chosen), sum(sizes[i] for i in chosen), in_flight_bytes(sizes, chosen)
 
@@ -124,11 +133,14 @@ class _BlockCall(OuterCall):
 
 
 class BlockStreamer:
-    """Keeps the chosen blocks' frozen weights on the host and streams them to ``device``."""
+    """Keeps the chosen blocks' frozen weights on the host and streams them to ``device``; with
+    ``trained`` their trained weights too, whose optimizer steps on the host copies
+    (offload_trained.py)."""
 
     def __init__(self, blocks: Sequence[nn.Module], offloaded: Collection[int],
-                 device: torch.device):
+                 device: torch.device, trained: bool = False):
         self.blocks = list(blocks)
+        self.trained = trained
         self.offloaded = sorted(offloaded)
         self.device = device
         self.cuda = device.type == "cuda"
@@ -148,8 +160,8 @@ class BlockStreamer:
         self._drop_all()
 
     # ------------------------------------------------------------------ the hosts' copies
-    def _frozen(self, i: int) -> Iterator[nn.Parameter]:
-        return (p for p in self.blocks[i].parameters() if not p.requires_grad)
+    def _frozen(self, i: int) -> list[nn.Parameter]:
+        return moved_parameters(self.blocks[i], self.trained)
 
     def _host_copy(self, tensor: torch.Tensor) -> torch.Tensor:
         if tensor.device.type == "cpu" and not self.cuda:
@@ -160,6 +172,10 @@ class BlockStreamer:
     def host_tensors(self, i: int) -> list[torch.Tensor]:
         """Block ``i``'s host copies (their storage is what an offloaded block points at)."""
         return [host for _, host in self._host[i]]
+
+    def held(self, i: int) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """Block ``i``'s moved parameters, each with its host copy."""
+        return list(self._host[i])
 
     def resident(self) -> set[int]:
         """The offloaded blocks whose weights are on the device now."""
@@ -295,9 +311,10 @@ class BlockStreamer:
 
     def record(self) -> dict[str, Any]:
         """run.json's `block_offload`."""
-        sizes = [block_bytes(b) for b in self.blocks]
+        sizes = [block_bytes(b, self.trained) for b in self.blocks]
         moved = sum(sizes[i] for i in self.offloaded)
         return {"blocks": len(self.offloaded), "of": len(self.blocks),
+                "trained_weights": self.trained,
                 "offloaded": [f"{i}:{type(self.blocks[i]).__name__}" for i in self.offloaded],
                 "offloaded_bytes": moved,
                 "in_flight_bytes": in_flight_bytes(sizes, self.offloaded),
@@ -306,19 +323,21 @@ class BlockStreamer:
 
 class OffloadChoice(NamedTuple):
     """The denoiser's repeated blocks and the indices of those `model.offload_blocks` offloads:
-    made once at setup, read by `held_on_host` (the load) and `build_streamer` (the steps)."""
+    made once at setup, read by `held_on_host` (the load) and `build_streamer` (the steps);
+    ``trained``: their trained weights move too (a full fine-tune, offload_trained.py)."""
     blocks: list[nn.Module]
     chosen: list[int]
+    trained: bool = False
 
 
 def offload_choice(denoiser: nn.Module, names: tuple[str, ...],
-                   count: int) -> OffloadChoice | None:
+                   count: int, trained: bool = False) -> OffloadChoice | None:
     """The ``count`` largest of the denoiser's repeated blocks (None when ``count`` is 0)."""
     if count <= 0:
         return None
     blocks = denoiser_blocks(denoiser, names)
-    return OffloadChoice(blocks, choose_blocks([block_bytes(b) for b in blocks],
-                                               min(count, len(blocks))))
+    return OffloadChoice(blocks, choose_blocks([block_bytes(b, trained) for b in blocks],
+                                               min(count, len(blocks))), trained)
 
 
 @contextmanager
@@ -330,8 +349,8 @@ def held_on_host(choice: OffloadChoice | None) -> Iterator[None]:
     if choice is None:
         yield
         return
-    kept = [(p, p.data) for i in choice.chosen for p in choice.blocks[i].parameters()
-            if not p.requires_grad]
+    kept = [(p, p.data) for i in choice.chosen
+            for p in moved_parameters(choice.blocks[i], choice.trained)]
     for param, data in kept:
         param.data = torch.empty(0, dtype=data.dtype, device=data.device)
     try:
@@ -345,4 +364,4 @@ def build_streamer(choice: OffloadChoice | None, device: torch.device) -> BlockS
     """The streamer for the chosen blocks (None when block offload is off)."""
     if choice is None:
         return None
-    return BlockStreamer(choice.blocks, choice.chosen, device)
+    return BlockStreamer(choice.blocks, choice.chosen, device, choice.trained)
