@@ -21,8 +21,9 @@ from tests.train.lever_runs import (REGIONAL_AOT_EAGER, LeverRuns, make_config,
                                     train_counting_dynamo)
 from tests.train.test_resume import assert_resumed_as, run_json, stop_then_resume
 
+# with an EMA: its copy of an offloaded weight lives (and steps) on the host too
 FINE_TUNE = ("training.method=FINE_TUNE", "training.fused_backward=true",
-             "training.learning_rate=1e-4")
+             "training.learning_rate=1e-4", "training.ema=true")
 OFFLOAD = "model.offload_blocks=3"
 
 
@@ -34,11 +35,12 @@ class FineTuneRuns(LeverRuns):
 
 @pytest.fixture(scope="module")
 def runs(tempera_cache, tmp_path_factory) -> FineTuneRuns:
-    """2 fused fine-tune steps on the tiny SD 1.5 model, AdamW (tests/train/lever_runs.py's
-    runs): "plain" without offload; 3 blocks offloaded, stopped at step 1 and resumed from its
-    backup; the same under REGIONAL AOT_EAGER with gradient checkpointing (its re-run forwards
-    happen in backward, the blocks resident). Over 10 s: four short fine-tunes (the stop and
-    the resume are two), one compiled."""
+    """2 fused fine-tune steps on the tiny SD 1.5 model, AdamW and an EMA
+    (tests/train/lever_runs.py's runs): "plain" without offload; 3 blocks offloaded, stopped at
+    step 1 and resumed from its backup; the same under REGIONAL AOT_EAGER with gradient
+    checkpointing (its re-run forwards happen in backward, the blocks resident), sampling
+    after each step (a pass streamed on its own). Over 10 s: four short fine-tunes (the stop
+    and the resume are two), one compiled."""
     counted = {"resumed": 0, "compiled": 0}
     current = ["resumed"]
     real_step = HostSteps.step
@@ -56,7 +58,8 @@ def runs(tempera_cache, tmp_path_factory) -> FineTuneRuns:
         current[0] = "compiled"
         breaks, recompiles = train_counting_dynamo(make_config(
             tempera_cache, out["compiled"], *FINE_TUNE, OFFLOAD, *REGIONAL_AOT_EAGER,
-            "training.gradient_checkpointing=true"))
+            "training.gradient_checkpointing=true", 'sampling.prompts=["a red circle"]',
+            "sampling.every_steps=1", "sampling.steps=2"))
     return FineTuneRuns(out, breaks, recompiles, counted)
 
 
@@ -91,6 +94,7 @@ def test_offloaded_fine_tune_compiles_regional_without_breaks_or_recompiles(runs
     assert report["late_recompiles"] == 0, report
     assert run_json(runs.out["compiled"])["losses"] == pytest.approx(
         run_json(runs.out["plain"])["losses"], rel=1e-4)
+    assert len(list((runs.out["compiled"] / "samples").rglob("*.png"))) == 2
 
 
 # ------------------------------------------------------------------ refused
@@ -129,9 +133,9 @@ def test_the_field_is_open_to_a_fused_fine_tune_only(tempera_cache, tmp_path):
 # ------------------------------------------------------------------ the memory plans
 def test_plans_move_the_offloaded_weights_and_their_optimizer_state(tempera_cache, tmp_path):
     """The memory plan's offload line (weightless copies) is what the real streamer holds on
-    the host for the blocks it picks: their weights and AdamW's two float32 copies of each,
-    less the two blocks in flight; the RAM plan's training phase holds the same; the refusal
-    offers offload to a fused fine-tune, not to a plain one."""
+    the host for the blocks it picks: their weights, AdamW's two float32 copies of each and
+    the EMA's copy, less the two blocks in flight; the RAM plan's training phase holds the
+    same; the refusal offers offload to a fused fine-tune, not to a plain one."""
     from modules.models.families import family_of
     from modules.models.loader import load_bundle
     from modules.models.tiny import ensure_builtin_model
@@ -158,14 +162,15 @@ def test_plans_move_the_offloaded_weights_and_their_optimizer_state(tempera_cach
         streamer.close()
     plan = plan_memory(config, folder)
     [(what, size)] = [line for line in plan.lines if "blocks offloaded" in line[0]]
-    assert "optimizer state" in what and "trained weights included" in what
+    assert all(word in what for word in ("trained weights included", "optimizer state",
+                                         "EMA copy"))
     in_flight = sum(sorted(held)[-2:])
-    assert size == in_flight - 3 * sum(held) < 0
+    assert size == in_flight - 4 * sum(held) < 0
     without = plan_memory(make_config(tempera_cache, tmp_path, *FINE_TUNE), folder)
     assert without.total - plan.total == -size
     training = plan_ram(config, folder, torch.device("cuda")).phases[-1]
     [(ram_what, ram_size)] = [line for line in training.lines if "offloaded" in line[0]]
-    assert ram_size == 3 * sum(held) and "optimizer state" in ram_what
+    assert ram_size == 4 * sum(held) and "optimizer state and EMA copy" in ram_what
     fused = make_config(tempera_cache, tmp_path, *FINE_TUNE)
     assert memory_check.offload_candidates(fused, blocks) == [f"model.offload_blocks={blocks}"]
     assert memory_check.offload_candidates(
