@@ -7,6 +7,7 @@ recorded in run.json and the memory plan; refused without the fused pass. What o
 shows (the host step's time, the device memory saved) is not measured here."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import pytest
@@ -175,3 +176,28 @@ def test_plans_move_the_offloaded_weights_and_their_optimizer_state(tempera_cach
     assert memory_check.offload_candidates(fused, blocks) == [f"model.offload_blocks={blocks}"]
     assert memory_check.offload_candidates(
         make_config(tempera_cache, tmp_path, "training.method=FINE_TUNE"), blocks) == []
+
+
+def test_a_fine_tune_too_big_is_offered_offload_with_the_fused_pass(tempera_cache, tmp_path,
+                                                                    monkeypatch):
+    """The refusal of a plain fine-tune over the card offers every block offloaded together
+    with the fused pass it needs (with what both save, more than the fused pass alone), and
+    offers neither where the fused pass cannot combine (gradient accumulation)."""
+    from tests.train.test_memory_plan import MIB, fake_card
+
+    fake_card(monkeypatch, 1 * MIB)
+    plain = make_config(tempera_cache, tmp_path / "out", "training.method=FINE_TUNE")
+    with pytest.raises(ConfigError) as caught:
+        train(plain, RecordingCallbacks())
+    message = str(caught.value)
+    both = re.search(r"--set training\.fused_backward=true --set model\.offload_blocks=\d+ "
+                     r"saves ([\d.,]+) MiB [^;]*; costs: ([^)]*)\)", message)
+    alone = re.search(r"--set training\.fused_backward=true saves ([\d.,]+) MiB", message)
+    assert both and alone, message
+    assert float(both[1]) > float(alone[1])
+    assert "one optimizer per weight" in both[2] and "steps their optimizer there" in both[2]
+    with pytest.raises(ConfigError) as caught:
+        train(make_config(tempera_cache, tmp_path / "out", "training.method=FINE_TUNE",
+                          "training.gradient_accumulation=2"), RecordingCallbacks())
+    assert "model.offload_blocks" not in str(caught.value)
+    assert not (tmp_path / "out").exists()

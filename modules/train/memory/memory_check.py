@@ -23,7 +23,7 @@ from modules.config.optimizers import OPTIMIZERS
 from modules.config.problems import ConfigError, Problem
 from modules.config.schema import (CompileScope, Config, DistributedStrategy, DType,
                                    TrainingMethod)
-from modules.config.validate import fsdp_problems
+from modules.config.validate import fsdp_problems, fused_backward_problems
 from modules.model_types import MODEL_TYPES
 from modules.models.bundle import ModelBundle
 from modules.models.families import family_of
@@ -171,6 +171,10 @@ def fixes_sentence(config: Config, model_path: Path, plan: MemoryPlan, distribut
     found = memory_fixes(config, model_path, plan, distributed, ability)
     costs = {lever_override(overrides): lever.costs for lever in LEVERS
              for overrides in [lever.overrides(config, ability)] if overrides}
+    for override, _ in found:  # block offload's override names the block count: not a lever row
+        if "model.offload_blocks=" in override:
+            with_fused = override.startswith(FUSED_ON) and FUSED_ON in costs
+            costs[override] = (f"{costs[FUSED_ON]}; " if with_fused else "") + OFFLOAD_COSTS
     cannot = "".join(f" Not offered: --set {o}, as {why}." for o, why in
                      not_on_device(config, ability))
     if not found:
@@ -229,12 +233,30 @@ def offload_not_for(config: Config) -> str:
     return ""
 
 
+FUSED_ON = "training.fused_backward=true"
+
+
+def offload_overrides(config: Config, blocks: int) -> list[str] | None:
+    """The overrides that offload all the denoiser's ``blocks`` repeated blocks (the most it
+    saves): the count alone where this run can offload, with the fused backward pass turned on
+    for a full fine-tune that combines with it; None where offload cannot serve."""
+    if not blocks:
+        return None
+    count = f"model.offload_blocks={blocks}"
+    if not offload_not_for(config):
+        return [count]
+    if config.training.method == TrainingMethod.FINE_TUNE and not config.training.fused_backward:
+        fused = apply_overrides(config, [FUSED_ON])
+        if not offload_not_for(fused) and not fused_backward_problems(fused):
+            return [FUSED_ON, count]
+    return None
+
+
 def offload_candidates(config: Config, blocks: int) -> list[str]:
-    """Block offload of all the denoiser's ``blocks`` repeated blocks (the most it saves), for
-    a LoRA that does not offload yet and can."""
-    if config.model.offload_blocks or not blocks or offload_not_for(config):
-        return []
-    return [f"model.offload_blocks={blocks}"]
+    """Block offload of every block, for a run that does not offload yet and can (a full
+    fine-tune with the fused pass, turned on with it where it is off)."""
+    overrides = None if config.model.offload_blocks else offload_overrides(config, blocks)
+    return [lever_override(overrides)] if overrides else []
 
 
 FSDP_OVERRIDE = "training.distributed_strategy=FSDP"
@@ -334,8 +356,8 @@ def levers_report(config: Config, model_path: Path, plan: MemoryPlan, distribute
         state = lever_line(lever.state_on(config, ability), lever.costs, saved, plan)
         lines.append(f"  {lever.name}: {state}")
     # block offload's override names the denoiser's block count, known from the model only
-    offload = next((key for key in saved if key.startswith("model.offload_blocks=")), None)
-    why = offload_not_for(config)
+    offload = next((key for key in saved if "model.offload_blocks=" in key), None)
+    why = "" if offload else offload_not_for(config)
     state = lever_line(LeverState(on=bool(config.model.offload_blocks), not_for=why,
                                   overrides=[offload] if offload else None),
                        OFFLOAD_COSTS, saved, plan)
