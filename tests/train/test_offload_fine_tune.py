@@ -131,29 +131,96 @@ def test_the_field_is_open_to_a_fused_fine_tune_only(tempera_cache, tmp_path):
     assert "model.offload_blocks" in unused_fields(plain)
 
 
-# ------------------------------------------------------------------ the memory plans
-def test_plans_move_the_offloaded_weights_and_their_optimizer_state(tempera_cache, tmp_path):
-    """The memory plan's offload line (weightless copies) is what the real streamer holds on
-    the host for the blocks it picks: their weights, AdamW's two float32 copies of each and
-    the EMA's copy, less the two blocks in flight; the RAM plan's training phase holds the
-    same; the refusal offers offload to a fused fine-tune, not to a plain one."""
-    from modules.models.families import family_of
+# ------------------------------------------------------------------ the mechanism, observed
+@pytest.fixture(scope="module")
+def fine_tune_unet(tempera_cache, tmp_path_factory):
+    """The tiny SD 1.5 model loaded and made trainable for a full fine-tune, its config and
+    folder."""
     from modules.models.loader import load_bundle
     from modules.models.tiny import ensure_builtin_model
-    from modules.train.memory import memory_check
-    from modules.train.memory.memory_plan import plan_memory
-    from modules.train.memory.offload import build_streamer, offload_choice
-    from modules.train.memory.ram_plan import plan_ram
     from modules.train.recipe.trainable import component_dtypes, prepare_trainable
 
-    config = make_config(tempera_cache, tmp_path, *FINE_TUNE, OFFLOAD)
+    config = make_config(tempera_cache, tmp_path_factory.mktemp("ft-unet"), *FINE_TUNE, OFFLOAD)
     folder = ensure_builtin_model(config.model.path, tempera_cache)
     bundle = load_bundle(folder, config.model, component_dtypes(config))
     prepare_trainable(bundle, config)
+    return config, folder, bundle
+
+
+def trained_streamer(bundle, count: int):
+    from modules.models.families import family_of
+    from modules.train.memory.offload import build_streamer, offload_choice
+
     names = family_of(bundle.model_type).repeated_blocks
-    streamer = build_streamer(offload_choice(bundle.denoiser, names, 3, trained=True),
+    streamer = build_streamer(offload_choice(bundle.denoiser, names, count, trained=True),
                               torch.device("cpu"))
     assert streamer is not None and streamer.trained
+    return streamer
+
+
+def test_a_host_step_runs_on_the_master_and_drops_the_device_copy(fine_tune_unet, monkeypatch):
+    """One forward and backward of the tiny UNet with 3 blocks offloaded, their weights
+    trained: each offloaded weight ran on a resident copy, its hook stepped the host master
+    (its values changed in place, its optimizer state made beside it) and left the weight
+    pointing at the master at once (the device copy dropped then, not at eviction); the
+    weights outside the blocks stepped as usual, on their own storage."""
+    from modules.train.recipe.fused import FusedBackward
+
+    _, _, bundle = fine_tune_unet
+    unet = bundle.denoiser
+    streamer = trained_streamer(bundle, 3)
+    trained = [p for p in unet.parameters() if p.requires_grad]
+    optimizer = FusedBackward([{"params": trained, "lr": 1e-3}],
+                              lambda group: torch.optim.AdamW([group]), max_grad_norm=1.0)
+    optimizer.host_steps = HostSteps(streamer)
+    masters = {id(p): host for i in streamer.offloaded for p, host in streamer.held(i)}
+    before = {key: host.clone() for key, host in masters.items()}
+    seen: dict[int, tuple[int, int]] = {}  # the weight's storage before and after its step
+    real_step = HostSteps.step
+
+    def step(self, param, inner):
+        ptr = param.data_ptr()
+        real_step(self, param, inner)
+        seen[id(param)] = (ptr, param.data_ptr())
+    monkeypatch.setattr(HostSteps, "step", step)
+    generator = torch.Generator().manual_seed(0)
+    inputs = (torch.randn(2, unet.config.in_channels, 8, 8, generator=generator),
+              torch.tensor([10, 500]),
+              torch.randn(2, 4, unet.config.cross_attention_dim, generator=generator))
+    outside = next(p for p in trained if id(p) not in masters)
+    outside_ptr, outside_before = outside.data_ptr(), outside.detach().clone()
+    try:
+        streamer.begin()
+        unet(*inputs).sample.square().mean().backward()
+        streamer.end()
+    finally:
+        optimizer.close()
+        streamer.close()
+    assert seen.keys() == masters.keys() and optimizer.host_steps.stepped == len(masters)
+    for key, (during, after) in seen.items():
+        assert during != masters[key].data_ptr() and after == masters[key].data_ptr()
+        assert not torch.equal(masters[key], before[key])
+    inner = {id(w.param_groups[0]["params"][0]): w for w, _ in optimizer.weights}
+    for key in masters:
+        state = inner[key].state[inner[key].param_groups[0]["params"][0]]
+        assert state["exp_avg"].shape == masters[key].shape
+    assert outside.data_ptr() == outside_ptr and not torch.equal(outside, outside_before)
+
+
+# ------------------------------------------------------------------ the memory plans
+def test_plans_move_the_offloaded_weights_and_their_optimizer_state(fine_tune_unet, tempera_cache,
+                                                                     tmp_path):
+    """The memory plan's offload line (weightless copies) is what the real streamer holds on
+    the host for the blocks it picks: their weights, AdamW's two float32 copies of each and
+    the EMA's copy, less the two blocks in flight; the RAM plan's training phase holds the
+    same; the refusal offers offload to a fused fine-tune, with the fused pass to a plain one,
+    to neither where the fused pass cannot combine."""
+    from modules.train.memory import memory_check
+    from modules.train.memory.memory_plan import plan_memory
+    from modules.train.memory.ram_plan import plan_ram
+
+    config, folder, bundle = fine_tune_unet
+    streamer = trained_streamer(bundle, 3)
     try:
         held = [sum(t.numel() * t.element_size() for t in streamer.host_tensors(i))
                 for i in streamer.offloaded]
@@ -174,8 +241,12 @@ def test_plans_move_the_offloaded_weights_and_their_optimizer_state(tempera_cach
     assert ram_size == 4 * sum(held) and "optimizer state and EMA copy" in ram_what
     fused = make_config(tempera_cache, tmp_path, *FINE_TUNE)
     assert memory_check.offload_candidates(fused, blocks) == [f"model.offload_blocks={blocks}"]
-    assert memory_check.offload_candidates(
-        make_config(tempera_cache, tmp_path, "training.method=FINE_TUNE"), blocks) == []
+    plain = ("training.method=FINE_TUNE",)
+    assert memory_check.offload_candidates(make_config(tempera_cache, tmp_path, *plain),
+                                           blocks) == [
+        f"training.fused_backward=true --set model.offload_blocks={blocks}"]
+    assert memory_check.offload_candidates(make_config(
+        tempera_cache, tmp_path, *plain, "training.gradient_accumulation=2"), blocks) == []
 
 
 def test_a_fine_tune_too_big_is_offered_offload_with_the_fused_pass(tempera_cache, tmp_path,
