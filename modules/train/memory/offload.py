@@ -17,10 +17,11 @@ Two parts:
   With gradient checkpointing the re-run forward happens inside that window, block resident.
 
 For a LoRA only frozen parameters move: its trainable weights inside a block stay on the
-device. A full fine-tune's offload (``trained``, issue 58 item 3) moves the trained weights too:
-the fused backward pass steps them on their host copies (offload_trained.py), so dropping the
-device copy at eviction is still all there is to do. The device is a parameter: on the CPU the "transfer" is a copy into new storage, so the swap is
-observable (the weights' data_ptr changes) and a run is bit-for-bit the run without offload.
+device. A full fine-tune's offload (``trained``, issue 58 item 3) moves the trained weights
+too: the fused backward pass steps them on their host copies (offload_trained.py), so dropping
+the device copy at eviction is still all there is to do. The device is a parameter: on the CPU
+the "transfer" is a copy into new storage, so the swap is observable (the weights' data_ptr
+changes) and a run is bit-for-bit the run without offload.
 What only a GPU shows (the overlap of copies with compute, the speed, the peak memory) is the
 GPU validation phase's measurement (docs/gpu.md).
 """
@@ -343,7 +344,7 @@ def offload_choice(denoiser: nn.Module, names: tuple[str, ...],
 @contextmanager
 def held_on_host(choice: OffloadChoice | None) -> Iterator[None]:
     """Inside, moving the denoiser to the device leaves the frozen weights of the chosen blocks
-    where they are (CPU memory), so loading never holds the whole denoiser on the device: those
+    (a full fine-tune's trained ones too) where they are (CPU memory), so loading never holds the whole denoiser on the device: those
     weights stand in as empty tensors while the rest moves (their LoRA weights and buffers move
     as usual), and are put back after. `build_streamer` then takes them as its host copies."""
     if choice is None:
