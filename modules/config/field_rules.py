@@ -185,8 +185,13 @@ RULES: tuple[FieldRule, ...] = (
               lambda c: "FINE_TUNE trains the weights themselves: 8-bit storage is for LoRA"),
     FieldRule(("model.offload_blocks",),
               lambda c: (c.training.method == TrainingMethod.LORA
+                         or (c.training.method == TrainingMethod.FINE_TUNE
+                             and c.training.fused_backward)
                          or c.model.offload_blocks != 0),
-              lambda c: "FINE_TUNE trains the blocks' weights: block offload is for LoRA"),
+              lambda c: ("a full fine-tune offloads its blocks only with the fused "
+                         "backward pass (training.fused_backward)"
+                         if c.training.method == TrainingMethod.FINE_TUNE
+                         else "block offload is for LoRA and full fine-tunes")),
     FieldRule(("validation.save_best",),
               lambda c: bool(c.validation.every_steps) or c.validation.save_best,
               _validation_off),

@@ -199,9 +199,14 @@ class ModelConfig:
              "first. 0 is off. Saves the device memory of those blocks' frozen weights, less "
              "the two blocks in flight at a time; costs the PCIe transfer of every offloaded "
              "block twice a step (once in forward, once in backward), hidden behind compute "
-             "only where the blocks compute longer than they copy. LoRA / LoKr / LoHa only "
-             "(a full fine-tune trains the weights it would stream); not with whole-model "
-             "(FULL) compile of the denoiser, use REGIONAL. docs/memory.md has the details.")
+             "only where the blocks compute longer than they copy. LoRA / LoKr / LoHa: "
+             "the frozen weights move, the adapters stay. A full fine-tune (FINE_TUNE, with "
+             "training.fused_backward=true) also keeps those blocks' trained weights and "
+             "their optimizer state in CPU memory: each weight's gradient is copied to the "
+             "host as backward makes it and the optimizer steps it there (CPU time each "
+             "step); saves their weights and optimizer state on the device. Not with "
+             "whole-model (FULL) compile of the denoiser, use REGIONAL. docs/memory.md has "
+             "the details.")
     train_dtype: DType = setting(DType.FLOAT32, label="Trained weights dtype", group="Model",
                                  help="Data type of the weights being trained (the optimizer "
                                       "keeps its state in this type).")

@@ -284,16 +284,20 @@ def fused_backward_problems(config: Config) -> list[Problem]:
 
 
 def _check_block_offload(config: Config) -> list[Problem]:
-    """Block offload streams frozen weights around REGIONAL-compiled blocks (docs/memory.md),
-    at whatever `model.weight_storage` stores them (tests/train/test_block_offload_8bit.py)."""
+    """Block offload streams weights around REGIONAL-compiled blocks (docs/memory.md): a
+    LoRA's frozen ones, at whatever `model.weight_storage` stores them
+    (tests/train/test_block_offload_8bit.py), or a full fine-tune's trained ones too,
+    stepped on the host by the fused backward pass (train/memory/offload_trained.py)."""
     if config.model.offload_blocks == 0:
         return []
-    if config.training.method == TrainingMethod.FINE_TUNE:
-        return [Problem("model.offload_blocks", "0 with FINE_TUNE",
+    if (config.training.method == TrainingMethod.FINE_TUNE
+            and not config.training.fused_backward):
+        return [Problem("model.offload_blocks", "0 with FINE_TUNE without the fused backward",
                         str(config.model.offload_blocks),
-                        "a full fine-tune trains the blocks' weights, and offload only streams "
-                        "frozen weights (an evicted block's device copy is dropped, never "
-                        "copied back); use training.method=LORA, or 0")]
+                        "a full fine-tune's offloaded weights step on the host as soon as "
+                        "their gradients are ready, which only the fused backward pass does "
+                        "(an evicted block's device copy is dropped, never stepped); set "
+                        "training.fused_backward=true (gradient_accumulation 1), or 0")]
     if config.compile.denoiser and config.compile.scope == CompileScope.FULL:
         return [Problem("model.offload_blocks", "0 with compile.scope=FULL",
                         str(config.model.offload_blocks),

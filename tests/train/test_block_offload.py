@@ -150,7 +150,7 @@ def test_loading_leaves_the_offloaded_blocks_frozen_weights_in_cpu_memory(temper
     unet, names = bundle.denoiser, family_of(bundle.model_type).repeated_blocks
     choice = offload_choice(unet, names, 100)  # every block: some hold LoRA weights
     assert choice is not None
-    blocks, chosen = choice
+    blocks, chosen = choice.blocks, choice.chosen
     params = list(unet.parameters())
     kept = {id(p): p.data for i in chosen for p in blocks[i].parameters()
             if not p.requires_grad}
@@ -360,7 +360,7 @@ def test_zimage_lora_trains_with_offload_as_without(zimage_folder, tempera_cache
 
 # ------------------------------------------------------------------ refused
 @pytest.mark.parametrize("setting, reason", [
-    ("training.method=FINE_TUNE", "a full fine-tune trains the blocks' weights"),
+    ("training.method=FINE_TUNE", "only the fused backward pass does"),
     ("compile.scope=FULL", "use compile.scope=REGIONAL")])
 def test_offload_is_refused_where_it_cannot_work(tmp_path, setting, reason):
     config = apply_overrides(Config(), [f"output.dir={tmp_path}", OFFLOAD, setting])

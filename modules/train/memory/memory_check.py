@@ -23,7 +23,7 @@ from modules.config.optimizers import OPTIMIZERS
 from modules.config.problems import ConfigError, Problem
 from modules.config.schema import (CompileScope, Config, DistributedStrategy, DType,
                                    TrainingMethod)
-from modules.config.validate import fsdp_problems
+from modules.config.validate import fsdp_problems, fused_backward_problems
 from modules.model_types import MODEL_TYPES
 from modules.models.bundle import ModelBundle
 from modules.models.families import family_of
@@ -211,24 +211,47 @@ def fix_candidates(config: Config, ability: DeviceAbility | None = None) -> list
 
 
 OFFLOAD_COSTS = ("a copy of each offloaded block per step, overlapped with compute on a GPU; "
-                 "LoRA and REGIONAL compile only")
+                 "a full fine-tune also copies each of their gradients to CPU memory and "
+                 "steps their optimizer there (CPU time every step); REGIONAL compile only")
 
 
 def offload_not_for(config: Config) -> str:
     """Why block offload cannot serve this run (validate's `_check_block_offload`), or ""."""
-    if config.training.method != TrainingMethod.LORA:
-        return "LoRA only (a trained weight stays on the GPU)"
+    method = config.training.method
+    if method == TrainingMethod.FINE_TUNE and not config.training.fused_backward:
+        return ("a full fine-tune offloads with training.fused_backward=true only (its "
+                "weights step on the host inside backward)")
+    if method not in (TrainingMethod.LORA, TrainingMethod.FINE_TUNE):
+        return "LoRA and fused full fine-tunes only"
     if config.compile.denoiser and config.compile.scope == CompileScope.FULL:
         return "needs REGIONAL compile of the denoiser (compile.scope is FULL)"
     return ""
 
 
+FUSED_ON = "training.fused_backward=true"
+
+
+def offload_overrides(config: Config, blocks: int) -> list[str] | None:
+    """The overrides that offload all the denoiser's ``blocks`` repeated blocks (the most it
+    saves): the count alone where this run can offload, with the fused backward pass turned on
+    for a full fine-tune that combines with it; None where offload cannot serve."""
+    if not blocks:
+        return None
+    count = f"model.offload_blocks={blocks}"
+    if not offload_not_for(config):
+        return [count]
+    if config.training.method == TrainingMethod.FINE_TUNE and not config.training.fused_backward:
+        fused = apply_overrides(config, [FUSED_ON])
+        if not offload_not_for(fused) and not fused_backward_problems(fused):
+            return [FUSED_ON, count]
+    return None
+
+
 def offload_candidates(config: Config, blocks: int) -> list[str]:
-    """Block offload of all the denoiser's ``blocks`` repeated blocks (the most it saves), for
-    a LoRA that does not offload yet and can."""
-    if config.model.offload_blocks or not blocks or offload_not_for(config):
-        return []
-    return [f"model.offload_blocks={blocks}"]
+    """Block offload of every block, for a run that does not offload yet and can (a full
+    fine-tune with the fused pass, turned on with it where it is off)."""
+    overrides = None if config.model.offload_blocks else offload_overrides(config, blocks)
+    return [lever_override(overrides)] if overrides else []
 
 
 BOTH_LEVERS = "8-bit storage and block offload together"
@@ -258,6 +281,9 @@ def lever_costs(config: Config, ability: DeviceAbility, blocks_override: str | N
         if storage:
             costs[lever_override([*storage, blocks_override])] = (
                 f"{picked.costs}; and block offload's: {OFFLOAD_COSTS}")
+        if FUSED_ON in costs:  # a full fine-tune offloads with the fused pass
+            costs[lever_override([FUSED_ON, blocks_override])] = (
+                f"{costs[FUSED_ON]}; and block offload's: {OFFLOAD_COSTS}")
     return costs
 
 
@@ -359,13 +385,15 @@ def levers_report(config: Config, model_path: Path, plan: MemoryPlan, distribute
         state = lever_line(lever.state_on(config, ability), lever.costs, saved, plan)
         lines.append(f"  {lever.name}: {state}")
     # block offload's override names the denoiser's block count, known from the model only
-    offload = next((key for key in saved if key.startswith("model.offload_blocks=")), None)
-    why = offload_not_for(config)
+    offload = next((key for key in saved if key.startswith(
+        ("model.offload_blocks=", f"{FUSED_ON} --set model.offload_blocks="))), None)
+    why = "" if offload else offload_not_for(config)
     state = lever_line(LeverState(on=bool(config.model.offload_blocks), not_for=why,
                                   overrides=[offload] if offload else None),
                        OFFLOAD_COSTS, saved, plan)
     lines.append(f"  denoiser blocks streamed from CPU memory (block offload): {state}")
-    both = next((key for key in saved if "--set model.offload_blocks=" in key), None)
+    both = next((key for key in saved if "--set model.offload_blocks=" in key
+                 and not key.startswith(FUSED_ON)), None)
     if both:
         lines.append(f"  {BOTH_LEVERS}: " + lever_line(
             LeverState(overrides=both.split(" --set ")),

@@ -330,12 +330,57 @@ def gradients_line(config: Config, trained: Sequence[torch.Tensor]) -> tuple[str
 
 def offload_line(config: Config, denoiser: nn.Module) -> tuple[str, int]:
     """`model.offload_blocks`' line: the offloaded blocks' frozen weights leave the device, but
-    for the two in flight (the block running and the one prefetched), a negative line."""
-    from modules.train.memory.offload import offload_saving
-    count, moved, in_flight = offload_saving(
-        denoiser, family_of(config.model.type).repeated_blocks, config.model.offload_blocks)
-    return (f"{count} denoiser blocks offloaded to CPU memory ({gib(moved)} of weights, less "
-            f"{gib(in_flight)} for the two in flight)", in_flight - moved)
+    for the two in flight (the block running and the one prefetched), a negative line. A full
+    fine-tune's (train/memory/offload_trained.py) moves their trained weights too, and their
+    optimizer state and EMA copy live on the host for the whole run; their gradients are
+    made on the device and copied to the host one at a time (the gradients line's)."""
+    host = offloaded_host(config, denoiser)
+    if not host.trained:
+        return (f"{host.count} denoiser blocks offloaded to CPU memory ({gib(host.weights)} of "
+                f"weights, less {gib(host.in_flight)} for the two in flight)",
+                host.in_flight - host.weights)
+    ema = f", {gib(host.ema)} of EMA copy" if config.training.ema else ""
+    return (f"{host.count} denoiser blocks offloaded to CPU memory, trained weights included "
+            f"({gib(host.weights)} of weights, {gib(host.state)} of their optimizer state"
+            f"{ema}; gradients copied there one weight at a time; less {gib(host.in_flight)} "
+            "for the two blocks in flight)", host.in_flight - host.total)
+
+
+@dataclass(frozen=True)
+class OffloadedHost:
+    """What `model.offload_blocks` keeps in CPU memory instead of the device, in bytes: the
+    offloaded blocks' weights and, for a full fine-tune (``trained``), their optimizer state
+    and EMA copy; ``in_flight``: the device copies of the two blocks in flight."""
+    count: int
+    weights: int
+    in_flight: int
+    trained: bool = False
+    state: int = 0
+    ema: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.state + self.ema
+
+
+def offloaded_host(config: Config, denoiser: nn.Module) -> OffloadedHost:
+    """The offloaded blocks' host bytes (the memory plan's and the RAM plan's figures), from the
+    choice the streamer makes (meta tensors do)."""
+    from modules.train.memory.offload import moved_parameters, offload_choice, offload_saving
+    trained = config.training.method == TrainingMethod.FINE_TUNE
+    names = family_of(config.model.type).repeated_blocks
+    choice = offload_choice(denoiser, names, config.model.offload_blocks, trained)
+    if choice is None:
+        return OffloadedHost(0, 0, 0)
+    count, moved, in_flight = offload_saving(denoiser, names, config.model.offload_blocks,
+                                             trained)
+    if not trained:
+        return OffloadedHost(count, moved, in_flight)
+    stepped = [p for i in choice.chosen for p in moved_parameters(choice.blocks[i], True)
+               if p.requires_grad]
+    return OffloadedHost(count, moved, in_flight, True,
+                         optimizer_state_bytes(config.training.optimizer, stepped),
+                         tensor_bytes(stepped) if config.training.ema else 0)
 
 
 def describe_tensors(tensors: Sequence[torch.Tensor]) -> str:

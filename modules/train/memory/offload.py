@@ -23,6 +23,9 @@ INT8 / FLOAT8 weights are tensor subclasses whose values and scales are inner te
 `_put`: `.data =` alone would swap only the subclass's empty wrapper). The device is a
 parameter: on the CPU the "transfer" is a copy into new storage, so the swap is
 observable (the weights' data_ptr changes) and a run is bit-for-bit the run without offload.
+A full fine-tune's offload (``trained``, issue 58 item 3) moves the trained weights too:
+the fused backward pass steps them on their host copies (offload_trained.py), so dropping
+the device copy at eviction is still all there is to do.
 What only a GPU shows (the overlap of copies with compute, the speed, the peak memory) is the
 GPU validation phase's measurement (docs/gpu.md).
 """
@@ -134,9 +137,16 @@ def _put(param: torch.Tensor, value: torch.Tensor) -> None:
             setattr(param, name, getattr(value, name))
 
 
-def block_bytes(block: nn.Module) -> int:
-    """Bytes of a block's frozen parameters (what offloading it moves off the device)."""
-    return sum(stored_bytes(p) for p in block.parameters() if not p.requires_grad)
+def block_bytes(block: nn.Module, trained: bool = False) -> int:
+    """Bytes of what offloading a block moves off the device: its frozen parameters, and with
+    ``trained`` (a full fine-tune's offload, offload_trained.py) its trained ones too."""
+    return sum(stored_bytes(p) for p in moved_parameters(block, trained))
+
+
+def moved_parameters(block: nn.Module, trained: bool) -> list[nn.Parameter]:
+    """The parameters offload keeps on the host: the frozen ones (a LoRA's adapters stay on the
+    device), every one with ``trained``."""
+    return [p for p in block.parameters() if trained or not p.requires_grad]
 
 
 def denoiser_blocks(denoiser: nn.Module, names: tuple[str, ...]) -> list[nn.Module]:
@@ -144,11 +154,11 @@ def denoiser_blocks(denoiser: nn.Module, names: tuple[str, ...]) -> list[nn.Modu
     return regional_targets("denoiser", [denoiser], {"denoiser": names})
 
 
-def offload_saving(denoiser: nn.Module, names: tuple[str, ...], count: int
-                   ) -> tuple[int, int, int]:
+def offload_saving(denoiser: nn.Module, names: tuple[str, ...], count: int,
+                   trained: bool = False) -> tuple[int, int, int]:
     """(blocks offloaded, their bytes, the in-flight bytes) for ``count`` on ``denoiser``: the
     memory plan's figures, from the same choice the streamer makes (meta tensors do)."""
-    sizes = [block_bytes(b) for b in denoiser_blocks(denoiser, names)]
+    sizes = [block_bytes(b, trained) for b in denoiser_blocks(denoiser, names)]
     chosen = choose_blocks(sizes, min(count, len(sizes)))
     return len(chosen), sum(sizes[i] for i in chosen), in_flight_bytes(sizes, chosen)
 
@@ -165,11 +175,14 @@ class _BlockCall(OuterCall):
 
 
 class BlockStreamer:
-    """Keeps the chosen blocks' frozen weights on the host and streams them to ``device``."""
+    """Keeps the chosen blocks' frozen weights on the host and streams them to ``device``; with
+    ``trained`` their trained weights too, whose optimizer steps on the host copies
+    (offload_trained.py)."""
 
     def __init__(self, blocks: Sequence[nn.Module], offloaded: Collection[int],
-                 device: torch.device):
+                 device: torch.device, trained: bool = False):
         self.blocks = list(blocks)
+        self.trained = trained
         self.offloaded = sorted(offloaded)
         self.device = device
         self.cuda = device.type == "cuda"
@@ -189,8 +202,8 @@ class BlockStreamer:
         self._drop_all()
 
     # ------------------------------------------------------------------ the hosts' copies
-    def _frozen(self, i: int) -> Iterator[nn.Parameter]:
-        return (p for p in self.blocks[i].parameters() if not p.requires_grad)
+    def _frozen(self, i: int) -> list[nn.Parameter]:
+        return moved_parameters(self.blocks[i], self.trained)
 
     def _host_copy(self, tensor: torch.Tensor) -> torch.Tensor:
         if tensor.device.type == "cpu" and not self.cuda:
@@ -201,6 +214,10 @@ class BlockStreamer:
     def host_tensors(self, i: int) -> list[torch.Tensor]:
         """Block ``i``'s host copies (their storage is what an offloaded block points at)."""
         return [host for _, host in self._host[i]]
+
+    def held(self, i: int) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """Block ``i``'s moved parameters, each with its host copy."""
+        return list(self._host[i])
 
     def resident(self) -> set[int]:
         """The offloaded blocks whose weights are on the device now."""
@@ -338,9 +355,10 @@ class BlockStreamer:
 
     def record(self) -> dict[str, Any]:
         """run.json's `block_offload`."""
-        sizes = [block_bytes(b) for b in self.blocks]
+        sizes = [block_bytes(b, self.trained) for b in self.blocks]
         moved = sum(sizes[i] for i in self.offloaded)
         return {"blocks": len(self.offloaded), "of": len(self.blocks),
+                "trained_weights": self.trained,
                 "offloaded": [f"{i}:{type(self.blocks[i]).__name__}" for i in self.offloaded],
                 "offloaded_bytes": moved,
                 "in_flight_bytes": in_flight_bytes(sizes, self.offloaded),
@@ -349,32 +367,34 @@ class BlockStreamer:
 
 class OffloadChoice(NamedTuple):
     """The denoiser's repeated blocks and the indices of those `model.offload_blocks` offloads:
-    made once at setup, read by `held_on_host` (the load) and `build_streamer` (the steps)."""
+    made once at setup, read by `held_on_host` (the load) and `build_streamer` (the steps);
+    ``trained``: their trained weights move too (a full fine-tune, offload_trained.py)."""
     blocks: list[nn.Module]
     chosen: list[int]
+    trained: bool = False
 
 
 def offload_choice(denoiser: nn.Module, names: tuple[str, ...],
-                   count: int) -> OffloadChoice | None:
+                   count: int, trained: bool = False) -> OffloadChoice | None:
     """The ``count`` largest of the denoiser's repeated blocks (None when ``count`` is 0)."""
     if count <= 0:
         return None
     blocks = denoiser_blocks(denoiser, names)
-    return OffloadChoice(blocks, choose_blocks([block_bytes(b) for b in blocks],
-                                               min(count, len(blocks))))
+    return OffloadChoice(blocks, choose_blocks([block_bytes(b, trained) for b in blocks],
+                                               min(count, len(blocks))), trained)
 
 
 @contextmanager
 def held_on_host(choice: OffloadChoice | None) -> Iterator[None]:
     """Inside, moving the denoiser to the device leaves the frozen weights of the chosen blocks
-    where they are (CPU memory), so loading never holds the whole denoiser on the device: those
+    (a full fine-tune's trained ones too) where they are (CPU memory), so loading never holds the whole denoiser on the device: those
     weights stand in as empty tensors while the rest moves (their LoRA weights and buffers move
     as usual), and are put back after. `build_streamer` then takes them as its host copies."""
     if choice is None:
         yield
         return
-    kept = [(p, p.data) for i in choice.chosen for p in choice.blocks[i].parameters()
-            if not p.requires_grad]
+    kept = [(p, p.data) for i in choice.chosen
+            for p in moved_parameters(choice.blocks[i], choice.trained)]
     for param, data in kept:  # a subclass's stand-in is one of its kind with empty inner tensors
         _put(param, _remap(data, lambda t: t.new_empty((0,) * t.dim())))
     try:
@@ -388,4 +408,4 @@ def build_streamer(choice: OffloadChoice | None, device: torch.device) -> BlockS
     """The streamer for the chosen blocks (None when block offload is off)."""
     if choice is None:
         return None
-    return BlockStreamer(choice.blocks, choice.chosen, device)
+    return BlockStreamer(choice.blocks, choice.chosen, device, choice.trained)

@@ -39,8 +39,8 @@ from modules.config.problems import Problem
 from modules.config.schema import Config, DType, TrainingMethod
 from modules.models.bundle import ModelBundle
 from modules.models.families import family_of
-from modules.train.memory.memory_plan import (describe_tensors, gib, plan_from, tensor_bytes,
-                                              weightless_bundle)
+from modules.train.memory.memory_plan import (describe_tensors, gib, offloaded_host, plan_from,
+                                              tensor_bytes, weightless_bundle)
 from modules.train.recipe.placement import components_off_device
 
 NOT_COUNTED = ("a lower bound: cached latents (on disk), data loader workers, "
@@ -117,7 +117,6 @@ def ram_plan_from(config: Config, loading: list[tuple[str, int]], bundle: ModelB
     """The RAM plan from the loading phase's lines and the same bundle made trainable
     (`params`: its trained parameters), so the check builds the weightless model once for
     both plans."""
-    from modules.train.memory.offload import offload_saving
     loaded = dict(zip(bundle.components(), (size for _, size in loading)))
     held = {name: tensor_bytes(_weights(m)) for name, m in bundle.components().items()}
     off = components_off_device(config)
@@ -146,11 +145,11 @@ def ram_plan_from(config: Config, loading: list[tuple[str, int]], bundle: ModelB
         training = [(f"{name} weights (on the CPU: {why})", held[name])
                     for name, (why, _) in off.items()]
     if config.model.offload_blocks:
-        count, moved, _ = offload_saving(bundle.denoiser,
-                                         family_of(config.model.type).repeated_blocks,
-                                         config.model.offload_blocks)
-        training.append((f"{count} offloaded denoiser blocks' weights"
-                         + (" (pinned)" if device.type == "cuda" else ""), moved))
+        host = offloaded_host(config, bundle.denoiser)
+        training.append((f"{host.count} offloaded denoiser blocks' weights"
+                         + (" (pinned)" if device.type == "cuda" else "")
+                         + (" and their optimizer state" if host.trained else "")
+                         + (" and EMA copy" if host.ema else ""), host.total))
     phases = (*loading_phases, RamPhase("caching", tuple(caching)),
               RamPhase("training", tuple(training)))
     return RamPlan(with_caption_rows(config, phases, bool(first)), order)

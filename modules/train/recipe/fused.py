@@ -25,12 +25,16 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from modules.config.optimizers import OPTIMIZERS
 from modules.config.problems import ConfigError, Problem
 from modules.config.schema import Config, DType, Optimizer
+
+if TYPE_CHECKING:
+    from modules.train.memory.offload_trained import HostSteps
 
 # the per-weight optimizer for bfloat16 weights: torchao's plain AdamW (torch's AdamW has no
 # stochastic rounding); `_AdamW` is the name torchao gives it beside torch's own AdamW
@@ -75,6 +79,9 @@ class FusedBackward(torch.optim.Optimizer):
                 self.weights.append((inner, group))
         self.norms: list[torch.Tensor] = []  # this step's per-weight gradient norms
         self.held_back = 0                   # weights of this step with non-finite gradients
+        # block offload of a full fine-tune: the weights that step on their host copies
+        # (train/memory/offload_trained.py), set by the recipe once the streamer is built
+        self.host_steps: HostSteps | None = None
 
     def _hook(self, index: int) -> Callable[[torch.Tensor], None]:
         def step_weight(param: torch.Tensor) -> None:
@@ -90,7 +97,10 @@ class FusedBackward(torch.optim.Optimizer):
                     grad.mul_((self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
                               .to(grad.dtype))
                 set_lr(inner, group["lr"])
-                inner.step()
+                if self.host_steps is not None and self.host_steps.holds(param):
+                    self.host_steps.step(param, inner)
+                else:
+                    inner.step()
             param.grad = None
         return step_weight
 

@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from modules.config.schema import MixedPrecision
+from modules.config.schema import MixedPrecision, TrainingMethod
 from modules.data.buckets import describe_buckets, resolution_plan
 from modules.data.dataset import BucketBatchSampler, epoch_batch_sampler, expand_repeats
 from modules.events import StopRequested, TrainerCallbacks, TrainerCommands
@@ -39,6 +39,7 @@ from modules.models.model_hash import base_model_hashes
 from modules.models.families import family_of
 from modules.paths import cache_dir_for
 from modules.train.memory.offload import build_streamer, held_on_host, offload_choice
+from modules.train.memory.offload_trained import HostSteps
 from modules.train.outputs.data_metadata import training_data_metadata
 from modules.train.recipe.compile_scope import resolve_compile_scope
 from modules.train.recipe.compile_guard import (build_compile_guard, component_blocks,
@@ -196,7 +197,8 @@ class TrainingRecipe:
             raise
         # the blocks block offload streams never go to the device whole (the load's peak)
         offloaded = offload_choice(bundle.denoiser, family_of(bundle.model_type).repeated_blocks,
-                                   config.model.offload_blocks)
+                                   config.model.offload_blocks,
+                                   trained=config.training.method == TrainingMethod.FINE_TUNE)
         with held_on_host(offloaded):
             for name, module in bundle.components().items():
                 if name not in off:
@@ -238,6 +240,13 @@ class TrainingRecipe:
         optimizer = build_optimizer(config, params)
         if isinstance(optimizer, FusedBackward):
             undo.callback(optimizer.close)  # its hooks off the weights
+            if offload is not None and offload.trained:  # offloaded weights step on the host
+                optimizer.host_steps = HostSteps(offload)
+                record.write(block_offload={**offload.record(),
+                                            **optimizer.host_steps.record()})
+        elif offload is not None and offload.trained:  # validation refuses it: never silently
+            raise RuntimeError("block offload of a full fine-tune needs the fused backward "
+                               "pass (its device copies are dropped, never stepped)")
         keep_old_rows(optimizer, bundle, config)  # TEXTUAL_INVERSION: only new rows change
         scaler = (torch.amp.GradScaler(device.type)
                   if config.training.mixed_precision == MixedPrecision.FP16 else None)
