@@ -10,7 +10,7 @@ from modules.config.schema import Config
 from modules.data.captions import transform_caption
 from modules.data.folders import ScanResult
 from modules.models.metadata import dataset_metadata
-from modules.train.setup.start import caption_rules
+from modules.train.setup.run_captions import caption_rules
 
 
 def training_data_metadata(scan: ScanResult, config: Config) -> dict[str, str]:

@@ -15,7 +15,6 @@ from modules.config.caveats import config_warnings
 from modules.config.optimizers import OPTIMIZERS
 from modules.config.secret_settings import masked_config
 from modules.config.problems import ConfigError, Problem
-from modules.data.captions import CaptionRules
 from modules.config.data import shapes_vary
 from modules.data.buckets import ResolutionPlan, bucket_counts, resolution_plan
 from modules.data.dataset import BucketBatchSampler, ImageCaptionDataset, expand_repeats
@@ -30,7 +29,8 @@ from modules.train.state.backup import ResumePoint, backups_folder
 from modules.train.state.backup_files import list_backups
 from modules.train.recipe.objectives import noise_schedule_record
 from modules.train.setup.output_lock import OutputBusy, OutputLock, describe_owner
-from modules.train.setup.prepare import CheckedRun, PreparedRun
+from modules.train.setup.prepare import PreparedRun
+from modules.train.setup.run_captions import caption_rules, known_captions
 from modules.train.outputs.record import RunRecord, device_description, library_versions
 from modules.train.state.run import Run
 from modules.paths import cache_dir_for
@@ -130,12 +130,6 @@ def bucket_record(target_sizes: list[tuple[int, int]], batches: BucketBatchSampl
     if plan is not None:
         record["resolutions"] = plan.table()
     return record
-
-
-def caption_rules(config) -> list[CaptionRules]:
-    """Each dataset's caption rules (modules/data/captions.py), by its place in the list."""
-    return [CaptionRules(ds.caption_prefix, ds.caption_suffix, ds.shuffle_tags, ds.keep_tags,
-                         ds.tag_dropout) for ds in config.data.datasets]
 
 
 def source_loss_weights(config) -> list[float]:
@@ -343,29 +337,6 @@ def text_encoder_cache(prepared: PreparedRun, bundle, device: torch.device,
                         f"({encoded} encoded now, {len(captions) - encoded} read from "
                         f"{store.folder}); the text encoder left the {device.type} device")
     return cache
-
-
-def known_captions(prepared: PreparedRun | CheckedRun) -> list[str]:
-    """Every caption a run whose captions do not vary will read: each training image's (its
-    dataset's prefix and suffix applied), "" when captions may be dropped, the validation
-    images', and the sample prompts and negative prompts."""
-    from modules.data.captions import item_caption
-    config = prepared.config
-    rules = caption_rules(config)
-    captions = [item_caption(item.caption, item.source_index, rules, config.training.seed, 0,
-                             index)[0] for index, item in enumerate(prepared.scan.items)]
-    dropouts = [config.data.caption_dropout, *(ds.caption_dropout or 0.0
-                                               for ds in config.data.datasets)]
-    if any(dropouts):
-        captions.append("")
-    if prepared.validation is not None:
-        held = prepared.validation
-        captions += [item_caption(item.caption, item.source_index, held.rules,
-                                  config.training.seed, 0, index)[0]
-                     for index, item in enumerate(held.items)]
-    for prompt in prepared.prompts:  # check_run's read: the prompts the run samples
-        captions += [prompt.text, prompt.negative]
-    return list(dict.fromkeys(captions))
 
 
 def tensorboard_writer(config, is_main: bool) -> SummaryWriter | None:

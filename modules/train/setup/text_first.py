@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -30,14 +30,19 @@ from modules.models.bundle import ModelBundle, dtype_of
 from modules.models.loader import load_text_part, load_tokenizers, load_without_text_encoders
 from modules.train.recipe.builders import pick_device
 from modules.train.recipe.text_cache import TextEncoderCache
+from modules.train.setup.run_captions import ScannedRun, known_captions
 from modules.train.recipe.text_store import (TextEmbeddingStore, encoder_files_key,
                                              encoder_identity, known_identity,
                                              remember_identity)
 from modules.models.weight_storage import store_weights
 from modules.train.recipe.trainable import component_dtypes, stored_components
 
-if TYPE_CHECKING:
-    from modules.train.setup.prepare import CheckedRun
+
+class CheckedRun(ScannedRun, Protocol):
+    """What this step reads of prepare.py's CheckedRun (prepare sits above this file and calls
+    it): the run's inputs, its model's path and its cache folder."""
+    model_path: Path
+    cache_dir: Path
 
 
 def encode_text_first(checked: CheckedRun, callbacks: TrainerCallbacks) -> TextEncoderCache:
@@ -47,7 +52,6 @@ def encode_text_first(checked: CheckedRun, callbacks: TrainerCallbacks) -> TextE
     (`known_identity`) and every caption is cached already (a resumed run, a second run on the
     same data), the encoder is not loaded at all; otherwise it is loaded alone, encodes what is
     missing and is released."""
-    from modules.train.setup.start import known_captions
     config = checked.config
     root = checked.cache_dir / "text-embeddings"
     files = encoder_files(checked)
