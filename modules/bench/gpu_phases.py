@@ -440,6 +440,30 @@ def phase_offload(sizes: dict[str, Size]) -> list[Job]:
     return [*first, both, compiled]
 
 
+# A full fine-tune with the fused backward (each weight stepped in backward), the frozen-less
+# blocks' weights at bf16: with block offload their weights, gradients and optimizer state
+# live on the host and step there (train/memory/offload_trained.py)
+FUSED_FINE_TUNE = [*FINE_TUNE, "training.fused_backward=true", "model.weight_dtype=BFLOAT16",
+                   "model.train_dtype=FLOAT32"]
+
+
+def phase_offload_fine_tune(sizes: dict[str, Size]) -> list[Job]:
+    """Block offload for a full fine-tune at SDXL size, eager, each cell alone: the fused
+    fine-tune without offload, then with every block's weights, gradients and optimizer state
+    on the host (the host's optimizer steps them): the peak memory it saves against the memory
+    plan's offload line, and the step time the host steps and copies cost."""
+    size = sizes["sdxl"]
+    return [_env(), _build("sdxl", size),
+            _cell("sdxl", size, "ft-base-none", "NONE", FUSED_FINE_TUNE, 2 * LEVER_EAGER_SECONDS,
+                  None, "a fused full fine-tune, eager: what offload is against",
+                  compare_with=""),
+            _cell("sdxl", size, "ft-offload-none", "NONE",
+                  [*FUSED_FINE_TUNE, "model.offload_blocks=1000"], 3 * LEVER_EAGER_SECONDS,
+                  None, "the same with every block offloaded (weights, gradients and optimizer "
+                  "state on the host): step time and peak memory against it",
+                  compare_with="cell-sdxl-ft-base-none")]
+
+
 def phase_offload_inductor(sizes: dict[str, Size]) -> list[Job]:
     """REGIONAL DEFAULT at SDXL size with every block offloaded and without: both cold
     starts side by side (each with what is left less the warm cells' time), then each alone,
@@ -528,6 +552,9 @@ PHASES: list[Phase] = [
     Phase("15-int8", 9, "SDXL LoRA with int8 frozen weights (INT8) and int8 matmuls (W8A8) vs "
           "bf16, eager, each alone (step time and peak memory); then REGIONAL DEFAULT with W8A8, "
           "cold and alone with what is left", "memory levers", phase_int8),
+    Phase("16-offload-fine-tune", 9, "SDXL full fine-tune (fused backward) with every block's "
+          "weights, gradients and optimizer state on the host vs not, eager, each alone (step "
+          "time and peak memory)", "memory levers", phase_offload_fine_tune),
 ]
 
 

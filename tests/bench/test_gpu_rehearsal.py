@@ -75,6 +75,9 @@ REHEARSED: dict[str, str | None] = {
     # eager cells with an override (INT8 training is tests/train/test_weight_storage.py's, W8A8's
     # tests/train/test_w8a8.py's) and a DEFAULT cell: the GPU's
     "15-int8": "",
+    # eager cells with overrides: a fused fine-tune with offload is
+    # tests/train/test_offload_fine_tune.py's (bit for bit against the run without)
+    "16-offload-fine-tune": "",
 }
 
 
