@@ -172,6 +172,12 @@ def _check_weight_storage(config: Config) -> list[Problem]:
                         "a full fine-tune trains the weights themselves, and trained weights "
                         f"are never stored in 8 bits ({why} would swallow the updates); use "
                         "training.method=LORA, or model.weight_dtype=BFLOAT16")]
+    if config.training.method == TrainingMethod.TEXTUAL_INVERSION:
+        return [Problem("model.weight_storage", "WEIGHT_DTYPE with TEXTUAL_INVERSION",
+                        storage.value, "8-bit storage is built for LoRA runs (the frozen layers "
+                        "under the adapters); a textual inversion would keep every weight at "
+                        "model.weight_dtype anyway, so the setting would do nothing; use "
+                        "WEIGHT_DTYPE (model.weight_dtype=BFLOAT16 halves the frozen weights)")]
     if storage == WeightStorage.W8A8 and config.training.adapter == Adapter.DORA:
         return [Problem("model.weight_storage", "WEIGHT_DTYPE with training.adapter=DORA",
                         storage.value, "DoRA normalizes the base weight plus the adapter per "

@@ -171,6 +171,22 @@ def test_int8_is_refused_for_a_full_fine_tune_and_greys_nothing_else():
                                                             "model.weight_storage")]
 
 
+@pytest.mark.parametrize("storage", ["INT8", "FLOAT8", "W8A8"])
+def test_8_bit_storage_is_refused_for_textual_inversion_not_ignored(storage):
+    """A textual inversion stores nothing in 8 bits (train/recipe/trainable.py stores the LoRA
+    runs' frozen layers): the setting is refused, naming what does save memory, rather than
+    left to do nothing."""
+    config = apply_overrides(Config(), [f"model.weight_storage={storage}",
+                                        "training.method=TEXTUAL_INVERSION",
+                                        "textual_inversion.placeholder=<tok>",
+                                        "textual_inversion.initializer=shape"])
+    [problem] = [p for p in validate(config) if p.path == "model.weight_storage"]
+    assert "WEIGHT_DTYPE with TEXTUAL_INVERSION" in str(problem)
+    assert "model.weight_dtype=BFLOAT16" in problem.message
+    assert not [p for p in validate(apply_overrides(config, ["model.weight_storage=WEIGHT_DTYPE"]))
+                if p.path == "model.weight_storage"]
+
+
 RTX_3090 = DeviceAbility("RTX 3090 (sm_86)", (8, 6))
 RTX_4090 = DeviceAbility("RTX 4090 (sm_89)", (8, 9))
 
