@@ -47,12 +47,12 @@ class Size:
 # leaves the GPU once the captions are cached (as its presets run it).
 ZIMAGE_RUNS = ("sampling.sampler=EULER", "data.cache_text_encoder_outputs=true")
 # Klein 4B as its LoRA preset trains it (training_presets/klein/lora.json): the same two, LoRA
-# on both block types (the single-stream blocks' fused input projection too), and its LoRA
-# written in the diffusers layout only (the runs' KOHYA file is refused for Klein until it has
-# a ComfyUI layout: the rehearsal's cell failed on it)
+# on both block types (the single-stream blocks' fused input and output projections too), and
+# its LoRA written in the diffusers layout only (the runs' KOHYA file is refused for Klein until
+# it has a ComfyUI layout: the rehearsal's cell failed on it)
 KLEIN_RUNS = (*ZIMAGE_RUNS, 'training.lora_target_modules=["to_q", "to_k", "to_v", "to_out.0", '
               '"add_q_proj", "add_k_proj", "add_v_proj", "to_add_out", "linear_in", '
-              '"linear_out", "to_qkv_mlp_proj"]', 'output.formats=["DIFFUSERS"]')
+              '"linear_out", "to_qkv_mlp_proj", "to_out"]', 'output.formats=["DIFFUSERS"]')
 FULL_SIZES = {
     "sd15": Size("sd15", "SD15", 512, 2, 20, 10, 8, 10, cell_steps=15),
     "sdxl": Size("sdxl", "SDXL", 1024, 2, 12, 6, 6, 6, cell_steps=10),

@@ -20,10 +20,11 @@ from modules.models.tiny import ensure_builtin_model
 
 TRANSFORMER_FILE = "transformer/diffusion_pytorch_model.safetensors"
 # the trainer's preset targets: both blocks' attention (q, k, v, out, the caption stream's
-# projections), the feed-forwards and the single blocks' fused projection
+# projections), the feed-forwards and the single blocks' fused projections, in and out (their
+# `attn.to_out`, BFL's `linear2`; the double blocks' `attn.to_out` is a ModuleList)
 TARGETS = (r"(?:single_)?transformer_blocks\.\d+\.(attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|"
            r"add_k_proj|add_v_proj|to_add_out|to_qkv_mlp_proj)|ff\.linear_in|"
-           r"ff_context\.linear_out)")
+           r"ff_context\.linear_out)|single_transformer_blocks\.\d+\.attn\.to_out")
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +110,7 @@ def test_merge_into_a_klein_folder_is_w_plus_the_weighted_update(files, merged):
                                        rtol=1e-5, atol=1e-6)
         else:
             assert torch.equal(result[key], weight), key
-    assert len(updates) == 2 * 10 + 2  # 2 double blocks x 10 layers, 2 single x 1
+    assert len(updates) == 2 * 10 + 2 * 2  # 2 double blocks x 10 layers, 2 single x 2
     for same in ("model_index.json", "text_encoder/model.safetensors", "transformer/config.json"):
         assert (merged / same).read_bytes() == (files["base"] / same).read_bytes()
 
@@ -154,6 +155,9 @@ def test_merge_into_comfyuis_bfl_file_and_extract_from_two(files, merged, tmp_pa
     torch.testing.assert_close(after["single_blocks.0.linear1.weight"],
                                before["single_blocks.0.linear1.weight"]
                                + 0.7 * updates["single_transformer_blocks.0.attn.to_qkv_mlp_proj"])
+    torch.testing.assert_close(after["single_blocks.1.linear2.weight"],
+                               before["single_blocks.1.linear2.weight"]
+                               + 0.7 * updates["single_transformer_blocks.1.attn.to_out"])
     loaded = Flux2Transformer2DModel.from_single_file(
         str(out), config=str(files["base"]), subfolder="transformer", local_files_only=True,
         torch_dtype=torch.float32)

@@ -18,8 +18,8 @@ from modules.models.kohya import KohyaError, save_kohya_lora
 from modules.train.recipe.loss_checks import family_problems
 
 # the trainer's preset targets, and the text stream's v left out (a fused qkv LoRA then has
-# zero rows there: that projection is unchanged); the single blocks' output too (peft is given
-# a regular expression here, which can name it apart from the double blocks' ModuleList)
+# zero rows there: that projection is unchanged); the single blocks' output too (BFL's
+# `linear2`; named apart from the double blocks' ModuleList by the expression)
 TARGETS = (r"transformer_blocks\.\d+\.(attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|"
            r"to_add_out)|ff\.linear_in|ff_context\.linear_out)|single_transformer_blocks\.\d+\."
            r"attn\.(to_qkv_mlp_proj|to_out)")
@@ -96,7 +96,8 @@ def test_the_file_names_bfl_layers_with_q_k_v_fused(saved):
 def test_each_fused_update_is_the_diffusers_layouts_updates_stacked(saved):
     """Per block, the qkv LoRA's update (ComfyUI's alpha / rank · up @ down) is the q, k and v
     LoRAs' updates (peft's scaling · B @ A) in their rows; the text stream's v, not adapted,
-    gets exactly zero."""
+    gets exactly zero. The single blocks' fused projections, in (`linear1`) and out
+    (`linear2`: the attention and MLP outputs together), are peft's updates as they are."""
     transformer, path = saved
     updates = _updates(path)
     layers = dict(transformer.named_modules())
@@ -118,6 +119,10 @@ def test_each_fused_update_is_the_diffusers_layouts_updates_stacked(saved):
             updates[f"lora_unet_single_blocks_{block}_linear1"],
             peft_update(f"single_transformer_blocks.{block}.attn.to_qkv_mlp_proj"),
             rtol=0, atol=0)
+        linear2 = peft_update(f"single_transformer_blocks.{block}.attn.to_out")
+        assert linear2.shape == (32, 32 + 3 * 32)  # the attention's width + the MLP's
+        torch.testing.assert_close(updates[f"lora_unet_single_blocks_{block}_linear2"],
+                                   linear2, rtol=0, atol=0)
 
 
 def test_the_bfl_weights_plus_the_file_read_by_diffusers_are_the_merged_lora(saved, klein_folder,
@@ -196,15 +201,19 @@ def test_lokr_cannot_be_fused_and_is_refused_up_front_and_at_saving(klein_folder
 def test_a_lora_run_writes_comfyuis_file_beside_the_diffusers_one(tiny_config):
     """2 LoRA steps with KOHYA output on the preset's targets: every layer of the diffusers
     file (peft's lora_alpha / r · B @ A) has its update in the ComfyUI file, q / k / v in their
-    rows of the fused qkv; the file says it is a Flux.2 Klein LoRA in its metadata."""
+    rows of the fused qkv, the single blocks' `attn.to_out` as `linear2`; the file says it is
+    a Flux.2 Klein LoRA in its metadata."""
     import json
+    from pathlib import Path
 
     from safetensors import safe_open
 
+    from modules.config.loader import load_config
     from modules.models.klein_files import original_key
     from modules.train.trainer import train
-    presets = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj",
-               "to_add_out", "linear_in", "linear_out", "to_qkv_mlp_proj")
+    presets = load_config(Path(__file__).resolve().parents[2] / "training_presets" / "klein"
+                          / "lora.json").training.lora_target_modules
+    assert "to_out" in presets
     result = train(tiny_config("model.type=KLEIN", "model.path=builtin:tiny-klein",
                                "training.max_steps=2", "training.lora_rank=4",
                                "training.lora_alpha=8", "sampling.sampler=EULER",
@@ -227,7 +236,9 @@ def test_a_lora_run_writes_comfyuis_file_beside_the_diffusers_one(tiny_config):
         torch.testing.assert_close(fused[slice(*rows) if rows else slice(None)], update,
                                    rtol=1e-5, atol=1e-7)
         seen.add(name)
-    assert len(seen) == len(comfy) == 2 * 8 + 2  # per double block: 2 qkv, 2 proj, 4 mlp
+    # per double block: 2 qkv, 2 proj, 4 mlp; per single block: linear1 and linear2
+    assert len(seen) == len(comfy) == 2 * 8 + 2 * 2
+    assert {"single_blocks.0.linear2.weight", "single_blocks.1.linear2.weight"} <= seen
     with safe_open(str(final / "lora_kohya.safetensors"), "pt") as f:
         assert (f.metadata() or {})["modelspec.architecture"] == "flux-2-klein/lora"
 

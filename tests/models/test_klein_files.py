@@ -307,8 +307,9 @@ def test_a_full_fine_tune_saves_a_diffusers_folder_and_comfyuis_file(tiny_config
 def test_lokr_is_written_in_the_diffusers_layout_klein_pipeline_loads(tiny_config, klein_folder):
     """LoKr with DIFFUSERS output is accepted for Klein (refused for Z-Image, whose pipeline
     has no such loader); 2 LoKr steps: Flux2KleinPipeline.load_lora_weights builds a LoKr
-    adapter with the run's alpha and rank and loads every saved factor bit for bit, and the
-    transformer's output changes."""
+    adapter with the run's alpha and rank and loads every saved factor bit for bit, the
+    single blocks' output projection (`to_out`) among them, and the transformer's output
+    changes."""
     from diffusers import Flux2KleinPipeline
     from peft.utils import get_peft_model_state_dict
     from safetensors.torch import load_file
@@ -321,12 +322,15 @@ def test_lokr_is_written_in_the_diffusers_layout_klein_pipeline_loads(tiny_confi
                                         *settings])
     assert [p.path for p in validate(zimage)] == ["output.formats[0]"]
     config = tiny_config("model.type=KLEIN", "model.path=builtin:tiny-klein",
-                         "training.max_steps=2", *settings)
+                         "training.max_steps=2", *settings,
+                         'training.lora_target_modules=["to_q", "to_out.0", "to_out"]')
     assert validate(config) == [] and family_problems(config) == []
     final = train(config).output_dir / "final"
     saved = {k.removeprefix("transformer."): v
              for k, v in load_file(final / "pytorch_lora_weights.safetensors").items()}
     assert saved and all(".lokr_" in k for k in saved)
+    assert {k.split(".lokr_")[0] for k in saved if "single_" in k} == {
+        f"single_transformer_blocks.{i}.attn.to_out" for i in (0, 1)}
     pipe = Flux2KleinPipeline.from_pretrained(klein_folder, local_files_only=True)
     plain = _forward_klein(pipe.transformer)
     pipe.load_lora_weights(str(final), weight_name="pytorch_lora_weights.safetensors")

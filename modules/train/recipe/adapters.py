@@ -45,19 +45,68 @@ def target_modules(config: Config, denoiser: bool) -> tuple[list[str], list[str]
     return linear, convs
 
 
+# Modules that hold layers but are none, which peft cannot adapt. diffusers' attention keeps
+# its output projection in `to_out`, a ModuleList of the Linear and a Dropout, so a target
+# name can reach one beside the plain layers it names: "to_out" names Flux.2's single-stream
+# blocks' fused output Linear (BFL's `linear2`) and its double-stream blocks' ModuleList.
+CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+
+
+def target_pattern(targets: list[str], scope: str | None) -> str:
+    """The suffixes as one regular expression over module paths (peft matches a string with
+    `re.fullmatch`): a path that is a suffix or ends in "." + one, starting with `scope`."""
+    suffixes = "|".join(re.escape(name) for name in targets)
+    return rf"(?:{scope or ''})(?:.*\.)?(?:{suffixes})"
+
+
 def scoped_targets(targets: list[str], scope: str | None) -> list[str] | str:
     """peft's `target_modules`: the suffixes as they are, or with a family's `lora_scope` one
-    regular expression that matches them only in module paths starting with the scope (peft
-    matches a string with `re.fullmatch`)."""
-    if scope is None:
-        return targets
-    suffixes = "|".join(re.escape(name) for name in targets)
-    return rf"(?:{scope})(?:.*\.)?(?:{suffixes})"
+    regular expression that matches them only in module paths starting with the scope."""
+    return targets if scope is None else target_pattern(targets, scope)
 
 
-def peft_config(config: Config, denoiser: bool, scope: str | None = None):
+def module_targets(module: nn.Module, targets: list[str], scope: str | None) -> list[str] | str:
+    """peft's `target_modules` for `module`: `scoped_targets`, less the containers a name also
+    matches (`CONTAINERS`), each left out by its path, so a name adapts the layers it names
+    (Klein's "to_out": the single-stream blocks' output, not the double-stream blocks' lists,
+    whose layer is "to_out.0"). Where no container matches (every target list peft could take
+    before) the result is `scoped_targets`' own. A name that matches containers only names no
+    layer: refused, naming a layer inside one."""
+    pattern = target_pattern(targets, scope)
+    containers = [name for name, layer in module.named_modules()
+                  if isinstance(layer, CONTAINERS) and re.fullmatch(pattern, name)]
+    if not containers:
+        return scoped_targets(targets, scope)
+    problems = [problem for name in targets
+                if (problem := _names_containers_only(module, name, scope))]
+    if problems:
+        raise ValueError("training.lora_target_modules: " + "; ".join(problems))
+    left_out = "|".join(re.escape(name) for name in containers)
+    return rf"(?!(?:{left_out})$){pattern}"
+
+
+def _names_containers_only(module: nn.Module, name: str, scope: str | None) -> str | None:
+    """Why `name` adapts nothing when every module it matches is a container (None when it
+    matches a layer, or nothing: peft's own check answers that)."""
+    pattern = target_pattern([name], scope)
+    matched = [(path, layer) for path, layer in module.named_modules()
+               if re.fullmatch(pattern, path)]
+    if not matched or not all(isinstance(layer, CONTAINERS) for _, layer in matched):
+        return None
+    path, layer = matched[0]
+    inside = [f'"{name}.{child}"' for child, sub in layer.named_children()
+              if isinstance(sub, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d))]
+    hint = f": name the layer inside, {' or '.join(inside)}" if inside else ""
+    more = f" and {len(matched) - 1} more" if len(matched) > 1 else ""
+    return (f'"{name}" matches only {type(layer).__name__}s ({path}{more}), which hold layers '
+            f"but are none, so no adapter can go there{hint}")
+
+
+def peft_config(config: Config, denoiser: bool, scope: str | None = None,
+                module: nn.Module | None = None):
     """The peft config of one component's adapters (the denoiser's or a text encoder's);
-    `scope`: the family's `lora_scope` for the denoiser (None: every matching layer)."""
+    `scope`: the family's `lora_scope` for the denoiser (None: every matching layer);
+    `module`: the component, whose containers the targets then leave out (`module_targets`)."""
     import peft
 
     t = config.training
@@ -67,8 +116,10 @@ def peft_config(config: Config, denoiser: bool, scope: str | None = None):
     # Patterns are peft suffixes: "conv1" sets the rank of every "...resnets.N.conv1".
     ranks = {name: t.conv_rank for name in convs}
     alphas = {name: t.conv_alpha for name in convs}
-    common = dict(r=t.lora_rank, target_modules=scoped_targets(linear + convs, scope),
-                  rank_pattern=ranks, alpha_pattern=alphas)
+    targets = (scoped_targets(linear + convs, scope) if module is None
+               else module_targets(module, linear + convs, scope))
+    common = dict(r=t.lora_rank, target_modules=targets, rank_pattern=ranks,
+                  alpha_pattern=alphas)
     cls = getattr(peft, row.peft_config)
     if row.peft_config == "LoraConfig":
         return cls(lora_alpha=t.lora_alpha, init_lora_weights="gaussian",
@@ -84,7 +135,7 @@ def add_adapter(module: ModelMixin | PreTrainedModel, config: Config, denoiser: 
                 scope: str | None = None) -> None:
     """Inject the configured adapter into `module` in place (its parameters trainable);
     `scope`: where in the denoiser adapters may go (the family's `lora_scope`)."""
-    module.add_adapter(peft_config(config, denoiser, scope))
+    module.add_adapter(peft_config(config, denoiser, scope, module))
     make_lycoris_layers_compilable(module)
     if config.training.adapter == Adapter.DORA:
         make_dora_traceable()
