@@ -47,9 +47,10 @@ def _block_and_inputs(kind: str, cache_dir: Path) -> tuple[Any, tuple, dict]:
         x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1), requires_grad=True)
         return mlp, (x,), {}
 
+    from modules.model_types import BUILTIN_DEMO
     from modules.models.tiny import ensure_builtin_model
 
-    folder = ensure_builtin_model("builtin:tiny-sd15", cache_dir)
+    folder = ensure_builtin_model(BUILTIN_DEMO, cache_dir)  # the tiny SD 1.5 UNet
     unet = UNet2DConditionModel.from_pretrained(folder, subfolder="unet")
     block = next(m for m in unet.modules() if type(m).__name__ == "BasicTransformerBlock")
     block.train()

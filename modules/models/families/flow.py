@@ -144,11 +144,15 @@ def qwen_text_first(model_type: Any, transformer_class: str, vae_class: str,
     """How a Qwen3 flow family (Z-Image, Klein) loads Qwen3 first, alone: from a diffusers
     folder, or from ComfyUI's split files (`path` the diffusion-model file, Qwen3 from
     model.text_encoder_path, built from `split_folder(model)`'s configs); then the rest
-    (`split_rest`: the family's diffusion model and VAE from their files)."""
-    from modules.models.single_file import is_single_file
-    from modules.models.split_files import load_split_text, load_tokenizer
+    (`split_rest`: the family's diffusion model and VAE from their files). The file modules
+    are imported when a loader runs: this is called while the family table is built, which
+    `single_file` itself imports (importing it here would be circular)."""
+    def is_single_file(path: Path) -> bool:
+        from modules.models.single_file import is_single_file as single
+        return single(path)
 
     def load_text(path: Path, model: Any, dtypes: Any) -> tuple[dict, dict]:
+        from modules.models.split_files import load_split_text
         if is_single_file(path):
             return load_split_text(model, split_folder(model), dtypes)
         return load_qwen_text(path, dtypes)
@@ -166,6 +170,7 @@ def qwen_text_first(model_type: Any, transformer_class: str, vae_class: str,
                            dict(tokenizers), scheduler)
 
     def load_tokenizers(path: Path, model: Any) -> dict:
+        from modules.models.split_files import load_tokenizer
         if is_single_file(path):
             return {"tokenizer": load_tokenizer(model, split_folder(model))}
         return load_qwen_tokenizer(path)
