@@ -19,7 +19,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from modules.models.families.base import TextEmbeddings
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the families import this module while their table is built
+    from modules.models.families.base import TextEmbeddings
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,7 @@ def encode_chat(tokenizer, encoder: nn.Module, captions: list[str], device: torc
     hidden = encoder(input_ids=ids, attention_mask=mask,
                      output_hidden_states=True).hidden_states[encoding.hidden_layer]
     keep = mask.bool().unsqueeze(-1)
+    from modules.models.families.base import TextEmbeddings
     return TextEmbeddings(torch.where(keep, hidden, torch.zeros((), dtype=hidden.dtype,
                                                                 device=hidden.device)),
                           None, mask.sum(dim=1))
@@ -89,4 +93,5 @@ def pad_to_batch(rows: list[torch.Tensor], pooled: torch.Tensor | None = None) -
     batch's padded length never reaches it."""
     lengths = torch.tensor([len(row) for row in rows], device=rows[0].device)
     hidden = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+    from modules.models.families.base import TextEmbeddings
     return TextEmbeddings(hidden, pooled, lengths)
