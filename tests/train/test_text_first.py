@@ -24,15 +24,31 @@ from tests.train.test_resume import StopAt, run_json
 STEPS = 2
 
 
-class LoadSpy:
-    """Weak references to every text encoder and transformer loaded, and at each load how
-    many models of the other kind were alive: (kind, others alive)."""
+class LiveModels:
+    """Weak references to every text encoder and transformer a spy saw loaded, and at each
+    load how many models of the other kind were alive: (kind, others alive)."""
+
+    def __init__(self) -> None:
+        self.refs: dict[str, list[weakref.ref]] = {"encoder": [], "transformer": []}
+        self.loads: list[tuple[str, int]] = []
+
+    def alive(self, kind: str) -> int:
+        return sum(ref() is not None for ref in self.refs[kind])
+
+    def start(self) -> None:
+        """Forget the earlier runs' models (collected first: they are done)."""
+        gc.collect()
+        assert self.alive("encoder") == self.alive("transformer") == 0
+        self.loads.clear()
+
+
+class LoadSpy(LiveModels):
+    """`LiveModels` of the loads through `from_pretrained` (Qwen3 and both transformers)."""
 
     def __init__(self, mp: pytest.MonkeyPatch) -> None:
         from diffusers import Flux2Transformer2DModel, ZImageTransformer2DModel
         from transformers import Qwen3Model
-        self.refs: dict[str, list[weakref.ref]] = {"encoder": [], "transformer": []}
-        self.loads: list[tuple[str, int]] = []
+        super().__init__()
         for cls, kind in ((Qwen3Model, "encoder"), (Flux2Transformer2DModel, "transformer"),
                           (ZImageTransformer2DModel, "transformer")):
             mp.setattr(cls, "from_pretrained", classmethod(self._spy(
@@ -47,15 +63,6 @@ class LoadSpy:
             self.refs[kind].append(weakref.ref(model))
             return model
         return load
-
-    def alive(self, kind: str) -> int:
-        return sum(ref() is not None for ref in self.refs[kind])
-
-    def start(self) -> None:
-        """Forget the earlier runs' models (collected first: they are done)."""
-        gc.collect()
-        assert self.alive("encoder") == self.alive("transformer") == 0
-        self.loads.clear()
 
 
 def _config(cache: Path, out: Path, model_type: str, prefix: str, *overrides: str) -> Config:

@@ -9,7 +9,6 @@ Over 10 s: five tiny runs (64 px, 2 steps) from the tiny models written as split
 family the order and the order before it, and Klein's cached case."""
 from __future__ import annotations
 
-import gc
 import math
 import weakref
 
@@ -21,16 +20,16 @@ from modules.train.trainer import train
 from tests.models.test_klein_files import comfyui_files, klein_folder  # noqa: F401 - fixtures
 from tests.models.test_zimage_files import split_files  # noqa: F401 - a fixture
 from tests.train.test_resume import run_json
+from tests.train.test_text_first import LiveModels
 
 
-class SplitSpy:
-    """(kind, others alive) at each load of Qwen3 or of the diffusion model from a file."""
+class SplitSpy(LiveModels):
+    """`LiveModels` of the loads of Qwen3 or of the diffusion model from a file."""
 
     def __init__(self, mp: pytest.MonkeyPatch) -> None:
         from modules.models import klein_files, zimage_files
         from modules.models import split_files as files
-        self.refs: dict[str, list[weakref.ref]] = {"encoder": [], "transformer": []}
-        self.loads: list[tuple[str, int]] = []
+        super().__init__()
         qwen3 = files.load_qwen3
 
         def load_qwen3(*args, **kwargs):
@@ -49,14 +48,6 @@ class SplitSpy:
         mp.setattr(files, "load_qwen3", load_qwen3)
         for module in (klein_files, zimage_files):
             mp.setattr(module, "load_split_rest", spied(module.load_split_rest))
-
-    def alive(self, kind: str) -> int:
-        return sum(ref() is not None for ref in self.refs[kind])
-
-    def start(self) -> None:
-        gc.collect()
-        assert self.alive("encoder") == self.alive("transformer") == 0
-        self.loads.clear()
 
 
 def _config(cache, out, model_type: str, files: dict, folder, prefix: str) -> Config:
