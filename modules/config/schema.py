@@ -283,7 +283,9 @@ class TrainingConfig:
     lora_target_modules: list[str] = setting(
         default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"],
         label="LoRA target modules", on_resume=OnResume.MUST_MATCH, group="Training", advanced=True,
-        help="Names of the linear layers that get LoRA adapters in the UNet.")
+        help="Names of the layers that get adapters in the denoiser (the UNet or the "
+             "transformer): each adapts every layer whose path ends in it (to_q, or attn1.to_q "
+             "for fewer). A name that matches no layer is refused.")
     adapter: Adapter = setting(
         Adapter.LORA, label="Adapter", group="Training", compile_check=True,
         on_resume=OnResume.MUST_MATCH,

@@ -115,3 +115,20 @@ def test_every_other_familys_targets_are_what_they_were(preset, adapter):
     if model_type == ModelType.ZIMAGE and adapter == "preset":
         assert scoped_targets(linear, scope) == (
             rf"(?:{scope})(?:.*\.)?(?:to_q|to_k|to_v|to_out\.0|w1|w2|w3)")
+
+
+@pytest.mark.parametrize("model_type", [ModelType.SD15, ModelType.KLEIN])
+def test_a_name_matching_nothing_among_others_is_refused_naming_it(model_type):
+    """A misspelt name beside names that match (peft would adapt the others and pass over it
+    without a word): refused before any adapter goes in, naming the entry and the layer it
+    may mean; the names that match are not blamed."""
+    denoiser = _denoiser(model_type)
+    config = apply_overrides(Config(), ['training.lora_target_modules=["to_q", "to_kk"]'])
+    with pytest.raises(ValueError) as caught:
+        add_adapter(denoiser, config, denoiser=True, scope=family_of(model_type).lora_scope)
+    message = str(caught.value)
+    assert message.startswith('training.lora_target_modules: "to_kk" matches no layer of the '
+                              f"{type(denoiser).__name__}")
+    assert "did you mean 'to_k'" in message
+    assert '"to_q"' not in message
+    assert not _adapted(denoiser) and not hasattr(denoiser, "peft_config")

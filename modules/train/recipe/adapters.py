@@ -65,33 +65,41 @@ def scoped_targets(targets: list[str], scope: str | None) -> list[str] | str:
     return targets if scope is None else target_pattern(targets, scope)
 
 
-def module_targets(module: nn.Module, targets: list[str], scope: str | None) -> list[str] | str:
+def module_targets(module: nn.Module, targets: list[str], scope: str | None,
+                   named: tuple[str, ...] = ()) -> list[str] | str:
     """peft's `target_modules` for `module`: `scoped_targets`, less the containers a name also
     matches (`CONTAINERS`), each left out by its path, so a name adapts the layers it names
     (Klein's "to_out": the single-stream blocks' output, not the double-stream blocks' lists,
     whose layer is "to_out.0"). Where no container matches (every target list peft could take
     before) the result is `scoped_targets`' own. A name that matches containers only names no
-    layer: refused, naming a layer inside one."""
+    layer: refused, naming a layer inside one. So is a name of `named` (the user's own list; the
+    layers an adapter kind adds may be missing from a family) that matches no module at all."""
     pattern = target_pattern(targets, scope)
     containers = [name for name, layer in module.named_modules()
                   if isinstance(layer, CONTAINERS) and re.fullmatch(pattern, name)]
-    if not containers:
-        return scoped_targets(targets, scope)
     problems = [problem for name in targets
-                if (problem := _names_containers_only(module, name, scope))]
+                if (problem := _names_no_layer(module, name, scope, bool(containers),
+                                               name in named))]
     if problems:
         raise ValueError("training.lora_target_modules: " + "; ".join(problems))
+    if not containers:
+        return scoped_targets(targets, scope)
     left_out = "|".join(re.escape(name) for name in containers)
     return rf"(?!(?:{left_out})$){pattern}"
 
 
-def _names_containers_only(module: nn.Module, name: str, scope: str | None) -> str | None:
-    """Why `name` adapts nothing when every module it matches is a container (None when it
-    matches a layer, or nothing: peft's own check answers that)."""
+def _names_no_layer(module: nn.Module, name: str, scope: str | None, containers: bool,
+                    own: bool) -> str | None:
+    """Why `name` adapts nothing: it is the user's own (`own`) and matches no module of the
+    component (a misspelt name among others, which peft would pass over without a word), or
+    every module it matches is a container (checked where `containers`: some target matched
+    one). None when it matches a layer, or matches nothing and is not the user's."""
     pattern = target_pattern([name], scope)
     matched = [(path, layer) for path, layer in module.named_modules()
                if re.fullmatch(pattern, path)]
-    if not matched or not all(isinstance(layer, CONTAINERS) for _, layer in matched):
+    if not matched:
+        return _matches_nothing(module, name, scope) if own else None
+    if not containers or not all(isinstance(layer, CONTAINERS) for _, layer in matched):
         return None
     path, layer = matched[0]
     inside = [f'"{name}.{child}"' for child, sub in layer.named_children()
@@ -100,6 +108,21 @@ def _names_containers_only(module: nn.Module, name: str, scope: str | None) -> s
     more = f" and {len(matched) - 1} more" if len(matched) > 1 else ""
     return (f'"{name}" matches only {type(layer).__name__}s ({path}{more}), which hold layers '
             f"but are none, so no adapter can go there{hint}")
+
+
+def _matches_nothing(module: nn.Module, name: str, scope: str | None) -> str:
+    """The refusal of a target name no module path ends in, with the layer names it may mean
+    (the last parts of the component's layer paths, closest first)."""
+    import difflib
+    layers = {path.split(".")[-1] if not path.split(".")[-1].isdigit()
+              else ".".join(path.split(".")[-2:])
+              for path, layer in module.named_modules()
+              if isinstance(layer, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d))}
+    close = difflib.get_close_matches(name, sorted(layers), n=3, cutoff=0.5)
+    where = " in the blocks this family adapts" if scope else ""
+    hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+    return (f'"{name}" matches no layer of the {type(module).__name__}{where}, so no adapter '
+            f"would go there{hint}")
 
 
 def peft_config(config: Config, denoiser: bool, scope: str | None = None,
@@ -117,7 +140,8 @@ def peft_config(config: Config, denoiser: bool, scope: str | None = None,
     ranks = {name: t.conv_rank for name in convs}
     alphas = {name: t.conv_alpha for name in convs}
     targets = (scoped_targets(linear + convs, scope) if module is None
-               else module_targets(module, linear + convs, scope))
+               else module_targets(module, linear + convs, scope,
+                                   tuple(t.lora_target_modules) if denoiser else ()))
     common = dict(r=t.lora_rank, target_modules=targets, rank_pattern=ranks,
                   alpha_pattern=alphas)
     cls = getattr(peft, row.peft_config)
