@@ -105,3 +105,19 @@ def test_klein_9b_loads_its_text_encoder_first_and_peaks_at_the_larger_phase():
     assert together.peak.total > 31 * GIB
     assert ("text encoder: loaded with the rest (its outputs are not cached "
             "(data.cache_text_encoder_outputs is off))") in together.describe()
+
+
+def test_the_caching_line_says_adapters_only_where_the_run_adds_them(tempera_cache, tmp_path):
+    """The tiny SD 1.5: a LoRA run's UNet line while caching counts its adapters; a full
+    fine-tune adds none (its trained weights are the UNet's own), and its line does not say so."""
+    config = make_config(tempera_cache, tmp_path / "out")
+    folder = ensure_builtin_model(config.model.path, tempera_cache)
+    device = torch.device("cuda")
+
+    def caching(method: str) -> list[str]:
+        plan = plan_ram(apply_overrides(config, [f"training.method={method}"]), folder, device)
+        return [what for what, _ in {p.name: p for p in plan.phases}["caching"].lines]
+    assert any(w.startswith("unet weights and adapters") for w in caching("LORA"))
+    lines = caching("FINE_TUNE")
+    assert any(w.startswith("unet weights") for w in lines)
+    assert not any("adapters" in w for w in lines), lines

@@ -131,7 +131,8 @@ def ram_plan_from(config: Config, loading: list[tuple[str, int]], bundle: ModelB
         off = {name: why for name, why in off.items() if name not in first}
     # one cached component on the device at a time: the largest is counted as away
     away = max(off, key=lambda name: held[name]) if off and device.type == "cuda" else None
-    caching = [(f"{name} weights" + (" and adapters" if params.get(name) else "")
+    adapters = config.training.method == TrainingMethod.LORA  # a fine-tune trains the weights
+    caching = [(f"{name} weights" + (" and adapters" if adapters and params.get(name) else "")
                 + (", 8-bit storage applied" if loaded[name] > size else "")
                 + (f" (on the device while its outputs are cached: {gib(size)} there)"
                    if name == away else ""), 0 if name == away else size)
