@@ -4,8 +4,11 @@ against the diffusers layout: the update each BFL tensor gets, applied to the BF
 the key map ComfyUI builds for such names (`lora_unet_<key with _>` -> that key's weight),
 read back by diffusers' own BFL reader (Flux2Transformer2DModel.from_single_file), is the
 trained LoRA merged by peft; diffusers' Flux2 LoRA loader reads the file as the diffusers one.
-ComfyUI's own loading code needs a ComfyUI checkout (`pytest --comfyui`), which this
-repository never holds: not run here."""
+LoHa and LoKr have no fused form: their file names each layer `lycoris_` + its diffusers path
+with "_", the names ComfyUI gives diffusers' Flux layers (it applies q / k / v to their rows
+of `qkv` itself), checked against that map as ComfyUI documents it. ComfyUI's own loading code
+needs a ComfyUI checkout (`pytest --comfyui=PATH`), which this repository never holds (GPL-3):
+those tests are skipped without one (run on the checkout docs/klein.md names)."""
 from __future__ import annotations
 
 import pytest
@@ -465,3 +468,31 @@ def test_diffusers_flux2_loader_applies_the_lokr_file_and_refuses_the_loha_one(l
         adapter_name = next(iter(loaded[name].lokr_w1))
         torch.testing.assert_close(loaded[name].get_delta_weight(adapter_name), delta,
                                    rtol=1e-5, atol=1e-7)
+
+
+def test_a_loha_run_writes_its_kohya_file_in_comfyuis_lycoris_layout(tiny_config):
+    """1 LoHa step with KOHYA output only (LoHa has no diffusers Klein reader): the run is
+    accepted and writes `lora_kohya.safetensors` with every layer of the preset's targets under
+    its `lycoris_` name, each with its LoHa factors and a float32 alpha (rank 4, alpha 8)."""
+    import json
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from modules.config.loader import load_config
+    from modules.models.tiny_klein import TINY_KLEIN
+    from modules.train.trainer import train
+    targets = load_config(Path(__file__).resolve().parents[2] / "training_presets" / "klein"
+                          / "lora.json").training.lora_target_modules
+    result = train(tiny_config("model.type=KLEIN", "model.path=builtin:tiny-klein",
+                               "training.max_steps=1", "training.adapter=LOHA",
+                               "training.lora_rank=4", "training.lora_alpha=8",
+                               "sampling.sampler=EULER", 'output.formats=["KOHYA"]',
+                               f"training.lora_target_modules={json.dumps(list(targets))}"))
+    tensors = load_file(str(result.output_dir / "final" / "lora_kohya.safetensors"))
+    documented = _comfyui_flux_lycoris_map(SimpleNamespace(**TINY_KLEIN["transformer"]))
+    names = {k.rsplit(".", 1)[0] for k in tensors}
+    assert names == set(documented)  # the preset adapts every layer ComfyUI's map names
+    for name in names:
+        assert {k.rsplit(".", 1)[1] for k in tensors if k.startswith(name + ".")} == {
+            "hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "alpha"}
+        assert float(tensors[f"{name}.alpha"]) == 8.0
