@@ -23,7 +23,8 @@ from modules.lora_tools.errors import LoraToolError, input_error
 from modules.model_types import BUILTIN_PREFIX, MODEL_TYPES
 from modules.models.families import family_files, family_of
 from modules.models.folder import SAFETENSORS_SUFFIX
-from modules.models.kohya import KohyaError, fused_rows, kohya_module_name, original_layer
+from modules.models.kohya import (KohyaError, fused_rows, kohya_module_name, original_layer,
+                                  unfused_module_name)
 from modules.models.single_file import (
     LDM_UNET_PREFIX, OPEN_CLIP_LAYER_PARTS, SingleFileError, _rename_head, clip_key_with_text_model,
     config_folder_for, detect_model_type, unet_key_to_ldm)
@@ -241,6 +242,9 @@ def _layout(model_type: ModelType, configs: Path, path: Path | None, source: str
             layout.fused_parts[key] = part
         else:
             layout.kohya_names[name] = key
+        if key[0] in files.kohya_unfused_prefixes:
+            # the same layer in the family's layout for LoHa / LoKr (Klein's `lycoris_` names)
+            layout.kohya_names[unfused_module_name(files, key[0], key[1], model_type)] = key
     return layout
 
 

@@ -108,7 +108,13 @@ def read_lora(path: str | Path, layout: ModelLayout) -> tuple[str, dict[LayerKey
 
 
 def _kohya_prefixes(layout: ModelLayout) -> tuple[str, ...]:
-    return tuple(family_files(layout.model_type).kohya_prefixes.values())
+    return _prefixes(family_files(layout.model_type))
+
+
+def _prefixes(files: FileConventions) -> tuple[str, ...]:
+    """The kohya prefixes of a family's files: its layout's and, where that fuses layers, the
+    one for adapters with no fused form (Klein's LoHa / LoKr under `lycoris_`)."""
+    return (*files.kohya_prefixes.values(), *files.kohya_unfused_prefixes.values())
 
 
 def _families_of(tensors: dict[str, torch.Tensor]) -> list[ModelType]:
@@ -131,7 +137,7 @@ def _start(key: str, files: FileConventions) -> int | None:
     """Where the layer name starts in a tensor key of the family's files (after its kohya
     prefix or, in the diffusers layout, its component), None: not a key of its files."""
     components = tuple(f"{c}." for c in files.kohya_prefixes) if ".lora_A." in key else ()
-    for start in (*files.kohya_prefixes.values(), *components):
+    for start in (*_prefixes(files), *components):
         if key.startswith(start):
             return len(start)
     return None

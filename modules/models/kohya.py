@@ -45,9 +45,13 @@ class KohyaError(ValueError):
 
 
 def kohya_module_name(component: str, module_path: str, model_type: ModelType,
-                      unet_config: Any = None) -> str:
-    """The kohya name of one adapted layer, e.g. ``lora_te_text_model_encoder_layers_0_mlp_fc1``."""
+                      unet_config: Any = None, unfused: bool = False) -> str:
+    """The kohya name of one adapted layer, e.g. ``lora_te_text_model_encoder_layers_0_mlp_fc1``;
+    `unfused`: its name in the family's layout for adapters with no fused form
+    (`FileConventions.kohya_unfused_prefixes`: Klein's LoHa / LoKr)."""
     files = family_of(model_type).files
+    if unfused:
+        return unfused_module_name(files, component, module_path, model_type)
     prefixes = files.kohya_prefixes if files else {}
     if files is None or component not in prefixes:
         raise KohyaError(f"{model_type.value} has no component {component!r} in the kohya layout "
@@ -66,6 +70,19 @@ def kohya_module_name(component: str, module_path: str, model_type: ModelType,
     else:
         module_path = clip_key_with_text_model(module_path)
     return prefixes[component] + module_path.replace(".", files.kohya_separator)
+
+
+def unfused_module_name(files: Any, component: str, module_path: str,
+                        model_type: ModelType) -> str:
+    """A layer's name where its family's kohya layout fuses layers but its adapter has no fused
+    form: the component's unfused prefix + the diffusers module path with "_" (how ComfyUI's
+    `model_lora_keys_unet` names diffusers' Flux layers for LyCORIS files: dots as "_",
+    whatever the family's `kohya_separator`)."""
+    prefixes = files.kohya_unfused_prefixes if files else {}
+    if component not in prefixes:
+        raise KohyaError(f"{model_type.value} has no kohya layout for unfused {component} "
+                         "adapters (only a LoRA's layers can be written fused)")
+    return prefixes[component] + module_path.replace(".", "_")
 
 
 def original_layer(files: Any, module_path: str, rows: int) -> tuple[str, tuple[int, int] | None]:
@@ -105,7 +122,8 @@ def fuse_lora(name: str, parts: list[tuple[tuple[int, int], dict[str, torch.Tens
             kinds = sorted(set(tensors) - {"alpha"})
             raise KohyaError(f"{name}: {', '.join(kinds)}: only LoRA layers can be fused into "
                              "the one projection this layout holds (q, k and v together); "
-                             "LoHa, LoKr and DoRA have no fused form")
+                             "LoHa, LoKr and DoRA have no fused form (a family may write "
+                             "LoHa / LoKr unfused: FileConventions.kohya_unfused_prefixes)")
     ranks = [int(t["lora_down.weight"].shape[0]) for _, t in parts]
     scales = [float(t["alpha"]) / r for (_, t), r in zip(parts, ranks)]
     same = all(scale == scales[0] for scale in scales)
@@ -123,23 +141,52 @@ def fuse_lora(name: str, parts: list[tuple[tuple[int, int], dict[str, torch.Tens
             "alpha": torch.tensor(alpha, dtype=torch.float32)}
 
 
+def writes_unfused(model_type: ModelType, component: str,
+                   tensors: dict[str, dict[str, torch.Tensor]]) -> bool:
+    """Whether a component's adapter tensors ({module path: `layer_tensors`}) go in the family's
+    unfused layout (`FileConventions.kohya_unfused_prefixes`): some are LoHa / LoKr, which
+    have no fused form. DoRA is refused there (KohyaError): its update rescales each row of
+    W + dW by the base weight's norm, which a reader applying it to its rows of a fused weight
+    was not checked to compute alike; in the fused layout it is refused too (`fuse_lora`)."""
+    files = family_of(model_type).files
+    if files is None or component not in files.kohya_unfused_prefixes:
+        return False
+    unfusable = [path for path, t in tensors.items() if "lora_down.weight" not in t]
+    if not unfusable:
+        return False
+    dora = [path for path, t in tensors.items() if "dora_scale" in t]
+    if dora:
+        raise KohyaError(f"{component}: {dora[0]}: DoRA has no kohya layout for "
+                         f"{model_type.value}: its fused layout holds only LoRA, and DoRA "
+                         "applied to the rows of a fused weight (its update depends on the "
+                         "base weight's norm per row) was not verified with ComfyUI")
+    return True
+
+
 def to_kohya(layers: dict[str, dict[str, BaseTunerLayer]], model_type: ModelType,
              unet_config: Any = None, dtype: torch.dtype | None = torch.float32,
              fused: dict[str, int] | None = None) -> dict[str, torch.Tensor]:
     """peft adapter layers ({component: {module path: layer}}) as kohya / LyCORIS tensors,
     the weights at `dtype` (None: as trained; a float16 overflow is refused) and each alpha a
     float32 scalar. `unet_config` is needed for SDXL's ldm names; `fused` ({kohya name: rows},
-    `fused_rows`) names the layers the family's layout fuses (Klein's q, k, v: `fuse_lora`).
+    `fused_rows`) names the layers the family's layout fuses (Klein's q, k, v: `fuse_lora`);
+    a component with LoHa / LoKr layers is written unfused where the family has a layout for
+    that (`writes_unfused`: Klein's `lycoris_` names); a fused layout without one refuses them
+    (`fuse_lora`).
     """
     named: dict[str, dict[str, torch.Tensor]] = {}
     parts: dict[str, list[tuple[tuple[int, int], dict[str, torch.Tensor]]]] = {}
     for component, by_path in layers.items():
+        own: dict[str, dict[str, torch.Tensor]] = {}
         for module_path, layer in by_path.items():
-            name = kohya_module_name(component, module_path, model_type, unet_config)
             try:
-                tensors = layer_tensors(layer)
+                own[module_path] = layer_tensors(layer)
             except KohyaError as error:
                 raise KohyaError(f"{component}: {module_path}: {error}") from None
+        unfused = writes_unfused(model_type, component, own)
+        for module_path, tensors in own.items():
+            layer = by_path[module_path]
+            name = kohya_module_name(component, module_path, model_type, unet_config, unfused)
             if fused and name in fused:
                 files = family_of(model_type).files
                 rows = int(tensors["lora_up.weight"].shape[0]) if "lora_up.weight" in tensors \

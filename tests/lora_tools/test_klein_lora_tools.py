@@ -282,3 +282,57 @@ def test_a_lokr_on_comfyuis_fused_qkv_is_refused_naming_it(files, tmp_path, caps
     error = capsys.readouterr().err
     assert name in error and "a lokr layer on a fused weight" in error, error
     assert not out.exists()
+
+
+@pytest.mark.parametrize("kind", ["loha", "lokr"])
+def test_a_klein_loha_or_lokr_file_merges_exactly_and_is_refused_where_undefined(
+        files, tmp_path, capsys, kind):
+    """The trainer's Klein LoHa / LoKr KOHYA file (each layer under ComfyUI's `lycoris_` name,
+    tests/models/test_klein_comfyui_lora.py): merged into the folder and into ComfyUI's BFL
+    diffusion-model file, every weight is the base plus 0.5 x peft's update of its layer (q / k
+    / v at their rows of `qkv`); merge-loras, resize and convert refuse it naming the kind and
+    why, as for Z-Image's LoKr, nothing written."""
+    from diffusers import Flux2Transformer2DModel
+    from peft import LoHaConfig, LoKrConfig
+
+    from modules.models.klein_files import save_transformer_file, to_original_names
+    from modules.models.kohya import adapter_layers, save_kohya_lora
+    transformer = Flux2Transformer2DModel.from_pretrained(files["base"], subfolder="transformer",
+                                                          local_files_only=True)
+    plain = {k: v.clone() for k, v in transformer.state_dict().items()}
+    transformer.add_adapter(LoHaConfig(r=4, alpha=6, target_modules=TARGETS) if kind == "loha"
+                            else LoKrConfig(r=4, alpha=6, target_modules=TARGETS,
+                                            decompose_factor=4))
+    generator = torch.Generator().manual_seed(3)
+    for key, param in transformer.named_parameters():
+        if "hada_" in key or "lokr_" in key:
+            param.data = torch.randn(param.shape, generator=generator) * 0.2
+    lycoris = save_kohya_lora({"transformer": transformer}, tmp_path / f"{kind}.safetensors",
+                              None, ModelType.KLEIN)
+    assert all(k.startswith("lycoris_") for k in load_file(str(lycoris)))
+    want = dict(plain)
+    for path, layer in adapter_layers(transformer).items():
+        want[f"{path}.weight"] = plain[f"{path}.weight"] + 0.5 * layer.get_delta_weight(
+            "default").detach()
+    folder = tmp_path / "merged"
+    assert main(["merge", "--base", str(files["base"]), "--lora", f"{lycoris}:0.5",
+                 "-o", str(folder)]) == 0
+    for key, value in load_file(str(folder / TRANSFORMER_FILE)).items():
+        torch.testing.assert_close(value, want[key], rtol=1e-5, atol=1e-6, msg=key)
+    plain_model = Flux2Transformer2DModel.from_pretrained(files["base"], subfolder="transformer",
+                                                          local_files_only=True)
+    comfy = save_transformer_file(plain_model, tmp_path / "klein.safetensors")
+    out = tmp_path / "klein_merged.safetensors"
+    assert main(["merge", "--base", str(comfy), "--config-folder", str(files["base"]),
+                 "--lora", f"{lycoris}:0.5", "-o", str(out)]) == 0
+    bfl = to_original_names(want)
+    for key, value in load_file(str(out)).items():
+        torch.testing.assert_close(value, bfl[key], rtol=1e-5, atol=1e-6, msg=key)
+    capsys.readouterr()
+    refused = tmp_path / "refused.safetensors"
+    for tool in (["merge-loras"], ["resize", "--rank", "2"], ["convert", "--layout", "diffusers"]):
+        assert main([tool[0], "--base", str(files["base"]), "--lora", str(lycoris), *tool[1:],
+                     "-o", str(refused)]) == 2
+        error = capsys.readouterr().err
+        assert f"{kind.upper()} layers cannot be used by {tool[0]}" in error, error
+        assert not refused.exists()

@@ -4,8 +4,11 @@ against the diffusers layout: the update each BFL tensor gets, applied to the BF
 the key map ComfyUI builds for such names (`lora_unet_<key with _>` -> that key's weight),
 read back by diffusers' own BFL reader (Flux2Transformer2DModel.from_single_file), is the
 trained LoRA merged by peft; diffusers' Flux2 LoRA loader reads the file as the diffusers one.
-ComfyUI's own loading code needs a ComfyUI checkout (`pytest --comfyui`), which this
-repository never holds: not run here."""
+LoHa and LoKr have no fused form: their file names each layer `lycoris_` + its diffusers path
+with "_", the names ComfyUI gives diffusers' Flux layers (it applies q / k / v to their rows
+of `qkv` itself), checked against that map as ComfyUI documents it. ComfyUI's own loading code
+needs a ComfyUI checkout (`pytest --comfyui=PATH`), which this repository never holds (GPL-3):
+those tests are skipped without one (run on the checkout docs/klein.md names)."""
 from __future__ import annotations
 
 import pytest
@@ -36,12 +39,13 @@ def _lora_transformer(folder, adapter: str = "lora", seed: int = 1):
     from peft import LoKrConfig, LoraConfig
     transformer = Flux2Transformer2DModel.from_pretrained(folder, subfolder="transformer",
                                                           local_files_only=True)
-    config = (LoraConfig(r=4, lora_alpha=8.0, target_modules=TARGETS) if adapter == "lora"
-              else LoKrConfig(r=4, alpha=8.0, target_modules=TARGETS))
+    config = (LoKrConfig(r=4, alpha=8.0, target_modules=TARGETS) if adapter == "lokr"
+              else LoraConfig(r=4, lora_alpha=8.0, target_modules=TARGETS,
+                              use_dora=adapter == "dora"))
     transformer.add_adapter(config)
     generator = torch.Generator().manual_seed(seed)
     for key, param in transformer.named_parameters():
-        if "lora_" in key or "lokr_" in key:
+        if "lora_" in key or "lokr_" in key:  # DoRA's magnitude too (lora_magnitude_vector)
             param.data = torch.randn(param.shape, generator=generator) * 0.1
     return transformer
 
@@ -182,18 +186,22 @@ def test_the_lora_tools_read_and_write_the_fused_layout_exactly(saved, klein_fol
         torch.testing.assert_close(again[name], update, rtol=1e-5, atol=1e-6)
 
 
-def test_lokr_cannot_be_fused_and_is_refused_up_front_and_at_saving(klein_folder, tmp_path):
-    """LoKr (and LoHa, DoRA) with KOHYA output is refused by the run's checks, naming why;
-    saving such a transformer anyway is refused too, nothing written."""
-    config = apply_overrides(Config(), ["model.type=KLEIN", "training.adapter=LOKR",
+def test_dora_is_refused_up_front_and_at_saving_loha_and_lokr_are_not(klein_folder, tmp_path):
+    """DoRA with KOHYA output is refused by the run's checks, naming why (no fused form, and
+    its row-norm update on a fused weight's rows is not verified with ComfyUI); saving such a
+    transformer anyway is refused too, nothing written. LoHa and LoKr pass the checks (they
+    are written unfused, under ComfyUI's `lycoris_` names: tests below)."""
+    config = apply_overrides(Config(), ["model.type=KLEIN", "training.adapter=DORA",
                                         "output.formats=[\"KOHYA\"]"])
     problems = {p.path: str(p) for p in family_problems(config)}
     assert problems.keys() == {"training.adapter"}
     assert "fuses q, k and v" in problems["training.adapter"]
-    assert family_problems(apply_overrides(config, ["training.adapter=LORA"])) == []
-    path = tmp_path / "lokr.safetensors"
+    assert "not verified" in problems["training.adapter"]
+    for adapter in ("LORA", "LOHA", "LOKR"):
+        assert family_problems(apply_overrides(config, [f"training.adapter={adapter}"])) == []
+    path = tmp_path / "dora.safetensors"
     with pytest.raises(KohyaError, match="no fused form"):
-        save_kohya_lora({"transformer": _lora_transformer(klein_folder, "lokr")}, path, None,
+        save_kohya_lora({"transformer": _lora_transformer(klein_folder, "dora")}, path, None,
                         ModelType.KLEIN)
     assert not path.exists()
 
@@ -269,18 +277,15 @@ def test_diffusers_flux2_loader_reads_the_comfyui_file_as_the_diffusers_one(save
     torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-5, atol=1e-6)
 
 
-def test_comfyuis_own_loading_maps_every_key_and_applies_the_update(saved, comfyui, caplog):
-    """ComfyUI's own code (skipped without `pytest --comfyui=PATH`): comfy.lora's
-    model_lora_keys_unet on a Flux.2 model (its class, the tiny Klein's BFL weight names under
-    `diffusion_model.`), load_lora and calculate_weight map every tensor of the file and add
-    to each weight the update computed here (each fused `qkv` the q, k and v updates stacked,
-    checked above against peft's). Written for a checkout: where it was written there was
-    none to run it on."""
+def _comfyui_loaded(comfyui, transformer, lora: dict[str, torch.Tensor], caplog):
+    """ComfyUI's own loading of the file's tensors `lora` onto a Flux.2 model (its class, the
+    transformer's BFL weight names under `diffusion_model.`): comfy.lora's model_lora_keys_unet
+    and load_lora; fails on any tensor it leaves "not loaded". (key map, patches, {weight key:
+    its BFL tensor})."""
     import logging
     from types import SimpleNamespace
 
     from modules.models.klein_files import to_original_names
-    transformer, path = saved
     config = transformer.config
     model = comfyui.model_base.Flux2.__new__(comfyui.model_base.Flux2)
     torch.nn.Module.__init__(model)
@@ -289,17 +294,205 @@ def test_comfyuis_own_loading_maps_every_key_and_applies_the_update(saved, comfy
         "depth_single_blocks": config.num_single_layers, "mlp_ratio": config.mlp_ratio,
         "hidden_size": config.num_attention_heads * config.attention_head_dim})
     base = {k.replace(".base_layer", ""): v for k, v in transformer.state_dict().items()
-            if "lora_" not in k}
+            if "lora_" not in k and "lokr_" not in k and "hada_" not in k}
     weights = {"diffusion_model." + k: v for k, v in to_original_names(base).items()}
     model.state_dict = lambda: {k: None for k in weights}
     key_map = comfyui.lora.model_lora_keys_unet(model, {})
     caplog.clear()
     with caplog.at_level(logging.WARNING):
-        patches = comfyui.lora.load_lora(load_file(str(path)), key_map)
+        patches = comfyui.lora.load_lora(lora, key_map)
     assert not [r for r in caplog.records if "not loaded" in r.getMessage()]
+    return key_map, patches, weights
+
+
+def test_comfyuis_own_loading_maps_every_key_and_applies_the_update(saved, comfyui, caplog):
+    """ComfyUI's own code (skipped without `pytest --comfyui=PATH`): comfy.lora's
+    model_lora_keys_unet on a Flux.2 model (its class, the tiny Klein's BFL weight names under
+    `diffusion_model.`), load_lora and calculate_weight map every tensor of the file and add
+    to each weight the update computed here (each fused `qkv` the q, k and v updates stacked,
+    checked above against peft's)."""
+    transformer, path = saved
+    key_map, patches, weights = _comfyui_loaded(comfyui, transformer, load_file(str(path)),
+                                                caplog)
     expected = {key_map[name]: update for name, update in _updates(path).items()}
     assert set(patches) == set(expected)
     for key, update in expected.items():
         applied = comfyui.lora.calculate_weight([(1.0, patches[key], 1.0, None, None)],
                                                 torch.zeros(weights[key].shape), key)
         torch.testing.assert_close(applied, update, rtol=1e-5, atol=1e-6, msg=key)
+
+
+# --- LoHa and LoKr: unfused, under ComfyUI's names for diffusers-named Flux layers ----------
+ADAPTERS = {"loha": ("training.adapter=LOHA",),
+            "lokr": ("training.adapter=LOKR", "training.lokr_factor=4")}
+
+
+@pytest.fixture(scope="module", params=list(ADAPTERS))
+def lycoris(request, klein_folder, tmp_path_factory):
+    """The tiny transformer with the trainer's LoHa / LoKr (rank 4, alpha 6) on the preset's
+    targets, every adapter tensor random, saved as the KOHYA file: (the transformer, the file,
+    each layer's peft update `get_delta_weight`). No training run: the adapters are set."""
+    from pathlib import Path
+
+    from modules.config.loader import load_config
+    from modules.models.families import family_of
+    from modules.models.kohya import adapter_layers
+    from modules.train.recipe.adapters import add_adapter
+    preset = load_config(Path(__file__).resolve().parents[2] / "training_presets" / "klein"
+                         / "lora.json")
+    config = apply_overrides(preset, ["training.lora_rank=4", "training.lora_alpha=6",
+                                      *ADAPTERS[request.param]])
+    family = family_of(ModelType.KLEIN)
+    transformer = family.load_folder(klein_folder, None, torch.float32).denoiser
+    transformer.requires_grad_(False)
+    add_adapter(transformer, config, denoiser=True, scope=family.lora_scope)
+    generator = torch.Generator().manual_seed(5)
+    for param in transformer.parameters():
+        if param.requires_grad:
+            param.data = torch.randn(param.shape, generator=generator) * 0.2
+    path = tmp_path_factory.mktemp(f"klein-{request.param}") / "lycoris.safetensors"
+    save_kohya_lora({"transformer": transformer}, path, None, ModelType.KLEIN)
+    deltas = {p: layer.get_delta_weight("default").detach()
+              for p, layer in adapter_layers(transformer).items()}
+    return transformer, path, deltas
+
+
+def _comfyui_flux_lycoris_map(config) -> dict[str, tuple[str, tuple[int, int] | None]]:
+    """{LyCORIS layer name: (BFL weight key, its rows or None: all)} as ComfyUI maps
+    diffusers-named Flux layers (comfy/lora.py `model_lora_keys_unet` for Flux models:
+    `lycoris_` + the diffusers path with "_", onto comfy/utils.py `flux_to_diffusers`' BFL
+    keys), written out here for Flux.2's layers from what that map documents: q, k and v of
+    each stream at rows (0, h), (h, 2h), (2h, 3h) of its `qkv` (h the hidden size), the rest
+    whole."""
+    h = config.num_attention_heads * config.attention_head_dim
+    out: dict[str, tuple[str, tuple[int, int] | None]] = {}
+    for i in range(config.num_layers):
+        for stream, names in (("img", ("to_q", "to_k", "to_v")),
+                              ("txt", ("add_q_proj", "add_k_proj", "add_v_proj"))):
+            for j, name in enumerate(names):
+                out[f"transformer_blocks.{i}.attn.{name}"] = (
+                    f"double_blocks.{i}.{stream}_attn.qkv.weight", (j * h, (j + 1) * h))
+        for ours, theirs in (("attn.to_out.0", "img_attn.proj"), ("attn.to_add_out",
+                                                                   "txt_attn.proj"),
+                             ("ff.linear_in", "img_mlp.0"), ("ff.linear_out", "img_mlp.2"),
+                             ("ff_context.linear_in", "txt_mlp.0"),
+                             ("ff_context.linear_out", "txt_mlp.2")):
+            out[f"transformer_blocks.{i}.{ours}"] = (f"double_blocks.{i}.{theirs}.weight", None)
+    for i in range(config.num_single_layers):
+        out[f"single_transformer_blocks.{i}.attn.to_qkv_mlp_proj"] = (
+            f"single_blocks.{i}.linear1.weight", None)
+        out[f"single_transformer_blocks.{i}.attn.to_out"] = (f"single_blocks.{i}.linear2.weight",
+                                                              None)
+    return {"lycoris_" + k.replace(".", "_"): v for k, v in out.items()}
+
+
+def _lycoris_update(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """One layer's update from the file's tensors by LyCORIS's definitions (what ComfyUI's
+    LoHa / LoKr adapters compute): LoHa alpha / rank · (w1_a @ w1_b) * (w2_a @ w2_b); LoKr
+    kron(w1, w2), each factor whole or a product, scaled by alpha / rank (rank: w2_b's, else
+    w1_b's) where a factor is a product and not at all where both are whole."""
+    t = {k.removeprefix(name + "."): v for k, v in tensors.items() if k.startswith(name + ".")}
+    alpha = float(t["alpha"])
+    if "hada_w1_a" in t:
+        return (alpha / t["hada_w1_b"].shape[0] * (t["hada_w1_a"] @ t["hada_w1_b"])
+                * (t["hada_w2_a"] @ t["hada_w2_b"]))
+    w1 = t["lokr_w1"] if "lokr_w1" in t else t["lokr_w1_a"] @ t["lokr_w1_b"]
+    w2 = t["lokr_w2"] if "lokr_w2" in t else t["lokr_w2_a"] @ t["lokr_w2_b"]
+    rank = (t["lokr_w2_b"].shape[0] if "lokr_w2_b" in t
+            else t["lokr_w1_b"].shape[0] if "lokr_w1_b" in t else None)
+    return torch.kron(w1, w2) * (alpha / rank if rank else 1.0)
+
+
+def test_loha_and_lokr_name_each_layer_as_comfyuis_flux_map_does(lycoris):
+    """The file names every adapted layer `lycoris_` + its diffusers path with "_", exactly the
+    names ComfyUI's documented map gives those layers, and where that map puts each (a BFL key
+    and, for q / k / v, its rows of the fused `qkv`) is where Tempera's diffusion-model file
+    holds it (klein_files.original_key); each layer's update from the file (its alpha over
+    its rank) is peft's."""
+    from modules.models.klein_files import original_key
+    transformer, path, deltas = lycoris
+    tensors = load_file(str(path))
+    names = {k.rsplit(".", 1)[0] for k in tensors}
+    assert names == {"lycoris_" + p.replace(".", "_") for p in deltas}
+    # the preset's targets: per double block 8 attention and 4 feed-forward layers, per
+    # single block its fused in and out projections
+    assert len(deltas) == 2 * 12 + 2 * 2
+    documented = _comfyui_flux_lycoris_map(transformer.config)
+    assert names <= set(documented)
+    for module_path, delta in deltas.items():
+        name = "lycoris_" + module_path.replace(".", "_")
+        assert f"{name}.alpha" in tensors and tensors[f"{name}.alpha"].dtype == torch.float32
+        assert documented[name] == original_key(module_path + ".weight", delta.shape[0])
+        torch.testing.assert_close(_lycoris_update(tensors, name), delta, rtol=1e-5, atol=1e-6)
+
+
+def test_comfyuis_own_loading_applies_loha_and_lokr_as_built(lycoris, comfyui, caplog):
+    """ComfyUI's own code (skipped without `pytest --comfyui=PATH`) maps every tensor of the
+    LoHa / LoKr file onto the BFL weights and applies to each layer, q / k / v at their rows
+    of the fused `qkv`, exactly peft's update; the other rows of the fused weight unchanged."""
+    transformer, path, deltas = lycoris
+    key_map, patches, weights = _comfyui_loaded(comfyui, transformer, load_file(str(path)),
+                                                caplog)
+    assert len(patches) == len(deltas)
+    for module_path, delta in deltas.items():
+        target = key_map["lycoris_" + module_path.replace(".", "_")]
+        key, offset = target if isinstance(target, tuple) else (target, None)
+        applied = comfyui.lora.calculate_weight([(1.0, patches[target], 1.0, offset, None)],
+                                                torch.zeros(weights[key].shape), key)
+        rows = slice(offset[1], offset[1] + offset[2]) if offset else slice(None)
+        torch.testing.assert_close(applied[rows], delta, rtol=1e-4, atol=1e-6, msg=module_path)
+        untouched = torch.ones(applied.shape[0], dtype=torch.bool)
+        untouched[rows] = False
+        assert not applied[untouched].any(), module_path
+
+
+def test_diffusers_flux2_loader_applies_the_lokr_file_and_refuses_the_loha_one(lycoris,
+                                                                              klein_folder):
+    """Flux2KleinPipeline.load_lora_weights reads LyCORIS's Flux.2 LoKr names
+    (`_convert_lycoris_flux2_lokr_to_diffusers`): every layer of the LoKr file gets peft's
+    update as built. It has no LoHa reader: the LoHa file is refused, nothing loaded (such a
+    file is ComfyUI's; docs/klein.md)."""
+    from diffusers import Flux2KleinPipeline
+    _, path, deltas = lycoris
+    pipe = Flux2KleinPipeline.from_pretrained(klein_folder, local_files_only=True)
+    if not any(".lokr_" in k for k in load_file(str(path))):  # the LoHa file
+        with pytest.raises(ValueError):
+            pipe.load_lora_weights(str(path))
+        assert not any(hasattr(m, "hada_w1_a") for m in pipe.transformer.modules())
+        return
+    pipe.load_lora_weights(str(path))
+    loaded = {name: module for name, module in pipe.transformer.named_modules()
+              if hasattr(module, "lokr_w1")}
+    assert loaded.keys() == deltas.keys()
+    for name, delta in deltas.items():
+        adapter_name = next(iter(loaded[name].lokr_w1))
+        torch.testing.assert_close(loaded[name].get_delta_weight(adapter_name), delta,
+                                   rtol=1e-5, atol=1e-7)
+
+
+def test_a_loha_run_writes_its_kohya_file_in_comfyuis_lycoris_layout(tiny_config):
+    """1 LoHa step with KOHYA output only (LoHa has no diffusers Klein reader): the run is
+    accepted and writes `lora_kohya.safetensors` with every layer of the preset's targets under
+    its `lycoris_` name, each with its LoHa factors and a float32 alpha (rank 4, alpha 8)."""
+    import json
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from modules.config.loader import load_config
+    from modules.models.tiny_klein import TINY_KLEIN
+    from modules.train.trainer import train
+    targets = load_config(Path(__file__).resolve().parents[2] / "training_presets" / "klein"
+                          / "lora.json").training.lora_target_modules
+    result = train(tiny_config("model.type=KLEIN", "model.path=builtin:tiny-klein",
+                               "training.max_steps=1", "training.adapter=LOHA",
+                               "training.lora_rank=4", "training.lora_alpha=8",
+                               "sampling.sampler=EULER", 'output.formats=["KOHYA"]',
+                               f"training.lora_target_modules={json.dumps(list(targets))}"))
+    tensors = load_file(str(result.output_dir / "final" / "lora_kohya.safetensors"))
+    documented = _comfyui_flux_lycoris_map(SimpleNamespace(**TINY_KLEIN["transformer"]))
+    names = {k.rsplit(".", 1)[0] for k in tensors}
+    assert names == set(documented)  # the preset adapts every layer ComfyUI's map names
+    for name in names:
+        assert {k.rsplit(".", 1)[1] for k in tensors if k.startswith(name + ".")} == {
+            "hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "alpha"}
+        assert float(tensors[f"{name}.alpha"]) == 8.0

@@ -375,3 +375,69 @@ def test_a_single_files_configs_are_those_of_its_size(split, tmp_path):
     assert config_folder_for(files, nine).name == "klein9b"
     config = apply_overrides(Config(), ["model.type=KLEIN", f"model.path={nine}"])
     assert config_folders(config, nine).name == "klein9b"
+
+
+@pytest.mark.parametrize("size, depth, single, hidden",
+                         [("klein4b", 5, 20, 3072), ("klein9b", 8, 24, 4096)])
+def test_comfyui_detects_the_saved_layout_as_flux2_at_full_size(comfyui, caplog, size, depth,
+                                                                single, hidden):
+    """ComfyUI's own model detection (skipped without `pytest --comfyui=PATH`) on the layout
+    Tempera writes for a weightless full-size Klein 4B and 9B (the shipped configs, on the meta
+    device): Flux.2 with the size's double and single depth and hidden size, reading its
+    caption width; the model ComfyUI builds from that takes every tensor, each of its shape
+    (ComfyUI's own `load_model_weights`, nothing missing or unexpected)."""
+    import logging
+
+    from diffusers import Flux2Transformer2DModel
+
+    from modules.models.klein_files import to_original_names
+    from modules.models.single_file import CONFIGS_DIR
+    config = Flux2Transformer2DModel.load_config(CONFIGS_DIR / size / "transformer")
+    with torch.device("meta"):
+        transformer = Flux2Transformer2DModel.from_config(config)
+    saved = to_original_names(transformer.state_dict())
+    detected = comfyui.model_detection.detect_unet_config(saved, "")
+    assert detected["image_model"] == "flux2"
+    assert (detected["depth"], detected["depth_single_blocks"], detected["hidden_size"],
+            detected["context_in_dim"]) == (depth, single, hidden, config["joint_attention_dim"])
+    found = comfyui.model_detection.model_config_from_unet(saved, "")
+    assert type(found).__name__ == "Flux2"
+    model = found.get_model(saved, "", device=torch.device("meta"))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        model.load_model_weights(dict(saved), "", assign=True)
+    assert not [r for r in caplog.records if "unet " in r.getMessage()]
+    theirs = {k: tuple(v.shape) for k, v in model.diffusion_model.state_dict().items()}
+    assert theirs == {k: tuple(v.shape) for k, v in saved.items()}
+
+
+def test_comfyui_loads_every_tensor_of_a_saved_klein_file(comfyui, klein_folder, tmp_path):
+    """The tiny Klein's saved file is detected as Flux.2 of its depths and width; ComfyUI's
+    Flux.2 fixes the attention head at 128 wide (hidden // 128 heads: none for the tiny's 32)
+    and the timestep embedding at 256 channels, so it cannot build the tiny model. A small one
+    of those widths (one head, one block of each kind), saved by Tempera's writer, is loaded
+    by ComfyUI's own diffusion-model loader (comfy.sd.load_diffusion_model_state_dict, on the
+    CPU) with every tensor equal to the file's."""
+    from diffusers import Flux2Transformer2DModel
+    from safetensors.torch import load_file
+
+    from modules.models.klein_files import save_transformer_file
+    from modules.models.tiny_klein import TINY_KLEIN
+    tiny = save_transformer_file(_random_transformer(klein_folder), tmp_path / "tiny.safetensors")
+    detected = comfyui.model_detection.detect_unet_config(load_file(str(tiny)), "")
+    assert (detected["image_model"], detected["depth"], detected["depth_single_blocks"],
+            detected["hidden_size"], detected["num_heads"]) == ("flux2", 2, 2, 32, 0)
+    config = dict(TINY_KLEIN["transformer"], attention_head_dim=128, num_attention_heads=1,
+                  num_layers=1, num_single_layers=1, axes_dims_rope=[32, 32, 32, 32],
+                  timestep_guidance_channels=256)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        small = Flux2Transformer2DModel.from_config(config)
+    path = save_transformer_file(small, tmp_path / "small.safetensors")
+    tensors = load_file(str(path))
+    patcher = comfyui.sd.load_diffusion_model_state_dict(dict(tensors))
+    assert type(patcher.model).__name__ == "Flux2"
+    loaded = patcher.model.diffusion_model.state_dict()
+    assert loaded.keys() == tensors.keys()
+    for key, value in tensors.items():
+        assert torch.equal(loaded[key].to(value.dtype), value), key

@@ -9,7 +9,7 @@ table in `families/__init__.py` (docs/architecture.md, "Adding a model family").
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -85,7 +85,16 @@ class FileConventions:
       names of the family's lone denoiser file ("original": `denoiser_file_key`, whose fused
       layers, Klein's q / k / v, are written as one LoRA of the fused weight);
     - `kohya_fuses`: what that file fuses, in words, for a family whose kohya layout fuses
-      layers ("" none): LoHa / LoKr / DoRA layers have no fused form, so are refused there;
+      layers ("" none): LoHa / LoKr / DoRA layers have no fused form, so are refused there
+      unless `kohya_unfused_prefixes` names another layout for them;
+    - `kohya_unfused_prefixes`: component -> the prefix under which a family whose kohya
+      layout fuses layers writes a component whose adapters are not all LoRA (LoHa, LoKr),
+      each layer under its diffusers module path with "_" (ComfyUI's names for
+      diffusers-named Flux layers, `lycoris_transformer_blocks_0_attn_to_q`: the reader
+      applies q / k / v to their rows of the fused weight itself); {} none (refused). DoRA
+      is refused even so: its update rescales each row of W + dW by the base weight's norm,
+      which a reader applying it to a fused weight's row block was not checked to compute
+      alike;
     - `base_model_version`: kohya's `ss_base_model_version`; `kohya_v2`: its `ss_v2`;
     - `a1111_sd_version`: the "sd version" A1111's LoRA card metadata (`<lora>.json`) names;
     - `modelspec_architecture(v_prediction)`: the modelspec architecture id (no /lora);
@@ -137,6 +146,7 @@ class FileConventions:
         lambda key: None)
     lora_layer_names: str | None = None
     kohya_fuses: str = ""
+    kohya_unfused_prefixes: Mapping[str, str] = field(default_factory=dict)
     single_file_sizes: Callable[[Path], str | None] | None = None
 
 

@@ -207,9 +207,14 @@ def pipeline_text_arguments(prompt: TextEmbeddings, negative: TextEmbeddings
 # tensor names and an alpha per layer. ComfyUI maps that form for every model it loads
 # (comfy/lora.py `model_lora_keys_unet`: `lora_unet_<key>` for each `diffusion_model.<key>` of
 # its own state dict), and diffusers' Flux2LoraLoaderMixin reads it too
-# (`_convert_kohya_flux2_lora_to_diffusers`, alpha / rank applied); ComfyUI's diffusers-name
-# map for Flux (`flux_to_diffusers`) was written for Flux.1's blocks. The q / k / v LoRAs of a
+# (`_convert_kohya_flux2_lora_to_diffusers`, alpha / rank applied). The q / k / v LoRAs of a
 # block are written as one LoRA of its fused `qkv` (kohya.fuse_lora).
+# LoHa and LoKr have no fused form: their file names each layer as ComfyUI names diffusers'
+# Flux layers, `lycoris_` + the diffusers module path with "_" (comfy/lora.py
+# `model_lora_keys_unet` for Flux models, over comfy/utils.py `flux_to_diffusers`, which knows
+# Flux.2's `ff.linear_in`, `attn.to_qkv_mlp_proj` and `attn.to_out`), and ComfyUI applies q /
+# k / v to their rows of the fused weight itself (`calculate_weight`'s offset); diffusers'
+# Flux2LoraLoaderMixin reads the LoKr one (`_convert_lycoris_flux2_lokr_to_diffusers`).
 # ComfyUI's diffusion-model file is the BFL original layout (`double_blocks.N.img_attn.qkv`, ...),
 # which diffusers' Flux2Transformer2DModel.from_single_file reads (klein_files.to_original_names
 # writes it). The LoRA tools read the same record: the transformer's layers (no LoRA file names
@@ -237,6 +242,7 @@ def _denoiser_file_stored(key: str) -> Any:
 KLEIN_FILES = FileConventions(
     kohya_prefixes={"transformer": "lora_unet_"}, kohya_denoiser_naming="original",
     kohya_fuses="q, k and v of each attention into one qkv projection",
+    kohya_unfused_prefixes={"transformer": "lycoris_"},
     base_model_version="flux2_klein",
     modelspec_architecture=lambda v_prediction: "flux-2-klein",
     # flow matching: neither of modelspec's prediction types (epsilon, v)

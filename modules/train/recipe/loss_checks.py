@@ -21,6 +21,11 @@ from modules.train.recipe.textual_inversion import (is_textual_inversion, token_
 
 # the adapters whose layers cannot be fused into one LoRA of a fused weight
 UNFUSABLE = (Adapter.LOHA, Adapter.LOKR, Adapter.DORA)
+# of those, the ones a family writes unfused under other names where its record gives them
+# (FileConventions.kohya_unfused_prefixes: Klein's `lycoris_` names, which ComfyUI applies to
+# their rows of the fused weight); DoRA is not: its update depends on the base weight's norm
+# per row, and its application to a fused weight's rows was not verified with ComfyUI
+WRITTEN_UNFUSED = (Adapter.LOHA, Adapter.LOKR)
 
 
 def snr_options(config: Config) -> list[tuple[str, str, str]]:
@@ -55,14 +60,27 @@ def family_problems(config: Config) -> list[Problem]:
                              "written as a diffusers folder / LoRA file")
                      for i, fmt in enumerate(config.output.formats)
                      if fmt in (SaveFormat.KOHYA, SaveFormat.SINGLE_FILE)]
-    adapter = config.training.adapter
-    if (files is not None and files.kohya_fuses and SaveFormat.KOHYA in config.output.formats
-            and config.training.method == TrainingMethod.LORA and adapter in UNFUSABLE):
-        problems.append(Problem(
-            "training.adapter", "LORA (or output.formats without KOHYA)", adapter.value,
-            f"{label}'s ComfyUI LoRA layout fuses {files.kohya_fuses}, and a "
-            f"{adapter.value} layer has no fused form (only a LoRA's does)"))
+    problems += _unfusable_problems(config, label)
     return problems
+
+
+def _unfusable_problems(config: Config, label: str) -> list[Problem]:
+    """An adapter with no fused form, with KOHYA output for a family whose kohya layout fuses
+    layers and that has no unfused layout for it."""
+    files = family_of(config.model.type).files
+    adapter = config.training.adapter
+    if (files is None or not files.kohya_fuses or SaveFormat.KOHYA not in config.output.formats
+            or config.training.method != TrainingMethod.LORA or adapter not in UNFUSABLE):
+        return []
+    if adapter in WRITTEN_UNFUSED and files.kohya_unfused_prefixes:
+        return []
+    why = ("its update rescales each row of W + dW by the base weight's norm, and ComfyUI's "
+           "application of it to its rows of the fused weight was not verified"
+           if adapter == Adapter.DORA else "only a LoRA's has one")
+    return [Problem(
+        "training.adapter", "LORA (or output.formats without KOHYA)", adapter.value,
+        f"{label}'s ComfyUI LoRA layout fuses {files.kohya_fuses}, and a "
+        f"{adapter.value} layer has no fused form ({why})")]
 
 
 def model_problems(config: Config, bundle: ModelBundle) -> list[Problem]:
