@@ -55,6 +55,8 @@ class ModelTypeSpec:
     # adapters beyond those with a diffusers layout everywhere (modules/config/adapters.py)
     # whose diffusers-layout file this type's pipeline loads (`load_lora_weights`), by name
     diffusers_adapters: tuple[str, ...] = ()
+    # the tools that read this type's KOHYA adapter files (named where a format is refused)
+    kohya_readers: str = "ComfyUI, A1111 / Forge and LyCORIS"
 
     @property
     def components(self) -> tuple[str, ...]:
@@ -96,7 +98,8 @@ MODEL_TYPES: dict[ModelType, ModelTypeSpec] = {
                                     flow_matching=True, samplers=("EULER",),
                                     own_settings=(*_SINGLE_FILE_SETTINGS,
                                                   "model.text_encoder_path", "model.vae_path",
-                                                  "model.train_distilled")),
+                                                  "model.train_distilled"),
+                                    kohya_readers="ComfyUI"),
     # Flux.2 Klein, base 4B (Qwen3-4B) and 9B (Qwen3-8B): one type, the folder's configs say
     # which; the step-distilled Klein models are refused unless model.train_distilled says so
     ModelType.KLEIN: ModelTypeSpec("Flux.2 Klein", "Klein", "Flux2KleinPipeline",
@@ -108,7 +111,7 @@ MODEL_TYPES: dict[ModelType, ModelTypeSpec] = {
                                                  "model.train_distilled"),
                                    # Flux2KleinPipeline.load_lora_weights reads peft's LoKr
                                    # file (diffusers 0.42.1's Flux2LoraLoaderMixin)
-                                   diffusers_adapters=("LOKR",)),
+                                   diffusers_adapters=("LOKR",), kohya_readers="ComfyUI"),
 }
 # builtin: name -> its model type
 BUILTIN_MODEL_TYPES: dict[str, ModelType] = {spec.builtin: t for t, spec in MODEL_TYPES.items()}

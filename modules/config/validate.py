@@ -453,8 +453,8 @@ def _check_adapter(config: Config) -> list[Problem]:
         if fmt in SUPPORTED_FORMATS[t.method] and fmt not in formats:
             problems.append(Problem(f"output.formats[{i}]", " or ".join(
                 sorted(f.value for f in formats)), fmt.value,
-                f"diffusers cannot load {row.label} files; use KOHYA (ComfyUI, A1111 / Forge "
-                "and LyCORIS read it)"))
+                f"diffusers cannot load {row.label} files; use KOHYA "
+                f"({MODEL_TYPES[config.model.type].kohya_readers} read it)"))
     return problems
 
 

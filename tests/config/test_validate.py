@@ -383,3 +383,15 @@ def test_a_lokr_factor_above_64_no_longer_means_minus_one_silently():
     with pytest.raises(ConfigError, match="training.lokr_factor: expected a value between -1 "
                                           "and 64, got 1024"):
         config_with("training.adapter=LOKR", "training.lokr_factor=1024")
+
+
+@pytest.mark.parametrize("model_type, readers", [("SD15", "ComfyUI, A1111 / Forge and LyCORIS"),
+                                                 ("KLEIN", "ComfyUI")])
+def test_a_diffusers_file_diffusers_cannot_load_names_the_tools_that_read_kohya(model_type,
+                                                                                readers):
+    """LoHa with DIFFUSERS output: refused, pointing to KOHYA and to the tools that read the
+    family's KOHYA files (A1111 / Forge read no transformer family's)."""
+    problems = problems_of(config_with(f"model.type={model_type}", "training.adapter=LOHA",
+                                       'output.formats=["DIFFUSERS"]'))
+    message = problems["output.formats[0]"].message
+    assert message.endswith(f"use KOHYA ({readers} read it)"), message
