@@ -453,6 +453,8 @@ def test_diffusers_flux2_loader_applies_the_lokr_file_and_refuses_the_loha_one(l
     update as built. It has no LoHa reader: the LoHa file is refused, nothing loaded (such a
     file is ComfyUI's; docs/klein.md)."""
     from diffusers import Flux2KleinPipeline
+
+    from tests.models.test_zimage import assert_lokr_loaded_as
     _, path, deltas = lycoris
     pipe = Flux2KleinPipeline.from_pretrained(klein_folder, local_files_only=True)
     if not any(".lokr_" in k for k in load_file(str(path))):  # the LoHa file
@@ -461,13 +463,7 @@ def test_diffusers_flux2_loader_applies_the_lokr_file_and_refuses_the_loha_one(l
         assert not any(hasattr(m, "hada_w1_a") for m in pipe.transformer.modules())
         return
     pipe.load_lora_weights(str(path))
-    loaded = {name: module for name, module in pipe.transformer.named_modules()
-              if hasattr(module, "lokr_w1")}
-    assert loaded.keys() == deltas.keys()
-    for name, delta in deltas.items():
-        adapter_name = next(iter(loaded[name].lokr_w1))
-        torch.testing.assert_close(loaded[name].get_delta_weight(adapter_name), delta,
-                                   rtol=1e-5, atol=1e-7)
+    assert_lokr_loaded_as(pipe.transformer, deltas)
 
 
 def test_a_loha_run_writes_its_kohya_file_in_comfyuis_lycoris_layout(tiny_config):

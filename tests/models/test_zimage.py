@@ -257,7 +257,13 @@ def test_diffusers_applies_a_lokr_file_as_built(zimage_folder, tmp_path):
                                           ("training.adapter=LOKR", "training.lokr_factor=4"))
     pipe = ZImagePipeline.from_pretrained(zimage_folder, local_files_only=True)
     pipe.load_lora_weights(str(path))
-    loaded = {name: module for name, module in pipe.transformer.named_modules()
+    assert_lokr_loaded_as(pipe.transformer, deltas)
+
+
+def assert_lokr_loaded_as(transformer, deltas: dict[str, torch.Tensor]) -> None:
+    """A loader attached LoKr layers where `deltas` ({module path: update}) has one and nowhere
+    else, each giving peft's update as built."""
+    loaded = {name: module for name, module in transformer.named_modules()
               if hasattr(module, "lokr_w1")}
     assert loaded.keys() == deltas.keys()
     for name, delta in deltas.items():
