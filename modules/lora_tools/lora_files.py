@@ -187,6 +187,7 @@ def _read_kohya(path: Path, tensors: dict[str, torch.Tensor],
         name, suffix = _split_kohya(key)
         groups.setdefault(name, {})[suffix] = value
     layers = {}
+    named_by: dict[LayerKey, str] = {}  # the name in the file each layer was read from
     unknown = sorted(name for name in groups
                      if name not in layout.kohya_names and name not in layout.fused_rows)
     if unknown:
@@ -203,10 +204,15 @@ def _read_kohya(path: Path, tensors: dict[str, torch.Tensor],
                                 "these tools read (LoRA, LoCon, DoRA, LoHa, LoKr)")
         layer = AdapterLayer(kind, group, 0.0)
         layer.alpha = float(alpha_t) if alpha_t is not None else float(layer.rank or 1)
-        if name in layout.fused_rows:
-            layers.update(_split_fused(path, name, layer, layout))
-        else:
-            layers[layout.kohya_names[name]] = layer
+        found = (_split_fused(path, name, layer, layout) if name in layout.fused_rows
+                 else {layout.kohya_names[name]: layer})
+        for layer_key, one in found.items():
+            if layer_key in named_by:  # e.g. a fused `qkv` LoRA and a `lycoris_` q layer
+                raise LoraToolError(
+                    f"{path}: {named_by[layer_key]} and {name} both adapt {layer_key[0]} "
+                    f"{layer_key[1]}: a file holds one adapter per layer")
+            named_by[layer_key] = name
+            layers[layer_key] = one
     return layers
 
 

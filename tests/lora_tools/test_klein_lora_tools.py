@@ -284,6 +284,26 @@ def test_a_lokr_on_comfyuis_fused_qkv_is_refused_naming_it(files, tmp_path, caps
     assert not out.exists()
 
 
+def test_two_names_adapting_one_layer_are_refused_naming_both(files, tmp_path, capsys):
+    """A file (not the trainer's) with a LoRA of the fused `qkv` and a `lycoris_` layer of its
+    q: both adapt the double block's `to_q`, and reading it refuses naming both, where one would
+    otherwise have replaced the other without a word; nothing written."""
+    fused, alone = "lora_unet_double_blocks_0_img_attn_qkv", "lycoris_transformer_blocks_0_attn_to_q"
+    both = tmp_path / "both.safetensors"
+    save_file({f"{fused}.lora_down.weight": torch.randn(2, 32),
+               f"{fused}.lora_up.weight": torch.randn(96, 2), f"{fused}.alpha": torch.tensor(2.0),
+               f"{alone}.lora_down.weight": torch.randn(2, 32),
+               f"{alone}.lora_up.weight": torch.randn(32, 2), f"{alone}.alpha": torch.tensor(2.0)},
+              str(both))
+    out = tmp_path / "out.safetensors"
+    assert main(["convert", "--base", str(files["base"]), "--lora", str(both),
+                 "--layout", "diffusers", "-o", str(out)]) == 2
+    error = capsys.readouterr().err
+    assert f"{fused} and {alone} both adapt" in error or f"{alone} and {fused} both adapt" in error
+    assert "transformer_blocks.0.attn.to_q" in error, error
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("kind", ["loha", "lokr"])
 def test_a_klein_loha_or_lokr_file_merges_exactly_and_is_refused_where_undefined(
         files, tmp_path, capsys, kind):
