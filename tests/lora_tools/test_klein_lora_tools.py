@@ -131,6 +131,21 @@ def test_merged_folder_in_diffusers_equals_the_lora_applied_at_run_time(files, m
     assert not torch.allclose(_forward(plain), at_run_time, atol=1e-4)  # the LoRA does act
 
 
+def _merge_into_bfl_file(files, tmp_path: Path, lora: str):
+    """The base transformer written as ComfyUI's BFL file, and `lora` ("path:weight") merged
+    into it by the tools: (the base transformer, that file, the merged one)."""
+    from diffusers import Flux2Transformer2DModel
+
+    from modules.models.klein_files import save_transformer_file
+    plain = Flux2Transformer2DModel.from_pretrained(files["base"], subfolder="transformer",
+                                                    local_files_only=True)
+    comfy = save_transformer_file(plain, tmp_path / "klein.safetensors")
+    out = tmp_path / "klein_merged.safetensors"
+    assert main(["merge", "--base", str(comfy), "--config-folder", str(files["base"]),
+                 "--lora", lora, "-o", str(out)]) == 0
+    return plain, comfy, out
+
+
 def test_merge_into_comfyuis_bfl_file_and_extract_from_two(files, merged, tmp_path):
     """ComfyUI's diffusion-model file (BFL names, q/k/v fused in `qkv`): each row block is its
     projection plus its update, diffusers' from_single_file reads it as the merged folder's
@@ -140,12 +155,7 @@ def test_merge_into_comfyuis_bfl_file_and_extract_from_two(files, merged, tmp_pa
     from diffusers import Flux2Transformer2DModel
 
     from modules.models.klein_files import save_transformer_file
-    plain = Flux2Transformer2DModel.from_pretrained(files["base"], subfolder="transformer",
-                                                    local_files_only=True)
-    comfy = save_transformer_file(plain, tmp_path / "klein.safetensors")
-    out = tmp_path / "klein_merged.safetensors"
-    assert main(["merge", "--base", str(comfy), "--config-folder", str(files["base"]),
-                 "--lora", f"{files['a']}:0.7", "-o", str(out)]) == 0
+    plain, comfy, out = _merge_into_bfl_file(files, tmp_path, f"{files['a']}:0.7")
     updates, before, after = _updates(files["a"]), load_file(str(comfy)), load_file(str(out))
     qkv = "double_blocks.1.txt_attn.qkv.weight"
     expected = torch.cat([before[qkv][i * 32:(i + 1) * 32]
@@ -315,7 +325,7 @@ def test_a_klein_loha_or_lokr_file_merges_exactly_and_is_refused_where_undefined
     from diffusers import Flux2Transformer2DModel
     from peft import LoHaConfig, LoKrConfig
 
-    from modules.models.klein_files import save_transformer_file, to_original_names
+    from modules.models.klein_files import to_original_names
     from modules.models.kohya import adapter_layers, save_kohya_lora
     transformer = Flux2Transformer2DModel.from_pretrained(files["base"], subfolder="transformer",
                                                           local_files_only=True)
@@ -339,12 +349,7 @@ def test_a_klein_loha_or_lokr_file_merges_exactly_and_is_refused_where_undefined
                  "-o", str(folder)]) == 0
     for key, value in load_file(str(folder / TRANSFORMER_FILE)).items():
         torch.testing.assert_close(value, want[key], rtol=1e-5, atol=1e-6, msg=key)
-    plain_model = Flux2Transformer2DModel.from_pretrained(files["base"], subfolder="transformer",
-                                                          local_files_only=True)
-    comfy = save_transformer_file(plain_model, tmp_path / "klein.safetensors")
-    out = tmp_path / "klein_merged.safetensors"
-    assert main(["merge", "--base", str(comfy), "--config-folder", str(files["base"]),
-                 "--lora", f"{lycoris}:0.5", "-o", str(out)]) == 0
+    _, _, out = _merge_into_bfl_file(files, tmp_path, f"{lycoris}:0.5")
     bfl = to_original_names(want)
     for key, value in load_file(str(out)).items():
         torch.testing.assert_close(value, bfl[key], rtol=1e-5, atol=1e-6, msg=key)
