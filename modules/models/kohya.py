@@ -151,12 +151,11 @@ def writes_unfused(model_type: ModelType, component: str,
     files = family_of(model_type).files
     if files is None or component not in files.kohya_unfused_prefixes:
         return False
-    unfusable = [path for path, t in tensors.items() if "lora_down.weight" not in t]
-    if not unfusable:
+    if all("lora_down.weight" in t for t in tensors.values()):
         return False
-    dora = [path for path, t in tensors.items() if "dora_scale" in t]
-    if dora:
-        raise KohyaError(f"{component}: {dora[0]}: DoRA has no kohya layout for "
+    dora = next((path for path, t in tensors.items() if "dora_scale" in t), None)
+    if dora is not None:
+        raise KohyaError(f"{component}: {dora}: DoRA has no kohya layout for "
                          f"{model_type.value}: its fused layout holds only LoRA, and DoRA "
                          "applied to the rows of a fused weight (its update depends on the "
                          "base weight's norm per row) was not verified with ComfyUI")

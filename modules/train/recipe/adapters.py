@@ -94,6 +94,8 @@ def _names_no_layer(module: nn.Module, name: str, scope: str | None, containers:
     component (a misspelt name among others, which peft would pass over without a word), or
     every module it matches is a container (checked where `containers`: some target matched
     one). None when it matches a layer, or matches nothing and is not the user's."""
+    if not own and not containers:
+        return None  # neither question applies: no need to walk the modules
     pattern = target_pattern([name], scope)
     matched = [(path, layer) for path, layer in module.named_modules()
                if re.fullmatch(pattern, path)]
@@ -114,15 +116,20 @@ def _matches_nothing(module: nn.Module, name: str, scope: str | None) -> str:
     """The refusal of a target name no module path ends in, with the layer names it may mean
     (the last parts of the component's layer paths, closest first)."""
     import difflib
-    layers = {path.split(".")[-1] if not path.split(".")[-1].isdigit()
-              else ".".join(path.split(".")[-2:])
-              for path, layer in module.named_modules()
+    layers = {_last_name(path) for path, layer in module.named_modules()
               if isinstance(layer, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d))}
     close = difflib.get_close_matches(name, sorted(layers), n=3, cutoff=0.5)
     where = " in the blocks this family adapts" if scope else ""
     hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
     return (f'"{name}" matches no layer of the {type(module).__name__}{where}, so no adapter '
             f"would go there{hint}")
+
+
+def _last_name(path: str) -> str:
+    """A layer's name as a target names it: its last part, with its list's name before an
+    index (`to_out.0`)."""
+    parts = path.split(".")
+    return ".".join(parts[-2:]) if parts[-1].isdigit() else parts[-1]
 
 
 def peft_config(config: Config, denoiser: bool, scope: str | None = None,
