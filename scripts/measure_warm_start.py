@@ -1,8 +1,9 @@
 """How warm a fresh process starts: (a) empty cache, (b) local cache, (c) a bundle only, in
-another cache folder, home and checkout copy, (d) compile ahead, for the tiny
-SD 1.5 and Z-Image models, REGIONAL and FULL, in one run:
+another cache folder, home and checkout copy, (d₀) compile ahead with the data cached, and with
+--images N, (b′) local cache and (d) compile ahead on N uncached images, for the tiny SD 1.5
+and Z-Image models, REGIONAL and FULL, in one run:
 
-    python scripts/measure_warm_start.py --out bench/warm-start
+    python scripts/measure_warm_start.py --out bench/warm-start --images 4000
 
 See docs/benchmarks.md ("Warm starts"); the logic lives in modules/bench/warm_start.py.
 """
@@ -25,11 +26,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=4, help="timed steps per process")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per process")
     p.add_argument("--cache-dir", help="general.cache_dir (built models, datasets)")
+    p.add_argument("--images", type=int, default=0,
+                   help="add (b') and (d): both start on this many uncached images (0: off)")
     args = p.parse_args(argv)
     result = measure_warm_start(args.out, backend=args.backend,
                                 models=args.models.split(","), scopes=args.scopes.split(","),
                                 steps=args.steps, timeout=args.timeout,
-                                cache_dir=args.cache_dir)
+                                cache_dir=args.cache_dir, images=args.images)
     print(result.markdown())
     return 0
 

@@ -80,9 +80,12 @@ def test_each_phase_starts_where_it_should(tmp_path):
     assert row["phases"][-1]["status"] == "ok"
     assert row["losses"] == {"identical": True, "steps_compared": 3,
                              "phases": ["cold", "cache", "bundle", "ahead"], "differ": []}
+    # without an uncached dataset (d₀) is shown against (b), (d)'s target is not measured
     assert row["targets"] == {"cache_over_cold": 0.09, "cache_target_met": True,
                               "bundle_over_cache": 1.111, "bundle_target_met": True,
-                              "ahead_over_cache": 1.056, "ahead_target_met": True}
+                              "ahead_cached_over_cache": 1.056, "ahead_over_cache": None,
+                              "ahead_target_met": None}
+    assert row["losses_uncached"]["identical"] is None
 
 
 def test_differing_losses_missed_targets_and_no_bundle_are_said(tmp_path):
@@ -104,8 +107,56 @@ def test_the_script_writes_json_and_a_table_per_setting(tmp_path):
     saved = json.loads((tmp_path / "out" / "warm_start.json").read_text())
     assert saved["settings"]["backend"] == "DEFAULT" and len(saved["rows"]) == 1
     table = (tmp_path / "out" / "warm_start.md").read_text()
-    assert "(c) bundle only, elsewhere" in table and "(d) compile ahead" in table
+    assert "(c) bundle only, elsewhere" in table and "(d₀) compile ahead, data cached" in table
     assert "(c)/(b) = 1.33× (target within 15%: missed)" in table
-    assert "(d)/(b) = 1.00× (target within 15%: met)" in table
+    assert "(d)/(b′) = — (target within 15%: not measured)" in table
+    assert "(d₀)/(b) = 1.00× (nothing to hide behind)" in table
     assert "identical in cold, cache, bundle, ahead" in table
     assert result.rows[0]["scope"] == "FULL"
+
+
+def test_with_uncached_images_b_prime_and_d_start_on_them_each_caching_its_own(tmp_path):
+    """(b′) and (d): the generated dataset (whole batches), a general cache folder each with
+    only the built model in it, (b′) on (a)'s compile cache with bundles off, (d) compiling
+    ahead into an empty one; (d) is held against (b′) and the two runs' losses against each
+    other (another dataset than the other phases')."""
+    from modules.models.tiny import builtin_model_dir
+
+    general = tmp_path / "general"
+    model = builtin_model_dir("builtin:tiny-sd15", general)
+    model.mkdir(parents=True)
+    (model / "model_index.json").write_text("{}")
+    other = [0.7, 0.6, 0.5]
+    launch = FakeLaunch({"eager": 10, "cold": 100, "cache": 9, "bundle": 10, "ahead": 60,
+                         "cache-data": 200, "ahead-data": 220},
+                        losses={"cache-data": other, "ahead-data": other})
+    result = measure_warm_start(tmp_path / "out", models=["builtin:tiny-sd15"],
+                                scopes=["REGIONAL"], cache_dir=str(general), images=5,
+                                launch=launch, progress=lambda m: None)
+    assert result.settings["uncached_images"] == 6  # rounded up to whole batches of 2
+    cold, data_cache, data_ahead = (launch.calls[p][0] for p in ("cold", "cache-data",
+                                                                  "ahead-data"))
+    dataset = Path(data_cache.data.datasets[0].path)
+    assert dataset.is_dir() and len(list(dataset.glob("*.png"))) == 6
+    assert data_ahead.data.datasets[0].path == str(dataset)
+    assert data_cache.data.datasets[0].repeats == 1
+    assert all(c.data.cache_latents and c.data.cache_text_encoder_outputs
+               for c in (data_cache, data_ahead))
+    assert not cold.data.cache_latents  # the other phases as before
+    assert data_cache.compile.cache_dir == cold.compile.cache_dir
+    assert not data_cache.compile.bundles and not data_cache.compile.ahead
+    assert data_ahead.compile.ahead and data_ahead.compile.cache_dir not in (
+        cold.compile.cache_dir, launch.calls["ahead"][0].compile.cache_dir)
+    caches = {Path(c.general.cache_dir) for c in (data_cache, data_ahead)}
+    assert len(caches) == 2 and general not in caches
+    for cache in caches:  # the model and nothing else: each caches its own latents
+        assert [p.name for p in cache.iterdir()] == ["models"]
+        assert (builtin_model_dir("builtin:tiny-sd15", cache) / "model_index.json").is_file()
+    row = result.rows[0]
+    assert row["targets"]["ahead_over_cache"] == 1.1 and row["targets"]["ahead_target_met"]
+    assert row["losses"]["phases"] == ["cold", "cache", "bundle", "ahead"]
+    assert row["losses_uncached"] == {"identical": True, "steps_compared": 3,
+                                      "phases": ["cache-data", "ahead-data"], "differ": []}
+    table = (tmp_path / "out" / "warm_start.md").read_text()
+    assert "(b′) local cache, uncached data" in table and "(d)/(b′) = 1.10× (target" in table
+    assert "on the uncached data over 3 steps identical in cache-data, ahead-data" in table

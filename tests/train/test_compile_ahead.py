@@ -297,3 +297,33 @@ def test_an_ahead_process_that_fails_or_says_nothing_is_a_reported_failure(tmp_p
     outcome = ahead.wait(lambda: False)
     ahead.end()
     assert outcome.status == "failed" and outcome.why == said, outcome
+
+
+def test_how_long_the_run_waited_for_the_ahead_process_is_recorded(tmp_path):
+    """`waited_seconds`: the part of the ahead compile that caching did not hide (the warm-start
+    measurement's (d) reads it). Waited on while it runs: about its remaining time; waited on
+    after it ended: 0."""
+    import subprocess
+    import sys
+
+    from modules.train.recipe.compile_ahead import CompileAhead
+
+    write = ("import json, pathlib, sys, time; time.sleep(float(sys.argv[1])); "
+             "pathlib.Path(sys.argv[2]).write_text(json.dumps({'shapes': ['2x64x64'], "
+             "'bundle': 'b.tcb', 'compile_seconds': 1.0}))")
+    outcomes = []
+    for sleep, before_wait in ((1.5, 0.0), (0.0, 1.0)):
+        work = tmp_path / f"work-{sleep}"
+        work.mkdir()
+        log = open(work / "ahead.log", "w", encoding="utf-8")  # end() closes it
+        ahead = CompileAhead(subprocess.Popen(
+            [sys.executable, "-c", write, str(sleep), str(work / "result.json")], stdout=log,
+            stderr=subprocess.STDOUT), work, log)
+        if before_wait:
+            ahead.process.wait()  # the caching took longer than the ahead process
+        outcomes.append(ahead.wait(lambda: False))
+        ahead.end()
+    still_running, done_first = outcomes
+    assert still_running.status == "done" and still_running.bundle == "b.tcb"
+    assert 1.0 <= still_running.waited_seconds <= still_running.seconds
+    assert done_first.status == "done" and done_first.waited_seconds == 0.0

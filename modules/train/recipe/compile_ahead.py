@@ -61,6 +61,9 @@ class AheadRecord:
     compile_seconds: float | None = None  # the ahead run's own compile time
     shapes: list[str] = field(default_factory=list)
     bundle: str | None = None             # the bundle it wrote
+    # How long the run waited for it once its own caching was done (0: it was done first,
+    # so its whole compile was hidden behind the caching)
+    waited_seconds: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -134,12 +137,14 @@ class CompileAhead:
     def wait(self, should_stop: Callable[[], bool]) -> AheadRecord:
         """Wait for the process to finish: done (with what it wrote) or failed (why). Raises
         StopRequested, with the process ended, when ``should_stop`` says so first."""
+        waiting_since = time.monotonic()
         while self.running():
             if should_stop():
                 self.end()
                 raise StopRequested("stopped while compiling ahead")
             time.sleep(POLL_SECONDS)
-        seconds = round(time.monotonic() - self.started, 1)
+        ended = time.monotonic()
+        seconds, waited = round(ended - self.started, 1), round(ended - waiting_since, 1)
         result_file = self.work / "result.json"
         code = self.process.returncode
         result = read_result(result_file) if code == 0 else None
@@ -147,7 +152,7 @@ class CompileAhead:
             return AheadRecord("done", pid=self.pid, seconds=seconds,
                                compile_seconds=result.get("compile_seconds"),
                                shapes=result.get("shapes", []), bundle=result.get("bundle"),
-                               why=None if result.get("bundle") else
+                               waited_seconds=waited, why=None if result.get("bundle") else
                                "it compiled nothing that a bundle carries")
         self._log.flush()
         lines = (self.work / "ahead.log").read_text(encoding="utf-8", errors="replace")
@@ -156,7 +161,7 @@ class CompileAhead:
         how = (f"ended by signal {-code}" if code is not None and code < 0
                else f"exit {code}" if code else "no readable result")
         return AheadRecord("failed", why=f"{how}: {tail.strip()}", pid=self.pid,
-                           seconds=seconds)
+                           seconds=seconds, waited_seconds=waited)
 
 
 def read_result(path: Path) -> dict[str, Any] | None:
@@ -217,7 +222,9 @@ def finish_compile_ahead(ahead: CompileAhead | None, callbacks: TrainerCallbacks
                             "step 1")
         return None
     shapes = ", ".join(outcome.shapes) or "no shape"
-    callbacks.on_status(f"compile ahead: done in {outcome.seconds} s ({shapes})"
+    callbacks.on_status(f"compile ahead: done in {outcome.seconds} s ({shapes}); "
+                        + (f"the run waited {outcome.waited_seconds} s for it"
+                           if outcome.waited_seconds else "all of it while the data was cached")
                         + (f"; bundle {outcome.bundle}" if outcome.bundle else
                            f"; {outcome.why}"))
     return Path(outcome.bundle) if outcome.bundle else None
