@@ -210,16 +210,17 @@ def targets(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
                            "ahead_over_cache": None, "ahead_target_met": None,
                            "ahead_cached_over_cache": None}
     cold, cache, bundle = by.get("cold"), by.get("cache"), by.get("bundle")
+    ahead, data_cache, data_ahead = by.get("ahead"), by.get("cache-data"), by.get("ahead-data")
     if cold and cache:
         out["cache_over_cold"] = round(cache / cold, 3)
         out["cache_target_met"] = out["cache_over_cold"] <= CACHE_AT_MOST
     if cache and bundle:
         out["bundle_over_cache"] = round(bundle / cache, 3)
         out["bundle_target_met"] = abs(out["bundle_over_cache"] - 1) <= BUNDLE_WITHIN
-    if cache and by.get("ahead"):
-        out["ahead_cached_over_cache"] = round(by["ahead"] / cache, 3)
-    if by.get("cache-data") and by.get("ahead-data"):
-        out["ahead_over_cache"] = round(by["ahead-data"] / by["cache-data"], 3)
+    if cache and ahead:
+        out["ahead_cached_over_cache"] = round(ahead / cache, 3)
+    if data_cache and data_ahead:
+        out["ahead_over_cache"] = round(data_ahead / data_cache, 3)
         out["ahead_target_met"] = abs(out["ahead_over_cache"] - 1) <= BUNDLE_WITHIN
     return out
 
