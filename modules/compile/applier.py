@@ -12,6 +12,7 @@ from pathlib import Path
 from modules.compile.backends import BackendRow
 from modules.compile.bundle import BundleKeeper
 from modules.compile.cache import use_compile_cache
+from modules.compile.grad_inputs import SteadyGradInputs
 from modules.compile.outer import OuterCall, set_compiled_call
 from modules.compile.plan import CompileFacts, CompilePlan, plan_component
 from modules.compile.regions import compile_targets
@@ -121,6 +122,8 @@ class PlanApplier:
             assert compiled is not None  # module.compile just set it
             if isinstance(outer, OuterCall):
                 module._compiled_call_impl = outer
+            if comp.scope == CompileScope.REGIONAL:  # one graph per block shape (grad_inputs.py)
+                compiled = SteadyGradInputs(compiled, module)
             set_compiled_call(module, TrackedCall(compiled, self.tracker, comp.name))
         comp.targets = targets
         comp.quiet_calls = 0

@@ -121,10 +121,14 @@ def test_a_run_killed_with_kill_9_and_resumed_is_the_unbroken_one(tiny_config, t
 def test_regional_inductor_compiles_the_blocks_and_runs_them(tiny_config, fresh_dynamo):
     """The real inductor (DEFAULT, what the presets compile with; INDUCTOR's autotuning is
     tests/compile/test_inductor.py's) over the tiny model's two block classes, 2 steps at 64 px (minutes on
-    a CPU: a graph per block class, forward and backward)."""
+    a CPU: a graph per block class, forward and backward). One graph per class: the first
+    double-stream block's input comes from frozen layers, the second's through LoRA, and both
+    meet the graph the first compiled (modules/compile/grad_inputs.py; without it the class
+    compiled twice: "requires_grad mismatch")."""
     result = train(tiny_config("model.type=KLEIN", "model.path=builtin:tiny-klein",
                                "sampling.prompts=[]", "training.max_steps=2",
                                "compile.backend=DEFAULT", "compile.scope=REGIONAL"))
     report = run_json(result.output_dir)["compile"]["unet"]
     assert report["effective"] == "DEFAULT" and report["compiled_code_ran"], report
     assert not report["degraded"], report
+    assert report["recompiles"] == 0, report["recompile_reasons"]

@@ -68,3 +68,26 @@ def test_channels_last_may_change_on_resume():
     blocking, allowed = config_differences(saved, current)
     assert blocking == []
     assert allowed == ["training.channels_last: False -> True"]
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_the_denoiser_is_fed_its_own_layout_whatever_the_latents_came_in(channels_last):
+    """The VAE's posterior mean is a strided slice (neither layout) and cached latents are
+    contiguous: compiled code is keyed on its inputs' strides, so each would compile graphs of
+    its own (a run caching its latents missed 4 of the 23 graphs of compile ahead's bundle,
+    whose process encodes them). The denoiser's input is always its layout."""
+    from types import SimpleNamespace
+
+    from modules.train.recipe.step_inputs import denoiser_input
+
+    config = apply_overrides(Config(), [f"training.channels_last={str(channels_last).lower()}"])
+    run = SimpleNamespace(config=config)
+    moments = torch.randn(2, 8, 8, 8).contiguous(memory_format=torch.channels_last)
+    encoded, cached = moments[:, :4], torch.randn(2, 4, 8, 8)  # what VAE.encode's mean is
+    assert not encoded.is_contiguous() and not encoded.is_contiguous(
+        memory_format=torch.channels_last)
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+    for latents in (encoded, cached):
+        fed = denoiser_input(run, latents)
+        assert fed.is_contiguous(memory_format=layout) and torch.equal(fed, latents)
+        assert fed.stride() == torch.empty(2, 4, 8, 8, memory_format=layout).stride()

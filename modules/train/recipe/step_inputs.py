@@ -8,6 +8,7 @@ import torch
 
 from modules.config.data import shapes_vary
 from modules.train.recipe.compile_guard import COMPILE_DENOISER
+from modules.train.recipe.trainable import denoiser_memory_format
 from modules.train.state.run import Run
 
 
@@ -56,7 +57,11 @@ def varying_shape(run: Run, tensor: torch.Tensor, component: str) -> torch.Tenso
 
 def denoiser_input(run: Run, noisy: torch.Tensor) -> torch.Tensor:
     """The noisy latents in the denoiser's memory layout (a channels-last denoiser's first
-    convolution then reads them without a conversion), marked for varying shapes."""
-    if run.config.training.channels_last:
-        noisy = noisy.contiguous(memory_format=torch.channels_last)
+    convolution then reads them without a conversion), marked for varying shapes.
+
+    Always that layout, whatever the latents came in: the VAE's output on the CPU can be
+    channels-last while cached latents are contiguous, and compiled code is keyed on its
+    inputs' strides, so a run that caches its latents would otherwise miss every graph a run
+    (or compile ahead's process) that encodes them compiled. A no-op when already so."""
+    noisy = noisy.contiguous(memory_format=denoiser_memory_format(run.config))
     return varying_shape(run, noisy, COMPILE_DENOISER)
