@@ -88,14 +88,15 @@ def test_a_stopped_and_resumed_run_is_the_unbroken_one(tiny_config, tmp_path):
 def test_regional_inductor_compiles_the_blocks_and_runs_them(tiny_config, fresh_dynamo):
     """The real inductor (DEFAULT, what the presets compile with; INDUCTOR's autotuning is
     tests/compile/test_inductor.py's) over the tiny model's blocks, 2 steps at 64 px (minutes on a CPU: a
-    graph per block kind, forward and backward). The blocks' graphs differ by their
-    sequence lengths only: none recompiles because its input did or did not require grad
-    (modules/compile/grad_inputs.py; without it the main layers compiled a third graph)."""
+    graph per block kind, forward and backward). Two recompiles, both for a new sequence
+    length (the refiners' and the main layers'); without modules/compile/grad_inputs.py a
+    third, the second main layer's input requiring grad where the first one's did not. (A
+    reason may still name requires_grad: the frozen caption refiner's graph differs from the
+    main layers' in that too.)"""
     result = train(tiny_config("model.type=ZIMAGE", "model.path=builtin:tiny-zimage",
                                "sampling.prompts=[]", "training.max_steps=2",
                                "compile.backend=DEFAULT", "compile.scope=REGIONAL"))
     report = run_json(result.output_dir)["compile"]["unet"]
     assert report["effective"] == "DEFAULT" and report["compiled_code_ran"], report
     assert not report["degraded"], report
-    reasons = report["recompile_reasons"]
-    assert report["recompiles"] == 2 and not any("requires_grad" in r for r in reasons), reasons
+    assert report["recompiles"] == 2, report["recompile_reasons"]
