@@ -23,6 +23,18 @@ if _WORKERS > 1:
         os.environ[_name] = str(TORCH_THREADS)
 
 
+# Inductor's compiled code: one empty cache folder per test session, shared by its workers,
+# as CI meets it. Without it the suite reads the machine's own cache (/tmp/torchinductor_<user>,
+# warm from earlier runs), so a local run is faster than CI's and a graph that no longer
+# compiles could pass from an old entry. A developer who wants warm reruns names a folder of
+# their own in TORCHINDUCTOR_CACHE_DIR; it is then used as given.
+INDUCTOR_CACHE_MADE: str | None = None
+if "PYTEST_XDIST_WORKER" not in os.environ and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    INDUCTOR_CACHE_MADE = tempfile.mkdtemp(prefix="tempera-tests-inductor-")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = INDUCTOR_CACHE_MADE
+
 from modules.config import Config, apply_overrides  # noqa: E402  (after the thread share)
 
 # The GPU machine's image has no customtkinter (../shared/gpu/README.md): the window tests are
@@ -180,9 +192,19 @@ def a1111_textual_inversion(request):
 
 
 def pytest_report_header(config):
+    lines = [f"inductor cache: {os.environ.get('TORCHINDUCTOR_CACHE_DIR')} ("
+             + ("empty, this session's" if INDUCTOR_CACHE_MADE else "given, used as it is")
+             + ")"]
     if GUI_TOOLKIT_MISSING:
-        return "tests/app not collected: customtkinter is not installed (the GUI tests need it)"
-    return None
+        lines.append("tests/app not collected: customtkinter is not installed (the GUI tests "
+                     "need it)")
+    return lines
+
+
+def pytest_unconfigure(config):
+    if INDUCTOR_CACHE_MADE and not hasattr(config, "workerinput"):
+        import shutil
+        shutil.rmtree(INDUCTOR_CACHE_MADE, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

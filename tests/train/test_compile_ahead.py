@@ -327,3 +327,15 @@ def test_how_long_the_run_waited_for_the_ahead_process_is_recorded(tmp_path):
     assert still_running.status == "done" and still_running.bundle == "b.tcb"
     assert 1.0 <= still_running.waited_seconds <= still_running.seconds
     assert done_first.status == "done" and done_first.waited_seconds == 0.0
+
+
+def test_an_ahead_process_that_will_share_the_cores_is_warned_about():
+    """Measured on 2 cores, 2 threads each: the caching took 2.5 times as long beside the
+    ahead process and step 1 came later than without it (docs/benchmarks.md)."""
+    from modules.train.recipe.compile_ahead import shared_cores_warning
+
+    said = shared_cores_warning(2, 2)
+    assert said is not None and "share this machine's 2 cores" in said and "4 cores" in said
+    assert shared_cores_warning(4, 6) is not None
+    assert shared_cores_warning(2, 4) is None and shared_cores_warning(1, 2) is None
+    assert shared_cores_warning(8, None) is None  # the count unknown: nothing said

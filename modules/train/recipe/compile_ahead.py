@@ -85,6 +85,19 @@ def ahead_blocker(config: Config, device: torch.device, multi_process: bool) -> 
     return None
 
 
+def shared_cores_warning(threads: int, cores: int | None) -> str | None:
+    """What to tell a run whose ahead process will share the cores its caching uses (None:
+    there are enough for both). Measured on 2 cores with 2 threads each, the caching took 2.5
+    times as long beside the ahead process and step 1 ended later than compiling at step 1
+    would have (docs/benchmarks.md, "Warm starts side by side")."""
+    if cores is None or cores >= 2 * threads:
+        return None
+    return (f"warning: the ahead process and the caching will share this machine's {cores} "
+            f"cores (the run uses {threads} threads, and so will it): both go slower, and the "
+            "first step may come later than compiling at step 1 would; compile ahead pays "
+            f"with {2 * threads} cores or more")
+
+
 class CompileAhead:
     """The running ahead process, owned by the main process's setup: `end` always reaps it."""
 
@@ -195,6 +208,9 @@ def start_compile_ahead(config: Config, device: torch.device, multi_process: boo
         return None
     callbacks.on_status(f"compile ahead: compiling the run's batch shapes in process "
                         f"{ahead.pid} while the data is cached")
+    shared = shared_cores_warning(torch.get_num_threads(), os.cpu_count())
+    if shared:
+        callbacks.on_status(f"compile ahead: {shared}")
     record.write(compile_ahead=AheadRecord("started", pid=ahead.pid).to_dict())
     return ahead
 
