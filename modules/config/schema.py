@@ -550,8 +550,10 @@ class CompileConfig:
              "will meet in a process of its own and write the compile bundle the run then "
              "loads, so the first step does not compile. On the CPU only (on a GPU it would "
              "need a second copy of the weights there); needs an inductor backend and "
-             "compile.bundles. A failed compile ahead is reported and the run compiles at "
-             "step 1. docs/compilation.md says what it costs.")
+             "compile.bundles. It pays only with cores to spare (at least twice the run's "
+             "threads): on fewer, caching and compiling share them and step 1 comes later. A "
+             "failed compile ahead is reported and the run compiles at step 1. "
+             "docs/compilation.md says what it costs.")
     strict: bool = setting(False, label="Strict", group="Advanced",
                            help="Make any compile failure fatal instead of falling back to the "
                                 "next backend.")
