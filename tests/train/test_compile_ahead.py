@@ -330,8 +330,8 @@ def test_how_long_the_run_waited_for_the_ahead_process_is_recorded(tmp_path):
 
 
 def test_an_ahead_process_that_will_share_the_cores_is_warned_about():
-    """Measured on 2 cores, 2 threads each: the caching took 2.5 times as long beside the
-    ahead process and step 1 came later than without it (docs/benchmarks.md)."""
+    """Measured on 2 cores, 2 threads each: the caching took 1.7-3.5 times as long beside
+    the ahead process and step 1 came later than without it (docs/benchmarks.md)."""
     from modules.train.recipe.compile_ahead import shared_cores_warning
 
     said = shared_cores_warning(2, 2)

@@ -87,7 +87,7 @@ def ahead_blocker(config: Config, device: torch.device, multi_process: bool) -> 
 
 def shared_cores_warning(threads: int, cores: int | None) -> str | None:
     """What to tell a run whose ahead process will share the cores its caching uses (None:
-    there are enough for both). Measured on 2 cores with 2 threads each, the caching took 2.5
+    there are enough for both). Measured on 2 cores with 2 threads each, the caching took 1.7-3.5
     times as long beside the ahead process and step 1 ended later than compiling at step 1
     would have (docs/benchmarks.md, "Warm starts side by side")."""
     if cores is None or cores >= 2 * threads:
