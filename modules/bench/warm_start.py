@@ -51,6 +51,7 @@ PHASE_LABELS = {"eager": "eager (no compile)", "cold": "(a) empty cache",
                 "ahead": "(d₀) compile ahead, data cached",
                 "cache-data": "(b′) local cache, uncached data",
                 "ahead-data": "(d) compile ahead, uncached data"}
+DATA_PHASES = ("cache-data", "ahead-data")  # another dataset: compared with each other only
 MODELS = ("builtin:tiny-sd15", "builtin:tiny-zimage")
 SCOPES = ("REGIONAL", "FULL")
 # The targets issue 55 sets for these numbers (first step: launch to the end of step 1).
@@ -114,7 +115,7 @@ def phase_configs(base: Config, cell: Cell, folder: Path, max_steps: int,
                         compile_cache_dir=folder / "cache-eager")
     configs = {"eager": eager, "cold": cold, "cache": cache, "bundle": carried, "ahead": ahead}
     if dataset is not None:
-        for phase, compile_cache in (("cache-data", "cache-a"), ("ahead-data", "cache-d-data")):
+        for phase, compile_cache in zip(DATA_PHASES, ("cache-a", "cache-d-data")):
             config = one(phase, compile_cache)
             config.data.datasets = [DatasetConfig(path=str(dataset), repeats=1)]
             # what a user with a large dataset turns on, and what compile ahead hides behind
@@ -180,9 +181,6 @@ def phase_row(phase: str, result: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-DATA_PHASES = ("cache-data", "ahead-data")  # another dataset: compared with each other only
-
-
 def compare_losses(rows: Sequence[dict[str, Any]], data: bool = False) -> dict[str, Any]:
     """Whether the measured phases' losses are identical step for step (over the steps all of
     them ran; each cell stops once it has its clean steps): the phases on the shared dataset,
@@ -233,7 +231,7 @@ def measure_setting(base: Config, cell: Cell, folder: Path, launch: Launch, *,
     row."""
     folder.mkdir(parents=True, exist_ok=True)
     for stale in ("cache-eager", "cache-a", "cache-c", "cache-d", "cache-d-data", "carried",
-                  "checkout-c", "home-c", "tmp-c", "general-cache-data", "general-ahead-data"):
+                  "checkout-c", "home-c", "tmp-c", *(f"general-{p}" for p in DATA_PHASES)):
         shutil.rmtree(folder / stale, ignore_errors=True)  # every run starts from nothing
     max_steps = step_cap(warmup, steps)
     phases: list[dict[str, Any]] = []
@@ -259,7 +257,7 @@ def measure_setting(base: Config, cell: Cell, folder: Path, launch: Launch, *,
     progress(f"{cell.label} {base.model.path}: {PHASE_LABELS['ahead']}")
     phases.append(phase_row("ahead", launch(configs["ahead"], folder, "ahead", {}, None)))
     if dataset is not None:
-        for phase in ("cache-data", "ahead-data"):
+        for phase in DATA_PHASES:
             seed_general_cache(base, Path(configs[phase].general.cache_dir))
             progress(f"{cell.label} {base.model.path}: {PHASE_LABELS[phase]}")
             phases.append(phase_row(phase, launch(configs[phase], folder, phase, {}, None)))
