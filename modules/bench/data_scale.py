@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from modules.util.process import with_repo_on_pythonpath
+from modules.util.cores import usable_cores
 
 BEGIN, END = "<!-- data-scale:begin -->", "<!-- data-scale:end -->"
 RESOLUTION = 256  # bucketed; the images below are 192 to 768 px on their long side
@@ -96,7 +97,7 @@ def _child(folder: Path, cache: Path, timeout: float | None = None,
             "measure; print(json.dumps(measure(Path(sys.argv[1]), Path(sys.argv[2]), "
             "sys.argv[3] == '1')))")
     # every core, whatever share of them the parent runs with (a test worker's, say)
-    env = {**with_repo_on_pythonpath(), "OMP_NUM_THREADS": str(os.cpu_count() or 1)}
+    env = {**with_repo_on_pythonpath(), "OMP_NUM_THREADS": str(usable_cores())}
     proc = subprocess.Popen([sys.executable, "-c", code, str(folder), str(cache),
                              "1" if with_cache else "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
@@ -139,7 +140,7 @@ def run(sizes: list[int], work: Path, kill_after: float, cache_up_to: int) -> di
     killed = _child(largest, resume_cache, timeout=kill_after)
     resumed = _child(largest, resume_cache)
     assert resumed is not None  # as above: no timeout
-    return {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU "
+    return {"machine": f"{platform.processor() or platform.machine()}, {usable_cores()} CPU "
                        f"cores, Python {platform.python_version()}, load average "
                        f"{load_before:.1f} before and {os.getloadavg()[0]:.1f} after",
             "date": time.strftime("%Y-%m-%d"), "resolution": RESOLUTION, "rows": rows,

@@ -45,6 +45,7 @@ from modules.bench.gpu_context import Context
 from modules.bench.gpu_machine import card_memory
 from modules.bench.gpu_packages import missing, wheels_command
 from modules.bench.gpu_outputs import log_tail, write_outputs
+from modules.util.cores import usable_cores
 from modules.util.process import (
     dies_with_parent,
     kill_group,
@@ -113,7 +114,7 @@ def child_env(threads: int) -> dict[str, str]:
 
 def compile_threads(parallel: int) -> int:
     """Compile workers per job: the cores shared among the jobs that compile side by side."""
-    return max(1, (os.cpu_count() or 1) // max(1, parallel))
+    return max(1, usable_cores() // max(1, parallel))
 
 
 def has_xdist() -> bool:

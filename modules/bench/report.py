@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from modules.util.atomic import atomic_write_text
+from modules.util.cores import usable_cores
 
 MIB = 1024 * 1024
 
@@ -46,7 +47,7 @@ def machine_info(ask_cuda: bool = True) -> dict[str, Any]:
     import torch at all: asking for the GPU's name creates a CUDA context, which a parent
     process that only starts and watches jobs must not hold, and importing torch costs it
     seconds (the GPU validation's env job reads the name and the threads instead)."""
-    info: dict[str, Any] = {"cpu": cpu_model(), "cpu_cores": os.cpu_count()}
+    info: dict[str, Any] = {"cpu": cpu_model(), "cpu_cores": usable_cores()}
     if ask_cuda:
         import torch
         info.update(torch_threads=torch.get_num_threads(), torch=torch.__version__,

@@ -27,6 +27,7 @@ from modules.data.captions import CaptionsFileError, load_captions_file
 from modules.data.file_kinds import IMAGE_EXTENSIONS, split_masks
 from modules.data.progress import ProgressCallback
 from modules.util.atomic import atomic_file
+from modules.util.cores import usable_cores
 
 # A caption's state: where its text comes from, or why there is none.
 CAPTION_STATES = {
@@ -218,7 +219,7 @@ def list_captions(ds, folder: Path | None, caption_extension: str, recursive: bo
     # the scan's matching: the caption file's name compared case-insensitively
     captions = {(f.parent, f.name.lower()): f for f in files
                 if f.suffix.lower() == extension.lower()}
-    with ThreadPoolExecutor(max_workers=threads or min(8, os.cpu_count() or 1)) as pool:
+    with ThreadPoolExecutor(max_workers=threads or min(8, usable_cores())) as pool:
         for entry in pool.map(lambda image: _entry(ds, folder, image, masks, captions,
                                                    extension, listed),
                               images):  # map keeps the scan's order

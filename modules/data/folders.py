@@ -9,7 +9,6 @@ each image's oriented size, which aspect-ratio bucketing needs.
 from __future__ import annotations
 
 import logging
-import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +21,7 @@ from modules.data.images import IMAGE_EXTENSIONS, inspect_image, is_image_file, 
 from modules.data.file_kinds import split_masks
 from modules.data.masks import check_mask, mask_is_blank
 from modules.data.progress import ProgressCallback
+from modules.util.cores import usable_cores
 
 logger = logging.getLogger("tempera.data")
 
@@ -138,7 +138,7 @@ def scan_datasets(sources: Sequence[DatasetSource], caption_extension: str = ".t
     """
     extension = normalize_caption_extension(caption_extension)
     _check_sources(sources)
-    threads = check_threads or min(8, os.cpu_count() or 1)
+    threads = check_threads or min(8, usable_cores())
     result = ScanResult(sources=tuple(sources))
     for index, source in enumerate(sources):
         before = result.num_images

@@ -44,6 +44,7 @@ from modules.config.schema import Config
 from modules.events import StopRequested, TrainerCallbacks
 from modules.train.outputs.record import RunRecord
 from modules.util.process import with_repo_on_pythonpath
+from modules.util.cores import usable_cores
 
 AHEAD_MODULE = "modules.train.recipe.ahead_process"  # the process's own module
 POLL_SECONDS = 0.2
@@ -208,7 +209,7 @@ def start_compile_ahead(config: Config, device: torch.device, multi_process: boo
         return None
     callbacks.on_status(f"compile ahead: compiling the run's batch shapes in process "
                         f"{ahead.pid} while the data is cached")
-    shared = shared_cores_warning(torch.get_num_threads(), os.cpu_count())
+    shared = shared_cores_warning(torch.get_num_threads(), usable_cores())
     if shared:
         callbacks.on_status(f"compile ahead: {shared}")
     record.write(compile_ahead=AheadRecord("started", pid=ahead.pid).to_dict())
