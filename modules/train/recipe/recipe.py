@@ -24,28 +24,32 @@ from typing import NamedTuple
 
 import torch
 
-from modules.config.schema import MixedPrecision, TrainingMethod
+from modules.compile.engine import CompileEngine
+from modules.config.schema import Config, MixedPrecision, TrainingMethod
 from modules.data.buckets import describe_buckets, resolution_plan
-from modules.data.dataset import BucketBatchSampler, epoch_batch_sampler, expand_repeats
+from modules.data.dataset import (BucketBatchSampler, EpochBatches, ImageCaptionDataset,
+                                  epoch_batch_sampler, expand_repeats)
+from modules.data.latent_cache import CachedLatentDataset
 from modules.events import StopRequested, TrainerCallbacks, TrainerCommands
 from modules.train.recipe.adapters import seed_adapter_dropout
 from modules.train.state.backup import (NonFiniteBackup, ResumePoint, backups_folder, load_states,
                                         save_backup)
 from modules.train.recipe.builders import (Draws, autocast_context, build_lr_scheduler,
                                            build_optimizer, draw_randomness, float32_precision,
-                                           latent_shape, step_budget)
+                                           StepBudget, latent_shape, step_budget)
 from modules.train.outputs.checkpoints import due_checkpoint
 from modules.models.model_hash import base_model_hashes
 from modules.models.families import family_of
 from modules.paths import cache_dir_for
-from modules.train.memory.offload import build_streamer, held_on_host, offload_choice
+from modules.train.memory.offload import (BlockStreamer, build_streamer, held_on_host,
+                                          offload_choice)
 from modules.train.memory.offload_trained import HostSteps
 from modules.train.outputs.data_metadata import training_data_metadata
 from modules.train.recipe.compile_scope import resolve_compile_scope
 from modules.train.recipe.compile_guard import (build_compile_guard, component_blocks,
                                                 denoiser_compile_cost)
-from modules.train.recipe.compile_ahead import (finish_compile_ahead, start_compile_ahead,
-                                                stop_compile_ahead)
+from modules.train.recipe.compile_ahead import (CompileAhead, finish_compile_ahead,
+                                                start_compile_ahead, stop_compile_ahead)
 from modules.train.recipe.distributed import Distributed, clip_sharded_gradients, launcher_record
 from modules.train.recipe.placement import borrowed, components_off_device, placement_record
 from modules.train.recipe.fused import FusedBackward, fused_record
@@ -62,6 +66,7 @@ from modules.train.outputs.writes import (agreed_requests, backup_bytes, distrib
 from modules.train.setup.prepare import PreparedRun
 from modules.train.outputs.record import RunRecord, peak_memory
 from modules.train.state.run import Run, item_buckets
+from modules.train.recipe.text_cache import TextEncoderCache
 from modules.train.state.sharded_state import sharded_backup_record
 from modules.train.setup.start import (apply_changed_learning_rates, bucket_record, build_dataset,
                                        build_ema, prepare_output_folder, record_warnings,
@@ -140,147 +145,34 @@ class TrainingRecipe:
         return self.run
 
     def _build(self, undo: contextlib.ExitStack) -> Run:
-        """`setup`'s body, in the order the run depends on: the record first, the captions
-        and latents cached (each encoder alone on the device) before the rest of the weights
-        move there (compile.ahead: its process started before the caching and waited for
-        before compile), compile before the DDP wrap, the state last. Each change made outside the
-        run's objects pushes its undo onto `undo` right after it is made."""
-        prepared, callbacks, dist, commands = (self.prepared, self.callbacks, self.dist,
-                                               self.commands)
-        config, bundle = prepared.config, prepared.bundle
-        device = dist.device or prepared.device
-        record = self.record = prepare_output_folder(prepared, callbacks, dist.is_main)
-        start_record(record, prepared, device)
-        # compile.scope=AUTO: decided now, before the weights move to the device (its
-        # measurement runs in processes of its own); every later step sees the chosen scope
-        config, scope_choice = resolve_compile_scope(
-            config, device, multi_process=dist.enabled, notify=callbacks.on_status,
-            should_stop=lambda: commands.stop_requested)
-        if scope_choice is not None:
-            self.prepared = prepared = dataclasses.replace(prepared, config=config)
-            record.write(compile_scope=scope_choice.record())
-            callbacks.on_status(scope_choice.describe())
-            for problem in scope_choice.problems:
-                callbacks.on_status(f"warning: {problem}")
-        if dist.enabled:  # what starts it again with its processes (the CLI's resume command)
-            record.write(launcher=launcher_record())
-        # compile.ahead: the batch shapes compiled in a process of its own while the captions
-        # and latents are cached below; a Stop or failure in setup ends it (the undo)
-        ahead = start_compile_ahead(config, device, dist.enabled, callbacks, record)
-        if ahead is not None:
-            undo.callback(stop_compile_ahead, ahead, record)
-
-        # the trained weights (LoRA init draws from the global generator)
-        torch.manual_seed(config.training.seed)
-        trained = trained_components(config)
-        params = prepare_trainable(bundle, config)
-        record.write(weight_storage=weight_storage_record(bundle, config))
-        if is_textual_inversion(config):
-            record.write(textual_inversion=textual_inversion_record(bundle, config))
-        if config.training.gradient_checkpointing:
-            enable_gradient_checkpointing(bundle, trained)
-        # before the model moves: a text encoder that can leave the device encodes every
-        # caption alone on it, then stays on the CPU
-        text_cache = text_encoder_cache(prepared, bundle, device, callbacks)
-        off = components_off_device(config)  # the text encoders have left already
-        record.write(placement=placement_record(config, device))
-
-        # the data, and the step budget counted on the one batch sampler training uses; the
-        # latents are cached with the VAE alone on the device (the denoiser comes after), and
-        # a VAE that leaves the device (placement.py) goes back to the CPU when they are
-        try:
-            with borrowed({"vae": bundle.vae} if config.data.cache_latents else {}, device):
-                dataset = build_dataset(prepared, callbacks, lambda: commands.stop_requested)
-        except StopRequested:
-            # no step was trained: nothing to back up; a resumed run's backups stay as they were
-            record.write(status="stopped", stopped_during="latent caching")
-            raise
-        # the blocks block offload streams never go to the device whole (the load's peak)
-        offloaded = offload_choice(bundle.denoiser, family_of(bundle.model_type).repeated_blocks,
-                                   config.model.offload_blocks,
-                                   trained=config.training.method == TrainingMethod.FINE_TUNE)
-        with held_on_host(offloaded):
-            for name, module in bundle.components().items():
-                if name not in off:
-                    # transformers' PreTrainedModel.to is @wraps(nn.Module.to): typeshed's
-                    # _Wrapped keeps the unbound signature, so mypy reads `device` as `self`
-                    module.to(device)  # type: ignore[arg-type]  # see above
-        apply_denoiser_memory_format(bundle, config)
-        # before compile: the streamer's calls sit around the blocks' compiled code
-        offload = build_streamer(offloaded, device)
-        if offload is not None:
-            undo.callback(offload.close)
-        record.write(block_offload=offload.record() if offload else {"blocks": 0})
-        # FSDP: shard each trained component block by block, then compile (below) and build
-        # the optimizer over the sharded parameters (DTensors replace the originals)
-        sharded = dist.shard_trained({name: bundle.component(name) for name in trained},
-                                     component_blocks(bundle))
-        if sharded:
-            params = {name: [p for p in bundle.component(name).parameters() if p.requires_grad]
-                      for name in params}
-        buckets = item_buckets(config, dataset)  # None: one resolution, no aspect buckets
-        batches = epoch_batch_sampler(len(dataset), config.training.batch_size,
-                                      config.training.seed, rank=dist.rank,
-                                      world_size=dist.world_size, buckets=buckets)
-        budget = step_budget(config, len(batches))
-        record_warnings(record, config, budget.total_steps, callbacks)
-        if buckets is not None and isinstance(batches, BucketBatchSampler):
-            plan = resolution_plan(config.data, expand_repeats(prepared.scan))
-            several = len(plan.distinct) > 1
-            record.write(buckets=bucket_record(buckets, batches, plan if several else None))
-            cost = denoiser_compile_cost(config, plan.shape_sets(config.training.batch_size,
-                                                                 dist.world_size))
-            record.write(compile_estimate=cost.record() if cost is not None else None)
-            callbacks.on_status(f"{'buckets' if several else 'aspect buckets'}: "
-                                f"{plan.describe() if several else describe_buckets(buckets)}; "
-                                f"{len(batches)} batches per epoch, "
-                                f"{batches.short_batches()} short")
-
-        # optimizer, precision, compile (then the DDP wrap), EMA, text cache, TensorBoard
-        optimizer = build_optimizer(config, params)
-        if isinstance(optimizer, FusedBackward):
-            undo.callback(optimizer.close)  # its hooks off the weights
-            if offload is not None and offload.trained:  # offloaded weights step on the host
-                optimizer.host_steps = HostSteps(offload)
-                record.write(block_offload={**offload.record(),
-                                            **optimizer.host_steps.record()})
-        elif offload is not None and offload.trained:  # validation refuses it: never silently
-            raise RuntimeError("block offload of a full fine-tune needs the fused backward "
-                               "pass (its device copies are dropped, never stepped)")
-        keep_old_rows(optimizer, bundle, config)  # TEXTUAL_INVERSION: only new rows change
-        scaler = (torch.amp.GradScaler(device.type)
-                  if config.training.mixed_precision == MixedPrecision.FP16 else None)
-        restore_precision, precision = float32_precision(config, device)
-        undo.callback(restore_precision)
-        try:  # the bundle compiled ahead, which the compile engine then loads
-            ahead_bundle = finish_compile_ahead(ahead, callbacks, record,
-                                                lambda: commands.stop_requested)
-        except StopRequested:
-            record.write(status="stopped", stopped_during="compile ahead")
-            raise
-        guard = build_compile_guard(config, bundle, device, params, trained, callbacks,
-                                    writes_bundle=dist.is_main, ahead_bundle=ahead_bundle)
-        undo.callback(guard.close)  # the compiled modules eager again, dynamo's settings back
-        record.write(compile_bundle=guard.bundle_record())
-        if isinstance(optimizer, FusedBackward):  # weights stepped in backward: no replay
-            guard.guard.replay_blocker = optimizer.unfinished_step
-        if guard.persistent_grads:
-            for plist in params.values():
-                for p in plist:
-                    p.grad = torch.zeros_like(p)
-        fused = fused_record(config, dist.world_size, guard.persistent_grads)
-        if fused is not None:
-            record.write(fused_backward=fused)
-        record.write(precision=precision,
-                     sampling="eager: compiled code is bypassed while sampling")
+        """`setup`'s body as named steps, in the order the run depends on: the record first,
+        the trained weights chosen, the captions and latents cached (each encoder alone on the
+        device) before the rest of the weights move there (compile.ahead: its process started
+        before the caching and waited for before compile), the optimizer, compile before the
+        DDP wrap, the state last. Each change made outside the run's objects pushes its undo
+        onto `undo` right after it is made. A new lever gets a step of its own here."""
+        device = self.dist.device or self.prepared.device
+        record, config, ahead = self._setup_record_and_scope(undo, device)
+        bundle = self.prepared.bundle
+        trained, params = self._setup_trainable(config, record)
+        text_cache, off, dataset = self._setup_data(config, device, record)
+        offload, params = self._setup_placement(undo, config, device, off, trained, params,
+                                                record)
+        batches, budget = self._setup_batches(config, dataset, record)
+        optimizer, scaler = self._setup_optimizer(undo, config, device, params, offload, record)
+        guard = self._setup_compile(undo, config, device, params, trained, optimizer, ahead,
+                                    record)
         components = bundle.components()
-        forward = dist.wrap_trained({name: components[name] for name in trained})
-        writer = RunMetrics(tensorboard_writer(config, dist.is_main))
+        forward = self.dist.wrap_trained({name: components[name] for name in trained})
+        writer = RunMetrics(tensorboard_writer(config, self.dist.is_main))
         undo.callback(writer.close)  # TensorBoard's file, and the W&B run once it is added
-        run = Run(config, bundle, device, Path(config.output.dir), record, callbacks, dataset,
-                  batches, params, optimizer,
-                  build_lr_scheduler(config, optimizer, budget.total_steps), budget, guard, dist,
-                  TrainingState(generator=draws_generator(config.training.seed, dist.rank)),
+        prepared = self.prepared
+        run = Run(config, bundle, device, Path(config.output.dir), record, self.callbacks,
+                  dataset, batches, params, optimizer,
+                  build_lr_scheduler(config, optimizer, budget.total_steps), budget, guard,
+                  self.dist,
+                  TrainingState(generator=draws_generator(config.training.seed,
+                                                          self.dist.rank)),
                   scaler=scaler, writer=writer,
                   trained=trained, ema=build_ema(config, params),
                   text_cache=text_cache,
@@ -291,19 +183,206 @@ class TrainingRecipe:
                            for p in prepared.prompts],
                   validator=build_validator(config, prepared.validation))
         run.offload = offload
+        self._setup_state(run)
+        return run
+
+    def _setup_record_and_scope(self, undo: contextlib.ExitStack, device: torch.device
+                                ) -> tuple[RunRecord, Config, CompileAhead | None]:
+        """Setup step: the output folder and run.json; compile.scope=AUTO decided (its
+        measurement runs in processes of its own, before the weights move to the device:
+        every later step sees the chosen scope); compile ahead started, so that its process
+        compiles the batch shapes while the captions and latents are cached (a Stop or a
+        failure in setup ends it: the undo)."""
+        prepared, callbacks, dist = self.prepared, self.callbacks, self.dist
+        record = self.record = prepare_output_folder(prepared, callbacks, dist.is_main)
+        start_record(record, prepared, device)
+        config, scope_choice = resolve_compile_scope(
+            prepared.config, device, multi_process=dist.enabled, notify=callbacks.on_status,
+            should_stop=lambda: self.commands.stop_requested)
+        if scope_choice is not None:
+            self.prepared = dataclasses.replace(prepared, config=config)
+            record.write(compile_scope=scope_choice.record())
+            callbacks.on_status(scope_choice.describe())
+            for problem in scope_choice.problems:
+                callbacks.on_status(f"warning: {problem}")
+        if dist.enabled:  # what starts it again with its processes (the CLI's resume command)
+            record.write(launcher=launcher_record())
+        ahead = start_compile_ahead(config, device, dist.enabled, callbacks, record)
+        if ahead is not None:
+            undo.callback(stop_compile_ahead, ahead, record)
+        return record, config, ahead
+
+    def _setup_trainable(self, config: Config, record: RunRecord
+                         ) -> tuple[list[str], dict[str, list[torch.nn.Parameter]]]:
+        """Setup step: the trained weights (adapters added, frozen weights stored as
+        `model.weight_storage` says; LoRA init draws from the global generator, seeded here)
+        and gradient checkpointing. Returns the trained components and their parameters."""
+        bundle = self.prepared.bundle
+        torch.manual_seed(config.training.seed)
+        trained = trained_components(config)
+        params = prepare_trainable(bundle, config)
+        record.write(weight_storage=weight_storage_record(bundle, config))
+        if is_textual_inversion(config):
+            record.write(textual_inversion=textual_inversion_record(bundle, config))
+        if config.training.gradient_checkpointing:
+            enable_gradient_checkpointing(bundle, trained)
+        return trained, params
+
+    def _setup_data(self, config: Config, device: torch.device, record: RunRecord
+                    ) -> tuple[TextEncoderCache | None, dict[str, tuple[str, str]],
+                               ImageCaptionDataset | CachedLatentDataset]:
+        """Setup step, before the denoiser moves: a text encoder that can leave the device
+        encodes every caption alone on it, then stays on the CPU; the dataset is built with
+        its latents cached by the VAE alone on the device (a VAE that leaves the device,
+        placement.py, goes back to the CPU when they are). A Stop during the caching raises
+        StopRequested with run.json saying so (no step was trained: a resumed run's backups
+        stay as they were). Returns the text cache, the components kept off the device and
+        the dataset."""
+        prepared, bundle = self.prepared, self.prepared.bundle
+        text_cache = text_encoder_cache(prepared, bundle, device, self.callbacks)
+        off = components_off_device(config)  # the text encoders have left already
+        record.write(placement=placement_record(config, device))
+        try:
+            with borrowed({"vae": bundle.vae} if config.data.cache_latents else {}, device):
+                dataset = build_dataset(prepared, self.callbacks,
+                                        lambda: self.commands.stop_requested)
+        except StopRequested:
+            record.write(status="stopped", stopped_during="latent caching")
+            raise
+        return text_cache, off, dataset
+
+    def _setup_placement(self, undo: contextlib.ExitStack, config: Config,
+                         device: torch.device, off: dict[str, tuple[str, str]], trained: list[str],
+                         params: dict[str, list[torch.nn.Parameter]], record: RunRecord
+                         ) -> tuple[BlockStreamer | None,
+                                    dict[str, list[torch.nn.Parameter]]]:
+        """Setup step: the weights to the device (the blocks block offload streams stay on
+        the host: never whole on the device, the load's peak), the denoiser's memory format,
+        the offload streamer (before compile: its calls sit around the blocks' compiled
+        code), and FSDP's sharding of each trained component block by block (before compile,
+        and before the optimizer: DTensors replace the parameters). Returns the streamer and
+        the trained parameters (the sharded ones under FSDP)."""
+        bundle = self.prepared.bundle
+        offloaded = offload_choice(bundle.denoiser, family_of(bundle.model_type).repeated_blocks,
+                                   config.model.offload_blocks,
+                                   trained=config.training.method == TrainingMethod.FINE_TUNE)
+        with held_on_host(offloaded):
+            for name, module in bundle.components().items():
+                if name not in off:
+                    # transformers' PreTrainedModel.to is @wraps(nn.Module.to): typeshed's
+                    # _Wrapped keeps the unbound signature, so mypy reads `device` as `self`
+                    module.to(device)  # type: ignore[arg-type]  # see above
+        apply_denoiser_memory_format(bundle, config)
+        offload = build_streamer(offloaded, device)
+        if offload is not None:
+            undo.callback(offload.close)
+        record.write(block_offload=offload.record() if offload else {"blocks": 0})
+        sharded = self.dist.shard_trained({name: bundle.component(name) for name in trained},
+                                          component_blocks(bundle))
+        if sharded:
+            params = {name: [p for p in bundle.component(name).parameters() if p.requires_grad]
+                      for name in params}
+        return offload, params
+
+    def _setup_batches(self, config: Config,
+                       dataset: ImageCaptionDataset | CachedLatentDataset, record: RunRecord
+                       ) -> tuple[EpochBatches, StepBudget]:
+        """Setup step: the one batch sampler training uses (this process's share; aspect
+        buckets or several resolutions recorded, with the compile estimate for their shapes)
+        and the step budget counted on it."""
+        prepared, dist = self.prepared, self.dist
+        buckets = item_buckets(config, dataset)  # None: one resolution, no aspect buckets
+        batches = epoch_batch_sampler(len(dataset), config.training.batch_size,
+                                      config.training.seed, rank=dist.rank,
+                                      world_size=dist.world_size, buckets=buckets)
+        budget = step_budget(config, len(batches))
+        record_warnings(record, config, budget.total_steps, self.callbacks)
+        if buckets is not None and isinstance(batches, BucketBatchSampler):
+            plan = resolution_plan(config.data, expand_repeats(prepared.scan))
+            several = len(plan.distinct) > 1
+            record.write(buckets=bucket_record(buckets, batches, plan if several else None))
+            cost = denoiser_compile_cost(config, plan.shape_sets(config.training.batch_size,
+                                                                 dist.world_size))
+            record.write(compile_estimate=cost.record() if cost is not None else None)
+            self.callbacks.on_status(
+                f"{'buckets' if several else 'aspect buckets'}: "
+                f"{plan.describe() if several else describe_buckets(buckets)}; "
+                f"{len(batches)} batches per epoch, {batches.short_batches()} short")
+        return batches, budget
+
+    def _setup_optimizer(self, undo: contextlib.ExitStack, config: Config,
+                         device: torch.device, params: dict[str, list[torch.nn.Parameter]],
+                         offload: BlockStreamer | None, record: RunRecord
+                         ) -> tuple[torch.optim.Optimizer, torch.amp.GradScaler | None]:
+        """Setup step: the optimizer (the fused backward's hooks undone with the run;
+        offloaded trained weights stepped on the host), textual inversion's kept rows, and
+        fp16's gradient scaler."""
+        optimizer = build_optimizer(config, params)
+        if isinstance(optimizer, FusedBackward):
+            undo.callback(optimizer.close)  # its hooks off the weights
+            if offload is not None and offload.trained:  # offloaded weights step on the host
+                optimizer.host_steps = HostSteps(offload)
+                record.write(block_offload={**offload.record(),
+                                            **optimizer.host_steps.record()})
+        elif offload is not None and offload.trained:  # validation refuses it: never silently
+            raise RuntimeError("block offload of a full fine-tune needs the fused backward "
+                               "pass (its device copies are dropped, never stepped)")
+        keep_old_rows(optimizer, self.prepared.bundle, config)  # TEXTUAL_INVERSION: new rows
+        scaler = (torch.amp.GradScaler(device.type)
+                  if config.training.mixed_precision == MixedPrecision.FP16 else None)
+        return optimizer, scaler
+
+    def _setup_compile(self, undo: contextlib.ExitStack, config: Config, device: torch.device,
+                       params: dict[str, list[torch.nn.Parameter]], trained: list[str],
+                       optimizer: torch.optim.Optimizer, ahead: CompileAhead | None,
+                       record: RunRecord) -> CompileEngine:
+        """Setup step: float32 matmul precision, the bundle compile ahead wrote (waited for
+        here; a Stop raises StopRequested with run.json saying so), and the compile guard
+        over the components (undone with the run); persistent gradients where CUDA graphs
+        need them."""
+        restore_precision, precision = float32_precision(config, device)
+        undo.callback(restore_precision)
+        try:  # the bundle compiled ahead, which the compile engine then loads
+            ahead_bundle = finish_compile_ahead(ahead, self.callbacks, record,
+                                                lambda: self.commands.stop_requested)
+        except StopRequested:
+            record.write(status="stopped", stopped_during="compile ahead")
+            raise
+        guard = build_compile_guard(config, self.prepared.bundle, device, params, trained,
+                                    self.callbacks, writes_bundle=self.dist.is_main,
+                                    ahead_bundle=ahead_bundle)
+        undo.callback(guard.close)  # the compiled modules eager again, dynamo's settings back
+        record.write(compile_bundle=guard.bundle_record())
+        if isinstance(optimizer, FusedBackward):  # weights stepped in backward: no replay
+            guard.guard.replay_blocker = optimizer.unfinished_step
+        if guard.persistent_grads:
+            for plist in params.values():
+                for p in plist:
+                    p.grad = torch.zeros_like(p)
+        fused = fused_record(config, self.dist.world_size, guard.persistent_grads)
+        if fused is not None:
+            record.write(fused_backward=fused)
+        record.write(precision=precision,
+                     sampling="eager: compiled code is bypassed while sampling")
+        return guard
+
+    def _setup_state(self, run: Run) -> None:
+        """Setup step, last: what the saved files say of the data and the base model, the
+        resumed state (a backup), W&B (after the backup: it holds the W&B run id) and the
+        validation history."""
+        config, prepared = run.config, self.prepared
         run.file_metadata = training_data_metadata(prepared.scan, config)
-        if dist.is_main and hashes_base_model(config):
+        if self.dist.is_main and hashes_base_model(config):
             # hashing a base checkpoint reads all of it: only where a saved file carries it
             run.file_metadata.update(base_model_hashes(config.model.path,
                                                        cache_dir_for(config.general.cache_dir)))
         if prepared.resume is not None:
             self.load_backup(run, prepared.resume)
-        if config.logging.wandb and dist.is_main:  # after the backup: it holds the W&B run id
+        if config.logging.wandb and self.dist.is_main:
             start_wandb_logging(run)
         if run.validator is not None:  # a resumed run's history is the backup's
-            record.write(validation=validation_record(run))
+            run.record.write(validation=validation_record(run))
         mark_boundary(run)
-        return run
 
     # -------------------------------------------------------------------------- one step
     def train_step(self, micro_batches: Iterator[MicroBatch]) -> StepResult | None:
