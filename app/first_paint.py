@@ -29,7 +29,6 @@ from typing import Any
 from PIL import Image, ImageChops, ImageGrab
 
 from app.display import start_xvfb
-from modules.util.cores import usable_cores
 
 ROOT = Path(__file__).resolve().parent.parent
 BLACK = (0, 0, 0)  # Xvfb's screen where no window is
@@ -109,7 +108,7 @@ class FirstPaint:
         return (f"{self.screen}: first window {at(self.window_s)}, curtain drawn "
                 f"{at(self.first('curtain'))}, complete form {at(self.first('form'))} "
                 f"(seen partly drawn for {at(self.reveal_s)} before); load average "
-                f"{self.load_before:.1f} on {usable_cores()} CPUs; seen: "
+                f"{self.load_before:.1f} on {os.cpu_count()} CPUs; seen: "
                 + " > ".join(self.kinds()))
 
 
