@@ -31,6 +31,15 @@ def settled(app):
     pump(app)
 
 
+def in_view(scroll, widget) -> float:
+    """`widget`'s top in pixels below the top of what `scroll`'s page shows, in the canvas's
+    own coordinates (the view's top, `canvasy(0)`, and the widget's offset in the page), which
+    Tk keeps whether or not the window is mapped at that moment: screen positions are not moved
+    while a canvas is unmapped, and a check on them once read stale ones on CI (the view had
+    moved, the numbers had not)."""
+    return widget.winfo_rooty() - scroll.winfo_rooty() - scroll._parent_canvas.canvasy(0)
+
+
 def test_an_error_line_moves_no_field(app):
     app.tabview.set("Training")
     settled(app)
@@ -86,9 +95,9 @@ def test_a_problem_click_scrolls_its_field_into_view(app):
     button.invoke()
     settled(app)
     view = app.jumped_to
-    canvas = app.scroll_frames["Sampling"]._parent_canvas
-    top, bottom = canvas.winfo_rooty(), canvas.winfo_rooty() + canvas.winfo_height()
-    assert top <= view.frame.winfo_rooty() and view.frame.winfo_rooty() + 20 <= bottom
+    scroll = app.scroll_frames["Sampling"]
+    top = in_view(scroll, view.frame)
+    assert 0 <= top and top + 20 <= scroll._parent_canvas.winfo_height()
     assert app.focus_get() is view.entry._entry
 
 
@@ -403,26 +412,19 @@ def test_opening_more_options_pushes_no_field_past_the_right_edge(app):
 
 
 def test_a_click_on_more_options_at_the_bottom_of_the_page_shows_what_it_opened(app):
-    """Where a widget is on the page is read in the canvas's own coordinates (the view's top,
-    `canvasy(0)`, and the widget's offset in the page), which Tk keeps whether or not the
-    window is mapped at that moment; screen positions are not moved while a canvas is
-    unmapped, and this test once read stale ones (the view had moved, the numbers had not)."""
     app.tabview.set("Training")
     settled(app)
     more = next(m for p, m in app.registry.more_of.items() if app.registry.tab_of[p] == "Training")
     scroll = app.scroll_frames["Training"]
     canvas = scroll._parent_canvas
 
-    def in_view(widget) -> float:  # the widget's top, in pixels below the view's top
-        return widget.winfo_rooty() - scroll.winfo_rooty() - canvas.canvasy(0)
-
     canvas.yview_moveto(1.0)                                    # scrolled to the end, as a user
     settled(app)
-    assert in_view(more.button) > canvas.winfo_height() / 2
+    assert in_view(scroll, more.button) > canvas.winfo_height() / 2
     more.button.invoke()
     settled(app)
     first = min(more.bodies, key=lambda body: body.winfo_rooty())
-    assert 0 <= in_view(more.button) and in_view(first) + 40 < canvas.winfo_height()
+    assert 0 <= in_view(scroll, more.button) and in_view(scroll, first) + 40 < canvas.winfo_height()
     more.button.invoke()                                        # closing moves nothing
     settled(app)
     assert not more.expanded
